@@ -1,0 +1,119 @@
+"""Compute-only schedule generators: GPipe, 1F1B, interleaved 1F1B and forward-only.
+
+Legend used throughout: p pipeline ranks, v chunks (virtual stages) per rank, S = p·v
+stages, m microbatches; F forward, B full backward. Generators take integers and return a
+`Schedule` whose streams hold only compute; `schedules.lowering` adds the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from schedules.instructions import NONE, Instruction, Kind
+from schedules.schedule import Schedule, check_count, loop_placement
+
+__all__ = ["forward_only", "gpipe", "interleaved_1f1b", "one_f_one_b"]
+
+_F, _B = Kind.F, Kind.B
+_new = tuple.__new__  # skips NamedTuple's slower __new__; generators build ~1M of these
+
+
+def _op(kind: Kind, stage: int, microbatch: int) -> Instruction:
+    return _new(Instruction, (kind, stage, microbatch, NONE))
+
+
+def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
+    """GPipe (Huang et al. 2019): every forward, then every backward.
+
+    Every rank holds all m microbatches' activations at the turn (peak m).
+    """
+    p = check_count("num_ranks", num_ranks)
+    m = check_count("num_microbatches", num_microbatches)
+    streams = tuple(
+        tuple(_op(_F, r, i) for i in range(m)) + tuple(_op(_B, r, i) for i in range(m))
+        for r in range(p)
+    )
+    return Schedule("gpipe", m, loop_placement(p, 1), streams)
+
+
+def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
+    """1F1B, PipeDream-Flush (Narayanan et al. 2021).
+
+    Rank r runs `num_warmup_microbatches = min(p - r - 1, m)` forwards (warm-up), then
+    alternates one forward and one backward (steady 1F1B), then drains the remaining
+    backwards (cool-down). Rank r never holds more than min(p - r, m) activations.
+    m < p is allowed: the warm-up is simply shorter.
+    """
+    p = check_count("num_ranks", num_ranks)
+    m = check_count("num_microbatches", num_microbatches)
+    streams = []
+    for r in range(p):
+        num_warmup_microbatches = min(p - r - 1, m)
+        num_steady = m - num_warmup_microbatches
+        ops = [_op(_F, r, i) for i in range(num_warmup_microbatches)]
+        for k in range(num_steady):
+            ops.append(_op(_F, r, num_warmup_microbatches + k))
+            ops.append(_op(_B, r, k))
+        ops.extend(_op(_B, r, i) for i in range(num_steady, m))
+        streams.append(tuple(ops))
+    return Schedule("1f1b", m, loop_placement(p, 1), tuple(streams))
+
+
+def _virtual_order(p: int, v: int, m: int, *, backward: bool) -> list[tuple[int, int]]:
+    """(chunk, microbatch) pairs in Megatron's order: groups of p microbatches per chunk.
+
+    Forward runs chunk 0 for microbatches [g, g+p), then chunk 1 for the same group, ...;
+    backward visits chunks in reverse. The last group may hold fewer than p microbatches.
+    """
+    chunks = range(v - 1, -1, -1) if backward else range(v)
+    return [(c, i) for g in range(0, m, p) for c in chunks for i in range(g, min(g + p, m))]
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+    """Interleaved 1F1B with virtual stages (Narayanan et al. 2021, Megatron-LM).
+
+    Stage s = c·p + r lives on rank r (loop placement). Rank r warms up with
+    `num_warmup = min((p - r - 1)·2 + (v - 1)·p, v·m)` forwards, then runs steady 1F1B over
+    (chunk, microbatch) pairs taken in groups of p microbatches, then drains backwards.
+    With m a multiple of p and chunk costs 1/v of a stage, the bubble is (p-1)/(v·m) of
+    the ideal time, v times smaller than 1F1B's.
+
+    Any m >= 1 is allowed, unlike Megatron (m mod p == 0 before its group-size option) and
+    torch (m divisible by max(1, m // p)): those restrictions come from pairing blocking
+    sends with receives in the generator itself. Here the generator only orders compute and
+    `lower` places communication from the dependency order, so the only requirement is that
+    the compute order is executable; a short last group keeps that (checked by the
+    validator in the property tests for p ≤ 16, m ≤ 64, v ≤ 4).
+    """
+    p = check_count("num_ranks", num_ranks)
+    m = check_count("num_microbatches", num_microbatches)
+    v = check_count("chunks", chunks)
+    forward_order = _virtual_order(p, v, m, backward=False)
+    backward_order = _virtual_order(p, v, m, backward=True)
+    total = v * m
+    streams = []
+    for r in range(p):
+        num_warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+        num_steady = total - num_warmup
+        ops = [_op(_F, c * p + r, i) for c, i in forward_order[:num_warmup]]
+        for k in range(num_steady):
+            c, i = forward_order[num_warmup + k]
+            ops.append(_op(_F, c * p + r, i))
+            c, i = backward_order[k]
+            ops.append(_op(_B, c * p + r, i))
+        ops.extend(_op(_B, c * p + r, i) for c, i in backward_order[num_steady:])
+        streams.append(tuple(ops))
+    return Schedule("interleaved", m, loop_placement(p, v), tuple(streams))
+
+
+def forward_only(num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:
+    """Inference: every rank runs the forwards of its stages, no backward, no step."""
+    p = check_count("num_ranks", num_ranks)
+    m = check_count("num_microbatches", num_microbatches)
+    v = check_count("chunks", chunks)
+    order = _virtual_order(p, v, m, backward=False)
+    streams = tuple(tuple(_op(_F, c * p + r, i) for c, i in order) for r in range(p))
+    return Schedule("forward-only", m, loop_placement(p, v), streams)
+
+
+GeneratorFn = Callable[..., Schedule]
