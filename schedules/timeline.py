@@ -80,10 +80,10 @@ class Timeline:
     @classmethod
     def from_spans(cls, spans: Sequence[Span], num_ranks: int, **meta: Any) -> Timeline:
         """Build from rows, e.g. the spans a measured run recorded."""
-        columns = [np.asarray(c) for c in zip(*spans)] if spans else [np.zeros(0)] * 6
-        kinds = np.asarray([KIND_CODES[k] for k in columns[1]], dtype=np.int8)
-        return cls(num_ranks, columns[0], kinds, columns[2], columns[3], columns[4], columns[5],
-                   **meta)
+        rows: list[tuple[Any, ...]] = list(zip(*spans)) if spans else [()] * 6
+        kinds = np.asarray([KIND_CODES[k] for k in rows[1]], dtype=np.int8)
+        rank, stage, microbatch, start, end = (np.asarray(rows[n]) for n in (0, 2, 3, 4, 5))
+        return cls(num_ranks, rank, kinds, stage, microbatch, start, end, **meta)
 
     def compute_mask(self) -> np.ndarray:
         """True on rows that are F, B, I or W."""

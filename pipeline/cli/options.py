@@ -1,0 +1,72 @@
+"""Arguments shared by the schedule commands, parsed once at the CLI edge into typed values."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from schedules import SCHEDULES, CostModel
+
+__all__ = ["add_cost_arguments", "add_schedule_arguments", "cost_model", "positive_int"]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1, with an error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser, *, single: bool = True) -> None:
+    """--schedule (when `single`), --stages, --microbatches, --chunks."""
+    if single:
+        parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES),
+                            help="schedule name")
+    parser.add_argument("--stages", type=positive_int, required=True, metavar="P",
+                        help="pipeline ranks p (stages = p × chunks)")
+    parser.add_argument("--microbatches", type=positive_int, required=True, metavar="M",
+                        help="microbatches m per step")
+    parser.add_argument("--chunks", type=positive_int, default=None, metavar="V",
+                        help="model chunks per rank v (interleaved: default 2; others: 1)")
+
+
+def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    """Per-op costs of the simulator (the same for every stage)."""
+    group = parser.add_argument_group(
+        "costs (time units, the same on every rank; with v chunks each chunk costs 1/v)")
+    group.add_argument("--forward", type=non_negative_float, default=1.0, metavar="TF",
+                       help="forward time F of one rank's share of the model (default 1)")
+    group.add_argument("--backward", type=non_negative_float, default=1.0, metavar="TB",
+                       help="input-gradient backward time (default 1)")
+    group.add_argument("--weight", type=non_negative_float, default=1.0, metavar="TW",
+                       help="weight-gradient time (default 1); a fused B costs TB + TW")
+    group.add_argument("--comm", type=non_negative_float, default=0.0, metavar="TC",
+                       help="delay on every cross-rank dependency (default 0)")
+    group.add_argument("--activation-bytes", type=non_negative_float, default=0.0,
+                       metavar="BYTES", help="bytes of one microbatch's activation per stage")
+
+
+def cost_model(args: argparse.Namespace, chunks: int = 1) -> CostModel:
+    """The `CostModel` the cost arguments describe, for a schedule with `chunks` per rank.
+
+    The times are for one rank's share of the model, so every schedule in a comparison
+    models the same network: a chunk of an interleaved schedule costs 1/v of them.
+    """
+    return CostModel(forward=args.forward / chunks, backward=args.backward / chunks,
+                     weight=args.weight / chunks, comm=args.comm,
+                     activation_bytes=args.activation_bytes)

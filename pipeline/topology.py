@@ -1,0 +1,116 @@
+"""The pp × dp × tp process grid as one immutable value (tp innermost, pp outermost).
+
+Pure Python: the same value names every rank's neighbours and groups before any process
+group exists, so configuration errors surface before processes start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RankPosition", "Topology", "TopologyError"]
+
+
+class TopologyError(ValueError):
+    """Sizes that do not make a grid, or a rank outside it."""
+
+
+@dataclass(frozen=True)
+class RankPosition:
+    """Where one global rank sits in the grid, and the ranks it talks to."""
+
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_rank: int
+    is_first_stage: bool
+    is_last_stage: bool
+    pipeline_ranks: tuple[int, ...]
+    """Global ranks of pipeline ranks 0..pp-1 that share this rank's (dp, tp) coordinates:
+    the ranks this one exchanges activations with."""
+    dp_group: tuple[int, ...]
+    """Ranks holding the same stage and tensor shard: gradients are reduced over them."""
+    tp_group: tuple[int, ...]
+    """Ranks that split this stage's tensors."""
+
+    @property
+    def next_rank(self) -> int | None:
+        """Global rank of the next pipeline rank, None on the last stage."""
+        return None if self.is_last_stage else self.pipeline_ranks[self.pp_rank + 1]
+
+    @property
+    def prev_rank(self) -> int | None:
+        """Global rank of the previous pipeline rank, None on the first stage."""
+        return None if self.is_first_stage else self.pipeline_ranks[self.pp_rank - 1]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """pp pipeline ranks × dp data-parallel replicas × tp tensor-parallel shards.
+
+    Global rank = (pp_rank · dp + dp_rank) · tp + tp_rank, the order Megatron and
+    DeepSpeed use, so tensor-parallel ranks (the chattiest) are neighbours.
+    """
+
+    pp: int
+    dp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TopologyError(f"{name} must be an int >= 1, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def rank_of(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
+        """Global rank at grid coordinates (pp_rank, dp_rank, tp_rank)."""
+        for name, value, size in (("pp_rank", pp_rank, self.pp), ("dp_rank", dp_rank, self.dp),
+                                  ("tp_rank", tp_rank, self.tp)):
+            if not 0 <= value < size:
+                raise TopologyError(f"{name} {value} is outside 0..{size - 1}")
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def position(self, rank: int) -> RankPosition:
+        """Everything one global rank needs to know about its place in the grid."""
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(
+                f"rank {rank} is outside 0..{self.world_size - 1} (pp={self.pp} × dp={self.dp} "
+                f"× tp={self.tp})")
+        tp_rank = rank % self.tp
+        dp_rank = (rank // self.tp) % self.dp
+        pp_rank = rank // (self.tp * self.dp)
+        return RankPosition(
+            rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
+            is_first_stage=pp_rank == 0, is_last_stage=pp_rank == self.pp - 1,
+            pipeline_ranks=tuple(self.rank_of(k, dp_rank, tp_rank) for k in range(self.pp)),
+            dp_group=tuple(self.rank_of(pp_rank, d, tp_rank) for d in range(self.dp)),
+            tp_group=tuple(self.rank_of(pp_rank, dp_rank, t) for t in range(self.tp)),
+        )
+
+    def all_dp_groups(self) -> list[tuple[int, ...]]:
+        """Every data-parallel group, in a fixed order (all ranks must create groups alike)."""
+        return [self.position(self.rank_of(k, 0, t)).dp_group
+                for k in range(self.pp) for t in range(self.tp)]
+
+    def all_tp_groups(self) -> list[tuple[int, ...]]:
+        """Every tensor-parallel group, in a fixed order."""
+        return [self.position(self.rank_of(k, d, 0)).tp_group
+                for k in range(self.pp) for d in range(self.dp)]
+
+    def all_pipeline_groups(self) -> list[tuple[int, ...]]:
+        """Every pipeline (pp) group, in a fixed order."""
+        return [self.position(self.rank_of(0, d, t)).pipeline_ranks
+                for d in range(self.dp) for t in range(self.tp)]
+
+    @classmethod
+    def for_world(cls, world_size: int, *, dp: int = 1, tp: int = 1) -> Topology:
+        """The grid for `world_size` ranks with the given dp and tp; pp is what remains."""
+        if world_size % (dp * tp):
+            raise TopologyError(
+                f"world size {world_size} is not divisible by dp × tp = {dp} × {tp}; choose "
+                f"dp and tp whose product divides {world_size}")
+        return cls(world_size // (dp * tp), dp, tp)
