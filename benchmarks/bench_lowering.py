@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from schedules import build_schedule, simulate  # noqa: E402
+from schedules import build_schedule, simulate
 
 __all__: list[str] = []
 
