@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from schedules import Kind, Timeline
+
+if TYPE_CHECKING:
+    from matplotlib.axis import Axis
 
 __all__ = [
     "COMM_COLOUR",
@@ -23,6 +27,7 @@ __all__ = [
     "row_inches",
     "text_colours",
     "time_axis",
+    "use_byte_ticks",
 ]
 
 KIND_COLOURS: dict[Kind, tuple[float, float, float]] = {
@@ -116,3 +121,15 @@ def format_bytes(value: float) -> str:
         if abs(value) < 1024:
             return f"{value:.3g} {prefix}B"
     return f"{value / 1024:.3g} TiB"
+
+
+def use_byte_ticks(axis: Axis, high: float, ticks: int = 4) -> None:
+    """Put about `ticks` ticks at round multiples of a binary unit (e.g. 0.5 GiB) on `axis`."""
+    from matplotlib.ticker import FuncFormatter, MultipleLocator
+
+    unit = 1024.0 ** max(0, math.floor(math.log(max(high, 1.0), 1024)))
+    raw = high / unit / ticks
+    magnitude = 10.0 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    step = next((f * magnitude for f in (1, 2, 2.5, 5, 10) if f * magnitude >= raw), raw)
+    axis.set_major_locator(MultipleLocator(step * unit))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: format_bytes(value)))
