@@ -32,9 +32,10 @@ def _format_of(path: Path, formats: tuple[str, ...]) -> str:
     suffix = path.suffix.lower().lstrip(".")
     if suffix not in formats:
         allowed = ", ".join(f".{f}" for f in formats)
+        found = f"the suffix {path.suffix!r}" if path.suffix else "no suffix"
         raise OutputPathError(
-            f"cannot write {str(path)!r}: the suffix {path.suffix or '(none)'!r} names no "
-            f"format we write; end the file name with one of {allowed}")
+            f"cannot write {str(path)!r}: {found} names no format we write; end the file "
+            f"name with one of {allowed}")
     return suffix
 
 
@@ -45,11 +46,11 @@ def check_output_path(path: str | os.PathLike[str], formats: tuple[str, ...]) ->
     permission bits say little to root or on read-only mounts. Raises `OutputPathError`.
     """
     target = Path(path)
-    _format_of(target, formats)
-    parent = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
-        raise OutputPathError(f"cannot write {str(target)!r}: it is a directory; "
-                              "give a file name such as out.png")
+        raise OutputPathError(f"cannot write {str(target)!r}: it is a directory; give a file "
+                              f"name in it, such as {str(target / ('out.' + formats[0]))!r}")
+    _format_of(target, formats)
+    parent = target.parent
     if not parent.is_dir():
         raise OutputPathError(f"cannot write {str(target)!r}: the directory {str(parent)!r} "
                               "does not exist; create it first or choose another path")
