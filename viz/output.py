@@ -32,10 +32,10 @@ def _format_of(path: Path, formats: tuple[str, ...]) -> str:
     suffix = path.suffix.lower().lstrip(".")
     if suffix not in formats:
         allowed = ", ".join(f".{f}" for f in formats)
-        found = f"the suffix {path.suffix!r}" if path.suffix else "no suffix"
+        found = (f"{path.suffix!r} is not a format we write" if path.suffix
+                 else "the name has no suffix to choose the format")
         raise OutputPathError(
-            f"cannot write {str(path)!r}: {found} names no format we write; end the file "
-            f"name with one of {allowed}")
+            f"cannot write {str(path)!r}: {found}; end the file name with one of {allowed}")
     return suffix
 
 

@@ -104,7 +104,7 @@ def row_inches(num_rows: int) -> float:
     """Height of one rank row: roomy for a few ranks, ≥ 0.2 in up to 64 ranks."""
     if num_rows <= 8:
         return 0.45
-    return min(0.45 * num_rows, 3.6 + 0.16 * (num_rows - 8)) / num_rows
+    return min(0.45 * num_rows, 3.6 + 0.17 * (num_rows - 8)) / num_rows
 
 
 def rank_tick_step(row_points: float, font_points: float = 8.0) -> int:
