@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from schedules import Figures, Timeline, figures
 from viz.gantt import Margins, draw_timeline, legend_handles
 from viz.output import new_figure, save_figure
-from viz.style import format_bytes, row_inches, time_axis
+from viz.style import format_bytes, row_inches, shading_note, time_axis
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -104,6 +104,9 @@ def plot_comparison(timelines: Sequence[Timeline], path: str | os.PathLike[str] 
     figure.legend(handles=legend_handles(_union_kinds(timelines)), loc="upper right",
                   bbox_to_anchor=(1 - margins.right / width, 1 - 0.42 / height), ncol=6,
                   frameon=False, fontsize=8, handlelength=1.4, columnspacing=1.2)
+    figure.text(1 - margins.right / width, 1 - 0.2 / height,
+                shading_note(max(t.chunks for t in timelines)), fontsize=7.5, color="0.4",
+                ha="right", va="top")
     _draw_table(figure, timelines, results, margins, width, height, table_height)
     if path is not None:
         save_figure(figure, path, dpi)

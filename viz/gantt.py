@@ -24,6 +24,7 @@ from viz.style import (
     op_colours,
     rank_tick_step,
     row_inches,
+    shading_note,
     text_colours,
     time_axis,
 )
@@ -237,6 +238,9 @@ def plot_timeline(timeline: Timeline, path: str | os.PathLike[str] | None = None
     ax.legend(handles=legend_handles(timeline, show_comm), loc="lower left",
               bbox_to_anchor=(0.0, 1.0), ncol=6, frameon=False, fontsize=8,
               borderaxespad=0.15, handlelength=1.4, columnspacing=1.2)
+    figure.text((width - margins.right) / width, (height - margins.top + 0.06) / height,
+                shading_note(timeline.chunks), ha="right", va="bottom", fontsize=7.5,
+                color="0.4")
     if path is not None:
         save_figure(figure, path, dpi)
     return figure

@@ -25,6 +25,7 @@ __all__ = [
     "op_colours",
     "rank_tick_step",
     "row_inches",
+    "shading_note",
     "text_colours",
     "time_axis",
     "use_byte_ticks",
@@ -133,3 +134,8 @@ def use_byte_ticks(axis: Axis, high: float, ticks: int = 4) -> None:
     step = next((f * magnitude for f in (1, 2, 2.5, 5, 10) if f * magnitude >= raw), raw)
     axis.set_major_locator(MultipleLocator(step * unit))
     axis.set_major_formatter(FuncFormatter(lambda value, _: format_bytes(value)))
+
+
+def shading_note(chunks: int) -> str:
+    """The key to `op_colours` shading, for a corner of the legend."""
+    return "shade: lighter = later microbatch" + (", darker = later chunk" if chunks > 1 else "")
