@@ -62,7 +62,7 @@ def trace_events(timeline: Timeline) -> dict[str, Any]:
         "otherData": {
             "schedule": timeline.name, "num_ranks": timeline.num_ranks,
             "num_microbatches": timeline.num_microbatches, "chunks": timeline.chunks,
-            "time_unit": "µs of a measured run" if timeline.unit == "s"
+            "time_unit": "measured seconds, written as µs" if timeline.unit == "s"
             else "1 cost-model time unit is shown as 1 ms",
         },
     }
