@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from viz_helpers import png_size, svg_size_points
+
+from tests.viz_helpers import png_size, svg_size_points
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from viz_helpers import measured_timeline, png_size, simulated, svg_size_points
 
 from schedules import Kind, figures
+from tests.viz_helpers import measured_timeline, png_size, simulated, svg_size_points
 from viz import bar_extents, bars_labelled, comparison_table, plot_comparison
 
 

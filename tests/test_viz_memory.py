@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from viz_helpers import png_size, simulated, svg_size_points
 
 from schedules import figures
+from tests.viz_helpers import png_size, simulated, svg_size_points
 from viz import PEAK_LABEL, in_flight, plot_memory
 
 
@@ -17,8 +17,6 @@ from viz import PEAK_LABEL, in_flight, plot_memory
 @given(name=st.sampled_from(["gpipe", "1f1b", "interleaved", "forward-only"]),
        p=st.integers(1, 5), m=st.integers(1, 9), comm=st.sampled_from([0.0, 0.3]))
 def test_curve_peaks_are_the_simulators_peaks(name: str, p: int, m: int, comm: float) -> None:
-    # Megatron's interleaving needs m % p == 0; some other m fail in lowering (reported).
-    assume(name != "interleaved" or m % p == 0)
     timeline = simulated(name, p, m, comm=comm, activation_bytes=3.0)
     result = figures(timeline)
     assert [c.peak for c in in_flight(timeline)] == list(result.peak_activations)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 from matplotlib.axes import Axes
-from viz_helpers import png_size, svg_size_points
 
+from tests.viz_helpers import png_size, svg_size_points
 from viz import plot_partition
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from matplotlib.axes import Axes
-from viz_helpers import measured_timeline, png_size, simulated, svg_size_points
 
 from schedules import KINDS, Kind, Timeline, figures
 from schedules.instructions import COMPUTE_KINDS
+from tests.viz_helpers import measured_timeline, png_size, simulated, svg_size_points
 from viz import IDLE_LABEL, OutputPathError, bar_extents, bars_labelled, plot_timeline
 
 

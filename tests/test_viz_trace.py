@@ -7,9 +7,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from viz_helpers import measured_timeline, simulated
 
 from schedules import parse_instruction
+from tests.viz_helpers import measured_timeline, simulated
 from viz import OutputPathError, trace_events, write_trace
 
 
