@@ -16,7 +16,7 @@ reduce-scatter gradients, step the shard in fp32, all-gather parameters; bytes p
 
 When reduction happens: `reduce_stage` (the engine's REDUCE_GRAD) launches the region's
 reduce-scatter without blocking, so it overlaps the rank's other stages; `step` first
-reduces any region nobody reduced yet, so the optimizer also works when called alone.
+(through `wait`) reduces any region nobody reduced yet, so the optimizer also works alone.
 """
 
 from __future__ import annotations
@@ -135,12 +135,18 @@ class ShardedOptimizer:
         self._launch_reduce(region)
 
     def wait(self) -> None:
-        """Block until every launched reduction finished; shards then hold reduced grads."""
+        """Reduce every region not reduced yet, then block until all reductions finished;
+        the shards then hold reduced gradients."""
         for region in self._regions.values():
+            if not region.reduced:
+                self._launch_reduce(region)
+        for region in self._regions.values():
+            if not region.pending:
+                continue  # finished by an earlier wait; the shard may be clipped since
             for work in region.pending:
                 work.wait()
             region.pending.clear()
-            if region.reduced and self.collective == "all_reduce":
+            if self.collective == "all_reduce":
                 start = self.dp_rank * region.shard_size
                 region.grad_shard.copy_(region.flat_grad[start:start + region.shard_size])
 
@@ -148,9 +154,6 @@ class ShardedOptimizer:
 
     def step(self) -> None:
         """Reduce what is not reduced yet, step the shard, all-gather updated parameters."""
-        for region in self._regions.values():
-            if not region.reduced:
-                self._launch_reduce(region)
         self.wait()
         for region in self._regions.values():
             region.master.grad = region.grad_shard.to(torch.float32)
