@@ -22,6 +22,7 @@ reduce-scatter without blocking, so it overlaps the rank's other stages; `step` 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -96,12 +97,18 @@ class ShardedOptimizer:
         self.average = average
         if collective == "auto":
             collective = "reduce_scatter" if detect_reduce_scatter(group) else "all_reduce"
+            if collective == "all_reduce":
+                warnings.warn(f"backend {dist.get_backend(group)!r} has no reduce_scatter here; "
+                              f"ZeRO-1 falls back to all_reduce + slice (same result, "
+                              f"{self.dp_size}x the gradient traffic)", stacklevel=2)
         self.collective: Literal["reduce_scatter", "all_reduce"] = collective
         """Which collective reduces gradients: reduce_scatter, or all_reduce + slice where the
         backend lacks it (d× the received bytes, same result)."""
         self.stats = CommStats()
         self._regions: dict[int, _Region] = {}
-        seen: set[int] = set()  # a parameter shared by two stages belongs to the first
+        # A parameter listed under two stages goes to the first; give weights shared between
+        # stages their own region instead (`pipeline.tied.split_tied`).
+        seen: set[int] = set()
         for key in sorted(params_by_stage):
             params = []
             for param in params_by_stage[key]:
