@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from rank_harness import run_ranks
+from tests.rank_harness import run_ranks
 from torch import nn
 
 from pipeline.data_parallel import (

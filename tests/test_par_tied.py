@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from rank_harness import run_ranks
+from tests.rank_harness import run_ranks
 from torch import nn
 
 from pipeline.data_parallel import BucketedGradReducer, broadcast_parameters
