@@ -23,9 +23,9 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
     m = check_count("num_microbatches", num_microbatches)
     if m < 2 * p:
         raise ScheduleConfigError(
-            f"dualpipev needs num_microbatches >= 2 × num_ranks = {2 * p}, got {m}: its main "
-            f"phase pairs a forward with a backward of a microbatch 2p behind; use m >= {2 * p} "
-            "or 'zb-v', which takes any m")
+            f"dualpipev needs num_microbatches >= 2 × num_ranks = {2 * p}, got {m}: rank 0 "
+            f"runs 2p-1 = {2 * p - 1} chunk-0 forwards before its first main step (DualPipe "
+            f"asserts the same); use m >= {2 * p}, or 'zb-v', which takes any m")
     streams = tuple(emit_steps((r, 2 * p - 1 - r), _steps(p, m, r), m) for r in range(p))
     return Schedule("dualpipev", m, v_placement(p), streams)
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, cost_model
+from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, chunks_of, cost_model
 from schedules import Figures, build_schedule, figures, simulate
 
 __all__ = ["format_figures", "register", "run"]
@@ -38,8 +38,10 @@ def format_figures(name: str, p: int, m: int, v: int, result: Figures) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
-    result = figures(simulate(schedule, cost_model(args, schedule.chunks)))
+    costs = cost_model(args, chunks_of(args))
+    schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks,
+                              memory_limit=args.memory_limit, costs=costs)
+    result = figures(simulate(schedule, costs))
     if args.json:
         payload = {"schedule": args.schedule, "num_ranks": schedule.num_ranks,
                    "num_microbatches": schedule.num_microbatches, "chunks": schedule.chunks,
