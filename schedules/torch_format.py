@@ -52,29 +52,34 @@ def format_torch_csv(schedule: Schedule, *, reduce_grad: bool = True) -> str:
 
 
 def parse_torch_csv(text: str, *, name: str = "torch", num_microbatches: int | None = None,
-                    placement: tuple[int, ...] | None = None) -> Schedule:
+                    placement: tuple[int, ...] | None = None,
+                    lowered: bool | None = None) -> Schedule:
     """A `Schedule` from torch's CSV (either format), one row per rank; see `from_torch_rows`."""
     rows = [line.split(",") for line in text.splitlines()]
     while rows and not any(cell.strip() for cell in rows[-1]):
         rows.pop()  # trailing blank lines; a blank line inside is an idle rank
     return from_torch_rows(rows, name=name, num_microbatches=num_microbatches,
-                           placement=placement)
+                           placement=placement, lowered=lowered)
 
 
 def from_torch_rows(rows: Sequence[Sequence[str | None]], *, name: str = "torch",
                     num_microbatches: int | None = None,
-                    placement: tuple[int, ...] | None = None) -> Schedule:
+                    placement: tuple[int, ...] | None = None,
+                    lowered: bool | None = None) -> Schedule:
     """A `Schedule` from torch's actions (strings, or None for an idle slot), rank by rank.
 
     Without `placement`, each stage goes to the rank whose row computes it; without
-    `num_microbatches`, it is one more than the largest microbatch. Rows with communication
-    give a lowered schedule (LOAD and STEP added as described in the module docstring);
-    run `validate` on the result before trusting it.
+    `num_microbatches`, it is one more than the largest microbatch. `lowered` says which
+    of torch's formats the rows are in; by default rows with a SEND/RECV are
+    "compute_comms" (LOAD and STEP are added as described in the module docstring) and the
+    rest "compute_only". Pass lowered=True for a communication-free lowered schedule
+    (one rank, or all stages on one rank). Run `validate` on the result before trusting it.
     """
     parsed = [[op for row_index, cell in enumerate(row) for op in _parse_cell(cell, rank,
                                                                               row_index)]
               for rank, row in enumerate(rows)]
-    lowered = any(op[0] in COMM_KINDS for row in parsed for op in row)
+    if lowered is None:
+        lowered = any(op[0] in COMM_KINDS for row in parsed for op in row)
     compute = [op for row in parsed for op in row if op[0] in COMPUTE_KINDS]
     if not compute:
         raise ScheduleParseError("torch schedule has no F, B, I or W action on any rank")
