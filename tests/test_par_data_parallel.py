@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from tests.rank_harness import run_ranks
 from torch import nn
 
 from pipeline.data_parallel import (
@@ -18,6 +17,7 @@ from pipeline.data_parallel import (
     broadcast_parameters,
     split_into_buckets,
 )
+from tests.rank_harness import run_ranks
 
 
 @given(sizes=st.lists(st.tuples(st.integers(1, 40), st.sampled_from([torch.float32,

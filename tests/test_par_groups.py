@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tests.rank_harness import run_ranks
 
 from pipeline.groups import (
     ZeroStageError,
@@ -16,6 +15,7 @@ from pipeline.groups import (
     create_process_groups,
 )
 from pipeline.topology import Topology, TopologyError
+from tests.rank_harness import run_ranks
 
 
 def test_zero_1_is_allowed_with_a_pipeline() -> None:

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tests.rank_harness import run_ranks
 from torch import nn
 
 from pipeline.precision import (
@@ -17,6 +16,7 @@ from pipeline.precision import (
     clip_grad_norm_global,
 )
 from pipeline.tp_layers import ParallelTransformerBlock, TransformerBlock
+from tests.rank_harness import run_ranks
 
 BF16_RTOL = 2e-2
 """bf16 keeps 8 mantissa bits (relative step 2^-8 ≈ 4e-3); a few matmuls in, 2 % is the

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tests.rank_harness import run_ranks
 from torch import nn
 
 from pipeline.param_marks import is_tensor_parallel
@@ -26,6 +25,7 @@ from pipeline.tp_layers import (
     VocabParallelEmbedding,
     parallel_lm_logits,
 )
+from tests.rank_harness import run_ranks
 
 
 def _rows(full: torch.Tensor, rank: int, size: int, parts: int = 1) -> torch.Tensor:

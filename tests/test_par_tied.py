@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tests.rank_harness import run_ranks
 from torch import nn
 
 from pipeline.data_parallel import BucketedGradReducer, broadcast_parameters
@@ -23,6 +22,7 @@ from pipeline.tied import (
 )
 from pipeline.topology import Topology
 from pipeline.zero import ShardedOptimizer
+from tests.rank_harness import run_ranks
 
 SPEC = TiedLayerSpec("embed", nn.Embedding, 10, 4,
                      forward_fn=lambda module, h: h @ module.weight.T)

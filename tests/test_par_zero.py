@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tests.rank_harness import run_ranks
 from torch import nn
 
 from pipeline.zero import ShardedOptimizer
+from tests.rank_harness import run_ranks
 
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),

@@ -81,8 +81,11 @@ def run(args: argparse.Namespace) -> int:
     names: tuple[str, ...] = args.schedules  # argparse applies `schedule_names` to the default
     timelines: list[Timeline] = []
     for name, chunks in zip(names, _chunks_for(names, args.chunks)):
-        schedule = build_schedule(name, args.stages, args.microbatches, chunks)
-        timelines.append(simulate(schedule, cost_model(args, schedule.chunks)))
+        costs = cost_model(args, chunks or SCHEDULES[name].default_chunks)
+        tunable = SCHEDULES[name].plan is not None  # only cost-aware schedules take a limit
+        schedule = build_schedule(name, args.stages, args.microbatches, chunks, costs=costs,
+                                  memory_limit=args.memory_limit if tunable else None)
+        timelines.append(simulate(schedule, costs))
     results = [figures(t) for t in timelines]
     if args.json:
         print(json.dumps({"num_ranks": args.stages, "num_microbatches": args.microbatches,

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, cost_model
+from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, chunks_of, cost_model
 from pipeline.cli.output_paths import figure_path, trace_path
 from schedules import Figures, Timeline, build_schedule, figures, simulate
 from viz import plot_memory, plot_timeline, write_trace  # matplotlib loads only when plotting
@@ -70,8 +70,10 @@ def write_outputs(args: argparse.Namespace, timeline: Timeline) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
-    timeline = simulate(schedule, cost_model(args, schedule.chunks))
+    costs = cost_model(args, chunks_of(args))
+    schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks,
+                              memory_limit=args.memory_limit, costs=costs)
+    timeline = simulate(schedule, costs)
     result = figures(timeline)
     if args.json:
         payload = {"schedule": args.schedule, "num_ranks": schedule.num_ranks,
