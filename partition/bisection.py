@@ -115,7 +115,9 @@ class _Greedy:
     def bottleneck(self, ends: Sequence[int]) -> float:
         """The largest stage cost of consecutive stage ends, in the probe's arithmetic."""
         starts = [0, *ends[:-1]]
-        return max(_minimal_fit(self.prefix[a], self.prefix[b]) for a, b in zip(starts, ends))
+        return max(
+            _minimal_fit(self.prefix[a], self.prefix[b]) for a, b in zip(starts, ends, strict=True)
+        )
 
     def first_start(self, stop: int, bound: float) -> int:
         """The smallest a such that stage [a, stop) fits ``bound`` and the memory cap."""
@@ -186,7 +188,7 @@ def solve_monotone(
     return MonotoneSolution(greedy.balanced_boundaries(hi), hi)
 
 
-def partition_weights(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
+def partition_weights(weights: Sequence[float] | np.ndarray, num_stages: int) -> tuple[int, ...]:
     """Exact min-max contiguous split of non-negative weights into ``num_stages`` stages:
     the p+1 cut indices (first 0, last n) minimising the largest stage sum. Among optimal
     splits, stages are kept close to an even share."""
