@@ -114,15 +114,9 @@ class _Probe:
             return None
         memory = self.costs.stage_memory_prefix(stage)
         if id(memory) not in self._starts:
-            cap = self.costs.memory_cap
-            starts = np.searchsorted(memory, memory - cap, side="left")
-            # searchsorted used a subtraction; settle edges with the probe's addition.
-            while True:
-                late = (starts > 0) & (memory <= memory[np.maximum(starts - 1, 0)] + cap)
-                early = (starts < self.positions) & (memory > memory[starts] + cap)
-                if not late.any() and not early.any():
-                    break
-                starts = starts - late + early
+            # memory + cap is sorted (float addition is monotone), so this search answers
+            # "first a with M[b] <= M[a] + cap" exactly, with no subtraction.
+            starts = np.searchsorted(memory + self.costs.memory_cap, memory, side="left")
             self._starts[id(memory)] = (memory, starts)
         return self._starts[id(memory)][1]
 
@@ -186,10 +180,17 @@ class _Probe:
         return worst
 
 
+def _midpoint(low: float, high: float) -> float:
+    """The float halfway between two non-negative floats in bit-pattern order."""
+    low_bits = int(np.float64(low).view(np.int64))
+    high_bits = int(np.float64(high).view(np.int64))
+    return float(np.int64((low_bits + high_bits) // 2).view(np.float64))
+
+
 def solve_chain(costs: ChainCosts) -> tuple[tuple[int, ...], float] | None:
     """Optimal boundaries and bottleneck for a chain with stage- and cut-dependent costs, or
     None when no partition fits the memory cap. O(p * n) per probe (O(p * n log n) with a
-    memory cap) times about 60 probes."""
+    memory cap) times at most 64 probes."""
     probe = _Probe(costs)
     sets = probe.reachable(math.inf)
     if sets is None:
@@ -200,9 +201,11 @@ def solve_chain(costs: ChainCosts) -> tuple[tuple[int, ...], float] | None:
     if sets is not None:
         best = probe.extract(sets, lo)
         return best, probe.bottleneck(best)
-    # Invariant: PROBE(lo) fails and `best` attains a bottleneck <= hi.
+    # Invariant: PROBE(lo) fails and `best` attains a bottleneck <= hi. Bisecting the bit
+    # patterns of non-negative doubles (ordered like their values) halves the floats left
+    # in (lo, hi) each step: at most 64 probes, ending at adjacent floats.
     while True:
-        mid = lo + (hi - lo) / 2
+        mid = _midpoint(lo, hi)
         if not lo < mid < hi:
             break
         sets = probe.reachable(mid)
