@@ -24,12 +24,17 @@ __all__ = ["minimum_memory_cap", "solve_balanced"]
 def solve_balanced(model: CostModel) -> tuple[int, ...]:
     """Boundaries minimising the slowest stage's compute + comm time under the memory cap;
     raises `InfeasibleMemoryError` (with the smallest workable cap) if none fits."""
+    capped = model.memory_cap is not None
     solution: tuple[tuple[int, ...], float] | None
-    if not model.has_comm and model.uniform_speed and model.stage_independent_memory:
+    if (
+        not model.has_comm
+        and model.uniform_speed
+        and (not capped or model.memory_is_stage_independent)
+    ):
         monotone = solve_monotone(
-            model.stage_compute_prefix(0),
+            model.compute.full(0),
             model.num_stages,
-            memory_prefix=model.stage_memory_prefix(0) if model.memory_cap is not None else None,
+            memory_prefix=model.memory.full(0) if capped else None,
             memory_cap=model.memory_cap,
         )
         solution = None if monotone is None else (monotone.boundaries, monotone.bottleneck)
@@ -37,10 +42,9 @@ def solve_balanced(model: CostModel) -> tuple[int, ...]:
         # Without communication a DAG's stage time depends only on its layers: a chain.
         solution = solve_chain(
             ChainCosts(
-                num_stages=model.num_stages,
-                stage_prefix=model.stage_compute_prefix,
+                compute=model.compute,
                 cut=model.cut_seconds() if model.is_chain else np.zeros(model.num_layers + 1),
-                stage_memory_prefix=model.stage_memory_prefix,
+                memory=model.memory if capped else None,
                 memory_cap=model.memory_cap,
                 balance_prefix=model.compute_prefix,
                 balance_shares=model.speeds,
@@ -49,13 +53,12 @@ def solve_balanced(model: CostModel) -> tuple[int, ...]:
     else:
         solution = solve_dag(
             DagCosts(
-                num_stages=model.num_stages,
                 num_layers=model.num_layers,
-                stage_prefix=model.stage_compute_prefix,
+                compute=model.compute,
                 edge_source=model.edge_source,
                 edge_target=model.edge_target,
                 edge_seconds=model.edge_seconds,
-                stage_memory_prefix=model.stage_memory_prefix,
+                memory=model.memory if capped else None,
                 memory_cap=model.memory_cap,
                 balance_prefix=model.compute_prefix,
                 balance_shares=model.speeds,
@@ -70,18 +73,12 @@ def solve_balanced(model: CostModel) -> tuple[int, ...]:
 def minimum_memory_cap(model: CostModel) -> float:
     """The smallest per-stage memory cap any p-stage partition fits under: the min-max
     partition with memory as the cost (exact, by the same solvers)."""
-    if np.all(model.inflight == model.inflight[0]) or model.activation_prefix[-1] == 0:
-        monotone = solve_monotone(model.stage_memory_prefix(0), model.num_stages)
+    if model.memory_is_stage_independent:
+        monotone = solve_monotone(model.memory.full(0), model.num_stages)
         if monotone is None:
             raise RuntimeError("internal error: an uncapped partition is always feasible")
         return monotone.bottleneck
-    solution = solve_chain(
-        ChainCosts(
-            num_stages=model.num_stages,
-            stage_prefix=model.stage_memory_prefix,
-            cut=np.zeros(model.num_layers + 1),
-        )
-    )
+    solution = solve_chain(ChainCosts(compute=model.memory, cut=np.zeros(model.num_layers + 1)))
     if solution is None:
         raise RuntimeError("internal error: an uncapped partition is always feasible")
     return solution[1]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from partition.graph import ModelGraph
+from partition.linear import LinearPrefix
 from partition.methods import ScheduleMemory
 
 __all__ = ["CostModel", "inflight_microbatches"]
@@ -53,18 +54,25 @@ class CostModel:
         self.inflight = np.asarray(inflight, dtype=np.float64)
         self.memory_cap = memory_cap
         self.is_chain = graph.is_chain
-        self.compute_prefix = _prefix(graph.array("forward") + graph.array("backward"))
+        self.layer_compute = graph.array("forward") + graph.array("backward")
         static = graph.array("params") * (1.0 + optimizer_bytes_per_param_byte)
-        self.static_memory_prefix = _prefix(static + graph.array("extra_memory"))
-        self.activation_prefix = _prefix(graph.array("activation"))
+        self.layer_static_memory = static + graph.array("extra_memory")
+        self.layer_activation = graph.array("activation")
+        self.compute_prefix = _prefix(self.layer_compute)
+        self.static_memory_prefix = _prefix(self.layer_static_memory)
+        self.activation_prefix = _prefix(self.layer_activation)
         edges = [edge for edge in graph.edges if edge.bytes > 0] if bandwidth else []
         self.edge_source = np.array([edge.source for edge in edges], dtype=np.int64)
         self.edge_target = np.array([edge.target for edge in edges], dtype=np.int64)
         self.edge_seconds = np.array(
             [edge.bytes / bandwidth for edge in edges] if bandwidth else [], dtype=np.float64
         )
-        self._compute_cache: dict[float, np.ndarray] = {}
-        self._memory_cache: dict[float, np.ndarray] = {}
+        # Stage k's compute prefix is P / speed_k, its memory prefix S + inflight_k * A.
+        self.compute = LinearPrefix((self.compute_prefix,), (1.0 / self.speeds)[:, None])
+        self.memory = LinearPrefix(
+            (self.static_memory_prefix, self.activation_prefix),
+            np.stack([np.ones(self.num_stages), self.inflight], axis=1),
+        )
 
     @property
     def has_comm(self) -> bool:
@@ -74,30 +82,12 @@ class CostModel:
     @property
     def uniform_speed(self) -> bool:
         """True when every stage runs at the same speed."""
-        return bool(np.all(self.speeds == self.speeds[0]))
+        return self.compute.stage_independent()
 
     @property
-    def stage_independent_memory(self) -> bool:
+    def memory_is_stage_independent(self) -> bool:
         """True when every stage's memory is the same function of its layers."""
-        return (
-            self.memory_cap is None
-            or bool(np.all(self.inflight == self.inflight[0]))
-            or self.activation_prefix[-1] == 0
-        )
-
-    def stage_compute_prefix(self, stage: int) -> np.ndarray:
-        """Prefix of stage ``stage``'s compute seconds; one shared array per speed."""
-        speed = float(self.speeds[stage])
-        if speed not in self._compute_cache:
-            self._compute_cache[speed] = self.compute_prefix / speed
-        return self._compute_cache[speed]
-
-    def stage_memory_prefix(self, stage: int) -> np.ndarray:
-        """Prefix of stage ``stage``'s memory bytes; one shared array per inflight count."""
-        held = float(self.inflight[stage])
-        if held not in self._memory_cache:
-            self._memory_cache[held] = self.static_memory_prefix + held * self.activation_prefix
-        return self._memory_cache[held]
+        return self.memory.stage_independent() or self.activation_prefix[-1] == 0
 
     def cut_seconds(self) -> np.ndarray:
         """For a chain: seconds to move the tensor across each cut 0..n (0 at both ends)."""
@@ -106,12 +96,15 @@ class CostModel:
         return cut
 
     def evaluate(self, boundaries: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per-stage (compute seconds, comm seconds, memory bytes) of the given boundaries."""
+        """Per-stage (compute seconds, comm seconds, memory bytes) of the given boundaries.
+
+        Sums run over each stage's own layers, not prefix differences, so a small stage
+        after huge ones is reported without cancellation."""
         cuts = np.asarray(boundaries, dtype=np.int64)
         starts, stops = cuts[:-1], cuts[1:]
-        compute = (self.compute_prefix[stops] - self.compute_prefix[starts]) / self.speeds
-        memory = (self.static_memory_prefix[stops] - self.static_memory_prefix[starts]) + (
-            self.inflight * (self.activation_prefix[stops] - self.activation_prefix[starts])
+        compute = np.add.reduceat(self.layer_compute, starts) / self.speeds
+        memory = np.add.reduceat(self.layer_static_memory, starts) + self.inflight * (
+            np.add.reduceat(self.layer_activation, starts)
         )
         comm = np.zeros(len(starts))
         if self.edge_seconds.size:

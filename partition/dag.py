@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from partition.linear import LinearPrefix
 from partition.parametric import choose_cut
 
 __all__ = ["DagCosts", "solve_dag"]
@@ -36,13 +36,14 @@ __all__ = ["DagCosts", "solve_dag"]
 class DagCosts:
     """Everything the DAG solver needs, as arrays over positions 0..n."""
 
-    num_stages: int
     num_layers: int
-    stage_prefix: Callable[[int], np.ndarray]
+    compute: LinearPrefix
+    """X_k, the prefix of stage k's compute time."""
     edge_source: np.ndarray
     edge_target: np.ndarray
     edge_seconds: np.ndarray
-    stage_memory_prefix: Callable[[int], np.ndarray] | None = None
+    memory: LinearPrefix | None = None
+    """M_k, the prefix of stage k's memory, or None without a cap."""
     memory_cap: float | None = None
     balance_prefix: np.ndarray | None = None
     balance_shares: np.ndarray | None = None
@@ -52,12 +53,12 @@ class _Tables:
     """Per-stage prefix matrices and the edge bookkeeping for comm(a, b)."""
 
     def __init__(self, costs: DagCosts) -> None:
-        n, p = costs.num_layers, costs.num_stages
+        n, p = costs.num_layers, costs.compute.num_stages
         self.costs = costs
-        self.compute = np.stack([costs.stage_prefix(stage) for stage in range(p)])
+        self.compute = np.stack([costs.compute.full(stage) for stage in range(p)])
         self.memory: np.ndarray | None = None
-        if costs.stage_memory_prefix is not None and costs.memory_cap is not None:
-            self.memory = np.stack([costs.stage_memory_prefix(stage) for stage in range(p)])
+        if costs.memory is not None and costs.memory_cap is not None:
+            self.memory = np.stack([costs.memory.full(stage) for stage in range(p)])
         order = np.argsort(costs.edge_target, kind="stable")
         self.source = costs.edge_source[order]
         self.target = costs.edge_target[order]
@@ -91,7 +92,7 @@ class _Tables:
 def solve_dag(costs: DagCosts) -> tuple[tuple[int, ...], float] | None:
     """Optimal boundaries and bottleneck for a DAG in topological order, or None when no
     partition fits the memory cap."""
-    n, p = costs.num_layers, costs.num_stages
+    n, p = costs.num_layers, costs.compute.num_stages
     tables = _Tables(costs)
     best = np.full((p + 1, n + 1), np.inf)
     best[0, 0] = 0.0
@@ -111,7 +112,7 @@ def _extract(tables: _Tables, best: np.ndarray, bottleneck: float) -> tuple[int,
     """Walk back from (p, n), choosing among starts that keep the optimum the one nearest
     an even share of what is left."""
     costs = tables.costs
-    p = costs.num_stages
+    p = costs.compute.num_stages
     balance = costs.balance_prefix if costs.balance_prefix is not None else tables.compute[0]
     shares = costs.balance_shares if costs.balance_shares is not None else np.ones(p)
     cuts, stop = [costs.num_layers], costs.num_layers
