@@ -144,16 +144,26 @@ def speed_table() -> list[str]:
         f"| `partition_graph`, chain (graph built in {build:.2f} s) | {n:,} | {p} | "
         f"{seconds * 1e3:.0f} ms |"
     )
-    capped = chain_graph(layers, bandwidth=1e9)
+    linked = chain_graph(layers, bandwidth=1e9)
     speeds = [1.0 + (k % 2) for k in range(p)]
-    seconds, _ = timed(lambda: partition_graph(capped, p, speeds=speeds, memory_cap=2e9), repeats=1)
+    seconds, _ = timed(lambda: partition_graph(linked, p, speeds=speeds), repeats=1)
     rows.append(
-        f"| `partition_graph`, chain + comm + 1F1B memory cap + speeds | {n:,} | {p} | "
+        f"| `partition_graph`, chain + comm + unequal speeds | {n:,} | {p} | {seconds:.2f} s |"
+    )
+    seconds, _ = timed(lambda: partition_graph(linked, p, speeds=speeds, memory_cap=9e9), repeats=1)
+    rows.append(
+        f"| `partition_graph`, chain + comm + speeds + 1F1B memory cap | {n:,} | {p} | "
         f"{seconds:.2f} s |"
     )
     dag = _skip_dag(2_000, rng)
     seconds, _ = timed(lambda: partition_graph(dag, 16), repeats=1)
     rows.append(f"| `partition_graph`, DAG with skip edges (DP) | 2,000 | 16 | {seconds:.2f} s |")
+    deepspeed, which = _deepspeed_partition_balanced()
+    small = [float(w) for w in random_costs(256, rng)]
+    seconds, _ = timed(lambda: deepspeed(small, 16), repeats=1)
+    rows.append(f"| peer: DeepSpeed `partition_balanced` ({which}) | 256 | 16 | {seconds:.2f} s |")
+    seconds, _ = timed(lambda: block_partition_torchgpipe_style(small, 16), repeats=1)
+    rows.append(f"| peer: torchgpipe-style block partition | 256 | 16 | {seconds:.2f} s |")
     return rows
 
 

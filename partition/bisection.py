@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -47,11 +48,11 @@ class MonotoneSolution:
 
 def _bits(value: float) -> int:
     """The IEEE-754 bit pattern of a non-negative double; it orders like the value."""
-    return int(np.float64(value).view(np.int64))
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
 
 
 def _from_bits(bits: int) -> float:
-    return float(np.int64(bits).view(np.float64))
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
 
 
 def _minimal_fit(prefix_start: float, prefix_stop: float) -> float:
@@ -77,6 +78,22 @@ def _minimal_fit(prefix_start: float, prefix_stop: float) -> float:
         else:
             low_bits = middle
     return _from_bits(high_bits)
+
+
+def _extreme_fit(
+    prefix: np.ndarray, starts: Sequence[int], stops: Sequence[int], largest: bool
+) -> float:
+    """The largest (or smallest) `_minimal_fit` over stages [starts[i], stops[i]). A fit is
+    within one ulp of the top prefix of its difference, so only stages whose difference
+    is that close to the extreme need the exact (slower) fit."""
+    first, last = np.asarray(starts), np.asarray(stops)
+    differences = prefix[last] - prefix[first]
+    extreme = differences.max() if largest else differences.min()
+    near = np.abs(differences - extreme) <= 4 * math.ulp(float(prefix[-1]))
+    fits = [
+        _minimal_fit(prefix[a], prefix[b]) for a, b in zip(first[near], last[near], strict=True)
+    ]
+    return max(fits) if largest else min(fits)
 
 
 def closest_cut(
@@ -119,28 +136,33 @@ class _Greedy:
         """Greedy stage ends if the layers fit in <= p stages under ``bound``, else None;
         plus the smallest bound that lets some compute-limited stage take one more layer."""
         prefix, n = self.prefix, self.num_layers
-        start, ends, next_bound = 0, [], math.inf
+        start, ends = 0, []
+        blocked_starts, blocked_stops = [], []  # stages whose next layer exceeds the bound
+        feasible = False
         for _ in range(self.num_stages):
             compute_end = int(np.searchsorted(prefix, prefix[start] + bound, side="right")) - 1
             memory_end = n if self.memory_reach is None else int(self.memory_reach[start])
             end = min(compute_end, memory_end)
             if end >= n:
                 ends.append(n)
-                return ends, next_bound
+                feasible = True
+                break
             if compute_end < memory_end:
-                next_bound = min(next_bound, _minimal_fit(prefix[start], prefix[end + 1]))
+                blocked_starts.append(start)
+                blocked_stops.append(end + 1)
             if end <= start:
-                return None, next_bound
+                break
             ends.append(end)
             start = end
-        return None, next_bound
+        if feasible:
+            return ends, math.inf
+        if not blocked_starts:
+            return None, math.inf
+        return None, _extreme_fit(prefix, blocked_starts, blocked_stops, largest=False)
 
     def bottleneck(self, ends: Sequence[int]) -> float:
         """The largest stage cost of consecutive stage ends, in the probe's arithmetic."""
-        starts = [0, *ends[:-1]]
-        return max(
-            _minimal_fit(self.prefix[a], self.prefix[b]) for a, b in zip(starts, ends, strict=True)
-        )
+        return _extreme_fit(self.prefix, [0, *ends[:-1]], ends, largest=True)
 
     def first_starts(self, bound: float) -> Callable[[int], int]:
         """For a stop b, the smallest a such that stage [a, b) fits ``bound`` and the cap.
