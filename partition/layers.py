@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from partition.bisection import partition_weights
@@ -15,7 +15,7 @@ __all__ = ["partition_layers"]
 
 
 def partition_layers(
-    layers: Sequence[Any],
+    layers: Iterable[Any],
     num_stages: int,
     method: str | Method = Method.BALANCED,
     *,
@@ -26,7 +26,8 @@ def partition_layers(
 ) -> tuple[int, ...]:
     """The p + 1 stage boundaries (first 0, last n) for a sequence of layers.
 
-    Layers may be modules, parameter-free callables or lazy layer specs. ``method`` is a
+    Layers (any iterable: a list, an ``nn.Sequential``) may be modules, parameter-free
+    callables or lazy layer specs. ``method`` is a
     `Method` or a string (``"uniform"``, ``"parameters"``, ``"type:<regex>"``,
     ``"explicit"``, ``"balanced"``):
 

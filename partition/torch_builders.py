@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ def _layer_names(layers: Any, count: int) -> list[str]:
 
 
 def graph_from_layers(
-    layers: Sequence[Any],
+    layers: Iterable[Any],
     sample_input: Any,
     *,
     repeats: int = 5,

@@ -15,6 +15,7 @@ from partition import (
     LayerCost,
     MemoryCapExceededError,
     Method,
+    ModelGraph,
     NoMatchingLayerError,
     Partition,
     ScheduleMemory,
@@ -30,7 +31,7 @@ from partition import (
 __all__: list[str] = []
 
 
-def transformer_graph() -> object:
+def transformer_graph() -> ModelGraph:
     layers = [
         LayerCost("embed", forward=1, backward=1, params=4000, activation=10, type_name="Embedding")
     ]
