@@ -111,3 +111,18 @@ def test_bad_input_raises_partition_errors(costs: str, tmp_path: Path) -> None:
 )
 def test_parse_bytes(text: str, size: float) -> None:
     assert partition_cmd.parse_bytes(text) == size
+
+
+def test_partition_plot_writes_an_image(tmp_path: Path) -> None:
+    from tests.cli_helpers import run_cli
+
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"layers": [{"name": f"l{i}", "forward": 1.0 + i % 3,
+                                             "params": 10} for i in range(8)]}))
+    out = tmp_path / "stages.png"
+    done = run_cli("partition", "--costs", str(costs), "--stages", "3", "--plot", str(out))
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = run_cli("partition", "--costs", str(costs), "--stages", "3", "--plot",
+                  str(tmp_path / "missing-dir" / "x.png"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

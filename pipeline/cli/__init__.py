@@ -15,6 +15,7 @@ _COMMAND_MODULES = (
     "pipeline.cli.simulate_cmd",
     "pipeline.cli.schedule_cmd",
     "pipeline.cli.compare_cmd",
+    "pipeline.cli.partition_cmd",
 )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
+from itertools import pairwise
 
 from partition import (
     InvalidOptionError,
@@ -13,6 +15,7 @@ from partition import (
     parse_schedule_memory,
     partition_graph,
 )
+from pipeline.cli.output_paths import figure_path
 
 __all__ = ["parse_bytes", "parse_cuts", "parse_numbers", "register", "run"]
 
@@ -108,6 +111,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--json", action="store_true", help="print the result as JSON instead of a table"
     )
+    parser.add_argument("--plot", type=figure_path, metavar="PATH",
+                        help="save per-stage compute/comm/memory bars as .png or .svg")
     parser.set_defaults(func=run)
 
 
@@ -131,4 +136,14 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result.format_table())
+    if args.plot:
+        from viz import plot_partition  # matplotlib loads only when plotting
+
+        cuts = result.boundaries
+        plot_partition(result.compute, result.comm, result.memory, memory_cap=result.memory_cap,
+                       names=[f"layers {a}-{b - 1}" for a, b in pairwise(cuts)],
+                       unit="s", path=args.plot,
+                       title=f"{result.method.value} partition of {result.num_layers} layers into "
+                             f"{result.num_stages} stages")
+        print(f"pipesched partition: wrote {args.plot}", file=sys.stderr)
     return 0
