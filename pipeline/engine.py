@@ -1,0 +1,238 @@
+"""`PipelineEngine`: validates everything up front, then runs each step's instruction stream."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.batch import join_microbatches, signature, split_microbatches
+from pipeline.comm import Comm, make_groups
+from pipeline.device import default_device, synchronize
+from pipeline.errors import PipelineConfigError, PipelineStepError
+from pipeline.failure import read_failure, report_failure, start_watchdog
+from pipeline.interpreter import Interpreter, StepState
+from pipeline.module import PipelineModule
+from pipeline.plan import check_agreement, fingerprint, forward_schedule, resolve_schedule
+from pipeline.plugins import (
+    AllReduceGradients,
+    GradientReducer,
+    NoGradientReduction,
+    OptimizerFactory,
+    make_optimizer,
+)
+from pipeline.shapes import ShapeBook
+from pipeline.topology import Topology
+from pipeline.trace import StepStats, Trace, measured_costs
+from schedules import Instruction, Schedule, Timeline
+from schedules.grid import format_grid
+
+__all__ = ["PipelineEngine"]
+
+
+class PipelineEngine:
+    """Trains (and evaluates) a `PipelineModule` with a pipeline schedule, one call per batch.
+
+    Construct it on every rank with the same arguments, inside `launch` or under torchrun
+    (any initialised process group). It checks that the ranks agree, builds this rank's
+    stages, and then `train_batch` runs this rank's lowered instruction stream.
+    """
+
+    def __init__(self, module: PipelineModule, *, schedule: str | Schedule = "1f1b",
+                 num_microbatches: int | None = None,
+                 optimizer: OptimizerFactory | torch.optim.Optimizer | None = None,
+                 topology: Topology | None = None,
+                 gradient_reducer: GradientReducer | None = None,
+                 device: torch.device | None = None, timeout: float = 300.0,
+                 dynamic_shapes: bool = False) -> None:
+        if not isinstance(module, PipelineModule):
+            raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
+        if not dist.is_initialized():
+            raise PipelineConfigError("no process group: run inside pipeline.launch(fn, "
+                                      "world_size) or torchrun, or call "
+                                      "torch.distributed.init_process_group first")
+        # 1. The grid: this rank's place, and world size vs stages.
+        world, self.rank = dist.get_world_size(), dist.get_rank()
+        if topology is None:
+            if world % module.num_stages:
+                raise PipelineConfigError(
+                    f"world size {world} is not divisible by num_stages={module.num_stages}; "
+                    f"launch a multiple of {module.num_stages} ranks or change num_stages")
+            topology = Topology(module.num_stages, world // module.num_stages)
+        if topology.world_size != world or topology.pp != module.num_stages:
+            raise PipelineConfigError(f"topology {topology} does not match world size {world} "
+                                      f"and num_stages={module.num_stages}")
+        self.topology = topology
+        self.position = topology.position(self.rank)
+        self.pp_rank = self.position.pp_rank
+        # 2. The schedule: fits the module, validates, and every rank agrees on it.
+        self.schedule = resolve_schedule(schedule, module, num_microbatches)
+        self.eval_schedule = forward_schedule(self.schedule)
+        prints: list[Any] = [None] * world
+        dist.all_gather_object(prints, fingerprint(module, self.schedule, world, {
+            "dynamic_shapes": dynamic_shapes, "topology": (topology.pp, topology.dp,
+                                                           topology.tp)}))
+        check_agreement(prints, list(range(world)))
+        start_watchdog(self.rank)
+        # 3. This rank's stages, optimizer, gradient reducer and channels.
+        self.device = device or default_device()
+        self.module = module
+        module.materialize(self.schedule.stages_of(self.pp_rank), self.device)
+        pipeline_group, dp_group = make_groups(topology.all_pipeline_groups(),
+                                               topology.all_dp_groups(), self.rank)
+        self.gradient_reducer = gradient_reducer or (
+            AllReduceGradients(dp_group, topology.dp) if topology.dp > 1
+            else NoGradientReduction())
+        parameters = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(optimizer, parameters)
+        self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group, timeout)
+        self._shapes = ShapeBook(always_dynamic=dynamic_shapes)
+        self._trace = Trace(self.pp_rank)
+        self._interpreter = Interpreter(
+            module=module, pp_rank=self.pp_rank, placement=self.schedule.placement,
+            num_microbatches=self.schedule.num_microbatches, comm=self.comm,
+            shapes=self._shapes, trace=self._trace, reducer=self.gradient_reducer,
+            loss_fn=module.loss_fn, optimizer=lambda: self.optimizer, device=self.device)
+        self._last_stream: Schedule = self.schedule
+        self.last_stats: StepStats | None = None
+        """What this rank measured in the last step (None before the first)."""
+        self.last_loss: float | None = None
+        """Mean loss of the last `eval_batch` given targets."""
+
+    # -- facts DeepSpeed users look for ----------------------------------------------------
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.schedule.num_microbatches
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        """The stages this rank holds."""
+        return self.schedule.stages_of(self.pp_rank)
+
+    def is_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    def is_last_stage(self) -> bool:
+        return self.schedule.num_stages - 1 in self.stage_ids
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def train_batch(self, inputs: Any = None, targets: Any = None) -> float:
+        """One optimizer step on a full batch; returns the mean loss on every rank.
+
+        The batch is split into `num_microbatches` equal microbatches; gradients accumulate
+        as a single process would for the mean loss over the full batch. Only the ranks
+        holding the first stage need `inputs`, the last stage `targets`.
+        """
+        self.module.train()
+        self.module.zero_grad(set_to_none=True)
+        losses = self._run(self.schedule, inputs, targets, training=True)
+        return float(losses)
+
+    def eval_batch(self, inputs: Any = None, targets: Any = None) -> Any:
+        """Forward the full batch with the forward-only schedule (no gradients).
+
+        Returns the last stage's outputs, joined over microbatches, on the rank that holds
+        the last stage (None elsewhere); with `targets`, the mean loss is in `last_loss`.
+        """
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            loss = self._run(self.eval_schedule, inputs, targets, training=False)
+            self.last_loss = loss if targets is not None else None
+        finally:
+            self.module.train(was_training)
+        outputs = self._interpreter.state.outputs
+        self._interpreter.state = StepState(None, None, True)
+        if not outputs:
+            return None
+        return join_microbatches([outputs[i] for i in range(len(outputs))])
+
+    def _run(self, schedule: Schedule, inputs: Any, targets: Any, *, training: bool) -> float:
+        m = schedule.num_microbatches
+        # 1. Split the batch where it is needed; agree on its shape signature (when it
+        #    changed, this step's forward messages carry shape headers).
+        needs_inputs = 0 in self.stage_ids
+        needs_targets = training and self.is_last_stage()
+        problem: Exception | None = None
+        microbatches = split_targets = None
+        try:
+            if needs_inputs:
+                microbatches = split_microbatches(inputs, m, "inputs")
+            if targets is not None and (needs_targets or not training) and self.is_last_stage():
+                split_targets = split_microbatches(targets, m, "targets")
+            elif needs_targets:
+                raise PipelineConfigError("this rank holds the last stage: pass targets")
+        except (PipelineConfigError, TypeError) as error:
+            problem = error
+        local = zlib.crc32(repr((signature(inputs), m, training)).encode()) + 1 \
+            if needs_inputs and problem is None else 0
+        agreed = torch.tensor([local, (1 << min(self.pp_rank, 62)) if problem else 0],
+                              dtype=torch.int64)
+        dist.all_reduce(agreed, group=self.comm.group)  # also aligns the ranks' clocks
+        if problem is not None:
+            raise problem
+        if int(agreed[1]):
+            refused = [r for r in range(63) if int(agreed[1]) >> r & 1]
+            raise PipelineConfigError(f"pipeline rank(s) {refused} refused the batch (see "
+                                      "their error); nothing was run")
+        self._shapes.begin_step(int(agreed[0]))
+        # 2. Run this rank's stream.
+        state = StepState(microbatches, split_targets, training)
+        self._interpreter.state = state
+        self._trace.restart()
+        stream = schedule.streams[self.pp_rank]
+        for step, op in enumerate(stream):
+            try:
+                self._interpreter.execute(op)
+            except Exception as error:
+                raise self._failure(schedule, step, op, error) from error
+        # 3. Wait for the sends, then share the loss with every rank.
+        try:
+            self.comm.wait_sends()
+        except RuntimeError as error:
+            raise self._failure(schedule, len(stream) - 1, stream[-1], error) from error
+        synchronize(self.device)
+        step_time = time.perf_counter() - self._trace.origin
+        self._shapes.end_step()
+        self._last_stream = schedule
+        self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
+                                    measured_costs(self._trace.spans))
+        total = torch.stack(state.losses).sum().double().cpu() if state.losses else \
+            torch.zeros((), dtype=torch.float64)
+        loss = total.reshape(1) / m
+        return float(self.comm.broadcast_tensor(loss, schedule.placement[-1])[0])
+
+    def _failure(self, schedule: Schedule, step: int, op: Instruction,
+                 error: Exception) -> PipelineStepError:
+        self.comm.drop_pending()
+        self._shapes.abandon_step()
+        detail = f"{type(error).__name__}: {error}"
+        peer = read_failure()
+        caused_by = None
+        if peer is not None and peer.rank != self.rank:
+            caused_by = peer.rank
+            message = f"rank {self.rank} stopped at instruction {op} because {peer.describe()}"
+        else:
+            report_failure(self.rank, str(op), detail)
+            message = (f"rank {self.rank} (pipeline rank {self.pp_rank}) failed at instruction "
+                       f"{op} (step {step} of its {schedule.name!r} stream): {detail}")
+        grid = format_grid(schedule.streams, self.pp_rank, step)
+        return PipelineStepError(f"{message}\n{grid}", rank=self.rank, instruction=str(op),
+                                 step=step, caused_by=caused_by)
+
+    # -- measurements ----------------------------------------------------------------------
+
+    def last_timeline(self) -> Timeline:
+        """Every pipeline rank's measured spans of the last step, in seconds from its aligned
+        start, as the simulator's `Timeline` (a collective: call it on every rank)."""
+        gathered = self.comm.all_gather_object(self._trace.spans)
+        spans = [span for rank_spans in gathered for span in rank_spans]
+        schedule = self._last_stream
+        return Timeline.from_spans(spans, schedule.num_ranks, name=f"{schedule.name} (measured)",
+                                   num_microbatches=schedule.num_microbatches,
+                                   chunks=schedule.chunks, unit="s")
