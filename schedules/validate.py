@@ -79,10 +79,13 @@ def _check_structure(schedule: Schedule) -> None:
             if present not in allowed:
                 wanted = " or ".join("+".join(k.value for k in (_F, _B, _I, _W) if k in option)
                                      for option in allowed)
-                raise ScheduleValidationError(
-                    f"{schedule.name}: stage {s}, microbatch {i} has "
-                    f"{'+'.join(k.value for k in (_F, _B, _I, _W) if k in present) or 'no ops'}; "
-                    f"every (stage, microbatch) needs exactly {wanted} on rank {placement[s]}")
+                found = "+".join(k.value for k in (_F, _B, _I, _W) if k in present) or "no ops"
+                message = (f"stage {s}, microbatch {i} has {found}; every (stage, microbatch) "
+                           f"needs exactly {wanted} on rank {placement[s]}")
+                if not present:
+                    raise ScheduleValidationError(f"{schedule.name}: {message}")
+                rank, step = counts[next(iter(sorted((k, s, i) for k in present)[:1]))]
+                raise _fail(schedule, rank, step, message)
 
 
 def _message(op: Instruction, sender: int) -> tuple[Kind, int, int, int]:
@@ -123,11 +126,23 @@ def _check_compute_runs(schedule: Schedule) -> None:
     run = execute(schedule.streams, schedule.placement, schedule.num_microbatches,
                   ones, ones, ones, zeros)
     if run.stuck:
-        rank, step = min(run.stuck.items())
+        rank, step = _culprit(schedule, run.stuck)
         blocked = ", ".join(f"rank {r} at {schedule.streams[r][k]}" for r, k in
                             sorted(run.stuck.items())[:8])
         raise _fail(schedule, rank, step, f"deadlock: the compute order cannot run "
                     f"(blocked: {blocked}); an op waits on one ordered after it")
+
+
+def _culprit(schedule: Schedule, stuck: dict[int, int]) -> tuple[int, int]:
+    """The blocked op that waits on an op later in its own rank's stream, else the first."""
+    for rank, step in sorted(stuck.items()):
+        kind, s, i, _ = schedule.streams[rank][step]
+        needs = {(_F, s - 1, i)} if kind is _F else {(_I, s, i)} if kind is _W else {
+            (_F, s, i), (_B, s + 1, i), (_I, s + 1, i)}
+        later = {(op.kind, op.stage, op.microbatch) for op in schedule.streams[rank][step:]}
+        if needs & later:
+            return rank, step
+    return min(stuck.items())
 
 
 class _Rendezvous:

@@ -1,0 +1,74 @@
+"""The validator catches hand-made broken schedules and says where, with the grid."""
+
+from __future__ import annotations
+
+import pytest
+
+from schedules import Schedule, ScheduleValidationError, build_schedule, lower, validate
+
+ONE_F_ONE_B = build_schedule("1f1b", 2, 2).format()
+
+
+def edited(text: str, rank: int, old: str, new: str) -> Schedule:
+    lines = text.splitlines()
+    assert old in lines[rank]
+    lines[rank] = lines[rank].replace(old, new, 1)
+    return Schedule.from_text("\n".join(lines), name="broken", num_microbatches=2,
+                              placement=(0, 1))
+
+
+CASES = {
+    "receives out of order": (edited(ONE_F_ONE_B, 0, "0RECV_B0@1 0B0 0RECV_B1@1",
+                                     "0RECV_B1@1 0B0 0RECV_B0@1"), "receives out of order"),
+    "missing backward": (edited(ONE_F_ONE_B, 0, " 0B1", ""), "needs exactly F\\+B"),
+    "duplicate forward": (edited(ONE_F_ONE_B, 0, "0F1 ", "0F1 0F1 "), "appears twice"),
+    "wrong peer": (edited(ONE_F_ONE_B, 0, "0SEND_F0@1", "0SEND_F0@0"), "peer 0 is wrong"),
+    "op on wrong rank": (edited(ONE_F_ONE_B, 0, "0B1", "1B1"), "belongs to rank 1"),
+    "microbatch out of range": (edited(ONE_F_ONE_B, 0, "0LOAD1", "0LOAD7"), "outside 0..1"),
+    "missing load": (edited(ONE_F_ONE_B, 0, "0LOAD1 ", ""), "before LOAD"),
+    "send before compute": (edited(ONE_F_ONE_B, 0, "0F1 0SEND_F1@1", "0SEND_F1@1 0F1"),
+                            "sends before F"),
+    "unmatched send": (edited(ONE_F_ONE_B, 1, "1RECV_F1@0 ", ""), "before its input|matching"),
+    # Both ranks pair up correctly but under blocking semantics rank 0 waits for a
+    # gradient that rank 1 can only produce after receiving rank 0's second activation.
+    "rendezvous deadlock": (edited(ONE_F_ONE_B, 0, "0SEND_F1@1 0RECV_B0@1",
+                                   "0RECV_B0@1 0SEND_F1@1"), "deadlock under blocking"),
+    "step not last": (edited(ONE_F_ONE_B, 0, "0REDUCE_GRAD STEP", "STEP 0REDUCE_GRAD"),
+                      "STEP must be the rank's last"),
+    "reduce before last backward": (edited(ONE_F_ONE_B, 1, "1B1 1SEND_B1@0 1REDUCE_GRAD",
+                                           "1REDUCE_GRAD 1B1 1SEND_B1@0"),
+                                    "REDUCE_GRAD of stage 1 before"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_validator_catches(case: str) -> None:
+    schedule, message = CASES[case]
+    with pytest.raises(ScheduleValidationError, match=message) as caught:
+        validate(schedule)
+    error = caught.value
+    assert error.rank is not None and error.step is not None
+    marked = f"[{schedule.streams[error.rank][error.step]}]"
+    assert marked in str(error), "the grid marks the failing step"
+    assert f">rank {error.rank}" in str(error)
+
+
+def test_compute_order_deadlock_is_caught_before_lowering() -> None:
+    # Rank 1 runs B0 before F0 has arrived: its backward waits on its own later forward.
+    schedule = Schedule.from_text("0F0 0B0\n1B0 1F0", name="broken")
+    with pytest.raises(ScheduleValidationError, match="deadlock") as caught:
+        validate(schedule)
+    assert "[1B0]" in str(caught.value)
+    with pytest.raises(ScheduleValidationError, match="cannot run"):
+        lower(schedule)
+
+
+def test_cross_rank_cycle_is_a_deadlock() -> None:
+    # Rank 0 waits for the gradient of microbatch 1 before running forward 1 that feeds it.
+    schedule = Schedule.from_text("0F0 0B1 0F1 0B0\n1F0 1F1 1B1 1B0", name="cycle")
+    with pytest.raises(ScheduleValidationError, match="deadlock"):
+        validate(schedule)
+
+
+def test_validated_schedules_pass() -> None:
+    validate(build_schedule("interleaved", 3, 5, 2))
