@@ -16,7 +16,7 @@ _LAZY: dict[str, str] = {
     "Stage": "pipeline.module",
     "LayerSpec": "pipeline.layers",
     "PipelineEngine": "pipeline.engine",
-    "launch": "pipeline.launch",
+    "launch": "pipeline.launcher",
     "GradientReducer": "pipeline.plugins",
     "NoGradientReduction": "pipeline.plugins",
     "AllReduceGradients": "pipeline.plugins",

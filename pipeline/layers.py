@@ -70,7 +70,8 @@ class _Call(nn.Module):
 
 def normalize_layers(layers: Sequence[Layer] | nn.Sequential) -> list[Layer]:
     """The layers as a list, each checked to be a module, a `LayerSpec` or a callable."""
-    items = list(layers.children()) if isinstance(layers, nn.Sequential) else list(layers)
+    items: list[Layer] = list(layers.children()) if isinstance(layers, nn.Sequential) \
+        else list(layers)
     bad = [f"layer {k}: {type(item).__name__}" for k, item in enumerate(items)
            if not (isinstance(item, nn.Module | LayerSpec) or callable(item))]
     if bad:

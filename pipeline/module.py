@@ -147,8 +147,8 @@ class PipelineModule(nn.Module):
     def named_layer_parameters(self) -> Iterator[tuple[tuple[int, str], nn.Parameter]]:
         """((global layer index, parameter name inside the layer), parameter) for every
         parameter held here: the key `pipeline.reference` uses, whatever the partition."""
-        for stage in self.stages.values():
-            for key, layer in stage.layers.items():  # type: ignore[operator]
+        for index in sorted(int(key) for key in self.stages):
+            for key, layer in self.stage(index).layers.items():
                 for name, param in layer.named_parameters():
                     yield (int(key), name), param
 

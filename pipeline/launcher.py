@@ -38,7 +38,7 @@ __all__ = ["launch"]
 
 T = TypeVar("T")
 _GRACE = 5.0  # seconds the other ranks get to stop by themselves once one has failed
-_PRELOAD = ["torch", "torch.distributed", "pipeline.engine"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "pipeline.engine"]
 
 
 def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 300.0,
@@ -235,8 +235,9 @@ def _failure_error(results: list[tuple[str, Any] | None], codes: tuple[int | Non
             instruction=info["instruction"], exit_codes=codes)
     if silent:
         rank = silent[0]
+        code = codes[rank]
         why = (f"did not finish within join_timeout={join_timeout}s and was killed"
-               if codes[rank] is not None and codes[rank] < 0 else
+               if code is not None and code < 0 else
                f"exited with code {codes[rank]} without reporting an error")
         return RankFailedError(f"rank {rank} {why} ({summary})", rank=rank, exit_codes=codes)
     caused = [result[1]["caused_by"] for result in results if result is not None and
