@@ -1,0 +1,126 @@
+"""Failures end the whole job quickly and say where: a raising rank, a stalled rank, and
+configurations the ranks disagree on (caught before any step)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline import (
+    LayerSpec,
+    PipelineConfigError,
+    PipelineEngine,
+    PipelineModule,
+    RankFailedError,
+    launch,
+)
+from tests.pipeline_models import MODELS, Boom, Stall, mlp_layers
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _layers_with(bad: nn.Module, at: int) -> list[Any]:
+    layers = mlp_layers()
+    layers.insert(at, bad)
+    return layers
+
+
+def _failing_rank(kind: str) -> None:
+    # 17 layers over 4 stages (uniform: 5, 4, 4, 4): layer 11 sits in stage 2 (layers 9..12)
+    bad: nn.Module = Boom(fail_on=2) if kind == "raise" else Stall(seconds=60)
+    module = PipelineModule(_layers_with(bad, 11), num_stages=4, loss_fn=MODELS["mlp"].loss,
+                            partition_method="uniform")
+    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=4, timeout=3)
+    engine.train_batch(*MODELS["mlp"].batch(seed=0))
+
+
+def test_a_raising_rank_stops_every_rank_and_is_named() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as caught:
+        launch(_failing_rank, 4, "raise", timeout=10, join_timeout=60)
+    elapsed = time.monotonic() - start
+    error = caught.value
+    assert error.rank == 2
+    assert error.instruction == "2F1"  # the second forward of stage 2 raised
+    assert "Boom: injected failure" in str(error)
+    assert all(code != 0 for code in error.exit_codes), error.exit_codes
+    assert elapsed < 30
+
+
+def test_a_stalled_rank_times_out_instead_of_hanging() -> None:
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as caught:
+        launch(_failing_rank, 4, "stall", timeout=10, join_timeout=60)
+    elapsed = time.monotonic() - start
+    # a rank waiting (directly or through a neighbour) on the stalled rank 2 gives up after
+    # the engine's 3 s timeout and names what it waited for
+    assert "no data from pipeline rank" in str(caught.value)
+    assert all(code != 0 for code in caught.value.exit_codes)
+    assert elapsed < 40
+
+
+def _config_errors_rank() -> list[str]:
+    rank = torch.distributed.get_rank()
+    messages = []
+
+    def attempt(make: Any) -> None:
+        try:
+            make()
+        except PipelineConfigError as error:
+            messages.append(str(error))
+        else:
+            messages.append("")
+
+    layers = MODELS["mlp"].layers
+    # ranks disagree on the number of microbatches
+    attempt(lambda: PipelineEngine(PipelineModule(layers(), num_stages=2),
+                                   schedule="1f1b", num_microbatches=2 + rank))
+    # world size 2 is not a multiple of 3 stages
+    attempt(lambda: PipelineEngine(PipelineModule(layers(), num_stages=3), schedule="gpipe",
+                                   num_microbatches=2))
+    # GPipe runs one chunk per rank
+    attempt(lambda: PipelineEngine(PipelineModule(layers(), num_stages=2, chunks=2),
+                                   schedule="gpipe", num_microbatches=2))
+    # a batch of 10 does not split into 4 microbatches (refused on every rank, no hang)
+    engine = PipelineEngine(PipelineModule(layers(), num_stages=2, loss_fn=MODELS["mlp"].loss),
+                            schedule="1f1b", num_microbatches=4)
+    attempt(lambda: engine.train_batch(*MODELS["mlp"].batch(seed=0, batch=10)))
+    # ... and the engine still works afterwards
+    engine.train_batch(*MODELS["mlp"].batch(seed=0, batch=8))
+    return messages
+
+
+def test_configuration_errors_are_caught_up_front_on_every_rank() -> None:
+    per_rank = launch(_config_errors_rank, 2, timeout=20, join_timeout=90)
+    for messages in per_rank:
+        disagree, indivisible, chunks, batch = messages
+        assert "num_microbatches" in disagree and "rank 1" in disagree
+        assert "not divisible by num_stages=3" in indivisible
+        assert "'gpipe'" in chunks and "interleaved" in chunks
+        assert "refused the batch" in batch or "not divisible by num_microbatches=4" in batch
+    assert "batch size 10 is not divisible by num_microbatches=4" in per_rank[0][3]
+
+
+def test_layer_spec_is_only_built_on_its_owner() -> None:
+    built = launch(_count_builds, 2, timeout=20, join_timeout=60)
+    assert built == [[0, 1], [2, 3]]
+
+
+_BUILT: list[int] = []
+
+
+class _Counted(nn.Linear):
+    def __init__(self, index: int) -> None:
+        super().__init__(4, 4)
+        _BUILT.append(index)
+
+
+def _count_builds() -> list[int]:
+    module = PipelineModule([LayerSpec(_Counted, k) for k in range(4)], num_stages=2,
+                            partition_method="uniform")
+    PipelineEngine(module, schedule="gpipe", num_microbatches=1)
+    return sorted(_BUILT)
