@@ -92,15 +92,27 @@ class Comm:
         self.timeout = process_group_timeout(timeout)
         self.device = device
         self.group = group
-        self._sends: list[tuple[Any, Any]] = []  # (work, tensors kept alive until done)
+        self._sends: list[tuple[Any, Any]] = []  # (works, tensors kept alive until done)
         self._batched = dist.get_backend(group) == "nccl"
+        self._process_group: Any = group if group is not None else dist.group.WORLD
+        self._group_ranks = [rank if group is None else dist.get_group_rank(group, rank)
+                             for rank in self.pipeline_ranks]
 
     # -- point to point ------------------------------------------------------------------
+    # Gloo: ProcessGroup.send/recv directly (dist.isend's Python checks cost ~150 µs a
+    # message on a busy CPU). NCCL: one batch_isend_irecv per exchange, as it requires.
 
-    def _post(self, ops: list[dist.P2POp]) -> list[Any]:
-        if self._batched:  # NCCL needs the ops of one exchange grouped
-            return list(dist.batch_isend_irecv(ops))
-        return [op.op(op.tensor, op.peer, op.group) for op in ops]
+    def _send(self, tensor: torch.Tensor, peer: int) -> Any:
+        if self._batched:
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor,
+                                                      self.pipeline_ranks[peer], self.group)])[0]
+        return self._process_group.send([tensor], self._group_ranks[peer], 0)
+
+    def _recv(self, tensor: torch.Tensor, peer: int) -> Any:
+        if self._batched:
+            return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor,
+                                                      self.pipeline_ranks[peer], self.group)])[0]
+        return self._process_group.recv([tensor], self._group_ranks[peer], 0)
 
     def _wait(self, work: Any) -> None:
         work.wait(self.timeout)
@@ -108,30 +120,24 @@ class Comm:
     def send(self, tensors: Sequence[torch.Tensor], peer: int, *, header: Meta | None) -> None:
         """Post isends of `tensors` to pipeline rank `peer`, preceded by a shape header when
         `header` is given; return at once."""
-        dst = self.pipeline_ranks[peer]
         payload = [t.detach().contiguous() for t in tensors]
         if header is not None:
             payload.insert(0, encode_header(header).to(self.device))
-        ops = [dist.P2POp(dist.isend, t, dst, self.group) for t in payload]
-        self._sends.append((self._post(ops), payload))
+        self._sends.append(([self._send(t, peer) for t in payload], payload))
         if len(self._sends) > 64:
             self._prune()
 
     def recv_header(self, peer: int) -> Meta:
         """Block until the next shape header from `peer` arrives; return its layout."""
         header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)
-        for work in self._post([dist.P2POp(dist.irecv, header, self.pipeline_ranks[peer],
-                                           self.group)]):
-            self._wait(work)
+        self._wait(self._recv(header, peer))
         return decode_header(header.cpu())
 
     def recv(self, layout: Sequence[tuple[tuple[int, ...], torch.dtype]],
              peer: int) -> PendingRecv:
         """Post irecvs for one message of `layout` from `peer`; wait on the result later."""
-        src = self.pipeline_ranks[peer]
         buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in layout]
-        works = self._post([dist.P2POp(dist.irecv, b, src, self.group) for b in buffers])
-        return PendingRecv(works, buffers, peer, self.timeout)
+        return PendingRecv([self._recv(b, peer) for b in buffers], buffers, peer, self.timeout)
 
     def _prune(self) -> None:
         self._sends = [entry for entry in self._sends

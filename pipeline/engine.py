@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 import zlib
 from typing import Any
@@ -228,10 +229,21 @@ class PipelineEngine:
     # -- measurements ----------------------------------------------------------------------
 
     def last_timeline(self) -> Timeline:
-        """Every pipeline rank's measured spans of the last step, in seconds from its aligned
-        start, as the simulator's `Timeline` (a collective: call it on every rank)."""
-        gathered = self.comm.all_gather_object(self._trace.spans)
-        spans = [span for rank_spans in gathered for span in rank_spans]
+        """Every pipeline rank's measured spans of the last step, in seconds from the step's
+        start, as the simulator's `Timeline` (a collective: call it on every rank).
+
+        Ranks on one host share the monotonic clock, so their spans are placed on it
+        exactly; across hosts each rank's clock starts at the step's opening collective.
+        """
+        gathered = self.comm.all_gather_object(
+            (socket.gethostname(), self._trace.origin, self._trace.spans))
+        same_host = len({host for host, _, _ in gathered}) == 1
+        first = min(origin for _, origin, _ in gathered)
+        spans = []
+        for _, origin, rank_spans in gathered:
+            shift = origin - first if same_host else 0.0
+            spans += [span._replace(start=span.start + shift, end=span.end + shift)
+                      for span in rank_spans]
         schedule = self._last_stream
         return Timeline.from_spans(spans, schedule.num_ranks, name=f"{schedule.name} (measured)",
                                    num_microbatches=schedule.num_microbatches,

@@ -34,7 +34,8 @@ class Trace:
 
 @dataclass(frozen=True)
 class OpCosts:
-    """Mean measured seconds per op kind and stage (stages with no such op are absent)."""
+    """Mean measured seconds per op kind and stage (stages with no such op are absent), and
+    the message latency seen by receivers that had to wait."""
 
     forward: dict[int, float] = field(default_factory=dict)
     backward: dict[int, float] = field(default_factory=dict)
@@ -43,18 +44,33 @@ class OpCosts:
     """I: the input-gradient half of a split backward."""
     weight_grad: dict[int, float] = field(default_factory=dict)
     """W: the weight-gradient half of a split backward."""
+    send_forward: dict[int, float] = field(default_factory=dict)
+    """Posting the SEND_F after a stage's F (on the producer's rank)."""
+    send_backward: dict[int, float] = field(default_factory=dict)
+    """Posting the SEND_B after a stage's backward."""
+    latency: float = 0.0
+    """Median seconds from a SEND's end to the end of the receiver's wait, over the waits
+    that actually blocked (0 when none did)."""
 
-    def cost_model(self, num_stages: int, *, comm: float = 0.0) -> CostModel:
-        """A `CostModel` for the simulator: F, and B split as I + W (a fused B is all I)."""
-        def per_stage(values: dict[int, float]) -> list[float]:
-            fallback = float(np.mean(list(values.values()))) if values else 0.0
-            return [values.get(s, fallback) for s in range(num_stages)]
+    def cost_model(self, num_stages: int) -> CostModel:
+        """A `CostModel` for the simulator: F and B each with the send that follows them
+        (the same rank pays it), B split as I + W (a fused B is all I), `latency` per hop."""
+        def per_stage(*parts: dict[int, float]) -> list[float]:
+            values = []
+            for s in range(num_stages):
+                total = 0.0
+                for part in parts:
+                    fallback = float(np.mean(list(part.values()))) if part else 0.0
+                    total += part.get(s, fallback if part is parts[0] else 0.0)
+                values.append(total)
+            return values
 
         fused = bool(self.backward)
-        return CostModel(forward=per_stage(self.forward),
-                         backward=per_stage(self.backward if fused else self.input_grad),
-                         weight=[0.0] * num_stages if fused else per_stage(self.weight_grad),
-                         comm=comm)
+        return CostModel(
+            forward=per_stage(self.forward, self.send_forward),
+            backward=per_stage(self.backward if fused else self.input_grad, self.send_backward),
+            weight=[0.0] * num_stages if fused else per_stage(self.weight_grad),
+            comm=self.latency)
 
 
 @dataclass(frozen=True)
@@ -72,16 +88,30 @@ class StepStats:
 
 
 _KIND_FIELDS = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input_grad",
-                Kind.W: "weight_grad"}
+                Kind.W: "weight_grad", Kind.SEND_F: "send_forward",
+                Kind.SEND_B: "send_backward"}
+_PRODUCER = {Kind.RECV_F: (Kind.SEND_F, -1), Kind.RECV_B: (Kind.SEND_B, +1)}
+_BLOCKED = 50e-6  # a wait shorter than this found its data already there
 
 
 def measured_costs(spans: Sequence[Span] | Timeline) -> OpCosts:
-    """Mean duration of each compute kind per stage."""
+    """Mean duration of each compute kind (and send) per stage, and the message latency."""
     rows = list(spans.spans()) if isinstance(spans, Timeline) else list(spans)
     sums: dict[str, dict[int, list[float]]] = {name: {} for name in _KIND_FIELDS.values()}
+    send_end: dict[tuple[Kind, int, int], float] = {}
     for span in rows:
         name = _KIND_FIELDS.get(span.kind)
         if name is not None:
             sums[name].setdefault(span.stage, []).append(span.end - span.start)
+        if span.kind in (Kind.SEND_F, Kind.SEND_B):
+            send_end[(span.kind, span.stage, span.microbatch)] = span.end
+    latencies = []
+    for span in rows:
+        producer = _PRODUCER.get(span.kind)
+        if producer is None or span.end - span.start < _BLOCKED:
+            continue
+        sent = send_end.get((producer[0], span.stage + producer[1], span.microbatch))
+        if sent is not None:
+            latencies.append(max(0.0, span.end - sent))
     means = {name: {s: float(np.mean(v)) for s, v in per.items()} for name, per in sums.items()}
-    return OpCosts(**means)
+    return OpCosts(**means, latency=float(np.median(latencies)) if latencies else 0.0)
