@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from pipeline.errors import PipelineConfigError
 
-__all__ = ["Batch", "as_tensors", "join_microbatches", "signature", "split_microbatches"]
+__all__ = ["Batch", "as_tensors", "join_microbatches", "signature", "split_microbatches",
+           "take_microbatches"]
 
 Batch = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
 """What flows in and between stages: a tensor or a tuple of tensors."""
@@ -48,6 +49,25 @@ def split_microbatches(batch: Any, num_microbatches: int, what: str) -> list[Any
     if isinstance(batch, torch.Tensor):
         return list(parts[0])
     return [tuple(part[i] for part in parts) for i in range(num_microbatches)]
+
+
+def take_microbatches(data_iter: Iterator[Any], num_microbatches: int
+                      ) -> tuple[list[Any], list[Any]]:
+    """m (inputs, targets) pairs from a DeepSpeed-style iterator, as two lists."""
+    inputs, targets = [], []
+    for k in range(num_microbatches):
+        try:
+            pair = next(data_iter)
+        except StopIteration:
+            raise PipelineConfigError(f"data_iter ran out after {k} of num_microbatches="
+                                      f"{num_microbatches} microbatches") from None
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise TypeError(f"data_iter must yield (inputs, targets) pairs, got "
+                            f"{_describe(pair)}")
+        as_tensors(pair[0], "inputs")
+        inputs.append(pair[0])
+        targets.append(pair[1])
+    return inputs, targets
 
 
 def join_microbatches(outputs: Sequence[Any]) -> Any:

@@ -161,6 +161,15 @@ class Comm:
         dist.broadcast(value, self.pipeline_ranks[src_peer], group=self.group)
         return value
 
+    def agree(self, value: int, *, failed: bool, pp_rank: int) -> tuple[int, list[int]]:
+        """One all-reduce: the sum of every rank's `value` (only one rank contributes a
+        non-zero one) and the pipeline ranks that reported `failed`."""
+        flags = torch.tensor([value, (1 << min(pp_rank, 62)) if failed else 0],
+                             dtype=torch.int64)
+        dist.all_reduce(flags, group=self.group)
+        mask = int(flags[1])
+        return int(flags[0]), [r for r in range(63) if mask >> r & 1]
+
     def barrier(self) -> None:
         """Every pipeline rank reaches this point before any leaves (aligns clocks)."""
         dist.barrier(group=self.group)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import socket
 import time
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipeline.batch import join_microbatches, signature, split_microbatches
+from pipeline.batch import join_microbatches, signature, split_microbatches, take_microbatches
 from pipeline.comm import Comm, make_groups
 from pipeline.device import default_device, synchronize
 from pipeline.errors import PipelineConfigError, PipelineStepError
@@ -122,29 +123,31 @@ class PipelineEngine:
 
     # -- steps -----------------------------------------------------------------------------
 
-    def train_batch(self, inputs: Any = None, targets: Any = None) -> float:
+    def train_batch(self, inputs: Any = None, targets: Any = None, *,
+                    data_iter: Iterator[tuple[Any, Any]] | None = None) -> float:
         """One optimizer step on a full batch; returns the mean loss on every rank.
 
-        The batch is split into `num_microbatches` equal microbatches; gradients accumulate
-        as a single process would for the mean loss over the full batch. Only the ranks
-        holding the first stage need `inputs`, the last stage `targets`.
+        The batch is split into `num_microbatches` equal microbatches (or, as in DeepSpeed,
+        `data_iter` yields them as (inputs, targets) pairs); gradients accumulate as a single
+        process would for the mean loss over the full batch. Only the ranks holding the
+        first stage need inputs, the last stage targets.
         """
         self.module.train()
         self.module.zero_grad(set_to_none=True)
-        losses = self._run(self.schedule, inputs, targets, training=True)
-        return float(losses)
+        return self._run(self.schedule, inputs, targets, data_iter, training=True)
 
-    def eval_batch(self, inputs: Any = None, targets: Any = None) -> Any:
+    def eval_batch(self, inputs: Any = None, targets: Any = None, *,
+                   data_iter: Iterator[tuple[Any, Any]] | None = None) -> Any:
         """Forward the full batch with the forward-only schedule (no gradients).
 
         Returns the last stage's outputs, joined over microbatches, on the rank that holds
-        the last stage (None elsewhere); with `targets`, the mean loss is in `last_loss`.
+        the last stage (None elsewhere); with targets, the mean loss is in `last_loss`.
         """
         was_training = self.module.training
         self.module.eval()
         try:
-            loss = self._run(self.eval_schedule, inputs, targets, training=False)
-            self.last_loss = loss if targets is not None else None
+            loss = self._run(self.eval_schedule, inputs, targets, data_iter, training=False)
+            self.last_loss = loss if targets is not None or data_iter is not None else None
         finally:
             self.module.train(was_training)
         outputs = self._interpreter.state.outputs
@@ -153,35 +156,48 @@ class PipelineEngine:
             return None
         return join_microbatches([outputs[i] for i in range(len(outputs))])
 
-    def _run(self, schedule: Schedule, inputs: Any, targets: Any, *, training: bool) -> float:
-        m = schedule.num_microbatches
-        # 1. Split the batch where it is needed; agree on its shape signature (when it
-        #    changed, this step's forward messages carry shape headers).
-        needs_inputs = 0 in self.stage_ids
-        needs_targets = training and self.is_last_stage()
+    def _prepare(self, m: int, inputs: Any, targets: Any,
+                 data_iter: Iterator[tuple[Any, Any]] | None,
+                 training: bool) -> tuple[list[Any] | None, list[Any] | None]:
+        """This rank's microbatches, after every rank agreed that the batch is usable and on
+        its shape signature (when it changed, this step's forward messages carry headers)."""
+        first, last = self.is_first_stage(), self.is_last_stage()
         problem: Exception | None = None
         microbatches = split_targets = None
         try:
-            if needs_inputs:
-                microbatches = split_microbatches(inputs, m, "inputs")
-            if targets is not None and (needs_targets or not training) and self.is_last_stage():
-                split_targets = split_microbatches(targets, m, "targets")
-            elif needs_targets:
+            if data_iter is not None:
+                microbatches, split_targets = take_microbatches(data_iter, m)
+            else:
+                if first:
+                    microbatches = split_microbatches(inputs, m, "inputs")
+                if last and targets is not None:
+                    split_targets = split_microbatches(targets, m, "targets")
+            if training and last and split_targets is None:
                 raise PipelineConfigError("this rank holds the last stage: pass targets")
+            if first and microbatches is None:
+                raise PipelineConfigError("this rank holds the first stage: pass inputs")
         except (PipelineConfigError, TypeError) as error:
             problem = error
-        local = zlib.crc32(repr((signature(inputs), m, training)).encode()) + 1 \
-            if needs_inputs and problem is None else 0
-        agreed = torch.tensor([local, (1 << min(self.pp_rank, 62)) if problem else 0],
-                              dtype=torch.int64)
-        dist.all_reduce(agreed, group=self.comm.group)  # also aligns the ranks' clocks
+        local = 0
+        if first and problem is None and microbatches is not None:
+            shapes = [signature(x) for x in microbatches]
+            local = zlib.crc32(repr((shapes, training)).encode()) + 1
+        # also aligns the ranks' clocks: every rank leaves it within a message time
+        agreed, refused = self.comm.agree(local, failed=problem is not None,
+                                          pp_rank=self.pp_rank)
         if problem is not None:
             raise problem
-        if int(agreed[1]):
-            refused = [r for r in range(63) if int(agreed[1]) >> r & 1]
+        if refused:
             raise PipelineConfigError(f"pipeline rank(s) {refused} refused the batch (see "
                                       "their error); nothing was run")
-        self._shapes.begin_step(int(agreed[0]))
+        self._shapes.begin_step(agreed)
+        return microbatches, split_targets
+
+    def _run(self, schedule: Schedule, inputs: Any, targets: Any,
+             data_iter: Iterator[tuple[Any, Any]] | None, *, training: bool) -> float:
+        m = schedule.num_microbatches
+        # 1. This rank's microbatches; every rank agrees the batch is usable.
+        microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
         # 2. Run this rank's stream.
         state = StepState(microbatches, split_targets, training)
         self._interpreter.state = state

@@ -128,3 +128,24 @@ class Stall(nn.Module):
 
         time.sleep(self.seconds)
         return x
+
+
+def v_split_schedule(num_microbatches: int) -> Any:
+    """A hand-made 2-rank V-placement schedule with split backwards (I then W): rank 0 holds
+    stages 0 and 3, rank 1 stages 1 and 2, so 1 -> 2 passes activations and gradients on
+    one rank. Order per rank: forwards of its upstream then downstream stage, input grads
+    downstream then upstream, weight grads last."""
+    from schedules import Instruction, Kind, Schedule, v_placement
+
+    m = range(num_microbatches)
+
+    def ops(kind: Kind, stage: int) -> list[Instruction]:
+        return [Instruction(kind, stage, i) for i in m]
+
+    streams = (
+        tuple(ops(Kind.F, 0) + ops(Kind.F, 3) + ops(Kind.I, 3) + ops(Kind.I, 0)
+              + ops(Kind.W, 3) + ops(Kind.W, 0)),
+        tuple(ops(Kind.F, 1) + ops(Kind.F, 2) + ops(Kind.I, 2) + ops(Kind.I, 1)
+              + ops(Kind.W, 2) + ops(Kind.W, 1)),
+    )
+    return Schedule("v-split", num_microbatches, v_placement(2), streams)

@@ -15,7 +15,7 @@ import torch
 from pipeline import PipelineEngine, PipelineModule, launch
 from pipeline.reference import build_reference, reference_forward, reference_step
 from schedules import figures, simulate
-from tests.pipeline_models import MODELS
+from tests.pipeline_models import MODELS, v_split_schedule
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,11 +27,14 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
-def _cases() -> list[Case]:
+def _cases(p: int) -> list[Case]:
     cases = [(model, schedule, m, 2 if schedule == "interleaved" else 1, 0)
              for model in MODELS for schedule in ("gpipe", "1f1b", "interleaved")
              for m in (1, 3, 8)]
-    return [*cases, ("mlp", "1f1b", 3, 1, 2), ("transformer", "interleaved", 8, 2, 1)]
+    cases += [("mlp", "1f1b", 3, 1, 2), ("transformer", "interleaved", 8, 2, 1)]
+    if p == 2:  # split backward (I, W) and same-rank neighbours under V placement
+        cases += [(model, "v-split", m, 2, 0) for model in MODELS for m in (1, 3)]
+    return cases
 
 
 def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -43,7 +46,8 @@ def _run_case(p: int, case: Case) -> dict[str, Any]:
     spec = MODELS[model]
     module = PipelineModule(spec.layers(), num_stages=p, chunks=chunks, loss_fn=spec.loss,
                             activation_checkpoint_interval=interval)
-    engine = PipelineEngine(module, schedule=schedule, num_microbatches=m, optimizer=_sgd,
+    plan: Any = v_split_schedule(m) if schedule == "v-split" else schedule
+    engine = PipelineEngine(module, schedule=plan, num_microbatches=m, optimizer=_sgd,
                             timeout=30)
     reference = build_reference(spec.layers())
     errors = {"loss": 0.0, "grad": 0.0, "param": 0.0, "eval": 0.0}
@@ -80,18 +84,29 @@ def _equivalence_rank(p: int, cases: list[Case]) -> dict[str, Any]:
     engine.train_batch(*MODELS["mlp"].batch(seed=0))
     timeline = engine.last_timeline()
     numbers = figures(timeline)
+    # DeepSpeed style: an iterator of (inputs, targets) microbatches
+    inputs, targets = MODELS["mlp"].batch(seed=1)
+    pairs = iter(zip(inputs.chunk(3), targets.chunk(3)))
+    expected = reference_step(build_reference(MODELS["mlp"].layers()), inputs, targets,
+                              loss_fn=MODELS["mlp"].loss)
+    fresh = PipelineEngine(PipelineModule(MODELS["mlp"].layers(), num_stages=p,
+                                          loss_fn=MODELS["mlp"].loss),
+                           schedule="1f1b", num_microbatches=3)
+    data_iter_error = abs(fresh.train_batch(data_iter=pairs) - expected.loss)
     return {"results": results, "timeline_rows": len(timeline), "makespan": numbers.makespan,
-            "timeline_ranks": sorted(set(timeline.rank.tolist()))}
+            "timeline_ranks": sorted(set(timeline.rank.tolist())),
+            "data_iter_error": data_iter_error}
 
 
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_pipeline_equals_single_process(p: int) -> None:
-    cases = _cases()
+    cases = _cases(p)
     per_rank = launch(_equivalence_rank, p, p, cases, timeout=60, join_timeout=240)
     problems = []
     for rank, outcome in enumerate(per_rank):
         assert outcome["timeline_ranks"] == list(range(p))
         assert outcome["makespan"] > 0
+        assert outcome["data_iter_error"] < TOLERANCE
         for result in outcome["results"]:
             for key in ("loss", "grad", "param", "eval"):
                 if result[key] > TOLERANCE:
