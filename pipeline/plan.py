@@ -45,9 +45,13 @@ def resolve_schedule(schedule: str | Schedule, module: PipelineModule,
         except ScheduleError as error:
             raise PipelineConfigError(f"cannot build schedule {schedule!r}: {error}") from error
     elif isinstance(schedule, Schedule):
-        built = schedule if schedule.lowered else lower(schedule)
-        if built.has_backward and not any(op.kind is Kind.STEP for op in built.streams[0]):
-            built = add_optimizer_step(built)
+        try:
+            built = schedule if schedule.lowered else lower(schedule)
+            if built.has_backward and not any(op.kind is Kind.STEP for op in built.streams[0]):
+                built = add_optimizer_step(built)
+        except ScheduleError as error:
+            raise PipelineConfigError(f"schedule {schedule.name!r} is refused: {error}") \
+                from error
         if num_microbatches is not None and num_microbatches != built.num_microbatches:
             raise PipelineConfigError(
                 f"num_microbatches={num_microbatches} but schedule {built.name!r} was made "
