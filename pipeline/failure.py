@@ -12,19 +12,34 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["EXIT_PEER_FAILED", "FailureRecord", "Watchdog", "read_failure", "report_failure",
-           "start_watchdog", "stop_watchdog"]
+__all__ = ["EXIT_PEER_FAILED", "PROGRESS", "FailureRecord", "Progress", "Watchdog",
+           "explain_stall", "read_failure", "report_failure", "start_watchdog", "stop_watchdog"]
 
 EXIT_PEER_FAILED = 3
 """Exit code of a rank stopped because another rank failed."""
 _FIRST_KEY = "pipesched/failure/first"
 _COUNT_KEY = "pipesched/failure/count"
+_PROBE_KEY = "pipesched/probe"
+
+
+class Progress:
+    """What this rank's main thread is doing: the watchdog reads it to answer stall probes."""
+
+    def __init__(self) -> None:
+        self.instruction: object = None
+        """The instruction being executed (formatted only when a probe asks)."""
+        self.waiting_on: int | None = None
+        """Global rank whose data the main thread is blocked on, if any."""
+
+
+PROGRESS = Progress()
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,7 @@ class Watchdog:
     def __init__(self, rank: int, interval: float = 0.1,
                  on_peer_failure: Callable[[FailureRecord], None] | None = None) -> None:
         self.rank = rank
+        self._answered = ""
         self.interval = interval
         self.on_peer_failure = on_peer_failure or _exit_on_peer_failure(rank)
         self._stop = threading.Event()
@@ -102,6 +118,55 @@ class Watchdog:
             if record is not None and record.rank != self.rank:
                 self.on_peer_failure(record)
                 return
+            self._answer_probe()
+
+    def _answer_probe(self) -> None:
+        """Tell a rank that timed out what this rank is doing (see `explain_stall`)."""
+        store = _store()
+        try:
+            if store is None or not store.check([_PROBE_KEY]):
+                return
+            probe = store.get(_PROBE_KEY).decode()
+            if probe != self._answered:
+                self._answered = probe
+                instruction = PROGRESS.instruction
+                store.set(f"{_PROBE_KEY}/{probe}/{self.rank}", json.dumps(
+                    [None if instruction is None else str(instruction), PROGRESS.waiting_on]))
+        except RuntimeError:
+            pass
+
+
+def explain_stall(waited_for: int, ranks: list[int], patience: float = 1.0) -> str:
+    """Ask every rank (through their watchdogs) what it is doing and follow the chain of
+    waits from `waited_for` to the rank that holds everyone up; '' when nobody answers."""
+    store = _store()
+    if store is None or _watchdog is None:
+        return ""
+    try:
+        probe = str(store.add(f"{_PROBE_KEY}/count", 1))
+        store.set(_PROBE_KEY, probe)
+        answers: dict[int, tuple[str | None, int | None]] = {}
+        deadline = time.monotonic() + patience
+        while time.monotonic() < deadline and len(answers) < len(ranks) - 1:
+            for rank in ranks:
+                key = f"{_PROBE_KEY}/{probe}/{rank}"
+                if rank not in answers and rank != _watchdog.rank and store.check([key]):
+                    instruction, waiting_on = json.loads(store.get(key))
+                    answers[rank] = (instruction, waiting_on)
+            time.sleep(0.02)
+    except RuntimeError:
+        return ""
+    rank, seen = waited_for, []
+    while rank in answers and rank not in seen:
+        seen.append(rank)
+        instruction, waiting_on = answers[rank]
+        if waiting_on is None:
+            return (f"rank {rank} holds the pipeline up: it is in {instruction or 'no step'} "
+                    f"and not waiting for data (chain of waits: {' -> '.join(map(str, seen))})")
+        rank = waiting_on
+    if rank not in answers:
+        return f"rank {rank} did not answer (chain of waits: {' -> '.join(map(str, seen))})"
+    return f"the ranks wait for each other in a cycle: {' -> '.join(map(str, [*seen, rank]))}"
 
 
 def _exit_on_peer_failure(rank: int) -> Callable[[FailureRecord], None]:

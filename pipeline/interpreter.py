@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from pipeline.batch import as_tensors
 from pipeline.comm import Comm, Meta, PendingRecv
+from pipeline.failure import PROGRESS, explain_stall
 from pipeline.module import LossFn, PipelineModule, Stage
 from pipeline.plugins import GradientReducer
 from pipeline.shapes import ShapeBook
@@ -27,6 +28,7 @@ from schedules import Instruction, Kind
 __all__ = ["Interpreter", "StepState"]
 
 Key = tuple[int, int]  # (stage, microbatch)
+_T = TypeVar("_T")
 _now = time.perf_counter
 
 
@@ -120,6 +122,7 @@ class Interpreter:
 
     def execute(self, op: Instruction) -> None:
         """Run one instruction and record its span (receive waits get their own span)."""
+        PROGRESS.instruction = op
         self.op_start = _now()
         self.handlers[op.kind](op)
         if op.kind is not Kind.RECV_F and op.kind is not Kind.RECV_B:
@@ -128,17 +131,24 @@ class Interpreter:
     def _local(self, stage: int) -> bool:
         return 0 <= stage <= self.last_stage and self.placement[stage] == self.pp_rank
 
+    def _blocked(self, peer: int, what: str, wait: Callable[[], _T]) -> _T:
+        """Run `wait` (blocked on data from pipeline rank `peer`); on a timeout, ask the other
+        ranks what they do and say which one holds the pipeline up."""
+        rank = self.comm.pipeline_ranks[peer]
+        PROGRESS.waiting_on = rank
+        try:
+            result = wait()
+        except RuntimeError as error:
+            why = explain_stall(rank, list(self.comm.pipeline_ranks))
+            raise RuntimeError(f"no data from pipeline rank {peer} (global rank {rank}) for "
+                               f"{what}: {error}" + (f"; {why}" if why else "")) from error
+        PROGRESS.waiting_on = None
+        return result
+
     def _wait(self, pending: PendingRecv, kind: Kind, stage: int,
               microbatch: int) -> list[torch.Tensor]:
         start = _now()
-        try:
-            tensors = pending.wait()
-        except RuntimeError as error:
-            peer = pending.peer
-            raise RuntimeError(
-                f"no data from pipeline rank {peer} (global rank "
-                f"{self.comm.pipeline_ranks[peer]}) for {stage}{kind.value}{microbatch}: "
-                f"{error}") from error
+        tensors = self._blocked(pending.peer, f"{stage}{kind.value}{microbatch}", pending.wait)
         end = _now()
         self.trace.record(kind, stage, microbatch, start, end)
         self.state.recv_wait += end - start
@@ -266,7 +276,8 @@ class Interpreter:
 
     def recv_forward(self, op: Instruction) -> None:
         s = op.stage
-        meta = self.shapes.receiving(s, lambda: self.comm.recv_header(op.peer))
+        meta = self.shapes.receiving(s, lambda: self._blocked(
+            op.peer, f"the shape header of {op}", lambda: self.comm.recv_header(op.peer)))
         is_tuple, layout = meta
         self.state.recv_f[(s, op.microbatch)] = (self.comm.recv(layout, op.peer), is_tuple)
 

@@ -57,8 +57,9 @@ def test_a_stalled_rank_times_out_instead_of_hanging() -> None:
         launch(_failing_rank, 4, "stall", timeout=10, join_timeout=60)
     elapsed = time.monotonic() - start
     # a rank waiting (directly or through a neighbour) on the stalled rank 2 gives up after
-    # the engine's 3 s timeout and names what it waited for
+    # the engine's 3 s timeout, asks the others what they do, and names the culprit
     assert "no data from pipeline rank" in str(caught.value)
+    assert "rank 2 holds the pipeline up: it is in 2F0" in str(caught.value)
     assert all(code != 0 for code in caught.value.exit_codes)
     assert elapsed < 40
 
