@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,15 +45,38 @@ class MonotoneSolution:
     bottleneck: float
 
 
+def _bits(value: float) -> int:
+    """The IEEE-754 bit pattern of a non-negative double; it orders like the value."""
+    return int(np.float64(value).view(np.int64))
+
+
+def _from_bits(bits: int) -> float:
+    return float(np.int64(bits).view(np.float64))
+
+
 def _minimal_fit(prefix_start: float, prefix_stop: float) -> float:
     """The smallest float B with prefix_stop <= prefix_start + B: the stage's cost as the
-    probe sees it."""
+    probe sees it (usually just the difference; rounding can shift it by an ulp)."""
     need = max(prefix_stop - prefix_start, 0.0)
-    while prefix_start + need < prefix_stop:
-        need = math.nextafter(need, math.inf)
-    while need > 0 and prefix_start + math.nextafter(need, 0.0) >= prefix_stop:
-        need = math.nextafter(need, 0.0)
-    return need
+    if prefix_start + need >= prefix_stop and (
+        need == 0 or prefix_start + math.nextafter(need, 0.0) < prefix_stop
+    ):
+        return need
+    # Rounding makes a run of B values equivalent: find the run's start by bisecting the
+    # bit patterns (at most 64 steps). Invariant: low does not fit, high fits.
+    step = math.ulp(prefix_stop)
+    high = need + step
+    while prefix_start + high < prefix_stop:
+        step *= 2
+        high = need + step
+    low_bits, high_bits = -1, _bits(high)
+    while high_bits - low_bits > 1:
+        middle = (low_bits + high_bits) // 2
+        if prefix_start + _from_bits(middle) >= prefix_stop:
+            high_bits = middle
+        else:
+            low_bits = middle
+    return _from_bits(high_bits)
 
 
 def closest_cut(
@@ -115,24 +138,28 @@ class _Greedy:
     def bottleneck(self, ends: Sequence[int]) -> float:
         """The largest stage cost of consecutive stage ends, in the probe's arithmetic."""
         starts = [0, *ends[:-1]]
-        return max(_minimal_fit(self.prefix[a], self.prefix[b]) for a, b in zip(starts, ends))
+        return max(
+            _minimal_fit(self.prefix[a], self.prefix[b]) for a, b in zip(starts, ends, strict=True)
+        )
 
-    def first_start(self, stop: int, bound: float) -> int:
-        """The smallest a such that stage [a, stop) fits ``bound`` and the memory cap."""
-        start = self._first_fitting(self.prefix, stop, bound)
-        if self.memory_prefix is not None and self.memory_cap is not None:
-            start = max(start, self._first_fitting(self.memory_prefix, stop, self.memory_cap))
-        return start
+    def first_starts(self, bound: float) -> Callable[[int], int]:
+        """For a stop b, the smallest a such that stage [a, b) fits ``bound`` and the cap.
+        prefix + bound is sorted (float addition is monotone), so one search is exact."""
+        shifted = self.prefix + bound
+        memory_shifted = (
+            self.memory_prefix + self.memory_cap
+            if self.memory_prefix is not None and self.memory_cap is not None
+            else None
+        )
 
-    @staticmethod
-    def _first_fitting(prefix: np.ndarray, stop: int, limit: float) -> int:
-        start = int(np.searchsorted(prefix, prefix[stop] - limit, side="left"))
-        # searchsorted used a subtraction; settle the edge with the probe's addition.
-        while start > 0 and prefix[stop] <= prefix[start - 1] + limit:
-            start -= 1
-        while start < stop and prefix[stop] > prefix[start] + limit:
-            start += 1
-        return start
+        def first_start(stop: int) -> int:
+            start = int(np.searchsorted(shifted, self.prefix[stop], side="left"))
+            if memory_shifted is not None and self.memory_prefix is not None:
+                memory_start = np.searchsorted(memory_shifted, self.memory_prefix[stop])
+                start = max(start, int(memory_start))
+            return start
+
+        return first_start
 
     def balanced_boundaries(self, bound: float) -> tuple[int, ...]:
         """Among the partitions with bottleneck <= ``bound``, one whose stages are close to
@@ -144,9 +171,10 @@ class _Greedy:
             raise RuntimeError(f"internal error: bound {bound!r} was proven feasible")
         n, p = self.num_layers, self.num_stages
         farthest = [0, *ends, *([n] * (p - len(ends)))]
+        first_start = self.first_starts(bound)
         cuts, stop = [n], n
         for stage in range(p - 1, 0, -1):
-            low = max(stage, self.first_start(stop, bound))
+            low = max(stage, first_start(stop))
             high = min(farthest[stage], stop - 1)
             if low > high:
                 raise RuntimeError(f"internal error: no cut for stage {stage} under {bound!r}")
@@ -173,7 +201,12 @@ def solve_monotone(
     ends, _ = greedy.probe(math.inf)
     if ends is None:
         return None
-    lo, hi = 0.0, greedy.bottleneck(ends)
+    hi = greedy.bottleneck(ends)
+    # B* >= the heaviest layer and >= the mean stage; the slack covers rounding, so lo
+    # stays a true lower bound and hi / lo <= about p (few bisection steps).
+    total = float(prefix[-1])
+    heaviest = float(np.max(np.diff(prefix))) if len(prefix) > 1 else 0.0
+    lo = max(0.0, max(heaviest, total / num_stages) - 4 * math.ulp(total))
     while lo < hi:
         mid = lo + (hi - lo) / 2
         if mid >= hi:
@@ -186,7 +219,7 @@ def solve_monotone(
     return MonotoneSolution(greedy.balanced_boundaries(hi), hi)
 
 
-def partition_weights(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
+def partition_weights(weights: Sequence[float] | np.ndarray, num_stages: int) -> tuple[int, ...]:
     """Exact min-max contiguous split of non-negative weights into ``num_stages`` stages:
     the p+1 cut indices (first 0, last n) minimising the largest stage sum. Among optimal
     splits, stages are kept close to an even share."""

@@ -45,8 +45,10 @@ def chain_graph(
         edge_bytes = [layer.activation for layer in layers[:-1]]
     elif len(edge_bytes) != max(len(layers) - 1, 0):
         raise InvalidCostError(
-            [f"edge_bytes has {len(edge_bytes)} entries for {len(layers)} layers "
-             f"(give one per edge, {max(len(layers) - 1, 0)})"]
+            [
+                f"edge_bytes has {len(edge_bytes)} entries for {len(layers)} layers "
+                f"(give one per edge, {max(len(layers) - 1, 0)})"
+            ]
         )
     edges = [(index, index + 1, size) for index, size in enumerate(edge_bytes)]
     return ModelGraph(layers, edges, bandwidth=bandwidth)

@@ -25,9 +25,7 @@ class PartitionError(ValueError):
 class UnknownMethodError(PartitionError):
     """A method string that is not one of the allowed partition methods."""
 
-    def __init__(
-        self, text: str, allowed: tuple[str, ...], kind: str = "partition method"
-    ) -> None:
+    def __init__(self, text: str, allowed: tuple[str, ...], kind: str = "partition method") -> None:
         self.text = text
         self.allowed = allowed
         super().__init__(f"unknown {kind} {text!r}; use one of: {', '.join(allowed)}")
@@ -94,9 +92,7 @@ class NoMatchingLayerError(PartitionError):
         self.pattern = pattern
         self.type_names = type_names
         shown = ", ".join(type_names[:20]) + (", ..." if len(type_names) > 20 else "")
-        super().__init__(
-            f"type pattern {pattern!r} matches no layer; the layer types are: {shown}"
-        )
+        super().__init__(f"type pattern {pattern!r} matches no layer; the layer types are: {shown}")
 
 
 class InfeasibleMemoryError(PartitionError):

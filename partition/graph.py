@@ -135,9 +135,7 @@ class ModelGraph:
         for node in order:
             attributes = digraph.nodes[node]
             values = {field: attributes.get(field, 0.0) for field in COST_FIELDS}
-            layers.append(
-                _make_layer(str(node), values, str(attributes.get("type_name", "")))
-            )
+            layers.append(_make_layer(str(node), values, str(attributes.get("type_name", ""))))
         edges = [
             (position[u], position[v], data.get("bytes", 0.0))
             for u, v, data in digraph.edges(data=True)
@@ -151,9 +149,7 @@ class ModelGraph:
         for edge in self._edges:
             if _bad_number(edge.bytes):
                 problems.append(f"edge {edge.source}->{edge.target} bytes={edge.bytes!r}")
-        if self._bandwidth is not None and (
-            _bad_number(self._bandwidth) or self._bandwidth == 0
-        ):
+        if self._bandwidth is not None and (_bad_number(self._bandwidth) or self._bandwidth == 0):
             problems.append(f"bandwidth={self._bandwidth!r} (must be > 0, or None for free)")
         if problems:
             raise InvalidCostError(problems)

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from enum import Enum
 
-from partition.errors import UnknownMethodError
+from partition.errors import InvalidOptionError, NoMatchingLayerError, UnknownMethodError
 
-__all__ = ["Method", "ScheduleMemory", "parse_method", "parse_schedule_memory"]
+__all__ = [
+    "Method",
+    "ScheduleMemory",
+    "match_types",
+    "parse_method",
+    "parse_schedule_memory",
+]
 
 
 class Method(Enum):
@@ -72,3 +80,18 @@ def parse_schedule_memory(value: ScheduleMemory | str) -> ScheduleMemory:
     raise UnknownMethodError(
         value, tuple(s.value for s in ScheduleMemory), kind="schedule memory model"
     )
+
+
+def match_types(type_names: Sequence[str], pattern: str) -> list[float]:
+    """1.0 for each layer whose type name matches ``pattern`` anywhere, case-insensitively
+    (DeepSpeed's ``type:`` rule), else 0.0; raises if nothing matches."""
+    try:
+        compiled = re.compile(pattern, re.IGNORECASE)
+    except re.error as error:
+        raise InvalidOptionError(
+            f"type pattern {pattern!r} is not a valid regular expression ({error})"
+        ) from error
+    weights = [1.0 if compiled.search(name) else 0.0 for name in type_names]
+    if not any(weights):
+        raise NoMatchingLayerError(pattern, tuple(dict.fromkeys(type_names)))
+    return weights

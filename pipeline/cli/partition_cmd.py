@@ -1,0 +1,134 @@
+"""`pipesched partition`: split a JSON cost file into pipeline stages and print the result."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from partition import (
+    InvalidOptionError,
+    graph_from_json,
+    parse_method,
+    parse_schedule_memory,
+    partition_graph,
+)
+
+__all__ = ["parse_bytes", "parse_cuts", "parse_numbers", "register", "run"]
+
+_DESCRIPTION = """\
+Split a model, described by per-layer costs in a JSON file, into P contiguous pipeline
+stages. The default method, balanced, minimises the slowest stage's time (compute plus the
+tensors it sends and receives across cuts) under an optional per-stage memory cap, exactly.
+
+JSON format (times in seconds, sizes in bytes):
+  {"layers": [{"name": "embed", "forward": 0.002, "backward": 0.004,
+               "params": 4096000, "activation": 262144}, ...],
+   "edges": [[from, to, bytes], ...],     (optional; default: a chain carrying activations)
+   "bandwidth": 25e9}                     (optional; default: communication is free)
+"""
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """``"16GiB"``, ``"1.5e9"``, ``"512MB"`` or ``"80G"`` as a number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]i?)?[bB]?\s*", text)
+    try:
+        if match is None:
+            raise ValueError(text)
+        number = float(match.group(1))
+        unit = (match.group(2) or "").lower()
+        return number * (_BINARY[unit] if unit.endswith("i") else _UNITS[unit])
+    except ValueError as error:
+        raise InvalidOptionError(
+            f"{text!r} is not a byte size; write e.g. 17179869184, 16GiB, 1.5e9 or 512MB"
+        ) from error
+
+
+def parse_numbers(text: str, what: str) -> list[float]:
+    """A comma-separated list of numbers such as ``"0,4,9,12"`` or ``"1,1,0.5"``."""
+    try:
+        return [float(item) for item in text.split(",") if item.strip()]
+    except ValueError as error:
+        raise InvalidOptionError(
+            f"--{what} {text!r} must be comma-separated numbers, e.g. 0,4,9,12 or 1,1,0.5,1"
+        ) from error
+
+
+def parse_cuts(text: str) -> list[int]:
+    """Comma-separated integer layer indices such as ``"0,4,9,12"``."""
+    numbers = parse_numbers(text, "boundaries")
+    if any(not number.is_integer() for number in numbers):
+        raise InvalidOptionError(f"--boundaries {text!r} must be integer layer indices")
+    return [int(number) for number in numbers]
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``partition`` subcommand to the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "partition",
+        help="split a model's per-layer costs (JSON) into balanced pipeline stages",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--costs", required=True, metavar="FILE.json", help="per-layer cost file")
+    parser.add_argument("--stages", required=True, type=int, metavar="P", help="pipeline stages")
+    parser.add_argument(
+        "--method",
+        default="balanced",
+        help="balanced (default), uniform, parameters, type:<regex> (balance the layers "
+        "whose type matches, case-insensitive), or explicit (with --boundaries)",
+    )
+    parser.add_argument(
+        "--boundaries", metavar="0,B1,...,N", help="stage boundaries for --method explicit"
+    )
+    parser.add_argument(
+        "--memory-cap", metavar="BYTES", help="per-stage memory cap, e.g. 17179869184 or 16GiB"
+    )
+    parser.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=["1f1b", "gpipe"],
+        help="activation lifetime for memory: 1f1b (stage k holds min(P-k, M) microbatches, "
+        "default) or gpipe (all M)",
+    )
+    parser.add_argument(
+        "--microbatches", type=int, metavar="M", help="microbatches per step (default: P)"
+    )
+    parser.add_argument(
+        "--speeds", metavar="S0,...", help="relative speed of each stage (default: all 1)"
+    )
+    parser.add_argument(
+        "--bandwidth",
+        metavar="BYTES_PER_S",
+        help="override the file's bandwidth between stages, e.g. 25e9 or 25GB",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the result as JSON instead of a table"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Partition the cost file as the arguments ask and print the table (or JSON)."""
+    graph = graph_from_json(args.costs)
+    method, type_pattern = parse_method(args.method)
+    result = partition_graph(
+        graph,
+        args.stages,
+        method=method,
+        type_pattern=type_pattern,
+        boundaries=parse_cuts(args.boundaries) if args.boundaries is not None else None,
+        memory_cap=parse_bytes(args.memory_cap) if args.memory_cap is not None else None,
+        speeds=parse_numbers(args.speeds, "speeds") if args.speeds is not None else None,
+        num_microbatches=args.microbatches,
+        schedule_memory=parse_schedule_memory(args.schedule),
+        bandwidth=parse_bytes(args.bandwidth) if args.bandwidth is not None else None,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.format_table())
+    return 0
