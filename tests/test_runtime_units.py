@@ -51,7 +51,7 @@ def test_partition_methods(method: object, expected: tuple[int, ...]) -> None:
     ({"num_stages": 17}, "cannot fill"),
     ({"num_stages": 4, "chunks": 5}, "4 × 5 = 20"),
     ({"num_stages": 2, "partition_method": [0, 16, 16]}, "strictly increase"),
-    ({"num_stages": 2, "partition_method": "type:conv"}, "no layer class matches"),
+    ({"num_stages": 2, "partition_method": "type:conv"}, "matches no layer"),
     ({"num_stages": 2, "partition_method": "type:("}, "not a valid regular expression"),
     ({"num_stages": 2, "partition_method": "explicit"}, "cut indices"),
     ({"num_stages": 0}, "num_stages must be an int >= 1"),
