@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.batch import join_microbatches, signature, split_microbatches, take_microbatches
+from pipeline.checkpoint import load_layers, save_layers
 from pipeline.comm import Comm, make_groups
 from pipeline.device import default_device, synchronize
 from pipeline.errors import PipelineConfigError, PipelineStepError
@@ -241,6 +242,17 @@ class PipelineEngine:
         grid = format_grid(schedule.streams, self.pp_rank, step)
         return PipelineStepError(f"{message}\n{grid}", rank=self.rank, instruction=str(op),
                                  step=step, caused_by=caused_by)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write this rank's layers as ``layer_XX-model_states.pt`` (a collective: every rank
+        calls it). Weights only; they load under any partition."""
+        save_layers(self.module, directory, writer=self.position.dp_rank == 0)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load this rank's layers from a directory written by `save_checkpoint`."""
+        load_layers(self.module, directory)
 
     # -- measurements ----------------------------------------------------------------------
 

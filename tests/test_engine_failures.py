@@ -125,3 +125,30 @@ def _count_builds() -> list[int]:
                             partition_method="uniform")
     PipelineEngine(module, schedule="gpipe", num_microbatches=1)
     return sorted(_BUILT)
+
+
+def _checkpoint_rank(directory: str) -> float:
+    layers, loss = MODELS["mlp"].layers, MODELS["mlp"].loss
+    engine = PipelineEngine(PipelineModule(layers(), num_stages=2, loss_fn=loss,
+                                           partition_method=[0, 4, 16]),
+                            schedule="1f1b", num_microbatches=2,
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5))
+    engine.train_batch(*MODELS["mlp"].batch(seed=0, batch=8))
+    engine.save_checkpoint(directory)
+    saved = {key: p.detach().clone() for key, p in engine.module.named_layer_parameters()}
+    gathered: list[Any] = [None, None]
+    torch.distributed.all_gather_object(gathered, saved)
+    saved = {**gathered[0], **gathered[1]}
+    # another partition, fresh (differently seeded) weights, then the checkpoint
+    other = PipelineEngine(PipelineModule(layers(), num_stages=2, loss_fn=loss,
+                                          partition_method=[0, 12, 16], base_seed=7),
+                           schedule="gpipe", num_microbatches=2)
+    other.load_checkpoint(directory)
+    return max(float((p - saved[key]).abs().max())
+               for key, p in other.module.named_layer_parameters())
+
+
+def test_checkpoints_load_under_another_partition(tmp_path: Any) -> None:
+    errors = launch(_checkpoint_rank, 2, str(tmp_path / "ckpt"), timeout=20, join_timeout=60)
+    assert errors == [0.0, 0.0]
+    assert len(list((tmp_path / "ckpt").glob("layer_*-model_states.pt"))) == 8
