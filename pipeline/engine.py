@@ -135,7 +135,8 @@ class PipelineEngine:
         """
         self.module.train()
         self.module.zero_grad(set_to_none=True)
-        return self._run(self.schedule, inputs, targets, data_iter, training=True)
+        loss, _ = self._run(self.schedule, inputs, targets, data_iter, training=True)
+        return loss
 
     def eval_batch(self, inputs: Any = None, targets: Any = None, *,
                    data_iter: Iterator[tuple[Any, Any]] | None = None) -> Any:
@@ -147,12 +148,11 @@ class PipelineEngine:
         was_training = self.module.training
         self.module.eval()
         try:
-            loss = self._run(self.eval_schedule, inputs, targets, data_iter, training=False)
+            loss, outputs = self._run(self.eval_schedule, inputs, targets, data_iter,
+                                      training=False)
             self.last_loss = loss if targets is not None or data_iter is not None else None
         finally:
             self.module.train(was_training)
-        outputs = self._interpreter.state.outputs
-        self._interpreter.state = StepState(None, None, True)
         if not outputs:
             return None
         return join_microbatches([outputs[i] for i in range(len(outputs))])
@@ -195,7 +195,10 @@ class PipelineEngine:
         return microbatches, split_targets
 
     def _run(self, schedule: Schedule, inputs: Any, targets: Any,
-             data_iter: Iterator[tuple[Any, Any]] | None, *, training: bool) -> float:
+             data_iter: Iterator[tuple[Any, Any]] | None, *,
+             training: bool) -> tuple[float, dict[int, Any]]:
+        """Run one step of `schedule`; the mean loss (on every rank) and the last stage's
+        outputs per microbatch (eval, on the rank holding it)."""
         m = schedule.num_microbatches
         # 1. This rank's microbatches; every rank agrees the batch is usable.
         microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
@@ -216,6 +219,10 @@ class PipelineEngine:
             raise self._failure(schedule, len(stream) - 1, stream[-1], error) from error
         synchronize(self.device)
         step_time = time.perf_counter() - self._trace.origin
+        self._interpreter.state = StepState(None, None, True)
+        left = state.leftovers()
+        if left:  # the validated schedule frees everything: anything left is an engine bug
+            raise RuntimeError(f"internal error: the step ended holding {left}")
         self._shapes.end_step()
         self._last_stream = schedule
         self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
@@ -223,7 +230,7 @@ class PipelineEngine:
         total = torch.stack(state.losses).sum().double().cpu() if state.losses else \
             torch.zeros((), dtype=torch.float64)
         loss = total.reshape(1) / m
-        return float(self.comm.broadcast_tensor(loss, schedule.placement[-1])[0])
+        return float(self.comm.broadcast_tensor(loss, schedule.placement[-1])[0]), state.outputs
 
     def _failure(self, schedule: Schedule, step: int, op: Instruction,
                  error: Exception) -> PipelineStepError:

@@ -68,6 +68,14 @@ class StepState:
     peak_activations: int = 0
     recv_wait: float = 0.0
 
+    def leftovers(self) -> dict[str, int]:
+        """Per-step entries still held (all empty after a complete step)."""
+        held: dict[str, dict[Any, Any]] = {
+            "inputs": self.inputs, "targets": self.loaded_targets, "saved": self.saved,
+            "recv_f": self.recv_f, "recv_b": self.recv_b, "out_grads": self.out_grads,
+            "send_f": self.send_f, "send_b": self.send_b}
+        return {name: len(entries) for name, entries in held.items() if entries}
+
 
 def _floats(value: Any) -> list[torch.Tensor]:
     return [t for t in as_tensors(value, "a stage's output") if t.is_floating_point()]

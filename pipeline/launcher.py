@@ -105,11 +105,11 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
     try:
         for process in processes:
             process.start()
-        _supervise(processes, min(_GRACE, timeout), join_timeout)
+        expired = _supervise(processes, min(_GRACE, timeout), join_timeout)
         results = [_read(workdir, rank) for rank in range(world_size)]
         codes = tuple(process.exitcode for process in processes)
         if any(code != 0 for code in codes):
-            raise _failure_error(results, codes, join_timeout)
+            raise _failure_error(results, codes, join_timeout if expired else None)
         return [payload[1] for payload in results]  # type: ignore[index]
     finally:
         for process in processes:
@@ -119,9 +119,9 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(processes: list[Any], grace: float, join_timeout: float | None) -> None:
+def _supervise(processes: list[Any], grace: float, join_timeout: float | None) -> bool:
     """Wait for every rank; once one fails (or the deadline passes), kill the rest after
-    `grace` seconds (at once on the deadline)."""
+    `grace` seconds (at once on the deadline). True when the deadline expired."""
     deadline = None if join_timeout is None else time.monotonic() + join_timeout
     failed_at: float | None = None
     alive = list(processes)
@@ -130,11 +130,11 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None) -
         if deadline is not None and now >= deadline:
             for process in alive:
                 process.kill()
-            return
+            return True
         if failed_at is not None and now - failed_at >= grace:
             for process in alive:
                 process.kill()
-            return
+            return False
         limits = [0.5] + ([deadline - now] if deadline is not None else []) + \
             ([failed_at + grace - now] if failed_at is not None else [])
         multiprocessing.connection.wait([p.sentinel for p in alive], timeout=max(0.0, min(limits)))
@@ -142,6 +142,7 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None) -
             alive.remove(process)
             if process.exitcode != 0 and failed_at is None:
                 failed_at = time.monotonic()
+    return False
 
 
 def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
@@ -237,6 +238,7 @@ def _failure_error(results: list[tuple[str, Any] | None], codes: tuple[int | Non
         rank = silent[0]
         code = codes[rank]
         why = (f"did not finish within join_timeout={join_timeout}s and was killed"
+               if join_timeout is not None else "was killed after another rank failed"
                if code is not None and code < 0 else
                f"exited with code {codes[rank]} without reporting an error")
         return RankFailedError(f"rank {rank} {why} ({summary})", rank=rank, exit_codes=codes)
