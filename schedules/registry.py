@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from schedules.dualpipe import dualpipev
 from schedules.errors import ScheduleConfigError
 from schedules.generators import forward_only, gpipe, interleaved_1f1b, one_f_one_b
+from schedules.looped_bfs import looped_bfs
 from schedules.lowering import add_optimizer_step, lower
 from schedules.schedule import Schedule, check_count, gc_paused
+from schedules.simulate import CostModel
+from schedules.zb_auto import zb_auto
+from schedules.zbv import zb_v
+from schedules.zero_bubble import zb_h1, zb_h2
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "build_schedule", "generate_schedule"]
 
@@ -23,6 +29,9 @@ class ScheduleSpec:
     """Allowed chunks per rank: (min, max); max None means unbounded."""
     default_chunks: int
     summary: str
+    plan: Callable[[int, int, int, int | None, CostModel | None], Schedule] | None = None
+    """Cost-aware schedules only (zb-auto): (p, m, v, memory_limit, costs) -> schedule;
+    None for schedules that depend on p, m and v alone."""
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -33,13 +42,35 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "interleaved": ScheduleSpec(interleaved_1f1b, (1, None), 2,
                                 "Megatron interleaved 1F1B, v chunks per rank in a loop"),
     "forward-only": ScheduleSpec(forward_only, (1, None), 1, "inference: forwards only"),
+    "zb-h1": ScheduleSpec(lambda p, m, v: zb_h1(p, m), (1, 1), 1,
+                          "Zero Bubble H1: 1F1B's memory, bubble (p-1)(F+B-W)"),
+    "zb-h2": ScheduleSpec(lambda p, m, v: zb_h2(p, m), (1, 1), 1,
+                          "Zero Bubble H2: 2p-1 microbatches of memory, bubble (p-1)(F+B-2W)"),
+    "zb-v": ScheduleSpec(lambda p, m, v: zb_v(p, m), (2, 2), 2,
+                         "Zero Bubble V: 2 chunks in a V, no bubble at 1F1B's memory if F=B=W"),
+    "dualpipev": ScheduleSpec(lambda p, m, v: dualpipev(p, m), (2, 2), 2,
+                              "DeepSeek DualPipeV: V placement, F of one microbatch with B of "
+                              "another; m >= 2p"),
+    "looped-bfs": ScheduleSpec(looped_bfs, (1, None), 2,
+                               "looped breadth-first: every microbatch through a chunk, then "
+                               "the next chunk"),
+    "zb-auto": ScheduleSpec(
+        lambda p, m, v: zb_auto(p, m), (1, 1), 1,
+        "Zero Bubble automatic: the paper's greedy, searched under the costs and a memory "
+        "limit (default 2p)",
+        plan=lambda p, m, v, limit, costs: zb_auto(p, m, memory_limit=limit, costs=costs)),
 }
 
 
 @gc_paused
 def generate_schedule(name: str, num_ranks: int, num_microbatches: int,
-                      chunks: int | None = None) -> Schedule:
-    """The compute-only schedule called `name` (see `SCHEDULES`) for p, m and v."""
+                      chunks: int | None = None, *, memory_limit: int | None = None,
+                      costs: CostModel | None = None) -> Schedule:
+    """The compute-only schedule called `name` (see `SCHEDULES`) for p, m and v.
+
+    `memory_limit` (microbatches of one stage's activations per rank) and `costs` go to
+    cost-aware schedules (zb-auto); the others ignore `costs` and refuse a memory limit.
+    """
     spec = SCHEDULES.get(name)
     if spec is None:
         raise ScheduleConfigError(
@@ -53,11 +84,20 @@ def generate_schedule(name: str, num_ranks: int, num_microbatches: int,
         raise ScheduleConfigError(
             f"schedule {name!r} takes chunks in {allowed}, got {v}"
             + ("; use 'interleaved' for several chunks per rank" if high == 1 else ""))
+    if spec.plan is not None:
+        return spec.plan(num_ranks, num_microbatches, v, memory_limit, costs)
+    if memory_limit is not None:
+        tunable = [n for n, other in SCHEDULES.items() if other.plan is not None]
+        raise ScheduleConfigError(
+            f"schedule {name!r} has a fixed memory footprint and takes no memory limit "
+            f"(got {memory_limit}); drop it, or use {' / '.join(tunable)}")
     return spec.make(num_ranks, num_microbatches, v)
 
 
 @gc_paused
 def build_schedule(name: str, num_ranks: int, num_microbatches: int,
-                   chunks: int | None = None) -> Schedule:
+                   chunks: int | None = None, *, memory_limit: int | None = None,
+                   costs: CostModel | None = None) -> Schedule:
     """`generate_schedule`, then the shared passes: communication, then reduce-grad and step."""
-    return add_optimizer_step(lower(generate_schedule(name, num_ranks, num_microbatches, chunks)))
+    return add_optimizer_step(lower(generate_schedule(
+        name, num_ranks, num_microbatches, chunks, memory_limit=memory_limit, costs=costs)))

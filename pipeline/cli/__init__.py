@@ -14,6 +14,7 @@ __all__ = ["ArgumentParser", "UsageError", "build_parser", "main"]
 _COMMAND_MODULES = (
     "pipeline.cli.simulate_cmd",
     "pipeline.cli.schedule_cmd",
+    "pipeline.cli.compare_cmd",
 )
 
 

@@ -7,7 +7,8 @@ import math
 
 from schedules import SCHEDULES, CostModel
 
-__all__ = ["add_cost_arguments", "add_schedule_arguments", "cost_model", "positive_int"]
+__all__ = ["add_cost_arguments", "add_schedule_arguments", "chunks_of", "cost_model",
+           "positive_int"]
 
 
 def positive_int(text: str) -> int:
@@ -42,7 +43,11 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, *, single: bool = Tr
     parser.add_argument("--microbatches", type=positive_int, required=True, metavar="M",
                         help="microbatches m per step")
     parser.add_argument("--chunks", type=positive_int, default=None, metavar="V",
-                        help="model chunks per rank v (interleaved: default 2; others: 1)")
+                        help="model chunks per rank v (interleaved, looped-bfs, zb-v, "
+                             "dualpipev: default 2; others: 1)")
+    parser.add_argument("--memory-limit", type=positive_int, default=None, metavar="K",
+                        help="zb-auto only: microbatches of one stage's activations a rank "
+                             "may hold (default 2p)")
 
 
 def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +64,11 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
                        help="delay on every cross-rank dependency (default 0)")
     group.add_argument("--activation-bytes", type=non_negative_float, default=0.0,
                        metavar="BYTES", help="bytes of one microbatch's activation per stage")
+
+
+def chunks_of(args: argparse.Namespace) -> int:
+    """The chunks per rank the run will use: --chunks, else the schedule's default."""
+    return args.chunks if args.chunks is not None else SCHEDULES[args.schedule].default_chunks
 
 
 def cost_model(args: argparse.Namespace, chunks: int = 1) -> CostModel:

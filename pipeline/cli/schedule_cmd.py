@@ -24,5 +24,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     make = generate_schedule if args.compute_only else build_schedule
-    print(make(args.schedule, args.stages, args.microbatches, args.chunks).format())
+    print(make(args.schedule, args.stages, args.microbatches, args.chunks,
+               memory_limit=args.memory_limit).format())
     return 0

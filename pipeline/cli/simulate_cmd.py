@@ -1,15 +1,19 @@
-"""`pipesched simulate`: run one schedule through the cost model and print its figures."""
+"""`pipesched simulate`: run one schedule through the cost model, print its figures, plot it."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
-from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, cost_model
-from schedules import Figures, build_schedule, figures, simulate
+from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, chunks_of, cost_model
+from pipeline.cli.output_paths import figure_path, trace_path
+from schedules import Figures, Timeline, build_schedule, figures, simulate
+from viz import plot_memory, plot_timeline, write_trace  # matplotlib loads only when plotting
 
-__all__ = ["format_figures", "register", "run"]
+__all__ = ["add_output_arguments", "format_figures", "register", "run", "write_outputs"]
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -19,7 +23,19 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     add_schedule_arguments(parser)
     add_cost_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_output_arguments(parser)
     parser.set_defaults(func=run)
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """--plot, --memory-plot and --trace: files checked writable while parsing."""
+    group = parser.add_argument_group("output files (checked writable before simulating)")
+    group.add_argument("--plot", type=figure_path, metavar="PATH",
+                       help="save the timeline (Gantt chart) as .png or .svg")
+    group.add_argument("--memory-plot", type=figure_path, metavar="PATH",
+                       help="save activations in flight per rank over time as .png or .svg")
+    group.add_argument("--trace", type=trace_path, metavar="PATH",
+                       help="save a Chrome / Perfetto trace (.json), one process per rank")
 
 
 def format_figures(name: str, p: int, m: int, v: int, result: Figures) -> str:
@@ -37,9 +53,28 @@ def format_figures(name: str, p: int, m: int, v: int, result: Figures) -> str:
     return "\n".join(lines)
 
 
+def write_outputs(args: argparse.Namespace, timeline: Timeline) -> None:
+    """Write the files asked for by `add_output_arguments`; a line on stderr for each."""
+    paths: list[Path] = [p for p in (args.plot, args.memory_plot, args.trace) if p]
+    if len({p.resolve() for p in paths}) < len(paths):
+        raise ValueError("--plot, --memory-plot and --trace name the same file; "
+                         "give each its own path")
+    if args.plot:
+        plot_timeline(timeline, args.plot)
+    if args.memory_plot:
+        plot_memory(timeline, args.memory_plot)
+    if args.trace:
+        write_trace(timeline, args.trace)
+    for path in paths:
+        print(f"pipesched {args.command}: wrote {path}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
-    schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
-    result = figures(simulate(schedule, cost_model(args, schedule.chunks)))
+    costs = cost_model(args, chunks_of(args))
+    schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks,
+                              memory_limit=args.memory_limit, costs=costs)
+    timeline = simulate(schedule, costs)
+    result = figures(timeline)
     if args.json:
         payload = {"schedule": args.schedule, "num_ranks": schedule.num_ranks,
                    "num_microbatches": schedule.num_microbatches, "chunks": schedule.chunks,
@@ -48,4 +83,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_figures(args.schedule, schedule.num_ranks, schedule.num_microbatches,
                              schedule.chunks, result))
+    write_outputs(args, timeline)
     return 0

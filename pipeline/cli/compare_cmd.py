@@ -1,0 +1,101 @@
+"""`pipesched compare`: simulate several schedules for the same p, m and costs, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from pipeline.cli import UsageError
+from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, cost_model
+from pipeline.cli.output_paths import figure_path
+from schedules import SCHEDULES, Timeline, build_schedule, figures, simulate
+from viz import TABLE_COLUMNS, comparison_table, plot_comparison
+
+__all__ = ["DEFAULT_SCHEDULES", "format_table", "register", "run", "schedule_names"]
+
+DEFAULT_SCHEDULES = "gpipe,1f1b,interleaved"
+
+
+def schedule_names(text: str) -> tuple[str, ...]:
+    """argparse type: comma-separated schedule names, each known and none twice."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated schedule names, got {text!r}; e.g. {DEFAULT_SCHEDULES}")
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown schedule {unknown[0]!r}; choose from: {', '.join(SCHEDULES)}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"schedule {repeated[0]!r} is listed twice; "
+                                         "list each schedule once")
+    return names
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "compare", help="simulate several schedules with the same p, m and costs",
+        description="Simulate several schedules for the same p, m and per-rank costs and "
+                    "print makespan, bubble rate and peak activations of each; --plot "
+                    "stacks their timelines on one time axis.")
+    parser.add_argument("--schedules", type=schedule_names, default=DEFAULT_SCHEDULES,
+                        metavar="NAMES", help="comma-separated schedule names (default "
+                        f"{DEFAULT_SCHEDULES}; known: {', '.join(SCHEDULES)})")
+    add_schedule_arguments(parser, single=False)
+    add_cost_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", type=figure_path, metavar="PATH",
+                        help="save the stacked timelines and a figures table as .png or .svg")
+    parser.set_defaults(func=run)
+
+
+def _takes_chunks(name: str) -> bool:
+    high = SCHEDULES[name].chunks[1]
+    return high is None or high > 1
+
+
+def _chunks_for(names: tuple[str, ...], chunks: int | None) -> list[int | None]:
+    """--chunks goes to the schedules that take several chunks; the rest keep their own."""
+    if chunks is not None and chunks > 1 and not any(map(_takes_chunks, names)):
+        raise UsageError(
+            f"--chunks {chunks} applies to none of {', '.join(names)}; add a schedule that "
+            f"takes chunks ({', '.join(n for n in SCHEDULES if _takes_chunks(n))}) or drop "
+            "--chunks")
+    return [chunks if _takes_chunks(name) else None for name in names]
+
+
+def format_table(rows: list[tuple[str, ...]]) -> str:
+    """`comparison_table` rows under `TABLE_COLUMNS`, aligned for a terminal."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(TABLE_COLUMNS, *rows)]
+    lines = []
+    for row in (TABLE_COLUMNS, *rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    names: tuple[str, ...] = args.schedules  # argparse applies `schedule_names` to the default
+    timelines: list[Timeline] = []
+    for name, chunks in zip(names, _chunks_for(names, args.chunks)):
+        costs = cost_model(args, chunks or SCHEDULES[name].default_chunks)
+        tunable = SCHEDULES[name].plan is not None  # only cost-aware schedules take a limit
+        schedule = build_schedule(name, args.stages, args.microbatches, chunks, costs=costs,
+                                  memory_limit=args.memory_limit if tunable else None)
+        timelines.append(simulate(schedule, costs))
+    results = [figures(t) for t in timelines]
+    if args.json:
+        print(json.dumps({"num_ranks": args.stages, "num_microbatches": args.microbatches,
+                          "schedules": [{"schedule": n, "chunks": t.chunks, **r.to_dict()}
+                                        for n, t, r in zip(names, timelines, results)]}))
+    else:
+        print(f"p={args.stages}  m={args.microbatches}  (same per-rank costs for every "
+              "schedule; a chunk of v costs 1/v)\n")
+        print(format_table(comparison_table(timelines, results)))
+    if args.plot:
+        plot_comparison(timelines, args.plot)
+        print(f"pipesched compare: wrote {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,168 @@
+"""Data-parallel gradient reduction: one bucketed, non-blocking all-reduce per stage and step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "DEFAULT_BUCKET_MB",
+    "BucketedGradReducer",
+    "CommStats",
+    "GradReducer",
+    "NoOpGradReducer",
+    "broadcast_parameters",
+    "make_grad_reducer",
+    "split_into_buckets",
+]
+
+DEFAULT_BUCKET_MB = 25.0
+"""DDP's default bucket size (`bucket_cap_mb`)."""
+
+
+@runtime_checkable
+class GradReducer(Protocol):
+    """What the engine calls to reduce gradients across data-parallel replicas.
+
+    - `reduce_stage(stage_index, params)` at a stage's REDUCE_GRAD instruction, i.e. once per
+      step after that stage's last backward. It must not block: it launches communication
+      so the reduction overlaps the compute of the rank's other stages.
+    - `wait()` at STEP, before the optimizer step: afterwards every gradient is reduced.
+    """
+
+    def reduce_stage(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank handed to collectives since the last `reset` (payload, not wire bytes)."""
+
+    calls: int = 0
+    payload_bytes: int = 0
+    by_collective: dict[str, int] = field(default_factory=dict)
+
+    def record(self, collective: str, *tensors: torch.Tensor) -> None:
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+        self.calls += 1
+        self.payload_bytes += size
+        self.by_collective[collective] = self.by_collective.get(collective, 0) + size
+
+    def reset(self) -> None:
+        self.calls, self.payload_bytes = 0, 0
+        self.by_collective.clear()
+
+
+class NoOpGradReducer:
+    """The reducer for dp = 1: gradients are already complete."""
+
+    def reduce_stage(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None:
+        del stage_index, params
+
+    def wait(self) -> None:
+        pass
+
+
+def split_into_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int
+                       ) -> list[list[int]]:
+    """Indices of `tensors` grouped into buckets of at most `bucket_bytes` (a tensor larger
+    than a bucket gets its own), never mixing dtypes, since a bucket is one flat buffer."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[torch.dtype, tuple[list[int], int]] = {}
+    for index, tensor in enumerate(tensors):
+        size = tensor.numel() * tensor.element_size()
+        members, filled = open_bucket.get(tensor.dtype, ([], 0))
+        if members and filled + size > bucket_bytes:
+            buckets.append(members)
+            members, filled = [], 0
+        members.append(index)
+        open_bucket[tensor.dtype] = (members, filled + size)
+    buckets.extend(members for members, _ in open_bucket.values() if members)
+    return buckets
+
+
+@dataclass
+class _PendingBucket:
+    work: dist.Work
+    flat: torch.Tensor
+    grads: list[torch.Tensor]
+
+
+class BucketedGradReducer:
+    """Average gradients over the data-parallel group, per stage, in buckets, asynchronously.
+
+    Each replica computes the mean loss over its own dp-th of the global batch, so the mean of
+    the replicas' gradients is the gradient of the mean loss over the global batch; the
+    division by dp happens before the sum (as DDP does) so fp16 gradients do not overflow in
+    the reduction. A parameter without a gradient is reduced as zeros: every replica must
+    issue the same collectives in the same order, whatever its data touched.
+    """
+
+    def __init__(self, group: ProcessGroup | None, *,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, average: bool = True) -> None:
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}; DDP's default is "
+                             f"{DEFAULT_BUCKET_MB}")
+        self.group = group
+        self.dp_size = dist.get_world_size(group)
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.average = average
+        self.stats = CommStats()
+        self._pending: list[_PendingBucket] = []
+
+    def reduce_stage(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None:
+        """Launch the all-reduce of `params`' gradients (one stage's) without waiting."""
+        del stage_index  # buckets are per call; the index only names the call in the protocol
+        grads = [_grad_or_zeros(param) for param in params if param.requires_grad]
+        for members in split_into_buckets(grads, self.bucket_bytes):
+            bucket_grads = [grads[i] for i in members]
+            flat = torch.cat([grad.reshape(-1) for grad in bucket_grads])
+            if self.average:
+                flat.div_(self.dp_size)
+            self.stats.record("all_reduce", flat)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            if work is None:  # only without async_op; keeps the type checker honest
+                raise RuntimeError("all_reduce(async_op=True) returned no work handle")
+            self._pending.append(_PendingBucket(work, flat, bucket_grads))
+
+    def wait(self) -> None:
+        """Block until every launched bucket is reduced, and write the results back."""
+        for bucket in self._pending:
+            bucket.work.wait()
+            offset = 0
+            for grad in bucket.grads:
+                grad.copy_(bucket.flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self._pending.clear()
+
+
+def make_grad_reducer(group: ProcessGroup | None, *, bucket_mb: float = DEFAULT_BUCKET_MB
+                      ) -> GradReducer:
+    """`NoOpGradReducer` when the group has one rank, else a `BucketedGradReducer`."""
+    if dist.get_world_size(group) == 1:
+        return NoOpGradReducer()
+    return BucketedGradReducer(group, bucket_mb=bucket_mb)
+
+
+def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+def broadcast_parameters(params: Sequence[torch.nn.Parameter], group: ProcessGroup | None
+                         ) -> None:
+    """Copy dp rank 0's parameter values to every replica (collective over `group`), so the
+    replicas start identical whatever each one's random state (DDP does this on wrap)."""
+    if dist.get_world_size(group) == 1:
+        return
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for param in params:
+            dist.broadcast(param.data, src=source, group=group)

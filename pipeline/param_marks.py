@@ -1,0 +1,37 @@
+"""Marks on parameters that say how they are replicated across ranks (read by norms and sync)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "is_tensor_parallel",
+    "is_tied_duplicate",
+    "mark_tensor_parallel",
+    "mark_tied_duplicate",
+]
+
+# Attribute names set on the Parameter objects themselves (as Megatron's
+# `tensor_model_parallel` flag): they travel with the parameter into any optimizer or reducer.
+_TENSOR_PARALLEL = "pipesched_tensor_parallel_dim"
+_TIED_DUPLICATE = "pipesched_tied_duplicate"
+
+
+def mark_tensor_parallel(param: torch.nn.Parameter, partition_dim: int) -> None:
+    """Record that `param` is one tp rank's slice along `partition_dim` (not a replica)."""
+    setattr(param, _TENSOR_PARALLEL, partition_dim)
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """True for a tensor-parallel slice; False for a parameter every tp rank holds whole
+    (layer norms, a row-parallel layer's bias), whose gradients are identical across tp."""
+    return getattr(param, _TENSOR_PARALLEL, None) is not None
+
+
+def mark_tied_duplicate(param: torch.nn.Parameter, duplicate: bool = True) -> None:
+    """Record that `param` is a tied weight's copy on a non-primary owner stage."""
+    setattr(param, _TIED_DUPLICATE, duplicate)
+
+
+def is_tied_duplicate(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _TIED_DUPLICATE, False))
