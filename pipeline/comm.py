@@ -123,9 +123,8 @@ class Comm:
         payload = [t.detach().contiguous() for t in tensors]
         if header is not None:
             payload.insert(0, encode_header(header).to(self.device))
+        self._prune()  # drop finished sends so their tensors (activations) can be freed
         self._sends.append(([self._send(t, peer) for t in payload], payload))
-        if len(self._sends) > 64:
-            self._prune()
 
     def recv_header(self, peer: int) -> Meta:
         """Block until the next shape header from `peer` arrives; return its layout."""

@@ -1,5 +1,6 @@
 """A pipelined run equals a plain single-process run: loss, every gradient, parameters after a
-step, eval outputs, with GPipe, 1F1B and interleaved (v=2) on p in {1, 2, 4}, m in {1, 3, 8}.
+step, eval outputs, with GPipe, 1F1B and interleaved (v=2) on p in {1, 2, 4}, m in {1, 3, 8},
+and every other registered schedule (zero bubble, V placement) on p in {2, 4}.
 
 One spawned group per p runs every case inside and compares against the reference computed
 in-rank (the models are tiny), so the whole file costs three launches.
@@ -14,7 +15,7 @@ import torch
 
 from pipeline import PipelineEngine, PipelineModule, launch
 from pipeline.reference import build_reference, reference_forward, reference_step
-from schedules import figures, simulate
+from schedules import SCHEDULES, figures, simulate
 from tests.pipeline_models import MODELS, v_split_schedule
 
 pytestmark = pytest.mark.multiprocess
@@ -34,6 +35,11 @@ def _cases(p: int) -> list[Case]:
     cases += [("mlp", "1f1b", 3, 1, 2), ("transformer", "interleaved", 8, 2, 1)]
     if p == 2:  # split backward (I, W) and same-rank neighbours under V placement
         cases += [(model, "v-split", m, 2, 0) for model in MODELS for m in (1, 3)]
+    if p > 1:  # every other registered schedule (zero bubble: I/W, V placement)
+        cases += [(model, name, m, SCHEDULES[name].default_chunks, 0) for model in MODELS
+                  for name in SCHEDULES if name not in ("gpipe", "1f1b", "interleaved",
+                                                        "forward-only")
+                  for m in (3, 8) if not (name == "dualpipev" and m < 2 * p)]
     return cases
 
 

@@ -151,11 +151,11 @@ def test_a_broken_schedule_is_refused_with_the_validator_grid() -> None:
 
 @pytest.mark.parametrize("name", [n for n in SCHEDULES if n != "forward-only"])
 def test_forward_schedules_keep_the_placement_and_validate(name: str) -> None:
-    chunks = 2 if name == "interleaved" else 1
-    schedule = forward_schedule(build_schedule(name, 4, 6, chunks))
+    chunks = SCHEDULES[name].default_chunks
+    schedule = forward_schedule(build_schedule(name, 4, 8, chunks))
     validate(schedule)
     assert not schedule.has_backward and schedule.placement == build_schedule(
-        name, 4, 6, chunks).placement
+        name, 4, 8, chunks).placement
 
 
 def test_disagreement_names_the_field_and_ranks() -> None:
