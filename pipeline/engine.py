@@ -30,7 +30,7 @@ from pipeline.plugins import (
 from pipeline.shapes import ShapeBook
 from pipeline.topology import Topology
 from pipeline.trace import StepStats, Trace, measured_costs
-from schedules import Instruction, Schedule, Timeline
+from schedules import Instruction, Kind, Schedule, Timeline
 from schedules.grid import format_grid
 
 __all__ = ["PipelineEngine"]
@@ -98,7 +98,9 @@ class PipelineEngine:
             module=module, pp_rank=self.pp_rank, placement=self.schedule.placement,
             num_microbatches=self.schedule.num_microbatches, comm=self.comm,
             shapes=self._shapes, trace=self._trace, reducer=self.gradient_reducer,
-            loss_fn=module.loss_fn, optimizer=lambda: self.optimizer, device=self.device)
+            loss_fn=module.loss_fn, optimizer=lambda: self.optimizer, device=self.device,
+            split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
+                                   if op.kind is Kind.I))
         self._last_stream: Schedule = self.schedule
         self.last_stats: StepStats | None = None
         """What this rank measured in the last step (None before the first)."""

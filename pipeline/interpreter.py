@@ -22,6 +22,7 @@ from pipeline.failure import PROGRESS, explain_stall
 from pipeline.module import LossFn, PipelineModule, Stage
 from pipeline.plugins import GradientReducer
 from pipeline.shapes import ShapeBook
+from pipeline.split_backward import LayerGrads, forward_capturing
 from pipeline.trace import Trace
 from schedules import Instruction, Kind
 
@@ -46,6 +47,8 @@ class _Saved:
     """Shape and dtype of every floating output tensor: the layout of the incoming gradient."""
     root_grads: list[torch.Tensor] | None = None
     """Kept from I for W."""
+    layer_grads: LayerGrads | None = None
+    """Per-layer output gradients I leaves for W (split backward only)."""
 
 
 @dataclass
@@ -102,7 +105,7 @@ class Interpreter:
                  num_microbatches: int, comm: Comm, shapes: ShapeBook, trace: Trace,
                  reducer: GradientReducer, loss_fn: LossFn | None,
                  optimizer: Callable[[], torch.optim.Optimizer | None],
-                 device: torch.device) -> None:
+                 device: torch.device, split_stages: frozenset[int] = frozenset()) -> None:
         self.module = module
         self.pp_rank = pp_rank
         self.placement = tuple(placement)
@@ -115,6 +118,8 @@ class Interpreter:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.device = device
+        self.split_stages = split_stages
+        """Stages whose backward runs as I then W: their forwards hook layer outputs."""
         self.stages: dict[int, Stage] = {int(k): module.stage(int(k)) for k in module.stages}
         self.stage_params: dict[int, list[nn.Parameter]] = {
             s: module.stage_parameters(s) for s in self.stages}
@@ -201,18 +206,24 @@ class Interpreter:
         leaves: list[torch.Tensor] = []
         if s > 0:
             x, leaves = _make_leaves(x)
-        out = self.stages[s](x)
+        layer_grads = None
+        if s in self.split_stages:
+            out, layer_grads = forward_capturing(self.stages[s], x)
+        else:
+            out = self.stages[s](x)
         if s == self.last_stage:
             loss = self._loss(out, state.loaded_targets.pop(i))
             state.losses.append(loss.detach())
             # mean over the full batch = mean of the m equal microbatches' means
-            state.saved[(s, i)] = _Saved(leaves, [loss / self.m], [], [])
+            saved = _Saved(leaves, [loss / self.m], [], [])
         else:
             floats = _floats(out)
             index = [k for k, t in enumerate(floats) if t.requires_grad]
-            state.saved[(s, i)] = _Saved(leaves, [floats[k] for k in index], index,
-                                         [(tuple(t.shape), t.dtype) for t in floats])
+            saved = _Saved(leaves, [floats[k] for k in index], index,
+                           [(tuple(t.shape), t.dtype) for t in floats])
             self._forward_done(s, i, out)
+        saved.layer_grads = layer_grads
+        state.saved[(s, i)] = saved
         state.peak_activations = max(state.peak_activations, len(state.saved))
 
     def _loss(self, out: Any, target: Any) -> torch.Tensor:
@@ -268,7 +279,10 @@ class Interpreter:
     def weight_grad(self, op: Instruction) -> None:
         s, i = op.stage, op.microbatch
         saved = self.state.saved.pop((s, i))
-        params = self.stage_params[s]
+        if saved.layer_grads is not None and saved.layer_grads.complete():
+            saved.layer_grads.backward_weights()
+            return
+        params = self.stage_params[s]  # I did not pass every layer (stage 0): one backward
         if saved.roots and params:
             torch.autograd.backward(saved.roots, saved.root_grads, inputs=params)
 

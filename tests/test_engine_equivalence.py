@@ -40,6 +40,7 @@ def _cases(p: int) -> list[Case]:
                   for name in SCHEDULES if name not in ("gpipe", "1f1b", "interleaved",
                                                         "forward-only")
                   for m in (3, 8) if not (name == "dualpipev" and m < 2 * p)]
+        cases += [("mlp", "zb-h1", 3, 1, 2), ("transformer", "zb-v", 8, 2, 1)]  # + checkpoints
     return cases
 
 
