@@ -24,6 +24,7 @@ _LAZY: dict[str, str] = {
     "OpCosts": "pipeline.trace",
     "measured_costs": "pipeline.trace",
     "reference_step": "pipeline.reference",
+    "reference_forward": "pipeline.reference",
     "build_reference": "pipeline.reference",
     "ReferenceResult": "pipeline.reference",
     "PipelineError": "pipeline.errors",
