@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from pipeline.errors import PipelineConfigError
 
-__all__ = ["HEADER_LENGTH", "Comm", "Meta", "PendingRecv", "make_groups", "process_group_timeout"]
+__all__ = ["HEADER_LENGTH", "Comm", "Meta", "PendingRecv", "process_group_timeout"]
 
 Meta = tuple[bool, tuple[tuple[tuple[int, ...], torch.dtype], ...]]
 """(is a tuple, ((shape, dtype), ...)): the layout of one message."""
@@ -184,21 +184,3 @@ def process_group_timeout(seconds: float) -> datetime.timedelta:
     """The timeout every blocking collective and wait of this run honours."""
     return datetime.timedelta(seconds=seconds)
 
-
-def make_groups(all_pipelines: Sequence[tuple[int, ...]], all_dp_groups: Sequence[tuple[int, ...]],
-                rank: int) -> tuple[Any, Any]:
-    """This rank's (pipeline group, data-parallel group). Every rank creates every group in
-    the same order (torch requires it); None stands for the whole world or no group."""
-    world = dist.get_world_size()
-    pipeline_group = dp_group = None
-    if any(len(ranks) != world for ranks in all_pipelines):
-        for ranks in all_pipelines:
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                pipeline_group = group
-    if any(len(ranks) > 1 for ranks in all_dp_groups):
-        for ranks in all_dp_groups:
-            group = dist.new_group(list(ranks))
-            if rank in ranks:
-                dp_group = group
-    return pipeline_group, dp_group

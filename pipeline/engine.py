@@ -13,20 +13,16 @@ import torch.distributed as dist
 
 from pipeline.batch import join_microbatches, signature, split_microbatches, take_microbatches
 from pipeline.checkpoint import load_layers, save_layers
-from pipeline.comm import Comm, make_groups
+from pipeline.comm import Comm
+from pipeline.data_parallel import GradReducer, NoOpGradReducer, make_grad_reducer
 from pipeline.device import default_device, synchronize
 from pipeline.errors import PipelineConfigError, PipelineStepError
 from pipeline.failure import read_failure, report_failure, start_watchdog
+from pipeline.groups import ProcessGroups, create_process_groups
 from pipeline.interpreter import Interpreter, StepState
 from pipeline.module import PipelineModule
+from pipeline.optimizer import OptimizerFactory, make_optimizer
 from pipeline.plan import check_agreement, fingerprint, forward_schedule, resolve_schedule
-from pipeline.plugins import (
-    AllReduceGradients,
-    GradientReducer,
-    NoGradientReduction,
-    OptimizerFactory,
-    make_optimizer,
-)
 from pipeline.shapes import ShapeBook
 from pipeline.topology import Topology
 from pipeline.trace import StepStats, Trace, measured_costs
@@ -48,7 +44,8 @@ class PipelineEngine:
                  num_microbatches: int | None = None,
                  optimizer: OptimizerFactory | torch.optim.Optimizer | None = None,
                  topology: Topology | None = None,
-                 gradient_reducer: GradientReducer | None = None,
+                 groups: ProcessGroups | None = None,
+                 gradient_reducer: GradReducer | None = None,
                  device: torch.device | None = None, timeout: float = 300.0,
                  dynamic_shapes: bool = False) -> None:
         if not isinstance(module, PipelineModule):
@@ -84,11 +81,14 @@ class PipelineEngine:
         self.device = device or default_device()
         self.module = module
         module.materialize(self.schedule.stages_of(self.pp_rank), self.device)
-        pipeline_group, dp_group = make_groups(topology.all_pipeline_groups(),
-                                               topology.all_dp_groups(), self.rank)
+        if groups is None and topology.world_size > topology.pp:  # dp or tp: a grid of groups
+            groups = create_process_groups(topology, use_device_mesh=False)
+        self.groups = groups
+        """pp/dp/tp process groups (None for a pure pipeline: the world is the pipeline)."""
+        pipeline_group = groups.pp_group if groups is not None else None
         self.gradient_reducer = gradient_reducer or (
-            AllReduceGradients(dp_group, topology.dp) if topology.dp > 1
-            else NoGradientReduction())
+            make_grad_reducer(groups.dp_group) if groups is not None and topology.dp > 1
+            else NoOpGradReducer())
         parameters = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(optimizer, parameters)
         self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group, timeout)
@@ -231,8 +231,11 @@ class PipelineEngine:
                                     measured_costs(self._trace.spans))
         total = torch.stack(state.losses).sum().double().cpu() if state.losses else \
             torch.zeros((), dtype=torch.float64)
-        loss = total.reshape(1) / m
-        return float(self.comm.broadcast_tensor(loss, schedule.placement[-1])[0]), state.outputs
+        loss = self.comm.broadcast_tensor(total.reshape(1) / m, schedule.placement[-1])
+        if self.groups is not None and self.topology.dp > 1:  # mean over the replicas' batches
+            dist.all_reduce(loss, group=self.groups.dp_group)
+            loss /= self.topology.dp
+        return float(loss[0]), state.outputs
 
     def _failure(self, schedule: Schedule, step: int, op: Instruction,
                  error: Exception) -> PipelineStepError:

@@ -18,9 +18,9 @@ from torch import nn
 
 from pipeline.batch import as_tensors
 from pipeline.comm import Comm, Meta, PendingRecv
+from pipeline.data_parallel import GradReducer
 from pipeline.failure import PROGRESS, explain_stall
 from pipeline.module import LossFn, PipelineModule, Stage
-from pipeline.plugins import GradientReducer
 from pipeline.shapes import ShapeBook
 from pipeline.split_backward import LayerGrads, forward_capturing
 from pipeline.trace import Trace
@@ -103,7 +103,7 @@ class Interpreter:
 
     def __init__(self, *, module: PipelineModule, pp_rank: int, placement: Sequence[int],
                  num_microbatches: int, comm: Comm, shapes: ShapeBook, trace: Trace,
-                 reducer: GradientReducer, loss_fn: LossFn | None,
+                 reducer: GradReducer, loss_fn: LossFn | None,
                  optimizer: Callable[[], torch.optim.Optimizer | None],
                  device: torch.device, split_stages: frozenset[int] = frozenset()) -> None:
         self.module = module
@@ -320,7 +320,7 @@ class Interpreter:
         self.reducer.reduce_stage(op.stage, self.stage_params[op.stage])
 
     def step(self, op: Instruction) -> None:
-        self.reducer.finish()
+        self.reducer.wait()
         optimizer = self.optimizer()
         if optimizer is not None:
             optimizer.step()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pipeline import LayerSpec, PipelineConfigError, PipelineEngine, PipelineModule, launch
+from pipeline.reference import reference_step
 from tests.pipeline_models import MODELS
 
 pytestmark = pytest.mark.multiprocess
@@ -103,3 +104,27 @@ def test_checkpoints_load_under_another_partition(tmp_path: Any) -> None:
     errors = launch(_checkpoint_rank, 2, str(tmp_path / "ckpt"), timeout=20, join_timeout=60)
     assert errors == [0.0, 0.0]
     assert len(list((tmp_path / "ckpt").glob("layer_*-model_states.pt"))) == 8
+
+
+def _data_parallel_rank() -> dict[str, float]:
+    # pp = 2 × dp = 2: each replica trains on its half of the batch; the averaged gradients
+    # and the reported loss equal one process on the whole batch
+    spec = MODELS["transformer"]
+    engine = PipelineEngine(PipelineModule(spec.layers(), num_stages=2, loss_fn=spec.loss),
+                            schedule="1f1b", num_microbatches=2,
+                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    inputs, targets = spec.batch(seed=3, batch=8)
+    half = engine.position.dp_rank
+    loss = engine.train_batch(inputs[half * 4:(half + 1) * 4], targets[half * 4:(half + 1) * 4])
+    expected = reference_step(spec.layers(), inputs, targets, loss_fn=spec.loss,
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    grad = max(float((p.grad - expected.grads[key]).abs().max())
+               for key, p in engine.module.named_layer_parameters())
+    param = max(float((p.detach() - expected.params[key]).abs().max())
+                for key, p in engine.module.named_layer_parameters())
+    return {"loss": abs(loss - expected.loss), "grad": grad, "param": param}
+
+
+def test_data_parallel_replicas_average_to_the_full_batch() -> None:
+    for errors in launch(_data_parallel_rank, 4, timeout=30, join_timeout=120):
+        assert max(errors.values()) < 2e-5, errors
