@@ -9,10 +9,30 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__: list[str] = []
+# public name -> module that defines it (imported on first use: `import pipeline` stays
+# free of torch)
+_LAZY: dict[str, str] = {
+    "PipelineModule": "pipeline.module",
+    "Stage": "pipeline.module",
+    "LayerSpec": "pipeline.layers",
+    "PipelineEngine": "pipeline.engine",
+    "launch": "pipeline.launcher",
+    "GradReducer": "pipeline.data_parallel",
+    "StepStats": "pipeline.trace",
+    "OpCosts": "pipeline.trace",
+    "measured_costs": "pipeline.trace",
+    "reference_step": "pipeline.reference",
+    "reference_forward": "pipeline.reference",
+    "build_reference": "pipeline.reference",
+    "ReferenceResult": "pipeline.reference",
+    "PipelineError": "pipeline.errors",
+    "PipelineConfigError": "pipeline.errors",
+    "PipelineStepError": "pipeline.errors",
+    "RankFailedError": "pipeline.errors",
+    "Topology": "pipeline.topology",
+}
 
-# public name -> module that defines it; filled in as the runtime lands
-_LAZY: dict[str, str] = {}
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

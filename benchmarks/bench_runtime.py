@@ -1,0 +1,200 @@
+"""Step time of pipesched's engine against torch.distributed.pipelining and DeepSpeed, one run.
+
+Every rank runs every framework in the same processes, alternating one timed step of each
+per round, so machine noise (other jobs on shared cores) hits all of them alike. Prints a
+markdown table: median step time, the ratio ours/theirs, and our measured makespan against
+the simulator's prediction from the measured per-op costs.
+
+    python benchmarks/bench_runtime.py                      # 4 ranks, m = 8 and 16
+    python benchmarks/bench_runtime.py --microbatches 8 --steps 5 --no-deepspeed
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline import LayerSpec, PipelineEngine, PipelineModule, launch
+from pipeline.trace import measured_costs
+from schedules import figures, simulate
+
+__all__ = ["main"]
+
+WIDTH, DEPTH, BATCH = 512, 32, 256
+Step = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _layers() -> list[Any]:
+    """32 × (Linear(512), GELU) as 64 layer entries."""
+    layers: list[Any] = []
+    for _ in range(DEPTH):
+        layers += [LayerSpec(nn.Linear, WIDTH, WIDTH), LayerSpec(nn.GELU)]
+    return layers
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-4)
+
+
+def _ours(schedule: str, m: int, p: int) -> tuple[Step, PipelineEngine]:
+    module = PipelineModule(_layers(), num_stages=p, chunks=2 if schedule == "interleaved" else 1,
+                            loss_fn=F.mse_loss, partition_method="uniform")
+    engine = PipelineEngine(module, schedule=schedule, num_microbatches=m, optimizer=_sgd)
+    return (lambda x, y: engine.train_batch(x, y)), engine
+
+
+def _torch(schedule: str, m: int, p: int) -> Step:
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    rank, v = dist.get_rank(), 2 if schedule == "interleaved" else 1
+    built = [spec.build() for spec in _layers()]
+    per_stage = len(built) // (p * v)
+    stage_ids = [rank + c * p for c in range(v)]
+    stages = [PipelineStage(nn.Sequential(*built[s * per_stage:(s + 1) * per_stage]), s, p * v,
+                            torch.device("cpu")) for s in stage_ids]
+    optimizer = _sgd([q for stage in stages for q in stage.submod.parameters()])
+    if schedule == "interleaved":
+        runner: Any = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=F.mse_loss)
+    else:
+        kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
+        runner = kind(stages[0], n_microbatches=m, loss_fn=F.mse_loss)
+    first, last = 0 in stage_ids, p * v - 1 in stage_ids
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        args = (x,) if first else ()
+        if last:
+            runner.step(*args, target=y, losses=[])
+        else:
+            runner.step(*args)
+        optimizer.step()
+    return step
+
+
+def _deepspeed(schedule: str, m: int, p: int) -> Step | None:
+    if schedule != "1f1b":
+        return None  # DeepSpeed's pipeline engine runs only its 1F1B
+    import deepspeed
+    from deepspeed.pipe import LayerSpec as DSLayerSpec
+    from deepspeed.pipe import PipelineModule as DSPipelineModule
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    layers = []
+    for _ in range(DEPTH):
+        layers += [DSLayerSpec(nn.Linear, WIDTH, WIDTH), DSLayerSpec(nn.GELU)]
+    module = DSPipelineModule(layers=layers, num_stages=p, loss_fn=F.mse_loss,
+                              partition_method="uniform")
+    params = [q for q in module.parameters()]
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=_sgd(params), config={
+        "train_batch_size": BATCH, "train_micro_batch_size_per_gpu": BATCH // m,
+        "gradient_accumulation_steps": m, "steps_per_print": 10**9})
+    size = BATCH // m
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        engine.train_batch(data_iter=iter([(x[k * size:(k + 1) * size], y[k * size:(k + 1) * size])
+                                           for k in range(m)]))
+    return step
+
+
+def _timed(step: Step, x: torch.Tensor, y: torch.Tensor) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step(x, y)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _bench_rank(configs: list[tuple[str, int]], steps: int, warmup: int,
+                use_deepspeed: bool) -> list[dict[str, Any]]:
+    p = dist.get_world_size()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, WIDTH, generator=generator)
+    y = torch.randn(BATCH, WIDTH, generator=generator)
+    rows = []
+    for schedule, m in configs:
+        ours, engine = _ours(schedule, m, p)
+        runners: dict[str, Step] = {"ours": ours, "torch": _torch(schedule, m, p)}
+        deepspeed_step = _deepspeed(schedule, m, p) if use_deepspeed else None
+        if deepspeed_step is not None:
+            runners["deepspeed"] = deepspeed_step
+        torch.set_num_threads(1)  # in case a framework changed it
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        measured, predicted = [], []
+        for round_index in range(warmup + steps):
+            for name, step in runners.items():
+                elapsed = _timed(step, x, y)
+                if round_index >= warmup:
+                    times[name].append(elapsed)
+                if name == "ours" and round_index >= warmup:
+                    timeline = engine.last_timeline()
+                    costs = measured_costs(timeline).cost_model(engine.schedule.num_stages)
+                    measured.append(figures(timeline).makespan)
+                    predicted.append(figures(simulate(engine.schedule, costs)).makespan)
+        rows.append({"schedule": schedule, "m": m,
+                     **{name: statistics.median(values) for name, values in times.items()},
+                     "measured": statistics.median(measured),
+                     "predicted": statistics.median(predicted)})
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| schedule | m | ours (ms) | torch (ms) | ours/torch | DeepSpeed (ms) | ours/DS "
+             "| makespan measured / simulated |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        ours, theirs = row["ours"] * 1e3, row["torch"] * 1e3
+        ds = row.get("deepspeed")
+        ds_cells = (f"{ds * 1e3:.1f} | {row['ours'] / ds:.2f}" if ds else "n/a | n/a")
+        lines.append(f"| {row['schedule']} | {row['m']} | {ours:.1f} | {theirs:.1f} | "
+                     f"{row['ours'] / row['torch']:.2f} | {ds_cells} | "
+                     f"{row['measured'] * 1e3:.1f} / {row['predicted'] * 1e3:.1f} ms "
+                     f"({row['measured'] / row['predicted'] - 1:+.0%}) |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe", "interleaved"])
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per framework")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-deepspeed", action="store_true")
+    args = parser.parse_args(argv)
+    use_deepspeed = not args.no_deepspeed
+    if use_deepspeed:
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            use_deepspeed = False
+            print("DeepSpeed is not installed: comparing with torch only", file=sys.stderr)
+    configs = [(schedule, m) for m in args.microbatches for schedule in args.schedules]
+    started = time.time()
+    rows = launch(_bench_rank, args.ranks, configs, args.steps, args.warmup, use_deepspeed,
+                  timeout=600, threads_per_rank=1)[0]
+    print(f"{args.ranks} ranks (gloo, 1 thread each), {DEPTH}×Linear({WIDTH})+GELU, batch "
+          f"{BATCH}, medians of {args.steps} steps; torch {torch.__version__}; "
+          f"{time.time() - started:.0f} s")
+    print(_table(rows))
+
+
+if __name__ == "__main__":
+    main()

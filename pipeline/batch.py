@@ -1,0 +1,85 @@
+"""Batches and activations: split into microbatches, join back, describe by shape signature."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from pipeline.errors import PipelineConfigError
+
+__all__ = ["Batch", "as_tensors", "join_microbatches", "signature", "split_microbatches",
+           "take_microbatches"]
+
+Batch = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
+"""What flows in and between stages: a tensor or a tuple of tensors."""
+
+
+def as_tensors(value: Any, what: str) -> tuple[torch.Tensor, ...]:
+    """`value` as a tuple of tensors (a lone tensor becomes a 1-tuple)."""
+    items = (value,) if isinstance(value, torch.Tensor) else value
+    if not isinstance(items, tuple | list) or not all(isinstance(t, torch.Tensor) for t in items):
+        raise TypeError(f"{what} must be a tensor or a tuple of tensors, got "
+                        f"{_describe(value)}")
+    return tuple(items)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple | list):
+        return f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
+    return type(value).__name__
+
+
+def split_microbatches(batch: Any, num_microbatches: int, what: str) -> list[Any]:
+    """Cut every tensor of `batch` along dim 0 into m equal microbatches (same structure)."""
+    tensors = as_tensors(batch, what)
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    if None in sizes or len(sizes) != 1:
+        shapes = [tuple(t.shape) for t in tensors]
+        raise PipelineConfigError(f"every tensor of {what} needs the same batch size in dim 0; "
+                                  f"got shapes {shapes}")
+    size = int(next(iter(sizes)))  # type: ignore[arg-type]
+    if size % num_microbatches:
+        raise PipelineConfigError(
+            f"{what} batch size {size} is not divisible by num_microbatches="
+            f"{num_microbatches}; use a batch size that is a multiple of {num_microbatches} "
+            "(so the mean loss over microbatches equals the full-batch mean)")
+    parts = [t.chunk(num_microbatches) for t in tensors]
+    if isinstance(batch, torch.Tensor):
+        return list(parts[0])
+    return [tuple(part[i] for part in parts) for i in range(num_microbatches)]
+
+
+def take_microbatches(data_iter: Iterator[Any], num_microbatches: int
+                      ) -> tuple[list[Any], list[Any]]:
+    """m (inputs, targets) pairs from a DeepSpeed-style iterator, as two lists."""
+    inputs, targets = [], []
+    for k in range(num_microbatches):
+        try:
+            pair = next(data_iter)
+        except StopIteration:
+            raise PipelineConfigError(f"data_iter ran out after {k} of num_microbatches="
+                                      f"{num_microbatches} microbatches") from None
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise TypeError(f"data_iter must yield (inputs, targets) pairs, got "
+                            f"{_describe(pair)}")
+        as_tensors(pair[0], "inputs")
+        inputs.append(pair[0])
+        targets.append(pair[1])
+    return inputs, targets
+
+
+def join_microbatches(outputs: Sequence[Any]) -> Any:
+    """Concatenate per-microbatch outputs (tensors or tuples of tensors) along dim 0."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(outputs))
+    return tuple(torch.cat([out[k] for out in outputs]) for k in range(len(first)))
+
+
+def signature(value: Any) -> tuple[Any, ...]:
+    """(is a tuple, ((shape, dtype), ...)): equal signatures mean equal message layouts."""
+    tensors = as_tensors(value, "value") if value is not None else ()
+    return (not isinstance(value, torch.Tensor),
+            tuple((tuple(t.shape), str(t.dtype)) for t in tensors))

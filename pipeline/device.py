@@ -1,0 +1,35 @@
+"""The one seam to accelerators: device and backend choice, synchronisation (CPU first)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["default_backend", "default_device", "synchronize"]
+
+
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is present, else ``gloo``."""
+    return "nccl" if _has_cuda() else "gloo"
+
+
+def default_device(local_rank: int | None = None) -> torch.device:
+    """This process's device: its local GPU when CUDA is present (selected), else the CPU."""
+    if not _has_cuda():
+        return torch.device("cpu")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    index = local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels on `device` (a no-op on the CPU), so timings are real."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

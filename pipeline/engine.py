@@ -1,0 +1,290 @@
+"""`PipelineEngine`: validates everything up front, then runs each step's instruction stream."""
+
+from __future__ import annotations
+
+import socket
+import time
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.batch import join_microbatches, signature, split_microbatches, take_microbatches
+from pipeline.checkpoint import load_layers, save_layers
+from pipeline.comm import Comm
+from pipeline.data_parallel import GradReducer, NoOpGradReducer, make_grad_reducer
+from pipeline.device import default_device, synchronize
+from pipeline.errors import PipelineConfigError, PipelineStepError
+from pipeline.failure import read_failure, report_failure, start_watchdog
+from pipeline.groups import ProcessGroups, create_process_groups
+from pipeline.interpreter import Interpreter, StepState
+from pipeline.module import PipelineModule
+from pipeline.optimizer import OptimizerFactory, make_optimizer
+from pipeline.plan import check_agreement, fingerprint, forward_schedule, resolve_schedule
+from pipeline.shapes import ShapeBook
+from pipeline.topology import Topology
+from pipeline.trace import StepStats, Trace, measured_costs
+from schedules import Instruction, Kind, Schedule, Timeline
+from schedules.grid import format_grid
+
+__all__ = ["PipelineEngine"]
+
+
+class PipelineEngine:
+    """Trains (and evaluates) a `PipelineModule` with a pipeline schedule, one call per batch.
+
+    Construct it on every rank with the same arguments, inside `launch` or under torchrun
+    (any initialised process group). It checks that the ranks agree, builds this rank's
+    stages, and then `train_batch` runs this rank's lowered instruction stream.
+    """
+
+    def __init__(self, module: PipelineModule, *, schedule: str | Schedule = "1f1b",
+                 num_microbatches: int | None = None,
+                 optimizer: OptimizerFactory | torch.optim.Optimizer | None = None,
+                 topology: Topology | None = None,
+                 groups: ProcessGroups | None = None,
+                 gradient_reducer: GradReducer | None = None,
+                 device: torch.device | None = None, timeout: float = 300.0,
+                 dynamic_shapes: bool = False) -> None:
+        if not isinstance(module, PipelineModule):
+            raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
+        if not dist.is_initialized():
+            raise PipelineConfigError("no process group: run inside pipeline.launch(fn, "
+                                      "world_size) or torchrun, or call "
+                                      "torch.distributed.init_process_group first")
+        # 1. The grid: this rank's place, and world size vs stages.
+        world, self.rank = dist.get_world_size(), dist.get_rank()
+        if topology is None:
+            if world % module.num_stages:
+                raise PipelineConfigError(
+                    f"world size {world} is not divisible by num_stages={module.num_stages}; "
+                    f"launch a multiple of {module.num_stages} ranks or change num_stages")
+            topology = Topology(module.num_stages, world // module.num_stages)
+        if topology.world_size != world or topology.pp != module.num_stages:
+            raise PipelineConfigError(f"topology {topology} does not match world size {world} "
+                                      f"and num_stages={module.num_stages}")
+        self.topology = topology
+        self.position = topology.position(self.rank)
+        self.pp_rank = self.position.pp_rank
+        # 2. The schedule: fits the module, validates, and every rank agrees on it.
+        self.schedule = resolve_schedule(schedule, module, num_microbatches)
+        self.eval_schedule = forward_schedule(self.schedule)
+        prints: list[Any] = [None] * world
+        dist.all_gather_object(prints, fingerprint(module, self.schedule, world, {
+            "dynamic_shapes": dynamic_shapes, "topology": (topology.pp, topology.dp,
+                                                           topology.tp)}))
+        check_agreement(prints, list(range(world)))
+        start_watchdog(self.rank)
+        # 3. This rank's stages, optimizer, gradient reducer and channels.
+        self.device = device or default_device()
+        self.module = module
+        module.materialize(self.schedule.stages_of(self.pp_rank), self.device)
+        if groups is None and topology.world_size > topology.pp:  # dp or tp: a grid of groups
+            groups = create_process_groups(topology, use_device_mesh=False)
+        self.groups = groups
+        """pp/dp/tp process groups (None for a pure pipeline: the world is the pipeline)."""
+        pipeline_group = groups.pp_group if groups is not None else None
+        self.gradient_reducer = gradient_reducer or (
+            make_grad_reducer(groups.dp_group) if groups is not None and topology.dp > 1
+            else NoOpGradReducer())
+        parameters = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(optimizer, parameters)
+        self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group, timeout)
+        self._shapes = ShapeBook(always_dynamic=dynamic_shapes)
+        self._trace = Trace(self.pp_rank)
+        self._interpreter = Interpreter(
+            module=module, pp_rank=self.pp_rank, placement=self.schedule.placement,
+            num_microbatches=self.schedule.num_microbatches, comm=self.comm,
+            shapes=self._shapes, trace=self._trace, reducer=self.gradient_reducer,
+            loss_fn=module.loss_fn, optimizer=lambda: self.optimizer, device=self.device,
+            split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
+                                   if op.kind is Kind.I))
+        self._last_stream: Schedule = self.schedule
+        self.last_stats: StepStats | None = None
+        """What this rank measured in the last step (None before the first)."""
+        self.last_loss: float | None = None
+        """Mean loss of the last `eval_batch` given targets."""
+
+    # -- facts DeepSpeed users look for ----------------------------------------------------
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.schedule.num_microbatches
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        """The stages this rank holds."""
+        return self.schedule.stages_of(self.pp_rank)
+
+    def is_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    def is_last_stage(self) -> bool:
+        return self.schedule.num_stages - 1 in self.stage_ids
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def train_batch(self, inputs: Any = None, targets: Any = None, *,
+                    data_iter: Iterator[tuple[Any, Any]] | None = None) -> float:
+        """One optimizer step on a full batch; returns the mean loss on every rank.
+
+        The batch is split into `num_microbatches` equal microbatches (or, as in DeepSpeed,
+        `data_iter` yields them as (inputs, targets) pairs); gradients accumulate as a single
+        process would for the mean loss over the full batch. Only the ranks holding the
+        first stage need inputs, the last stage targets.
+        """
+        self.module.train()
+        self.module.zero_grad(set_to_none=True)
+        loss, _ = self._run(self.schedule, inputs, targets, data_iter, training=True)
+        return loss
+
+    def eval_batch(self, inputs: Any = None, targets: Any = None, *,
+                   data_iter: Iterator[tuple[Any, Any]] | None = None) -> Any:
+        """Forward the full batch with the forward-only schedule (no gradients).
+
+        Returns the last stage's outputs, joined over microbatches, on the rank that holds
+        the last stage (None elsewhere); with targets, the mean loss is in `last_loss`.
+        """
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            loss, outputs = self._run(self.eval_schedule, inputs, targets, data_iter,
+                                      training=False)
+            self.last_loss = loss if targets is not None or data_iter is not None else None
+        finally:
+            self.module.train(was_training)
+        if not outputs:
+            return None
+        return join_microbatches([outputs[i] for i in range(len(outputs))])
+
+    def _prepare(self, m: int, inputs: Any, targets: Any,
+                 data_iter: Iterator[tuple[Any, Any]] | None,
+                 training: bool) -> tuple[list[Any] | None, list[Any] | None]:
+        """This rank's microbatches, after every rank agreed that the batch is usable and on
+        its shape signature (when it changed, this step's forward messages carry headers)."""
+        first, last = self.is_first_stage(), self.is_last_stage()
+        problem: Exception | None = None
+        microbatches = split_targets = None
+        try:
+            if data_iter is not None:
+                microbatches, split_targets = take_microbatches(data_iter, m)
+            else:
+                if first:
+                    microbatches = split_microbatches(inputs, m, "inputs")
+                if last and targets is not None:
+                    split_targets = split_microbatches(targets, m, "targets")
+            if training and last and split_targets is None:
+                raise PipelineConfigError("this rank holds the last stage: pass targets")
+            if first and microbatches is None:
+                raise PipelineConfigError("this rank holds the first stage: pass inputs")
+        except (PipelineConfigError, TypeError) as error:
+            problem = error
+        local = 0
+        if first and problem is None and microbatches is not None:
+            shapes = [signature(x) for x in microbatches]
+            local = zlib.crc32(repr((shapes, training)).encode()) + 1
+        # also aligns the ranks' clocks: every rank leaves it within a message time
+        agreed, refused = self.comm.agree(local, failed=problem is not None,
+                                          pp_rank=self.pp_rank)
+        if problem is not None:
+            raise problem
+        if refused:
+            raise PipelineConfigError(f"pipeline rank(s) {refused} refused the batch (see "
+                                      "their error); nothing was run")
+        self._shapes.begin_step(agreed)
+        return microbatches, split_targets
+
+    def _run(self, schedule: Schedule, inputs: Any, targets: Any,
+             data_iter: Iterator[tuple[Any, Any]] | None, *,
+             training: bool) -> tuple[float, dict[int, Any]]:
+        """Run one step of `schedule`; the mean loss (on every rank) and the last stage's
+        outputs per microbatch (eval, on the rank holding it)."""
+        m = schedule.num_microbatches
+        # 1. This rank's microbatches; every rank agrees the batch is usable.
+        microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
+        # 2. Run this rank's stream.
+        state = StepState(microbatches, split_targets, training)
+        self._interpreter.state = state
+        self._trace.restart()
+        stream = schedule.streams[self.pp_rank]
+        for step, op in enumerate(stream):
+            try:
+                self._interpreter.execute(op)
+            except Exception as error:
+                raise self._failure(schedule, step, op, error) from error
+        # 3. Wait for the sends, then share the loss with every rank.
+        try:
+            self.comm.wait_sends()
+        except RuntimeError as error:
+            raise self._failure(schedule, len(stream) - 1, stream[-1], error) from error
+        synchronize(self.device)
+        step_time = time.perf_counter() - self._trace.origin
+        self._interpreter.state = StepState(None, None, True)
+        left = state.leftovers()
+        if left:  # the validated schedule frees everything: anything left is an engine bug
+            raise RuntimeError(f"internal error: the step ended holding {left}")
+        self._shapes.end_step()
+        self._last_stream = schedule
+        self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
+                                    measured_costs(self._trace.spans))
+        total = torch.stack(state.losses).sum().double().cpu() if state.losses else \
+            torch.zeros((), dtype=torch.float64)
+        loss = self.comm.broadcast_tensor(total.reshape(1) / m, schedule.placement[-1])
+        if self.groups is not None and self.topology.dp > 1:  # mean over the replicas' batches
+            dist.all_reduce(loss, group=self.groups.dp_group)
+            loss /= self.topology.dp
+        return float(loss[0]), state.outputs
+
+    def _failure(self, schedule: Schedule, step: int, op: Instruction,
+                 error: Exception) -> PipelineStepError:
+        self.comm.drop_pending()
+        self._shapes.abandon_step()
+        detail = f"{type(error).__name__}: {error}"
+        peer = read_failure()
+        caused_by = None
+        if peer is not None and peer.rank != self.rank:
+            caused_by = peer.rank
+            message = f"rank {self.rank} stopped at instruction {op} because {peer.describe()}"
+        else:
+            report_failure(self.rank, str(op), detail)
+            message = (f"rank {self.rank} (pipeline rank {self.pp_rank}) failed at instruction "
+                       f"{op} (step {step} of its {schedule.name!r} stream): {detail}")
+        grid = format_grid(schedule.streams, self.pp_rank, step)
+        return PipelineStepError(f"{message}\n{grid}", rank=self.rank, instruction=str(op),
+                                 step=step, caused_by=caused_by)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> None:
+        """Write this rank's layers as ``layer_XX-model_states.pt`` (a collective: every rank
+        calls it). Weights only; they load under any partition."""
+        save_layers(self.module, directory, writer=self.position.dp_rank == 0)
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Load this rank's layers from a directory written by `save_checkpoint`."""
+        load_layers(self.module, directory)
+
+    # -- measurements ----------------------------------------------------------------------
+
+    def last_timeline(self) -> Timeline:
+        """Every pipeline rank's measured spans of the last step, in seconds from the step's
+        start, as the simulator's `Timeline` (a collective: call it on every rank).
+
+        Ranks on one host share the monotonic clock, so their spans are placed on it
+        exactly; across hosts each rank's clock starts at the step's opening collective.
+        """
+        gathered = self.comm.all_gather_object(
+            (socket.gethostname(), self._trace.origin, self._trace.spans))
+        same_host = len({host for host, _, _ in gathered}) == 1
+        first = min(origin for _, origin, _ in gathered)
+        spans = []
+        for _, origin, rank_spans in gathered:
+            shift = origin - first if same_host else 0.0
+            spans += [span._replace(start=span.start + shift, end=span.end + shift)
+                      for span in rank_spans]
+        schedule = self._last_stream
+        return Timeline.from_spans(spans, schedule.num_ranks, name=f"{schedule.name} (measured)",
+                                   num_microbatches=schedule.num_microbatches,
+                                   chunks=schedule.chunks, unit="s")

@@ -1,0 +1,61 @@
+"""Typed errors of the runtime: configuration, a failed instruction, a failed rank."""
+
+from __future__ import annotations
+
+__all__ = [
+    "PipelineConfigError",
+    "PipelineError",
+    "PipelineStepError",
+    "RankFailedError",
+]
+
+
+class PipelineError(RuntimeError):
+    """Base class of every error the pipeline runtime raises."""
+
+
+class PipelineConfigError(PipelineError, ValueError):
+    """The module, schedule, batch or ranks do not fit together; raised before any step runs."""
+
+
+class PipelineStepError(PipelineError):
+    """An instruction failed on a rank while a step ran.
+
+    `rank` is the global rank, `instruction` the text form of the failing instruction (e.g.
+    ``1F3``), `step` its index in the rank's stream. The message ends with the rank × step
+    grid around it. `caused_by` is the global rank whose failure stopped this one (None when
+    this rank failed by itself).
+    """
+
+    def __init__(self, message: str, *, rank: int, instruction: str, step: int,
+                 caused_by: int | None = None) -> None:
+        self.rank = rank
+        self.instruction = instruction
+        self.step = step
+        self.caused_by = caused_by
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep the fields across pickling (launcher)
+        return (_rebuild_step_error, (str(self), self.rank, self.instruction, self.step,
+                                      self.caused_by))
+
+
+def _rebuild_step_error(message: str, rank: int, instruction: str, step: int,
+                        caused_by: int | None) -> PipelineStepError:
+    return PipelineStepError(message, rank=rank, instruction=instruction, step=step,
+                             caused_by=caused_by)
+
+
+class RankFailedError(PipelineError):
+    """A launched rank failed; every other rank was stopped.
+
+    `rank` is the first rank that failed, `instruction` the instruction it failed at when the
+    engine knew it (else None), `exit_codes` every process's exit code.
+    """
+
+    def __init__(self, message: str, *, rank: int, instruction: str | None = None,
+                 exit_codes: tuple[int | None, ...] = ()) -> None:
+        self.rank = rank
+        self.instruction = instruction
+        self.exit_codes = exit_codes
+        super().__init__(message)

@@ -1,0 +1,26 @@
+"""The optimizer behind STEP: built from a factory over this rank's parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["OptimizerFactory", "make_optimizer"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+"""``lambda params: torch.optim.SGD(params, lr=0.1)``: called once with this rank's parameters."""
+
+
+def make_optimizer(optimizer: OptimizerFactory | torch.optim.Optimizer | None,
+                   parameters: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    """The optimizer over this rank's parameters, from a factory or as given."""
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    if not callable(optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory taking the "
+                        f"parameters, got {optimizer!r}")
+    if not parameters:
+        return None  # a rank of parameter-free stages has nothing to step
+    return optimizer(parameters)
