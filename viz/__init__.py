@@ -6,6 +6,7 @@ so importing `viz` is cheap. Every plot returns its `Figure` and saves it when g
 
 from viz.bars import bar_extents, bars_labelled
 from viz.compare import TABLE_COLUMNS, comparison_table, plot_comparison
+from viz.curves import plot_training
 from viz.gantt import IDLE_LABEL, draw_timeline, idle_gaps, plot_timeline
 from viz.memory import PEAK_LABEL, MemoryCurve, in_flight, plot_memory
 from viz.output import (
@@ -37,6 +38,7 @@ __all__ = [
     "plot_memory",
     "plot_partition",
     "plot_timeline",
+    "plot_training",
     "save_figure",
     "trace_events",
     "write_trace",

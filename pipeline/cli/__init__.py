@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "pipeline.cli.schedule_cmd",
     "pipeline.cli.compare_cmd",
     "pipeline.cli.partition_cmd",
+    "pipeline.cli.train_cmd",
 )
 
 

@@ -1,0 +1,151 @@
+"""`pipesched train`: the demo — partition a small language model, train it on local CPU ranks
+with a schedule, and write the measured timeline, a Perfetto trace and a summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.cli.options import non_negative_float, positive_int
+from schedules import SCHEDULES, Figures, figures, generate_schedule, simulate
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a small transformer LM on local CPU ranks (the demo)",
+        description="Profile and partition a small decoder-only language model over P stages, "
+                    "train it on synthetic sequences with a pipeline schedule on local CPU "
+                    "processes (gloo), and write the measured timeline plot, a Perfetto trace, "
+                    "the loss curve and a summary of measured vs simulated bubble.")
+    parser.add_argument("--stages", type=positive_int, default=4, metavar="P",
+                        help="pipeline ranks (default 4)")
+    parser.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
+                        help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--microbatches", type=positive_int, default=8, metavar="M",
+                        help="microbatches per step (default 8)")
+    parser.add_argument("--chunks", type=positive_int, default=None, metavar="V",
+                        help="model chunks per rank (default: the schedule's own)")
+    parser.add_argument("--data-parallel", type=positive_int, default=1, metavar="D",
+                        help="pipeline replicas; P × D processes in all (default 1)")
+    parser.add_argument("--steps", type=positive_int, default=30, metavar="N",
+                        help="training steps (default 30)")
+    parser.add_argument("--batch-size", type=positive_int, default=32, metavar="B",
+                        help="global batch size in sequences (default 32)")
+    parser.add_argument("--blocks", type=positive_int, default=8,
+                        help="decoder blocks (default 8; layers = blocks + 2)")
+    parser.add_argument("--width", type=positive_int, default=64, help="hidden size (default 64)")
+    parser.add_argument("--seq-len", type=positive_int, default=32, help="tokens per sequence")
+    parser.add_argument("--lr", type=non_negative_float, default=3e-3, help="Adam learning rate")
+    parser.add_argument("--partition", default="balanced", metavar="METHOD",
+                        help="balanced (profiled costs, default), uniform, parameters or "
+                             "type:<regex>")
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
+    parser.add_argument("--out", type=Path, default=Path("pipesched-out"), metavar="DIR",
+                        help="directory for timeline.png, trace.json, loss.png, summary.json")
+    parser.set_defaults(func=run)
+
+
+def _check_args(args: argparse.Namespace) -> int:
+    """Refuse impossible combinations before any process starts; return chunks per rank."""
+    schedule = generate_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
+    chunks = schedule.chunks
+    per_replica, left = divmod(args.batch_size, args.data_parallel)
+    if left or per_replica % args.microbatches:
+        raise ValueError(
+            f"--batch-size {args.batch_size} must split into --data-parallel "
+            f"{args.data_parallel} replicas of --microbatches {args.microbatches} equal "
+            f"microbatches; use a multiple of {args.data_parallel * args.microbatches}")
+    layers = args.blocks + 2
+    if layers < args.stages * chunks:
+        raise ValueError(f"{layers} layers (--blocks {args.blocks} + embedding + head) cannot "
+                         f"fill {args.stages} stages × {chunks} chunks; raise --blocks to at "
+                         f"least {args.stages * chunks - 2}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    probe = args.out / ".pipesched-write-test"
+    probe.write_text("")
+    probe.unlink()
+    return chunks
+
+
+def _partition(args: argparse.Namespace, config: Any, num_stages: int) -> Any:
+    """Profile every layer on one microbatch in this process and partition by measured cost."""
+    import torch
+
+    from partition import graph_from_layers, parse_method, partition_graph
+    from pipeline.models import lm_layers, synthetic_batch
+
+    method, pattern = parse_method(args.partition)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # profile as the ranks will run: one thread each
+    layers = [spec.build() for spec in lm_layers(config)]
+    sample, _ = synthetic_batch(0, args.batch_size // args.data_parallel // args.microbatches,
+                                config, seed=args.seed)
+    graph = graph_from_layers(layers, sample, repeats=5)
+    return partition_graph(graph, num_stages, method=method, type_pattern=pattern)
+
+
+def _summary_line(label: str, result: Figures) -> str:
+    return (f"{label:<38} makespan {1000 * result.makespan:8.1f} ms   bubble rate "
+            f"{100 * result.bubble_rate:5.1f}%   idle {100 * result.idle_fraction:5.1f}%")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.launcher import launch
+    from pipeline.models import TinyLMConfig
+    from pipeline.trace import measured_costs
+    from pipeline.train_job import TrainConfig, TrainReport, train_rank
+    from viz import plot_timeline, plot_training, write_trace
+
+    chunks = _check_args(args)
+    model = TinyLMConfig(width=args.width, blocks=args.blocks, seq_len=args.seq_len,
+                         heads=max(h for h in (4, 2, 1) if args.width % h == 0))
+    # 1. Partition on measured per-layer costs (one process, before any rank starts).
+    part = _partition(args, model, args.stages * chunks)
+    print(part.format_table(), end="\n\n")
+    # 2. Train on P × D local processes.
+    config = TrainConfig(stages=args.stages, schedule=args.schedule,
+                         microbatches=args.microbatches, chunks=chunks,
+                         data_parallel=args.data_parallel, steps=args.steps,
+                         batch_size=args.batch_size, lr=args.lr, seed=args.seed, model=model,
+                         boundaries=tuple(part.boundaries))
+    world = args.stages * args.data_parallel
+    print(f"training {args.schedule} on {world} CPU ranks (p={args.stages}, "
+          f"dp={args.data_parallel}, v={chunks}, m={args.microbatches}), {args.steps} steps")
+    report: TrainReport | None = launch(train_rank, world, config, timeout=120.0)[0]
+    if report is None:
+        raise RuntimeError("rank 0 returned no report")
+    # 3. Measured last step against the simulator fed with the measured op costs.
+    measured = figures(report.timeline)
+    schedule = generate_schedule(args.schedule, args.stages, args.microbatches, chunks)
+    simulated = figures(simulate(schedule, measured_costs(report.timeline).cost_model(
+        schedule.num_stages)))
+    out: Path = args.out
+    plot_timeline(report.timeline, out / "timeline.png")
+    write_trace(report.timeline, out / "trace.json")
+    plot_training(report.losses, report.step_seconds, out / "loss.png",
+                  title=f"{args.schedule}  p={args.stages}  m={args.microbatches}")
+    median_step = statistics.median(report.step_seconds[1:] or report.step_seconds)
+    summary = {
+        "schedule": args.schedule, "stages": args.stages, "chunks": chunks,
+        "data_parallel": args.data_parallel, "microbatches": args.microbatches,
+        "boundaries": list(part.boundaries), "losses": report.losses,
+        "step_seconds": report.step_seconds, "median_step_seconds": median_step,
+        "measured": measured.to_dict(), "simulated_from_measured_costs": simulated.to_dict(),
+        "peak_activations_measured": report.peak_activations,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"\nloss {report.losses[0]:.3f} -> {report.losses[-1]:.3f};  median step "
+          f"{1000 * median_step:.0f} ms")
+    print(_summary_line("last step, measured:", measured))
+    print(_summary_line("simulated from measured op costs:", simulated))
+    print(f"peak activations per rank: measured {report.peak_activations}, simulated "
+          f"{list(simulated.peak_activations)}")
+    for name in ("timeline.png", "trace.json", "loss.png", "summary.json"):
+        print(f"pipesched train: wrote {out / name}", file=sys.stderr)
+    return 0
