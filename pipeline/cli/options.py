@@ -33,21 +33,34 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def add_schedule_arguments(parser: argparse.ArgumentParser, *, single: bool = True) -> None:
-    """--schedule (when `single`), --stages, --microbatches, --chunks."""
+def add_schedule_arguments(parser: argparse.ArgumentParser, *, single: bool = True,
+                           defaults: tuple[str, int, int] | None = None,
+                           memory_limit: bool = True) -> None:
+    """--schedule (when `single`), --stages, --microbatches, --chunks and --memory-limit.
+
+    Required unless `defaults` gives (schedule, stages, microbatches).
+    """
+    schedule, stages, microbatches = defaults or (None, None, None)
+
+    def shown(value: object) -> str:
+        return f" (default {value})" if defaults else ""
+
     if single:
-        parser.add_argument("--schedule", required=True, choices=sorted(SCHEDULES),
-                            help="schedule name")
-    parser.add_argument("--stages", type=positive_int, required=True, metavar="P",
-                        help="pipeline ranks p (stages = p × chunks)")
-    parser.add_argument("--microbatches", type=positive_int, required=True, metavar="M",
-                        help="microbatches m per step")
+        parser.add_argument("--schedule", required=defaults is None, default=schedule,
+                            choices=sorted(SCHEDULES), help=f"schedule name{shown(schedule)}")
+    parser.add_argument("--stages", type=positive_int, required=defaults is None,
+                        default=stages, metavar="P",
+                        help=f"pipeline ranks p (stages = p × chunks){shown(stages)}")
+    parser.add_argument("--microbatches", type=positive_int, required=defaults is None,
+                        default=microbatches, metavar="M",
+                        help=f"microbatches m per step{shown(microbatches)}")
     parser.add_argument("--chunks", type=positive_int, default=None, metavar="V",
                         help="model chunks per rank v (interleaved, looped-bfs, zb-v, "
                              "dualpipev: default 2; others: 1)")
-    parser.add_argument("--memory-limit", type=positive_int, default=None, metavar="K",
-                        help="zb-auto only: microbatches of one stage's activations a rank "
-                             "may hold (default 2p)")
+    if memory_limit:
+        parser.add_argument("--memory-limit", type=positive_int, default=None, metavar="K",
+                            help="zb-auto only: microbatches of one stage's activations a rank "
+                                 "may hold (default 2p)")
 
 
 def add_cost_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.options import non_negative_float, positive_int
-from schedules import SCHEDULES, Figures, figures, generate_schedule, simulate
+from pipeline.cli.options import add_schedule_arguments, non_negative_float, positive_int
+from schedules import Figures, figures, generate_schedule, simulate
 
 __all__ = ["register", "run"]
 
@@ -23,14 +23,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                     "train it on synthetic sequences with a pipeline schedule on local CPU "
                     "processes (gloo), and write the measured timeline plot, a Perfetto trace, "
                     "the loss curve and a summary of measured vs simulated bubble.")
-    parser.add_argument("--stages", type=positive_int, default=4, metavar="P",
-                        help="pipeline ranks (default 4)")
-    parser.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
-                        help="pipeline schedule (default 1f1b)")
-    parser.add_argument("--microbatches", type=positive_int, default=8, metavar="M",
-                        help="microbatches per step (default 8)")
-    parser.add_argument("--chunks", type=positive_int, default=None, metavar="V",
-                        help="model chunks per rank (default: the schedule's own)")
+    add_schedule_arguments(parser, defaults=("1f1b", 4, 8), memory_limit=False)
     parser.add_argument("--data-parallel", type=positive_int, default=1, metavar="D",
                         help="pipeline replicas; P × D processes in all (default 1)")
     parser.add_argument("--steps", type=positive_int, default=30, metavar="N",
