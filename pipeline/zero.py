@@ -185,6 +185,19 @@ class ShardedOptimizer:
         unscaling act on these."""
         return [region.grad_shard for region in self._regions.values()]
 
+    def gather_grads(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its full reduced gradient, all-gathered from every dp rank's shard
+        (collective over the group). Read after `wait` or `step` (clipped and unscaled as the
+        step saw it). For checks and debugging: it materialises what ZeRO-1 avoids holding."""
+        full: dict[int, torch.Tensor] = {}
+        for region in self._regions.values():
+            parts = [torch.empty_like(region.grad_shard) for _ in range(self.dp_size)]
+            dist.all_gather(parts, region.grad_shard.clone(), group=self.group)
+            flat = torch.cat(parts)
+            for param, offset in zip(region.params, region.offsets):
+                full[id(param)] = flat[offset:offset + param.numel()].view_as(param).clone()
+        return full
+
     def clip_grad_norm_(self, max_norm: float, group: ProcessGroup | None, *,
                         tp_rank: int = 0) -> torch.Tensor:
         """Clip the reduced shards by the global norm; `group` must span every rank holding
