@@ -34,6 +34,8 @@ class ReferenceResult:
     """Every parameter's gradient (before the optimizer step)."""
     params: dict[ParamKey, torch.Tensor]
     """Every parameter after the optimizer step (before it when no optimizer was given)."""
+    grad_norm: float | None = None
+    """Global gradient norm before clipping (only when `max_grad_norm` was given)."""
 
 
 def build_reference(layers: Sequence[Layer] | nn.Sequential, *,
@@ -84,11 +86,12 @@ def reference_step(layers: Sequence[Layer] | nn.Sequential | nn.ModuleList, inpu
     grads = {key: (param.grad.detach().clone() if param.grad is not None
                    else torch.zeros_like(param)) for key, param in _named(model)}
     trainable = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = None
     if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm))
     if isinstance(optimizer, torch.optim.Optimizer):
         optimizer.step()
     elif optimizer is not None:
         optimizer(trainable).step()
     params = {key: param.detach().clone() for key, param in _named(model)}
-    return ReferenceResult(float(loss.detach()), grads, params)
+    return ReferenceResult(float(loss.detach()), grads, params, grad_norm)
