@@ -24,7 +24,7 @@ from pipeline.tp_layers import (
 )
 from tests.pipeline_models import mlp_batch, mlp_layers
 
-__all__ = ["CASES", "Case", "Spike", "run_case", "shard_of"]
+__all__ = ["CASES", "Case", "Spike", "run_case", "shard_of", "spike_layers"]
 
 WIDTH, VOCAB, HEADS, FFN = 8, 12, 2, 16  # VOCAB, HEADS and FFN divide by tp = 2
 FUSED_PARTS = {"qkv": 3}
@@ -98,9 +98,12 @@ class Spike(nn.Module):
         return y
 
 
-def spike_layers() -> list[Any]:
-    """The MLP with a `Spike` on the last stage of dp replica 1 (global rank 3 of pp2×dp2)."""
-    return [*mlp_layers(), LayerSpec(Spike, 3)]
+def spike_layers(rank: int = 1) -> list[Any]:
+    """The MLP with a `Spike` in the first stage of dp replica 1 (global rank 1 of pp2×dp2):
+    the inf reaches only the first stage's gradients (backward flows upstream, the dp
+    reduction stays within the stage), so only the vote tells the last stage to skip."""
+    layers = mlp_layers()
+    return [*layers[:2], LayerSpec(Spike, rank), *layers[2:]]
 
 
 @dataclass(frozen=True)

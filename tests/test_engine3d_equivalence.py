@@ -14,7 +14,7 @@ import torch
 
 from pipeline import PipelineConfigError, PipelineEngine, PipelineModule, launch
 from pipeline.reference import build_reference, reference_step
-from tests.engine3d_models import CASES, MODELS, Case, run_case
+from tests.engine3d_models import CASES, MODELS, Case, run_case, spike_layers
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,13 +43,14 @@ def _refusals() -> list[str]:
     return messages
 
 
-def _overflow() -> dict[str, Any]:
-    """fp16 on pp2×dp2; global rank 3 alone overflows in step 0: every rank must skip it,
+def _overflow(zero_stage: int) -> dict[str, Any]:
+    """fp16 on pp2×dp2; global rank 1 alone overflows in step 0: every rank must skip it,
     halve the scale, then take step 1 as the reference does from the initial weights."""
     model, factory = MODELS["spike"], (lambda ps: torch.optim.SGD(ps, lr=0.1))
     module = PipelineModule(model.layers(), num_stages=2, loss_fn=model.loss)
     engine = PipelineEngine(module, schedule="1f1b", num_microbatches=4, optimizer=factory,
-                            data_parallel=2, precision="fp16", initial_loss_scale=2.0**10)
+                            data_parallel=2, precision="fp16", initial_loss_scale=2.0**10,
+                            zero_stage=zero_stage)
     initial = {key: p.detach().clone() for key, p in module.named_layer_parameters()}
     dp_rank = engine.position.dp_rank
     skipped, scales = [], []
@@ -63,8 +64,8 @@ def _overflow() -> dict[str, Any]:
             unchanged = all(torch.equal(p, initial[key])
                             for key, p in module.named_layer_parameters())
     inputs, targets = model.batch(1, 16)
-    # the reference without the Spike (an identity), which would fire on rank 3 here too
-    expected = reference_step(build_reference(MODELS["mlp"].layers()), inputs, targets,
+    # the reference's Spike never fires (rank -1): it would fire on rank 1 here too
+    expected = reference_step(build_reference(spike_layers(rank=-1)), inputs, targets,
                               loss_fn=model.loss, optimizer=factory)
     error = max(float((p.detach() - expected.params[key]).abs().max())
                 for key, p in module.named_layer_parameters())
@@ -74,7 +75,7 @@ def _overflow() -> dict[str, Any]:
 def _four_ranks(cases: list[Case]) -> dict[str, Any]:
     torch.manual_seed(0)
     return {"refusals": _refusals(), "results": [run_case(case) for case in cases],
-            "overflow": _overflow()}
+            "overflow": [_overflow(zero_stage) for zero_stage in (0, 1)]}
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +124,7 @@ def test_3d_setup_errors_name_the_value_and_the_fix(per_rank: list[dict[str, Any
 
 def test_fp16_overflow_on_one_rank_makes_every_rank_skip_the_step(
         per_rank: list[dict[str, Any]]) -> None:
-    for outcome in per_rank:
-        overflow = outcome["overflow"]
+    for overflow in (run for outcome in per_rank for run in outcome["overflow"]):  # ZeRO 0, 1
         assert overflow["skipped"] == [True, False]
         assert overflow["unchanged"]  # the skipped step changed no parameter on any rank
         assert overflow["scales"] == [2.0**9, 2.0**9]
