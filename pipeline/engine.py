@@ -48,6 +48,11 @@ class PipelineEngine:
     Construct it on every rank with the same arguments, inside `launch` or under torchrun
     (any initialised process group). It checks that the ranks agree, builds this rank's
     stages, and then `train_batch` runs this rank's lowered instruction stream.
+
+    Beyond the pipeline (fields documented on `ParallelConfig`): ``data_parallel``,
+    ``tensor_parallel`` (world size = num_stages × data_parallel × tensor_parallel, or pass
+    ``topology``), ``zero_stage`` (0 or 1), ``precision`` ('fp32', 'bf16', 'fp16'),
+    ``gradient_clipping``, ``bucket_mb``, ``initial_loss_scale``, ``loss_scale_window``.
     """
 
     def __init__(self, module: PipelineModule, *, schedule: str | Schedule = "1f1b",
