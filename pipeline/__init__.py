@@ -30,6 +30,23 @@ _LAZY: dict[str, str] = {
     "PipelineStepError": "pipeline.errors",
     "RankFailedError": "pipeline.errors",
     "Topology": "pipeline.topology",
+    "TopologyError": "pipeline.topology",
+    # 3D parallelism: data / tensor parallel, ZeRO-1, tied layers, mixed precision
+    "ParallelConfig": "pipeline.parallel_setup",
+    "ProcessGroups": "pipeline.groups",
+    "ZeroStageError": "pipeline.groups",
+    "current_process_groups": "pipeline.build_context",
+    "TiedLayerSpec": "pipeline.tied",
+    "ShardedOptimizer": "pipeline.zero",
+    "DynamicLossScaler": "pipeline.precision",
+    "Precision": "pipeline.precision",
+    "OptimizerStep": "pipeline.optimizer_step",
+    "ColumnParallelLinear": "pipeline.tp_layers",
+    "RowParallelLinear": "pipeline.tp_layers",
+    "VocabParallelEmbedding": "pipeline.tp_layers",
+    "ParallelTransformerBlock": "pipeline.tp_layers",
+    "TransformerBlock": "pipeline.tp_layers",
+    "parallel_lm_logits": "pipeline.tp_layers",
 }
 
 __all__ = sorted(_LAZY)

@@ -14,15 +14,25 @@ import torch.distributed as dist
 from pipeline.batch import join_microbatches, signature, split_microbatches, take_microbatches
 from pipeline.checkpoint import load_layers, save_layers
 from pipeline.comm import Comm
-from pipeline.data_parallel import GradReducer, NoOpGradReducer, make_grad_reducer
+from pipeline.data_parallel import DEFAULT_BUCKET_MB, GradReducer
 from pipeline.device import default_device, synchronize
 from pipeline.errors import PipelineConfigError, PipelineStepError
 from pipeline.failure import read_failure, report_failure, start_watchdog
 from pipeline.groups import ProcessGroups, create_process_groups
 from pipeline.interpreter import Interpreter, StepState
 from pipeline.module import PipelineModule
-from pipeline.optimizer import OptimizerFactory, make_optimizer
+from pipeline.optimizer import OptimizerFactory
+from pipeline.optimizer_step import StepOptimizer
+from pipeline.parallel_setup import (
+    ParallelConfig,
+    needs_process_groups,
+    optimizer_state_bytes,
+    reduced_gradients,
+    resolve_topology,
+    setup_training,
+)
 from pipeline.plan import check_agreement, fingerprint, forward_schedule, resolve_schedule
+from pipeline.precision import Precision
 from pipeline.shapes import ShapeBook
 from pipeline.topology import Topology
 from pipeline.trace import StepStats, Trace, measured_costs
@@ -38,6 +48,11 @@ class PipelineEngine:
     Construct it on every rank with the same arguments, inside `launch` or under torchrun
     (any initialised process group). It checks that the ranks agree, builds this rank's
     stages, and then `train_batch` runs this rank's lowered instruction stream.
+
+    Beyond the pipeline (fields documented on `ParallelConfig`): ``data_parallel``,
+    ``tensor_parallel`` (world size = num_stages × data_parallel × tensor_parallel, or pass
+    ``topology``), ``zero_stage`` (0 or 1), ``precision`` ('fp32', 'bf16', 'fp16'),
+    ``gradient_clipping``, ``bucket_mb``, ``initial_loss_scale``, ``loss_scale_window``.
     """
 
     def __init__(self, module: PipelineModule, *, schedule: str | Schedule = "1f1b",
@@ -47,24 +62,24 @@ class PipelineEngine:
                  groups: ProcessGroups | None = None,
                  gradient_reducer: GradReducer | None = None,
                  device: torch.device | None = None, timeout: float = 300.0,
-                 dynamic_shapes: bool = False) -> None:
+                 dynamic_shapes: bool = False, data_parallel: int | None = None,
+                 tensor_parallel: int = 1, zero_stage: int = 0, precision: Precision = "fp32",
+                 gradient_clipping: float | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 initial_loss_scale: float = 2.0**16, loss_scale_window: int = 1000) -> None:
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
         if not dist.is_initialized():
             raise PipelineConfigError("no process group: run inside pipeline.launch(fn, "
                                       "world_size) or torchrun, or call "
                                       "torch.distributed.init_process_group first")
-        # 1. The grid: this rank's place, and world size vs stages.
+        # 1. The grid (pp × dp × tp = world size) and this rank's place in it.
         world, self.rank = dist.get_world_size(), dist.get_rank()
-        if topology is None:
-            if world % module.num_stages:
-                raise PipelineConfigError(
-                    f"world size {world} is not divisible by num_stages={module.num_stages}; "
-                    f"launch a multiple of {module.num_stages} ranks or change num_stages")
-            topology = Topology(module.num_stages, world // module.num_stages)
-        if topology.world_size != world or topology.pp != module.num_stages:
-            raise PipelineConfigError(f"topology {topology} does not match world size {world} "
-                                      f"and num_stages={module.num_stages}")
+        self.config = ParallelConfig(
+            data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero_stage=zero_stage,
+            precision=precision, gradient_clipping=gradient_clipping, bucket_mb=bucket_mb,
+            initial_loss_scale=initial_loss_scale, loss_scale_window=loss_scale_window)
+        """Data/tensor parallel sizes, ZeRO stage, precision, clipping (validated)."""
+        topology = resolve_topology(world, module.num_stages, topology, self.config)
         self.topology = topology
         self.position = topology.position(self.rank)
         self.pp_rank = self.position.pp_rank
@@ -74,23 +89,24 @@ class PipelineEngine:
         prints: list[Any] = [None] * world
         dist.all_gather_object(prints, fingerprint(module, self.schedule, world, {
             "dynamic_shapes": dynamic_shapes, "topology": (topology.pp, topology.dp,
-                                                           topology.tp)}))
+                                                           topology.tp),
+            "parallel": repr(self.config)}))
         check_agreement(prints, list(range(world)))
         start_watchdog(self.rank)
-        # 3. This rank's stages, optimizer, gradient reducer and channels.
+        # 3. This rank's groups, stages (tp layers get their group), reducer, optimizer,
+        #    STEP and channels.
         self.device = device or default_device()
         self.module = module
-        module.materialize(self.schedule.stages_of(self.pp_rank), self.device)
-        if groups is None and topology.world_size > topology.pp:  # dp or tp: a grid of groups
+        if groups is None and needs_process_groups(topology, self.config):
             groups = create_process_groups(topology, use_device_mesh=False)
         self.groups = groups
         """pp/dp/tp process groups (None for a pure pipeline: the world is the pipeline)."""
+        module.materialize(self.schedule.stages_of(self.pp_rank), self.device, groups=groups)
+        self.training = setup_training(module, self.schedule.placement, topology, groups,
+                                       self.config, optimizer, gradient_reducer)
+        """Reducer, optimizer, tied-weight sync, loss scaler and STEP of this rank."""
         pipeline_group = groups.pp_group if groups is not None else None
-        self.gradient_reducer = gradient_reducer or (
-            make_grad_reducer(groups.dp_group) if groups is not None and topology.dp > 1
-            else NoOpGradReducer())
-        parameters = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(optimizer, parameters)
+        self.gradient_reducer = self.training.reducer
         self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group, timeout)
         self._shapes = ShapeBook(always_dynamic=dynamic_shapes)
         self._trace = Trace(self.pp_rank)
@@ -98,9 +114,10 @@ class PipelineEngine:
             module=module, pp_rank=self.pp_rank, placement=self.schedule.placement,
             num_microbatches=self.schedule.num_microbatches, comm=self.comm,
             shapes=self._shapes, trace=self._trace, reducer=self.gradient_reducer,
-            loss_fn=module.loss_fn, optimizer=lambda: self.optimizer, device=self.device,
+            loss_fn=module.loss_fn, optimizer_step=self.training.step, device=self.device,
             split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
-                                   if op.kind is Kind.I))
+                                   if op.kind is Kind.I),
+            precision=self.config.precision, loss_scale=self.training.loss_scale)
         self._last_stream: Schedule = self.schedule
         self.last_stats: StepStats | None = None
         """What this rank measured in the last step (None before the first)."""
@@ -123,6 +140,37 @@ class PipelineEngine:
 
     def is_last_stage(self) -> bool:
         return self.schedule.num_stages - 1 in self.stage_ids
+
+    # -- 3D parallelism --------------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> StepOptimizer | None:
+        """A torch optimizer, or the `ShardedOptimizer` under ZeRO-1 (None: nothing to step);
+        STEP steps whatever is set here."""
+        return self.training.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: StepOptimizer | None) -> None:
+        self.training.optimizer = optimizer
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """fp16: whether the last step was skipped for an overflow (on every rank alike)."""
+        return self.training.step.skipped
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1 except under fp16)."""
+        return self.training.loss_scale()
+
+    def reduced_gradients(self) -> dict[tuple[int, str], torch.Tensor]:
+        """(layer, name) -> the reduced gradient the last step used; under ZeRO-1 gathered
+        from the shards (a collective over the dp group: call it on every rank)."""
+        return reduced_gradients(self.module, self.optimizer)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state (1/dp of it under ZeRO-1)."""
+        return optimizer_state_bytes(self.optimizer)
 
     # -- steps -----------------------------------------------------------------------------
 

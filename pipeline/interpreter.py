@@ -21,6 +21,7 @@ from pipeline.comm import Comm, Meta, PendingRecv
 from pipeline.data_parallel import GradReducer
 from pipeline.failure import PROGRESS, explain_stall
 from pipeline.module import LossFn, PipelineModule, Stage
+from pipeline.precision import Precision, autocast
 from pipeline.shapes import ShapeBook
 from pipeline.split_backward import LayerGrads, forward_capturing
 from pipeline.trace import Trace
@@ -104,8 +105,10 @@ class Interpreter:
     def __init__(self, *, module: PipelineModule, pp_rank: int, placement: Sequence[int],
                  num_microbatches: int, comm: Comm, shapes: ShapeBook, trace: Trace,
                  reducer: GradReducer, loss_fn: LossFn | None,
-                 optimizer: Callable[[], torch.optim.Optimizer | None],
-                 device: torch.device, split_stages: frozenset[int] = frozenset()) -> None:
+                 optimizer_step: Callable[[], None],
+                 device: torch.device, split_stages: frozenset[int] = frozenset(),
+                 precision: Precision = "fp32",
+                 loss_scale: Callable[[], float] = lambda: 1.0) -> None:
         self.module = module
         self.pp_rank = pp_rank
         self.placement = tuple(placement)
@@ -116,8 +119,13 @@ class Interpreter:
         self.trace = trace
         self.reducer = reducer
         self.loss_fn = loss_fn
-        self.optimizer = optimizer
+        self.optimizer_step = optimizer_step
+        """STEP after the reducer's wait (`pipeline.optimizer_step.OptimizerStep`)."""
         self.device = device
+        self.precision = precision
+        """Stages run under this autocast; the loss is computed in fp32 from their output."""
+        self.loss_scale = loss_scale
+        """fp16's current loss scale (1 otherwise): backward starts from loss · scale."""
         self.split_stages = split_stages
         """Stages whose backward runs as I then W: their forwards hook layer outputs."""
         self.stages: dict[int, Stage] = {int(k): module.stage(int(k)) for k in module.stages}
@@ -198,9 +206,10 @@ class Interpreter:
         x = self._take_input(s, i)
         if not state.training:
             with torch.no_grad():
-                out = self.stages[s](x)
+                out = self._run_stage(s, x)
                 if s == self.last_stage and state.targets is not None and self.loss_fn:
-                    state.losses.append(self.loss_fn(out, _to(state.targets[i], self.device)))
+                    state.losses.append(self.loss_fn(self._loss_input(out),
+                                                     _to(state.targets[i], self.device)))
             self._forward_done(s, i, out)
             return
         leaves: list[torch.Tensor] = []
@@ -208,14 +217,18 @@ class Interpreter:
             x, leaves = _make_leaves(x)
         layer_grads = None
         if s in self.split_stages:
-            out, layer_grads = forward_capturing(self.stages[s], x)
+            with autocast(self.precision, self.device.type):
+                out, layer_grads = forward_capturing(self.stages[s], x)
         else:
-            out = self.stages[s](x)
+            out = self._run_stage(s, x)
         if s == self.last_stage:
-            loss = self._loss(out, state.loaded_targets.pop(i))
+            loss = self._loss(self._loss_input(out), state.loaded_targets.pop(i))
             state.losses.append(loss.detach())
-            # mean over the full batch = mean of the m equal microbatches' means
-            saved = _Saved(leaves, [loss / self.m], [], [])
+            # mean over the full batch = mean of the m equal microbatches' means; fp16
+            # scales it so small gradients survive the half-precision backward
+            scale = self.loss_scale()
+            root = loss / self.m if scale == 1.0 else loss * (scale / self.m)
+            saved = _Saved(leaves, [root], [], [])
         else:
             floats = _floats(out)
             index = [k for k, t in enumerate(floats) if t.requires_grad]
@@ -225,6 +238,19 @@ class Interpreter:
         saved.layer_grads = layer_grads
         state.saved[(s, i)] = saved
         state.peak_activations = max(state.peak_activations, len(state.saved))
+
+    def _run_stage(self, s: int, x: Any) -> Any:
+        with autocast(self.precision, self.device.type):
+            return self.stages[s](x)
+
+    def _loss_input(self, out: Any) -> Any:
+        """The last stage's output as the loss sees it: fp32 under mixed precision (the loss
+        and its softmax/reductions are computed in full precision, as Megatron does)."""
+        if self.precision == "fp32":
+            return out
+        if isinstance(out, torch.Tensor):
+            return out.float() if out.is_floating_point() else out
+        return tuple(t.float() if t.is_floating_point() else t for t in out)
 
     def _loss(self, out: Any, target: Any) -> torch.Tensor:
         if self.loss_fn is None:
@@ -321,9 +347,7 @@ class Interpreter:
 
     def step(self, op: Instruction) -> None:
         self.reducer.wait()
-        optimizer = self.optimizer()
-        if optimizer is not None:
-            optimizer.step()
+        self.optimizer_step()
 
 
 def _to(value: Any, device: torch.device) -> Any:

@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeAlias
 
 import torch
 from torch import nn
 
+from pipeline.build_context import call_with_group
+from pipeline.tied import TiedLayerSpec
+
 __all__ = [
     "Layer",
     "LayerSpec",
+    "TiedLayer",
     "build_layer",
+    "check_tied_specs",
     "count_parameters",
     "layer_type_name",
     "normalize_layers",
     "seeded",
+    "tied_seed",
 ]
 
 
@@ -35,8 +42,10 @@ class LayerSpec:
         self.kwargs = kwargs
 
     def build(self) -> nn.Module:
-        """Construct the layer (with whatever RNG state is current)."""
-        module = self.typename(*self.args, **self.kwargs)
+        """Construct the layer (with whatever RNG state is current). A ``group`` parameter
+        the spec leaves unfilled receives the rank's tensor-parallel group
+        (`pipeline.build_context`)."""
+        module = call_with_group(self.typename, self.args, self.kwargs)
         if not isinstance(module, nn.Module):
             raise TypeError(f"LayerSpec({self.name}) built {type(module).__name__}, not an "
                             "nn.Module; pass plain callables directly instead of wrapping them")
@@ -50,8 +59,25 @@ class LayerSpec:
         return f"LayerSpec({self.name})"
 
 
-Layer: TypeAlias = "nn.Module | LayerSpec | Callable[..., Any]"
+Layer: TypeAlias = "nn.Module | LayerSpec | TiedLayerSpec | Callable[..., Any]"
 """What a model's layer list may hold."""
+
+
+class TiedLayer(nn.Module):
+    """One occurrence of a tied layer: the module shared by every occurrence on this rank (or
+    in the reference), called directly or through this occurrence's ``forward_fn(module, x)``
+    (e.g. the embedding used as the output head)."""
+
+    def __init__(self, module: nn.Module, forward_fn: Callable[[nn.Module, Any], Any] | None
+                 ) -> None:
+        super().__init__()
+        self.module = module
+        self.forward_fn = forward_fn
+
+    def forward(self, x: Any) -> Any:
+        if self.forward_fn is None:
+            return self.module(x)
+        return self.forward_fn(self.module, x)
 
 
 class _Call(nn.Module):
@@ -73,9 +99,10 @@ def normalize_layers(layers: Sequence[Layer] | nn.Sequential) -> list[Layer]:
     items: list[Layer] = list(layers.children()) if isinstance(layers, nn.Sequential) \
         else list(layers)
     bad = [f"layer {k}: {type(item).__name__}" for k, item in enumerate(items)
-           if not (isinstance(item, nn.Module | LayerSpec) or callable(item))]
+           if not (isinstance(item, nn.Module | LayerSpec | TiedLayerSpec) or callable(item))]
     if bad:
-        raise TypeError("layers must be nn.Module, LayerSpec or callables; got " + "; ".join(bad))
+        raise TypeError("layers must be nn.Module, LayerSpec, TiedLayerSpec or callables; got "
+                        + "; ".join(bad))
     if not items:
         raise ValueError("PipelineModule needs at least one layer, got an empty list")
     return items
@@ -89,13 +116,56 @@ def seeded(seed: int) -> Iterator[None]:
         yield
 
 
+def check_tied_specs(layers: Sequence[Layer]) -> dict[int, str]:
+    """Layer index -> tied key of every `TiedLayerSpec`; raises `ValueError` listing every key
+    whose occurrences disagree on what to build (only `forward_fn` may differ)."""
+    keys: dict[int, str] = {}
+    first: dict[str, TiedLayerSpec] = {}
+    problems = []
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, TiedLayerSpec):
+            continue
+        keys[index] = layer.key
+        seen = first.setdefault(layer.key, layer)
+        built = (layer.cls, layer.args, layer.kwargs, layer.tied_weight_attr)
+        if built != (seen.cls, seen.args, seen.kwargs, seen.tied_weight_attr):
+            problems.append(f"layer {index} builds {layer!r} but an earlier occurrence of key "
+                            f"{layer.key!r} builds {seen!r}")
+    if problems:
+        raise ValueError("tied layers of one key must build the same module (only forward_fn "
+                         "may differ): " + "; ".join(problems))
+    return keys
+
+
+def tied_seed(base_seed: int, key: str) -> int:
+    """The seed of a tied layer: from its key, not its position, so every occurrence (on any
+    rank, and in the reference) starts from the same weights."""
+    return base_seed + zlib.crc32(key.encode())
+
+
 def build_layer(layer: Layer, index: int, *, base_seed: int | None,
-                device: torch.device | None = None) -> nn.Module:
+                device: torch.device | None = None,
+                shared: MutableMapping[str, nn.Module] | None = None) -> nn.Module:
     """Layer `index` as a module on `device`.
 
     A `LayerSpec` is built with the CPU generator seeded to ``base_seed + index`` (unless
-    `base_seed` is None), so the same weights appear however the model is partitioned.
+    `base_seed` is None), so the same weights appear however the model is partitioned. A
+    `TiedLayerSpec` is seeded by `tied_seed` and built once per key in `shared` (the modules
+    already built on this rank): every later occurrence wraps the same module.
     """
+    if isinstance(layer, TiedLayerSpec):
+        module = shared.get(layer.key) if shared is not None else None
+        if module is None:
+            if base_seed is None:
+                module = layer.build()
+            else:
+                with seeded(tied_seed(base_seed, layer.key)):
+                    module = layer.build()
+            if device is not None:
+                module = module.to(device)
+            if shared is not None:
+                shared[layer.key] = module
+        return TiedLayer(module, layer.forward_fn)
     if isinstance(layer, LayerSpec):
         if base_seed is None:
             module = layer.build()
@@ -113,6 +183,8 @@ def layer_type_name(layer: Layer) -> str:
     """The class name that ``type:<regex>`` partitioning matches against."""
     if isinstance(layer, LayerSpec):
         return layer.name
+    if isinstance(layer, TiedLayerSpec):
+        return getattr(layer.cls, "__name__", type(layer.cls).__name__)
     if isinstance(layer, nn.Module):
         return type(layer).__name__
     return getattr(layer, "__name__", type(layer).__name__)
@@ -120,7 +192,7 @@ def layer_type_name(layer: Layer) -> str:
 
 def count_parameters(layer: Layer) -> int:
     """Trainable parameter count; a `LayerSpec` is built on the meta device (no memory)."""
-    if isinstance(layer, LayerSpec):
+    if isinstance(layer, LayerSpec | TiedLayerSpec):
         try:
             with torch.device("meta"):
                 module = layer.build()

@@ -9,9 +9,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeline.build_context import building_with
 from pipeline.errors import PipelineConfigError
-from pipeline.layers import Layer, build_layer, normalize_layers
+from pipeline.groups import ProcessGroups
+from pipeline.layers import Layer, build_layer, check_tied_specs, normalize_layers
 from pipeline.partitioning import PartitionMethod, stage_boundaries
+from pipeline.tied import TiedLayerSpec
 
 __all__ = ["LossFn", "PipelineModule", "Stage"]
 
@@ -73,6 +76,14 @@ class PipelineModule(nn.Module):
         if loss_fn is not None and not callable(loss_fn):
             raise PipelineConfigError(f"loss_fn must be callable, got {loss_fn!r}")
         items = normalize_layers(layers)
+        try:
+            self.tied_keys = check_tied_specs(items)
+            """Layer index -> key of every `TiedLayerSpec` (its copies share weights)."""
+        except ValueError as error:
+            raise PipelineConfigError(str(error)) from error
+        self._tied_specs = {key: cast(TiedLayerSpec, items[index])
+                            for index, key in self.tied_keys.items()}
+        self._tied_modules: dict[str, nn.Module] = {}  # a plain dict: not registered twice
         self._layer_list: list[Layer | None] = list(items)
         self.num_stages = num_stages
         """Pipeline ranks the model is spread over (DeepSpeed's meaning)."""
@@ -106,9 +117,15 @@ class PipelineModule(nn.Module):
         """Global indices of the layers in `stage`."""
         return range(self.boundaries[stage], self.boundaries[stage + 1])
 
-    def materialize(self, stages: Sequence[int], device: torch.device | None = None) -> None:
+    def materialize(self, stages: Sequence[int], device: torch.device | None = None, *,
+                    groups: ProcessGroups | None = None) -> None:
         """Build the given stages' layers (seeded per layer) on `device`; drop every other
-        layer object so this rank holds only its part of the model."""
+        layer object so this rank holds only its part of the model.
+
+        Layers are built inside `building_with(groups)`: a factory with an unfilled ``group``
+        parameter gets this rank's tensor-parallel group. Occurrences of one tied key on this
+        rank share one module.
+        """
         if self.stages:
             built = sorted(int(key) for key in self.stages)
             if built != sorted(stages):
@@ -116,12 +133,13 @@ class PipelineModule(nn.Module):
                     f"this PipelineModule already holds stages {built} and cannot also "
                     f"be placed as {sorted(stages)}; build a new PipelineModule per engine")
             return
-        for stage in sorted(stages):
-            span = self.layers_of(stage)
-            modules = [build_layer(self._layer(k), k, base_seed=self.base_seed, device=device)
-                       for k in span]
-            self.stages[str(stage)] = Stage(stage, span.start, modules,
-                                            self.activation_checkpoint_interval)
+        with building_with(groups):
+            for stage in sorted(stages):
+                span = self.layers_of(stage)
+                modules = [build_layer(self._layer(k), k, base_seed=self.base_seed,
+                                       device=device, shared=self._tied_modules) for k in span]
+                self.stages[str(stage)] = Stage(stage, span.start, modules,
+                                                self.activation_checkpoint_interval)
         self._layer_list = [None if not any(k in self.layers_of(s) for s in stages) else layer
                             for k, layer in enumerate(self._layer_list)]
 
@@ -143,6 +161,26 @@ class PipelineModule(nn.Module):
     def stage_parameters(self, index: int) -> list[nn.Parameter]:
         """Trainable parameters of a stage held here."""
         return [p for p in self.stage(index).parameters() if p.requires_grad]
+
+    def stage_of_layer(self, index: int) -> int:
+        """The stage holding global layer `index`."""
+        for stage in range(self.total_stages):
+            if index in self.layers_of(stage):
+                return stage
+        raise PipelineConfigError(f"layer {index} is outside 0..{self.num_layers - 1}")
+
+    def tied_owner_stages(self) -> dict[str, tuple[int, ...]]:
+        """Tied key -> the stages holding an occurrence (known on every rank, built or not)."""
+        owners: dict[str, set[int]] = {}
+        for index, key in self.tied_keys.items():
+            owners.setdefault(key, set()).add(self.stage_of_layer(index))
+        return {key: tuple(sorted(stages)) for key, stages in sorted(owners.items())}
+
+    def tied_parameters(self) -> dict[str, list[nn.Parameter]]:
+        """Tied key -> the tied weights (`tied_weight_attr`) of its module on this rank, for
+        every key with an occurrence in the stages built here."""
+        return {key: self._tied_specs[key].tied_parameters(module)
+                for key, module in sorted(self._tied_modules.items())}
 
     def named_layer_parameters(self) -> Iterator[tuple[tuple[int, str], nn.Parameter]]:
         """((global layer index, parameter name inside the layer), parameter) for every

@@ -9,6 +9,7 @@ __all__ = [
     "is_tied_duplicate",
     "mark_tensor_parallel",
     "mark_tied_duplicate",
+    "tensor_parallel_dim",
 ]
 
 # Attribute names set on the Parameter objects themselves (as Megatron's
@@ -26,6 +27,12 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     """True for a tensor-parallel slice; False for a parameter every tp rank holds whole
     (layer norms, a row-parallel layer's bias), whose gradients are identical across tp."""
     return getattr(param, _TENSOR_PARALLEL, None) is not None
+
+
+def tensor_parallel_dim(param: torch.Tensor) -> int | None:
+    """The dimension a tensor-parallel slice was cut along (None for a replicated tensor)."""
+    dim = getattr(param, _TENSOR_PARALLEL, None)
+    return None if dim is None else int(dim)
 
 
 def mark_tied_duplicate(param: torch.nn.Parameter, duplicate: bool = True) -> None:

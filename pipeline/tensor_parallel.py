@@ -44,8 +44,13 @@ __all__ = [
 
 
 def tp_rank_and_size(group: ProcessGroup | None) -> tuple[int, int]:
-    """This rank's index in the tp group and the group's size; (0, 1) without a group."""
-    if group is None and not dist.is_initialized():
+    """This rank's index in the tp group and the group's size; (0, 1) without a group.
+
+    None means "no tensor parallelism", never torch's default group: a layer built outside
+    an engine (the single-process reference, parameter counting for the partition) is then
+    the full layer even inside a multi-rank job.
+    """
+    if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 

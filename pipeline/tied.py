@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from pipeline.build_context import call_with_group
 from pipeline.data_parallel import GradReducer
 from pipeline.param_marks import mark_tied_duplicate
 from pipeline.topology import Topology, TopologyError
@@ -58,8 +59,13 @@ class TiedLayerSpec:
         self.forward_fn, self.tied_weight_attr = forward_fn, attrs
 
     def build(self) -> nn.Module:
-        """Construct the layer (on an owning rank only)."""
-        return self.cls(*self.args, **self.kwargs)
+        """Construct the layer (on an owning rank only); a ``group`` parameter left unfilled
+        receives the rank's tensor-parallel group (`pipeline.build_context`)."""
+        module = call_with_group(self.cls, self.args, self.kwargs)
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"TiedLayerSpec({self.key!r}) built {type(module).__name__}, not an "
+                            "nn.Module; cls must be a module class or a factory returning one")
+        return module
 
     def tied_parameters(self, module: nn.Module) -> list[nn.Parameter]:
         """The module's parameters named by `tied_weight_attr` (dotted paths allowed)."""

@@ -36,8 +36,9 @@ from pipeline.precision import clip_coefficient, counts_in_norm, global_grad_nor
 
 __all__ = ["Collective", "OptimizerFactory", "ShardedOptimizer", "detect_reduce_scatter"]
 
-Collective = Literal["auto", "reduce_scatter", "all_reduce"]
+Collective = Literal["auto", "reduce_scatter", "all_reduce", "all_to_all"]
 OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+_Finish = Callable[[], None]
 """Builds the inner optimizer over the fp32 shard tensors, e.g.
 `lambda shards: torch.optim.Adam(shards, lr=1e-3)`."""
 
@@ -67,7 +68,8 @@ class _Region:
     flat_grad: torch.Tensor
     grad_shard: torch.Tensor
     master: torch.nn.Parameter
-    pending: list[dist.Work] = field(default_factory=list)
+    pending: list[tuple[dist.Work, _Finish | None]] = field(default_factory=list)
+    """Launched bucket reductions, each with what to do once it arrived (all_to_all: sum)."""
     reduced: bool = False
 
 
@@ -87,23 +89,29 @@ class ShardedOptimizer:
                  collective: Collective = "auto") -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        if collective not in ("auto", "reduce_scatter", "all_reduce"):
-            raise ValueError(f"collective must be 'auto', 'reduce_scatter' or 'all_reduce', "
-                             f"got {collective!r}")
+        if collective not in ("auto", "reduce_scatter", "all_reduce", "all_to_all"):
+            raise ValueError(f"collective must be 'auto', 'reduce_scatter', 'all_reduce' or "
+                             f"'all_to_all', got {collective!r}")
         self.group = group
         self.dp_size = dist.get_world_size(group)
         self.dp_rank = dist.get_rank(group)
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.average = average
+        if collective == "auto" and dist.get_backend(group) == "gloo":
+            # gloo's reduce_scatter is a full all-reduce underneath: measured on torch 2.13,
+            # each rank sends N bytes for an N-byte buffer instead of the ring's (d-1)/d · N.
+            # Exchanging the pieces with all_to_all and summing locally sends (d-1)/d · N.
+            collective = "all_to_all"
         if collective == "auto":
             collective = "reduce_scatter" if detect_reduce_scatter(group) else "all_reduce"
             if collective == "all_reduce":
                 warnings.warn(f"backend {dist.get_backend(group)!r} has no reduce_scatter here; "
                               f"ZeRO-1 falls back to all_reduce + slice (same result, "
                               f"{self.dp_size}x the gradient traffic)", stacklevel=2)
-        self.collective: Literal["reduce_scatter", "all_reduce"] = collective
-        """Which collective reduces gradients: reduce_scatter, or all_reduce + slice where the
-        backend lacks it (d× the received bytes, same result)."""
+        self.collective: Literal["reduce_scatter", "all_reduce", "all_to_all"] = collective
+        """Which collective reduces gradients: reduce_scatter; all_to_all of the pieces + a
+        local sum (gloo); or all_reduce + slice where the backend lacks both (d× the received
+        bytes, same result)."""
         self.stats = CommStats()
         self._regions: dict[int, _Region] = {}
         # A parameter listed under two stages goes to the first; give weights shared between
@@ -150,8 +158,10 @@ class ShardedOptimizer:
         for region in self._regions.values():
             if not region.pending:
                 continue  # finished by an earlier wait; the shard may be clipped since
-            for work in region.pending:
+            for work, finish in region.pending:
                 work.wait()
+                if finish is not None:
+                    finish()
             region.pending.clear()
             if self.collective == "all_reduce":
                 start = self.dp_rank * region.shard_size
@@ -184,6 +194,19 @@ class ShardedOptimizer:
         """This rank's reduced gradient shards (valid after `wait`): overflow checks and
         unscaling act on these."""
         return [region.grad_shard for region in self._regions.values()]
+
+    def gather_grads(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its full reduced gradient, all-gathered from every dp rank's shard
+        (collective over the group). Read after `wait` or `step` (clipped and unscaled as the
+        step saw it). For checks and debugging: it materialises what ZeRO-1 avoids holding."""
+        full: dict[int, torch.Tensor] = {}
+        for region in self._regions.values():
+            parts = [torch.empty_like(region.grad_shard) for _ in range(self.dp_size)]
+            dist.all_gather(parts, region.grad_shard.clone(), group=self.group)
+            flat = torch.cat(parts)
+            for param, offset in zip(region.params, region.offsets):
+                full[id(param)] = flat[offset:offset + param.numel()].view_as(param).clone()
+        return full
 
     def clip_grad_norm_(self, max_norm: float, group: ProcessGroup | None, *,
                         tp_rank: int = 0) -> torch.Tensor:
@@ -245,22 +268,40 @@ class ShardedOptimizer:
         if self.average:
             # Divide before summing, as DDP does, so fp16 sums stay in range.
             region.flat_grad.div_(self.dp_size)
-        size = region.shard_size
+        launch = {"reduce_scatter": self._reduce_scatter, "all_to_all": self._exchange,
+                  "all_reduce": self._all_reduce}[self.collective]
         for lo, hi in self._bucket_ranges(region):
-            if self.collective == "reduce_scatter":
-                pieces = [region.flat_grad[r * size + lo:r * size + hi]
-                          for r in range(self.dp_size)]
-                self.stats.record("reduce_scatter", *pieces)
-                work = dist.reduce_scatter(region.grad_shard[lo:hi], pieces, group=self.group,
-                                           async_op=True)
-            else:
-                # Fallback: reduce the same amount of the buffer, contiguously; `wait` slices
-                # this rank's shard out of the fully reduced buffer.
-                chunk = region.flat_grad[lo * self.dp_size:hi * self.dp_size]
-                self.stats.record("all_reduce", chunk)
-                work = dist.all_reduce(chunk, group=self.group, async_op=True)
-            region.pending.append(_require(work))
+            region.pending.append(launch(region, lo, hi))
         region.reduced = True
+
+    # One bucket [lo, hi) of every rank's shard, three ways; each returns the work and what
+    # to do when it has arrived.
+
+    def _reduce_scatter(self, region: _Region, lo: int, hi: int
+                        ) -> tuple[dist.Work, _Finish | None]:
+        size = region.shard_size
+        pieces = [region.flat_grad[r * size + lo:r * size + hi] for r in range(self.dp_size)]
+        self.stats.record("reduce_scatter", *pieces)
+        return _require(dist.reduce_scatter(region.grad_shard[lo:hi], pieces, group=self.group,
+                                            async_op=True)), None
+
+    def _exchange(self, region: _Region, lo: int, hi: int) -> tuple[dist.Work, _Finish | None]:
+        """Send rank r the bucket of its shard, receive every rank's bucket of ours, sum."""
+        pieces = region.flat_grad.view(self.dp_size, region.shard_size)[:, lo:hi].contiguous()
+        received = torch.empty_like(pieces)
+        self.stats.record("all_to_all", pieces)
+        work = dist.all_to_all_single(received, pieces, group=self.group, async_op=True)
+
+        def finish() -> None:
+            torch.sum(received, dim=0, out=region.grad_shard[lo:hi])
+        return _require(work), finish
+
+    def _all_reduce(self, region: _Region, lo: int, hi: int) -> tuple[dist.Work, _Finish | None]:
+        # Fallback: reduce the same amount of the buffer, contiguously; `wait` slices this
+        # rank's shard out of the fully reduced buffer.
+        chunk = region.flat_grad[lo * self.dp_size:hi * self.dp_size]
+        self.stats.record("all_reduce", chunk)
+        return _require(dist.all_reduce(chunk, group=self.group, async_op=True)), None
 
     def _gather_params(self) -> None:
         works = []

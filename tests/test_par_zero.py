@@ -42,7 +42,7 @@ def _check_zero(rank: int, world_size: int) -> None:
             nn.functional.mse_loss(reference(x), y).backward()
             torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
             plain.step()
-        for collective in ("auto", "reduce_scatter", "all_reduce"):
+        for collective in ("auto", "reduce_scatter", "all_reduce", "all_to_all"):
             model = _model()
             stages = {0: list(model[0].parameters()), 1: list(model[2].parameters())}
             zero = ShardedOptimizer(stages, factory, None, bucket_mb=BUCKET_MB,
