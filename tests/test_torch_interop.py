@@ -9,15 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
-from unittest import mock
 
 import pytest
 
 pytest.importorskip("torch")
 
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-from torch.distributed.pipelining.stage import PipelineStage
 
 from schedules import (
     Schedule,
@@ -35,23 +32,13 @@ from schedules import (
     validate,
     zb_v,
 )
+from tests.torch_helpers import stand_in_stages, torch_rows
 
 MULTI_STAGE = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                "DualPipeV"]
 SIZES = [(2, 4), (3, 6), (4, 8), (4, 12)]
 OURS = [("zb-h1", None), ("zb-h2", None), ("zb-v", None), ("dualpipev", None),
         ("looped-bfs", 2), ("zb-auto", None), ("interleaved", 2)]
-
-
-def torch_rows(name: str, p: int, m: int, *, with_comms: bool) -> list[list[str | None]]:
-    actions = get_schedule_ops(name, p, m, 2, with_comms=with_comms)
-    return [[None if a is None else str(a) for a in rank] for rank in actions]
-
-
-def stand_in_stages(p: int, v: int) -> list[PipelineStage]:
-    stage = mock.create_autospec(PipelineStage, instance=True)
-    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, p, None, p * v
-    return [stage] * v
 
 
 @pytest.mark.parametrize("with_comms", [False, True])
