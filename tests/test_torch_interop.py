@@ -120,3 +120,15 @@ def test_loaded_torch_schedule_keeps_its_name_and_placement() -> None:
     schedule: Schedule = from_torch_rows(torch_rows("ZBVZeroBubble", 2, 4, with_comms=True),
                                          name="torch-zbv")
     assert schedule.name == "torch-zbv" and schedule.placement == (0, 1, 1, 0)
+
+
+def test_torch_stages_refuse_a_schedule_that_does_not_fit_the_module() -> None:
+    from pipeline import PipelineConfigError, PipelineModule, torch_stages
+    from tests.pipeline_models import MODELS
+
+    module = PipelineModule(MODELS["mlp"].layers(), num_stages=2)  # one chunk per rank
+    with pytest.raises(PipelineConfigError, match=r"cannot build torch stages.*chunks=2"):
+        torch_stages(module, generate_schedule("zb-v", 2, 4), rank=0)
+    with pytest.raises(PipelineConfigError, match="rank 2 is outside"):
+        torch_stages(module, generate_schedule("zb-h1", 2, 4), rank=2)
+    assert not module.stages  # nothing was built

@@ -22,30 +22,21 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline import PipelineEngine, PipelineModule, launch
-from pipeline.reference import build_reference, reference_step
-from schedules import CostModel, Kind, Schedule, figures, fuse_backward, generate_schedule, simulate
-from tests.equivalence import describe_errors, new_errors, record_step
-from tests.pipeline_models import MODELS
+from pipeline import launch
+from schedules import CostModel, Kind, fuse_backward, generate_schedule
+from tests.equivalence import EngineCase, engine_case_problems, run_engine_case
 
 pytestmark = pytest.mark.multiprocess
-
-Case = tuple[str, str, Schedule, int | None]
-"""(label, model, compute-only schedule, memory limit the run must respect or None)."""
 
 SPLIT_BACKWARD = ("zb-h1", "zb-h2", "zb-v", "dualpipev", "zb-auto")
 
 
-def _sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
-
-
-def _cases(p: int) -> list[Case]:
+def _cases(p: int) -> list[EngineCase]:
     covered = {3, 8} if p in (2, 4) else set()  # m that test_engine_equivalence runs
     edges = sorted({1, p, 2 * p - 1} - covered)
-    cases: list[Case] = [(f"{name} m={m}", "mlp", generate_schedule(name, p, m), None)
-                         for name in ("zb-h1", "zb-h2", "zb-v", "looped-bfs", "zb-auto")
-                         for m in edges]
+    cases: list[EngineCase] = [
+        (f"{name} m={m}", "mlp", generate_schedule(name, p, m), None)
+        for name in ("zb-h1", "zb-h2", "zb-v", "looped-bfs", "zb-auto") for m in edges]
     cases += [(f"dualpipev m={m}", "mlp", generate_schedule("dualpipev", p, m), None)
               for m in (2 * p, 2 * p + 1)]
     m = 2 * p
@@ -71,31 +62,9 @@ def _cases(p: int) -> list[Case]:
     return cases
 
 
-def _run_case(p: int, case: Case) -> dict[str, Any]:
-    label, model, schedule, limit = case
-    spec = MODELS[model]
-    m = schedule.num_microbatches
-    module = PipelineModule(spec.layers(), num_stages=p, chunks=schedule.chunks,
-                            loss_fn=spec.loss)
-    engine = PipelineEngine(module, schedule=schedule, optimizer=_sgd, timeout=30)
-    reference = build_reference(spec.layers())
-    errors = new_errors()
-    peak = 0
-    for step, length in enumerate(spec.lengths):
-        inputs, targets = spec.batch(seed=step, batch=3 * m, length=length)
-        loss = engine.train_batch(inputs, targets)
-        expected = reference_step(reference, inputs, targets, loss_fn=spec.loss, optimizer=_sgd)
-        record_step(errors, module.named_layer_parameters(), loss, expected, label)
-        assert engine.last_stats is not None
-        peak = max(peak, engine.last_stats.peak_activations)
-    simulated = figures(simulate(engine.schedule)).peak_activations[engine.pp_rank]
-    return {"label": label, "errors": errors, "peak": peak, "simulated_peak": simulated,
-            "limit": limit}
-
-
-def _equivalence_rank(p: int, cases: list[Case]) -> list[dict[str, Any]]:
+def _equivalence_rank(p: int, cases: list[EngineCase]) -> list[dict[str, Any]]:
     torch.manual_seed(0)
-    return [_run_case(p, case) for case in cases]
+    return [run_engine_case(p, case) for case in cases]
 
 
 def test_the_cases_are_what_they_say() -> None:
@@ -113,14 +82,5 @@ def test_the_cases_are_what_they_say() -> None:
 def test_zero_bubble_edges_equal_single_process(p: int) -> None:
     cases = _cases(p)
     per_rank = launch(_equivalence_rank, p, p, cases, timeout=60, join_timeout=240)
-    problems = []
-    for rank, results in enumerate(per_rank):
-        for result in results:
-            problems += describe_errors(rank, result["label"], result["errors"])
-            if result["peak"] > result["simulated_peak"]:
-                problems.append(f"rank {rank} {result['label']}: held {result['peak']} "
-                                f"activations, the simulator says {result['simulated_peak']}")
-            if result["limit"] is not None and result["peak"] > result["limit"]:
-                problems.append(f"rank {rank} {result['label']}: held {result['peak']} "
-                                f"activations over the memory limit {result['limit']}")
+    problems = engine_case_problems(per_rank)
     assert not problems, "\n".join(problems)
