@@ -1,7 +1,8 @@
 """Step time of pipesched's engine against torch.distributed.pipelining and DeepSpeed, one run.
 
-Every rank runs every framework in the same processes, alternating one timed step of each
-per round, so machine noise (other jobs on shared cores) hits all of them alike. Prints a
+Every rank runs every framework in the same processes; at each m, every (schedule,
+framework) pair takes one timed step per round, so machine noise (other jobs on shared
+cores) hits all of them alike. Prints a
 markdown table: median step time, the ratio ours/theirs, each schedule's time over 1F1B's
 in the same framework (when 1f1b is in the run), and our measured makespan against the
 simulator's prediction from the measured per-op costs.
@@ -154,7 +155,7 @@ def _timed(step: Step, x: torch.Tensor, y: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
-def _bench_rank(configs: list[tuple[str, int]], steps: int, warmup: int,
+def _bench_rank(schedules: list[str], microbatches: list[int], steps: int, warmup: int,
                 use_deepspeed: bool) -> list[dict[str, Any]]:
     p = dist.get_world_size()
     generator = torch.Generator().manual_seed(0)
@@ -162,31 +163,43 @@ def _bench_rank(configs: list[tuple[str, int]], steps: int, warmup: int,
     y = torch.randn(BATCH, WIDTH, generator=generator)
     rows = []
     scratch = tempfile.mkdtemp(prefix="bench-runtime-")
-    for schedule, m in configs:
-        torch_step, torch_ran, torch_runner = _torch(schedule, m, p, scratch)
-        ours, engine = _ours(_torch_table(torch_runner, schedule, m)
-                             if schedule in TORCH_ONLY else schedule, m, p)
-        runners: dict[str, Step] = {"ours": ours, "torch": torch_step}
-        deepspeed_step = _deepspeed(schedule, m, p) if use_deepspeed else None
-        if deepspeed_step is not None:
-            runners["deepspeed"] = deepspeed_step
+    for m in microbatches:
+        # every (schedule, framework) at this m takes one timed step per round, so the
+        # ratios between frameworks and between schedules see the same machine noise
+        contestants: list[tuple[str, str, Step]] = []
+        engines: dict[str, PipelineEngine] = {}
+        torch_ran: dict[str, str] = {}
+        for schedule in schedules:
+            torch_step, torch_ran[schedule], torch_runner = _torch(schedule, m, p, scratch)
+            ours, engines[schedule] = _ours(_torch_table(torch_runner, schedule, m)
+                                            if schedule in TORCH_ONLY else schedule, m, p)
+            contestants += [(schedule, "ours", ours), (schedule, "torch", torch_step)]
+            deepspeed_step = _deepspeed(schedule, m, p) if use_deepspeed else None
+            if deepspeed_step is not None:
+                contestants.append((schedule, "deepspeed", deepspeed_step))
         torch.set_num_threads(1)  # in case a framework changed it
-        times: dict[str, list[float]] = {name: [] for name in runners}
-        measured, predicted = [], []
+        times: dict[tuple[str, str], list[float]] = {(s, f): [] for s, f, _ in contestants}
+        measured: dict[str, list[float]] = {schedule: [] for schedule in schedules}
+        predicted: dict[str, list[float]] = {schedule: [] for schedule in schedules}
         for round_index in range(warmup + steps):
-            for name, step in runners.items():
+            for schedule, framework, step in contestants:
                 elapsed = _timed(step, x, y)
-                if round_index >= warmup:
-                    times[name].append(elapsed)
-                if name == "ours" and round_index >= warmup:
+                if round_index < warmup:
+                    continue
+                times[schedule, framework].append(elapsed)
+                if framework == "ours":
+                    engine = engines[schedule]
                     timeline = engine.last_timeline()
                     costs = measured_costs(timeline).cost_model(engine.schedule.num_stages)
-                    measured.append(figures(timeline).makespan)
-                    predicted.append(figures(simulate(engine.schedule, costs)).makespan)
-        rows.append({"schedule": schedule, "m": m, "torch ran": torch_ran,
-                     **{name: statistics.median(values) for name, values in times.items()},
-                     "measured": statistics.median(measured),
-                     "predicted": statistics.median(predicted)})
+                    measured[schedule].append(figures(timeline).makespan)
+                    predicted[schedule].append(figures(simulate(engine.schedule,
+                                                                costs)).makespan)
+        rows += [{"schedule": schedule, "m": m, "torch ran": torch_ran[schedule],
+                  **{framework: statistics.median(values)
+                     for (name, framework), values in times.items() if name == schedule},
+                  "measured": statistics.median(measured[schedule]),
+                  "predicted": statistics.median(predicted[schedule])}
+                 for schedule in schedules]
     return rows
 
 
@@ -232,10 +245,9 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError:
             use_deepspeed = False
             print("DeepSpeed is not installed: comparing with torch only", file=sys.stderr)
-    configs = [(schedule, m) for m in args.microbatches for schedule in args.schedules]
     started = time.time()
-    rows = launch(_bench_rank, args.ranks, configs, args.steps, args.warmup, use_deepspeed,
-                  timeout=600, threads_per_rank=1)[0]
+    rows = launch(_bench_rank, args.ranks, args.schedules, args.microbatches, args.steps,
+                  args.warmup, use_deepspeed, timeout=600, threads_per_rank=1)[0]
     print(f"{args.ranks} ranks (gloo, 1 thread each), {DEPTH}×Linear({WIDTH})+GELU, batch "
           f"{BATCH}, medians of {args.steps} steps; torch {torch.__version__}; "
           f"{time.time() - started:.0f} s")
