@@ -161,46 +161,52 @@ def _bench_rank(schedules: list[str], microbatches: list[int], steps: int, warmu
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH, WIDTH, generator=generator)
     y = torch.randn(BATCH, WIDTH, generator=generator)
-    rows = []
-    scratch = tempfile.mkdtemp(prefix="bench-runtime-")
-    for m in microbatches:
-        # every (schedule, framework) at this m takes one timed step per round, so the
-        # ratios between frameworks and between schedules see the same machine noise
-        contestants: list[tuple[str, str, Step]] = []
-        engines: dict[str, PipelineEngine] = {}
-        torch_ran: dict[str, str] = {}
-        for schedule in schedules:
-            torch_step, torch_ran[schedule], torch_runner = _torch(schedule, m, p, scratch)
-            ours, engines[schedule] = _ours(_torch_table(torch_runner, schedule, m)
-                                            if schedule in TORCH_ONLY else schedule, m, p)
-            contestants += [(schedule, "ours", ours), (schedule, "torch", torch_step)]
-            deepspeed_step = _deepspeed(schedule, m, p) if use_deepspeed else None
-            if deepspeed_step is not None:
-                contestants.append((schedule, "deepspeed", deepspeed_step))
-        torch.set_num_threads(1)  # in case a framework changed it
-        times: dict[tuple[str, str], list[float]] = {(s, f): [] for s, f, _ in contestants}
-        measured: dict[str, list[float]] = {schedule: [] for schedule in schedules}
-        predicted: dict[str, list[float]] = {schedule: [] for schedule in schedules}
-        for round_index in range(warmup + steps):
-            for schedule, framework, step in contestants:
-                elapsed = _timed(step, x, y)
-                if round_index < warmup:
-                    continue
-                times[schedule, framework].append(elapsed)
-                if framework == "ours":
-                    engine = engines[schedule]
-                    timeline = engine.last_timeline()
-                    costs = measured_costs(timeline).cost_model(engine.schedule.num_stages)
-                    measured[schedule].append(figures(timeline).makespan)
-                    predicted[schedule].append(figures(simulate(engine.schedule,
-                                                                costs)).makespan)
-        rows += [{"schedule": schedule, "m": m, "torch ran": torch_ran[schedule],
-                  **{framework: statistics.median(values)
-                     for (name, framework), values in times.items() if name == schedule},
-                  "measured": statistics.median(measured[schedule]),
-                  "predicted": statistics.median(predicted[schedule])}
-                 for schedule in schedules]
-    return rows
+    with tempfile.TemporaryDirectory(prefix="bench-runtime-") as scratch:  # torch CSVs
+        return [row for m in microbatches
+                for row in _bench_at(m, p, schedules, steps, warmup, use_deepspeed, x, y,
+                                     scratch)]
+
+
+def _bench_at(m: int, p: int, schedules: list[str], steps: int, warmup: int,
+              use_deepspeed: bool, x: torch.Tensor, y: torch.Tensor,
+              scratch: str) -> list[dict[str, Any]]:
+    """One row per schedule at m microbatches."""
+    # every (schedule, framework) at this m takes one timed step per round, so the
+    # ratios between frameworks and between schedules see the same machine noise
+    contestants: list[tuple[str, str, Step]] = []
+    engines: dict[str, PipelineEngine] = {}
+    torch_ran: dict[str, str] = {}
+    for schedule in schedules:
+        torch_step, torch_ran[schedule], torch_runner = _torch(schedule, m, p, scratch)
+        ours, engines[schedule] = _ours(_torch_table(torch_runner, schedule, m)
+                                        if schedule in TORCH_ONLY else schedule, m, p)
+        contestants += [(schedule, "ours", ours), (schedule, "torch", torch_step)]
+        deepspeed_step = _deepspeed(schedule, m, p) if use_deepspeed else None
+        if deepspeed_step is not None:
+            contestants.append((schedule, "deepspeed", deepspeed_step))
+    torch.set_num_threads(1)  # in case a framework changed it
+    times: dict[tuple[str, str], list[float]] = {(s, f): [] for s, f, _ in contestants}
+    measured: dict[str, list[float]] = {schedule: [] for schedule in schedules}
+    predicted: dict[str, list[float]] = {schedule: [] for schedule in schedules}
+    for round_index in range(warmup + steps):
+        for schedule, framework, step in contestants:
+            elapsed = _timed(step, x, y)
+            if round_index < warmup:
+                continue
+            times[schedule, framework].append(elapsed)
+            if framework == "ours":
+                engine = engines[schedule]
+                timeline = engine.last_timeline()
+                costs = measured_costs(timeline).cost_model(engine.schedule.num_stages)
+                measured[schedule].append(figures(timeline).makespan)
+                predicted[schedule].append(figures(simulate(engine.schedule,
+                                                            costs)).makespan)
+    return [{"schedule": schedule, "m": m, "torch ran": torch_ran[schedule],
+             **{framework: statistics.median(values)
+                for (name, framework), values in times.items() if name == schedule},
+             "measured": statistics.median(measured[schedule]),
+             "predicted": statistics.median(predicted[schedule])}
+            for schedule in schedules]
 
 
 def _over_1f1b(rows: list[dict[str, Any]], row: dict[str, Any], framework: str) -> str:
