@@ -18,6 +18,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from schedules import (
     Schedule,
+    ScheduleValidationError,
     add_optimizer_step,
     build_schedule,
     dualpipev,
@@ -27,12 +28,13 @@ from schedules import (
     fuse_backward,
     generate_schedule,
     lower,
+    parse_torch_csv,
     simulate,
     to_torch_rows,
     validate,
     zb_v,
 )
-from tests.torch_helpers import stand_in_stages, torch_rows
+from tests.torch_helpers import dump_torch_csv, stand_in_stages, torch_rows
 
 MULTI_STAGE = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                "DualPipeV"]
@@ -132,3 +134,12 @@ def test_torch_stages_refuse_a_schedule_that_does_not_fit_the_module() -> None:
     with pytest.raises(PipelineConfigError, match="rank 2 is outside"):
         torch_stages(module, generate_schedule("zb-h1", 2, 4), rank=2)
     assert not module.stages  # nothing was built
+
+
+def test_torchs_1f1b_table_is_refused_not_run(tmp_path: Path) -> None:
+    # torch 2.13's Schedule1F1B table (the one `_dump_csv`-style tools see, not what its
+    # `_step_microbatches` runs) numbers the last rank's forwards from 1: refused up front.
+    path = tmp_path / "torch-1F1B.csv"
+    dump_torch_csv("1F1B", 2, 4, path, "compute_only")
+    with pytest.raises(ScheduleValidationError, match="microbatch 4 is outside"):
+        validate(parse_torch_csv(path.read_text(), num_microbatches=4))

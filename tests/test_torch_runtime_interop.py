@@ -24,7 +24,6 @@ from pipeline import PipelineModule, launch, torch_runtime, torch_stages
 from pipeline.reference import build_reference, reference_step
 from schedules import (
     Schedule,
-    ScheduleValidationError,
     add_optimizer_step,
     build_schedule,
     figures,
@@ -156,11 +155,3 @@ def test_our_engine_runs_torchs_schedules(p: int, tmp_path: Path) -> None:
     problems = engine_case_problems(per_rank)
     assert not problems, "\n".join(problems)
 
-
-def test_torchs_1f1b_table_is_refused_not_run(tmp_path: Path) -> None:
-    # torch 2.13's Schedule1F1B table (the one `_dump_csv`-style tools see, not what its
-    # `_step_microbatches` runs) numbers the last rank's forwards from 1: refused up front.
-    path = tmp_path / "torch-1F1B.csv"
-    dump_torch_csv("1F1B", 2, 4, path, "compute_only")
-    with pytest.raises(ScheduleValidationError, match="microbatch 4 is outside"):
-        validate(parse_torch_csv(path.read_text(), num_microbatches=4))
