@@ -21,6 +21,8 @@ _LAZY: dict[str, str] = {
     "StepStats": "pipeline.trace",
     "OpCosts": "pipeline.trace",
     "measured_costs": "pipeline.trace",
+    "torch_runtime": "pipeline.torch_pipelining",
+    "torch_stages": "pipeline.torch_pipelining",
     "reference_step": "pipeline.reference",
     "reference_forward": "pipeline.reference",
     "build_reference": "pipeline.reference",

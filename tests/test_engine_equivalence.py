@@ -16,11 +16,11 @@ import torch
 from pipeline import PipelineEngine, PipelineModule, launch
 from pipeline.reference import build_reference, reference_forward, reference_step
 from schedules import SCHEDULES, figures, simulate
+from tests.equivalence import TOLERANCE, describe_errors, max_error, new_errors, record_step
 from tests.pipeline_models import MODELS, v_split_schedule
 
 pytestmark = pytest.mark.multiprocess
 
-TOLERANCE = 2e-5
 Case = tuple[str, str, int, int, int]  # model, schedule, m, chunks, checkpoint interval
 
 
@@ -44,10 +44,6 @@ def _cases(p: int) -> list[Case]:
     return cases
 
 
-def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max()) if a.numel() else 0.0
-
-
 def _run_case(p: int, case: Case) -> dict[str, Any]:
     model, schedule, m, chunks, interval = case
     spec = MODELS[model]
@@ -57,18 +53,13 @@ def _run_case(p: int, case: Case) -> dict[str, Any]:
     engine = PipelineEngine(module, schedule=plan, num_microbatches=m, optimizer=_sgd,
                             timeout=30)
     reference = build_reference(spec.layers())
-    errors = {"loss": 0.0, "grad": 0.0, "param": 0.0, "eval": 0.0}
+    errors = new_errors("eval")
     peak = 0
     for step, length in enumerate(spec.lengths):  # the transformer changes length per step
         inputs, targets = spec.batch(seed=step, length=length)
         loss = engine.train_batch(inputs, targets)
         expected = reference_step(reference, inputs, targets, loss_fn=spec.loss, optimizer=_sgd)
-        errors["loss"] = max(errors["loss"], abs(loss - expected.loss))
-        for key, param in module.named_layer_parameters():
-            assert param.grad is not None, f"{case}: no gradient for layer {key}"
-            errors["grad"] = max(errors["grad"], _max_error(param.grad, expected.grads[key]))
-            errors["param"] = max(errors["param"], _max_error(param.detach(),
-                                                              expected.params[key]))
+        record_step(errors, module.named_layer_parameters(), loss, expected, case)
         assert engine.last_stats is not None
         peak = max(peak, engine.last_stats.peak_activations)
     inputs, _ = spec.batch(seed=99, length=spec.lengths[0])
@@ -76,9 +67,9 @@ def _run_case(p: int, case: Case) -> dict[str, Any]:
     if engine.is_last_stage():
         reference.eval()
         with torch.no_grad():
-            errors["eval"] = _max_error(outputs, reference_forward(reference, inputs))
+            errors["eval"] = max_error(outputs, reference_forward(reference, inputs))
     simulated = figures(simulate(engine.schedule)).peak_activations[engine.pp_rank]
-    return {"case": case, "pp_rank": engine.pp_rank, **errors, "peak": peak,
+    return {"case": case, "pp_rank": engine.pp_rank, "errors": errors, "peak": peak,
             "simulated_peak": simulated, "num_params": len(list(module.parameters()))}
 
 
@@ -115,10 +106,7 @@ def test_pipeline_equals_single_process(p: int) -> None:
         assert outcome["makespan"] > 0
         assert outcome["data_iter_error"] < TOLERANCE
         for result in outcome["results"]:
-            for key in ("loss", "grad", "param", "eval"):
-                if result[key] > TOLERANCE:
-                    problems.append(f"rank {rank} {result['case']}: {key} differs by "
-                                    f"{result[key]:.3g}")
+            problems += describe_errors(rank, result["case"], result["errors"])
             if result["peak"] > result["simulated_peak"]:
                 problems.append(f"rank {rank} {result['case']}: held {result['peak']} "
                                 f"activations, the simulator says {result['simulated_peak']}")

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
-from unittest import mock
 
 import pytest
 
 pytest.importorskip("torch")
 
 from torch.distributed.pipelining import schedules as torch_schedules
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-from torch.distributed.pipelining.stage import PipelineStage
 
 from schedules import (
     Schedule,
+    ScheduleValidationError,
     add_optimizer_step,
     build_schedule,
     dualpipev,
@@ -30,28 +28,19 @@ from schedules import (
     fuse_backward,
     generate_schedule,
     lower,
+    parse_torch_csv,
     simulate,
     to_torch_rows,
     validate,
     zb_v,
 )
+from tests.torch_helpers import dump_torch_csv, stand_in_stages, torch_rows
 
 MULTI_STAGE = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                "DualPipeV"]
 SIZES = [(2, 4), (3, 6), (4, 8), (4, 12)]
 OURS = [("zb-h1", None), ("zb-h2", None), ("zb-v", None), ("dualpipev", None),
         ("looped-bfs", 2), ("zb-auto", None), ("interleaved", 2)]
-
-
-def torch_rows(name: str, p: int, m: int, *, with_comms: bool) -> list[list[str | None]]:
-    actions = get_schedule_ops(name, p, m, 2, with_comms=with_comms)
-    return [[None if a is None else str(a) for a in rank] for rank in actions]
-
-
-def stand_in_stages(p: int, v: int) -> list[PipelineStage]:
-    stage = mock.create_autospec(PipelineStage, instance=True)
-    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, p, None, p * v
-    return [stage] * v
 
 
 @pytest.mark.parametrize("with_comms", [False, True])
@@ -133,3 +122,24 @@ def test_loaded_torch_schedule_keeps_its_name_and_placement() -> None:
     schedule: Schedule = from_torch_rows(torch_rows("ZBVZeroBubble", 2, 4, with_comms=True),
                                          name="torch-zbv")
     assert schedule.name == "torch-zbv" and schedule.placement == (0, 1, 1, 0)
+
+
+def test_torch_stages_refuse_a_schedule_that_does_not_fit_the_module() -> None:
+    from pipeline import PipelineConfigError, PipelineModule, torch_stages
+    from tests.pipeline_models import MODELS
+
+    module = PipelineModule(MODELS["mlp"].layers(), num_stages=2)  # one chunk per rank
+    with pytest.raises(PipelineConfigError, match=r"cannot build torch stages.*chunks=2"):
+        torch_stages(module, generate_schedule("zb-v", 2, 4), rank=0)
+    with pytest.raises(PipelineConfigError, match="rank 2 is outside"):
+        torch_stages(module, generate_schedule("zb-h1", 2, 4), rank=2)
+    assert not module.stages  # nothing was built
+
+
+def test_torchs_1f1b_table_is_refused_not_run(tmp_path: Path) -> None:
+    # torch 2.13's Schedule1F1B table (the one `_dump_csv`-style tools see, not what its
+    # `_step_microbatches` runs) numbers the last rank's forwards from 1: refused up front.
+    path = tmp_path / "torch-1F1B.csv"
+    dump_torch_csv("1F1B", 2, 4, path, "compute_only")
+    with pytest.raises(ScheduleValidationError, match="microbatch 4 is outside"):
+        validate(parse_torch_csv(path.read_text(), num_microbatches=4))
