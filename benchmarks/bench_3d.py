@@ -28,10 +28,12 @@ from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_common import deepspeed_available
 from torch import nn
 
 from pipeline import LayerSpec, PipelineEngine, PipelineModule, launch
@@ -158,13 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-deepspeed", action="store_true")
     args = parser.parse_args(argv)
-    use_deepspeed = not args.no_deepspeed
-    if use_deepspeed:
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            use_deepspeed = False
-            print("DeepSpeed is not installed: ours only", file=sys.stderr)
+    use_deepspeed = deepspeed_available(not args.no_deepspeed, "ours only")
     started = time.time()
     rows = launch(_bench_rank, PP * DP, args.microbatches, args.steps, args.warmup,
                   use_deepspeed, timeout=600, threads_per_rank=1)

@@ -30,10 +30,12 @@ from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bench_common import deepspeed_available
 from torch import nn
 
 from pipeline import LayerSpec, PipelineEngine, PipelineModule, launch, torch_runtime, torch_stages
@@ -244,13 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-deepspeed", action="store_true")
     args = parser.parse_args(argv)
-    use_deepspeed = not args.no_deepspeed
-    if use_deepspeed:
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            use_deepspeed = False
-            print("DeepSpeed is not installed: comparing with torch only", file=sys.stderr)
+    use_deepspeed = deepspeed_available(not args.no_deepspeed, "comparing with torch only")
     started = time.time()
     rows = launch(_bench_rank, args.ranks, args.schedules, args.microbatches, args.steps,
                   args.warmup, use_deepspeed, timeout=600, threads_per_rank=1)[0]
