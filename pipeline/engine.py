@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline.batch import join_microbatches, signature, split_microbatches, take_microbatches
-from pipeline.checkpoint import load_layers, save_layers
+from pipeline.checkpoint import CheckpointInfo, CheckpointParts, Stateful, save_checkpoint
+from pipeline.checkpoint_load import load_checkpoint
 from pipeline.comm import Comm
 from pipeline.data_parallel import GradReducer, NoOpGradReducer, make_grad_reducer
 from pipeline.device import default_device, synchronize
@@ -26,6 +27,7 @@ from pipeline.plan import check_agreement, fingerprint, forward_schedule, resolv
 from pipeline.shapes import ShapeBook
 from pipeline.topology import Topology
 from pipeline.trace import StepStats, Trace, measured_costs
+from pipeline.zero import ShardedOptimizer
 from schedules import Instruction, Kind, Schedule, Timeline
 from schedules.grid import format_grid
 
@@ -106,6 +108,10 @@ class PipelineEngine:
         """What this rank measured in the last step (None before the first)."""
         self.last_loss: float | None = None
         """Mean loss of the last `eval_batch` given targets."""
+        self.global_step = 0
+        """Optimizer steps taken (`train_batch` calls); saved and restored by checkpoints."""
+        self.loss_scaler: Stateful | None = None
+        """The fp16 loss scaler, when mixed precision uses one (checkpointed with the rest)."""
 
     # -- facts DeepSpeed users look for ----------------------------------------------------
 
@@ -138,6 +144,7 @@ class PipelineEngine:
         self.module.train()
         self.module.zero_grad(set_to_none=True)
         loss, _ = self._run(self.schedule, inputs, targets, data_iter, training=True)
+        self.global_step += 1
         return loss
 
     def eval_batch(self, inputs: Any = None, targets: Any = None, *,
@@ -257,14 +264,31 @@ class PipelineEngine:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Write this rank's layers as ``layer_XX-model_states.pt`` (a collective: every rank
-        calls it). Weights only; they load under any partition."""
-        save_layers(self.module, directory, writer=self.position.dp_rank == 0)
+    def save_checkpoint(self, directory: str) -> CheckpointInfo:
+        """Save weights (per global layer), optimizer state (per parameter, ZeRO shards with
+        their offsets), loss scaler, generators and `global_step` under
+        ``directory/step_<global_step>/`` and point ``directory/latest`` at it, crash-safely
+        (a collective: every rank calls it). See `pipeline.checkpoint`."""
+        return save_checkpoint(directory, self._checkpoint_parts())
 
-    def load_checkpoint(self, directory: str) -> None:
-        """Load this rank's layers from a directory written by `save_checkpoint`."""
-        load_layers(self.module, directory)
+    def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> CheckpointInfo:
+        """Load a checkpoint root (following ``latest``) or one step directory, saved under
+        any partition and data-parallel size; restores `global_step`. Refuses a missing,
+        corrupt or torn checkpoint with `CheckpointError` before changing anything."""
+        info = load_checkpoint(directory, self._checkpoint_parts(),
+                               load_optimizer=load_optimizer)
+        self.global_step = info.step
+        return info
+
+    def _checkpoint_parts(self) -> CheckpointParts:
+        optimizer: Any = self.optimizer
+        zero_regions = ({stage: self.module.stage_parameters(stage) for stage in self.stage_ids}
+                        if isinstance(optimizer, ShardedOptimizer) else None)
+        return CheckpointParts(
+            module=self.module, topology=self.topology, rank=self.rank, step=self.global_step,
+            optimizer=optimizer, zero_params_by_stage=zero_regions,
+            loss_scaler=self.loss_scaler, schedule=self.schedule.name,
+            num_microbatches=self.schedule.num_microbatches)
 
     # -- measurements ----------------------------------------------------------------------
 
