@@ -13,6 +13,7 @@ import multiprocessing.connection
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -105,10 +106,13 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
     try:
         for process in processes:
             process.start()
-        expired = _supervise(processes, min(_GRACE, timeout), join_timeout)
+        expired, first_failed = _supervise(processes, min(_GRACE, timeout), join_timeout)
         results = [_read(workdir, rank) for rank in range(world_size)]
         codes = tuple(process.exitcode for process in processes)
         if any(code != 0 for code in codes):
+            killed = _killed_first(results, codes, first_failed)
+            if killed is not None and not expired:
+                raise killed
             raise _failure_error(results, codes, join_timeout if expired else None)
         return [payload[1] for payload in results]  # type: ignore[index]
     finally:
@@ -119,30 +123,35 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(processes: list[Any], grace: float, join_timeout: float | None) -> bool:
+def _supervise(processes: list[Any], grace: float, join_timeout: float | None
+               ) -> tuple[bool, list[int]]:
     """Wait for every rank; once one fails (or the deadline passes), kill the rest after
-    `grace` seconds (at once on the deadline). True when the deadline expired."""
+    `grace` seconds (at once on the deadline). Returns whether the deadline expired, and
+    the ranks seen failing first (in the same wake-up)."""
     deadline = None if join_timeout is None else time.monotonic() + join_timeout
     failed_at: float | None = None
+    first_failed: list[int] = []
     alive = list(processes)
     while alive:
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             for process in alive:
                 process.kill()
-            return True
+            return True, first_failed
         if failed_at is not None and now - failed_at >= grace:
             for process in alive:
                 process.kill()
-            return False
+            return False, first_failed
         limits = [0.5] + ([deadline - now] if deadline is not None else []) + \
             ([failed_at + grace - now] if failed_at is not None else [])
         multiprocessing.connection.wait([p.sentinel for p in alive], timeout=max(0.0, min(limits)))
-        for process in [p for p in alive if not p.is_alive()]:
+        ended = [p for p in alive if not p.is_alive()]
+        for process in ended:
             alive.remove(process)
-            if process.exitcode != 0 and failed_at is None:
-                failed_at = time.monotonic()
-    return False
+        if failed_at is None and any(p.exitcode != 0 for p in ended):
+            failed_at = time.monotonic()
+            first_failed = [processes.index(p) for p in ended if p.exitcode != 0]
+    return False, first_failed
 
 
 def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
@@ -189,7 +198,6 @@ def _die_with_parent() -> None:
         return
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -216,6 +224,26 @@ def _read(workdir: str, rank: int) -> tuple[str, Any] | None:
             return payload
     except (OSError, EOFError, pickle.UnpicklingError):
         return None
+
+
+def _killed_first(results: list[tuple[str, Any] | None], codes: tuple[int | None, ...],
+                  first_failed: list[int]) -> RankFailedError | None:
+    """A rank killed by a signal (SIGKILL, the OOM killer) reports nothing; if it was among
+    the first to end, the errors of the others (a closed connection) are its consequence."""
+    killed = [rank for rank in first_failed if results[rank] is None
+              and (codes[rank] or 0) < 0]
+    if not killed:
+        return None
+    rank = killed[0]
+    number = -(codes[rank] or 0)
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = "an unknown signal"
+    summary = ", ".join(f"rank {r}: exit {code}" for r, code in enumerate(codes))
+    return RankFailedError(f"rank {rank} was killed by signal {number} ({name}) without "
+                           f"reporting an error; every other rank was stopped ({summary})",
+                           rank=rank, exit_codes=codes)
 
 
 def _failure_error(results: list[tuple[str, Any] | None], codes: tuple[int | None, ...],

@@ -82,7 +82,7 @@ def test_a_crash_at_any_moment_of_a_save_leaves_a_complete_checkpoint(
             assert load_checkpoint(str(tmp_path / new[0]), fresh.parts()).step == 2
             assert all(torch.equal(fresh.weights()[k], v) for k, v in after.items())
         else:  # no manifest: refused when named
-            with pytest.raises(CheckpointError, match="has no manifest.json"):
+            with pytest.raises(CheckpointError, match=r"has no manifest\.json"):
                 load_checkpoint(str(tmp_path / new[0]), fresh.parts())
     # the next save sweeps up what the crash left and commits normally
     job.train(1)
@@ -118,8 +118,8 @@ def test_verify_and_resolve_refuse_what_is_not_a_checkpoint(tmp_path: Path) -> N
     job = Job()
     step_dir = save_checkpoint(str(tmp_path), job.parts()).directory
     (tmp_path / LATEST).unlink()
-    with pytest.raises(CheckpointError, match="has no 'latest' pointer; pass a step directory "
-                                              "such as .*step_000000"):
+    with pytest.raises(CheckpointError, match=r"has no 'latest' pointer; pass a step directory "
+                                              r"such as .*step_000000"):
         resolve_checkpoint(str(tmp_path))
     assert resolve_checkpoint(step_dir) == step_dir
     verify_files(step_dir, read_manifest(step_dir).files)
