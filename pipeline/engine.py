@@ -17,6 +17,7 @@ from pipeline.checkpoint_load import load_checkpoint
 from pipeline.comm import Comm
 from pipeline.data_parallel import GradReducer, NoOpGradReducer, make_grad_reducer
 from pipeline.device import default_device, synchronize
+from pipeline.engine_checks import check_engine_arguments
 from pipeline.errors import PipelineConfigError, PipelineStepError
 from pipeline.failure import read_failure, report_failure, start_watchdog
 from pipeline.groups import ProcessGroups, create_process_groups
@@ -52,6 +53,10 @@ class PipelineEngine:
                  dynamic_shapes: bool = False) -> None:
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
+        check_engine_arguments(schedule=schedule, num_microbatches=num_microbatches,
+                               optimizer=optimizer, topology=topology, groups=groups,
+                               gradient_reducer=gradient_reducer, device=device,
+                               timeout=timeout, dynamic_shapes=dynamic_shapes)
         if not dist.is_initialized():
             raise PipelineConfigError("no process group: run inside pipeline.launch(fn, "
                                       "world_size) or torchrun, or call "

@@ -8,6 +8,7 @@ that failed first and the instruction it failed at.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -53,12 +54,55 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
     `join_timeout` (None: unbounded) bounds the whole run, after which every rank is killed.
     `fn` and `args` must be picklable (a module-level function) for spawned ranks.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise PipelineConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+    _check_arguments(fn, world_size, timeout, backend, join_timeout, threads_per_rank,
+                     start_method)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return [_run_in_place(fn, world_size, args, timeout, backend, threads_per_rank)]
+    try:  # fails at process start otherwise, with an error about pickling internals
+        pickle.dumps((fn, args))
+    except Exception as error:  # pickling raises many types; all mean the same here
+        raise PipelineConfigError(
+            f"fn={fn!r} and its args must be picklable to start spawned ranks ({error}); "
+            "pass a module-level function and plain arguments, not a lambda or closure"
+        ) from None
     return _spawn(fn, world_size, args, timeout, backend, join_timeout, threads_per_rank,
                   start_method)
+
+
+def _check_arguments(fn: object, world_size: object, timeout: object, backend: object,
+                     join_timeout: object, threads: object, start_method: object) -> None:
+    """Every problem with `launch`'s arguments at once, before any process starts."""
+    def positive(value: object) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and \
+            math.isfinite(value) and value > 0
+
+    def count(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    problems = []
+    if not callable(fn):
+        problems.append(f"fn must be callable, got {fn!r}")
+    if not count(world_size):
+        problems.append(f"world_size must be an int >= 1, got {world_size!r}")
+    if not positive(timeout):
+        problems.append(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    if join_timeout is not None and not positive(join_timeout):
+        problems.append(f"join_timeout must be None or a finite number of seconds > 0, got "
+                        f"{join_timeout!r}")
+    if threads is not None and not count(threads):
+        problems.append(f"threads_per_rank must be None or an int >= 1, got {threads!r}")
+    methods = multiprocessing.get_all_start_methods()
+    if start_method is not None and start_method not in methods:
+        problems.append(f"start_method must be None or one of {methods}, got {start_method!r}")
+    if backend is not None and not (isinstance(backend, str) and backend.lower() in
+                                    dist.Backend.backend_list and
+                                    dist.is_backend_available(backend.lower())):
+        available = [name for name in ("gloo", "nccl", "mpi", "ucc")
+                     if dist.is_backend_available(name)]
+        problems.append(f"backend must be None or an available backend {available}, got "
+                        f"{backend!r}")
+    if problems:
+        raise PipelineConfigError("launch: " + "; ".join(problems))
 
 
 def _run_in_place(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout: float,
@@ -117,6 +161,8 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
         return [payload[1] for payload in results]  # type: ignore[index]
     finally:
         for process in processes:
+            if process.pid is None:
+                continue  # never started (a start failed): nothing to stop
             if process.is_alive():
                 process.kill()
             process.join(timeout=5)
