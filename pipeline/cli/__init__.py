@@ -16,6 +16,8 @@ _COMMAND_MODULES = (
     "pipeline.cli.schedule_cmd",
     "pipeline.cli.compare_cmd",
     "pipeline.cli.partition_cmd",
+    "pipeline.cli.validate_cmd",
+    "pipeline.cli.checkpoint_cmd",
 )
 
 
