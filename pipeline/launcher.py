@@ -45,17 +45,24 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "pipel
 
 def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 300.0,
            backend: str | None = None, join_timeout: float | None = None,
-           threads_per_rank: int | None = 1, start_method: str | None = None) -> list[T]:
+           threads_per_rank: int | None = 1, start_method: str | None = None,
+           grace: float | None = None) -> list[T]:
     """Run ``fn(*args)`` on `world_size` ranks with a process group set up; return the
     per-rank results (index = rank).
 
     Under torchrun (RANK and WORLD_SIZE set) `fn` runs in this process only, over env://,
     and the list holds this rank's result alone. `timeout` bounds every wait inside a step;
     `join_timeout` (None: unbounded) bounds the whole run, after which every rank is killed.
+    Once a rank fails, the others get `grace` seconds (default min(5, timeout)) to stop by
+    themselves and report, then are killed: a failed job ends within about that long.
     `fn` and `args` must be picklable (a module-level function) for spawned ranks.
     """
     _check_arguments(fn, world_size, timeout, backend, join_timeout, threads_per_rank,
                      start_method)
+    if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float)
+                              or not (math.isfinite(grace) and grace >= 0)):
+        raise PipelineConfigError(f"launch: grace must be None or a finite number of seconds "
+                                  f">= 0, got {grace!r}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return [_run_in_place(fn, world_size, args, timeout, backend, threads_per_rank)]
     try:  # fails at process start otherwise, with an error about pickling internals
@@ -66,7 +73,7 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
             "pass a module-level function and plain arguments, not a lambda or closure"
         ) from None
     return _spawn(fn, world_size, args, timeout, backend, join_timeout, threads_per_rank,
-                  start_method)
+                  start_method, min(_GRACE, timeout) if grace is None else grace)
 
 
 def _check_arguments(fn: object, world_size: object, timeout: object, backend: object,
@@ -140,7 +147,7 @@ def _context(start_method: str | None) -> Any:
 
 def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout: float,
            backend: str | None, join_timeout: float | None, threads: int | None,
-           start_method: str | None) -> list[T]:
+           start_method: str | None, grace: float) -> list[T]:
     workdir = tempfile.mkdtemp(prefix="pipesched-")
     context = _context(start_method)
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
@@ -150,7 +157,7 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
     try:
         for process in processes:
             process.start()
-        expired, first_failed = _supervise(processes, min(_GRACE, timeout), join_timeout)
+        expired, first_failed = _supervise(processes, grace, join_timeout)
         results = [_read(workdir, rank) for rank in range(world_size)]
         codes = tuple(process.exitcode for process in processes)
         if any(code != 0 for code in codes):

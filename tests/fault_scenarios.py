@@ -26,6 +26,7 @@ from tests.pipeline_models import MODELS, Boom, Stall, mlp_layers
 __all__ = ["SCENARIOS", "Outcome", "Scenario", "run_scenario"]
 
 TIMEOUT = 4.0  # the engine's and the launcher's per-wait timeout in these jobs (seconds)
+GRACE = 2.0  # seconds the other ranks get to stop by themselves once one failed
 BOUND = 60.0  # how long a failing job may take to end, all of it (far above what it needs)
 
 
@@ -149,7 +150,7 @@ def run_scenario(scenario: Scenario, workdir: str) -> Outcome:
     start = time.monotonic()
     try:
         launch(scenario.fn, scenario.world_size, *scenario.args, workdir, timeout=TIMEOUT,
-               join_timeout=BOUND)
+               join_timeout=BOUND, grace=GRACE)
         problems.append("the job finished without an error")
     except RankFailedError as error:
         if scenario.culprit is not None and error.rank != scenario.culprit:

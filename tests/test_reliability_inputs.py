@@ -89,6 +89,7 @@ LAUNCH_CASES: list[Case] = [
      PipelineConfigError, "got 'fast'"),
     ("backend", lambda: launch(_rank_function, 1, backend="mystery"), PipelineConfigError,
      "got 'mystery'"),
+    ("grace -1", lambda: launch(_rank_function, 1, grace=-1), PipelineConfigError, "got -1"),
 ]
 
 GENERATOR_CASES: list[Case] = [
