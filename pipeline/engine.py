@@ -53,8 +53,7 @@ class PipelineEngine:
                  dynamic_shapes: bool = False) -> None:
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
-        check_engine_arguments(schedule=schedule, num_microbatches=num_microbatches,
-                               optimizer=optimizer, topology=topology, groups=groups,
+        check_engine_arguments(optimizer=optimizer, topology=topology, groups=groups,
                                gradient_reducer=gradient_reducer, device=device,
                                timeout=timeout, dynamic_shapes=dynamic_shapes)
         if not dist.is_initialized():

@@ -9,25 +9,19 @@ import torch
 from pipeline.errors import PipelineConfigError
 from pipeline.groups import ProcessGroups
 from pipeline.topology import Topology
-from schedules import Schedule
 
 __all__ = ["check_engine_arguments"]
 
 
-def check_engine_arguments(*, schedule: object, num_microbatches: object, optimizer: object,
-                           topology: object, groups: object, gradient_reducer: object,
-                           device: object, timeout: object, dynamic_shapes: object) -> None:
+def check_engine_arguments(*, optimizer: object, topology: object, groups: object,
+                           gradient_reducer: object, device: object, timeout: object,
+                           dynamic_shapes: object) -> None:
     """Raise one `PipelineConfigError` listing every argument of the wrong type or range.
 
-    Pure, so every rank refuses the same arguments without waiting for the others.
+    Pure, so every rank refuses the same arguments without waiting for the others; before
+    the module is materialized, so a bad optimizer is refused before any layer is built.
     """
-    problems = []
-    if not isinstance(schedule, str | Schedule):
-        problems.append(f"schedule must be a name such as '1f1b' or a schedules.Schedule, got "
-                        f"{schedule!r}")
-    if num_microbatches is not None and (isinstance(num_microbatches, bool) or not isinstance(
-            num_microbatches, int) or num_microbatches < 1):
-        problems.append(f"num_microbatches must be None or an int >= 1, got {num_microbatches!r}")
+    problems = []  # schedule and num_microbatches: `plan.resolve_schedule` checks them
     if optimizer is not None and not (isinstance(optimizer, torch.optim.Optimizer)
                                       or callable(optimizer)):
         problems.append(f"optimizer must be a torch.optim.Optimizer or a factory "

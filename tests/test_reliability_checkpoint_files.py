@@ -15,6 +15,7 @@ from pipeline.checkpoint import save_checkpoint
 from pipeline.checkpoint_load import load_checkpoint
 from pipeline.errors import CheckpointError
 from pipeline.manifest import LATEST, read_manifest, resolve_checkpoint, verify_files
+from pipeline.precision import DynamicLossScaler
 from tests.checkpoint_cases import Job, corruption_cases
 
 
@@ -110,6 +111,20 @@ def test_every_corruption_is_refused_naming_the_file(tmp_path: Path) -> None:
         # refused before anything changed
         assert all(torch.equal(fresh.weights()[k], v) for k, v in untouched.items()), case
         shutil.rmtree(root)
+
+
+def test_the_loss_scaler_state_round_trips(tmp_path: Path) -> None:
+    job = Job()
+    parts = job.parts()
+    scaler = parts.loss_scaler = DynamicLossScaler(None, init_scale=1024.0, growth_interval=2)
+    for overflow in (False, True, False):
+        scaler.update(overflow)
+    save_checkpoint(str(tmp_path), parts)
+    fresh = Job().parts()
+    restored = fresh.loss_scaler = DynamicLossScaler(None)
+    load_checkpoint(str(tmp_path), fresh)
+    assert restored.state_dict() == scaler.state_dict() == {
+        "scale": 512.0, "clean_steps": 1.0, "skipped_steps": 1.0}
 
 
 def test_verify_and_resolve_refuse_what_is_not_a_checkpoint(tmp_path: Path) -> None:

@@ -109,3 +109,42 @@ def test_resume_after_kills_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     assert other["losses"] == pytest.approx(reference["losses"][N:], rel=1e-5, abs=1e-6)
     for key, value in reference["weights"].items():
         torch.testing.assert_close(other["weights"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def _mlp_engine(schedule: str) -> PipelineEngine:
+    # the MLP, not the transformer: attention's key bias has a zero gradient up to rounding,
+    # which Adam scales up to ±lr, so another summation order (dp) moves it visibly
+    module = PipelineModule(MODELS["mlp"].layers(), num_stages=2, loss_fn=MODELS["mlp"].loss)
+    return PipelineEngine(module, schedule=schedule, num_microbatches=2, optimizer=_adam,
+                          timeout=20)
+
+
+def _data_parallel_save(root: str) -> dict[tuple[int, str], torch.Tensor]:
+    """pp = 2 × dp = 2, each replica on its half of the batch; save, then one more step."""
+    engine = _mlp_engine("1f1b")
+    half = engine.position.dp_rank
+    for _ in range(2):
+        inputs, targets = MODELS["mlp"].batch(seed=engine.global_step, batch=8)
+        engine.train_batch(inputs[half * 4:(half + 1) * 4], targets[half * 4:(half + 1) * 4])
+        if engine.global_step == 1:
+            engine.save_checkpoint(root)
+    return _weights(engine)
+
+
+def _full_batch_resume(root: str) -> dict[tuple[int, str], torch.Tensor]:
+    engine = _mlp_engine("gpipe")
+    engine.load_checkpoint(root)
+    engine.train_batch(*MODELS["mlp"].batch(seed=engine.global_step, batch=8))
+    return _weights(engine)
+
+
+def test_a_data_parallel_checkpoint_resumes_without_replicas(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    expected = launch(_data_parallel_save, 4, root, timeout=20, join_timeout=120)[0]
+    manifest = read_manifest(str(Path(root, "step_000001")))
+    assert manifest.topology == (2, 2, 1)
+    # replicas hold the same weights and Adam state: only dp rank 0 (global 0 and 2) writes
+    assert {entry.rank for entry in manifest.files if entry.role != "rng"} == {0, 2}
+    resumed = launch(_full_batch_resume, 2, root, timeout=20, join_timeout=120)[0]
+    for key, value in expected.items():
+        torch.testing.assert_close(resumed[key], value, rtol=1e-5, atol=1e-6, msg=str(key))
