@@ -41,6 +41,8 @@ def chain_graph(
         cost if isinstance(cost, LayerCost) else LayerCost(f"layer{index}", forward=cost)
         for index, cost in enumerate(layer_costs)
     ]
+    if not layers:
+        raise InvalidCostError(["a chain needs at least one layer cost, got none"])
     if edge_bytes is None:
         edge_bytes = [layer.activation for layer in layers[:-1]]
     elif len(edge_bytes) != max(len(layers) - 1, 0):
@@ -115,6 +117,12 @@ def _load(source: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[str, Any]
         raise CostFileError(
             label, [f"not valid JSON at line {error.lineno} column {error.colno}: {error.msg}"]
         ) from error
+    except UnicodeDecodeError as error:
+        raise CostFileError(
+            label, [f"not UTF-8 text (byte {error.start}: {error.reason}); save it as UTF-8 JSON"]
+        ) from None
+    except RecursionError:
+        raise CostFileError(label, ["nested too deeply to be a cost file"]) from None
 
 
 def _is_number(value: object) -> TypeGuard[float]:

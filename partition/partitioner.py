@@ -165,6 +165,9 @@ def partition_graph(
     graph's; without either, communication is free.
     """
     # Step 1: validate everything before any work.
+    if not isinstance(graph, ModelGraph):
+        raise InvalidOptionError(f"graph must be a partition.ModelGraph (from chain_graph, "
+                                 f"graph_from_json or graph_from_layers), got {graph!r}")
     if isinstance(method, str):
         method, parsed_pattern = parse_method(method)
         type_pattern = type_pattern if type_pattern is not None else parsed_pattern

@@ -27,6 +27,8 @@ _LAZY: dict[str, str] = {
     "reference_forward": "pipeline.reference",
     "build_reference": "pipeline.reference",
     "ReferenceResult": "pipeline.reference",
+    "CheckpointError": "pipeline.errors",
+    "CheckpointInfo": "pipeline.checkpoint",
     "PipelineError": "pipeline.errors",
     "PipelineConfigError": "pipeline.errors",
     "PipelineStepError": "pipeline.errors",

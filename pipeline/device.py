@@ -6,7 +6,8 @@ import os
 
 import torch
 
-__all__ = ["default_backend", "default_device", "synchronize"]
+__all__ = ["accelerator_rng_states", "default_backend", "default_device",
+           "set_accelerator_rng_states", "synchronize"]
 
 
 def _has_cuda() -> bool:
@@ -33,3 +34,14 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued kernels on `device` (a no-op on the CPU), so timings are real."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def accelerator_rng_states() -> list[torch.Tensor]:
+    """Every visible GPU's generator state (empty on a CPU-only machine)."""
+    return list(torch.cuda.get_rng_state_all()) if _has_cuda() else []
+
+
+def set_accelerator_rng_states(states: list[torch.Tensor]) -> None:
+    """Restore `accelerator_rng_states()`; ignored when there is no GPU to restore."""
+    if states and _has_cuda():
+        torch.cuda.set_rng_state_all(states)

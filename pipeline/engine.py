@@ -12,10 +12,12 @@ import torch
 import torch.distributed as dist
 
 from pipeline.batch import join_microbatches, signature, split_microbatches, take_microbatches
-from pipeline.checkpoint import load_layers, save_layers
+from pipeline.checkpoint import CheckpointInfo, CheckpointParts, Stateful, save_checkpoint
+from pipeline.checkpoint_load import load_checkpoint
 from pipeline.comm import Comm
 from pipeline.data_parallel import DEFAULT_BUCKET_MB, GradReducer
 from pipeline.device import default_device, synchronize
+from pipeline.engine_checks import check_engine_arguments
 from pipeline.errors import PipelineConfigError, PipelineStepError
 from pipeline.failure import read_failure, report_failure, start_watchdog
 from pipeline.groups import ProcessGroups, create_process_groups
@@ -30,12 +32,14 @@ from pipeline.parallel_setup import (
     reduced_gradients,
     resolve_topology,
     setup_training,
+    zero_regions,
 )
 from pipeline.plan import check_agreement, fingerprint, forward_schedule, resolve_schedule
 from pipeline.precision import Precision
 from pipeline.shapes import ShapeBook
 from pipeline.topology import Topology
 from pipeline.trace import StepStats, Trace, measured_costs
+from pipeline.zero import ShardedOptimizer
 from schedules import Instruction, Kind, Schedule, Timeline
 from schedules.grid import format_grid
 
@@ -68,6 +72,9 @@ class PipelineEngine:
                  initial_loss_scale: float = 2.0**16, loss_scale_window: int = 1000) -> None:
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
+        check_engine_arguments(optimizer=optimizer, topology=topology, groups=groups,
+                               gradient_reducer=gradient_reducer, device=device,
+                               timeout=timeout, dynamic_shapes=dynamic_shapes)
         if not dist.is_initialized():
             raise PipelineConfigError("no process group: run inside pipeline.launch(fn, "
                                       "world_size) or torchrun, or call "
@@ -123,6 +130,10 @@ class PipelineEngine:
         """What this rank measured in the last step (None before the first)."""
         self.last_loss: float | None = None
         """Mean loss of the last `eval_batch` given targets."""
+        self.global_step = 0
+        """Optimizer steps taken (`train_batch` calls); saved and restored by checkpoints."""
+        self.loss_scaler: Stateful | None = self.training.scaler
+        """The fp16 loss scaler, when mixed precision uses one (checkpointed with the rest)."""
 
     # -- facts DeepSpeed users look for ----------------------------------------------------
 
@@ -186,6 +197,7 @@ class PipelineEngine:
         self.module.train()
         self.module.zero_grad(set_to_none=True)
         loss, _ = self._run(self.schedule, inputs, targets, data_iter, training=True)
+        self.global_step += 1
         return loss
 
     def eval_batch(self, inputs: Any = None, targets: Any = None, *,
@@ -305,14 +317,31 @@ class PipelineEngine:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> None:
-        """Write this rank's layers as ``layer_XX-model_states.pt`` (a collective: every rank
-        calls it). Weights only; they load under any partition."""
-        save_layers(self.module, directory, writer=self.position.dp_rank == 0)
+    def save_checkpoint(self, directory: str) -> CheckpointInfo:
+        """Save weights (per global layer), optimizer state (per parameter, ZeRO shards with
+        their offsets), loss scaler, generators and `global_step` under
+        ``directory/step_<global_step>/`` and point ``directory/latest`` at it, crash-safely
+        (a collective: every rank calls it). See `pipeline.checkpoint`."""
+        return save_checkpoint(directory, self._checkpoint_parts())
 
-    def load_checkpoint(self, directory: str) -> None:
-        """Load this rank's layers from a directory written by `save_checkpoint`."""
-        load_layers(self.module, directory)
+    def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> CheckpointInfo:
+        """Load a checkpoint root (following ``latest``) or one step directory, saved under
+        any partition and data-parallel size; restores `global_step`. Refuses a missing,
+        corrupt or torn checkpoint with `CheckpointError` before changing anything."""
+        info = load_checkpoint(directory, self._checkpoint_parts(),
+                               load_optimizer=load_optimizer)
+        self.global_step = info.step
+        return info
+
+    def _checkpoint_parts(self) -> CheckpointParts:
+        optimizer: Any = self.optimizer
+        regions = (zero_regions(self.module, self.training.tied)
+                   if isinstance(optimizer, ShardedOptimizer) else None)
+        return CheckpointParts(
+            module=self.module, topology=self.topology, rank=self.rank, step=self.global_step,
+            optimizer=optimizer, zero_params_by_stage=regions,
+            loss_scaler=self.loss_scaler, schedule=self.schedule.name,
+            num_microbatches=self.schedule.num_microbatches)
 
     # -- measurements ----------------------------------------------------------------------
 

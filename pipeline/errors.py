@@ -1,8 +1,9 @@
-"""Typed errors of the runtime: configuration, a failed instruction, a failed rank."""
+"""Typed errors of the runtime: configuration, a failed instruction, a failed rank, a checkpoint."""
 
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
     "PipelineConfigError",
     "PipelineError",
     "PipelineStepError",
@@ -59,3 +60,22 @@ class RankFailedError(PipelineError):
         self.instruction = instruction
         self.exit_codes = exit_codes
         super().__init__(message)
+
+
+class CheckpointError(PipelineError, ValueError):
+    """A checkpoint that cannot be written, or is missing, torn, corrupt or does not fit.
+
+    `path` is the file or directory at fault. Loading raises it before any state changes, on
+    every rank, so a refused checkpoint leaves the engine as it was.
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        self.path = path
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep `path` across pickling (launcher)
+        return (_rebuild_checkpoint_error, (str(self), self.path))
+
+
+def _rebuild_checkpoint_error(message: str, path: str) -> CheckpointError:
+    return CheckpointError(message, path=path)

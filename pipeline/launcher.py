@@ -8,11 +8,13 @@ that failed first and the instruction it failed at.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -43,21 +45,71 @@ _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "pipel
 
 def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 300.0,
            backend: str | None = None, join_timeout: float | None = None,
-           threads_per_rank: int | None = 1, start_method: str | None = None) -> list[T]:
+           threads_per_rank: int | None = 1, start_method: str | None = None,
+           grace: float | None = None) -> list[T]:
     """Run ``fn(*args)`` on `world_size` ranks with a process group set up; return the
     per-rank results (index = rank).
 
     Under torchrun (RANK and WORLD_SIZE set) `fn` runs in this process only, over env://,
     and the list holds this rank's result alone. `timeout` bounds every wait inside a step;
     `join_timeout` (None: unbounded) bounds the whole run, after which every rank is killed.
+    Once a rank fails, the others get `grace` seconds (default min(5, timeout)) to stop by
+    themselves and report, then are killed: a failed job ends within about that long.
     `fn` and `args` must be picklable (a module-level function) for spawned ranks.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise PipelineConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+    _check_arguments(fn, world_size, timeout, backend, join_timeout, threads_per_rank,
+                     start_method)
+    if grace is not None and (isinstance(grace, bool) or not isinstance(grace, int | float)
+                              or not (math.isfinite(grace) and grace >= 0)):
+        raise PipelineConfigError(f"launch: grace must be None or a finite number of seconds "
+                                  f">= 0, got {grace!r}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return [_run_in_place(fn, world_size, args, timeout, backend, threads_per_rank)]
+    try:  # fails at process start otherwise, with an error about pickling internals
+        pickle.dumps((fn, args))
+    except Exception as error:  # pickling raises many types; all mean the same here
+        raise PipelineConfigError(
+            f"fn={fn!r} and its args must be picklable to start spawned ranks ({error}); "
+            "pass a module-level function and plain arguments, not a lambda or closure"
+        ) from None
     return _spawn(fn, world_size, args, timeout, backend, join_timeout, threads_per_rank,
-                  start_method)
+                  start_method, min(_GRACE, timeout) if grace is None else grace)
+
+
+def _check_arguments(fn: object, world_size: object, timeout: object, backend: object,
+                     join_timeout: object, threads: object, start_method: object) -> None:
+    """Every problem with `launch`'s arguments at once, before any process starts."""
+    def positive(value: object) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and \
+            math.isfinite(value) and value > 0
+
+    def count(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    problems = []
+    if not callable(fn):
+        problems.append(f"fn must be callable, got {fn!r}")
+    if not count(world_size):
+        problems.append(f"world_size must be an int >= 1, got {world_size!r}")
+    if not positive(timeout):
+        problems.append(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    if join_timeout is not None and not positive(join_timeout):
+        problems.append(f"join_timeout must be None or a finite number of seconds > 0, got "
+                        f"{join_timeout!r}")
+    if threads is not None and not count(threads):
+        problems.append(f"threads_per_rank must be None or an int >= 1, got {threads!r}")
+    methods = multiprocessing.get_all_start_methods()
+    if start_method is not None and start_method not in methods:
+        problems.append(f"start_method must be None or one of {methods}, got {start_method!r}")
+    if backend is not None and not (isinstance(backend, str) and backend.lower() in
+                                    dist.Backend.backend_list and
+                                    dist.is_backend_available(backend.lower())):
+        available = [name for name in ("gloo", "nccl", "mpi", "ucc")
+                     if dist.is_backend_available(name)]
+        problems.append(f"backend must be None or an available backend {available}, got "
+                        f"{backend!r}")
+    if problems:
+        raise PipelineConfigError("launch: " + "; ".join(problems))
 
 
 def _run_in_place(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout: float,
@@ -95,7 +147,7 @@ def _context(start_method: str | None) -> Any:
 
 def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout: float,
            backend: str | None, join_timeout: float | None, threads: int | None,
-           start_method: str | None) -> list[T]:
+           start_method: str | None, grace: float) -> list[T]:
     workdir = tempfile.mkdtemp(prefix="pipesched-")
     context = _context(start_method)
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
@@ -105,44 +157,54 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
     try:
         for process in processes:
             process.start()
-        expired = _supervise(processes, min(_GRACE, timeout), join_timeout)
+        expired, first_failed = _supervise(processes, grace, join_timeout)
         results = [_read(workdir, rank) for rank in range(world_size)]
         codes = tuple(process.exitcode for process in processes)
         if any(code != 0 for code in codes):
+            killed = _killed_first(results, codes, first_failed)
+            if killed is not None and not expired:
+                raise killed
             raise _failure_error(results, codes, join_timeout if expired else None)
         return [payload[1] for payload in results]  # type: ignore[index]
     finally:
         for process in processes:
+            if process.pid is None:
+                continue  # never started (a start failed): nothing to stop
             if process.is_alive():
                 process.kill()
             process.join(timeout=5)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(processes: list[Any], grace: float, join_timeout: float | None) -> bool:
+def _supervise(processes: list[Any], grace: float, join_timeout: float | None
+               ) -> tuple[bool, list[int]]:
     """Wait for every rank; once one fails (or the deadline passes), kill the rest after
-    `grace` seconds (at once on the deadline). True when the deadline expired."""
+    `grace` seconds (at once on the deadline). Returns whether the deadline expired, and
+    the ranks seen failing first (in the same wake-up)."""
     deadline = None if join_timeout is None else time.monotonic() + join_timeout
     failed_at: float | None = None
+    first_failed: list[int] = []
     alive = list(processes)
     while alive:
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             for process in alive:
                 process.kill()
-            return True
+            return True, first_failed
         if failed_at is not None and now - failed_at >= grace:
             for process in alive:
                 process.kill()
-            return False
+            return False, first_failed
         limits = [0.5] + ([deadline - now] if deadline is not None else []) + \
             ([failed_at + grace - now] if failed_at is not None else [])
         multiprocessing.connection.wait([p.sentinel for p in alive], timeout=max(0.0, min(limits)))
-        for process in [p for p in alive if not p.is_alive()]:
+        ended = [p for p in alive if not p.is_alive()]
+        for process in ended:
             alive.remove(process)
-            if process.exitcode != 0 and failed_at is None:
-                failed_at = time.monotonic()
-    return False
+        if failed_at is None and any(p.exitcode != 0 for p in ended):
+            failed_at = time.monotonic()
+            first_failed = [processes.index(p) for p in ended if p.exitcode != 0]
+    return False, first_failed
 
 
 def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
@@ -189,7 +251,6 @@ def _die_with_parent() -> None:
         return
     try:
         import ctypes
-        import signal
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -216,6 +277,26 @@ def _read(workdir: str, rank: int) -> tuple[str, Any] | None:
             return payload
     except (OSError, EOFError, pickle.UnpicklingError):
         return None
+
+
+def _killed_first(results: list[tuple[str, Any] | None], codes: tuple[int | None, ...],
+                  first_failed: list[int]) -> RankFailedError | None:
+    """A rank killed by a signal (SIGKILL, the OOM killer) reports nothing; if it was among
+    the first to end, the errors of the others (a closed connection) are its consequence."""
+    killed = [rank for rank in first_failed if results[rank] is None
+              and (codes[rank] or 0) < 0]
+    if not killed:
+        return None
+    rank = killed[0]
+    number = -(codes[rank] or 0)
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = "an unknown signal"
+    summary = ", ".join(f"rank {r}: exit {code}" for r, code in enumerate(codes))
+    return RankFailedError(f"rank {rank} was killed by signal {number} ({name}) without "
+                           f"reporting an error; every other rank was stopped ({summary})",
+                           rank=rank, exit_codes=codes)
 
 
 def _failure_error(results: list[tuple[str, Any] | None], codes: tuple[int | None, ...],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeAlias
 
@@ -45,7 +45,12 @@ class LayerSpec:
         """Construct the layer (with whatever RNG state is current). A ``group`` parameter
         the spec leaves unfilled receives the rank's tensor-parallel group
         (`pipeline.build_context`)."""
-        module = call_with_group(self.typename, self.args, self.kwargs)
+        try:
+            module = call_with_group(self.typename, self.args, self.kwargs)
+        except (TypeError, ValueError) as error:  # the arguments do not fit the class
+            kind = TypeError if isinstance(error, TypeError) else ValueError
+            raise kind(f"{self!r} with args {self.args!r} and kwargs {self.kwargs!r} cannot be "
+                       f"built: {error}; fix the LayerSpec's arguments") from error
         if not isinstance(module, nn.Module):
             raise TypeError(f"LayerSpec({self.name}) built {type(module).__name__}, not an "
                             "nn.Module; pass plain callables directly instead of wrapping them")
@@ -96,6 +101,12 @@ class _Call(nn.Module):
 
 def normalize_layers(layers: Sequence[Layer] | nn.Sequential) -> list[Layer]:
     """The layers as a list, each checked to be a module, a `LayerSpec` or a callable."""
+    if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential):
+        raise TypeError(f"layers must be a list of layers or an nn.Sequential, got one "
+                        f"{type(layers).__name__}; wrap it: [{type(layers).__name__}(...)]")
+    if isinstance(layers, str | bytes) or not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be a list of nn.Module, LayerSpec or callables, got "
+                        f"{layers!r}")
     items: list[Layer] = list(layers.children()) if isinstance(layers, nn.Sequential) \
         else list(layers)
     bad = [f"layer {k}: {type(item).__name__}" for k, item in enumerate(items)

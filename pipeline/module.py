@@ -73,6 +73,9 @@ class PipelineModule(nn.Module):
                                       activation_checkpoint_interval, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise PipelineConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if base_seed is not None and (isinstance(base_seed, bool) or not isinstance(base_seed,
+                                                                                 int)):
+            raise PipelineConfigError(f"base_seed must be an int or None, got {base_seed!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise PipelineConfigError(f"loss_fn must be callable, got {loss_fn!r}")
         items = normalize_layers(layers)

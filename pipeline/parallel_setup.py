@@ -56,6 +56,7 @@ __all__ = [
     "reduced_gradients",
     "resolve_topology",
     "setup_training",
+    "zero_regions",
 ]
 
 
@@ -239,13 +240,19 @@ def _sharded_optimizer(module: PipelineModule, tied: TiedWeightSynchronizer | No
                        config: ParallelConfig) -> ShardedOptimizer:
     """ZeRO-1 over the dp group, one region per stage (tied weights in their own region,
     reduced after the owners' sum)."""
+    # the shards ZeRO-1 hands the factory are fp32 `nn.Parameter` masters
+    return ShardedOptimizer(zero_regions(module, tied),
+                            lambda shards: factory(cast(list[nn.Parameter], shards)),
+                            groups.dp_group, bucket_mb=config.bucket_mb)
+
+
+def zero_regions(module: PipelineModule, tied: TiedWeightSynchronizer | None
+                 ) -> dict[int, list[nn.Parameter]]:
+    """The parameters of each ZeRO-1 region: one per stage, tied weights in `TIED_REGION`
+    (the layout checkpoints must describe, too)."""
     by_stage: dict[int, list[nn.Parameter]] = {
         int(stage): module.stage_parameters(int(stage)) for stage in module.stages}
-    if tied is not None:
-        by_stage = split_tied(by_stage, tied.params)
-    # the shards ZeRO-1 hands the factory are fp32 `nn.Parameter` masters
-    return ShardedOptimizer(by_stage, lambda shards: factory(cast(list[nn.Parameter], shards)),
-                            groups.dp_group, bucket_mb=config.bucket_mb)
+    return split_tied(by_stage, tied.params) if tied is not None else by_stage
 
 
 def reduced_gradients(module: PipelineModule, optimizer: StepOptimizer | None

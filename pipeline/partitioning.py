@@ -24,6 +24,11 @@ def stage_boundaries(layers: Sequence[Layer], num_stages: int,
     from partition import Method, PartitionError, parse_method, partition_layers
 
     n = len(layers)
+    if not isinstance(method, str) and not (
+            isinstance(method, Sequence) and all(isinstance(cut, int) for cut in method)):
+        raise PipelineConfigError(
+            f"partition_method must be 'parameters', 'uniform', 'balanced', 'type:<regex>' or "
+            f"a list of cut indices such as [0, {n // 2}, {n}], got {method!r}")
     try:
         if not isinstance(method, str):
             return partition_layers(layers, num_stages, Method.EXPLICIT, boundaries=list(method))

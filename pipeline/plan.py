@@ -46,6 +46,8 @@ def resolve_schedule(schedule: str | Schedule, module: PipelineModule,
             raise PipelineConfigError(f"cannot build schedule {schedule!r}: {error}") from error
     elif isinstance(schedule, Schedule):
         try:
+            if not schedule.lowered:
+                validate(schedule)  # names a skipped microbatch before lowering trips on it
             built = schedule if schedule.lowered else lower(schedule)
             if built.has_backward and not any(op.kind is Kind.STEP for op in built.streams[0]):
                 built = add_optimizer_step(built)

@@ -174,6 +174,20 @@ class DynamicLossScaler:
         if self.clean_steps % self.growth_interval == 0:
             self.scale *= self.growth_factor
 
+    def state_dict(self) -> dict[str, float]:
+        """The scale and step counters (what a checkpoint keeps)."""
+        return {"scale": self.scale, "clean_steps": float(self.clean_steps),
+                "skipped_steps": float(self.skipped_steps)}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore `state_dict()`; refuses a non-finite or non-positive scale."""
+        scale = float(state["scale"])
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(f"loss scale must be finite and > 0, got {scale}")
+        self.scale = scale
+        self.clean_steps = int(state["clean_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
+
     def step(self, grads: Sequence[torch.Tensor], optimizer_step: Callable[[], None]) -> bool:
         """Vote on overflow; if clean, unscale `grads` and run `optimizer_step`. Returns
         whether the step was taken (the same answer on every rank)."""

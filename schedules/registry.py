@@ -75,6 +75,8 @@ def generate_schedule(name: str, num_ranks: int, num_microbatches: int,
     if spec is None:
         raise ScheduleConfigError(
             f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
+    if costs is not None and not isinstance(costs, CostModel):
+        raise ScheduleConfigError(f"costs must be a schedules.CostModel or None, got {costs!r}")
     check_count("num_ranks (pipeline stages P)", num_ranks)
     check_count("num_microbatches", num_microbatches)
     v = spec.default_chunks if chunks is None else check_count("chunks", chunks)

@@ -93,6 +93,11 @@ class Schedule:
         stages_of: list[list[int]] = [[] for _ in range(num_ranks)]
         for stage, rank in enumerate(self.placement):
             stages_of[rank].append(stage)
+        idle = [rank for rank, stages in enumerate(stages_of) if not stages]
+        if idle:  # a rank with nothing to run has no place in a pipeline (and no stream)
+            raise ScheduleConfigError(
+                f"rank(s) {idle} hold no stage under placement {self.placement}; give every "
+                f"rank of the {num_ranks} at least one stage, or drop the idle ranks' lines")
         object.__setattr__(self, "_stages_of", tuple(tuple(s) for s in stages_of))
 
     @property

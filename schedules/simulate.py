@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,25 @@ def _per_stage(name: str, value: PerStage, num_stages: int) -> list[float]:
     return values
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_per_stage(name: str, value: object) -> None:
+    """A number, or numbers one per stage, each finite and >= 0 (checked when the model is
+    made, so a bad cost fails where it is written, not inside a simulation)."""
+    if _is_number(value):
+        values: list[object] = [value]
+    elif isinstance(value, Iterable) and not isinstance(value, str | bytes):
+        values = list(value)
+    else:
+        values = [None]
+    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+               and float(x) >= 0 for x in values):
+        raise ScheduleConfigError(f"{name} must be finite and >= 0 (a number, or a list of "
+                                  f"one per stage), got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Per-stage op times (a number for every stage, or one per stage) and message costs."""
@@ -50,9 +70,12 @@ class CostModel:
     """Bytes per time unit on a link; None makes bytes free (only `comm` is charged)."""
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.comm) or self.comm < 0:
+        for name in ("forward", "backward", "weight", "activation_bytes"):
+            _check_per_stage(name, getattr(self, name))
+        if not _is_number(self.comm) or not math.isfinite(self.comm) or self.comm < 0:
             raise ScheduleConfigError(f"comm must be finite and >= 0, got {self.comm!r}")
-        if self.bandwidth is not None and not (self.bandwidth > 0 and math.isfinite(
+        if self.bandwidth is not None and not (_is_number(self.bandwidth) and
+                                               self.bandwidth > 0 and math.isfinite(
                 self.bandwidth)):
             raise ScheduleConfigError(f"bandwidth must be > 0 or None, got {self.bandwidth!r}")
 
@@ -76,6 +99,11 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     is the `comm` delay on the dependency they carry. Run `validate` first on schedules
     from outside; an order that can never finish raises `ScheduleValidationError`.
     """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"simulate needs a schedules.Schedule (e.g. from build_schedule), got "
+                        f"{schedule!r}")
+    if costs is not None and not isinstance(costs, CostModel):
+        raise TypeError(f"costs must be a schedules.CostModel or None, got {costs!r}")
     costs = costs or CostModel()
     forward, backward, weight, delay, act = costs.resolve(schedule.num_stages)
     streams = schedule.compute_streams() if schedule.lowered else schedule.streams

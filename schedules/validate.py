@@ -26,6 +26,9 @@ def validate(schedule: Schedule) -> None:
       meets exactly one matching recv in the same order on its peer, REDUCE_GRAD follows
       the stage's last backward, STEP ends the stream, and no rank is left blocked.
     """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"validate needs a schedules.Schedule (e.g. Schedule.from_text(...)), "
+                        f"got {schedule!r}")
     _check_structure(schedule)
     if schedule.lowered:
         _check_pairing(schedule)

@@ -103,7 +103,8 @@ def _checkpoint_rank(directory: str) -> float:
 def test_checkpoints_load_under_another_partition(tmp_path: Any) -> None:
     errors = launch(_checkpoint_rank, 2, str(tmp_path / "ckpt"), timeout=20, join_timeout=60)
     assert errors == [0.0, 0.0]
-    assert len(list((tmp_path / "ckpt").glob("layer_*-model_states.pt"))) == 8
+    # one training step: the checkpoint is ckpt/step_000001/, one file per Linear layer
+    assert len(list((tmp_path / "ckpt" / "step_000001").glob("layer_*-model_states.pt"))) == 8
 
 
 def _data_parallel_rank() -> dict[str, float]:

@@ -17,6 +17,8 @@ _COMMAND_MODULES = (
     "pipeline.cli.compare_cmd",
     "pipeline.cli.partition_cmd",
     "pipeline.cli.train_cmd",
+    "pipeline.cli.validate_cmd",
+    "pipeline.cli.checkpoint_cmd",
 )
 
 
