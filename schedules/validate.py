@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from schedules.dataflow import execute
 from schedules.errors import ScheduleValidationError
 from schedules.grid import format_grid
@@ -75,20 +77,34 @@ def _check_structure(schedule: Schedule) -> None:
                                 f"(first at rank {first_rank}, step {first_step})")
                 counts[key] = (rank, step)
     has_backward = any(kind is not _F for kind, _, _ in counts)
+    allowed = ({_F, _B}, {_F, _I, _W}) if has_backward else ({_F},)
+    # Every (stage, microbatch) needs an F. Checked on the sorted F keys first, so a text
+    # that names stage 10**9 is refused in time proportional to its length, not to S·m.
+    forward_keys = sorted((s, i) for kind, s, i in counts if kind is _F)
+    if len(forward_keys) != num_stages * m:
+        k = next((k for k, key in enumerate(forward_keys) if key != divmod(k, m)),
+                 len(forward_keys))
+        _coverage_error(schedule, counts, *divmod(k, m), allowed)
     for s in range(num_stages):
         for i in range(m):
             present = {kind for kind in (_F, _B, _I, _W) if (kind, s, i) in counts}
-            allowed = ({_F, _B}, {_F, _I, _W}) if has_backward else ({_F},)
             if present not in allowed:
-                wanted = " or ".join("+".join(k.value for k in (_F, _B, _I, _W) if k in option)
-                                     for option in allowed)
-                found = "+".join(k.value for k in (_F, _B, _I, _W) if k in present) or "no ops"
-                message = (f"stage {s}, microbatch {i} has {found}; every (stage, microbatch) "
-                           f"needs exactly {wanted} on rank {placement[s]}")
-                if not present:
-                    raise ScheduleValidationError(f"{schedule.name}: {message}")
-                rank, step = counts[next(iter(sorted((k, s, i) for k in present)[:1]))]
-                raise _fail(schedule, rank, step, message)
+                _coverage_error(schedule, counts, s, i, allowed)
+
+
+def _coverage_error(schedule: Schedule, counts: dict[tuple[Kind, int, int], tuple[int, int]],
+                    s: int, i: int, allowed: tuple[set[Kind], ...]) -> NoReturn:
+    """Raise for a (stage, microbatch) whose compute ops are not one of `allowed`."""
+    present = {kind for kind in (_F, _B, _I, _W) if (kind, s, i) in counts}
+    wanted = " or ".join("+".join(k.value for k in (_F, _B, _I, _W) if k in option)
+                         for option in allowed)
+    found = "+".join(k.value for k in (_F, _B, _I, _W) if k in present) or "no ops"
+    message = (f"stage {s}, microbatch {i} has {found}; every (stage, microbatch) "
+               f"needs exactly {wanted} on rank {schedule.placement[s]}")
+    if not present:
+        raise ScheduleValidationError(f"{schedule.name}: {message}")
+    rank, step = counts[min((k, s, i) for k in present)]
+    raise _fail(schedule, rank, step, message)
 
 
 def _message(op: Instruction, sender: int) -> tuple[Kind, int, int, int]:

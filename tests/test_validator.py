@@ -72,3 +72,26 @@ def test_cross_rank_cycle_is_a_deadlock() -> None:
 
 def test_validated_schedules_pass() -> None:
     validate(build_schedule("interleaved", 3, 5, 2))
+
+
+@pytest.mark.parametrize("text", ["37066896F0", "0F0 0B0 0F999999999999 0B999999999999",
+                                  "0F0 0B0\n5000000000F0"])
+def test_huge_stage_or_microbatch_index_is_refused_quickly(text: str) -> None:
+    """Regression: a text naming stage 37066896 built a 37M-entry placement and the coverage
+    check walked S·m pairs (found by fuzzing with a newer hypothesis)."""
+    import signal
+
+    from schedules import ScheduleError, parse_torch_csv
+
+    def hung(*_: object) -> None:
+        raise AssertionError("the readers or the validator hung on a huge index")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)  # a hang guard, not a speed check: the fixed code answers at once
+    try:
+        for read in (Schedule.from_text, lambda t: parse_torch_csv(t.replace(" ", ","))):
+            with pytest.raises(ScheduleError):
+                validate(read(text))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
