@@ -151,10 +151,11 @@ def _infer_placement(parsed: Sequence[Sequence[tuple[Kind, int, int]]]) -> tuple
                         "live on one rank")
     if sorted(owner) != list(range(len(owner))):
         # the first few gaps only: a stage named 10**9 must not cost 10**9 steps
-        missing = [s for s in range(len(owner) + 8) if s not in owner][:8]
-        raise ScheduleParseError(f"no rank computes stages {missing} (and the text names stage "
-                                 f"{max(owner)}); pass placement= explicitly if they are meant "
-                                 "to exist")
+        last = max(owner)
+        missing = [s for s in range(min(last, len(owner) + 8)) if s not in owner][:8]
+        raise ScheduleParseError(f"no rank computes stages {missing} (the text names stages up "
+                                 f"to {last}); pass placement= explicitly if they are meant to "
+                                 "exist")
     return tuple(owner[s] for s in range(len(owner)))
 
 
