@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given
@@ -91,5 +89,5 @@ def _check_average(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_bucketed_reducer_averages_to_the_global_batch_gradient(tmp_path: Path) -> None:
-    run_ranks(_check_average, 2, tmp_path)
+def test_bucketed_reducer_averages_to_the_global_batch_gradient() -> None:
+    run_ranks(_check_average, 2)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -66,5 +64,5 @@ def _check_groups(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_groups_match_topology_on_4_ranks(tmp_path: Path) -> None:
-    run_ranks(_check_groups, 4, tmp_path)
+def test_groups_match_topology_on_4_ranks() -> None:
+    run_ranks(_check_groups, 4)

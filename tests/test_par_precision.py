@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,10 +109,10 @@ def _check_clip_over_tensor_parallel_ranks(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_fp16_overflow_on_one_rank_makes_every_rank_skip(tmp_path: Path) -> None:
-    run_ranks(_check_overflow_vote, 2, tmp_path)
+def test_fp16_overflow_on_one_rank_makes_every_rank_skip() -> None:
+    run_ranks(_check_overflow_vote, 2)
 
 
 @pytest.mark.multiprocess
-def test_global_norm_clipping_counts_tensor_parallel_replicas_once(tmp_path: Path) -> None:
-    run_ranks(_check_clip_over_tensor_parallel_ranks, 2, tmp_path)
+def test_global_norm_clipping_counts_tensor_parallel_replicas_once() -> None:
+    run_ranks(_check_clip_over_tensor_parallel_ranks, 2)

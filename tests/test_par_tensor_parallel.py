@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -137,12 +135,12 @@ def _check_block(rank: int, size: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_tensor_parallel_layers_equal_plain_layers(tmp_path: Path) -> None:
-    run_ranks(_check_operators, 2, tmp_path)
-    run_ranks(_check_linear_and_embedding, 2, tmp_path)
+def test_tensor_parallel_layers_equal_plain_layers() -> None:
+    run_ranks(_check_operators, 2)
+    run_ranks(_check_linear_and_embedding, 2)
 
 
 @pytest.mark.multiprocess
-def test_parallel_transformer_block_equals_plain_block(tmp_path: Path) -> None:
-    run_ranks(_check_block, 2, tmp_path)
+def test_parallel_transformer_block_equals_plain_block() -> None:
+    run_ranks(_check_block, 2)
 

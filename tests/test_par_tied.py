@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -119,5 +117,5 @@ def _check_tied(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_tied_copies_stay_identical_with_dp_and_zero1(tmp_path: Path) -> None:
-    run_ranks(_check_tied, 4, tmp_path)
+def test_tied_copies_stay_identical_with_dp_and_zero1() -> None:
+    run_ranks(_check_tied, 4)

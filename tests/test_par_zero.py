@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -71,5 +70,5 @@ def _check_zero(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_zero1_matches_plain_optimizer_after_two_steps(tmp_path: Path) -> None:
-    run_ranks(_check_zero, 2, tmp_path)
+def test_zero1_matches_plain_optimizer_after_two_steps() -> None:
+    run_ranks(_check_zero, 2)
