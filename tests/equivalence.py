@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipeline import PipelineEngine, PipelineModule
@@ -13,8 +14,8 @@ from pipeline.reference import ReferenceResult, build_reference, reference_step
 from schedules import Schedule, figures, simulate
 from tests.pipeline_models import MODELS
 
-__all__ = ["TOLERANCE", "EngineCase", "describe_errors", "engine_case_problems", "max_error",
-           "new_errors", "record_step", "run_engine_case", "sgd"]
+__all__ = ["TOLERANCE", "EngineCase", "describe_errors", "engine_case_problems",
+           "gathered_weights", "max_error", "new_errors", "record_step", "run_engine_case", "sgd"]
 
 TOLERANCE = 2e-5
 ParamKey = tuple[int, str]
@@ -23,6 +24,14 @@ ParamKey = tuple[int, str]
 def new_errors(*extra: str) -> dict[str, float]:
     """Largest differences seen so far, per quantity: loss, grad, param (+ `extra`)."""
     return dict.fromkeys(("loss", "grad", "param", *extra), 0.0)
+
+
+def gathered_weights(engine: PipelineEngine) -> dict[ParamKey, torch.Tensor]:
+    """Every rank's parameters keyed by (global layer, name), on every rank (a collective)."""
+    mine = {key: p.detach().clone() for key, p in engine.module.named_layer_parameters()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {key: value for part in gathered for key, value in part.items()}
 
 
 def max_error(a: torch.Tensor, b: torch.Tensor) -> float:

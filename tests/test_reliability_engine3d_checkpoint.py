@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipeline import PipelineEngine, PipelineModule, launch
 from tests.engine3d_models import MODELS, OPTIMIZERS
+from tests.equivalence import gathered_weights
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,13 +32,6 @@ def _train(engine: PipelineEngine, model: str, steps: int) -> list[float]:
     return losses
 
 
-def _weights(engine: PipelineEngine) -> dict[tuple[int, str], torch.Tensor]:
-    mine = {key: p.detach().clone() for key, p in engine.module.named_layer_parameters()}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return {key: value for part in gathered for key, value in part.items()}
-
-
 def _rank(root: str, resume: bool) -> dict[str, Any]:
     zero = _engine("tied", zero_stage=1)
     scaled = _engine("mlp", precision="fp16", initial_loss_scale=2.0**10, loss_scale_window=1)
@@ -51,7 +44,7 @@ def _rank(root: str, resume: bool) -> dict[str, Any]:
         _train(scaled, "mlp", 2)
         scaled.save_checkpoint(f"{root}/fp16")
     scaler = scaled.loss_scaler.state_dict() if scaled.loss_scaler is not None else None
-    return {"losses": _train(zero, "tied", 2), "weights": _weights(zero),
+    return {"losses": _train(zero, "tied", 2), "weights": gathered_weights(zero),
             "step": zero.global_step, "scaler": scaler}
 
 

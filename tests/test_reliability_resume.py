@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from pipeline import PipelineEngine, PipelineModule, RankFailedError, faults, launch
 from pipeline.manifest import LATEST, read_manifest
+from tests.equivalence import gathered_weights
 from tests.fault_helpers import record_pid, surviving_ranks
 from tests.pipeline_models import MODELS
 
@@ -43,20 +44,13 @@ def _train(engine: PipelineEngine, steps: int) -> list[float]:
     return losses
 
 
-def _weights(engine: PipelineEngine) -> dict[tuple[int, str], torch.Tensor]:
-    mine = {key: p.detach().clone() for key, p in engine.module.named_layer_parameters()}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return {key: value for part in gathered for key, value in part.items()}
-
-
 def _uninterrupted_then_killed(root: str, results: str, pids: str) -> None:
     record_pid(pids)
     engine = _engine(2, "1f1b")
     losses = _train(engine, N)
     engine.save_checkpoint(root)
     losses += _train(engine, M)
-    weights = _weights(engine)
+    weights = gathered_weights(engine)
     if dist.get_rank() == 0:
         torch.save({"losses": losses, "weights": weights}, results)
     dist.barrier()
@@ -78,7 +72,7 @@ def _resume(root: str, stages: int, schedule: str, partition: Any) -> dict[str, 
     info = engine.load_checkpoint(root)
     losses = _train(engine, M)
     return {"loaded": info.step, "step": engine.global_step, "losses": losses,
-            "weights": _weights(engine), "rng": info.rng_restored}
+            "weights": gathered_weights(engine), "rng": info.rng_restored}
 
 
 def test_resume_after_kills_equals_an_uninterrupted_run(tmp_path: Path) -> None:
@@ -128,14 +122,14 @@ def _data_parallel_save(root: str) -> dict[tuple[int, str], torch.Tensor]:
         engine.train_batch(inputs[half * 4:(half + 1) * 4], targets[half * 4:(half + 1) * 4])
         if engine.global_step == 1:
             engine.save_checkpoint(root)
-    return _weights(engine)
+    return gathered_weights(engine)
 
 
 def _full_batch_resume(root: str) -> dict[tuple[int, str], torch.Tensor]:
     engine = _mlp_engine("gpipe")
     engine.load_checkpoint(root)
     engine.train_batch(*MODELS["mlp"].batch(seed=engine.global_step, batch=8))
-    return _weights(engine)
+    return gathered_weights(engine)
 
 
 def test_a_data_parallel_checkpoint_resumes_without_replicas(tmp_path: Path) -> None:
