@@ -7,8 +7,6 @@ stages, m microbatches; F forward, B full backward. Generators take integers and
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from schedules.instructions import NONE, Instruction, Kind
 from schedules.schedule import Schedule, check_count, loop_placement
 
@@ -134,5 +132,3 @@ def forward_only(num_ranks: int, num_microbatches: int, chunks: int = 1) -> Sche
     streams = tuple(tuple(_op(_F, c * p + r, i) for c, i in order) for r in range(p))
     return Schedule("forward-only", m, loop_placement(p, v), streams)
 
-
-GeneratorFn = Callable[..., Schedule]

@@ -59,10 +59,12 @@ def _check_args(args: argparse.Namespace) -> int:
         raise ValueError(f"{layers} layers (--blocks {args.blocks} + embedding + head) cannot "
                          f"fill {args.stages} stages × {chunks} chunks; raise --blocks to at "
                          f"least {args.stages * chunks - 2}")
+    from viz import FIGURE_FORMATS, TRACE_FORMATS, check_output_path
+
     args.out.mkdir(parents=True, exist_ok=True)
-    probe = args.out / ".pipesched-write-test"
-    probe.write_text("")
-    probe.unlink()
+    for name in ("timeline.png", "loss.png"):
+        check_output_path(args.out / name, FIGURE_FORMATS)
+    check_output_path(args.out / "trace.json", TRACE_FORMATS)
     return chunks
 
 
