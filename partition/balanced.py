@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from partition.bisection import solve_monotone
-from partition.costmodel import CostModel
+from partition.stage_costs import StageCosts
 from partition.dag import DagCosts, solve_dag
 from partition.errors import InfeasibleMemoryError
 from partition.parametric import ChainCosts, solve_chain
@@ -21,7 +21,7 @@ __all__ = ["minimum_memory_cap", "solve_balanced"]
 #   dag.solve_dag             a DAG with skip edges: O(p n^2) dynamic program.
 
 
-def solve_balanced(model: CostModel) -> tuple[int, ...]:
+def solve_balanced(model: StageCosts) -> tuple[int, ...]:
     """Boundaries minimising the slowest stage's compute + comm time under the memory cap;
     raises `InfeasibleMemoryError` (with the smallest workable cap) if none fits."""
     capped = model.memory_cap is not None
@@ -70,7 +70,7 @@ def solve_balanced(model: CostModel) -> tuple[int, ...]:
     return solution[0]
 
 
-def minimum_memory_cap(model: CostModel) -> float:
+def minimum_memory_cap(model: StageCosts) -> float:
     """The smallest per-stage memory cap any p-stage partition fits under: the min-max
     partition with memory as the cost (exact, by the same solvers)."""
     if model.memory_is_stage_independent:

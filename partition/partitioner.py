@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from partition.balanced import solve_balanced
 from partition.bisection import partition_weights
 from partition.boundaries import check_stage_count, uniform_boundaries, validate_boundaries
-from partition.costmodel import CostModel, inflight_microbatches
+from partition.stage_costs import StageCosts, inflight_microbatches
 from partition.errors import InvalidOptionError, MemoryCapExceededError
 from partition.graph import ModelGraph
 from partition.methods import (
@@ -38,7 +38,7 @@ class _Request:
     method: Method
     type_pattern: str | None
     boundaries: tuple[int, ...] | None
-    model: CostModel
+    model: StageCosts
 
 
 def _positive(value: object) -> bool:
@@ -187,7 +187,7 @@ def partition_graph(
 
     # Step 2: the cost model every method is judged by.
     microbatches = num_stages if num_microbatches is None else int(num_microbatches)
-    model = CostModel(
+    model = StageCosts(
         graph,
         speeds=[float(speed) for speed in speeds] if speeds is not None else [1.0] * num_stages,
         inflight=inflight_microbatches(schedule, num_stages, microbatches),

@@ -10,7 +10,7 @@ from partition.graph import ModelGraph
 from partition.linear import LinearPrefix
 from partition.methods import ScheduleMemory
 
-__all__ = ["CostModel", "inflight_microbatches"]
+__all__ = ["StageCosts", "inflight_microbatches"]
 
 # Legend: n layers, p stages, m microbatches; stage k (0-based) covers layers [b_k, b_{k+1}).
 #   compute_k = sum(forward + backward) / speed_k                     (seconds)
@@ -35,7 +35,7 @@ def _prefix(values: np.ndarray) -> np.ndarray:
     return np.concatenate(([0.0], np.cumsum(values)))
 
 
-class CostModel:
+class StageCosts:
     """Prefix sums and per-stage factors of one graph under one set of options."""
 
     def __init__(
