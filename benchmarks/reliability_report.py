@@ -6,7 +6,7 @@ save and corrupt checkpoints refused, fuzz cases run.
 
 "Survived" means the job ended as it must: `RankFailedError` naming the right rank, every
 rank exited non-zero, no process outlived the launcher, and after a kill during a save a
-new job resumed from the last complete checkpoint (`tests/fault_scenarios.py`).
+new job resumed from the last complete checkpoint (`tests/support/fault_scenarios.py`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pipeline.checkpoint import save_checkpoint
 from pipeline.checkpoint_load import load_checkpoint
 from pipeline.errors import CheckpointError
 from tests import test_fuzz_files, test_fuzz_schedules
-from tests.checkpoint_cases import Job, corruption_cases
-from tests.fault_scenarios import SCENARIOS, run_scenario
-from tests.fuzz_counts import COUNTS
+from tests.support.checkpoint_cases import Job, corruption_cases
+from tests.support.fault_scenarios import SCENARIOS, run_scenario
+from tests.support.fuzz_counts import COUNTS
 
 
 def _faults(workdir: str) -> tuple[int, int]:
