@@ -39,7 +39,7 @@ from bench_common import deepspeed_available
 from torch import nn
 
 from pipeline import LayerSpec, PipelineEngine, PipelineModule, launch, torch_runtime, torch_stages
-from pipeline.trace import measured_costs
+from pipeline.runtime.trace import measured_costs
 from schedules import SCHEDULES, Schedule, figures, from_torch_rows, generate_schedule, simulate
 
 __all__ = ["main"]

@@ -24,10 +24,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from pipeline import faults
-from pipeline.checkpoint import save_checkpoint
-from pipeline.checkpoint_load import load_checkpoint
+from pipeline.checkpoint.load import load_checkpoint
+from pipeline.checkpoint.save import save_checkpoint
 from pipeline.errors import CheckpointError
+from pipeline.launcher import faults
 from tests import test_fuzz_files, test_fuzz_schedules
 from tests.support.checkpoint_cases import Job, corruption_cases
 from tests.support.fault_scenarios import SCENARIOS, run_scenario

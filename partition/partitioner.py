@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from partition.balanced import solve_balanced
 from partition.bisection import partition_weights
 from partition.boundaries import check_stage_count, uniform_boundaries, validate_boundaries
-from partition.stage_costs import StageCosts, inflight_microbatches
 from partition.errors import InvalidOptionError, MemoryCapExceededError
 from partition.graph import ModelGraph
 from partition.methods import (
@@ -21,6 +20,7 @@ from partition.methods import (
     parse_schedule_memory,
 )
 from partition.result import Partition
+from partition.stage_costs import StageCosts, inflight_microbatches
 
 __all__ = ["DEFAULT_OPTIMIZER_BYTES_PER_PARAM_BYTE", "partition_graph"]
 

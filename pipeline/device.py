@@ -1,13 +1,14 @@
-"""The one seam to accelerators: device and backend choice, synchronisation (CPU first)."""
+"""The one seam to accelerators: device, backend and timeout choice, synchronisation (CPU first)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
 
 __all__ = ["accelerator_rng_states", "default_backend", "default_device",
-           "set_accelerator_rng_states", "synchronize"]
+           "process_group_timeout", "set_accelerator_rng_states", "synchronize"]
 
 
 def _has_cuda() -> bool:
@@ -17,6 +18,11 @@ def _has_cuda() -> bool:
 def default_backend() -> str:
     """``nccl`` when CUDA is present, else ``gloo``."""
     return "nccl" if _has_cuda() else "gloo"
+
+
+def process_group_timeout(seconds: float) -> datetime.timedelta:
+    """The timeout every blocking collective and wait of this run honours."""
+    return datetime.timedelta(seconds=seconds)
 
 
 def default_device(local_rank: int | None = None) -> torch.device:

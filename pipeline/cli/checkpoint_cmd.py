@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pipeline.manifest import read_manifest, resolve_checkpoint, verify_files
+from pipeline.checkpoint.manifest import read_manifest, resolve_checkpoint, verify_files
 
 __all__ = ["register", "run"]
 

@@ -73,7 +73,7 @@ def _partition(args: argparse.Namespace, config: Any, num_stages: int) -> Any:
     import torch
 
     from partition import graph_from_layers, parse_method, partition_graph
-    from pipeline.models import lm_layers, synthetic_batch
+    from pipeline.demo.language_model import lm_layers, synthetic_batch
 
     method, pattern = parse_method(args.partition)
     torch.manual_seed(args.seed)
@@ -91,10 +91,10 @@ def _summary_line(label: str, result: Figures) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.launcher import launch
-    from pipeline.models import TinyLMConfig
-    from pipeline.trace import measured_costs
-    from pipeline.train_job import TrainConfig, TrainReport, train_rank
+    from pipeline.demo.language_model import TinyLMConfig
+    from pipeline.demo.train_job import TrainConfig, TrainReport, train_rank
+    from pipeline.launcher.processes import launch
+    from pipeline.runtime.trace import measured_costs
     from viz import plot_timeline, plot_training, write_trace
 
     chunks = _check_args(args)

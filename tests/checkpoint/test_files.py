@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import faults
-from pipeline.checkpoint import save_checkpoint
-from pipeline.checkpoint_load import load_checkpoint
+from pipeline.checkpoint.load import load_checkpoint
+from pipeline.checkpoint.manifest import LATEST, read_manifest, resolve_checkpoint, verify_files
+from pipeline.checkpoint.save import save_checkpoint
 from pipeline.errors import CheckpointError
-from pipeline.manifest import LATEST, read_manifest, resolve_checkpoint, verify_files
-from pipeline.precision import DynamicLossScaler
+from pipeline.launcher import faults
+from pipeline.parallel.precision import DynamicLossScaler
 from tests.support.checkpoint_cases import Job, corruption_cases
 
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline import PipelineEngine, PipelineModule, RankFailedError, faults, launch
-from pipeline.manifest import LATEST, read_manifest
+from pipeline import PipelineEngine, PipelineModule, RankFailedError, launch
+from pipeline.checkpoint.manifest import LATEST, read_manifest
+from pipeline.launcher import faults
 from tests.support.equivalence import gathered_weights
 from tests.support.fault_helpers import record_pid, surviving_ranks
 from tests.support.pipeline_models import MODELS

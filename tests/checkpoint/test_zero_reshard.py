@@ -17,10 +17,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline import PipelineModule, Topology, launch
-from pipeline.checkpoint import CheckpointParts, save_checkpoint
-from pipeline.checkpoint_load import load_checkpoint
-from pipeline.manifest import read_manifest
-from pipeline.zero import ShardedOptimizer
+from pipeline.checkpoint.load import load_checkpoint
+from pipeline.checkpoint.manifest import read_manifest
+from pipeline.checkpoint.save import CheckpointParts, save_checkpoint
+from pipeline.parallel.zero import ShardedOptimizer
 from tests.support.pipeline_models import mlp_batch, mlp_layers
 
 pytestmark = pytest.mark.multiprocess

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from pipeline.data_parallel import (
+from pipeline.parallel.data_parallel import (
     BucketedGradReducer,
     GradReducer,
     NoOpGradReducer,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline import PipelineConfigError, PipelineEngine, PipelineModule, launch
-from pipeline.reference import build_reference, reference_step
+from pipeline.model.reference import build_reference, reference_step
 from tests.support.engine3d_models import CASES, MODELS, Case, run_case, spike_layers
 
 pytestmark = pytest.mark.multiprocess

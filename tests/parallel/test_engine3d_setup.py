@@ -20,10 +20,10 @@ from pipeline import (
     TiedLayerSpec,
     Topology,
 )
-from pipeline.build_context import building_with, call_with_group, current_process_groups
-from pipeline.layers import TiedLayer, count_parameters
-from pipeline.parallel_setup import resolve_topology
-from pipeline.reference import build_reference, reference_step
+from pipeline.model.build_context import building_with, call_with_group, current_process_groups
+from pipeline.model.layers import TiedLayer, count_parameters
+from pipeline.model.reference import build_reference, reference_step
+from pipeline.runtime.parallel_setup import resolve_topology
 from schedules import Kind, build_schedule
 from tests.support.engine3d_models import tied_layers
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline.groups import (
+from pipeline.parallel.groups import (
     ZeroStageError,
     check_world_size,
     check_zero_stage,
     create_process_groups,
 )
-from pipeline.topology import Topology, TopologyError
+from pipeline.parallel.topology import Topology, TopologyError
 from tests.support.rank_harness import run_ranks
 
 

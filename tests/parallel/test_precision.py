@@ -7,13 +7,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.precision import (
+from pipeline.parallel.precision import (
     DynamicLossScaler,
     MasterWeights,
     autocast,
     clip_grad_norm_global,
 )
-from pipeline.tp_layers import ParallelTransformerBlock, TransformerBlock
+from pipeline.parallel.tensor.layers import ParallelTransformerBlock, TransformerBlock
 from tests.support.rank_harness import run_ranks
 
 BF16_RTOL = 2e-2

@@ -7,15 +7,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.param_marks import is_tensor_parallel
-from pipeline.tensor_parallel import (
+from pipeline.parallel.param_marks import is_tensor_parallel
+from pipeline.parallel.tensor.collectives import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
     split_last_dim,
 )
-from pipeline.tp_layers import (
+from pipeline.parallel.tensor.layers import (
     ColumnParallelLinear,
     ParallelTransformerBlock,
     RowParallelLinear,

@@ -7,19 +7,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.data_parallel import BucketedGradReducer, broadcast_parameters
-from pipeline.groups import create_process_groups
-from pipeline.param_marks import is_tied_duplicate
-from pipeline.precision import clip_grad_norm_global
-from pipeline.tied import (
+from pipeline.model.tied import TiedLayerSpec
+from pipeline.parallel.data_parallel import BucketedGradReducer, broadcast_parameters
+from pipeline.parallel.groups import create_process_groups
+from pipeline.parallel.param_marks import is_tied_duplicate
+from pipeline.parallel.precision import clip_grad_norm_global
+from pipeline.parallel.tied_sync import (
     TiedGradReducer,
-    TiedLayerSpec,
     TiedWeightSynchronizer,
     create_tied_groups,
     split_tied,
 )
-from pipeline.topology import Topology
-from pipeline.zero import ShardedOptimizer
+from pipeline.parallel.topology import Topology
+from pipeline.parallel.zero import ShardedOptimizer
 from tests.support.rank_harness import run_ranks
 
 SPEC = TiedLayerSpec("embed", nn.Embedding, 10, 4,

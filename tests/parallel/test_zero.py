@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.zero import ShardedOptimizer
+from pipeline.parallel.zero import ShardedOptimizer
 from tests.support.rank_harness import run_ranks
 
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {

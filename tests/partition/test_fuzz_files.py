@@ -16,15 +16,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from partition import PartitionError, graph_from_json, partition_graph
-from pipeline.atomic_files import sha256_bytes
-from pipeline.errors import CheckpointError
-from pipeline.manifest import (
+from pipeline.checkpoint.atomic_files import sha256_bytes
+from pipeline.checkpoint.manifest import (
     FileEntry,
     Manifest,
     dump_manifest,
     parse_manifest,
     resolve_checkpoint,
 )
+from pipeline.errors import CheckpointError
 from tests.support.fuzz_counts import COUNTS, FUZZ_EXAMPLES
 
 _FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=timedelta(seconds=5),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipeline import PipelineEngine, PipelineModule, launch
-from pipeline.reference import build_reference, reference_forward, reference_step
+from pipeline.model.reference import build_reference, reference_forward, reference_step
 from schedules import SCHEDULES, figures, simulate
 from tests.support.equivalence import TOLERANCE, describe_errors, max_error, new_errors, record_step
 from tests.support.pipeline_models import MODELS, v_split_schedule

@@ -6,9 +6,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.batch import join_microbatches, split_microbatches
-from pipeline.comm import decode_header, encode_header
-from pipeline.shapes import ShapeBook
+from pipeline.runtime.batch import join_microbatches, split_microbatches
+from pipeline.runtime.comm import decode_header, encode_header
+from pipeline.runtime.shapes import ShapeBook
 
 _DTYPES = [torch.float32, torch.float16, torch.int64, torch.bool, torch.bfloat16]
 

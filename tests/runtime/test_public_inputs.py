@@ -22,7 +22,7 @@ from partition import (
 )
 from pipeline import LayerSpec, PipelineConfigError, PipelineModule, Topology, launch
 from pipeline.cli import main
-from pipeline.topology import TopologyError
+from pipeline.parallel.topology import TopologyError
 from schedules import (
     CostModel,
     ScheduleConfigError,

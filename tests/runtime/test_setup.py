@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipeline import LayerSpec, PipelineConfigError, PipelineEngine, PipelineModule, launch
-from pipeline.reference import reference_step
+from pipeline.model.reference import reference_step
 from tests.support.pipeline_models import MODELS
 
 pytestmark = pytest.mark.multiprocess

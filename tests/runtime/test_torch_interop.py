@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import PipelineModule, launch, torch_runtime, torch_stages
-from pipeline.reference import build_reference, reference_step
+from pipeline.model.reference import build_reference, reference_step
 from schedules import (
     Schedule,
     add_optimizer_step,

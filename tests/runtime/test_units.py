@@ -12,14 +12,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import LayerSpec, PipelineConfigError, PipelineModule
-from pipeline.batch import join_microbatches, signature, split_microbatches, take_microbatches
-from pipeline.comm import HEADER_LENGTH, decode_header, encode_header
-from pipeline.launcher import _failure_error
-from pipeline.layers import build_layer, count_parameters
-from pipeline.plan import check_agreement, forward_schedule, resolve_schedule
-from pipeline.reference import build_reference, reference_forward, reference_step
-from pipeline.shapes import ShapeBook
-from pipeline.trace import measured_costs
+from pipeline.launcher.processes import _failure_error
+from pipeline.model.layers import build_layer, count_parameters
+from pipeline.model.reference import build_reference, reference_forward, reference_step
+from pipeline.runtime.batch import (
+    join_microbatches,
+    signature,
+    split_microbatches,
+    take_microbatches,
+)
+from pipeline.runtime.comm import HEADER_LENGTH, decode_header, encode_header
+from pipeline.runtime.schedule_plan import check_agreement, forward_schedule, resolve_schedule
+from pipeline.runtime.shapes import ShapeBook
+from pipeline.runtime.trace import measured_costs
 from schedules import SCHEDULES, Kind, Schedule, Span, build_schedule, simulate, validate
 from tests.support.pipeline_models import mlp_layers, transformer_layers
 

@@ -8,7 +8,8 @@ from schedules import Schedule, build_schedule, generate_schedule
 
 # (name, p, m, chunks, lowered) -> text. ZB-H1 p=3 is the paper's Fig. 3 (top) shape: each
 # later rank holds back one more W for the cool-down. ZB-V and DualPipeV equal torch's
-# ScheduleZBVZeroBubble / ScheduleDualPipeV orders (checked in tests/schedules/test_torch_tables.py).
+# ScheduleZBVZeroBubble / ScheduleDualPipeV orders (checked in
+# tests/schedules/test_torch_tables.py).
 GOLDEN = {
     ("zb-h1", 3, 4, None, False): """
 rank 0: 0F0 0F1 0F2 0I0 0W0 0F3 0I1 0W1 0I2 0W2 0I3 0W3

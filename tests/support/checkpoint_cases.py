@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import PipelineModule, Topology
-from pipeline.checkpoint import CheckpointParts
-from pipeline.manifest import LATEST, MANIFEST
+from pipeline.checkpoint.manifest import LATEST, MANIFEST
+from pipeline.checkpoint.save import CheckpointParts
 from tests.support.pipeline_models import mlp_batch, mlp_layers
 
 __all__ = ["CORRUPTIONS", "Job", "corruption_cases"]

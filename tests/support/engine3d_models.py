@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
-from pipeline.param_marks import tensor_parallel_dim
-from pipeline.reference import build_reference, reference_step
-from pipeline.tp_layers import (
+from pipeline.model.reference import build_reference, reference_step
+from pipeline.parallel.param_marks import tensor_parallel_dim
+from pipeline.parallel.tensor.layers import (
     ColumnParallelLinear,
     ParallelTransformerBlock,
     RowParallelLinear,

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import PipelineEngine, PipelineModule
-from pipeline.reference import ReferenceResult, build_reference, reference_step
+from pipeline.model.reference import ReferenceResult, build_reference, reference_step
 from schedules import Schedule, figures, simulate
 from tests.support.pipeline_models import MODELS
 

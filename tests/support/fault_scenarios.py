@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline import PipelineEngine, PipelineModule, RankFailedError, faults, launch
+from pipeline import PipelineEngine, PipelineModule, RankFailedError, launch
+from pipeline.launcher import faults
 from tests.support.fault_helpers import record_pid, surviving_ranks
 from tests.support.pipeline_models import MODELS, Boom, Stall, mlp_layers
 

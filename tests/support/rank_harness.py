@@ -1,4 +1,4 @@
-"""Run a per-rank check on N gloo ranks through `pipeline.launch` (test helper)."""
+"""Run a per-rank check on N gloo ranks through `pipeline.launcher` (test helper)."""
 
 from __future__ import annotations
 

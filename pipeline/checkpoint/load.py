@@ -1,0 +1,221 @@
+"""Load a checkpoint into this rank's part of any partition: verify everything, then apply.
+
+Two phases, each ending in a vote of all ranks (`agree`): first every rank resolves the
+directory, checks the manifest and that every listed file is present with its size, reads
+the files it needs and checks their sha256 and shapes — changing nothing. Only if every
+rank succeeded does any rank copy weights, optimizer state, scaler and generators in.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeline.checkpoint.atomic_files import sha256_bytes
+from pipeline.checkpoint.manifest import (
+    FileEntry,
+    Manifest,
+    read_manifest,
+    resolve_checkpoint,
+    verify_files,
+)
+from pipeline.checkpoint.optimizer_state import (
+    Assembled,
+    ParamKey,
+    assemble,
+    import_torch_optimizer,
+    param_keys,
+)
+from pipeline.checkpoint.rng_state import restore_rng
+from pipeline.checkpoint.save import (
+    CheckpointInfo,
+    CheckpointParts,
+    agree,
+    layer_file,
+    rng_file,
+)
+from pipeline.checkpoint.zero_state import ZeroRegion, import_zero, wanted_ranges, zero_layout
+from pipeline.errors import CheckpointError
+from pipeline.parallel.zero import ShardedOptimizer
+
+__all__ = ["load_checkpoint"]
+
+
+@dataclass
+class _Plan:
+    """Everything read and checked, nothing applied yet."""
+
+    step_dir: str
+    manifest: Manifest
+    weights: dict[int, dict[str, torch.Tensor]]
+    optimizer_state: dict[ParamKey, Assembled] | None
+    hyper: list[dict[str, Any]]
+    regions: list[ZeroRegion] | None
+    rng: dict[str, Any] | None
+
+
+def load_checkpoint(path: str, parts: CheckpointParts, *,
+                    load_optimizer: bool = True) -> CheckpointInfo:
+    """Load `path` (a checkpoint root, following `latest`, or a step directory) into this
+    rank's layers, optimizer, loss scaler and generators (a collective). Refuses a missing,
+    torn, corrupt or mismatched checkpoint with `CheckpointError` before changing anything.
+    The caller takes the step counter from the returned info."""
+    path = os.fspath(path)
+    plan: _Plan | None = None
+    problem: CheckpointError | None = None
+    try:
+        plan = _prepare(path, parts, load_optimizer)
+    except CheckpointError as error:
+        problem = error
+    agree(problem, "loading the checkpoint")
+    assert plan is not None  # agree raised otherwise
+    try:
+        _apply(plan, parts)
+    except (CheckpointError, RuntimeError, ValueError, KeyError) as error:
+        problem = CheckpointError(f"{type(error).__name__}: {error}; the state is now partly "
+                                  "loaded: load the checkpoint again", path=plan.step_dir)
+    agree(problem, "applying the checkpoint")
+    return CheckpointInfo(plan.step_dir, plan.manifest.step, rng_restored=plan.rng is not None)
+
+
+def _read(step_dir: str, entry: FileEntry) -> Any:
+    """A file's contents after checking its size and sha256 against the manifest."""
+    path = os.path.join(step_dir, entry.path)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as error:
+        raise CheckpointError(f"cannot read {path}: {error.strerror}", path=path) from None
+    if len(data) != entry.size or sha256_bytes(data) != entry.sha256:
+        raise CheckpointError(f"{path} fails its sha256 check ({len(data)} bytes, manifest "
+                              f"says {entry.size}): the file is corrupt; load an earlier step "
+                              "directory", path=path)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:  # torch.load raises many types; all mean the same here
+        raise CheckpointError(f"{path} passes its checksum but torch cannot read it "
+                              f"({type(error).__name__}: {error})", path=path) from None
+
+
+def _prepare(path: str, parts: CheckpointParts, load_optimizer: bool) -> _Plan:
+    step_dir = resolve_checkpoint(path)
+    manifest = read_manifest(step_dir)
+    _check_fits(manifest, parts, step_dir, load_optimizer)
+    verify_files(step_dir, manifest.files, checksums=False)  # a file lost anywhere: refuse
+    try:
+        weights = _read_weights(step_dir, manifest, parts)
+        state: dict[ParamKey, Assembled] | None = None
+        hyper: list[dict[str, Any]] = []
+        regions: list[ZeroRegion] | None = None
+        if load_optimizer and parts.optimizer_kind != "none" and manifest.optimizer != "none":
+            state, hyper, regions = _read_optimizer(step_dir, manifest, parts)
+        rng = None
+        topology = parts.topology
+        if manifest.topology == (topology.pp, topology.dp, topology.tp):
+            entry = next((e for e in manifest.files if e.path == rng_file(parts.rank)), None)
+            rng = None if entry is None else _read(step_dir, entry)
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as error:
+        if isinstance(error, CheckpointError):
+            raise
+        raise CheckpointError(f"{step_dir}: a file passes its checksum but is not laid out as "
+                              f"pipesched writes it ({type(error).__name__}: {error})",
+                              path=step_dir) from error
+    return _Plan(step_dir, manifest, weights, state, hyper, regions, rng)
+
+
+def _check_fits(manifest: Manifest, parts: CheckpointParts, step_dir: str,
+                load_optimizer: bool) -> None:
+    module, topology = parts.module, parts.topology
+    problems = []
+    if manifest.num_layers != module.num_layers:
+        problems.append(f"it holds {manifest.num_layers} layers, the module has "
+                        f"{module.num_layers}: load it into the same layer list")
+    saved_tp = manifest.topology[2]
+    if saved_tp != topology.tp and max(saved_tp, topology.tp) > 1:
+        problems.append(f"it was saved with tensor-parallel size {saved_tp}, this job has "
+                        f"{topology.tp}: re-sharding tensor-parallel weights is not supported, "
+                        f"load with tp={saved_tp}")
+    if (load_optimizer and manifest.optimizer != "none" and parts.optimizer_kind != "none"
+            and manifest.optimizer_class != parts.optimizer_class):
+        problems.append(f"its optimizer is {manifest.optimizer_class}, this job's "
+                        f"{parts.optimizer_class}: build the same optimizer, or pass "
+                        "load_optimizer=False to start the optimizer afresh")
+    if problems:
+        raise CheckpointError(f"{step_dir} does not fit this job: " + "; ".join(problems),
+                              path=step_dir)
+
+
+def _read_weights(step_dir: str, manifest: Manifest, parts: CheckpointParts
+                  ) -> dict[int, dict[str, torch.Tensor]]:
+    tp_rank = parts.topology.position(parts.rank).tp_rank if parts.topology.tp > 1 else None
+    by_name = {entry.path: entry for entry in manifest.files}
+    weights = {}
+    for index, layer in sorted(parts.layers.items()):
+        expected = layer.state_dict()
+        if not expected:
+            continue
+        name = layer_file(index, tp_rank)
+        path = os.path.join(step_dir, name)
+        if name not in by_name:
+            raise CheckpointError(f"{step_dir} has no weights of layer {index} ({name}); was "
+                                  "it saved from the same layer list?", path=path)
+        state = _read(step_dir, by_name[name])
+        mismatched = sorted(set(state) ^ set(expected)) + [
+            f"{n}: saved {tuple(v.shape)}, here {tuple(expected[n].shape)}"
+            for n, v in state.items() if n in expected and v.shape != expected[n].shape]
+        if mismatched:
+            raise CheckpointError(f"{path} does not fit layer {index}: {mismatched[:4]}; load "
+                                  "it into the same model", path=path)
+        weights[index] = state
+    return weights
+
+
+def _read_optimizer(step_dir: str, manifest: Manifest, parts: CheckpointParts
+                    ) -> tuple[dict[ParamKey, Assembled], list[dict[str, Any]],
+                               list[ZeroRegion] | None]:
+    """The assembled state of every parameter this rank holds, from the files that have it."""
+    mine = set(parts.layers)
+    saved_tp = manifest.topology[2]
+    tp_rank = parts.topology.position(parts.rank).tp_rank
+    files = [entry for entry in manifest.files if entry.role == "optimizer"
+             and mine & set(entry.layers) and entry.rank % saved_tp == tp_rank % saved_tp]
+    payloads = [_read(step_dir, entry) for entry in files]
+    pieces = [piece for payload in payloads for piece in payload["pieces"]]
+    hyper = list(payloads[0]["hyper"]) if payloads else []
+    keys = param_keys(parts.module.named_layer_parameters())
+    regions = None
+    if isinstance(parts.optimizer, ShardedOptimizer):
+        if parts.zero_params_by_stage is None:
+            raise CheckpointError("loading into a ShardedOptimizer needs zero_params_by_stage",
+                                  path=step_dir)
+        regions = zero_layout(parts.optimizer, parts.zero_params_by_stage, keys)
+        wanted = wanted_ranges(parts.optimizer, regions)
+    else:
+        wanted = {key: (0, param.numel()) for key, param in parts.module.named_layer_parameters()
+                  if param.requires_grad}
+    return assemble(pieces, wanted, where=step_dir), hyper, regions
+
+
+def _apply(plan: _Plan, parts: CheckpointParts) -> None:
+    layers = parts.layers
+    with torch.no_grad():
+        for index, state in plan.weights.items():
+            layers[index].load_state_dict(state)
+    optimizer = parts.optimizer
+    if plan.optimizer_state is not None:
+        if isinstance(optimizer, ShardedOptimizer):
+            assert plan.regions is not None
+            import_zero(optimizer, plan.regions, plan.optimizer_state, plan.hyper,
+                        where=plan.step_dir)
+        elif optimizer is not None:
+            keys = param_keys(parts.module.named_layer_parameters())
+            import_torch_optimizer(optimizer, keys, plan.optimizer_state, plan.hyper,
+                                   where=plan.step_dir)
+    if plan.manifest.loss_scaler is not None and parts.loss_scaler is not None:
+        parts.loss_scaler.load_state_dict(plan.manifest.loss_scaler)
+    if plan.rng is not None:
+        restore_rng(plan.rng)

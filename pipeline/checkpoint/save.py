@@ -1,0 +1,302 @@
+"""Save a training checkpoint so that a crash at any moment leaves a loadable one.
+
+What is saved (layout in `pipeline.checkpoint.manifest`): weights per global layer, optimizer
+state per (layer, parameter) and element range (`pipeline.checkpoint.optimizer_state`, ZeRO-1
+shards through `pipeline.checkpoint.zero_state`), every rank's random generators, the loss scaler
+and step counter, and a manifest with the topology and a sha256 per file.
+
+Why a crash cannot tear it — the order of a save (a collective: every rank calls it)::
+
+    1. rank 0 names a staging directory  root/step_000042.partial-<token>/
+    2. every rank writes its files there (temporary name, fsync, rename)
+    3. rank 0 writes manifest.json into it, last (same way)
+    4. rank 0 renames the staging directory to root/step_000042/      <- the commit
+    5. rank 0 points root/latest at it (temporary file, fsync, rename)
+
+Before 4 nothing outside the staging directory changed, so `latest` still names the
+previous complete checkpoint; a staging directory has no manifest until every file is
+durable, and a loader refuses a directory without one.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import io
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.checkpoint.atomic_files import (
+    atomic_write,
+    fsync_directory,
+    sha256_bytes,
+    write_pointer,
+)
+from pipeline.checkpoint.manifest import (
+    LATEST,
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    dump_manifest,
+    resolve_checkpoint,
+    step_name,
+)
+from pipeline.checkpoint.optimizer_state import export_torch_optimizer, hyperparameters, param_keys
+from pipeline.checkpoint.rng_state import capture_rng
+from pipeline.checkpoint.zero_state import export_zero, zero_layout
+from pipeline.errors import CheckpointError
+from pipeline.launcher import faults
+from pipeline.model.module import PipelineModule
+from pipeline.parallel.topology import Topology
+from pipeline.parallel.zero import ShardedOptimizer
+
+__all__ = ["CheckpointInfo", "CheckpointParts", "Stateful", "agree", "layer_file",
+           "optimizer_file", "rng_file", "save_checkpoint"]
+
+
+class Stateful(Protocol):
+    """Anything with torch-style `state_dict` / `load_state_dict` (the loss scaler)."""
+
+    def state_dict(self) -> dict[str, float]: ...
+
+    def load_state_dict(self, state: dict[str, float]) -> None: ...
+
+
+@dataclass
+class CheckpointParts:
+    """What one rank puts into, and takes back from, a checkpoint."""
+
+    module: PipelineModule
+    """The module, materialized with this rank's stages."""
+    topology: Topology
+    rank: int
+    """This process's global rank."""
+    step: int = 0
+    """Optimizer steps taken so far (the engine's `global_step`)."""
+    optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None
+    zero_params_by_stage: Mapping[int, Sequence[nn.Parameter]] | None = None
+    """With a `ShardedOptimizer`: the `params_by_stage` it was built with (its layout)."""
+    loss_scaler: Stateful | None = None
+    schedule: str = ""
+    num_microbatches: int = 1
+
+    @property
+    def layers(self) -> dict[int, nn.Module]:
+        """This rank's layers by global index."""
+        return {int(key): layer for stage in self.module.stages
+                for key, layer in self.module.stage(int(stage)).layers.items()}
+
+    @property
+    def optimizer_kind(self) -> str:
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return "zero"
+        return "none" if self.optimizer is None else "torch"
+
+    @property
+    def optimizer_class(self) -> str:
+        inner = self.optimizer.optimizer if isinstance(self.optimizer, ShardedOptimizer) \
+            else self.optimizer
+        return "" if inner is None else type(inner).__name__
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """Where a checkpoint went (or came from) and what it restored."""
+
+    directory: str
+    """The step directory."""
+    step: int
+    rng_restored: bool = False
+    """False after a load into another topology (each rank keeps its own generators)."""
+
+
+def layer_file(index: int, tp_rank: int | None = None) -> str:
+    """File name of layer `index`'s weights (per tensor-parallel rank when tp > 1)."""
+    shard = "" if tp_rank is None else f"-tp_{tp_rank:02d}"
+    return f"layer_{index:02d}{shard}-model_states.pt"
+
+
+def optimizer_file(rank: int) -> str:
+    return f"optim_rank_{rank:04d}.pt"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng_rank_{rank:04d}.pt"
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _all_gather(value: Any) -> list[Any]:
+    if _world() == 1:
+        return [value]
+    gathered: list[Any] = [None] * _world()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def agree(error: CheckpointError | None, what: str) -> None:
+    """Collective: raise `CheckpointError` on every rank if any rank had one (so no rank
+    goes on with a checkpoint another rank refused)."""
+    reported = _all_gather(None if error is None else (str(error), error.path))
+    problems = [(rank, item) for rank, item in enumerate(reported) if item is not None]
+    if problems:
+        rank, (text, path) = problems[0]
+        more = f" (and on {len(problems) - 1} more rank(s))" if len(problems) > 1 else ""
+        raise CheckpointError(f"{what} failed on rank {rank}{more}: {text}", path=path)
+
+
+def _serialize(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _payloads(parts: CheckpointParts) -> list[tuple[str, str, tuple[int, ...], Callable[[], Any]]]:
+    """(file name, role, layers, make the value) of every file this rank writes."""
+    position = parts.topology.position(parts.rank)
+    tp_rank = position.tp_rank if parts.topology.tp > 1 else None
+    files: list[tuple[str, str, tuple[int, ...], Callable[[], Any]]] = []
+    layers = parts.layers
+    if position.dp_rank == 0:  # data-parallel replicas hold the same weights
+        for index, layer in sorted(layers.items()):
+            state = layer.state_dict()
+            if state:  # a parameter-free layer has nothing to keep
+                files.append((layer_file(index, tp_rank), "layer", (index,),
+                              functools.partial(_compact, state)))
+    kind = parts.optimizer_kind
+    if kind == "zero" or (kind == "torch" and position.dp_rank == 0):
+        files.append((optimizer_file(parts.rank), "optimizer", tuple(sorted(layers)),
+                      lambda: _optimizer_payload(parts)))
+    files.append((rng_file(parts.rank), "rng", (), capture_rng))
+    return files
+
+
+def _compact(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies with their own storage: a view (a ZeRO flat buffer) would save the whole buffer."""
+    return {name: value.detach().clone() for name, value in state.items()}
+
+
+def _optimizer_payload(parts: CheckpointParts) -> dict[str, Any]:
+    keys = param_keys(parts.module.named_layer_parameters())
+    optimizer = parts.optimizer
+    if isinstance(optimizer, ShardedOptimizer):
+        if parts.zero_params_by_stage is None:
+            raise CheckpointError("a ShardedOptimizer checkpoint needs zero_params_by_stage "
+                                  "(the params_by_stage it was built with)", path="<parts>")
+        regions = zero_layout(optimizer, parts.zero_params_by_stage, keys)
+        return {"kind": "zero", "class": parts.optimizer_class,
+                "hyper": hyperparameters(optimizer.optimizer),
+                "pieces": export_zero(optimizer, regions)}
+    assert optimizer is not None  # _payloads writes this file only with an optimizer
+    return {"kind": "torch", "class": parts.optimizer_class,
+            "hyper": hyperparameters(optimizer), "pieces": export_torch_optimizer(optimizer, keys)}
+
+
+def _write_files(staging: str, parts: CheckpointParts) -> list[FileEntry]:
+    os.makedirs(staging, exist_ok=True)
+    entries = []
+    for name, role, layers, make in _payloads(parts):
+        data = _serialize(make())
+        atomic_write(os.path.join(staging, name), data, fault_point="checkpoint.file")
+        entries.append(FileEntry(name, sha256_bytes(data), len(data), role, parts.rank, layers))
+    return entries
+
+
+def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
+    """Write `root/step_<step>/` and point `root/latest` at it (a collective; see the module
+    docstring for the order that makes it crash-safe). Returns where it went."""
+    if not isinstance(root, str | os.PathLike) or not str(root):
+        raise CheckpointError(f"checkpoint directory must be a non-empty path, got {root!r}",
+                              path=str(root))
+    root = os.fspath(root)
+    final_name = step_name(parts.step)
+    token = _all_gather(secrets.token_hex(4) if parts.rank == 0 else None)[0]
+    staging = os.path.join(root, f"{final_name}.partial-{token}")
+    problem: CheckpointError | None = None
+    if parts.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as error:
+            problem = CheckpointError(f"cannot create {root}: {error}", path=root)
+    agree(problem, "creating the checkpoint directory")  # before any rank writes into it
+    entries: list[FileEntry] = []
+    try:
+        entries = _write_files(staging, parts)
+    except OSError as error:
+        problem = CheckpointError(f"cannot write into {staging}: {error}", path=staging)
+    except CheckpointError as error:
+        problem = error
+    agree(problem, "writing the checkpoint files")
+    gathered = _all_gather(entries)
+    if parts.rank == 0:
+        try:
+            manifest = _manifest(parts, [entry for rank_entries in gathered
+                                         for entry in rank_entries])
+            _commit(root, staging, final_name, dump_manifest(manifest), token)
+        except OSError as error:
+            problem = CheckpointError(f"cannot commit {staging}: {error}", path=staging)
+    agree(problem, "committing the checkpoint")
+    return CheckpointInfo(os.path.join(root, final_name), parts.step)
+
+
+def _manifest(parts: CheckpointParts, entries: list[FileEntry]) -> Manifest:
+    topology = parts.topology
+    return Manifest(
+        step=parts.step, world_size=topology.world_size,
+        topology=(topology.pp, topology.dp, topology.tp), num_layers=parts.module.num_layers,
+        boundaries=tuple(parts.module.boundaries), schedule=parts.schedule,
+        num_microbatches=parts.num_microbatches, optimizer=parts.optimizer_kind,
+        optimizer_class=parts.optimizer_class,
+        loss_scaler=None if parts.loss_scaler is None else parts.loss_scaler.state_dict(),
+        files=tuple(sorted(entries, key=lambda entry: entry.path)))
+
+
+def _commit(root: str, staging: str, final_name: str, manifest: bytes, token: str) -> None:
+    """Steps 3-5 of the module docstring, on rank 0."""
+    faults.reach("checkpoint.manifest")
+    atomic_write(os.path.join(staging, MANIFEST), manifest)
+    faults.reach("checkpoint.commit")
+    final = os.path.join(root, final_name)
+    replaced = None
+    if os.path.exists(final):
+        # Re-saving a step (e.g. after rolling back): keep the old copy until `latest` can
+        # name the new one. A crash between the two renames leaves both complete copies
+        # under suffixed names, which `resolve_checkpoint` looks for.
+        replaced = f"{final}.old-{token}"
+        os.rename(final, replaced)
+        faults.reach("checkpoint.swap")
+    os.rename(staging, final)
+    fsync_directory(root)
+    faults.reach("checkpoint.latest")
+    write_pointer(os.path.join(root, LATEST), final_name)
+    _sweep(root)
+
+
+_LEFTOVER = re.compile(r"step_\d{6,}\.(partial|old)-[0-9a-f]+|\.latest\.tmp-\d+")
+
+
+def _sweep(root: str) -> None:
+    """Remove what earlier crashed saves (and this one's replaced copy) left behind, unless
+    `latest` depends on it."""
+    try:
+        resolved = resolve_checkpoint(root) if os.path.exists(os.path.join(root, LATEST)) \
+            else None
+    except CheckpointError:
+        return  # `latest` is dangling: a suffixed copy may be the only complete one
+    for path in glob.glob(os.path.join(root, "*")) + glob.glob(os.path.join(root, ".*")):
+        if _LEFTOVER.fullmatch(os.path.basename(path)) and path != resolved:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)

@@ -1,0 +1,108 @@
+"""The demo training job that `pipesched train` runs on every rank."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from pipeline.demo.language_model import TinyLMConfig, lm_layers, lm_loss, synthetic_batch
+from pipeline.model.module import PipelineModule
+from pipeline.runtime.engine import PipelineEngine
+from schedules import Timeline
+
+__all__ = ["ProgressBar", "TrainConfig", "TrainReport", "train_rank"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a rank needs to run the demo; checked by the CLI before launching."""
+
+    stages: int = 4
+    """Pipeline ranks p."""
+    schedule: str = "1f1b"
+    microbatches: int = 8
+    chunks: int = 1
+    """Model chunks per rank (v); p·v stages in all."""
+    data_parallel: int = 1
+    """Replicas of the pipeline; each gets its own slice of every batch."""
+    steps: int = 30
+    batch_size: int = 32
+    """Global batch (all data-parallel replicas together)."""
+    lr: float = 3e-3
+    seed: int = 0
+    model: TinyLMConfig = field(default_factory=TinyLMConfig)
+    boundaries: tuple[int, ...] = ()
+    """Cut indices into the layer list (p·v + 1), chosen by the partitioner before launch."""
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """What rank 0 brings back."""
+
+    losses: list[float]
+    step_seconds: list[float]
+    timeline: Timeline
+    """Measured spans of the last step, every pipeline rank."""
+    peak_activations: list[int]
+    """Most activations each pipeline rank held in the last step."""
+
+
+class ProgressBar:
+    """A one-line progress bar on a terminal; one line per tenth of the run otherwise."""
+
+    def __init__(self, total: int, width: int = 24) -> None:
+        self.total = total
+        self.width = width
+        self.live = sys.stdout.isatty()
+
+    def update(self, step: int, loss: float, seconds: float) -> None:
+        done = step + 1
+        filled = self.width * done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        text = f"[{bar}] step {done}/{self.total}  loss {loss:.4f}  {1000 * seconds:.0f} ms/step"
+        if self.live:
+            end = "\n" if done == self.total else ""
+            print(f"\r{text}", end=end, flush=True)
+        elif done == 1 or done == self.total or done % max(1, self.total // 10) == 0:
+            print(text, flush=True)
+
+
+def train_rank(config: TrainConfig) -> TrainReport | None:
+    """Build this rank's stages, train `config.steps` steps, return the report on rank 0."""
+    rank = dist.get_rank()
+    module = PipelineModule(lm_layers(config.model), num_stages=config.stages,
+                            chunks=config.chunks, loss_fn=lm_loss,
+                            partition_method=list(config.boundaries) or "parameters",
+                            base_seed=config.seed)
+    engine = PipelineEngine(module, schedule=config.schedule,
+                            num_microbatches=config.microbatches,
+                            optimizer=lambda params: torch.optim.Adam(params, lr=config.lr))
+    replica = engine.position.dp_rank
+    per_replica = config.batch_size // config.data_parallel
+    progress = ProgressBar(config.steps) if rank == 0 and config.progress else None
+    losses, seconds = [], []
+    for step in range(config.steps):
+        inputs, targets = synthetic_batch(step, config.batch_size, config.model, seed=config.seed)
+        rows = slice(replica * per_replica, (replica + 1) * per_replica)
+        start = time.perf_counter()
+        loss = engine.train_batch(inputs[rows], targets[rows])
+        seconds.append(time.perf_counter() - start)
+        losses.append(loss)
+        if progress is not None:
+            progress.update(step, loss, seconds[-1])
+    timeline = engine.last_timeline()  # a collective: every rank calls it
+    peaks = [0] * config.stages
+    stats = engine.last_stats
+    gathered: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(gathered, stats.peak_activations if stats else 0)
+    for global_rank, peak in enumerate(gathered):
+        pp_rank = engine.topology.position(global_rank).pp_rank
+        peaks[pp_rank] = max(peaks[pp_rank], peak)
+    if rank != 0:
+        return None
+    return TrainReport(losses, seconds, timeline, peaks)

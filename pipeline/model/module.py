@@ -1,0 +1,208 @@
+"""`PipelineModule`: a layer list cut into stages; each rank builds only the stages it holds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.errors import PipelineConfigError
+from pipeline.model.build_context import building_with
+from pipeline.model.layers import Layer, build_layer, check_tied_specs, normalize_layers
+from pipeline.model.partitioning import PartitionMethod, stage_boundaries
+from pipeline.model.tied import TiedLayerSpec
+from pipeline.parallel.groups import ProcessGroups
+
+__all__ = ["LossFn", "PipelineModule", "Stage"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(outputs, targets)`` -> the mean loss of one microbatch."""
+
+
+class Stage(nn.Module):
+    """The consecutive layers of one pipeline stage; the value between layers is passed as is
+    (a tensor or a tuple of tensors), as in DeepSpeed's `PipelineModule`.
+
+    With ``checkpoint_interval = k > 0`` every run of k layers is an activation checkpoint:
+    only its input is kept, and its forward is recomputed during the backward.
+    """
+
+    def __init__(self, index: int, first_layer: int, layers: Sequence[nn.Module],
+                 checkpoint_interval: int = 0) -> None:
+        super().__init__()
+        self.index = index
+        self.first_layer = first_layer
+        # keyed by global layer index, so parameter names do not depend on the partition
+        self.layers = nn.ModuleDict({str(first_layer + k): layer for k, layer in enumerate(layers)})
+        self.checkpoint_interval = checkpoint_interval
+
+    def forward(self, x: Any) -> Any:
+        layers = list(self.layers.values())
+        k = self.checkpoint_interval
+        if k <= 0 or not torch.is_grad_enabled():
+            return _run(layers, x)
+        for start in range(0, len(layers), k):
+            segment = layers[start:start + k]
+            x = checkpoint(_run, segment, x, use_reentrant=False)
+        return x
+
+
+def _run(layers: Sequence[nn.Module], x: Any) -> Any:
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+class PipelineModule(nn.Module):
+    """A model as a list of layers, cut into ``num_stages · chunks`` contiguous stages.
+
+    The cut is computed (identically) on every rank at construction; no layer is built
+    until the engine calls `materialize` with the stages the schedule places on this rank.
+    """
+
+    def __init__(self, layers: Sequence[Layer] | nn.Sequential, num_stages: int, *,
+                 chunks: int = 1, loss_fn: LossFn | None = None,
+                 partition_method: PartitionMethod = "parameters",
+                 activation_checkpoint_interval: int = 0, base_seed: int | None = 1234) -> None:
+        super().__init__()
+        for name, value, minimum in (("num_stages", num_stages, 1), ("chunks", chunks, 1),
+                                     ("activation_checkpoint_interval",
+                                      activation_checkpoint_interval, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise PipelineConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+        if base_seed is not None and (isinstance(base_seed, bool) or not isinstance(base_seed,
+                                                                                 int)):
+            raise PipelineConfigError(f"base_seed must be an int or None, got {base_seed!r}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise PipelineConfigError(f"loss_fn must be callable, got {loss_fn!r}")
+        items = normalize_layers(layers)
+        try:
+            self.tied_keys = check_tied_specs(items)
+            """Layer index -> key of every `TiedLayerSpec` (its copies share weights)."""
+        except ValueError as error:
+            raise PipelineConfigError(str(error)) from error
+        self._tied_specs = {key: cast(TiedLayerSpec, items[index])
+                            for index, key in self.tied_keys.items()}
+        self._tied_modules: dict[str, nn.Module] = {}  # a plain dict: not registered twice
+        self._layer_list: list[Layer | None] = list(items)
+        self.num_stages = num_stages
+        """Pipeline ranks the model is spread over (DeepSpeed's meaning)."""
+        self.chunks = chunks
+        """Stages per pipeline rank (v); the model is cut into num_stages · chunks stages."""
+        self.loss_fn = loss_fn
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.base_seed = base_seed
+        self.partition_method = partition_method
+        total = num_stages * chunks
+        if total > len(items):
+            raise PipelineConfigError(
+                f"{len(items)} layers cannot fill num_stages × chunks = "
+                f"{num_stages} × {chunks} = {total} non-empty stages; use fewer stages or "
+                "chunks, or split the model into more layers")
+        self.boundaries = stage_boundaries(items, total, partition_method)
+        """S+1 cut indices: stage s holds layers boundaries[s] .. boundaries[s+1]-1."""
+        self.stages = nn.ModuleDict()
+        """The stages built on this rank, keyed by str(stage index)."""
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layer_list)
+
+    @property
+    def total_stages(self) -> int:
+        """S = num_stages · chunks."""
+        return self.num_stages * self.chunks
+
+    def layers_of(self, stage: int) -> range:
+        """Global indices of the layers in `stage`."""
+        return range(self.boundaries[stage], self.boundaries[stage + 1])
+
+    def materialize(self, stages: Sequence[int], device: torch.device | None = None, *,
+                    groups: ProcessGroups | None = None) -> None:
+        """Build the given stages' layers (seeded per layer) on `device`; drop every other
+        layer object so this rank holds only its part of the model.
+
+        Layers are built inside `building_with(groups)`: a factory with an unfilled ``group``
+        parameter gets this rank's tensor-parallel group. Occurrences of one tied key on this
+        rank share one module.
+        """
+        if self.stages:
+            built = sorted(int(key) for key in self.stages)
+            if built != sorted(stages):
+                raise PipelineConfigError(
+                    f"this PipelineModule already holds stages {built} and cannot also "
+                    f"be placed as {sorted(stages)}; build a new PipelineModule per engine")
+            return
+        with building_with(groups):
+            for stage in sorted(stages):
+                span = self.layers_of(stage)
+                modules = [build_layer(self._layer(k), k, base_seed=self.base_seed,
+                                       device=device, shared=self._tied_modules) for k in span]
+                self.stages[str(stage)] = Stage(stage, span.start, modules,
+                                                self.activation_checkpoint_interval)
+        self._layer_list = [None if not any(k in self.layers_of(s) for s in stages) else layer
+                            for k, layer in enumerate(self._layer_list)]
+
+    def _layer(self, index: int) -> Layer:
+        layer = self._layer_list[index]
+        if layer is None:
+            raise PipelineConfigError(f"layer {index} was dropped when this rank was "
+                                      "materialized; build a new PipelineModule")
+        return layer
+
+    def stage(self, index: int) -> Stage:
+        """A stage this rank holds."""
+        key = str(index)
+        if key not in self.stages:
+            held = sorted(int(k) for k in self.stages)
+            raise PipelineConfigError(f"stage {index} is not held on this rank (it holds {held})")
+        return cast(Stage, self.stages[key])
+
+    def stage_parameters(self, index: int) -> list[nn.Parameter]:
+        """Trainable parameters of a stage held here."""
+        return [p for p in self.stage(index).parameters() if p.requires_grad]
+
+    def stage_of_layer(self, index: int) -> int:
+        """The stage holding global layer `index`."""
+        for stage in range(self.total_stages):
+            if index in self.layers_of(stage):
+                return stage
+        raise PipelineConfigError(f"layer {index} is outside 0..{self.num_layers - 1}")
+
+    def tied_owner_stages(self) -> dict[str, tuple[int, ...]]:
+        """Tied key -> the stages holding an occurrence (known on every rank, built or not)."""
+        owners: dict[str, set[int]] = {}
+        for index, key in self.tied_keys.items():
+            owners.setdefault(key, set()).add(self.stage_of_layer(index))
+        return {key: tuple(sorted(stages)) for key, stages in sorted(owners.items())}
+
+    def tied_parameters(self) -> dict[str, list[nn.Parameter]]:
+        """Tied key -> the tied weights (`tied_weight_attr`) of its module on this rank, for
+        every key with an occurrence in the stages built here."""
+        return {key: self._tied_specs[key].tied_parameters(module)
+                for key, module in sorted(self._tied_modules.items())}
+
+    def named_layer_parameters(self) -> Iterator[tuple[tuple[int, str], nn.Parameter]]:
+        """((global layer index, parameter name inside the layer), parameter) for every
+        parameter held here: the key `pipeline.model.reference` uses, whatever the partition."""
+        for index in sorted(int(key) for key in self.stages):
+            for key, layer in self.stage(index).layers.items():
+                for name, param in layer.named_parameters():
+                    yield (int(key), name), param
+
+    def forward(self, x: Any) -> Any:
+        """Run every stage in order; only possible when this rank holds the whole model."""
+        if len(self.stages) != self.total_stages:
+            raise PipelineConfigError(
+                f"this rank holds stages {sorted(int(k) for k in self.stages)} of "
+                f"{self.total_stages}; run the model through PipelineEngine instead")
+        for index in range(self.total_stages):
+            x = self.stage(index)(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return (f"num_layers={self.num_layers}, num_stages={self.num_stages}, "
+                f"chunks={self.chunks}, boundaries={self.boundaries}")

@@ -1,0 +1,49 @@
+"""Stage boundaries for a layer list: the call site of the `partition` package, nothing more.
+
+The partitioner (`partition.partition_layers`) computes; this module only supplies what it
+cannot know about a `LayerSpec` that is not built yet: its parameter count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeline.errors import PipelineConfigError
+from pipeline.model.layers import Layer, count_parameters
+
+__all__ = ["PartitionMethod", "stage_boundaries"]
+
+PartitionMethod = str | Sequence[int]
+"""``"balanced"``, ``"uniform"``, ``"parameters"``, ``"type:<regex>"`` or explicit cut indices
+(S+1 of them, first 0, last n)."""
+
+
+def stage_boundaries(layers: Sequence[Layer], num_stages: int,
+                     method: PartitionMethod) -> tuple[int, ...]:
+    """The S+1 cut indices of `layers` into `num_stages` contiguous non-empty stages."""
+    from partition import Method, PartitionError, parse_method, partition_layers
+
+    n = len(layers)
+    if not isinstance(method, str) and not (
+            isinstance(method, Sequence) and all(isinstance(cut, int) for cut in method)):
+        raise PipelineConfigError(
+            f"partition_method must be 'parameters', 'uniform', 'balanced', 'type:<regex>' or "
+            f"a list of cut indices such as [0, {n // 2}, {n}], got {method!r}")
+    try:
+        if not isinstance(method, str):
+            return partition_layers(layers, num_stages, Method.EXPLICIT, boundaries=list(method))
+        kind, _ = parse_method(method)
+        if kind is Method.EXPLICIT:
+            raise PipelineConfigError(
+                "partition_method='explicit' needs the cut indices themselves: pass e.g. "
+                f"partition_method={list(partition_layers(layers, num_stages, 'uniform'))}")
+        weights = None
+        if kind in (Method.PARAMETERS, Method.BALANCED):
+            # a LayerSpec is not built yet: count its parameters on the meta device. For
+            # BALANCED without a profile the partitioner's proxy is parameters + 1 a layer.
+            extra = 1.0 if kind is Method.BALANCED else 0.0
+            weights = [count_parameters(layer) + extra for layer in layers]
+        return partition_layers(layers, num_stages, method, weights=weights)
+    except PartitionError as error:
+        raise PipelineConfigError(f"cannot partition {n} layers into {num_stages} stages "
+                                  f"with {method!r}: {error}") from error

@@ -1,0 +1,335 @@
+"""ZeRO-1: optimizer state sharded over the data-parallel group (Rajbhandari et al., 2020).
+
+Legend: d = data-parallel size, r = this rank's index in the dp group, N = a region's number
+of elements, S = ceil(N / d) the shard size. A *region* is the set of parameters whose
+gradients become final at the same moment: one pipeline stage's parameters (or, with tied
+weights, the tied ones, which are final only after the owners' sum). Each region is flattened
+into one buffer, padded to d · S, and rank r owns elements [r·S, (r+1)·S):
+
+    flat buffer  | rank 0 shard | rank 1 shard | ... | rank d-1 shard (+ padding) |
+    a bucket     |   [lo, hi)   |   [lo, hi)   | ... |   [lo, hi)                 |
+
+A bucket is the same [lo, hi) slice of every shard, so a bucketed reduce-scatter hands rank r
+exactly its own slice (the ZeRO paper's P_os, Megatron's distributed optimizer:
+reduce-scatter gradients, step the shard in fp32, all-gather parameters; bytes per parameter
+16 → 8 + 8/d with fp32 Adam state).
+
+When reduction happens: `reduce_stage` (the engine's REDUCE_GRAD) launches the region's
+reduce-scatter without blocking, so it overlaps the rank's other stages; `step` first
+(through `wait`) reduces any region nobody reduced yet, so the optimizer also works alone.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB, CommStats
+from pipeline.parallel.precision import clip_coefficient, counts_in_norm, global_grad_norm
+
+__all__ = ["Collective", "OptimizerFactory", "ShardedOptimizer", "detect_reduce_scatter"]
+
+Collective = Literal["auto", "reduce_scatter", "all_reduce", "all_to_all"]
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+_Finish = Callable[[], None]
+"""Builds the inner optimizer over the fp32 shard tensors, e.g.
+`lambda shards: torch.optim.Adam(shards, lr=1e-3)`."""
+
+
+def detect_reduce_scatter(group: ProcessGroup | None) -> bool:
+    """Whether the group's backend implements reduce_scatter (collective: all ranks call it).
+
+    Older gloo builds raise for reduce_scatter on CPU tensors; the probe is one tiny
+    collective, so every rank reaches the same answer.
+    """
+    size = dist.get_world_size(group)
+    out = torch.zeros(1)
+    try:
+        dist.reduce_scatter(out, [torch.ones(1) for _ in range(size)], group=group)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
+    return bool(out.item() == size)
+
+
+@dataclass
+class _Region:
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    numel: int
+    shard_size: int
+    flat_param: torch.Tensor
+    flat_grad: torch.Tensor
+    grad_shard: torch.Tensor
+    master: torch.nn.Parameter
+    pending: list[tuple[dist.Work, _Finish | None]] = field(default_factory=list)
+    """Launched bucket reductions, each with what to do once it arrived (all_to_all: sum)."""
+    reduced: bool = False
+
+
+class ShardedOptimizer:
+    """A torch optimizer whose state lives only on this rank's 1/d shard of the parameters.
+
+    Also a `GradReducer`: pass it to the engine as the reducer and the optimizer. Regions are
+    keyed like the engine's stages (`params_by_stage`); `reduce_stage(key, params)` must name
+    exactly the parameters given for that key. Parameters of one region share a dtype; their
+    `.data` becomes a view of the region's flat buffer (so the all-gather writes them in
+    place). The optimizer steps fp32 master shards whatever the parameters' dtype.
+    """
+
+    def __init__(self, params_by_stage: Mapping[int, Sequence[torch.nn.Parameter]],
+                 optimizer_factory: OptimizerFactory, group: ProcessGroup | None, *,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, average: bool = True,
+                 collective: Collective = "auto") -> None:
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if collective not in ("auto", "reduce_scatter", "all_reduce", "all_to_all"):
+            raise ValueError(f"collective must be 'auto', 'reduce_scatter', 'all_reduce' or "
+                             f"'all_to_all', got {collective!r}")
+        self.group = group
+        self.dp_size = dist.get_world_size(group)
+        self.dp_rank = dist.get_rank(group)
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.average = average
+        if collective == "auto" and dist.get_backend(group) == "gloo":
+            # gloo's reduce_scatter is a full all-reduce underneath: measured on torch 2.13,
+            # each rank sends N bytes for an N-byte buffer instead of the ring's (d-1)/d · N.
+            # Exchanging the pieces with all_to_all and summing locally sends (d-1)/d · N.
+            collective = "all_to_all"
+        if collective == "auto":
+            collective = "reduce_scatter" if detect_reduce_scatter(group) else "all_reduce"
+            if collective == "all_reduce":
+                warnings.warn(f"backend {dist.get_backend(group)!r} has no reduce_scatter here; "
+                              f"ZeRO-1 falls back to all_reduce + slice (same result, "
+                              f"{self.dp_size}x the gradient traffic)", stacklevel=2)
+        self.collective: Literal["reduce_scatter", "all_reduce", "all_to_all"] = collective
+        """Which collective reduces gradients: reduce_scatter; all_to_all of the pieces + a
+        local sum (gloo); or all_reduce + slice where the backend lacks both (d× the received
+        bytes, same result)."""
+        self.stats = CommStats()
+        self._regions: dict[int, _Region] = {}
+        # A parameter listed under two stages goes to the first; give weights shared between
+        # stages their own region instead (`pipeline.tied.split_tied`).
+        seen: set[int] = set()
+        for key in sorted(params_by_stage):
+            params = []
+            for param in params_by_stage[key]:
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    params.append(param)
+            if params:
+                self._regions[key] = self._build_region(key, params)
+        self.optimizer = optimizer_factory([region.master for region in self._regions.values()])
+
+    # -- the reducer role -------------------------------------------------------------------
+
+    def reduce_stage(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None:
+        """Launch the reduce-scatter of one region's gradients without waiting."""
+        region = self._regions.get(stage_index)
+        trainable = {id(p) for p in params if p.requires_grad}
+        if region is None:
+            if trainable:
+                raise KeyError(f"stage {stage_index} has no ZeRO region; regions are "
+                               f"{sorted(self._regions)} (pass its parameters to "
+                               f"ShardedOptimizer's params_by_stage)")
+            return
+        if trainable != {id(p) for p in region.params}:
+            raise ValueError(
+                f"reduce_stage({stage_index}) got {len(trainable)} trainable parameters but "
+                f"the region holds {len(region.params)} different ones; pass the same "
+                f"parameters as in params_by_stage[{stage_index}]")
+        if region.reduced:
+            raise RuntimeError(f"stage {stage_index} was reduced twice in one step; call "
+                               f"step() (or zero_grad()) between steps")
+        self._launch_reduce(region)
+
+    def wait(self) -> None:
+        """Reduce every region not reduced yet, then block until all reductions finished;
+        the shards then hold reduced gradients."""
+        for region in self._regions.values():
+            if not region.reduced:
+                self._launch_reduce(region)
+        for region in self._regions.values():
+            if not region.pending:
+                continue  # finished by an earlier wait; the shard may be clipped since
+            for work, finish in region.pending:
+                work.wait()
+                if finish is not None:
+                    finish()
+            region.pending.clear()
+            if self.collective == "all_reduce":
+                start = self.dp_rank * region.shard_size
+                region.grad_shard.copy_(region.flat_grad[start:start + region.shard_size])
+
+    # -- the optimizer role -----------------------------------------------------------------
+
+    def step(self) -> None:
+        """Reduce what is not reduced yet, step the shard, all-gather updated parameters."""
+        self.wait()
+        for region in self._regions.values():
+            region.master.grad = region.grad_shard.to(torch.float32)
+        self.optimizer.step()
+        self._gather_params()
+        for region in self._regions.values():
+            region.reduced = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear model and shard gradients, ready for the next step's backward passes."""
+        for region in self._regions.values():
+            for param in region.params:
+                if set_to_none:
+                    param.grad = None
+                elif param.grad is not None:
+                    param.grad.zero_()
+            region.master.grad = None
+            region.reduced = False
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient shards (valid after `wait`): overflow checks and
+        unscaling act on these."""
+        return [region.grad_shard for region in self._regions.values()]
+
+    def gather_grads(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its full reduced gradient, all-gathered from every dp rank's shard
+        (collective over the group). Read after `wait` or `step` (clipped and unscaled as the
+        step saw it). For checks and debugging: it materialises what ZeRO-1 avoids holding."""
+        full: dict[int, torch.Tensor] = {}
+        for region in self._regions.values():
+            parts = [torch.empty_like(region.grad_shard) for _ in range(self.dp_size)]
+            dist.all_gather(parts, region.grad_shard.clone(), group=self.group)
+            flat = torch.cat(parts)
+            for param, offset in zip(region.params, region.offsets):
+                full[id(param)] = flat[offset:offset + param.numel()].view_as(param).clone()
+        return full
+
+    def clip_grad_norm_(self, max_norm: float, group: ProcessGroup | None, *,
+                        tp_rank: int = 0) -> torch.Tensor:
+        """Clip the reduced shards by the global norm; `group` must span every rank holding
+        a shard (the world: dp shards × pp stages × tp ranks). Returns the total norm."""
+        self.wait()
+        pieces = list(self._norm_pieces(tp_rank))
+        total = global_grad_norm(pieces, group)
+        coefficient = clip_coefficient(total, max_norm)
+        for shard in self.grad_shards():
+            shard.mul_(coefficient)
+        return total
+
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer-state tensors (moments etc.) held by this rank."""
+        return sum(value.numel() * value.element_size()
+                   for state in self.optimizer.state.values()
+                   for value in state.values() if isinstance(value, torch.Tensor))
+
+    def master_bytes(self) -> int:
+        """Bytes of the fp32 master shards (the inner optimizer's parameters)."""
+        return sum(r.master.numel() * r.master.element_size() for r in self._regions.values())
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _build_region(self, key: int, params: list[torch.nn.Parameter]) -> _Region:
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise TypeError(f"stage {key}'s parameters mix dtypes {sorted(map(str, dtypes))}; "
+                            f"a ZeRO region is one flat buffer, cast the stage to one dtype")
+        dtype = params[0].dtype
+        offsets, numel = [], 0
+        for param in params:
+            offsets.append(numel)
+            numel += param.numel()
+        shard_size = math.ceil(numel / self.dp_size)
+        flat_param = torch.zeros(shard_size * self.dp_size, dtype=dtype)
+        for param, offset in zip(params, offsets):
+            flat_param[offset:offset + param.numel()].copy_(param.detach().reshape(-1))
+            param.data = flat_param[offset:offset + param.numel()].view_as(param)
+        start = self.dp_rank * shard_size
+        master = torch.nn.Parameter(flat_param[start:start + shard_size].to(torch.float32,
+                                                                              copy=True))
+        return _Region(params=params, offsets=offsets, numel=numel, shard_size=shard_size,
+                       flat_param=flat_param, flat_grad=torch.zeros_like(flat_param),
+                       grad_shard=torch.zeros(shard_size, dtype=dtype), master=master)
+
+    def _bucket_ranges(self, region: _Region) -> Iterable[tuple[int, int]]:
+        """[lo, hi) slices of a shard such that d of them fill about one bucket."""
+        per_rank = max(1, self.bucket_bytes // (region.flat_grad.element_size() * self.dp_size))
+        for lo in range(0, region.shard_size, per_rank):
+            yield lo, min(lo + per_rank, region.shard_size)
+
+    def _launch_reduce(self, region: _Region) -> None:
+        region.flat_grad.zero_()
+        for param, offset in zip(region.params, region.offsets):
+            if param.grad is not None:
+                region.flat_grad[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        if self.average:
+            # Divide before summing, as DDP does, so fp16 sums stay in range.
+            region.flat_grad.div_(self.dp_size)
+        launch = {"reduce_scatter": self._reduce_scatter, "all_to_all": self._exchange,
+                  "all_reduce": self._all_reduce}[self.collective]
+        for lo, hi in self._bucket_ranges(region):
+            region.pending.append(launch(region, lo, hi))
+        region.reduced = True
+
+    # One bucket [lo, hi) of every rank's shard, three ways; each returns the work and what
+    # to do when it has arrived.
+
+    def _reduce_scatter(self, region: _Region, lo: int, hi: int
+                        ) -> tuple[dist.Work, _Finish | None]:
+        size = region.shard_size
+        pieces = [region.flat_grad[r * size + lo:r * size + hi] for r in range(self.dp_size)]
+        self.stats.record("reduce_scatter", *pieces)
+        return _require(dist.reduce_scatter(region.grad_shard[lo:hi], pieces, group=self.group,
+                                            async_op=True)), None
+
+    def _exchange(self, region: _Region, lo: int, hi: int) -> tuple[dist.Work, _Finish | None]:
+        """Send rank r the bucket of its shard, receive every rank's bucket of ours, sum."""
+        pieces = region.flat_grad.view(self.dp_size, region.shard_size)[:, lo:hi].contiguous()
+        received = torch.empty_like(pieces)
+        self.stats.record("all_to_all", pieces)
+        work = dist.all_to_all_single(received, pieces, group=self.group, async_op=True)
+
+        def finish() -> None:
+            torch.sum(received, dim=0, out=region.grad_shard[lo:hi])
+        return _require(work), finish
+
+    def _all_reduce(self, region: _Region, lo: int, hi: int) -> tuple[dist.Work, _Finish | None]:
+        # Fallback: reduce the same amount of the buffer, contiguously; `wait` slices this
+        # rank's shard out of the fully reduced buffer.
+        chunk = region.flat_grad[lo * self.dp_size:hi * self.dp_size]
+        self.stats.record("all_reduce", chunk)
+        return _require(dist.all_reduce(chunk, group=self.group, async_op=True)), None
+
+    def _gather_params(self) -> None:
+        works = []
+        for region in self._regions.values():
+            size, start = region.shard_size, self.dp_rank * region.shard_size
+            region.flat_param[start:start + size].copy_(region.master.detach())
+            for lo, hi in self._bucket_ranges(region):
+                outputs = [region.flat_param[r * size + lo:r * size + hi]
+                           for r in range(self.dp_size)]
+                mine = outputs[self.dp_rank].clone()  # input must not alias an output
+                self.stats.record("all_gather", mine)
+                works.append(_require(dist.all_gather(outputs, mine, group=self.group,
+                                                      async_op=True)))
+        for work in works:
+            work.wait()
+
+    def _norm_pieces(self, tp_rank: int) -> Iterable[torch.Tensor]:
+        """Slices of the grad shards that belong to parameters counted in the norm."""
+        for region in self._regions.values():
+            start = self.dp_rank * region.shard_size
+            end = start + region.shard_size
+            for param, offset in zip(region.params, region.offsets):
+                lo, hi = max(offset, start), min(offset + param.numel(), end)
+                if lo < hi and counts_in_norm(param, tp_rank):
+                    yield region.grad_shard[lo - start:hi - start]
+
+
+def _require(work: dist.Work | None) -> dist.Work:
+    if work is None:
+        raise RuntimeError("an async_op=True collective returned no work handle")
+    return work

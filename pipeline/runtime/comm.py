@@ -1,0 +1,182 @@
+"""Every byte between ranks: point-to-point isend/irecv, shape headers, and the few collectives.
+
+Sends are posted as soon as a tensor exists and waited only at the end of the step (the
+tensors are kept alive until then); receives are posted at the RECV instruction and waited
+when the compute op needs them. Messages between one pair of ranks match in posting order,
+which the lowered schedule guarantees is the same on both sides (the validator checks it).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.device import process_group_timeout
+from pipeline.errors import PipelineConfigError
+
+__all__ = ["HEADER_LENGTH", "Comm", "Meta", "PendingRecv"]
+
+Meta = tuple[bool, tuple[tuple[tuple[int, ...], torch.dtype], ...]]
+"""(is a tuple, ((shape, dtype), ...)): the layout of one message."""
+
+HEADER_LENGTH = 64
+"""int64 words in a shape header: [is_tuple, count, (dtype, ndim, *shape) per tensor]."""
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+
+
+def encode_header(meta: Meta) -> torch.Tensor:
+    """The header tensor describing `meta`."""
+    is_tuple, layout = meta
+    words = [int(is_tuple), len(layout)]
+    for shape, dtype in layout:
+        if dtype not in _DTYPE_CODES:
+            raise PipelineConfigError(f"activations of dtype {dtype} cannot be sent; use one "
+                                      f"of {[str(d) for d in _DTYPES]}")
+        words += [_DTYPE_CODES[dtype], len(shape), *shape]
+    if len(words) > HEADER_LENGTH:
+        raise PipelineConfigError(
+            f"an activation of {len(layout)} tensors with shapes {[s for s, _ in layout]} "
+            f"needs {len(words)} header words, more than HEADER_LENGTH={HEADER_LENGTH}; pass "
+            "fewer or lower-rank tensors between stages (e.g. pack them into one)")
+    header = torch.zeros(HEADER_LENGTH, dtype=torch.int64)
+    header[:len(words)] = torch.tensor(words, dtype=torch.int64)
+    return header
+
+
+def decode_header(header: torch.Tensor) -> Meta:
+    """Inverse of `encode_header`."""
+    words = header.tolist()
+    is_tuple, count, k = bool(words[0]), words[1], 2
+    layout = []
+    for _ in range(count):
+        dtype, ndim = _DTYPES[words[k]], words[k + 1]
+        layout.append((tuple(words[k + 2:k + 2 + ndim]), dtype))
+        k += 2 + ndim
+    return is_tuple, tuple(layout)
+
+
+@dataclass
+class PendingRecv:
+    """Buffers being filled by posted irecvs; `wait` returns them once they have arrived."""
+
+    works: list[Any]
+    buffers: list[torch.Tensor]
+    peer: int
+    timeout: datetime.timedelta
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait(self.timeout)
+        self.works = []
+        return self.buffers
+
+
+class Comm:
+    """Point-to-point and collectives over one pipeline's ranks.
+
+    Peers are pipeline rank indices (as in instructions); `pipeline_ranks[peer]` is the
+    global rank, which differs from the pipeline rank once there is data parallelism.
+    """
+
+    def __init__(self, pipeline_ranks: Sequence[int], device: torch.device,
+                 group: Any = None, timeout: float = 300.0) -> None:
+        self.pipeline_ranks = tuple(pipeline_ranks)
+        self.timeout = process_group_timeout(timeout)
+        self.device = device
+        self.group = group
+        self._sends: list[tuple[Any, Any]] = []  # (works, tensors kept alive until done)
+        self._batched = dist.get_backend(group) == "nccl"
+        self._process_group: Any = group if group is not None else dist.group.WORLD
+        self._group_ranks = [rank if group is None else dist.get_group_rank(group, rank)
+                             for rank in self.pipeline_ranks]
+
+    # -- point to point ------------------------------------------------------------------
+    # Gloo: ProcessGroup.send/recv directly (dist.isend's Python checks cost ~150 µs a
+    # message on a busy CPU). NCCL: one batch_isend_irecv per exchange, as it requires.
+
+    def _send(self, tensor: torch.Tensor, peer: int) -> Any:
+        if self._batched:
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor,
+                                                      self.pipeline_ranks[peer], self.group)])[0]
+        return self._process_group.send([tensor], self._group_ranks[peer], 0)
+
+    def _recv(self, tensor: torch.Tensor, peer: int) -> Any:
+        if self._batched:
+            return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor,
+                                                      self.pipeline_ranks[peer], self.group)])[0]
+        return self._process_group.recv([tensor], self._group_ranks[peer], 0)
+
+    def _wait(self, work: Any) -> None:
+        work.wait(self.timeout)
+
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, *, header: Meta | None) -> None:
+        """Post isends of `tensors` to pipeline rank `peer`, preceded by a shape header when
+        `header` is given; return at once."""
+        payload = [t.detach().contiguous() for t in tensors]
+        if header is not None:
+            payload.insert(0, encode_header(header).to(self.device))
+        self._prune()  # drop finished sends so their tensors (activations) can be freed
+        self._sends.append(([self._send(t, peer) for t in payload], payload))
+
+    def recv_header(self, peer: int) -> Meta:
+        """Block until the next shape header from `peer` arrives; return its layout."""
+        header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)
+        self._wait(self._recv(header, peer))
+        return decode_header(header.cpu())
+
+    def recv(self, layout: Sequence[tuple[tuple[int, ...], torch.dtype]],
+             peer: int) -> PendingRecv:
+        """Post irecvs for one message of `layout` from `peer`; wait on the result later."""
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in layout]
+        return PendingRecv([self._recv(b, peer) for b in buffers], buffers, peer, self.timeout)
+
+    def _prune(self) -> None:
+        self._sends = [entry for entry in self._sends
+                       if not all(work.is_completed() for work in entry[0])]
+
+    def wait_sends(self) -> None:
+        """Wait until every posted send has completed (the step's end)."""
+        sends, self._sends = self._sends, []
+        for works, _ in sends:
+            for work in works:
+                self._wait(work)
+
+    def drop_pending(self) -> None:
+        """Forget posted sends after a failure (the step is abandoned)."""
+        self._sends = []
+
+    # -- collectives over the pipeline ---------------------------------------------------
+
+    def broadcast_tensor(self, value: torch.Tensor, src_peer: int) -> torch.Tensor:
+        """`value` from pipeline rank `src_peer` on every rank (in place)."""
+        dist.broadcast(value, self.pipeline_ranks[src_peer], group=self.group)
+        return value
+
+    def agree(self, value: int, *, failed: bool, pp_rank: int) -> tuple[int, list[int]]:
+        """One all-reduce: the sum of every rank's `value` (only one rank contributes a
+        non-zero one) and the pipeline ranks that reported `failed`."""
+        flags = torch.tensor([value, (1 << min(pp_rank, 62)) if failed else 0],
+                             dtype=torch.int64)
+        dist.all_reduce(flags, group=self.group)
+        mask = int(flags[1])
+        return int(flags[0]), [r for r in range(63) if mask >> r & 1]
+
+    def barrier(self) -> None:
+        """Every pipeline rank reaches this point before any leaves (aligns clocks)."""
+        dist.barrier(group=self.group)
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every pipeline rank's `value`, in pipeline-rank order."""
+        gathered: list[Any] = [None] * len(self.pipeline_ranks)
+        dist.all_gather_object(gathered, value, group=self.group)
+        return gathered
+

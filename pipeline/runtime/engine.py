@@ -1,0 +1,377 @@
+"""`PipelineEngine`: validates everything up front, then runs each step's instruction stream."""
+
+from __future__ import annotations
+
+import socket
+import time
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.checkpoint.load import load_checkpoint
+from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, save_checkpoint
+from pipeline.device import default_device, synchronize
+from pipeline.errors import PipelineConfigError, PipelineStepError
+from pipeline.launcher.failure import read_failure, report_failure, start_watchdog
+from pipeline.model.module import PipelineModule
+from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB, GradReducer
+from pipeline.parallel.groups import ProcessGroups, create_process_groups
+from pipeline.parallel.optimizer import OptimizerFactory
+from pipeline.parallel.optimizer_step import StepOptimizer
+from pipeline.parallel.precision import Precision
+from pipeline.parallel.topology import Topology
+from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.runtime.batch import (
+    join_microbatches,
+    signature,
+    split_microbatches,
+    take_microbatches,
+)
+from pipeline.runtime.checks import check_engine_arguments
+from pipeline.runtime.comm import Comm
+from pipeline.runtime.interpreter import Interpreter, StepState
+from pipeline.runtime.parallel_setup import (
+    ParallelConfig,
+    needs_process_groups,
+    optimizer_state_bytes,
+    reduced_gradients,
+    resolve_topology,
+    setup_training,
+    zero_regions,
+)
+from pipeline.runtime.schedule_plan import (
+    check_agreement,
+    fingerprint,
+    forward_schedule,
+    resolve_schedule,
+)
+from pipeline.runtime.shapes import ShapeBook
+from pipeline.runtime.trace import StepStats, Trace, measured_costs
+from schedules import Instruction, Kind, Schedule, Timeline
+from schedules.grid import format_grid
+
+__all__ = ["PipelineEngine"]
+
+
+class PipelineEngine:
+    """Trains (and evaluates) a `PipelineModule` with a pipeline schedule, one call per batch.
+
+    Construct it on every rank with the same arguments, inside `launch` or under torchrun
+    (any initialised process group). It checks that the ranks agree, builds this rank's
+    stages, and then `train_batch` runs this rank's lowered instruction stream.
+
+    Beyond the pipeline (fields documented on `ParallelConfig`): ``data_parallel``,
+    ``tensor_parallel`` (world size = num_stages × data_parallel × tensor_parallel, or pass
+    ``topology``), ``zero_stage`` (0 or 1), ``precision`` ('fp32', 'bf16', 'fp16'),
+    ``gradient_clipping``, ``bucket_mb``, ``initial_loss_scale``, ``loss_scale_window``.
+    """
+
+    def __init__(self, module: PipelineModule, *, schedule: str | Schedule = "1f1b",
+                 num_microbatches: int | None = None,
+                 optimizer: OptimizerFactory | torch.optim.Optimizer | None = None,
+                 topology: Topology | None = None,
+                 groups: ProcessGroups | None = None,
+                 gradient_reducer: GradReducer | None = None,
+                 device: torch.device | None = None, timeout: float = 300.0,
+                 dynamic_shapes: bool = False, data_parallel: int | None = None,
+                 tensor_parallel: int = 1, zero_stage: int = 0, precision: Precision = "fp32",
+                 gradient_clipping: float | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 initial_loss_scale: float = 2.0**16, loss_scale_window: int = 1000) -> None:
+        if not isinstance(module, PipelineModule):
+            raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
+        check_engine_arguments(optimizer=optimizer, topology=topology, groups=groups,
+                               gradient_reducer=gradient_reducer, device=device,
+                               timeout=timeout, dynamic_shapes=dynamic_shapes)
+        if not dist.is_initialized():
+            raise PipelineConfigError("no process group: run inside pipeline.launcher(fn, "
+                                      "world_size) or torchrun, or call "
+                                      "torch.distributed.init_process_group first")
+        # 1. The grid (pp × dp × tp = world size) and this rank's place in it.
+        world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.config = ParallelConfig(
+            data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero_stage=zero_stage,
+            precision=precision, gradient_clipping=gradient_clipping, bucket_mb=bucket_mb,
+            initial_loss_scale=initial_loss_scale, loss_scale_window=loss_scale_window)
+        """Data/tensor parallel sizes, ZeRO stage, precision, clipping (validated)."""
+        topology = resolve_topology(world, module.num_stages, topology, self.config)
+        self.topology = topology
+        self.position = topology.position(self.rank)
+        self.pp_rank = self.position.pp_rank
+        # 2. The schedule: fits the module, validates, and every rank agrees on it.
+        self.schedule = resolve_schedule(schedule, module, num_microbatches)
+        self.eval_schedule = forward_schedule(self.schedule)
+        prints: list[Any] = [None] * world
+        dist.all_gather_object(prints, fingerprint(module, self.schedule, world, {
+            "dynamic_shapes": dynamic_shapes, "topology": (topology.pp, topology.dp,
+                                                           topology.tp),
+            "parallel": repr(self.config)}))
+        check_agreement(prints, list(range(world)))
+        start_watchdog(self.rank)
+        # 3. This rank's groups, stages (tp layers get their group), reducer, optimizer,
+        #    STEP and channels.
+        self.device = device or default_device()
+        self.module = module
+        if groups is None and needs_process_groups(topology, self.config):
+            groups = create_process_groups(topology, use_device_mesh=False)
+        self.groups = groups
+        """pp/dp/tp process groups (None for a pure pipeline: the world is the pipeline)."""
+        module.materialize(self.schedule.stages_of(self.pp_rank), self.device, groups=groups)
+        self.training = setup_training(module, self.schedule.placement, topology, groups,
+                                       self.config, optimizer, gradient_reducer)
+        """Reducer, optimizer, tied-weight sync, loss scaler and STEP of this rank."""
+        pipeline_group = groups.pp_group if groups is not None else None
+        self.gradient_reducer = self.training.reducer
+        self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group, timeout)
+        self._shapes = ShapeBook(always_dynamic=dynamic_shapes)
+        self._trace = Trace(self.pp_rank)
+        self._interpreter = Interpreter(
+            module=module, pp_rank=self.pp_rank, placement=self.schedule.placement,
+            num_microbatches=self.schedule.num_microbatches, comm=self.comm,
+            shapes=self._shapes, trace=self._trace, reducer=self.gradient_reducer,
+            loss_fn=module.loss_fn, optimizer_step=self.training.step, device=self.device,
+            split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
+                                   if op.kind is Kind.I),
+            precision=self.config.precision, loss_scale=self.training.loss_scale)
+        self._last_stream: Schedule = self.schedule
+        self.last_stats: StepStats | None = None
+        """What this rank measured in the last step (None before the first)."""
+        self.last_loss: float | None = None
+        """Mean loss of the last `eval_batch` given targets."""
+        self.global_step = 0
+        """Optimizer steps taken (`train_batch` calls); saved and restored by checkpoints."""
+        self.loss_scaler: Stateful | None = self.training.scaler
+        """The fp16 loss scaler, when mixed precision uses one (checkpointed with the rest)."""
+
+    # -- facts DeepSpeed users look for ----------------------------------------------------
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.schedule.num_microbatches
+
+    @property
+    def stage_ids(self) -> tuple[int, ...]:
+        """The stages this rank holds."""
+        return self.schedule.stages_of(self.pp_rank)
+
+    def is_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    def is_last_stage(self) -> bool:
+        return self.schedule.num_stages - 1 in self.stage_ids
+
+    # -- 3D parallelism --------------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> StepOptimizer | None:
+        """A torch optimizer, or the `ShardedOptimizer` under ZeRO-1 (None: nothing to step);
+        STEP steps whatever is set here."""
+        return self.training.optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: StepOptimizer | None) -> None:
+        self.training.optimizer = optimizer
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """fp16: whether the last step was skipped for an overflow (on every rank alike)."""
+        return self.training.step.skipped
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1 except under fp16)."""
+        return self.training.loss_scale()
+
+    def reduced_gradients(self) -> dict[tuple[int, str], torch.Tensor]:
+        """(layer, name) -> the reduced gradient the last step used; under ZeRO-1 gathered
+        from the shards (a collective over the dp group: call it on every rank)."""
+        return reduced_gradients(self.module, self.optimizer)
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state (1/dp of it under ZeRO-1)."""
+        return optimizer_state_bytes(self.optimizer)
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def train_batch(self, inputs: Any = None, targets: Any = None, *,
+                    data_iter: Iterator[tuple[Any, Any]] | None = None) -> float:
+        """One optimizer step on a full batch; returns the mean loss on every rank.
+
+        The batch is split into `num_microbatches` equal microbatches (or, as in DeepSpeed,
+        `data_iter` yields them as (inputs, targets) pairs); gradients accumulate as a single
+        process would for the mean loss over the full batch. Only the ranks holding the
+        first stage need inputs, the last stage targets.
+        """
+        self.module.train()
+        self.module.zero_grad(set_to_none=True)
+        loss, _ = self._run(self.schedule, inputs, targets, data_iter, training=True)
+        self.global_step += 1
+        return loss
+
+    def eval_batch(self, inputs: Any = None, targets: Any = None, *,
+                   data_iter: Iterator[tuple[Any, Any]] | None = None) -> Any:
+        """Forward the full batch with the forward-only schedule (no gradients).
+
+        Returns the last stage's outputs, joined over microbatches, on the rank that holds
+        the last stage (None elsewhere); with targets, the mean loss is in `last_loss`.
+        """
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            loss, outputs = self._run(self.eval_schedule, inputs, targets, data_iter,
+                                      training=False)
+            self.last_loss = loss if targets is not None or data_iter is not None else None
+        finally:
+            self.module.train(was_training)
+        if not outputs:
+            return None
+        return join_microbatches([outputs[i] for i in range(len(outputs))])
+
+    def _prepare(self, m: int, inputs: Any, targets: Any,
+                 data_iter: Iterator[tuple[Any, Any]] | None,
+                 training: bool) -> tuple[list[Any] | None, list[Any] | None]:
+        """This rank's microbatches, after every rank agreed that the batch is usable and on
+        its shape signature (when it changed, this step's forward messages carry headers)."""
+        first, last = self.is_first_stage(), self.is_last_stage()
+        problem: Exception | None = None
+        microbatches = split_targets = None
+        try:
+            if data_iter is not None:
+                microbatches, split_targets = take_microbatches(data_iter, m)
+            else:
+                if first:
+                    microbatches = split_microbatches(inputs, m, "inputs")
+                if last and targets is not None:
+                    split_targets = split_microbatches(targets, m, "targets")
+            if training and last and split_targets is None:
+                raise PipelineConfigError("this rank holds the last stage: pass targets")
+            if first and microbatches is None:
+                raise PipelineConfigError("this rank holds the first stage: pass inputs")
+        except (PipelineConfigError, TypeError) as error:
+            problem = error
+        local = 0
+        if first and problem is None and microbatches is not None:
+            shapes = [signature(x) for x in microbatches]
+            local = zlib.crc32(repr((shapes, training)).encode()) + 1
+        # also aligns the ranks' clocks: every rank leaves it within a message time
+        agreed, refused = self.comm.agree(local, failed=problem is not None,
+                                          pp_rank=self.pp_rank)
+        if problem is not None:
+            raise problem
+        if refused:
+            raise PipelineConfigError(f"pipeline rank(s) {refused} refused the batch (see "
+                                      "their error); nothing was run")
+        self._shapes.begin_step(agreed)
+        return microbatches, split_targets
+
+    def _run(self, schedule: Schedule, inputs: Any, targets: Any,
+             data_iter: Iterator[tuple[Any, Any]] | None, *,
+             training: bool) -> tuple[float, dict[int, Any]]:
+        """Run one step of `schedule`; the mean loss (on every rank) and the last stage's
+        outputs per microbatch (eval, on the rank holding it)."""
+        m = schedule.num_microbatches
+        # 1. This rank's microbatches; every rank agrees the batch is usable.
+        microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
+        # 2. Run this rank's stream.
+        state = StepState(microbatches, split_targets, training)
+        self._interpreter.state = state
+        self._trace.restart()
+        stream = schedule.streams[self.pp_rank]
+        for step, op in enumerate(stream):
+            try:
+                self._interpreter.execute(op)
+            except Exception as error:
+                raise self._failure(schedule, step, op, error) from error
+        # 3. Wait for the sends, then share the loss with every rank.
+        try:
+            self.comm.wait_sends()
+        except RuntimeError as error:
+            raise self._failure(schedule, len(stream) - 1, stream[-1], error) from error
+        synchronize(self.device)
+        step_time = time.perf_counter() - self._trace.origin
+        self._interpreter.state = StepState(None, None, True)
+        left = state.leftovers()
+        if left:  # the validated schedule frees everything: anything left is an engine bug
+            raise RuntimeError(f"internal error: the step ended holding {left}")
+        self._shapes.end_step()
+        self._last_stream = schedule
+        self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
+                                    measured_costs(self._trace.spans))
+        total = torch.stack(state.losses).sum().double().cpu() if state.losses else \
+            torch.zeros((), dtype=torch.float64)
+        loss = self.comm.broadcast_tensor(total.reshape(1) / m, schedule.placement[-1])
+        if self.groups is not None and self.topology.dp > 1:  # mean over the replicas' batches
+            dist.all_reduce(loss, group=self.groups.dp_group)
+            loss /= self.topology.dp
+        return float(loss[0]), state.outputs
+
+    def _failure(self, schedule: Schedule, step: int, op: Instruction,
+                 error: Exception) -> PipelineStepError:
+        self.comm.drop_pending()
+        self._shapes.abandon_step()
+        detail = f"{type(error).__name__}: {error}"
+        peer = read_failure()
+        caused_by = None
+        if peer is not None and peer.rank != self.rank:
+            caused_by = peer.rank
+            message = f"rank {self.rank} stopped at instruction {op} because {peer.describe()}"
+        else:
+            report_failure(self.rank, str(op), detail)
+            message = (f"rank {self.rank} (pipeline rank {self.pp_rank}) failed at instruction "
+                       f"{op} (step {step} of its {schedule.name!r} stream): {detail}")
+        grid = format_grid(schedule.streams, self.pp_rank, step)
+        return PipelineStepError(f"{message}\n{grid}", rank=self.rank, instruction=str(op),
+                                 step=step, caused_by=caused_by)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str) -> CheckpointInfo:
+        """Save weights (per global layer), optimizer state (per parameter, ZeRO shards with
+        their offsets), loss scaler, generators and `global_step` under
+        ``directory/step_<global_step>/`` and point ``directory/latest`` at it, crash-safely
+        (a collective: every rank calls it). See `pipeline.checkpoint.save`."""
+        return save_checkpoint(directory, self._checkpoint_parts())
+
+    def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> CheckpointInfo:
+        """Load a checkpoint root (following ``latest``) or one step directory, saved under
+        any partition and data-parallel size; restores `global_step`. Refuses a missing,
+        corrupt or torn checkpoint with `CheckpointError` before changing anything."""
+        info = load_checkpoint(directory, self._checkpoint_parts(),
+                               load_optimizer=load_optimizer)
+        self.global_step = info.step
+        return info
+
+    def _checkpoint_parts(self) -> CheckpointParts:
+        optimizer: Any = self.optimizer
+        regions = (zero_regions(self.module, self.training.tied)
+                   if isinstance(optimizer, ShardedOptimizer) else None)
+        return CheckpointParts(
+            module=self.module, topology=self.topology, rank=self.rank, step=self.global_step,
+            optimizer=optimizer, zero_params_by_stage=regions,
+            loss_scaler=self.loss_scaler, schedule=self.schedule.name,
+            num_microbatches=self.schedule.num_microbatches)
+
+    # -- measurements ----------------------------------------------------------------------
+
+    def last_timeline(self) -> Timeline:
+        """Every pipeline rank's measured spans of the last step, in seconds from the step's
+        start, as the simulator's `Timeline` (a collective: call it on every rank).
+
+        Ranks on one host share the monotonic clock, so their spans are placed on it
+        exactly; across hosts each rank's clock starts at the step's opening collective.
+        """
+        gathered = self.comm.all_gather_object(
+            (socket.gethostname(), self._trace.origin, self._trace.spans))
+        same_host = len({host for host, _, _ in gathered}) == 1
+        first = min(origin for _, origin, _ in gathered)
+        spans = []
+        for _, origin, rank_spans in gathered:
+            shift = origin - first if same_host else 0.0
+            spans += [span._replace(start=span.start + shift, end=span.end + shift)
+                      for span in rank_spans]
+        schedule = self._last_stream
+        return Timeline.from_spans(spans, schedule.num_ranks, name=f"{schedule.name} (measured)",
+                                   num_microbatches=schedule.num_microbatches,
+                                   chunks=schedule.chunks, unit="s")

@@ -1,0 +1,356 @@
+"""Run one rank's lowered instruction stream: a table from instruction kind to a small handler.
+
+Legend: s stage, i microbatch, m microbatches, S stages; F forward, B full backward, I
+input-gradient backward, W weight-gradient backward. Activations flow F(s,i) -> F(s+1,i)
+and gradients B|I(s+1,i) -> B|I(s,i), over the network when the neighbour stage lives on
+another rank (SEND/RECV in the stream), through `StepState` when it lives on this one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from pipeline.launcher.failure import PROGRESS, explain_stall
+from pipeline.model.module import LossFn, PipelineModule, Stage
+from pipeline.parallel.data_parallel import GradReducer
+from pipeline.parallel.precision import Precision, autocast
+from pipeline.runtime.batch import as_tensors
+from pipeline.runtime.comm import Comm, Meta, PendingRecv
+from pipeline.runtime.shapes import ShapeBook
+from pipeline.runtime.split_backward import LayerGrads, forward_capturing
+from pipeline.runtime.trace import Trace
+from schedules import Instruction, Kind
+
+__all__ = ["Interpreter", "StepState"]
+
+Key = tuple[int, int]  # (stage, microbatch)
+_T = TypeVar("_T")
+_now = time.perf_counter
+
+
+@dataclass
+class _Saved:
+    """What a backward needs from its forward: autograd roots and the leaves to read."""
+
+    leaves: list[torch.Tensor]
+    """The stage input's floating tensors (leaves requiring grad); empty on stage 0."""
+    roots: list[torch.Tensor]
+    """Tensors to differentiate: the scaled loss, or the output tensors requiring grad."""
+    root_index: list[int]
+    """Position of each root among the output's floating tensors (grads arrive for all)."""
+    grad_layout: list[tuple[tuple[int, ...], torch.dtype]]
+    """Shape and dtype of every floating output tensor: the layout of the incoming gradient."""
+    root_grads: list[torch.Tensor] | None = None
+    """Kept from I for W."""
+    layer_grads: LayerGrads | None = None
+    """Per-layer output gradients I leaves for W (split backward only)."""
+
+
+@dataclass
+class StepState:
+    """Everything one step holds between instructions; empty again when the step ends."""
+
+    microbatches: Sequence[Any] | None
+    targets: Sequence[Any] | None
+    training: bool
+    inputs: dict[Key, Any] = field(default_factory=dict)
+    loaded_targets: dict[int, Any] = field(default_factory=dict)
+    saved: dict[Key, _Saved] = field(default_factory=dict)
+    recv_f: dict[Key, tuple[PendingRecv, bool]] = field(default_factory=dict)
+    recv_b: dict[Key, PendingRecv] = field(default_factory=dict)
+    out_grads: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    send_f: dict[Key, Any] = field(default_factory=dict)
+    send_b: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    peak_activations: int = 0
+    recv_wait: float = 0.0
+
+    def leftovers(self) -> dict[str, int]:
+        """Per-step entries still held (all empty after a complete step)."""
+        held: dict[str, dict[Any, Any]] = {
+            "inputs": self.inputs, "targets": self.loaded_targets, "saved": self.saved,
+            "recv_f": self.recv_f, "recv_b": self.recv_b, "out_grads": self.out_grads,
+            "send_f": self.send_f, "send_b": self.send_b}
+        return {name: len(entries) for name, entries in held.items() if entries}
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    return [t for t in as_tensors(value, "a stage's output") if t.is_floating_point()]
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    return tuple(t.detach() for t in value)
+
+
+def _make_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
+    """Detached copy of `value` whose floating tensors require grad, and those tensors."""
+    tensors = [t.detach().requires_grad_(True) if t.is_floating_point() else t
+               for t in as_tensors(value, "a stage's input")]
+    leaves = [t for t in tensors if t.requires_grad]
+    return (tensors[0] if isinstance(value, torch.Tensor) else tuple(tensors)), leaves
+
+
+class Interpreter:
+    """Executes instruction streams on one rank: one handler per `Kind`."""
+
+    def __init__(self, *, module: PipelineModule, pp_rank: int, placement: Sequence[int],
+                 num_microbatches: int, comm: Comm, shapes: ShapeBook, trace: Trace,
+                 reducer: GradReducer, loss_fn: LossFn | None,
+                 optimizer_step: Callable[[], None],
+                 device: torch.device, split_stages: frozenset[int] = frozenset(),
+                 precision: Precision = "fp32",
+                 loss_scale: Callable[[], float] = lambda: 1.0) -> None:
+        self.module = module
+        self.pp_rank = pp_rank
+        self.placement = tuple(placement)
+        self.last_stage = len(placement) - 1
+        self.m = num_microbatches
+        self.comm = comm
+        self.shapes = shapes
+        self.trace = trace
+        self.reducer = reducer
+        self.loss_fn = loss_fn
+        self.optimizer_step = optimizer_step
+        """STEP after the reducer's wait (`pipeline.parallel.optimizer_step.OptimizerStep`)."""
+        self.device = device
+        self.precision = precision
+        """Stages run under this autocast; the loss is computed in fp32 from their output."""
+        self.loss_scale = loss_scale
+        """fp16's current loss scale (1 otherwise): backward starts from loss · scale."""
+        self.split_stages = split_stages
+        """Stages whose backward runs as I then W: their forwards hook layer outputs."""
+        self.stages: dict[int, Stage] = {int(k): module.stage(int(k)) for k in module.stages}
+        self.stage_params: dict[int, list[nn.Parameter]] = {
+            s: module.stage_parameters(s) for s in self.stages}
+        self.state = StepState(None, None, True)
+        self.op_start = 0.0
+        self.handlers: dict[Kind, Callable[[Instruction], None]] = {
+            Kind.LOAD: self.load, Kind.F: self.forward, Kind.B: self.backward,
+            Kind.I: self.input_grad, Kind.W: self.weight_grad,
+            Kind.SEND_F: self.send_forward, Kind.RECV_F: self.recv_forward,
+            Kind.SEND_B: self.send_backward, Kind.RECV_B: self.recv_backward,
+            Kind.REDUCE_GRAD: self.reduce_grad, Kind.STEP: self.step,
+        }
+
+    def execute(self, op: Instruction) -> None:
+        """Run one instruction and record its span (receive waits get their own span)."""
+        PROGRESS.instruction = op
+        self.op_start = _now()
+        self.handlers[op.kind](op)
+        if op.kind is not Kind.RECV_F and op.kind is not Kind.RECV_B:
+            self.trace.record(op.kind, op.stage, op.microbatch, self.op_start, _now())
+
+    def _local(self, stage: int) -> bool:
+        return 0 <= stage <= self.last_stage and self.placement[stage] == self.pp_rank
+
+    def _blocked(self, peer: int, what: str, wait: Callable[[], _T]) -> _T:
+        """Run `wait` (blocked on data from pipeline rank `peer`); on a timeout, ask the other
+        ranks what they do and say which one holds the pipeline up."""
+        rank = self.comm.pipeline_ranks[peer]
+        PROGRESS.waiting_on = rank
+        try:
+            result = wait()
+        except RuntimeError as error:
+            why = explain_stall(rank, list(self.comm.pipeline_ranks))
+            raise RuntimeError(f"no data from pipeline rank {peer} (global rank {rank}) for "
+                               f"{what}: {error}" + (f"; {why}" if why else "")) from error
+        PROGRESS.waiting_on = None
+        return result
+
+    def _wait(self, pending: PendingRecv, kind: Kind, stage: int,
+              microbatch: int) -> list[torch.Tensor]:
+        start = _now()
+        tensors = self._blocked(pending.peer, f"{stage}{kind.value}{microbatch}", pending.wait)
+        end = _now()
+        self.trace.record(kind, stage, microbatch, start, end)
+        self.state.recv_wait += end - start
+        self.op_start = end
+        return tensors
+
+    # -- data ------------------------------------------------------------------------------
+
+    def load(self, op: Instruction) -> None:
+        state, i = self.state, op.microbatch
+        if op.stage == 0:
+            if state.microbatches is None:
+                raise ValueError("this rank holds the first stage: pass the inputs to "
+                                 "train_batch / eval_batch on it")
+            state.inputs[(0, i)] = _to(state.microbatches[i], self.device)
+        if op.stage == self.last_stage and state.training:
+            if state.targets is None:
+                raise ValueError("this rank holds the last stage: pass the targets to "
+                                 "train_batch on it")
+            state.loaded_targets[i] = _to(state.targets[i], self.device)
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def _take_input(self, s: int, i: int) -> Any:
+        state = self.state
+        if s == 0 or self._local(s - 1):
+            return state.inputs.pop((s, i))
+        pending, is_tuple = state.recv_f.pop((s, i))
+        tensors = self._wait(pending, Kind.RECV_F, s, i)
+        return tuple(tensors) if is_tuple else tensors[0]
+
+    def forward(self, op: Instruction) -> None:
+        s, i, state = op.stage, op.microbatch, self.state
+        x = self._take_input(s, i)
+        if not state.training:
+            with torch.no_grad():
+                out = self._run_stage(s, x)
+                if s == self.last_stage and state.targets is not None and self.loss_fn:
+                    state.losses.append(self.loss_fn(self._loss_input(out),
+                                                     _to(state.targets[i], self.device)))
+            self._forward_done(s, i, out)
+            return
+        leaves: list[torch.Tensor] = []
+        if s > 0:
+            x, leaves = _make_leaves(x)
+        layer_grads = None
+        if s in self.split_stages:
+            with autocast(self.precision, self.device.type):
+                out, layer_grads = forward_capturing(self.stages[s], x)
+        else:
+            out = self._run_stage(s, x)
+        if s == self.last_stage:
+            loss = self._loss(self._loss_input(out), state.loaded_targets.pop(i))
+            state.losses.append(loss.detach())
+            # mean over the full batch = mean of the m equal microbatches' means; fp16
+            # scales it so small gradients survive the half-precision backward
+            scale = self.loss_scale()
+            root = loss / self.m if scale == 1.0 else loss * (scale / self.m)
+            saved = _Saved(leaves, [root], [], [])
+        else:
+            floats = _floats(out)
+            index = [k for k, t in enumerate(floats) if t.requires_grad]
+            saved = _Saved(leaves, [floats[k] for k in index], index,
+                           [(tuple(t.shape), t.dtype) for t in floats])
+            self._forward_done(s, i, out)
+        saved.layer_grads = layer_grads
+        state.saved[(s, i)] = saved
+        state.peak_activations = max(state.peak_activations, len(state.saved))
+
+    def _run_stage(self, s: int, x: Any) -> Any:
+        with autocast(self.precision, self.device.type):
+            return self.stages[s](x)
+
+    def _loss_input(self, out: Any) -> Any:
+        """The last stage's output as the loss sees it: fp32 under mixed precision (the loss
+        and its softmax/reductions are computed in full precision, as Megatron does)."""
+        if self.precision == "fp32":
+            return out
+        if isinstance(out, torch.Tensor):
+            return out.float() if out.is_floating_point() else out
+        return tuple(t.float() if t.is_floating_point() else t for t in out)
+
+    def _loss(self, out: Any, target: Any) -> torch.Tensor:
+        if self.loss_fn is None:
+            raise ValueError("training needs a loss: PipelineModule(..., loss_fn=...)")
+        return self.loss_fn(out, target)
+
+    def _forward_done(self, s: int, i: int, out: Any) -> None:
+        state = self.state
+        if s == self.last_stage:
+            state.outputs[i] = _detach(out)
+        elif self._local(s + 1):
+            state.inputs[(s + 1, i)] = _detach(out)
+        else:
+            state.send_f[(s, i)] = out
+
+    def _root_grads(self, s: int, i: int, saved: _Saved) -> list[torch.Tensor] | None:
+        if s == self.last_stage:
+            return None  # the loss is a scalar: d loss / d loss = 1
+        if self._local(s + 1):
+            grads = self.state.out_grads.pop((s, i))
+        else:
+            grads = self._wait(self.state.recv_b.pop((s, i)), Kind.RECV_B, s, i)
+        return [grads[k] for k in saved.root_index]
+
+    def _pass_input_grads(self, s: int, i: int, leaves: list[torch.Tensor]) -> None:
+        if s == 0:
+            return
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+        if self._local(s - 1):
+            self.state.out_grads[(s - 1, i)] = grads
+        else:
+            self.state.send_b[(s, i)] = grads
+
+    def backward(self, op: Instruction) -> None:
+        s, i = op.stage, op.microbatch
+        saved = self.state.saved.pop((s, i))
+        grads = self._root_grads(s, i, saved)
+        if saved.roots:
+            torch.autograd.backward(saved.roots, grads)
+        self._pass_input_grads(s, i, saved.leaves)
+
+    def input_grad(self, op: Instruction) -> None:
+        s, i = op.stage, op.microbatch
+        saved = self.state.saved[(s, i)]
+        grads = self._root_grads(s, i, saved)
+        saved.root_grads = grads
+        if saved.roots and saved.leaves:
+            torch.autograd.backward(saved.roots, grads, inputs=saved.leaves, retain_graph=True)
+        self._pass_input_grads(s, i, saved.leaves)
+        saved.leaves = []  # their gradients are sent; W needs only the roots
+
+    def weight_grad(self, op: Instruction) -> None:
+        s, i = op.stage, op.microbatch
+        saved = self.state.saved.pop((s, i))
+        if saved.layer_grads is not None and saved.layer_grads.complete():
+            saved.layer_grads.backward_weights()
+            return
+        params = self.stage_params[s]  # I did not pass every layer (stage 0): one backward
+        if saved.roots and params:
+            torch.autograd.backward(saved.roots, saved.root_grads, inputs=params)
+
+    # -- communication ---------------------------------------------------------------------
+
+    def send_forward(self, op: Instruction) -> None:
+        out = self.state.send_f.pop((op.stage, op.microbatch))
+        tensors = as_tensors(out, "a stage's output")
+        meta: Meta = (not isinstance(out, torch.Tensor),
+                      tuple((tuple(t.shape), t.dtype) for t in tensors))
+        header = self.shapes.sending(op.stage + 1, meta)
+        self.comm.send(tensors, op.peer, header=header)
+
+    def recv_forward(self, op: Instruction) -> None:
+        s = op.stage
+        meta = self.shapes.receiving(s, lambda: self._blocked(
+            op.peer, f"the shape header of {op}", lambda: self.comm.recv_header(op.peer)))
+        is_tuple, layout = meta
+        self.state.recv_f[(s, op.microbatch)] = (self.comm.recv(layout, op.peer), is_tuple)
+
+    def send_backward(self, op: Instruction) -> None:
+        grads = self.state.send_b.pop((op.stage, op.microbatch))
+        self.comm.send(grads, op.peer, header=None)
+
+    def recv_backward(self, op: Instruction) -> None:
+        key = (op.stage, op.microbatch)
+        saved = self.state.saved.get(key)
+        if saved is None:
+            raise RuntimeError(f"RECV_B of {op.stage}B{op.microbatch} before its forward ran")
+        self.state.recv_b[key] = self.comm.recv(saved.grad_layout, op.peer)
+
+    # -- optimizer -------------------------------------------------------------------------
+
+    def reduce_grad(self, op: Instruction) -> None:
+        self.reducer.reduce_stage(op.stage, self.stage_params[op.stage])
+
+    def step(self, op: Instruction) -> None:
+        self.reducer.wait()
+        self.optimizer_step()
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    return tuple(t.to(device, non_blocking=True) for t in value)

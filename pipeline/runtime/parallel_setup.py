@@ -1,0 +1,288 @@
+"""3D parallel setup: the pp × dp × tp grid, tied weights, dp / ZeRO-1 reduction, precision.
+
+The engine calls, on every rank in the same order (every step below that creates a group
+or communicates is collective):
+
+    config   = ParallelConfig(...)                      # validated on construction
+    topology = resolve_topology(world, num_stages, topology, config)
+    groups   = create_process_groups(topology)          # if needs_process_groups(...)
+    module.materialize(stages, device, groups=groups)   # tp layers get groups.tp_group
+    runtime  = setup_training(module, placement, topology, groups, config, optimizer)
+
+`setup_training` follows the building blocks' protocol: tied groups and synchroniser; dp
+replicas and tied copies start from one value (broadcasts); the reducer (bucketed
+all-reduce, or ZeRO-1's reduce-scatter, wrapped to sum tied gradients first) and the STEP
+callable (overflow vote, clipping, step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast, get_args
+
+import torch
+from torch import nn
+
+from pipeline.errors import PipelineConfigError
+from pipeline.model.module import PipelineModule
+from pipeline.parallel.data_parallel import (
+    DEFAULT_BUCKET_MB,
+    GradReducer,
+    NoOpGradReducer,
+    broadcast_parameters,
+    make_grad_reducer,
+)
+from pipeline.parallel.groups import (
+    ProcessGroups,
+    ZeroStageError,
+    check_world_size,
+    check_zero_stage,
+)
+from pipeline.parallel.optimizer import OptimizerFactory, make_optimizer
+from pipeline.parallel.optimizer_step import (
+    GradientView,
+    OptimizerStep,
+    ReplicatedGrads,
+    ShardedGrads,
+    StepOptimizer,
+)
+from pipeline.parallel.precision import DynamicLossScaler, Precision
+from pipeline.parallel.tied_sync import (
+    TiedGradReducer,
+    TiedWeightSynchronizer,
+    create_tied_groups,
+    split_tied,
+)
+from pipeline.parallel.topology import Topology, TopologyError
+from pipeline.parallel.zero import ShardedOptimizer
+
+__all__ = [
+    "ParallelConfig",
+    "TrainingRuntime",
+    "needs_process_groups",
+    "optimizer_state_bytes",
+    "reduced_gradients",
+    "resolve_topology",
+    "setup_training",
+    "zero_regions",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the engine trains beyond the pipeline itself (the engine's keyword arguments)."""
+
+    data_parallel: int | None = None
+    """Replicas (dp); each passes its own part of the batch. None: what the world size leaves
+    after pipeline_parallel × tensor_parallel."""
+    tensor_parallel: int = 1
+    """Ranks splitting each stage's tensors (tp); the model's layers must be tensor-parallel
+    layers (e.g. `LayerSpec(ColumnParallelLinear, ...)`) to gain from it."""
+    zero_stage: int = 0
+    """0: each replica holds the whole optimizer state; 1: it is sharded over dp (ZeRO-1).
+    2 and 3 are refused with a pipeline (they would communicate after every microbatch)."""
+    precision: Precision = "fp32"
+    """'bf16' or 'fp16': stages run under autocast, parameters and optimizer stay fp32
+    (master weights). 'fp16' adds dynamic loss scaling with a rank-wide overflow vote."""
+    gradient_clipping: float | None = None
+    """Clip gradients to this global norm over every rank (None: no clipping)."""
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    """Size of one gradient reduction bucket."""
+    initial_loss_scale: float = 2.0**16
+    """fp16: the first loss scale."""
+    loss_scale_window: int = 1000
+    """fp16: clean steps before the loss scale doubles."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("data_parallel", "tensor_parallel"):
+            value = getattr(self, name)
+            if value is None and name == "data_parallel":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name} must be an int >= 1, got {value!r}")
+        if self.precision not in get_args(Precision):
+            problems.append(f"precision must be one of {get_args(Precision)}, got "
+                            f"{self.precision!r}")
+        if self.gradient_clipping is not None and not (
+                isinstance(self.gradient_clipping, int | float) and self.gradient_clipping > 0
+                and math.isfinite(self.gradient_clipping)):
+            problems.append(f"gradient_clipping must be a finite number > 0 or None, got "
+                            f"{self.gradient_clipping!r}")
+        if not (isinstance(self.bucket_mb, int | float) and self.bucket_mb > 0):
+            problems.append(f"bucket_mb must be > 0, got {self.bucket_mb!r} (DDP's default is "
+                            f"{DEFAULT_BUCKET_MB})")
+        if not (self.initial_loss_scale > 0 and math.isfinite(self.initial_loss_scale)):
+            problems.append(f"initial_loss_scale must be finite and > 0, got "
+                            f"{self.initial_loss_scale!r}")
+        if isinstance(self.loss_scale_window, bool) or not isinstance(
+                self.loss_scale_window, int) or self.loss_scale_window < 1:
+            problems.append(f"loss_scale_window must be an int >= 1, got "
+                            f"{self.loss_scale_window!r}")
+        if problems:
+            raise PipelineConfigError("; ".join(problems))
+
+
+def resolve_topology(world_size: int, num_stages: int, topology: Topology | None,
+                     config: ParallelConfig) -> Topology:
+    """The pp × dp × tp grid, checked against the world size, the module and the ZeRO stage."""
+    pp, tp = num_stages, config.tensor_parallel
+    if topology is None:
+        dp = config.data_parallel
+        if dp is None:
+            if world_size % (pp * tp):
+                raise PipelineConfigError(
+                    f"world size {world_size} is not divisible by num_stages={pp} × "
+                    f"tensor_parallel={tp}; launch a multiple of {pp * tp} ranks or change "
+                    f"num_stages / tensor_parallel")
+            dp = world_size // (pp * tp)
+        topology = Topology(pp, dp, tp)  # sizes are checked ints >= 1 (ParallelConfig)
+    else:
+        asked = {"num_stages": (topology.pp, pp), "data_parallel": (topology.dp,
+                                                                    config.data_parallel),
+                 "tensor_parallel": (topology.tp, tp)}
+        clashes = [f"{name}={mine} but the topology has {theirs}"
+                   for name, (theirs, mine) in asked.items()
+                   if mine is not None and mine != theirs and not (name == "tensor_parallel"
+                                                                   and mine == 1)]
+        if clashes:
+            raise PipelineConfigError(f"topology {topology} disagrees with the arguments: "
+                                      f"{'; '.join(clashes)}; pass only one of them")
+    try:
+        check_world_size(topology, world_size)
+        check_zero_stage(config.zero_stage, topology.pp)
+    except (TopologyError, ZeroStageError) as error:
+        raise PipelineConfigError(str(error)) from error
+    if config.zero_stage >= 2:
+        raise PipelineConfigError(f"zero_stage={config.zero_stage} is not implemented; use "
+                                  f"zero_stage=1 (optimizer state sharded over data_parallel)")
+    return topology
+
+
+def needs_process_groups(topology: Topology, config: ParallelConfig) -> bool:
+    """Whether the run needs dp/tp groups (a pure pipeline talks over the world alone)."""
+    return topology.world_size > topology.pp or config.zero_stage > 0
+
+
+@dataclass
+class TrainingRuntime:
+    """What `setup_training` built for one rank."""
+
+    reducer: GradReducer
+    """Called at REDUCE_GRAD (per stage) and waited at STEP."""
+    optimizer: StepOptimizer | None
+    """The torch optimizer, or the `ShardedOptimizer` under ZeRO-1 (None: nothing to step)."""
+    tied: TiedWeightSynchronizer | None
+    """Keeps tied copies identical (None without `TiedLayerSpec`s on this rank)."""
+    scaler: DynamicLossScaler | None
+    """fp16 loss scaler (None otherwise)."""
+    step: OptimizerStep
+    """What STEP runs after the reducer's wait."""
+
+    def loss_scale(self) -> float:
+        """The factor the loss is multiplied by before backward (1 except under fp16)."""
+        return 1.0 if self.scaler is None else self.scaler.scale
+
+
+def setup_training(module: PipelineModule, placement: Sequence[int], topology: Topology,
+                   groups: ProcessGroups | None, config: ParallelConfig,
+                   optimizer: OptimizerFactory | torch.optim.Optimizer | None,
+                   gradient_reducer: GradReducer | None = None) -> TrainingRuntime:
+    """Build this rank's reducer, optimizer and STEP for a materialized `module`."""
+    params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
+    tp_rank = 0 if groups is None else groups.position.tp_rank
+    # 1. Tied weights: a group per key over its owners' pipeline ranks (same dp, tp).
+    tied = None
+    owners = {key: [placement[stage] for stage in stages]
+              for key, stages in module.tied_owner_stages().items()}
+    if owners:
+        tied = TiedWeightSynchronizer(module.tied_parameters(),
+                                      create_tied_groups(topology, owners))
+    # 2. One starting value: dp replicas copy dp rank 0, tied copies their primary owner.
+    if groups is not None:
+        broadcast_parameters(params, groups.dp_group)
+    if tied is not None:
+        tied.broadcast_initial()
+    # 3. Reducer and optimizer (ZeRO-1's sharded optimizer is both).
+    view: GradientView
+    built: StepOptimizer | None
+    if config.zero_stage == 1:
+        if gradient_reducer is not None:
+            raise PipelineConfigError("zero_stage=1 reduces gradients itself (reduce-scatter "
+                                      "into shards); drop gradient_reducer=")
+        if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+            raise PipelineConfigError(
+                f"zero_stage=1 builds its optimizer over this rank's shards: pass a factory "
+                f"such as optimizer=lambda params: torch.optim.Adam(params, lr=1e-3), not "
+                f"{type(optimizer).__name__}")
+        if groups is None:
+            raise PipelineConfigError("internal error: zero_stage=1 needs process groups")
+        sharded = _sharded_optimizer(module, tied, optimizer, groups, config) if params \
+            else None
+        reducer: GradReducer = sharded if sharded is not None else NoOpGradReducer()
+        built = sharded
+        view = ShardedGrads(sharded, groups.world_group, tp_rank)
+    else:
+        reducer = gradient_reducer or (
+            make_grad_reducer(groups.dp_group, bucket_mb=config.bucket_mb)
+            if groups is not None and topology.dp > 1 else NoOpGradReducer())
+        built = make_optimizer(optimizer, params)
+        view = ReplicatedGrads(params, None if groups is None
+                               else groups.model_parallel_group, tp_rank)
+    if tied is not None:
+        reducer = TiedGradReducer(reducer, tied)
+    # 4. Precision: fp16's overflow vote spans every rank.
+    scaler = None
+    if config.precision == "fp16":
+        scaler = DynamicLossScaler(None if groups is None else groups.world_group,
+                                   init_scale=config.initial_loss_scale,
+                                   growth_interval=config.loss_scale_window)
+    runtime = TrainingRuntime(reducer, built, tied, scaler, OptimizerStep(
+        lambda: runtime.optimizer, view, scaler=scaler,
+        max_grad_norm=config.gradient_clipping))
+    return runtime
+
+
+def _sharded_optimizer(module: PipelineModule, tied: TiedWeightSynchronizer | None,
+                       factory: OptimizerFactory, groups: ProcessGroups,
+                       config: ParallelConfig) -> ShardedOptimizer:
+    """ZeRO-1 over the dp group, one region per stage (tied weights in their own region,
+    reduced after the owners' sum)."""
+    # the shards ZeRO-1 hands the factory are fp32 `nn.Parameter` masters
+    return ShardedOptimizer(zero_regions(module, tied),
+                            lambda shards: factory(cast(list[nn.Parameter], shards)),
+                            groups.dp_group, bucket_mb=config.bucket_mb)
+
+
+def zero_regions(module: PipelineModule, tied: TiedWeightSynchronizer | None
+                 ) -> dict[int, list[nn.Parameter]]:
+    """The parameters of each ZeRO-1 region: one per stage, tied weights in `TIED_REGION`
+    (the layout checkpoints must describe, too)."""
+    by_stage: dict[int, list[nn.Parameter]] = {
+        int(stage): module.stage_parameters(int(stage)) for stage in module.stages}
+    return split_tied(by_stage, tied.params) if tied is not None else by_stage
+
+
+def reduced_gradients(module: PipelineModule, optimizer: StepOptimizer | None
+                      ) -> dict[tuple[int, str], torch.Tensor]:
+    """(global layer index, parameter name) -> the gradient the last step used, after the
+    dp reduction (and tied sum, clipping, unscaling). Under ZeRO-1 the shards are
+    all-gathered: a collective over the dp group, for checks and debugging."""
+    if isinstance(optimizer, ShardedOptimizer):
+        gathered = optimizer.gather_grads()
+        return {key: gathered[id(param)] for key, param in module.named_layer_parameters()
+                if id(param) in gathered}
+    return {key: param.grad.detach().clone() for key, param in module.named_layer_parameters()
+            if param.grad is not None}
+
+
+def optimizer_state_bytes(optimizer: StepOptimizer | None) -> int:
+    """Bytes of this rank's optimizer-state tensors (moments, step counts)."""
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, ShardedOptimizer):
+        return optimizer.state_bytes()
+    return sum(value.numel() * value.element_size() for state in optimizer.state.values()
+               for value in state.values() if isinstance(value, torch.Tensor))

@@ -1,0 +1,70 @@
+"""Split backward without recomputation: I keeps each layer's output gradient, W uses it.
+
+Zero-bubble schedules run a stage's backward as I (gradient of the stage input) and, later,
+W (gradients of the weights). Differentiating the stage output again in W would redo the
+whole input-gradient chain. Instead, the forward hooks every parameterised layer's output;
+I, which must pass through those outputs to reach the stage input, leaves dL/dy_l in the
+hooks; W then differentiates each layer alone, y_l -> θ_l, which touches only that layer's
+weight-gradient ops (for a Linear, g^T x and nothing else).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.model.module import Stage
+from pipeline.runtime.batch import as_tensors
+
+__all__ = ["LayerGrads", "forward_capturing"]
+
+
+class LayerGrads:
+    """Each parameterised layer's outputs, their captured gradients, and its parameters."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple[list[nn.Parameter], list[torch.Tensor],
+                                list[torch.Tensor | None]]] = []
+
+    def watch(self, layer: nn.Module, output: Any) -> None:
+        """Hook the floating outputs of `layer` that require grad (none: nothing to do)."""
+        params = [p for p in layer.parameters() if p.requires_grad]
+        outputs = [t for t in as_tensors(output, "a layer's output")
+                   if t.is_floating_point() and t.requires_grad]
+        if not params or not outputs:
+            return
+        grads: list[torch.Tensor | None] = [None] * len(outputs)
+        for k, tensor in enumerate(outputs):
+            tensor.register_hook(_store(grads, k))
+        self.layers.append((params, outputs, grads))
+
+    def complete(self) -> bool:
+        """True when I delivered every hooked gradient (else W must start from the roots)."""
+        return all(g is not None for _, _, grads in self.layers for g in grads)
+
+    def backward_weights(self) -> None:
+        """W: accumulate every layer's weight gradients from its captured output gradient."""
+        layers, self.layers = self.layers, []
+        for params, outputs, grads in reversed(layers):
+            torch.autograd.backward(outputs, grads, inputs=params)
+
+
+def _store(grads: list[torch.Tensor | None], k: int) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        grads[k] = grad
+    return hook
+
+
+def forward_capturing(stage: Stage, x: Any) -> tuple[Any, LayerGrads | None]:
+    """Run `stage` layer by layer, hooking outputs for a split backward; with activation
+    checkpointing the layer outputs do not exist outside the checkpoints, so plain forward."""
+    if stage.checkpoint_interval > 0:
+        return stage(x), None
+    captured = LayerGrads()
+    for layer in stage.layers.values():
+        x = layer(x)
+        captured.watch(layer, x)
+    return x, captured
