@@ -36,9 +36,11 @@ _LAZY: dict[str, str] = {
     "Topology": "pipeline.parallel.topology",
     "TopologyError": "pipeline.parallel.topology",
     # 3D parallelism: data / tensor parallel, ZeRO-1, tied layers, mixed precision
-    "ParallelConfig": "pipeline.runtime.parallel_setup",
+    "EngineConfig": "pipeline.runtime.config",
+    "ParallelConfig": "pipeline.parallel.config",
+    "ZeroStage": "pipeline.parallel.config",
+    "ZeroStageError": "pipeline.parallel.config",
     "ProcessGroups": "pipeline.parallel.groups",
-    "ZeroStageError": "pipeline.parallel.groups",
     "current_process_groups": "pipeline.model.build_context",
     "TiedLayerSpec": "pipeline.model.tied",
     "ShardedOptimizer": "pipeline.parallel.zero",

@@ -7,12 +7,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import wraps
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar, cast
 
 from schedules.errors import ScheduleConfigError
 from schedules.instructions import COMPUTE_KINDS, Instruction, Kind, format_stream, parse_stream
 
-__all__ = ["Schedule", "check_count", "gc_paused", "loop_placement", "v_placement"]
+__all__ = ["Schedule", "check_count", "count_problem", "gc_paused", "loop_placement",
+           "v_placement"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -44,13 +45,21 @@ def gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     return wrapper
 
 
+def count_problem(name: str, value: object, *, minimum: int = 1, hint: str = "") -> str | None:
+    """What is wrong with `value` as a count (an int >= `minimum`, not a bool), or None."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"{name} must be an int >= {minimum}, got {value!r}{hint}"
+    if value < minimum:
+        return f"{name} must be >= {minimum}, got {value}{hint}"
+    return None
+
+
 def check_count(name: str, value: object, *, minimum: int = 1, hint: str = "") -> int:
     """Return `value` if it is an int >= `minimum`, else raise a `ScheduleConfigError`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ScheduleConfigError(f"{name} must be an int >= {minimum}, got {value!r}{hint}")
-    if value < minimum:
-        raise ScheduleConfigError(f"{name} must be >= {minimum}, got {value}{hint}")
-    return value
+    problem = count_problem(name, value, minimum=minimum, hint=hint)
+    if problem is not None:
+        raise ScheduleConfigError(problem)
+    return cast(int, value)  # count_problem proved it an int
 
 
 def loop_placement(num_ranks: int, chunks: int) -> tuple[int, ...]:

@@ -20,7 +20,6 @@ __all__ = [
     "build_layer",
     "check_tied_specs",
     "count_parameters",
-    "layer_type_name",
     "normalize_layers",
     "seeded",
     "tied_seed",
@@ -188,17 +187,6 @@ def build_layer(layer: Layer, index: int, *, base_seed: int | None,
     else:
         module = _Call(layer)
     return module.to(device) if device is not None else module
-
-
-def layer_type_name(layer: Layer) -> str:
-    """The class name that ``type:<regex>`` partitioning matches against."""
-    if isinstance(layer, LayerSpec):
-        return layer.name
-    if isinstance(layer, TiedLayerSpec):
-        return getattr(layer.cls, "__name__", type(layer.cls).__name__)
-    if isinstance(layer, nn.Module):
-        return type(layer).__name__
-    return getattr(layer, "__name__", type(layer).__name__)
 
 
 def count_parameters(layer: Layer) -> int:

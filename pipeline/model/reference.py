@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,11 +12,11 @@ from torch import nn
 
 from pipeline.model.layers import Layer, build_layer, normalize_layers
 from pipeline.model.module import LossFn
+from pipeline.parallel.optimizer import OptimizerFactory
 
-__all__ = ["OptimizerFactory", "ReferenceResult", "build_reference", "reference_forward",
+__all__ = ["ReferenceResult", "build_reference", "reference_forward",
            "reference_step"]
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 """``lambda params: torch.optim.SGD(params, lr=0.1)``."""
 
 ParamKey = tuple[int, str]

@@ -13,19 +13,13 @@ from pipeline.parallel.topology import RankPosition, Topology, TopologyError
 __all__ = [
     "MESH_DIM_NAMES",
     "ProcessGroups",
-    "ZeroStageError",
     "check_world_size",
-    "check_zero_stage",
     "create_process_groups",
 ]
 
 MESH_DIM_NAMES = ("pp", "dp", "tp")
 """DeviceMesh dimension names, outermost first: the mesh is arange(world).view(pp, dp, tp),
 which is exactly `Topology`'s rank order."""
-
-
-class ZeroStageError(ValueError):
-    """A ZeRO stage that does not exist, or that cannot run together with pipeline parallelism."""
 
 
 @dataclass(frozen=True)
@@ -58,13 +52,6 @@ class ProcessGroups:
     def dp_size(self) -> int:
         return self.topology.dp
 
-    @property
-    def tp_size(self) -> int:
-        return self.topology.tp
-
-    @property
-    def pp_size(self) -> int:
-        return self.topology.pp
 
 
 def check_world_size(topology: Topology, world_size: int) -> None:
@@ -75,28 +62,6 @@ def check_world_size(topology: Topology, world_size: int) -> None:
             f"data_parallel={topology.dp} × tensor_parallel={topology.tp} = "
             f"{topology.world_size}; launch {topology.world_size} processes or choose sizes "
             f"whose product is {world_size} (Topology.for_world({world_size}, dp=..., tp=...))")
-
-
-def check_zero_stage(stage: int, pipeline_parallel: int) -> None:
-    """Refuse ZeRO stages other than 0 and 1 when the model is split into a pipeline.
-
-    ZeRO-2 shards gradients and ZeRO-3 also parameters, both reducing (and for ZeRO-3
-    re-gathering) per backward pass. A pipeline runs m backward passes per stage and step,
-    accumulating gradients across microbatches, so ZeRO-2/3 would communicate m times per
-    step instead of once, and the accumulated gradient must persist anyway (DeepSpeed refuses
-    the combination for this reason: "ZeRO-2 and ZeRO-3 are incompatible with pipeline
-    parallelism"). ZeRO-1 shards only optimizer state, touched once per step.
-    """
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-        raise ZeroStageError(f"zero_stage must be 0, 1, 2 or 3, got {stage!r}")
-    if stage >= 2 and pipeline_parallel > 1:
-        raise ZeroStageError(
-            f"zero_stage={stage} cannot be combined with pipeline_parallel="
-            f"{pipeline_parallel}: ZeRO-{stage} shards gradients"
-            f"{' and parameters' if stage == 3 else ''} and would reduce-scatter after every "
-            f"microbatch's backward, while a pipeline accumulates gradients over all m "
-            f"microbatches before one step (the reason DeepSpeed refuses it too). Use "
-            f"zero_stage=1 (optimizer state sharded over the data-parallel group) or 0")
 
 
 def create_process_groups(topology: Topology, *, use_device_mesh: bool = True) -> ProcessGroups:

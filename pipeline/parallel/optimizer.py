@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 __all__ = ["OptimizerFactory", "make_optimizer"]
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-"""``lambda params: torch.optim.SGD(params, lr=0.1)``: called once with this rank's parameters."""
+OptimizerFactory = Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer]
+"""``lambda params: torch.optim.SGD(params, lr=0.1)``: called once with this rank's parameters
+(under ZeRO-1, with the fp32 shard tensors of this rank's part of them)."""
 
 
 def make_optimizer(optimizer: OptimizerFactory | torch.optim.Optimizer | None,

@@ -16,7 +16,6 @@ from pipeline.parallel.param_marks import is_tensor_parallel, is_tied_duplicate
 
 __all__ = [
     "DynamicLossScaler",
-    "MasterWeights",
     "Precision",
     "autocast",
     "clip_coefficient",
@@ -41,27 +40,6 @@ def autocast(precision: Precision, device_type: str = "cpu") -> AbstractContextM
     if precision not in _AUTOCAST_DTYPES:
         raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
     return torch.autocast(device_type, dtype=_AUTOCAST_DTYPES[precision])
-
-
-class MasterWeights:
-    """fp32 copies of parameters stored in bf16/fp16 (to halve weight memory); the optimizer
-    steps the copies, the model computes with the low-precision originals."""
-
-    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
-        self.model_params = [p for p in params if p.requires_grad]
-        self.master_params = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True))
-                              for p in self.model_params]
-
-    def copy_grads_to_master(self) -> None:
-        """Before the step: fp32 gradients from the low-precision model gradients."""
-        for model, master in zip(self.model_params, self.master_params):
-            master.grad = None if model.grad is None else model.grad.to(torch.float32)
-
-    def copy_master_to_model(self) -> None:
-        """After the step: round the updated fp32 weights into the model."""
-        with torch.no_grad():
-            for model, master in zip(self.model_params, self.master_params):
-                model.copy_(master)
 
 
 def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
@@ -142,10 +120,6 @@ class DynamicLossScaler:
         self.growth_interval, self.min_scale = growth_interval, min_scale
         self.clean_steps = 0
         self.skipped_steps = 0
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on."""
-        return loss * self.scale
 
     def found_overflow(self, grads: Iterable[torch.Tensor]) -> bool:
         """Collective: True on every rank if any rank's gradients hold inf or NaN."""

@@ -33,16 +33,6 @@ class RankPosition:
     tp_group: tuple[int, ...]
     """Ranks that split this stage's tensors."""
 
-    @property
-    def next_rank(self) -> int | None:
-        """Global rank of the next pipeline rank, None on the last stage."""
-        return None if self.is_last_stage else self.pipeline_ranks[self.pp_rank + 1]
-
-    @property
-    def prev_rank(self) -> int | None:
-        """Global rank of the previous pipeline rank, None on the first stage."""
-        return None if self.is_first_stage else self.pipeline_ranks[self.pp_rank - 1]
-
 
 @dataclass(frozen=True)
 class Topology:

@@ -32,15 +32,14 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB, CommStats
+from pipeline.parallel.optimizer import OptimizerFactory
 from pipeline.parallel.precision import clip_coefficient, counts_in_norm, global_grad_norm
 
-__all__ = ["Collective", "OptimizerFactory", "ShardedOptimizer", "detect_reduce_scatter"]
+__all__ = ["Collective", "ShardedOptimizer", "detect_reduce_scatter"]
 
 Collective = Literal["auto", "reduce_scatter", "all_reduce", "all_to_all"]
-OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 _Finish = Callable[[], None]
-"""Builds the inner optimizer over the fp32 shard tensors, e.g.
-`lambda shards: torch.optim.Adam(shards, lr=1e-3)`."""
+"""Completes one pending collective's bookkeeping once its work handle is waited."""
 
 
 def detect_reduce_scatter(group: ProcessGroup | None) -> bool:
@@ -225,10 +224,6 @@ class ShardedOptimizer:
         return sum(value.numel() * value.element_size()
                    for state in self.optimizer.state.values()
                    for value in state.values() if isinstance(value, torch.Tensor))
-
-    def master_bytes(self) -> int:
-        """Bytes of the fp32 master shards (the inner optimizer's parameters)."""
-        return sum(r.master.numel() * r.master.element_size() for r in self._regions.values())
 
     # -- internals --------------------------------------------------------------------------
 

@@ -1,19 +1,38 @@
-"""Batches and activations: split into microbatches, join back, describe by shape signature."""
+"""Batches and activations: split into microbatches, join back, describe by their `Layout`."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from pipeline.errors import PipelineConfigError
 
-__all__ = ["Batch", "as_tensors", "join_microbatches", "signature", "split_microbatches",
-           "take_microbatches"]
+__all__ = ["Batch", "Layout", "TensorLayout", "as_tensors", "join_microbatches",
+           "split_microbatches", "take_microbatches"]
 
-Batch = torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]
-"""What flows in and between stages: a tensor or a tuple of tensors."""
+Batch = torch.Tensor | tuple[torch.Tensor, ...]
+"""What flows into and between stages: a tensor or a tuple of tensors."""
+
+TensorLayout = tuple[tuple[int, ...], torch.dtype]
+"""Shape and dtype of one tensor."""
+
+
+class Layout(NamedTuple):
+    """The layout of one message (an activation, its gradient, a batch): what a receiver
+    must know to allocate it, and what a shape header carries."""
+
+    is_tuple: bool
+    """Whether the value is a tuple of tensors (else one tensor)."""
+    tensors: tuple[TensorLayout, ...]
+    """Shape and dtype of each tensor, in order."""
+
+    @classmethod
+    def of(cls, value: Batch, what: str = "value") -> Layout:
+        """The layout of `value`; equal layouts mean equal messages."""
+        return cls(not isinstance(value, torch.Tensor),
+                   tuple((tuple(t.shape), t.dtype) for t in as_tensors(value, what)))
 
 
 def as_tensors(value: Any, what: str) -> tuple[torch.Tensor, ...]:
@@ -76,10 +95,3 @@ def join_microbatches(outputs: Sequence[Any]) -> Any:
     if isinstance(first, torch.Tensor):
         return torch.cat(list(outputs))
     return tuple(torch.cat([out[k] for out in outputs]) for k in range(len(first)))
-
-
-def signature(value: Any) -> tuple[Any, ...]:
-    """(is a tuple, ((shape, dtype), ...)): equal signatures mean equal message layouts."""
-    tensors = as_tensors(value, "value") if value is not None else ()
-    return (not isinstance(value, torch.Tensor),
-            tuple((tuple(t.shape), str(t.dtype)) for t in tensors))

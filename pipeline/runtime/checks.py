@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from pipeline.errors import PipelineConfigError
@@ -14,14 +12,14 @@ __all__ = ["check_engine_arguments"]
 
 
 def check_engine_arguments(*, optimizer: object, topology: object, groups: object,
-                           gradient_reducer: object, device: object, timeout: object,
-                           dynamic_shapes: object) -> None:
-    """Raise one `PipelineConfigError` listing every argument of the wrong type or range.
+                           gradient_reducer: object, device: object) -> None:
+    """Raise one `PipelineConfigError` listing every object argument of the wrong type (the
+    options are `EngineConfig`'s to check).
 
     Pure, so every rank refuses the same arguments without waiting for the others; before
     the module is materialized, so a bad optimizer is refused before any layer is built.
     """
-    problems = []  # schedule and num_microbatches: `plan.resolve_schedule` checks them
+    problems = []
     if optimizer is not None and not (isinstance(optimizer, torch.optim.Optimizer)
                                       or callable(optimizer)):
         problems.append(f"optimizer must be a torch.optim.Optimizer or a factory "
@@ -37,10 +35,5 @@ def check_engine_arguments(*, optimizer: object, topology: object, groups: objec
     if device is not None and not isinstance(device, torch.device):
         problems.append(f"device must be None or a torch.device such as torch.device('cpu'), "
                         f"got {device!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not (
-            math.isfinite(timeout) and timeout > 0):
-        problems.append(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    if not isinstance(dynamic_shapes, bool):
-        problems.append(f"dynamic_shapes must be True or False, got {dynamic_shapes!r}")
     if problems:
         raise PipelineConfigError("PipelineEngine: " + "; ".join(problems))

@@ -1,4 +1,6 @@
-"""Every byte between ranks: point-to-point isend/irecv, shape headers, and the few collectives.
+"""Traffic between pipeline ranks: point-to-point isend/irecv, shape headers, and the step's
+pipeline-wide agreements (batch vote, loss broadcast); data/tensor-parallel collectives live in
+`pipeline.parallel`, checkpoint collectives in `pipeline.checkpoint`.
 
 Sends are posted as soon as a tensor exists and waited only at the end of the step (the
 tensors are kept alive until then); receives are posted at the RECV instruction and waited
@@ -18,11 +20,9 @@ import torch.distributed as dist
 
 from pipeline.device import process_group_timeout
 from pipeline.errors import PipelineConfigError
+from pipeline.runtime.batch import Layout
 
-__all__ = ["HEADER_LENGTH", "Comm", "Meta", "PendingRecv"]
-
-Meta = tuple[bool, tuple[tuple[tuple[int, ...], torch.dtype], ...]]
-"""(is a tuple, ((shape, dtype), ...)): the layout of one message."""
+__all__ = ["HEADER_LENGTH", "Comm", "PendingRecv", "decode_header", "encode_header"]
 
 HEADER_LENGTH = 64
 """int64 words in a shape header: [is_tuple, count, (dtype, ndim, *shape) per tensor]."""
@@ -33,9 +33,9 @@ _DTYPES: tuple[torch.dtype, ...] = (
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
-def encode_header(meta: Meta) -> torch.Tensor:
-    """The header tensor describing `meta`."""
-    is_tuple, layout = meta
+def encode_header(message: Layout) -> torch.Tensor:
+    """The header tensor describing `message`."""
+    is_tuple, layout = message
     words = [int(is_tuple), len(layout)]
     for shape, dtype in layout:
         if dtype not in _DTYPE_CODES:
@@ -52,7 +52,7 @@ def encode_header(meta: Meta) -> torch.Tensor:
     return header
 
 
-def decode_header(header: torch.Tensor) -> Meta:
+def decode_header(header: torch.Tensor) -> Layout:
     """Inverse of `encode_header`."""
     words = header.tolist()
     is_tuple, count, k = bool(words[0]), words[1], 2
@@ -61,7 +61,7 @@ def decode_header(header: torch.Tensor) -> Meta:
         dtype, ndim = _DTYPES[words[k]], words[k + 1]
         layout.append((tuple(words[k + 2:k + 2 + ndim]), dtype))
         k += 2 + ndim
-    return is_tuple, tuple(layout)
+    return Layout(is_tuple, tuple(layout))
 
 
 @dataclass
@@ -118,7 +118,7 @@ class Comm:
     def _wait(self, work: Any) -> None:
         work.wait(self.timeout)
 
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, *, header: Meta | None) -> None:
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, *, header: Layout | None) -> None:
         """Post isends of `tensors` to pipeline rank `peer`, preceded by a shape header when
         `header` is given; return at once."""
         payload = [t.detach().contiguous() for t in tensors]
@@ -127,16 +127,17 @@ class Comm:
         self._prune()  # drop finished sends so their tensors (activations) can be freed
         self._sends.append(([self._send(t, peer) for t in payload], payload))
 
-    def recv_header(self, peer: int) -> Meta:
+    def recv_header(self, peer: int) -> Layout:
         """Block until the next shape header from `peer` arrives; return its layout."""
         header = torch.empty(HEADER_LENGTH, dtype=torch.int64, device=self.device)
         self._wait(self._recv(header, peer))
         return decode_header(header.cpu())
 
-    def recv(self, layout: Sequence[tuple[tuple[int, ...], torch.dtype]],
-             peer: int) -> PendingRecv:
-        """Post irecvs for one message of `layout` from `peer`; wait on the result later."""
-        buffers = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in layout]
+    def recv(self, message: Layout, peer: int) -> PendingRecv:
+        """Post irecvs for one message of layout `message` from `peer`; wait on the result
+        later."""
+        buffers = [torch.empty(shape, dtype=dtype, device=self.device)
+                   for shape, dtype in message.tensors]
         return PendingRecv([self._recv(b, peer) for b in buffers], buffers, peer, self.timeout)
 
     def _prune(self) -> None:
@@ -163,16 +164,13 @@ class Comm:
 
     def agree(self, value: int, *, failed: bool, pp_rank: int) -> tuple[int, list[int]]:
         """One all-reduce: the sum of every rank's `value` (only one rank contributes a
-        non-zero one) and the pipeline ranks that reported `failed`."""
-        flags = torch.tensor([value, (1 << min(pp_rank, 62)) if failed else 0],
-                             dtype=torch.int64)
+        non-zero one) and the pipeline ranks that reported `failed`, in order."""
+        # one slot per pipeline rank (not a bitmask in one int64: that saturates at 63 ranks)
+        flags = torch.zeros(1 + len(self.pipeline_ranks), dtype=torch.int64)
+        flags[0] = value
+        flags[1 + pp_rank] = int(failed)
         dist.all_reduce(flags, group=self.group)
-        mask = int(flags[1])
-        return int(flags[0]), [r for r in range(63) if mask >> r & 1]
-
-    def barrier(self) -> None:
-        """Every pipeline rank reaches this point before any leaves (aligns clocks)."""
-        dist.barrier(group=self.group)
+        return int(flags[0]), [rank for rank, flag in enumerate(flags[1:].tolist()) if flag]
 
     def all_gather_object(self, value: Any) -> list[Any]:
         """Every pipeline rank's `value`, in pipeline-rank order."""

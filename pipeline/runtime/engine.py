@@ -17,24 +17,23 @@ from pipeline.device import default_device, synchronize
 from pipeline.errors import PipelineConfigError, PipelineStepError
 from pipeline.launcher.failure import read_failure, report_failure, start_watchdog
 from pipeline.model.module import PipelineModule
-from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB, GradReducer
+from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
 from pipeline.parallel.optimizer import OptimizerFactory
 from pipeline.parallel.optimizer_step import StepOptimizer
-from pipeline.parallel.precision import Precision
 from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.batch import (
+    Layout,
     join_microbatches,
-    signature,
     split_microbatches,
     take_microbatches,
 )
 from pipeline.runtime.checks import check_engine_arguments
 from pipeline.runtime.comm import Comm
-from pipeline.runtime.interpreter import Interpreter, StepState
+from pipeline.runtime.config import EngineConfig
+from pipeline.runtime.interpreter import InstructionFailed, Interpreter, StepState
 from pipeline.runtime.parallel_setup import (
-    ParallelConfig,
     needs_process_groups,
     optimizer_state_bytes,
     reduced_gradients,
@@ -63,69 +62,68 @@ class PipelineEngine:
     (any initialised process group). It checks that the ranks agree, builds this rank's
     stages, and then `train_batch` runs this rank's lowered instruction stream.
 
-    Beyond the pipeline (fields documented on `ParallelConfig`): ``data_parallel``,
-    ``tensor_parallel`` (world size = num_stages × data_parallel × tensor_parallel, or pass
-    ``topology``), ``zero_stage`` (0 or 1), ``precision`` ('fp32', 'bf16', 'fp16'),
-    ``gradient_clipping``, ``bucket_mb``, ``initial_loss_scale``, ``loss_scale_window``.
+    What it runs is one typed value, `EngineConfig` (schedule, microbatches, timeout, and a
+    `ParallelConfig`: dp / tp sizes, `ZeroStage`, precision, clipping); the keyword form
+    ``PipelineEngine(module, schedule="1f1b", num_microbatches=8, zero_stage=1)`` builds it
+    from the fields' names. The objects it is handed stay arguments: the optimizer (or a
+    factory), a `Topology` (else pp × dp × tp from the world size), process groups, a
+    gradient reducer and the device.
     """
 
-    def __init__(self, module: PipelineModule, *, schedule: str | Schedule = "1f1b",
-                 num_microbatches: int | None = None,
+    def __init__(self, module: PipelineModule, config: EngineConfig | None = None, *,
                  optimizer: OptimizerFactory | torch.optim.Optimizer | None = None,
-                 topology: Topology | None = None,
-                 groups: ProcessGroups | None = None,
+                 topology: Topology | None = None, groups: ProcessGroups | None = None,
                  gradient_reducer: GradReducer | None = None,
-                 device: torch.device | None = None, timeout: float = 300.0,
-                 dynamic_shapes: bool = False, data_parallel: int | None = None,
-                 tensor_parallel: int = 1, zero_stage: int = 0, precision: Precision = "fp32",
-                 gradient_clipping: float | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 initial_loss_scale: float = 2.0**16, loss_scale_window: int = 1000) -> None:
+                 device: torch.device | None = None, **options: Any) -> None:
         if not isinstance(module, PipelineModule):
             raise TypeError(f"PipelineEngine needs a PipelineModule, got {type(module).__name__}")
+        if config is not None and options:
+            raise PipelineConfigError(f"pass either config= or the options {sorted(options)} "
+                                      f"(EngineConfig fields), not both")
+        if config is not None and not isinstance(config, EngineConfig):
+            raise PipelineConfigError(f"config must be an EngineConfig, got {config!r}")
+        self.config = config if config is not None else EngineConfig.from_options(**options)
+        """What this engine was told (validated on construction)."""
         check_engine_arguments(optimizer=optimizer, topology=topology, groups=groups,
-                               gradient_reducer=gradient_reducer, device=device,
-                               timeout=timeout, dynamic_shapes=dynamic_shapes)
+                               gradient_reducer=gradient_reducer, device=device)
         if not dist.is_initialized():
-            raise PipelineConfigError("no process group: run inside pipeline.launcher(fn, "
+            raise PipelineConfigError("no process group: run inside pipeline.launch(fn, "
                                       "world_size) or torchrun, or call "
                                       "torch.distributed.init_process_group first")
+        parallel = self.config.parallel
         # 1. The grid (pp × dp × tp = world size) and this rank's place in it.
         world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.config = ParallelConfig(
-            data_parallel=data_parallel, tensor_parallel=tensor_parallel, zero_stage=zero_stage,
-            precision=precision, gradient_clipping=gradient_clipping, bucket_mb=bucket_mb,
-            initial_loss_scale=initial_loss_scale, loss_scale_window=loss_scale_window)
-        """Data/tensor parallel sizes, ZeRO stage, precision, clipping (validated)."""
-        topology = resolve_topology(world, module.num_stages, topology, self.config)
+        topology = resolve_topology(world, module.num_stages, topology, parallel)
         self.topology = topology
         self.position = topology.position(self.rank)
         self.pp_rank = self.position.pp_rank
         # 2. The schedule: fits the module, validates, and every rank agrees on it.
-        self.schedule = resolve_schedule(schedule, module, num_microbatches)
+        self.schedule = resolve_schedule(self.config.schedule, module,
+                                         self.config.num_microbatches)
         self.eval_schedule = forward_schedule(self.schedule)
         prints: list[Any] = [None] * world
         dist.all_gather_object(prints, fingerprint(module, self.schedule, world, {
-            "dynamic_shapes": dynamic_shapes, "topology": (topology.pp, topology.dp,
-                                                           topology.tp),
-            "parallel": repr(self.config)}))
+            "dynamic_shapes": self.config.dynamic_shapes,
+            "topology": (topology.pp, topology.dp, topology.tp), "parallel": repr(parallel)}))
         check_agreement(prints, list(range(world)))
         start_watchdog(self.rank)
         # 3. This rank's groups, stages (tp layers get their group), reducer, optimizer,
         #    STEP and channels.
         self.device = device or default_device()
         self.module = module
-        if groups is None and needs_process_groups(topology, self.config):
-            groups = create_process_groups(topology, use_device_mesh=False)
+        if groups is None and needs_process_groups(topology, parallel):
+            groups = create_process_groups(topology)
         self.groups = groups
         """pp/dp/tp process groups (None for a pure pipeline: the world is the pipeline)."""
         module.materialize(self.schedule.stages_of(self.pp_rank), self.device, groups=groups)
         self.training = setup_training(module, self.schedule.placement, topology, groups,
-                                       self.config, optimizer, gradient_reducer)
+                                       parallel, optimizer, gradient_reducer)
         """Reducer, optimizer, tied-weight sync, loss scaler and STEP of this rank."""
         pipeline_group = groups.pp_group if groups is not None else None
         self.gradient_reducer = self.training.reducer
-        self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group, timeout)
-        self._shapes = ShapeBook(always_dynamic=dynamic_shapes)
+        self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group,
+                         self.config.timeout)
+        self._shapes = ShapeBook(always_dynamic=self.config.dynamic_shapes)
         self._trace = Trace(self.pp_rank)
         self._interpreter = Interpreter(
             module=module, pp_rank=self.pp_rank, placement=self.schedule.placement,
@@ -134,8 +132,8 @@ class PipelineEngine:
             loss_fn=module.loss_fn, optimizer_step=self.training.step, device=self.device,
             split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
                                    if op.kind is Kind.I),
-            precision=self.config.precision, loss_scale=self.training.loss_scale)
-        self._last_stream: Schedule = self.schedule
+            precision=parallel.precision, loss_scale=self.training.loss_scale)
+        self._last_schedule: Schedule = self.schedule
         self.last_stats: StepStats | None = None
         """What this rank measured in the last step (None before the first)."""
         self.last_loss: float | None = None
@@ -204,6 +202,10 @@ class PipelineEngine:
         process would for the mean loss over the full batch. Only the ranks holding the
         first stage need inputs, the last stage targets.
         """
+        if self.module.loss_fn is None:  # known on every rank: all refuse before any message
+            raise PipelineConfigError("train_batch needs a loss: build the module with "
+                                      "PipelineModule(layers, num_stages, loss_fn=...) "
+                                      "(eval_batch runs without one)")
         self.module.train()
         self.module.zero_grad(set_to_none=True)
         loss, _ = self._run(self.schedule, inputs, targets, data_iter, training=True)
@@ -233,7 +235,7 @@ class PipelineEngine:
                  data_iter: Iterator[tuple[Any, Any]] | None,
                  training: bool) -> tuple[list[Any] | None, list[Any] | None]:
         """This rank's microbatches, after every rank agreed that the batch is usable and on
-        its shape signature (when it changed, this step's forward messages carry headers)."""
+        its layout (when it changed, this step's forward messages carry headers)."""
         first, last = self.is_first_stage(), self.is_last_stage()
         problem: Exception | None = None
         microbatches = split_targets = None
@@ -253,7 +255,7 @@ class PipelineEngine:
             problem = error
         local = 0
         if first and problem is None and microbatches is not None:
-            shapes = [signature(x) for x in microbatches]
+            shapes = [Layout.of(x, "inputs") for x in microbatches]
             local = zlib.crc32(repr((shapes, training)).encode()) + 1
         # also aligns the ranks' clocks: every rank leaves it within a message time
         agreed, refused = self.comm.agree(local, failed=problem is not None,
@@ -276,14 +278,13 @@ class PipelineEngine:
         microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
         # 2. Run this rank's stream.
         state = StepState(microbatches, split_targets, training)
-        self._interpreter.state = state
         self._trace.restart()
         stream = schedule.streams[self.pp_rank]
-        for step, op in enumerate(stream):
-            try:
-                self._interpreter.execute(op)
-            except Exception as error:
-                raise self._failure(schedule, step, op, error) from error
+        try:
+            self._interpreter.run(stream, state)
+        except InstructionFailed as failed:
+            cause = failed.__cause__ if isinstance(failed.__cause__, Exception) else failed
+            raise self._failure(schedule, failed.step, failed.op, cause) from cause
         # 3. Wait for the sends, then share the loss with every rank.
         try:
             self.comm.wait_sends()
@@ -291,12 +292,11 @@ class PipelineEngine:
             raise self._failure(schedule, len(stream) - 1, stream[-1], error) from error
         synchronize(self.device)
         step_time = time.perf_counter() - self._trace.origin
-        self._interpreter.state = StepState(None, None, True)
         left = state.leftovers()
         if left:  # the validated schedule frees everything: anything left is an engine bug
             raise RuntimeError(f"internal error: the step ended holding {left}")
         self._shapes.end_step()
-        self._last_stream = schedule
+        self._last_schedule = schedule
         self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
                                     measured_costs(self._trace.spans))
         total = torch.stack(state.losses).sum().double().cpu() if state.losses else \
@@ -371,7 +371,7 @@ class PipelineEngine:
             shift = origin - first if same_host else 0.0
             spans += [span._replace(start=span.start + shift, end=span.end + shift)
                       for span in rank_spans]
-        schedule = self._last_stream
+        schedule = self._last_schedule
         return Timeline.from_spans(spans, schedule.num_ranks, name=f"{schedule.name} (measured)",
                                    num_microbatches=schedule.num_microbatches,
                                    chunks=schedule.chunks, unit="s")

@@ -20,18 +20,26 @@ from pipeline.launcher.failure import PROGRESS, explain_stall
 from pipeline.model.module import LossFn, PipelineModule, Stage
 from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.precision import Precision, autocast
-from pipeline.runtime.batch import as_tensors
-from pipeline.runtime.comm import Comm, Meta, PendingRecv
+from pipeline.runtime.batch import Batch, Layout, as_tensors
+from pipeline.runtime.comm import Comm, PendingRecv
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.split_backward import LayerGrads, forward_capturing
 from pipeline.runtime.trace import Trace
 from schedules import Instruction, Kind
 
-__all__ = ["Interpreter", "StepState"]
+__all__ = ["InstructionFailed", "Interpreter", "StepState"]
 
 Key = tuple[int, int]  # (stage, microbatch)
 _T = TypeVar("_T")
 _now = time.perf_counter
+
+
+class InstructionFailed(Exception):
+    """Instruction `step` of a stream (`op`) raised; the cause is `__cause__`."""
+
+    def __init__(self, step: int, op: Instruction) -> None:
+        super().__init__(f"instruction {op} (step {step}) failed")
+        self.step, self.op = step, op
 
 
 @dataclass
@@ -44,8 +52,8 @@ class _Saved:
     """Tensors to differentiate: the scaled loss, or the output tensors requiring grad."""
     root_index: list[int]
     """Position of each root among the output's floating tensors (grads arrive for all)."""
-    grad_layout: list[tuple[tuple[int, ...], torch.dtype]]
-    """Shape and dtype of every floating output tensor: the layout of the incoming gradient."""
+    grad_layout: Layout
+    """Every floating output tensor's shape and dtype: the incoming gradient's layout."""
     root_grads: list[torch.Tensor] | None = None
     """Kept from I for W."""
     layer_grads: LayerGrads | None = None
@@ -56,19 +64,19 @@ class _Saved:
 class StepState:
     """Everything one step holds between instructions; empty again when the step ends."""
 
-    microbatches: Sequence[Any] | None
+    microbatches: Sequence[Batch] | None
     targets: Sequence[Any] | None
     training: bool
-    inputs: dict[Key, Any] = field(default_factory=dict)
+    inputs: dict[Key, Batch] = field(default_factory=dict)
     loaded_targets: dict[int, Any] = field(default_factory=dict)
     saved: dict[Key, _Saved] = field(default_factory=dict)
     recv_f: dict[Key, tuple[PendingRecv, bool]] = field(default_factory=dict)
     recv_b: dict[Key, PendingRecv] = field(default_factory=dict)
     out_grads: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
-    send_f: dict[Key, Any] = field(default_factory=dict)
+    send_f: dict[Key, Batch] = field(default_factory=dict)
     send_b: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
-    outputs: dict[int, Any] = field(default_factory=dict)
+    outputs: dict[int, Batch] = field(default_factory=dict)
     peak_activations: int = 0
     recv_wait: float = 0.0
 
@@ -81,17 +89,17 @@ class StepState:
         return {name: len(entries) for name, entries in held.items() if entries}
 
 
-def _floats(value: Any) -> list[torch.Tensor]:
+def _floats(value: Batch) -> list[torch.Tensor]:
     return [t for t in as_tensors(value, "a stage's output") if t.is_floating_point()]
 
 
-def _detach(value: Any) -> Any:
+def _detach(value: Batch) -> Batch:
     if isinstance(value, torch.Tensor):
         return value.detach()
     return tuple(t.detach() for t in value)
 
 
-def _make_leaves(value: Any) -> tuple[Any, list[torch.Tensor]]:
+def _make_leaves(value: Batch) -> tuple[Batch, list[torch.Tensor]]:
     """Detached copy of `value` whose floating tensors require grad, and those tensors."""
     tensors = [t.detach().requires_grad_(True) if t.is_floating_point() else t
                for t in as_tensors(value, "a stage's input")]
@@ -140,6 +148,19 @@ class Interpreter:
             Kind.SEND_B: self.send_backward, Kind.RECV_B: self.recv_backward,
             Kind.REDUCE_GRAD: self.reduce_grad, Kind.STEP: self.step,
         }
+
+    def run(self, stream: Sequence[Instruction], state: StepState) -> None:
+        """Run one step's `stream` on `state` (this rank's microbatches and what the step
+        holds); an instruction that raises is reported as `InstructionFailed`."""
+        self.state = state
+        try:
+            for step, op in enumerate(stream):
+                try:
+                    self.execute(op)
+                except Exception as error:
+                    raise InstructionFailed(step, op) from error
+        finally:
+            self.state = StepState(None, None, True)  # hold nothing between steps
 
     def execute(self, op: Instruction) -> None:
         """Run one instruction and record its span (receive waits get their own span)."""
@@ -193,7 +214,7 @@ class Interpreter:
 
     # -- compute ---------------------------------------------------------------------------
 
-    def _take_input(self, s: int, i: int) -> Any:
+    def _take_input(self, s: int, i: int) -> Batch:
         state = self.state
         if s == 0 or self._local(s - 1):
             return state.inputs.pop((s, i))
@@ -228,18 +249,17 @@ class Interpreter:
             # scales it so small gradients survive the half-precision backward
             scale = self.loss_scale()
             root = loss / self.m if scale == 1.0 else loss * (scale / self.m)
-            saved = _Saved(leaves, [root], [], [])
+            saved = _Saved(leaves, [root], [], Layout(True, ()))
         else:
             floats = _floats(out)
             index = [k for k, t in enumerate(floats) if t.requires_grad]
-            saved = _Saved(leaves, [floats[k] for k in index], index,
-                           [(tuple(t.shape), t.dtype) for t in floats])
+            saved = _Saved(leaves, [floats[k] for k in index], index, Layout.of(tuple(floats)))
             self._forward_done(s, i, out)
         saved.layer_grads = layer_grads
         state.saved[(s, i)] = saved
         state.peak_activations = max(state.peak_activations, len(state.saved))
 
-    def _run_stage(self, s: int, x: Any) -> Any:
+    def _run_stage(self, s: int, x: Batch) -> Batch:
         with autocast(self.precision, self.device.type):
             return self.stages[s](x)
 
@@ -257,7 +277,7 @@ class Interpreter:
             raise ValueError("training needs a loss: PipelineModule(..., loss_fn=...)")
         return self.loss_fn(out, target)
 
-    def _forward_done(self, s: int, i: int, out: Any) -> None:
+    def _forward_done(self, s: int, i: int, out: Batch) -> None:
         state = self.state
         if s == self.last_stage:
             state.outputs[i] = _detach(out)
@@ -317,17 +337,15 @@ class Interpreter:
     def send_forward(self, op: Instruction) -> None:
         out = self.state.send_f.pop((op.stage, op.microbatch))
         tensors = as_tensors(out, "a stage's output")
-        meta: Meta = (not isinstance(out, torch.Tensor),
-                      tuple((tuple(t.shape), t.dtype) for t in tensors))
-        header = self.shapes.sending(op.stage + 1, meta)
+        header = self.shapes.sending(op.stage + 1, Layout.of(out))
         self.comm.send(tensors, op.peer, header=header)
 
     def recv_forward(self, op: Instruction) -> None:
         s = op.stage
-        meta = self.shapes.receiving(s, lambda: self._blocked(
+        message = self.shapes.receiving(s, lambda: self._blocked(
             op.peer, f"the shape header of {op}", lambda: self.comm.recv_header(op.peer)))
-        is_tuple, layout = meta
-        self.state.recv_f[(s, op.microbatch)] = (self.comm.recv(layout, op.peer), is_tuple)
+        self.state.recv_f[(s, op.microbatch)] = (self.comm.recv(message, op.peer),
+                                                 message.is_tuple)
 
     def send_backward(self, op: Instruction) -> None:
         grads = self.state.send_b.pop((op.stage, op.microbatch))
@@ -350,7 +368,7 @@ class Interpreter:
         self.optimizer_step()
 
 
-def _to(value: Any, device: torch.device) -> Any:
+def _to(value: Batch, device: torch.device) -> Batch:
     if isinstance(value, torch.Tensor):
         return value.to(device, non_blocking=True)
     return tuple(t.to(device, non_blocking=True) for t in value)

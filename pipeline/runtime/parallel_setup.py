@@ -17,29 +17,23 @@ callable (overflow vote, clipping, step).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast, get_args
+from typing import cast
 
 import torch
 from torch import nn
 
 from pipeline.errors import PipelineConfigError
 from pipeline.model.module import PipelineModule
+from pipeline.parallel.config import ParallelConfig, ZeroStage
 from pipeline.parallel.data_parallel import (
-    DEFAULT_BUCKET_MB,
     GradReducer,
     NoOpGradReducer,
     broadcast_parameters,
     make_grad_reducer,
 )
-from pipeline.parallel.groups import (
-    ProcessGroups,
-    ZeroStageError,
-    check_world_size,
-    check_zero_stage,
-)
+from pipeline.parallel.groups import ProcessGroups, check_world_size
 from pipeline.parallel.optimizer import OptimizerFactory, make_optimizer
 from pipeline.parallel.optimizer_step import (
     GradientView,
@@ -48,7 +42,7 @@ from pipeline.parallel.optimizer_step import (
     ShardedGrads,
     StepOptimizer,
 )
-from pipeline.parallel.precision import DynamicLossScaler, Precision
+from pipeline.parallel.precision import DynamicLossScaler
 from pipeline.parallel.tied_sync import (
     TiedGradReducer,
     TiedWeightSynchronizer,
@@ -59,7 +53,6 @@ from pipeline.parallel.topology import Topology, TopologyError
 from pipeline.parallel.zero import ShardedOptimizer
 
 __all__ = [
-    "ParallelConfig",
     "TrainingRuntime",
     "needs_process_groups",
     "optimizer_state_bytes",
@@ -68,61 +61,6 @@ __all__ = [
     "setup_training",
     "zero_regions",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelConfig:
-    """How the engine trains beyond the pipeline itself (the engine's keyword arguments)."""
-
-    data_parallel: int | None = None
-    """Replicas (dp); each passes its own part of the batch. None: what the world size leaves
-    after pipeline_parallel × tensor_parallel."""
-    tensor_parallel: int = 1
-    """Ranks splitting each stage's tensors (tp); the model's layers must be tensor-parallel
-    layers (e.g. `LayerSpec(ColumnParallelLinear, ...)`) to gain from it."""
-    zero_stage: int = 0
-    """0: each replica holds the whole optimizer state; 1: it is sharded over dp (ZeRO-1).
-    2 and 3 are refused with a pipeline (they would communicate after every microbatch)."""
-    precision: Precision = "fp32"
-    """'bf16' or 'fp16': stages run under autocast, parameters and optimizer stay fp32
-    (master weights). 'fp16' adds dynamic loss scaling with a rank-wide overflow vote."""
-    gradient_clipping: float | None = None
-    """Clip gradients to this global norm over every rank (None: no clipping)."""
-    bucket_mb: float = DEFAULT_BUCKET_MB
-    """Size of one gradient reduction bucket."""
-    initial_loss_scale: float = 2.0**16
-    """fp16: the first loss scale."""
-    loss_scale_window: int = 1000
-    """fp16: clean steps before the loss scale doubles."""
-
-    def __post_init__(self) -> None:
-        problems = []
-        for name in ("data_parallel", "tensor_parallel"):
-            value = getattr(self, name)
-            if value is None and name == "data_parallel":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name} must be an int >= 1, got {value!r}")
-        if self.precision not in get_args(Precision):
-            problems.append(f"precision must be one of {get_args(Precision)}, got "
-                            f"{self.precision!r}")
-        if self.gradient_clipping is not None and not (
-                isinstance(self.gradient_clipping, int | float) and self.gradient_clipping > 0
-                and math.isfinite(self.gradient_clipping)):
-            problems.append(f"gradient_clipping must be a finite number > 0 or None, got "
-                            f"{self.gradient_clipping!r}")
-        if not (isinstance(self.bucket_mb, int | float) and self.bucket_mb > 0):
-            problems.append(f"bucket_mb must be > 0, got {self.bucket_mb!r} (DDP's default is "
-                            f"{DEFAULT_BUCKET_MB})")
-        if not (self.initial_loss_scale > 0 and math.isfinite(self.initial_loss_scale)):
-            problems.append(f"initial_loss_scale must be finite and > 0, got "
-                            f"{self.initial_loss_scale!r}")
-        if isinstance(self.loss_scale_window, bool) or not isinstance(
-                self.loss_scale_window, int) or self.loss_scale_window < 1:
-            problems.append(f"loss_scale_window must be an int >= 1, got "
-                            f"{self.loss_scale_window!r}")
-        if problems:
-            raise PipelineConfigError("; ".join(problems))
 
 
 def resolve_topology(world_size: int, num_stages: int, topology: Topology | None,
@@ -152,18 +90,14 @@ def resolve_topology(world_size: int, num_stages: int, topology: Topology | None
                                       f"{'; '.join(clashes)}; pass only one of them")
     try:
         check_world_size(topology, world_size)
-        check_zero_stage(config.zero_stage, topology.pp)
-    except (TopologyError, ZeroStageError) as error:
+    except TopologyError as error:
         raise PipelineConfigError(str(error)) from error
-    if config.zero_stage >= 2:
-        raise PipelineConfigError(f"zero_stage={config.zero_stage} is not implemented; use "
-                                  f"zero_stage=1 (optimizer state sharded over data_parallel)")
     return topology
 
 
 def needs_process_groups(topology: Topology, config: ParallelConfig) -> bool:
     """Whether the run needs dp/tp groups (a pure pipeline talks over the world alone)."""
-    return topology.world_size > topology.pp or config.zero_stage > 0
+    return topology.world_size > topology.pp or config.zero_stage is not ZeroStage.DISABLED
 
 
 @dataclass
@@ -208,7 +142,7 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
     # 3. Reducer and optimizer (ZeRO-1's sharded optimizer is both).
     view: GradientView
     built: StepOptimizer | None
-    if config.zero_stage == 1:
+    if config.zero_stage is ZeroStage.OPTIMIZER_STATE:
         if gradient_reducer is not None:
             raise PipelineConfigError("zero_stage=1 reduces gradients itself (reduce-scatter "
                                       "into shards); drop gradient_reducer=")

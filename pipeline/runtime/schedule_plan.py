@@ -9,7 +9,6 @@ from typing import Any
 from pipeline.errors import PipelineConfigError
 from pipeline.model.module import PipelineModule
 from schedules import (
-    SCHEDULES,
     Kind,
     Schedule,
     ScheduleError,
@@ -27,23 +26,15 @@ def resolve_schedule(schedule: str | Schedule, module: PipelineModule,
     """The lowered, validated training schedule for `module`; refuses one that does not fit."""
     p, v = module.num_stages, module.chunks
     if isinstance(schedule, str):
-        spec = SCHEDULES.get(schedule)
-        if spec is None:
-            raise PipelineConfigError(f"unknown schedule {schedule!r}; choose one of "
-                                      f"{', '.join(SCHEDULES)} or pass a Schedule object")
-        low, high = spec.chunks
-        if v < low or (high is not None and v > high):
-            raise PipelineConfigError(
-                f"schedule {schedule!r} runs {low if low == high else f'{low}..{high}'} chunk(s) "
-                f"per rank but the module was cut into num_stages × chunks = {p} × {v} stages; "
-                + ("use schedule='interleaved' or PipelineModule(..., chunks=1)" if high == 1
-                   else f"use chunks in {low}..{high}"))
         if num_microbatches is None:
             raise PipelineConfigError(f"schedule {schedule!r} needs num_microbatches=")
-        try:
+        try:  # the registry checks the name and the chunks per rank
             built = build_schedule(schedule, p, num_microbatches, v)
         except ScheduleError as error:
-            raise PipelineConfigError(f"cannot build schedule {schedule!r}: {error}") from error
+            raise PipelineConfigError(
+                f"cannot build schedule {schedule!r} for the module (num_stages × chunks = "
+                f"{p} × {v}): {error}; change the schedule or PipelineModule(..., chunks=)"
+            ) from error
     elif isinstance(schedule, Schedule):
         try:
             if not schedule.lowered:

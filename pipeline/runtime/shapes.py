@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipeline.runtime.comm import Meta
+from pipeline.runtime.batch import Layout
 
 __all__ = ["ShapeBook"]
 
@@ -20,10 +20,10 @@ class ShapeBook:
 
     def __init__(self, always_dynamic: bool = False) -> None:
         self.always_dynamic = always_dynamic
-        self.layouts: dict[int, Meta] = {}
+        self.layouts: dict[int, Layout] = {}
         self.dynamic: set[int] = set()
         self.learning = True
-        self._seen: dict[int, set[Meta]] = {}
+        self._seen: dict[int, set[Layout]] = {}
         self._signature: int | None = None
 
     def begin_step(self, signature: int) -> None:
@@ -54,7 +54,7 @@ class ShapeBook:
     def _with_header(self, stage: int) -> bool:
         return self.always_dynamic or self.learning or stage in self.dynamic
 
-    def sending(self, stage: int, meta: Meta) -> Meta | None:
+    def sending(self, stage: int, meta: Layout) -> Layout | None:
         """The header to send with a message into `stage` (None when the layout is cached)."""
         if not self._with_header(stage):
             return None
@@ -62,7 +62,7 @@ class ShapeBook:
             self._seen.setdefault(stage, set()).add(meta)
         return meta
 
-    def receiving(self, stage: int, read_header: Callable[[], Meta]) -> Meta:
+    def receiving(self, stage: int, read_header: Callable[[], Layout]) -> Layout:
         """The layout of the next message into `stage`: from its header, or the cache."""
         if not self._with_header(stage):
             return self.layouts[stage]

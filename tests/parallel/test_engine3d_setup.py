@@ -13,12 +13,15 @@ from torch import nn
 import pipeline
 from pipeline import (
     ColumnParallelLinear,
+    EngineConfig,
     LayerSpec,
     ParallelConfig,
     PipelineConfigError,
     PipelineModule,
     TiedLayerSpec,
     Topology,
+    ZeroStage,
+    ZeroStageError,
 )
 from pipeline.model.build_context import building_with, call_with_group, current_process_groups
 from pipeline.model.layers import TiedLayer, count_parameters
@@ -33,11 +36,12 @@ def test_parallel_config_lists_every_problem_at_once() -> None:
         ParallelConfig(data_parallel=0, tensor_parallel=True, precision="fp8",
                        gradient_clipping=0.0, bucket_mb=-1, loss_scale_window=0)
     message = str(caught.value)
-    for expected in ("data_parallel must be an int >= 1, got 0",
+    for expected in ("data_parallel must be >= 1, got 0",
                      "tensor_parallel must be an int >= 1, got True",
                      "precision must be one of ('fp32', 'bf16', 'fp16'), got 'fp8'",
-                     "gradient_clipping must be a finite number > 0", "bucket_mb must be > 0",
-                     "loss_scale_window must be an int >= 1"):
+                     "gradient_clipping must be a finite number > 0",
+                     "bucket_mb must be a finite number > 0",
+                     "loss_scale_window must be >= 1, got 0"):
         assert expected in message
 
 
@@ -55,13 +59,51 @@ def test_the_grid_comes_from_world_size_stages_and_sizes() -> None:
         resolve_topology(4, 2, Topology(2, 2), ParallelConfig(data_parallel=4))
 
 
-def test_zero_2_and_3_are_refused_with_the_reason() -> None:
-    with pytest.raises(PipelineConfigError, match=r"zero_stage=2 cannot be combined with "
-                       r"pipeline_parallel=2: .* reduce-scatter after every microbatch"):
-        resolve_topology(4, 2, None, ParallelConfig(zero_stage=2))
-    with pytest.raises(PipelineConfigError, match="zero_stage=3 is not implemented; use "
-                       "zero_stage=1"):
-        resolve_topology(2, 1, None, ParallelConfig(zero_stage=3))
+@pytest.mark.parametrize("stage", [2, 3, ZeroStage.GRADIENTS, ZeroStage.PARAMETERS])
+def test_zero_2_and_3_are_refused_with_the_reason(stage: int) -> None:
+    with pytest.raises(ZeroStageError, match=rf"zero_stage={int(stage)} \(\w+\) cannot be "
+                       r"combined with pipeline parallelism: .* reduce-scatter after every "
+                       r"microbatch.*Use ZeroStage.OPTIMIZER_STATE \(1\) or 0"):
+        ParallelConfig(zero_stage=stage)
+
+
+@pytest.mark.parametrize("stage", [-1, 4, True, "1", 1.0])
+def test_unknown_zero_stage_is_refused(stage: object) -> None:
+    with pytest.raises(ZeroStageError, match="zero_stage must be a ZeroStage"):
+        ParallelConfig(zero_stage=stage)  # type: ignore[arg-type]
+
+
+def test_zero_stage_ints_become_the_enum() -> None:
+    assert ParallelConfig(zero_stage=1).zero_stage is ZeroStage.OPTIMIZER_STATE  # type: ignore[arg-type]
+    assert ParallelConfig().zero_stage is ZeroStage.DISABLED
+    assert EngineConfig.from_options(zero_stage=1).parallel.zero_stage is \
+        ZeroStage.OPTIMIZER_STATE
+
+
+def test_initial_loss_scale_of_a_wrong_type_is_in_the_collected_message() -> None:
+    # regression: initial_loss_scale="x" raised a bare TypeError ('>' between str and int)
+    with pytest.raises(PipelineConfigError, match=r"initial_loss_scale must be a finite number "
+                       r"> 0, got 'x'.*loss_scale_window must be >= 1"):
+        ParallelConfig(initial_loss_scale="x", loss_scale_window=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["gradient_clipping", "bucket_mb", "initial_loss_scale"])
+def test_true_is_not_a_number_for_gradient_clipping_and_bucket_mb(name: str) -> None:
+    with pytest.raises(PipelineConfigError, match=f"{name} must be a finite number > 0.*got True"):
+        ParallelConfig(**{name: True})
+
+
+def test_engine_options_are_checked_once_with_a_hint_for_misspellings() -> None:
+    with pytest.raises(PipelineConfigError, match=r"unknown option\(s\) 'zero_stag' \(did you "
+                       r"mean 'zero_stage'\?\)"):
+        EngineConfig.from_options(zero_stag=1)
+    with pytest.raises(PipelineConfigError, match=r"timeout must be a finite number of seconds "
+                       r"> 0, got True; dynamic_shapes must be True or False, got 1"):
+        EngineConfig(timeout=True, dynamic_shapes=1)  # type: ignore[arg-type]
+    config = EngineConfig.from_options(schedule="gpipe", num_microbatches=4, data_parallel=2,
+                                       precision="bf16", timeout=30)
+    assert config == EngineConfig(schedule="gpipe", num_microbatches=4, timeout=30,
+                                  parallel=ParallelConfig(data_parallel=2, precision="bf16"))
 
 
 def _takes_group(size: int, group: Any = "unset") -> tuple[int, Any]:
@@ -118,9 +160,19 @@ def test_gradients_are_reduced_once_per_stage_and_batch_overlapping_other_stages
     assert reduces[0] < last_backward_of_0  # stage 2's reduction runs while stage 0 computes
 
 
-def test_new_public_names_resolve() -> None:
-    for name in ("TiedLayerSpec", "ParallelConfig", "ProcessGroups", "ShardedOptimizer",
-                 "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-                 "ParallelTransformerBlock", "parallel_lm_logits", "DynamicLossScaler",
-                 "current_process_groups", "ZeroStageError", "OptimizerStep"):
-        assert name in pipeline.__all__ and getattr(pipeline, name) is not None
+def test_every_public_name_is_its_room_s_own() -> None:
+    # `pipeline.X` is the object its room defines and exports (not a stale lazy entry, not a
+    # re-export of something else under the same name)
+    import importlib
+
+    from pipeline import _LAZY
+
+    for name, module_name in _LAZY.items():
+        room = importlib.import_module(module_name)
+        assert name in room.__all__, f"{module_name}.__all__ lacks {name}"
+        value = getattr(pipeline, name)
+        assert value is getattr(room, name)
+        defined_in = getattr(value, "__module__", module_name)
+        if defined_in == "typing":  # a type alias (Precision = Literal[...]) keeps typing's
+            continue
+        assert defined_in == module_name, f"pipeline.{name} is defined in {defined_in}"

@@ -1,4 +1,4 @@
-"""Process groups built from a Topology match it, on a DeviceMesh and without; ZeRO-stage rules."""
+"""Process groups built from a Topology match it, on a DeviceMesh (the engine's path) and not."""
 
 from __future__ import annotations
 
@@ -6,33 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline.parallel.groups import (
-    ZeroStageError,
-    check_world_size,
-    check_zero_stage,
-    create_process_groups,
-)
+from pipeline.parallel.groups import check_world_size, create_process_groups
 from pipeline.parallel.topology import Topology, TopologyError
 from tests.support.rank_harness import run_ranks
-
-
-def test_zero_1_is_allowed_with_a_pipeline() -> None:
-    check_zero_stage(0, 4)
-    check_zero_stage(1, 4)
-    check_zero_stage(3, 1)
-
-
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_2_and_3_are_refused_with_a_pipeline(stage: int) -> None:
-    with pytest.raises(ZeroStageError,
-                       match=f"zero_stage={stage}.*pipeline_parallel=2.*microbatch"):
-        check_zero_stage(stage, 2)
-
-
-@pytest.mark.parametrize("stage", [-1, 4, True, "1"])
-def test_unknown_zero_stage_is_refused(stage: object) -> None:
-    with pytest.raises(ZeroStageError, match="must be 0, 1, 2 or 3"):
-        check_zero_stage(stage, 1)  # type: ignore[arg-type]
 
 
 def test_world_size_mismatch_names_the_sizes_and_the_fix() -> None:

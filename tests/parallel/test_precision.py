@@ -9,7 +9,6 @@ from torch import nn
 
 from pipeline.parallel.precision import (
     DynamicLossScaler,
-    MasterWeights,
     autocast,
     clip_grad_norm_global,
 )
@@ -50,22 +49,9 @@ def test_unknown_precision_is_refused() -> None:
         autocast("fp8")  # type: ignore[arg-type]
 
 
-def test_master_weights_step_in_fp32_and_round_into_the_model() -> None:
-    model = nn.Linear(3, 2).to(torch.bfloat16)
-    masters = MasterWeights(model.parameters())
-    model(torch.ones(1, 3, dtype=torch.bfloat16)).sum().backward()
-    masters.copy_grads_to_master()
-    assert all(m.grad is not None and m.grad.dtype == torch.float32
-               for m in masters.master_params)
-    torch.optim.SGD(masters.master_params, lr=0.5).step()
-    masters.copy_master_to_model()
-    for model_param, master in zip(model.parameters(), masters.master_params):
-        assert torch.equal(model_param, master.to(torch.bfloat16))
-
-
 def test_loss_scale_backs_off_on_overflow_and_grows_after_clean_steps() -> None:
     scaler = DynamicLossScaler(None, init_scale=8.0, growth_interval=2)
-    assert scaler.scale_loss(torch.tensor(1.5)).item() == 12.0
+    assert scaler.scale == 8.0
     scaler.update(overflow=True)
     assert scaler.scale == 4.0 and scaler.skipped_steps == 1
     scaler.update(overflow=False)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipeline import PipelineEngine, PipelineModule, launch
+from pipeline import PipelineConfigError, PipelineEngine, PipelineModule, launch
 from schedules import Schedule, build_schedule, parse_torch_csv
 from tests.support.pipeline_models import MODELS
 
@@ -77,6 +77,16 @@ def _refusals() -> dict[str, Any]:
     engine = PipelineEngine(_module(), schedule=Schedule.from_text(_ONE_F_ONE_B),
                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     messages["valid text runs"] = engine.train_batch(*MODELS["mlp"].batch(seed=0, batch=8))
+    # regression: training without loss_fn failed mid-step on the last rank only
+    lossless = PipelineEngine(PipelineModule(MODELS["mlp"].layers(), num_stages=2),
+                              schedule="1f1b", num_microbatches=2)
+    try:
+        lossless.train_batch(*MODELS["mlp"].batch(seed=0, batch=8))
+        messages["no loss_fn"] = "accepted"
+    except PipelineConfigError as error:
+        messages["no loss_fn"] = str(error)
+    # the engine still runs after refusing (no rank was left inside a step)
+    messages["after refusal"] = engine.train_batch(*MODELS["mlp"].batch(seed=1, batch=8))
     return messages
 
 
@@ -90,4 +100,6 @@ def test_engine_refuses_bad_arguments_and_broken_user_schedules_before_any_step(
             assert named in text, (name, text)
             assert built == 0, f"{name}: layers were built before the refusal"
         assert "got str" in messages["module a string"][1]
+        assert "loss_fn=" in messages["no loss_fn"], (rank, messages["no loss_fn"])
+        assert messages["after refusal"] > 0
         assert messages["valid text runs"] > 0

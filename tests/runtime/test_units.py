@@ -16,8 +16,8 @@ from pipeline.launcher.processes import _failure_error
 from pipeline.model.layers import build_layer, count_parameters
 from pipeline.model.reference import build_reference, reference_forward, reference_step
 from pipeline.runtime.batch import (
+    Layout,
     join_microbatches,
-    signature,
     split_microbatches,
     take_microbatches,
 )
@@ -130,7 +130,7 @@ def test_shape_book_learns_once_and_relearns_on_change() -> None:
 
 
 @pytest.mark.parametrize(("schedule", "chunks", "message"), [
-    ("gpipe", 2, "use schedule='interleaved'"),
+    ("gpipe", 2, r"takes chunks in 1, got 2; use 'interleaved'.*PipelineModule\(..., chunks=\)"),
     ("zigzag", 1, "unknown schedule 'zigzag'"),
 ])
 def test_schedules_that_do_not_fit_are_refused(schedule: str, chunks: int, message: str) -> None:
@@ -206,6 +206,6 @@ def test_importing_pipeline_does_not_import_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=".", capture_output=True)
 
 
-def test_signatures_tell_tuples_and_shapes_apart() -> None:
+def test_layouts_tell_tuples_and_shapes_apart() -> None:
     x = torch.zeros(2, 3)
-    assert signature(x) != signature((x,)) and signature(x) != signature(torch.zeros(2, 4))
+    assert Layout.of(x) != Layout.of((x,)) and Layout.of(x) != Layout.of(torch.zeros(2, 4))

@@ -1,0 +1,72 @@
+"""`EngineConfig`: everything `PipelineEngine` is told besides the objects it is handed."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.errors import PipelineConfigError
+from pipeline.parallel.config import ParallelConfig
+from schedules import Schedule
+from schedules.schedule import count_problem
+
+__all__ = ["EngineConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How one engine runs: the schedule, microbatching, parallelism inside stages and the
+    failure timeout. Every field is checked here, once, on construction; what needs the
+    module (does the schedule fit its stages?) is checked when the engine is built."""
+
+    schedule: str | Schedule = "1f1b"
+    """A registered schedule name (see `pipesched schedule --list`), or a `Schedule` value
+    (e.g. read from a file) whose stages match the module's."""
+    num_microbatches: int | None = None
+    """Microbatches per step (DeepSpeed's gradient_accumulation_steps). None: the number of
+    pipeline stages, or the given `Schedule`'s."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Data / tensor parallel sizes, ZeRO stage, precision, clipping and loss scaling."""
+    timeout: float = 300.0
+    """Seconds any wait for another rank may take before the step fails with the rank named."""
+    dynamic_shapes: bool = False
+    """Send a shape header with every activation (shapes may change between microbatches);
+    otherwise headers are sent only when a step's batch signature changes."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.schedule, str | Schedule):
+            problems.append(f"schedule must be a schedule name such as '1f1b' or a Schedule, "
+                            f"got {self.schedule!r}")
+        if self.num_microbatches is not None:
+            problems.append(count_problem("num_microbatches", self.num_microbatches))
+        if not isinstance(self.parallel, ParallelConfig):
+            problems.append(f"parallel must be a ParallelConfig, got {self.parallel!r}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or not (
+                math.isfinite(self.timeout) and self.timeout > 0):
+            problems.append(f"timeout must be a finite number of seconds > 0, got "
+                            f"{self.timeout!r}")
+        if not isinstance(self.dynamic_shapes, bool):
+            problems.append(f"dynamic_shapes must be True or False, got {self.dynamic_shapes!r}")
+        found = [problem for problem in problems if problem is not None]
+        if found:
+            raise PipelineConfigError("PipelineEngine: " + "; ".join(found))
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """The config of `PipelineEngine`'s keyword form: any `EngineConfig` field and any
+        `ParallelConfig` field by name (``zero_stage=1, num_microbatches=8``)."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"parallel"}
+        parallel = {f.name for f in dataclasses.fields(ParallelConfig)}
+        unknown = sorted(set(options) - own - parallel)
+        if unknown:
+            hints = [f"{name!r}" + "".join(f" (did you mean {close!r}?)" for close in
+                                           difflib.get_close_matches(name, own | parallel, 1))
+                     for name in unknown]
+            raise PipelineConfigError(f"PipelineEngine got unknown option(s) {', '.join(hints)}; "
+                                      f"the options are {sorted(own | parallel)}")
+        return cls(parallel=ParallelConfig(**{k: v for k, v in options.items() if k in parallel}),
+                   **{k: v for k, v in options.items() if k in own})
