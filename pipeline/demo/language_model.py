@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.layers import LayerSpec
+from schedules.schedule import count_problem
 
 __all__ = ["DecoderBlock", "LMHead", "TinyLMConfig", "TokenEmbedding", "lm_layers", "lm_loss",
            "synthetic_batch"]
@@ -36,9 +37,9 @@ class TinyLMConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab", "width", "heads", "blocks", "seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            problem = count_problem(name, getattr(self, name))
+            if problem is not None:
+                raise ValueError(problem)
         if self.width % self.heads:
             raise ValueError(f"heads={self.heads} must divide width={self.width}")
 

@@ -15,6 +15,7 @@ from pipeline.model.layers import Layer, build_layer, check_tied_specs, normaliz
 from pipeline.model.partitioning import PartitionMethod, stage_boundaries
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.groups import ProcessGroups
+from schedules.schedule import count_problem
 
 __all__ = ["LossFn", "PipelineModule", "Stage"]
 
@@ -71,8 +72,9 @@ class PipelineModule(nn.Module):
         for name, value, minimum in (("num_stages", num_stages, 1), ("chunks", chunks, 1),
                                      ("activation_checkpoint_interval",
                                       activation_checkpoint_interval, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise PipelineConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
+            problem = count_problem(name, value, minimum=minimum)
+            if problem is not None:
+                raise PipelineConfigError(problem)
         if base_seed is not None and (isinstance(base_seed, bool) or not isinstance(base_seed,
                                                                                  int)):
             raise PipelineConfigError(f"base_seed must be an int or None, got {base_seed!r}")

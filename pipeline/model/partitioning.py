@@ -32,7 +32,7 @@ def stage_boundaries(layers: Sequence[Layer], num_stages: int,
     try:
         if not isinstance(method, str):
             return partition_layers(layers, num_stages, Method.EXPLICIT, boundaries=list(method))
-        kind, _ = parse_method(method)
+        kind, pattern = parse_method(method)  # parsed once, here
         if kind is Method.EXPLICIT:
             raise PipelineConfigError(
                 "partition_method='explicit' needs the cut indices themselves: pass e.g. "
@@ -43,7 +43,7 @@ def stage_boundaries(layers: Sequence[Layer], num_stages: int,
             # BALANCED without a profile the partitioner's proxy is parameters + 1 a layer.
             extra = 1.0 if kind is Method.BALANCED else 0.0
             weights = [count_parameters(layer) + extra for layer in layers]
-        return partition_layers(layers, num_stages, method, weights=weights)
+        return partition_layers(layers, num_stages, kind, type_pattern=pattern, weights=weights)
     except PartitionError as error:
         raise PipelineConfigError(f"cannot partition {n} layers into {num_stages} stages "
                                   f"with {method!r}: {error}") from error

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from schedules.schedule import count_problem
+
 __all__ = ["RankPosition", "Topology", "TopologyError"]
 
 
@@ -48,9 +50,9 @@ class Topology:
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TopologyError(f"{name} must be an int >= 1, got {value!r}")
+            problem = count_problem(name, getattr(self, name))
+            if problem is not None:
+                raise TopologyError(problem)
 
     @property
     def world_size(self) -> int:

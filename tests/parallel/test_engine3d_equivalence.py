@@ -104,6 +104,8 @@ def test_3d_configurations_equal_one_process_after_two_steps(
     for outcome in per_rank:
         for result in outcome["results"]:
             case = next(c for c in CASES if c.name == result["case"])
+            # the documented path is the one that runs: dp/tp groups come from a DeviceMesh
+            assert result["on_device_mesh"], f"{case.name}: groups were not built on a mesh"
             if "gradient_clipping" in case.engine:
                 assert result["clipped"], f"{case.name}: the clipping threshold never bit"
             if case.engine.get("zero_stage") == 1:  # ZeRO-1: ≈ 1/dp of the state

@@ -237,7 +237,8 @@ def run_case(case: Case) -> dict[str, Any]:
             "local_stages": len(engine.stage_ids),
             "state_bytes": engine.optimizer_state_bytes(),
             "unsharded_state_bytes": _unsharded_state_bytes(module, factory),
-            "bucket_bytes": int(engine.config.parallel.bucket_mb * 2**20), "dp": dp}
+            "bucket_bytes": int(engine.config.parallel.bucket_mb * 2**20), "dp": dp,
+            "on_device_mesh": engine.groups is not None and engine.groups.mesh is not None}
 
 
 def _unsharded_state_bytes(module: PipelineModule, factory: Any) -> int:
