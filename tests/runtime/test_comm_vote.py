@@ -1,4 +1,4 @@
-"""The per-step batch vote over the pipeline: which pipeline ranks refused, for any pipeline size."""
+"""The per-step batch vote over the pipeline: which pipeline ranks refused, at any size."""
 
 from __future__ import annotations
 
