@@ -30,6 +30,7 @@ _LAZY: dict[str, str] = {
     "CheckpointError": "pipeline.errors",
     "CheckpointInfo": "pipeline.checkpoint.save",
     "PipelineError": "pipeline.errors",
+    "NonFiniteError": "pipeline.errors",
     "PipelineConfigError": "pipeline.errors",
     "PipelineStepError": "pipeline.errors",
     "RankFailedError": "pipeline.errors",

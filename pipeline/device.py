@@ -7,7 +7,7 @@ import os
 
 import torch
 
-__all__ = ["accelerator_rng_states", "default_backend", "default_device",
+__all__ = ["accelerator_rng_states", "default_backend", "default_device", "device_problem",
            "process_group_timeout", "set_accelerator_rng_states", "synchronize"]
 
 
@@ -34,6 +34,16 @@ def default_device(local_rank: int | None = None) -> torch.device:
     index = local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why this process cannot run on `device` (None when it can)."""
+    if device.type == "cuda" and not _has_cuda():
+        return (f"device={device} but this machine has no CUDA device; omit device (CPU here, "
+                f"the local GPU where there is one) or pass torch.device('cpu')")
+    if device.type not in ("cpu", "cuda"):
+        return f"device={device} is not supported; use torch.device('cpu') or a CUDA device"
+    return None
 
 
 def synchronize(device: torch.device) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointError",
+    "NonFiniteError",
     "PipelineConfigError",
     "PipelineError",
     "PipelineStepError",
@@ -79,3 +80,21 @@ class CheckpointError(PipelineError, ValueError):
 
 def _rebuild_checkpoint_error(message: str, path: str) -> CheckpointError:
     return CheckpointError(message, path=path)
+
+
+class NonFiniteError(PipelineError):
+    """A training step's loss or gradients held inf or NaN; the update was skipped on every
+    rank. `stage`, `microbatch` and `where` ('output', 'loss' or 'gradients') say where the
+    non-finite values first appeared (stage -1 when no forward value was non-finite)."""
+
+    def __init__(self, message: str, *, stage: int, microbatch: int, where: str) -> None:
+        self.stage, self.microbatch, self.where = stage, microbatch, where
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep the fields across pickling (launcher)
+        return (_rebuild_nonfinite_error, (str(self), self.stage, self.microbatch, self.where))
+
+
+def _rebuild_nonfinite_error(message: str, stage: int, microbatch: int,
+                             where: str) -> NonFiniteError:
+    return NonFiniteError(message, stage=stage, microbatch=microbatch, where=where)

@@ -108,6 +108,11 @@ def normalize_layers(layers: Sequence[Layer] | nn.Sequential) -> list[Layer]:
                         f"{layers!r}")
     items: list[Layer] = list(layers.children()) if isinstance(layers, nn.Sequential) \
         else list(layers)
+    classes = [f"layer {k}: the class {item.__name__} (pass an instance {item.__name__}(...) "
+               f"or LayerSpec({item.__name__}, ...))" for k, item in enumerate(items)
+               if isinstance(item, type) and issubclass(item, nn.Module)]
+    if classes:  # a class is callable: it would build a fresh, untrained module per call
+        raise TypeError("layers must be modules, not module classes; got " + "; ".join(classes))
     bad = [f"layer {k}: {type(item).__name__}" for k, item in enumerate(items)
            if not (isinstance(item, nn.Module | LayerSpec | TiedLayerSpec) or callable(item))]
     if bad:

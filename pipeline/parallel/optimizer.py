@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["OptimizerFactory", "make_optimizer"]
+__all__ = ["OptimizerFactory", "build_optimizer", "make_optimizer"]
 
 OptimizerFactory = Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer]
 """``lambda params: torch.optim.SGD(params, lr=0.1)``: called once with this rank's parameters
@@ -24,4 +24,16 @@ def make_optimizer(optimizer: OptimizerFactory | torch.optim.Optimizer | None,
                         f"parameters, got {optimizer!r}")
     if not parameters:
         return None  # a rank of parameter-free stages has nothing to step
-    return optimizer(parameters)
+    return build_optimizer(optimizer, parameters)
+
+
+def build_optimizer(factory: OptimizerFactory,
+                    parameters: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """``factory(parameters)``, refused unless it is a torch optimizer."""
+    built = factory(parameters)
+    if not isinstance(built, torch.optim.Optimizer):
+        # regression: a factory returning None trained nothing, silently
+        raise TypeError(f"the optimizer factory returned {built!r}, not a "
+                        f"torch.optim.Optimizer; return it, e.g. "
+                        f"`lambda params: torch.optim.SGD(params, lr=0.1)`")
+    return built

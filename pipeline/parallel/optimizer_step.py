@@ -24,7 +24,12 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pipeline.parallel.precision import DynamicLossScaler, clip_grad_norm_global, global_grad_norm
+from pipeline.parallel.precision import (
+    DynamicLossScaler,
+    any_nonfinite,
+    clip_grad_norm_global,
+    global_grad_norm,
+)
 from pipeline.parallel.zero import ShardedOptimizer
 
 __all__ = ["GradientView", "OptimizerStep", "ReplicatedGrads", "ShardedGrads", "StepOptimizer"]
@@ -107,21 +112,31 @@ class OptimizerStep:
 
     def __init__(self, optimizer: Callable[[], StepOptimizer | None], view: GradientView, *,
                  scaler: DynamicLossScaler | None = None,
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None,
+                 finite_group: ProcessGroup | None = None) -> None:
         self.optimizer = optimizer
         """Returns the optimizer at call time (a getter: it may be replaced, e.g. on load)."""
         self.view = view
         self.scaler = scaler
         self.max_grad_norm = max_grad_norm
+        self.finite_group = finite_group
+        """Every rank: without fp16's scaler, the non-finite vote spans it."""
         self.skipped = False
-        """Whether the last step was skipped for an fp16 overflow (the same on every rank)."""
+        """Whether the last step was skipped (the same on every rank): fp16 overflow, or
+        non-finite gradients on some rank."""
+        self.nonfinite = False
+        """Whether the last step's gradients held inf or NaN on some rank (fp32 / bf16)."""
         self.grad_norm: float | None = None
         """Global gradient norm before clipping at the last step (None without clipping)."""
 
     def __call__(self) -> None:
         if self.scaler is None:
-            self._apply()
-            self.skipped = False
+            # the vote every rank takes alike: a NaN/inf gradient anywhere skips the update
+            # everywhere, so no weight is corrupted and the engine can say where it began
+            self.nonfinite = any_nonfinite(self.view.grads(), self.finite_group)
+            if not self.nonfinite:
+                self._apply()
+            self.skipped = self.nonfinite
         else:
             self.skipped = not self.scaler.step(self.view.grads(), self._apply)
         self.view.clear()

@@ -17,6 +17,7 @@ from pipeline.parallel.param_marks import is_tensor_parallel, is_tied_duplicate
 __all__ = [
     "DynamicLossScaler",
     "Precision",
+    "any_nonfinite",
     "autocast",
     "clip_coefficient",
     "clip_grad_norm_global",
@@ -40,6 +41,18 @@ def autocast(precision: Precision, device_type: str = "cpu") -> AbstractContextM
     if precision not in _AUTOCAST_DTYPES:
         raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
     return torch.autocast(device_type, dtype=_AUTOCAST_DTYPES[precision])
+
+
+def any_nonfinite(tensors: Iterable[torch.Tensor], group: ProcessGroup | None) -> bool:
+    """Collective over `group`: True on every rank if any rank's tensors hold inf or NaN."""
+    flag = torch.zeros(1, dtype=torch.float32)
+    for tensor in tensors:
+        if not bool(torch.isfinite(tensor).all()):
+            flag.fill_(1.0)
+            break
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item() > 0)
 
 
 def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
@@ -123,14 +136,7 @@ class DynamicLossScaler:
 
     def found_overflow(self, grads: Iterable[torch.Tensor]) -> bool:
         """Collective: True on every rank if any rank's gradients hold inf or NaN."""
-        flag = torch.zeros(1, dtype=torch.float32)
-        for grad in grads:
-            if not bool(torch.isfinite(grad).all()):
-                flag.fill_(1.0)
-                break
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item() > 0)
+        return any_nonfinite(grads, self.group)
 
     def unscale_(self, grads: Iterable[torch.Tensor]) -> None:
         inverse = 1.0 / self.scale

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB, CommStats
-from pipeline.parallel.optimizer import OptimizerFactory
+from pipeline.parallel.optimizer import OptimizerFactory, build_optimizer
 from pipeline.parallel.precision import clip_coefficient, counts_in_norm, global_grad_norm
 
 __all__ = ["Collective", "ShardedOptimizer", "detect_reduce_scatter"]
@@ -124,7 +124,8 @@ class ShardedOptimizer:
                     params.append(param)
             if params:
                 self._regions[key] = self._build_region(key, params)
-        self.optimizer = optimizer_factory([region.master for region in self._regions.values()])
+        self.optimizer = build_optimizer(optimizer_factory,
+                                         [region.master for region in self._regions.values()])
 
     # -- the reducer role -------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import torch
 
 from pipeline.errors import PipelineConfigError
 
-__all__ = ["Batch", "Layout", "TensorLayout", "as_tensors", "join_microbatches",
+__all__ = ["Batch", "Layout", "TensorLayout", "as_tensors", "batch_size", "join_microbatches",
            "split_microbatches", "take_microbatches"]
 
 Batch = torch.Tensor | tuple[torch.Tensor, ...]
@@ -59,6 +59,10 @@ def split_microbatches(batch: Any, num_microbatches: int, what: str) -> list[Any
         raise PipelineConfigError(f"every tensor of {what} needs the same batch size in dim 0; "
                                   f"got shapes {shapes}")
     size = int(next(iter(sizes)))  # type: ignore[arg-type]
+    if size == 0:
+        raise PipelineConfigError(f"{what} is an empty batch (0 samples, shapes "
+                                  f"{[tuple(t.shape) for t in tensors]}); pass at least "
+                                  f"num_microbatches={num_microbatches} samples")
     if size % num_microbatches:
         raise PipelineConfigError(
             f"{what} batch size {size} is not divisible by num_microbatches="
@@ -87,6 +91,21 @@ def take_microbatches(data_iter: Iterator[Any], num_microbatches: int
         inputs.append(pair[0])
         targets.append(pair[1])
     return inputs, targets
+
+
+def batch_size(microbatches: Sequence[Any] | None) -> int:
+    """Samples in these microbatches (dim 0 of each one's first tensor); 0 when unknown (no
+    microbatches, or targets the loss takes in another form)."""
+    if not microbatches:
+        return 0
+    total = 0
+    for part in microbatches:
+        items = (part,) if isinstance(part, torch.Tensor) else part
+        if not isinstance(items, tuple | list) or not items or not isinstance(
+                items[0], torch.Tensor) or items[0].dim() == 0:
+            return 0
+        total += int(items[0].shape[0])
+    return total
 
 
 def join_microbatches(outputs: Sequence[Any]) -> Any:

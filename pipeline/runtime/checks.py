@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.device import device_problem
 from pipeline.errors import PipelineConfigError
 from pipeline.parallel.groups import ProcessGroups
 from pipeline.parallel.topology import Topology
@@ -35,5 +36,9 @@ def check_engine_arguments(*, optimizer: object, topology: object, groups: objec
     if device is not None and not isinstance(device, torch.device):
         problems.append(f"device must be None or a torch.device such as torch.device('cpu'), "
                         f"got {device!r}")
+    elif device is not None:
+        missing = device_problem(device)
+        if missing is not None:
+            problems.append(missing)
     if problems:
         raise PipelineConfigError("PipelineEngine: " + "; ".join(problems))

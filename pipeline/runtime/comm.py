@@ -162,15 +162,19 @@ class Comm:
         dist.broadcast(value, self.pipeline_ranks[src_peer], group=self.group)
         return value
 
-    def agree(self, value: int, *, failed: bool, pp_rank: int) -> tuple[int, list[int]]:
-        """One all-reduce: the sum of every rank's `value` (only one rank contributes a
-        non-zero one) and the pipeline ranks that reported `failed`, in order."""
+    def agree(self, values: Sequence[int], *, failed: bool,
+              pp_rank: int) -> tuple[list[int], list[int]]:
+        """One all-reduce: the element-wise sum of every rank's `values` (each entry has one
+        contributing rank, the others give 0) and the pipeline ranks that reported `failed`,
+        in order."""
         # one slot per pipeline rank (not a bitmask in one int64: that saturates at 63 ranks)
-        flags = torch.zeros(1 + len(self.pipeline_ranks), dtype=torch.int64)
-        flags[0] = value
-        flags[1 + pp_rank] = int(failed)
+        flags = torch.zeros(len(values) + len(self.pipeline_ranks), dtype=torch.int64)
+        flags[:len(values)] = torch.tensor(list(values), dtype=torch.int64)
+        flags[len(values) + pp_rank] = int(failed)
         dist.all_reduce(flags, group=self.group)
-        return int(flags[0]), [rank for rank, flag in enumerate(flags[1:].tolist()) if flag]
+        summed = flags.tolist()
+        return summed[:len(values)], [rank for rank, flag in enumerate(summed[len(values):])
+                                      if flag]
 
     def all_gather_object(self, value: Any) -> list[Any]:
         """Every pipeline rank's `value`, in pipeline-rank order."""

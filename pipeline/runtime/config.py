@@ -6,14 +6,16 @@ import dataclasses
 import difflib
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from pipeline.errors import PipelineConfigError
 from pipeline.parallel.config import ParallelConfig
 from schedules import Schedule
 from schedules.schedule import count_problem
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "NonFinitePolicy"]
+
+NonFinitePolicy = Literal["raise", "skip"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +37,11 @@ class EngineConfig:
     dynamic_shapes: bool = False
     """Send a shape header with every activation (shapes may change between microbatches);
     otherwise headers are sent only when a step's batch signature changes."""
+    on_nonfinite: NonFinitePolicy = "raise"
+    """A step whose loss or gradients hold inf/NaN never updates the weights (a vote over
+    every rank, as fp16's overflow vote); 'raise' then stops with `NonFiniteError` naming the
+    first stage and microbatch where the values appeared, 'skip' goes on (the step is
+    counted in `last_step_skipped`). fp16 overflows are the loss scaler's and never raise."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -51,6 +58,9 @@ class EngineConfig:
                             f"{self.timeout!r}")
         if not isinstance(self.dynamic_shapes, bool):
             problems.append(f"dynamic_shapes must be True or False, got {self.dynamic_shapes!r}")
+        if self.on_nonfinite not in get_args(NonFinitePolicy):
+            problems.append(f"on_nonfinite must be one of {get_args(NonFinitePolicy)}, got "
+                            f"{self.on_nonfinite!r}")
         found = [problem for problem in problems if problem is not None]
         if found:
             raise PipelineConfigError("PipelineEngine: " + "; ".join(found))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 import zlib
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, save_checkpoint
 from pipeline.device import default_device, synchronize
-from pipeline.errors import PipelineConfigError, PipelineStepError
+from pipeline.errors import NonFiniteError, PipelineConfigError, PipelineStepError
 from pipeline.launcher.failure import read_failure, report_failure, start_watchdog
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.data_parallel import GradReducer
@@ -25,6 +26,7 @@ from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.batch import (
     Layout,
+    batch_size,
     join_microbatches,
     split_microbatches,
     take_microbatches,
@@ -32,6 +34,7 @@ from pipeline.runtime.batch import (
 from pipeline.runtime.checks import check_engine_arguments
 from pipeline.runtime.comm import Comm
 from pipeline.runtime.config import EngineConfig
+from pipeline.runtime.finite import FiniteFlag, first_nonfinite, nonfinite_error
 from pipeline.runtime.interpreter import InstructionFailed, Interpreter, StepState
 from pipeline.runtime.parallel_setup import (
     needs_process_groups,
@@ -48,7 +51,7 @@ from pipeline.runtime.schedule_plan import (
     resolve_schedule,
 )
 from pipeline.runtime.shapes import ShapeBook
-from pipeline.runtime.trace import StepStats, Trace, measured_costs
+from pipeline.runtime.trace import StepStats, Trace, measured_costs, merge_rank_spans
 from schedules import Instruction, Kind, Schedule, Timeline
 from schedules.grid import format_grid
 
@@ -134,6 +137,7 @@ class PipelineEngine:
                                    if op.kind is Kind.I),
             precision=parallel.precision, loss_scale=self.training.loss_scale)
         self._last_schedule: Schedule = self.schedule
+        self._finite_flags: list[FiniteFlag] = []
         self.last_stats: StepStats | None = None
         """What this rank measured in the last step (None before the first)."""
         self.last_loss: float | None = None
@@ -210,6 +214,9 @@ class PipelineEngine:
         self.module.zero_grad(set_to_none=True)
         loss, _ = self._run(self.schedule, inputs, targets, data_iter, training=True)
         self.global_step += 1
+        step = self.training.step
+        if (not math.isfinite(loss) or step.nonfinite) and self.config.on_nonfinite == "raise":
+            raise self._nonfinite(loss)  # same branch on every rank: both facts are global
         return loss
 
     def eval_batch(self, inputs: Any = None, targets: Any = None, *,
@@ -253,18 +260,27 @@ class PipelineEngine:
                 raise PipelineConfigError("this rank holds the first stage: pass inputs")
         except (PipelineConfigError, TypeError) as error:
             problem = error
-        local = 0
-        if first and problem is None and microbatches is not None:
-            shapes = [Layout.of(x, "inputs") for x in microbatches]
-            local = zlib.crc32(repr((shapes, training)).encode()) + 1
+        local = samples = target_samples = 0
+        if problem is None:
+            if first and microbatches is not None:
+                shapes = [Layout.of(x, "inputs") for x in microbatches]
+                local = zlib.crc32(repr((shapes, training)).encode()) + 1
+                samples = batch_size(microbatches)
+            if last:
+                target_samples = batch_size(split_targets)
         # also aligns the ranks' clocks: every rank leaves it within a message time
-        agreed, refused = self.comm.agree(local, failed=problem is not None,
-                                          pp_rank=self.pp_rank)
+        (agreed, samples, target_samples), refused = self.comm.agree(
+            [local, samples, target_samples], failed=problem is not None, pp_rank=self.pp_rank)
         if problem is not None:
             raise problem
         if refused:
             raise PipelineConfigError(f"pipeline rank(s) {refused} refused the batch (see "
                                       "their error); nothing was run")
+        if samples and target_samples and samples != target_samples:
+            # they would pair the wrong samples per microbatch, or broadcast into a wrong loss
+            raise PipelineConfigError(f"inputs hold {samples} samples but targets "
+                                      f"{target_samples}; pass one target per input sample "
+                                      f"(same size in dim 0); nothing was run")
         self._shapes.begin_step(agreed)
         return microbatches, split_targets
 
@@ -292,6 +308,7 @@ class PipelineEngine:
             raise self._failure(schedule, len(stream) - 1, stream[-1], error) from error
         synchronize(self.device)
         step_time = time.perf_counter() - self._trace.origin
+        self._finite_flags = state.finite  # read only when the loss is not finite
         left = state.leftovers()
         if left:  # the validated schedule frees everything: anything left is an engine bug
             raise RuntimeError(f"internal error: the step ended holding {left}")
@@ -306,6 +323,13 @@ class PipelineEngine:
             dist.all_reduce(loss, group=self.groups.dp_group)
             loss /= self.topology.dp
         return float(loss[0]), state.outputs
+
+    def _nonfinite(self, loss: float) -> NonFiniteError:
+        """Where the step's inf/NaN first appeared, agreed over the pipeline (a collective)."""
+        mine = first_nonfinite(self._finite_flags)
+        found = [where for where in self.comm.all_gather_object(mine) if where is not None]
+        return nonfinite_error(min(found) if found else None, loss, self.global_step,
+                               skipped=self.training.step.nonfinite)
 
     def _failure(self, schedule: Schedule, step: int, op: Instruction,
                  error: Exception) -> PipelineStepError:
@@ -364,14 +388,4 @@ class PipelineEngine:
         """
         gathered = self.comm.all_gather_object(
             (socket.gethostname(), self._trace.origin, self._trace.spans))
-        same_host = len({host for host, _, _ in gathered}) == 1
-        first = min(origin for _, origin, _ in gathered)
-        spans = []
-        for _, origin, rank_spans in gathered:
-            shift = origin - first if same_host else 0.0
-            spans += [span._replace(start=span.start + shift, end=span.end + shift)
-                      for span in rank_spans]
-        schedule = self._last_schedule
-        return Timeline.from_spans(spans, schedule.num_ranks, name=f"{schedule.name} (measured)",
-                                   num_microbatches=schedule.num_microbatches,
-                                   chunks=schedule.chunks, unit="s")
+        return merge_rank_spans(gathered, self._last_schedule)

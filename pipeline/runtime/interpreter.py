@@ -22,6 +22,7 @@ from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.precision import Precision, autocast
 from pipeline.runtime.batch import Batch, Layout, as_tensors
 from pipeline.runtime.comm import Comm, PendingRecv
+from pipeline.runtime.finite import FiniteFlag, all_finite
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.split_backward import LayerGrads, forward_capturing
 from pipeline.runtime.trace import Trace
@@ -79,6 +80,9 @@ class StepState:
     outputs: dict[int, Batch] = field(default_factory=dict)
     peak_activations: int = 0
     recv_wait: float = 0.0
+    finite: list[FiniteFlag] = field(default_factory=list)
+    """Whether each forward output and loss was finite, read only if the step's loss or
+    gradients are not (`first_nonfinite`)."""
 
     def leftovers(self) -> dict[str, int]:
         """Per-step entries still held (all empty after a complete step)."""
@@ -242,9 +246,11 @@ class Interpreter:
                 out, layer_grads = forward_capturing(self.stages[s], x)
         else:
             out = self._run_stage(s, x)
+        state.finite.append((s, i, "output", all_finite(out)))
         if s == self.last_stage:
             loss = self._loss(self._loss_input(out), state.loaded_targets.pop(i))
             state.losses.append(loss.detach())
+            state.finite.append((s, i, "loss", torch.isfinite(loss.detach()).all()))
             # mean over the full batch = mean of the m equal microbatches' means; fp16
             # scales it so small gradients survive the half-precision backward
             scale = self.loss_scale()

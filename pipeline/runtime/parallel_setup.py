@@ -175,7 +175,8 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
                                    growth_interval=config.loss_scale_window)
     runtime = TrainingRuntime(reducer, built, tied, scaler, OptimizerStep(
         lambda: runtime.optimizer, view, scaler=scaler,
-        max_grad_norm=config.gradient_clipping))
+        max_grad_norm=config.gradient_clipping,
+        finite_group=None if groups is None else groups.world_group))
     return runtime
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schedules import CostModel, Kind, Span, Timeline
+from schedules import CostModel, Kind, Schedule, Span, Timeline
 
 __all__ = ["OpCosts", "StepStats", "Trace", "measured_costs"]
 
@@ -115,3 +115,22 @@ def measured_costs(spans: Sequence[Span] | Timeline) -> OpCosts:
             latencies.append(max(0.0, span.end - sent))
     means = {name: {s: float(np.mean(v)) for s, v in per.items()} for name, per in sums.items()}
     return OpCosts(**means, latency=float(np.median(latencies)) if latencies else 0.0)
+
+
+def merge_rank_spans(gathered: Sequence[tuple[str, float, Sequence[Span]]],
+                     schedule: Schedule) -> Timeline:
+    """Every pipeline rank's (host, clock origin, spans) of one step as one `Timeline`.
+
+    Ranks on one host share the monotonic clock, so their spans are placed on it exactly;
+    across hosts each rank's clock starts at the step's opening collective.
+    """
+    same_host = len({host for host, _, _ in gathered}) == 1
+    first = min(origin for _, origin, _ in gathered)
+    spans: list[Span] = []
+    for _, origin, rank_spans in gathered:
+        shift = origin - first if same_host else 0.0
+        spans += [span._replace(start=span.start + shift, end=span.end + shift)
+                  for span in rank_spans]
+    return Timeline.from_spans(spans, schedule.num_ranks, name=f"{schedule.name} (measured)",
+                               num_microbatches=schedule.num_microbatches,
+                               chunks=schedule.chunks, unit="s")

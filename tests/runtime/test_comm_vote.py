@@ -29,6 +29,6 @@ def test_failure_vote_names_refusing_ranks_of_64_or_more_stages(
     # rank 65 of a 128-stage pipeline was reported as rank 62. On one process the all-reduce
     # is the identity: this rank speaks for pipeline rank `pp_rank` of 128.
     comm = Comm(list(range(128)), torch.device("cpu"))
-    value, refused = comm.agree(7, failed=True, pp_rank=pp_rank)
-    assert (value, refused) == (7, [pp_rank])
-    assert comm.agree(0, failed=False, pp_rank=pp_rank) == (0, [])
+    values, refused = comm.agree([7, 3], failed=True, pp_rank=pp_rank)
+    assert (values, refused) == ([7, 3], [pp_rank])
+    assert comm.agree([0], failed=False, pp_rank=pp_rank) == ([0], [])
