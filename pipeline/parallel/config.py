@@ -49,7 +49,8 @@ def _zero_stage_problem(value: object) -> str | None:
                 f"{' and parameters' if stage is ZeroStage.PARAMETERS else ''} and would "
                 f"reduce-scatter after every microbatch's backward, while a pipeline "
                 f"accumulates gradients over all m microbatches before one step (the reason "
-                f"DeepSpeed refuses it too). Use ZeroStage.OPTIMIZER_STATE (1) or 0")
+                f"DeepSpeed refuses it too). Use zero_stage=1 (ZeroStage.OPTIMIZER_STATE: "
+                f"optimizer state sharded over data_parallel) or 0")
     return None
 
 

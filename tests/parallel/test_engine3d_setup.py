@@ -63,7 +63,8 @@ def test_the_grid_comes_from_world_size_stages_and_sizes() -> None:
 def test_zero_2_and_3_are_refused_with_the_reason(stage: int) -> None:
     with pytest.raises(ZeroStageError, match=rf"zero_stage={int(stage)} \(\w+\) cannot be "
                        r"combined with pipeline parallelism: .* reduce-scatter after every "
-                       r"microbatch.*Use ZeroStage.OPTIMIZER_STATE \(1\) or 0"):
+                       r"microbatch.*Use zero_stage=1 \(ZeroStage.OPTIMIZER_STATE: optimizer "
+                       r"state sharded over data_parallel\) or 0"):
         ParallelConfig(zero_stage=stage)
 
 
