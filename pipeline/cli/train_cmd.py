@@ -44,8 +44,16 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.set_defaults(func=run)
 
 
+def _heads(width: int) -> int:
+    return max(h for h in (4, 2, 1) if width % h == 0)
+
+
 def _check_args(args: argparse.Namespace) -> int:
-    """Refuse impossible combinations before any process starts; return chunks per rank."""
+    """Refuse impossible combinations, and sizes this host cannot hold, before any process
+    starts; return chunks per rank."""
+    from pipeline.demo.footprint import check_footprint
+    from pipeline.demo.language_model import TinyLMConfig
+
     schedule = generate_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
     chunks = schedule.chunks
     per_replica, left = divmod(args.batch_size, args.data_parallel)
@@ -55,6 +63,9 @@ def _check_args(args: argparse.Namespace) -> int:
             f"{args.data_parallel} replicas of --microbatches {args.microbatches} equal "
             f"microbatches; use a multiple of {args.data_parallel * args.microbatches}")
     layers = args.blocks + 2
+    check_footprint(TinyLMConfig(width=args.width, blocks=args.blocks, seq_len=args.seq_len,
+                                 heads=_heads(args.width)),
+                    batch_size=args.batch_size, world_size=args.stages * args.data_parallel)
     if layers < args.stages * chunks:
         raise ValueError(f"{layers} layers (--blocks {args.blocks} + embedding + head) cannot "
                          f"fill {args.stages} stages × {chunks} chunks; raise --blocks to at "
@@ -99,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     chunks = _check_args(args)
     model = TinyLMConfig(width=args.width, blocks=args.blocks, seq_len=args.seq_len,
-                         heads=max(h for h in (4, 2, 1) if args.width % h == 0))
+                         heads=_heads(args.width))
     # 1. Partition on measured per-layer costs (one process, before any rank starts).
     part = _partition(args, model, args.stages * chunks)
     print(part.format_table(), end="\n\n")
