@@ -59,7 +59,8 @@ def test_partition_methods(method: object, expected: tuple[int, ...]) -> None:
     ({"num_stages": 2, "partition_method": "type:conv"}, "matches no layer"),
     ({"num_stages": 2, "partition_method": "type:("}, "not a valid regular expression"),
     ({"num_stages": 2, "partition_method": "explicit"}, "cut indices"),
-    ({"num_stages": 0}, "num_stages must be an int >= 1"),
+    ({"num_stages": 0}, "num_stages must be >= 1, got 0"),
+    ({"num_stages": True}, "num_stages must be an int >= 1, got True"),
 ])
 def test_module_refuses_bad_cuts(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(PipelineConfigError, match=message.replace("(", r"\(")):
