@@ -16,6 +16,7 @@ from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, 
 from pipeline.device import default_device, synchronize
 from pipeline.errors import PipelineConfigError, PipelineStepError
 from pipeline.launcher.failure import read_failure, report_failure, start_watchdog
+from pipeline.model.layer_rng import forward_key
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB, GradReducer
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
@@ -279,9 +280,12 @@ class PipelineEngine:
         self._interpreter.state = state
         self._trace.restart()
         stream = schedule.streams[self.pp_rank]
+        first_microbatch = self.position.dp_rank * m  # global index: layer_rng's notation
         for step, op in enumerate(stream):
-            try:
-                self._interpreter.execute(op)
+            try:  # an F's layers draw dropout masks from streams seeded by this key
+                with forward_key(self.global_step, first_microbatch + op.microbatch,
+                                 self.device):
+                    self._interpreter.execute(op)
             except Exception as error:
                 raise self._failure(schedule, step, op, error) from error
         # 3. Wait for the sends, then share the loss with every rank.

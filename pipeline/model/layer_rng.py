@@ -1,0 +1,107 @@
+"""Per-layer random streams: a layer's random draws (dropout masks) in a forward depend only on
+(base_seed, global layer index, optimizer step, global microbatch index).
+
+Why keyed seeds and not a generator per stage that advances with every draw: such a stage
+generator's state depends on which layers share the stage (the partition), on how many
+microbatches it already ran, and on the process it started in. A seed derived from the key
+has none of those dependencies, so
+
+- two runs with the same `base_seed` draw the same masks, whatever process start method or
+  earlier work left in the global generators;
+- any partition (another cut, more stages, chunks v > 1), any schedule and the split
+  backward (I/W) draw the same masks, because layer k at microbatch i of step t is seeded
+  the same way wherever it runs;
+- activation checkpointing replays the same mask: the key is an argument of the checkpointed
+  segment, so the recompute in the backward reseeds identically (torch's
+  ``preserve_rng_state`` restores the global state only; this does not even need that);
+- a resumed run draws what the uninterrupted run drew: the step is the engine's
+  `global_step`, which the checkpoint restores.
+
+Megatron keeps named CUDA generator states (`CudaRNGStatesTracker`) and forks them around
+tensor-parallel regions; DeepSpeed's `seed_layers` seeds layer *construction* only. Here a
+layer's forward runs inside `torch.random.fork_rng` with the CPU generator (and the current
+accelerator's) seeded from the key, and the process's generators are untouched afterwards.
+
+Notation: t optimizer step (`engine.global_step` before the step), i microbatch index within
+a data-parallel replica, m microbatches per replica, r data-parallel rank; the key's
+microbatch is the global index r·m + i, so dp = 2 with m = 2 draws what dp = 1 with m = 4
+draws on the same concatenated batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["ForwardKey", "current_forward_key", "forward_key", "layer_random_stream",
+           "layer_seed"]
+
+_SEED_BITS = 63  # torch.manual_seed takes any int64; keep it non-negative
+
+
+class ForwardKey(NamedTuple):
+    """Which forward a layer runs in: the part of its seed that is not the layer."""
+
+    step: int
+    """Optimizer steps taken before this forward (the engine's `global_step`)."""
+    microbatch: int
+    """Global microbatch index: data-parallel rank · m + microbatch within the replica."""
+    device: torch.device
+    """Where the layers run: its generator is seeded too (the CPU one always)."""
+
+
+# A context variable (like `build_context`): the key is scoped to one instruction's
+# forward, set by the engine, and gone afterwards.
+_KEY: ContextVar[ForwardKey | None] = ContextVar("pipesched_forward_key", default=None)
+
+
+@contextmanager
+def forward_key(step: int, microbatch: int, device: torch.device) -> Iterator[None]:
+    """Run forwards inside this block as microbatch `microbatch` of step `step`."""
+    token = _KEY.set(ForwardKey(step, microbatch, device))
+    try:
+        yield
+    finally:
+        _KEY.reset(token)
+
+
+def current_forward_key() -> ForwardKey | None:
+    """The key set by `forward_key` (None outside one: layers draw from the global
+    generators, as plain PyTorch does)."""
+    return _KEY.get()
+
+
+def layer_seed(base_seed: int, layer: int, step: int, microbatch: int) -> int:
+    """The seed of layer `layer`'s draws at microbatch `microbatch` of step `step`.
+
+    A cryptographic hash of the four numbers, not a sum: ``base_seed + layer`` would give
+    layer 1 of one run the stream of layer 0 of a run seeded one higher, and nearby seeds of
+    a linear mix give correlated Mersenne Twister streams. (Stable across processes and
+    Python versions, unlike `hash`.)
+    """
+    text = f"pipesched-layer-rng:{base_seed}:{layer}:{step}:{microbatch}".encode()
+    digest = hashlib.blake2b(text, digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - _SEED_BITS)
+
+
+@contextmanager
+def layer_random_stream(seed: int, device: torch.device) -> Iterator[None]:
+    """Run the block with the CPU generator (and `device`'s, if an accelerator) seeded to
+    `seed`; every generator is as before once it ends, even on an exception."""
+    if device.type == "cpu":
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            yield
+        return
+    backend = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else backend.current_device()
+    with torch.random.fork_rng(devices=[index], device_type=device.type):
+        torch.default_generator.manual_seed(seed)
+        with backend.device(index):
+            backend.manual_seed(seed)
+        yield
