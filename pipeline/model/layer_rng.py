@@ -19,8 +19,8 @@ has none of those dependencies, so
 
 Megatron keeps named CUDA generator states (`CudaRNGStatesTracker`) and forks them around
 tensor-parallel regions; DeepSpeed's `seed_layers` seeds layer *construction* only. Here a
-layer's forward runs inside `torch.random.fork_rng` with the CPU generator (and the current
-accelerator's) seeded from the key, and the process's generators are untouched afterwards.
+layer's forward runs with the CPU generator (and the current accelerator's) seeded from the
+key (`call_seeded`); the process's generators are as they were afterwards.
 
 Notation: t optimizer step (`engine.global_step` before the step), i microbatch index within
 a data-parallel replica, m microbatches per replica, r data-parallel rank; the key's
@@ -31,16 +31,16 @@ draws on the same concatenated batch.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-__all__ = ["ForwardKey", "current_forward_key", "forward_key", "layer_random_stream",
-           "layer_seed"]
+__all__ = ["ForwardKey", "call_seeded", "current_forward_key", "forward_key", "layer_seed"]
 
+_T = TypeVar("_T")
 _SEED_BITS = 63  # torch.manual_seed takes any int64; keep it non-negative
 
 
@@ -89,19 +89,28 @@ def layer_seed(base_seed: int, layer: int, step: int, microbatch: int) -> int:
     return int.from_bytes(digest, "little") >> (64 - _SEED_BITS)
 
 
-@contextmanager
-def layer_random_stream(seed: int, device: torch.device) -> Iterator[None]:
-    """Run the block with the CPU generator (and `device`'s, if an accelerator) seeded to
-    `seed`; every generator is as before once it ends, even on an exception."""
-    if device.type == "cpu":
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(seed)
-            yield
-        return
-    backend = torch.get_device_module(device.type)
-    index = device.index if device.index is not None else backend.current_device()
-    with torch.random.fork_rng(devices=[index], device_type=device.type):
-        torch.default_generator.manual_seed(seed)
+def call_seeded(seed: int, device: torch.device, fn: Callable[[Any], _T], x: Any) -> _T:
+    """``fn(x)`` with the CPU generator (and `device`'s, if an accelerator) seeded to `seed`;
+    every generator is as before once it returns, even on an exception.
+
+    Saves and restores the generator states directly rather than through
+    `torch.random.fork_rng`: this runs once per layer and microbatch, and fork_rng's
+    bookkeeping costs ~10 µs a call on this CPU, the direct way ~2 µs.
+    """
+    cpu = torch.default_generator
+    saved = cpu.get_state()
+    accelerator = None
+    if device.type != "cpu":
+        backend = torch.get_device_module(device.type)
+        index = device.index if device.index is not None else backend.current_device()
+        accelerator = (backend, index, backend.get_rng_state(index))
         with backend.device(index):
             backend.manual_seed(seed)
-        yield
+    cpu.manual_seed(seed)
+    try:
+        return fn(x)
+    finally:
+        cpu.set_state(saved)
+        if accelerator is not None:
+            backend, index, state = accelerator
+            backend.set_rng_state(state, index)

@@ -13,8 +13,8 @@ from pipeline.errors import PipelineConfigError
 from pipeline.model.build_context import building_with
 from pipeline.model.layer_rng import (
     ForwardKey,
+    call_seeded,
     current_forward_key,
-    layer_random_stream,
     layer_seed,
 )
 from pipeline.model.layers import Layer, build_layer, check_tied_specs, normalize_layers
@@ -72,9 +72,8 @@ class Stage(nn.Module):
         come from `layer_seed(base_seed, index, key.step, key.microbatch)`."""
         if key is None or self.base_seed is None:
             return layer(x)
-        with layer_random_stream(layer_seed(self.base_seed, index, key.step, key.microbatch),
-                                 key.device):
-            return layer(x)
+        seed = layer_seed(self.base_seed, index, key.step, key.microbatch)
+        return call_seeded(seed, key.device, layer, x)
 
 
 class PipelineModule(nn.Module):

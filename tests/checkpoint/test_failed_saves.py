@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
+from pipeline import PipelineEngine, PipelineModule, launch
 from pipeline.checkpoint import atomic_files
 from pipeline.checkpoint import save as save_module
 from pipeline.checkpoint.load import load_checkpoint
@@ -22,6 +24,7 @@ from pipeline.checkpoint.rng_state import capture_rng
 from pipeline.checkpoint.save import save_checkpoint
 from pipeline.errors import CheckpointError
 from tests.support.checkpoint_cases import Job
+from tests.support.pipeline_models import MODELS
 
 
 def _fill_disk_at(monkeypatch: pytest.MonkeyPatch, prefix: str) -> list[str]:
@@ -170,3 +173,35 @@ def test_a_wrong_layout_rng_file_is_refused_before_anything_is_replaced(
     assert torch.equal(torch.get_rng_state(), generators[0])
     assert random.getstate() == generators[1]
     assert np.array_equal(np.random.get_state()[1], generators[2])
+
+
+def _full_disk_on_rank_1(root: str) -> str:
+    """Saves step 1, then step 2 with rank 1's first file write failing with ENOSPC."""
+    module = PipelineModule(MODELS["mlp"].layers(), num_stages=2, loss_fn=MODELS["mlp"].loss)
+    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=2, timeout=120,
+                            optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    engine.train_batch(*MODELS["mlp"].batch(seed=0, batch=8))
+    engine.save_checkpoint(root)
+    engine.train_batch(*MODELS["mlp"].batch(seed=1, batch=8))
+    if dist.get_rank() == 1:
+        def full(path: str, data: bytes) -> None:
+            with open(path, "wb") as handle:
+                handle.write(data[:len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        atomic_files._write_durably = full  # this rank's process only
+    try:
+        engine.save_checkpoint(root)
+    except CheckpointError as error:
+        return str(error)
+    return "saved"
+
+
+@pytest.mark.multiprocess
+def test_a_full_disk_on_another_rank_leaves_no_partial_directory(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    messages = launch(_full_disk_on_rank_1, 2, str(root), timeout=120, join_timeout=600)
+    for message in messages:  # every rank refuses, naming the rank that failed
+        assert message.startswith("writing the checkpoint files failed on rank 1"), message
+        assert "'latest' still names step_000001" in message, message
+    assert _debris(root) == [] and (root / LATEST).read_text().strip() == "step_000001"
+    assert not (root / "step_000002").exists()

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pipeline import LayerSpec, PipelineEngine, PipelineModule, launch
-from pipeline.model.layer_rng import forward_key, layer_random_stream, layer_seed
+from pipeline.model.layer_rng import call_seeded, forward_key, layer_seed
 from pipeline.model.module import Stage
 from pipeline.model.reference import build_reference
 from tests.support.equivalence import gathered_weights
@@ -78,6 +78,15 @@ def test_a_keyed_forward_leaves_the_global_generators_as_they_were() -> None:
         assert torch.equal(stage(x), first)  # same key, same mask
     with forward_key(3, 2, CPU):
         assert not torch.equal(stage(x), first)  # another microbatch, another mask
+    failing = Stage(0, 0, [nn.Dropout(0.5), _Fails()], base_seed=BASE_SEED)
+    with forward_key(3, 1, CPU), pytest.raises(RuntimeError, match="layer failed"):
+        failing(x)
+    assert torch.equal(torch.get_rng_state(), before)  # restored on an exception too
+
+
+class _Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("layer failed")
 
 
 def test_activation_checkpointing_replays_the_forward_mask() -> None:
@@ -121,8 +130,7 @@ def _reference(m: int) -> tuple[list[float], dict[ParamKey, torch.Tensor]]:
         microbatch_losses = []
         for i, (x, y) in enumerate(zip(inputs.chunk(m), targets.chunk(m))):
             for k, layer in enumerate(model):
-                with layer_random_stream(layer_seed(BASE_SEED, k, step, i), CPU):
-                    x = layer(x)
+                x = call_seeded(layer_seed(BASE_SEED, k, step, i), CPU, layer, x)
             loss = F.mse_loss(x, y)
             (loss / m).backward()
             microbatch_losses.append(loss.detach())
