@@ -2,7 +2,8 @@
 
 Two phases, each ending in a vote of all ranks (`agree`): first every rank resolves the
 directory, checks the manifest and that every listed file is present with its size, reads
-the files it needs and checks their sha256 and shapes — changing nothing. Only if every
+the files it needs and checks their sha256, shapes, optimizer hyperparameters, loss
+scaler fields and generator states (set into scratch generators) — changing nothing. Only if every
 rank succeeded does any rank copy weights, optimizer state, scaler and generators in.
 """
 

@@ -20,6 +20,7 @@ from pipeline.checkpoint.manifest import LATEST, read_manifest
 from pipeline.checkpoint.root_lock import (
     LOCK_NAME,
     CheckpointRootLockedError,
+    held_roots,
     lock_root,
     release_root,
 )
@@ -84,6 +85,28 @@ def test_a_process_holding_the_root_saves_again_and_can_release_it(tmp_path: Pat
     holder = _start_holder(tmp_path)  # released: another process can take it
     holder.kill()
     holder.wait(60)
+
+
+def test_a_forked_child_does_not_keep_the_root(tmp_path: Path) -> None:
+    """A child forked by the holder (a DataLoader worker) closes its copy of the lock, so the
+    root goes free when the holder lets go (or dies) while the child lives on."""
+    lock_root(str(tmp_path))
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # only plain Python here, then _exit: nothing of pytest runs twice
+        os.close(write_end)
+        os.read(read_end, 1)  # returns once the parent closes its end
+        os._exit(0 if held_roots() == [] else 1)
+    os.close(read_end)
+    try:
+        release_root(str(tmp_path))
+        holder = _start_holder(tmp_path)  # fails if the living child still held the lock
+        holder.kill()
+        holder.wait(60)
+    finally:
+        os.close(write_end)
+        _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 # -- two concurrent jobs (processes) on one root -------------------------------------------
