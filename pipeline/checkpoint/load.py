@@ -212,6 +212,12 @@ def _read_optimizer(step_dir: str, manifest: Manifest, parts: CheckpointParts
     else:
         wanted = {key: (0, param.numel()) for key, param in parts.module.named_layer_parameters()
                   if param.requires_grad}
+        if isinstance(parts.optimizer, torch.optim.Optimizer) and any(
+                id(param) not in keys for group in parts.optimizer.param_groups
+                for param in group["params"]):
+            raise CheckpointError("this job's optimizer holds a parameter that is not in the "
+                                  "PipelineModule's layers; build the optimizer from the "
+                                  "engine's parameters", path=step_dir)
     if not all(isinstance(group, dict) and all(isinstance(k, str) for k in group)
                for group in hyper):
         raise CheckpointError(f"{files[0].path} in {step_dir}: its optimizer hyperparameters are "

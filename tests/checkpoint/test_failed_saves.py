@@ -21,8 +21,9 @@ from pipeline.checkpoint import save as save_module
 from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.manifest import LATEST, read_manifest
 from pipeline.checkpoint.rng_state import capture_rng
-from pipeline.checkpoint.save import save_checkpoint
+from pipeline.checkpoint.save import CheckpointParts, save_checkpoint
 from pipeline.errors import CheckpointError
+from pipeline.parallel.precision import DynamicLossScaler
 from tests.support.checkpoint_cases import Job
 from tests.support.pipeline_models import MODELS
 
@@ -205,3 +206,42 @@ def test_a_full_disk_on_another_rank_leaves_no_partial_directory(tmp_path: Path)
         assert "'latest' still names step_000001" in message, message
     assert _debris(root) == [] and (root / LATEST).read_text().strip() == "step_000001"
     assert not (root / "step_000002").exists()
+
+
+class _OtherScaler:
+    """A loss scaler with other fields than `DynamicLossScaler`'s."""
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": 1.0}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        raise AssertionError("a load must not reach a scaler whose fields do not fit")
+
+
+def _foreign_parameter(job: Job, parts: CheckpointParts) -> None:
+    job.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+
+def _other_scaler_fields(job: Job, parts: CheckpointParts) -> None:
+    parts.loss_scaler = _OtherScaler()
+
+
+@pytest.mark.parametrize("mismatch", [_foreign_parameter, _other_scaler_fields],
+                         ids=["optimizer holds a foreign parameter", "scaler has other fields"])
+def test_a_job_that_does_not_fit_the_checkpoint_is_refused_before_anything_is_replaced(
+        tmp_path: Path, mismatch: Callable[[Job, CheckpointParts], None]) -> None:
+    """These mismatches were found only while applying, after the weights were replaced."""
+    job = Job()
+    job.train(1)
+    parts = job.parts()
+    parts.loss_scaler = DynamicLossScaler(None, init_scale=8.0)
+    save_checkpoint(str(tmp_path), parts)
+    fresh = Job(base_seed=5)
+    parts = fresh.parts()
+    parts.loss_scaler = DynamicLossScaler(None)
+    mismatch(fresh, parts)
+    weights = fresh.weights()
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(str(tmp_path), parts)
+    assert "partly loaded" not in str(caught.value)
+    assert all(torch.equal(fresh.weights()[key], value) for key, value in weights.items())

@@ -29,6 +29,7 @@ from pipeline.launcher import faults
 from tests.support.checkpoint_cases import Job
 from tests.support.pipeline_models import MODELS
 
+_REPO = str(Path(__file__).resolve().parents[2])  # this checkout's pipeline, not an install
 WAIT = 300.0  # seconds any rank waits for the other job before failing (never a hang)
 
 _HOLDER = ("import sys, time\n"
@@ -41,8 +42,7 @@ _HOLDER = ("import sys, time\n"
 def _start_holder(root: Path) -> subprocess.Popen[str]:
     """Another process that takes `root` and keeps it until killed."""
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(root)], text=True,
-                              stdout=subprocess.PIPE, env={**os.environ,
-                                                           "PYTHONPATH": os.getcwd()})
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": _REPO})
     assert holder.stdout is not None
     line = holder.stdout.readline()  # returns at 'held' or when the process ends
     if line.strip() != "held":
