@@ -38,6 +38,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from pipeline.device import seed_accelerator_rng
+
 __all__ = ["ForwardKey", "call_seeded", "current_forward_key", "forward_key", "layer_seed"]
 
 _T = TypeVar("_T")
@@ -99,18 +101,10 @@ def call_seeded(seed: int, device: torch.device, fn: Callable[[Any], _T], x: Any
     """
     cpu = torch.default_generator
     saved = cpu.get_state()
-    accelerator = None
-    if device.type != "cpu":
-        backend = torch.get_device_module(device.type)
-        index = device.index if device.index is not None else backend.current_device()
-        accelerator = (backend, index, backend.get_rng_state(index))
-        with backend.device(index):
-            backend.manual_seed(seed)
+    restore_accelerator = seed_accelerator_rng(device, seed)
     cpu.manual_seed(seed)
     try:
         return fn(x)
     finally:
         cpu.set_state(saved)
-        if accelerator is not None:
-            backend, index, state = accelerator
-            backend.set_rng_state(state, index)
+        restore_accelerator()
