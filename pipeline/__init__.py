@@ -29,6 +29,7 @@ _LAZY: dict[str, str] = {
     "ReferenceResult": "pipeline.model.reference",
     "CheckpointError": "pipeline.errors",
     "CheckpointInfo": "pipeline.checkpoint.save",
+    "CheckpointRootLockedError": "pipeline.checkpoint.root_lock",
     "PipelineError": "pipeline.errors",
     "NonFiniteError": "pipeline.errors",
     "PipelineConfigError": "pipeline.errors",

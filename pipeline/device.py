@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 
 import torch
 
 __all__ = ["accelerator_rng_states", "default_backend", "default_device", "device_problem",
-           "process_group_timeout", "set_accelerator_rng_states", "synchronize"]
+           "process_group_timeout", "seed_accelerator_rng", "set_accelerator_rng_states",
+           "synchronize"]
 
 
 def _has_cuda() -> bool:
@@ -61,3 +63,20 @@ def set_accelerator_rng_states(states: list[torch.Tensor]) -> None:
     """Restore `accelerator_rng_states()`; ignored when there is no GPU to restore."""
     if states and _has_cuda():
         torch.cuda.set_rng_state_all(states)
+
+
+def seed_accelerator_rng(device: torch.device, seed: int) -> Callable[[], None]:
+    """Seed `device`'s own generator (no-op on the CPU) and return what puts its previous
+    state back (`pipeline.model.layer_rng` runs each layer under a seed this way)."""
+    if device.type == "cpu":
+        return _nothing
+    backend = torch.get_device_module(device.type)
+    index = device.index if device.index is not None else backend.current_device()
+    saved = backend.get_rng_state(index)
+    with backend.device(index):
+        backend.manual_seed(seed)
+    return lambda: backend.set_rng_state(saved, index)
+
+
+def _nothing() -> None:
+    pass

@@ -13,8 +13,8 @@ import os
 
 from pipeline.launcher import faults
 
-__all__ = ["atomic_write", "fsync_directory", "read_pointer", "sha256_bytes", "sha256_file",
-           "write_pointer"]
+__all__ = ["atomic_write", "fsync_directory", "read_pointer", "remove_quietly", "sha256_bytes",
+           "sha256_file", "write_pointer"]
 
 _CHUNK = 1 << 20
 
@@ -46,17 +46,40 @@ def atomic_write(path: str, data: bytes, *, fault_point: str | None = None) -> N
 
     `fault_point` names the `faults` point reached after the bytes are durable under the
     temporary name and before the rename (where a crash leaves a stray temporary file).
+    A failed write or rename (ENOSPC, EIO) removes the temporary file before raising: a full
+    disk must not keep what it could not finish.
     """
     directory, name = os.path.split(path)
     temporary = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-    with open(temporary, "wb") as handle:
+    try:
+        _write_durably(temporary, data)
+    except OSError:
+        remove_quietly(temporary)
+        raise
+    if fault_point is not None:
+        faults.reach(fault_point)
+    try:
+        os.replace(temporary, path)
+    except OSError:
+        remove_quietly(temporary)
+        raise
+    fsync_directory(directory or ".")
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    """`data` into a new file `path`, on disk when this returns (tests fill the disk here)."""
+    with open(path, "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-    if fault_point is not None:
-        faults.reach(fault_point)
-    os.replace(temporary, path)
-    fsync_directory(directory or ".")
+
+
+def remove_quietly(path: str) -> None:
+    """Remove a file if it is there; a failure to remove it is not worth another error."""
+    try:
+        os.remove(path)
+    except OSError:
+        pass
 
 
 def write_pointer(path: str, target: str) -> None:

@@ -2,7 +2,8 @@
 
 Two phases, each ending in a vote of all ranks (`agree`): first every rank resolves the
 directory, checks the manifest and that every listed file is present with its size, reads
-the files it needs and checks their sha256 and shapes — changing nothing. Only if every
+the files it needs and checks their sha256, shapes, optimizer hyperparameters, loss
+scaler fields and generator states (set into scratch generators) — changing nothing. Only if every
 rank succeeded does any rank copy weights, optimizer state, scaler and generators in.
 """
 
@@ -30,7 +31,7 @@ from pipeline.checkpoint.optimizer_state import (
     import_torch_optimizer,
     param_keys,
 )
-from pipeline.checkpoint.rng_state import restore_rng
+from pipeline.checkpoint.rng_state import check_rng, restore_rng
 from pipeline.checkpoint.save import (
     CheckpointInfo,
     CheckpointParts,
@@ -117,7 +118,9 @@ def _prepare(path: str, parts: CheckpointParts, load_optimizer: bool) -> _Plan:
         topology = parts.topology
         if manifest.topology == (topology.pp, topology.dp, topology.tp):
             entry = next((e for e in manifest.files if e.path == rng_file(parts.rank)), None)
-            rng = None if entry is None else _read(step_dir, entry)
+            rng = None if entry is None else check_rng(
+                _read(step_dir, entry), where=os.path.join(step_dir, entry.path))
+        _check_scaler(manifest, parts, step_dir)
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as error:
         if isinstance(error, CheckpointError):
             raise
@@ -147,6 +150,18 @@ def _check_fits(manifest: Manifest, parts: CheckpointParts, step_dir: str,
     if problems:
         raise CheckpointError(f"{step_dir} does not fit this job: " + "; ".join(problems),
                               path=step_dir)
+
+
+def _check_scaler(manifest: Manifest, parts: CheckpointParts, step_dir: str) -> None:
+    """The saved loss scaler state has the fields this job's scaler takes."""
+    if manifest.loss_scaler is None or parts.loss_scaler is None:
+        return
+    expected = sorted(parts.loss_scaler.state_dict())
+    if sorted(manifest.loss_scaler) != expected:
+        saved = sorted(manifest.loss_scaler)
+        raise CheckpointError(f"{step_dir}: its loss scaler state has {saved}, this job's "
+                              f"scaler takes {expected}; load it with the same precision "
+                              "settings", path=step_dir)
 
 
 def _read_weights(step_dir: str, manifest: Manifest, parts: CheckpointParts
@@ -197,7 +212,26 @@ def _read_optimizer(step_dir: str, manifest: Manifest, parts: CheckpointParts
     else:
         wanted = {key: (0, param.numel()) for key, param in parts.module.named_layer_parameters()
                   if param.requires_grad}
-    return assemble(pieces, wanted, where=step_dir), hyper, regions
+        if isinstance(parts.optimizer, torch.optim.Optimizer) and any(
+                id(param) not in keys for group in parts.optimizer.param_groups
+                for param in group["params"]):
+            raise CheckpointError("this job's optimizer holds a parameter that is not in the "
+                                  "PipelineModule's layers; build the optimizer from the "
+                                  "engine's parameters", path=step_dir)
+    if not all(isinstance(group, dict) and all(isinstance(k, str) for k in group)
+               for group in hyper):
+        raise CheckpointError(f"{files[0].path} in {step_dir}: its optimizer hyperparameters are "
+                              "not a list of mappings; it was not written by this pipesched",
+                              path=os.path.join(step_dir, files[0].path))
+    state = assemble(pieces, wanted, where=step_dir)
+    shapes = {key: tuple(param.shape) for key, param in parts.module.named_layer_parameters()}
+    wrong = [f"layer {key[0]} {key[1]!r}: saved {entry.shape}, here {shapes[key]}"
+             for key, entry in state.items() if key in shapes and entry.shape != shapes[key]]
+    if wrong:
+        raise CheckpointError(f"{step_dir}: its optimizer state does not fit this model "
+                              f"({'; '.join(wrong[:4])}); load it into the same model",
+                              path=step_dir)
+    return state, hyper, regions
 
 
 def _apply(plan: _Plan, parts: CheckpointParts) -> None:

@@ -270,7 +270,7 @@ def resolve_checkpoint(path: str) -> str:
     if os.path.isdir(target):
         return target
     # A save that replaced an existing step directory crashed between its two renames: the
-    # new copy (.partial-) or the old one (.old-) is complete (see `checkpoint._commit`).
+    # new copy (.partial-) or the old one (.old-) is complete (see `pipeline.checkpoint.commit`).
     for pattern in (".partial-*", ".old-*"):
         for candidate in sorted(glob.glob(os.path.join(path, name + pattern))):
             if os.path.isfile(os.path.join(candidate, MANIFEST)):

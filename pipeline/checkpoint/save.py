@@ -7,6 +7,7 @@ and step counter, and a manifest with the topology and a sha256 per file.
 
 Why a crash cannot tear it — the order of a save (a collective: every rank calls it)::
 
+    0. rank 0 takes the root's lock (once per job: `pipeline.checkpoint.root_lock`)
     1. rank 0 names a staging directory  root/step_000042.partial-<token>/
     2. every rank writes its files there (temporary name, fsync, rename)
     3. rank 0 writes manifest.json into it, last (same way)
@@ -16,17 +17,19 @@ Why a crash cannot tear it — the order of a save (a collective: every rank cal
 Before 4 nothing outside the staging directory changed, so `latest` still names the
 previous complete checkpoint; a staging directory has no manifest until every file is
 durable, and a loader refuses a directory without one.
+
+A save that fails with an error (a full disk: ENOSPC) rather than a crash cleans up before it
+raises: the staging directory and temporary files go, and the error says what `latest`
+names; after step 4, that the step directory is complete although `latest` was not moved.
+What a crash leaves, the next save sweeps (under the lock, so never another job's save).
 """
 
 from __future__ import annotations
 
 import functools
-import glob
 import io
 import os
-import re
 import secrets
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,26 +38,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.checkpoint.atomic_files import (
-    atomic_write,
-    fsync_directory,
-    sha256_bytes,
-    write_pointer,
-)
-from pipeline.checkpoint.manifest import (
-    LATEST,
-    MANIFEST,
-    FileEntry,
-    Manifest,
-    dump_manifest,
-    resolve_checkpoint,
-    step_name,
-)
+from pipeline.checkpoint.atomic_files import atomic_write, sha256_bytes
+from pipeline.checkpoint.commit import abandon, commit, latest_status
+from pipeline.checkpoint.manifest import FileEntry, Manifest, dump_manifest, step_name
 from pipeline.checkpoint.optimizer_state import export_torch_optimizer, hyperparameters, param_keys
 from pipeline.checkpoint.rng_state import capture_rng
+from pipeline.checkpoint.root_lock import CheckpointRootLockedError, lock_root
 from pipeline.checkpoint.zero_state import export_zero, zero_layout
 from pipeline.errors import CheckpointError
-from pipeline.launcher import faults
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
@@ -147,13 +138,19 @@ def _all_gather(value: Any) -> list[Any]:
 
 def agree(error: CheckpointError | None, what: str) -> None:
     """Collective: raise `CheckpointError` on every rank if any rank had one (so no rank
-    goes on with a checkpoint another rank refused)."""
-    reported = _all_gather(None if error is None else (str(error), error.path))
+    goes on with a checkpoint another rank refused); a `CheckpointRootLockedError` keeps its
+    type and fields on every rank."""
+    reported = _all_gather(error)
     problems = [(rank, item) for rank, item in enumerate(reported) if item is not None]
     if problems:
-        rank, (text, path) = problems[0]
+        rank, first = problems[0]
         more = f" (and on {len(problems) - 1} more rank(s))" if len(problems) > 1 else ""
-        raise CheckpointError(f"{what} failed on rank {rank}{more}: {text}", path=path)
+        message = f"{what} failed on rank {rank}{more}: {first}"
+        if isinstance(first, CheckpointRootLockedError):
+            raise CheckpointRootLockedError(message, root=first.root,
+                                            holder_pid=first.holder_pid,
+                                            holder_host=first.holder_host)
+        raise CheckpointError(message, path=first.path)
 
 
 def _serialize(value: Any) -> bytes:
@@ -215,7 +212,11 @@ def _write_files(staging: str, parts: CheckpointParts) -> list[FileEntry]:
 
 def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
     """Write `root/step_<step>/` and point `root/latest` at it (a collective; see the module
-    docstring for the order that makes it crash-safe). Returns where it went."""
+    docstring for the order that makes it crash-safe). Returns where it went.
+
+    `CheckpointRootLockedError` when another process holds `root`; `CheckpointError` when a
+    write fails (a full disk): the failed save's files are removed first and the message says
+    what `latest` names now."""
     if not isinstance(root, str | os.PathLike) or not str(root):
         raise CheckpointError(f"checkpoint directory must be a non-empty path, got {root!r}",
                               path=str(root))
@@ -227,9 +228,12 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
     if parts.rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
+            lock_root(root)  # this job's root from now on; see root_lock for why a lock
         except OSError as error:
             problem = CheckpointError(f"cannot create {root}: {error}", path=root)
-    agree(problem, "creating the checkpoint directory")  # before any rank writes into it
+        except CheckpointError as error:
+            problem = error
+    agree(problem, "taking the checkpoint directory")  # before any rank writes into it
     entries: list[FileEntry] = []
     try:
         entries = _write_files(staging, parts)
@@ -237,15 +241,18 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
         problem = CheckpointError(f"cannot write into {staging}: {error}", path=staging)
     except CheckpointError as error:
         problem = error
-    agree(problem, "writing the checkpoint files")
+    try:
+        agree(problem, "writing the checkpoint files")
+    except CheckpointError as error:
+        if parts.rank == 0:  # every rank has stopped writing: nothing of this save is kept
+            abandon(root, staging)
+        raise CheckpointError(f"{error}; nothing was committed, the staging directory is "
+                              f"removed and {latest_status(root)}", path=error.path) from None
     gathered = _all_gather(entries)
     if parts.rank == 0:
-        try:
-            manifest = _manifest(parts, [entry for rank_entries in gathered
-                                         for entry in rank_entries])
-            _commit(root, staging, final_name, dump_manifest(manifest), token)
-        except OSError as error:
-            problem = CheckpointError(f"cannot commit {staging}: {error}", path=staging)
+        manifest = _manifest(parts, [entry for rank_entries in gathered
+                                     for entry in rank_entries])
+        problem = commit(root, staging, final_name, dump_manifest(manifest), token)
     agree(problem, "committing the checkpoint")
     return CheckpointInfo(os.path.join(root, final_name), parts.step)
 
@@ -260,43 +267,3 @@ def _manifest(parts: CheckpointParts, entries: list[FileEntry]) -> Manifest:
         optimizer_class=parts.optimizer_class,
         loss_scaler=None if parts.loss_scaler is None else parts.loss_scaler.state_dict(),
         files=tuple(sorted(entries, key=lambda entry: entry.path)))
-
-
-def _commit(root: str, staging: str, final_name: str, manifest: bytes, token: str) -> None:
-    """Steps 3-5 of the module docstring, on rank 0."""
-    faults.reach("checkpoint.manifest")
-    atomic_write(os.path.join(staging, MANIFEST), manifest)
-    faults.reach("checkpoint.commit")
-    final = os.path.join(root, final_name)
-    replaced = None
-    if os.path.exists(final):
-        # Re-saving a step (e.g. after rolling back): keep the old copy until `latest` can
-        # name the new one. A crash between the two renames leaves both complete copies
-        # under suffixed names, which `resolve_checkpoint` looks for.
-        replaced = f"{final}.old-{token}"
-        os.rename(final, replaced)
-        faults.reach("checkpoint.swap")
-    os.rename(staging, final)
-    fsync_directory(root)
-    faults.reach("checkpoint.latest")
-    write_pointer(os.path.join(root, LATEST), final_name)
-    _sweep(root)
-
-
-_LEFTOVER = re.compile(r"step_\d{6,}\.(partial|old)-[0-9a-f]+|\.latest\.tmp-\d+")
-
-
-def _sweep(root: str) -> None:
-    """Remove what earlier crashed saves (and this one's replaced copy) left behind, unless
-    `latest` depends on it."""
-    try:
-        resolved = resolve_checkpoint(root) if os.path.exists(os.path.join(root, LATEST)) \
-            else None
-    except CheckpointError:
-        return  # `latest` is dangling: a suffixed copy may be the only complete one
-    for path in glob.glob(os.path.join(root, "*")) + glob.glob(os.path.join(root, ".*")):
-        if _LEFTOVER.fullmatch(os.path.basename(path)) and path != resolved:
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                os.remove(path)

@@ -11,6 +11,12 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeline.errors import PipelineConfigError
 from pipeline.model.build_context import building_with
+from pipeline.model.layer_rng import (
+    ForwardKey,
+    call_seeded,
+    current_forward_key,
+    layer_seed,
+)
 from pipeline.model.layers import Layer, build_layer, check_tied_specs, normalize_layers
 from pipeline.model.partitioning import PartitionMethod, stage_boundaries
 from pipeline.model.tied import TiedLayerSpec
@@ -28,33 +34,47 @@ class Stage(nn.Module):
     (a tensor or a tuple of tensors), as in DeepSpeed's `PipelineModule`.
 
     With ``checkpoint_interval = k > 0`` every run of k layers is an activation checkpoint:
-    only its input is kept, and its forward is recomputed during the backward.
+    only its input is kept, and its forward is recomputed during the backward. With a
+    `base_seed`, inside the engine's `forward_key` each layer draws from its own seeded
+    stream (`pipeline.model.layer_rng`), the recompute included.
     """
 
     def __init__(self, index: int, first_layer: int, layers: Sequence[nn.Module],
-                 checkpoint_interval: int = 0) -> None:
+                 checkpoint_interval: int = 0, base_seed: int | None = None) -> None:
         super().__init__()
         self.index = index
         self.first_layer = first_layer
         # keyed by global layer index, so parameter names do not depend on the partition
         self.layers = nn.ModuleDict({str(first_layer + k): layer for k, layer in enumerate(layers)})
         self.checkpoint_interval = checkpoint_interval
+        self.base_seed = base_seed
 
     def forward(self, x: Any) -> Any:
-        layers = list(self.layers.values())
+        # read once, here: a checkpointed segment gets it as an argument, so the recompute
+        # during the backward (outside this forward's key) reseeds exactly as the forward did
+        key = current_forward_key()
+        layers = [(int(name), layer) for name, layer in self.layers.items()]
         k = self.checkpoint_interval
         if k <= 0 or not torch.is_grad_enabled():
-            return _run(layers, x)
+            return self._run(layers, x, key)
         for start in range(0, len(layers), k):
             segment = layers[start:start + k]
-            x = checkpoint(_run, segment, x, use_reentrant=False)
+            x = checkpoint(self._run, segment, x, key, use_reentrant=False)
         return x
 
+    def _run(self, layers: Sequence[tuple[int, nn.Module]], x: Any, key: ForwardKey | None
+             ) -> Any:
+        for index, layer in layers:
+            x = self.call_layer(index, layer, x, key)
+        return x
 
-def _run(layers: Sequence[nn.Module], x: Any) -> Any:
-    for layer in layers:
-        x = layer(x)
-    return x
+    def call_layer(self, index: int, layer: nn.Module, x: Any, key: ForwardKey | None) -> Any:
+        """Global layer `index`'s forward; under a key (and a `base_seed`) its random draws
+        come from `layer_seed(base_seed, index, key.step, key.microbatch)`."""
+        if key is None or self.base_seed is None:
+            return layer(x)
+        seed = layer_seed(self.base_seed, index, key.step, key.microbatch)
+        return call_seeded(seed, key.device, layer, x)
 
 
 class PipelineModule(nn.Module):
@@ -62,6 +82,11 @@ class PipelineModule(nn.Module):
 
     The cut is computed (identically) on every rank at construction; no layer is built
     until the engine calls `materialize` with the stages the schedule places on this rank.
+
+    `base_seed` seeds each `LayerSpec`'s weights (``base_seed + index``) and, inside the
+    engine, each layer's random draws per step and microbatch (`pipeline.model.layer_rng`),
+    so dropout is reproducible and the same under any partition; None leaves both to the
+    global generators.
     """
 
     def __init__(self, layers: Sequence[Layer] | nn.Sequential, num_stages: int, *,
@@ -144,7 +169,8 @@ class PipelineModule(nn.Module):
                 modules = [build_layer(self._layer(k), k, base_seed=self.base_seed,
                                        device=device, shared=self._tied_modules) for k in span]
                 self.stages[str(stage)] = Stage(stage, span.start, modules,
-                                                self.activation_checkpoint_interval)
+                                                self.activation_checkpoint_interval,
+                                                self.base_seed)
         self._layer_list = [None if not any(k in self.layers_of(s) for s in stages) else layer
                             for k, layer in enumerate(self._layer_list)]
 

@@ -293,7 +293,9 @@ class PipelineEngine:
         # 1. This rank's microbatches; every rank agrees the batch is usable.
         microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
         # 2. Run this rank's stream.
-        state = StepState(microbatches, split_targets, training)
+        # the key an F's layers seed their dropout streams from (`pipeline.model.layer_rng`)
+        state = StepState(microbatches, split_targets, training, step=self.global_step,
+                          first_microbatch=self.position.dp_rank * m)
         self._trace.restart()
         stream = schedule.streams[self.pp_rank]
         try:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pipeline.launcher.failure import PROGRESS, explain_stall
+from pipeline.model.layer_rng import forward_key
 from pipeline.model.module import LossFn, PipelineModule, Stage
 from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.precision import Precision, autocast
@@ -68,6 +69,10 @@ class StepState:
     microbatches: Sequence[Batch] | None
     targets: Sequence[Any] | None
     training: bool
+    step: int = 0
+    """The engine's `global_step`: with the microbatch, the key of layers' random streams."""
+    first_microbatch: int = 0
+    """Global index of this rank's microbatch 0 (dp_rank · m): replicas draw other masks."""
     inputs: dict[Key, Batch] = field(default_factory=dict)
     loaded_targets: dict[int, Any] = field(default_factory=dict)
     saved: dict[Key, _Saved] = field(default_factory=dict)
@@ -160,7 +165,12 @@ class Interpreter:
         try:
             for step, op in enumerate(stream):
                 try:
-                    self.execute(op)
+                    if op.kind is Kind.F:  # its layers draw dropout masks from this key
+                        with forward_key(state.step, state.first_microbatch + op.microbatch,
+                                         self.device):
+                            self.execute(op)
+                    else:  # a recompute in B gets the key through its checkpointed segment
+                        self.execute(op)
                 except Exception as error:
                     raise InstructionFailed(step, op) from error
         finally:

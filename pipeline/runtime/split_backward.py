@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipeline.model.layer_rng import current_forward_key
 from pipeline.model.module import Stage
 from pipeline.runtime.batch import as_tensors
 
@@ -64,7 +65,8 @@ def forward_capturing(stage: Stage, x: Any) -> tuple[Any, LayerGrads | None]:
     if stage.checkpoint_interval > 0:
         return stage(x), None
     captured = LayerGrads()
-    for layer in stage.layers.values():
-        x = layer(x)
+    key = current_forward_key()
+    for index, layer in stage.layers.items():
+        x = stage.call_layer(int(index), layer, x, key)  # seeded as `Stage.forward` does
         captured.watch(layer, x)
     return x, captured

@@ -1,0 +1,126 @@
+"""Rank 0's part of a save: commit a complete staging directory, or abandon a failed one, and
+sweep what earlier saves left; every failure says exactly what is on disk afterwards.
+
+Steps 3-5 of `pipeline.checkpoint.save` (manifest, rename, `latest`). Only the holder of the
+root's lock (`pipeline.checkpoint.root_lock`) runs these, so a sweep never removes another
+job's save in progress.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+
+from pipeline.checkpoint.atomic_files import (
+    atomic_write,
+    fsync_directory,
+    read_pointer,
+    remove_quietly,
+    write_pointer,
+)
+from pipeline.checkpoint.manifest import LATEST, MANIFEST, resolve_checkpoint
+from pipeline.errors import CheckpointError
+from pipeline.launcher import faults
+
+__all__ = ["abandon", "commit", "latest_name", "latest_status", "sweep"]
+
+_LEFTOVER = re.compile(r"step_\d{6,}\.(partial|old)-[0-9a-f]+|\.latest\.tmp-\d+")
+
+
+def latest_name(root: str) -> str | None:
+    """What `root/latest` names now (None if absent or unreadable)."""
+    try:
+        return read_pointer(os.path.join(root, LATEST))
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def latest_status(root: str) -> str:
+    """What `latest` names now, as a clause for an error message."""
+    return _names(latest_name(root))
+
+
+def _names(name: str | None) -> str:
+    return f"'{LATEST}' still names {name}" if name else f"there is no '{LATEST}' yet"
+
+
+def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str
+           ) -> CheckpointError | None:
+    """Write the manifest, rename `staging` to `root/final_name`, point `latest` at it, sweep.
+    None on success; otherwise the error to report, with the disk already cleaned up."""
+    previous = latest_name(root)
+    final = os.path.join(root, final_name)
+    try:
+        _publish(root, staging, final, manifest, token)
+    except OSError as error:
+        abandon(root, staging)
+        return CheckpointError(
+            f"cannot commit {staging} ({error}): nothing was committed, the staging "
+            f"directory is removed and {_names(previous)}; free space and save again",
+            path=staging)
+    try:
+        faults.reach("checkpoint.latest")
+        write_pointer(os.path.join(root, LATEST), final_name)
+    except OSError as error:
+        if previous == final_name:  # a re-saved step: `latest` already names the new copy
+            sweep(root)
+            return None
+        sweep(root)
+        return CheckpointError(
+            f"{final} is complete on disk (manifest and every file written and synced) but "
+            f"pointing '{LATEST}' at it failed ({error}); {_names(previous)}: load {final} "
+            "directly, or free space and save again", path=os.path.join(root, LATEST))
+    sweep(root)
+    return None
+
+
+def _publish(root: str, staging: str, final: str, manifest: bytes, token: str) -> None:
+    """Manifest last into the staging directory, then the rename that commits it."""
+    faults.reach("checkpoint.manifest")
+    atomic_write(os.path.join(staging, MANIFEST), manifest)
+    faults.reach("checkpoint.commit")
+    replaced = None
+    if os.path.exists(final):
+        # Re-saving a step (e.g. after rolling back): keep the old copy until `latest` can
+        # name the new one. A crash between the two renames leaves both complete copies
+        # under suffixed names, which `resolve_checkpoint` looks for.
+        replaced = f"{final}.old-{token}"
+        os.rename(final, replaced)
+        faults.reach("checkpoint.swap")
+    try:
+        os.rename(staging, final)
+    except OSError:
+        if replaced is not None:
+            os.rename(replaced, final)  # put the old copy back under its name
+        raise
+    try:
+        fsync_directory(root)
+    except OSError:
+        pass  # the rename is done; a failed directory sync loses it only on a power cut
+
+
+def abandon(root: str, staging: str) -> None:
+    """Remove a failed save's staging directory (every rank has stopped writing into it),
+    then sweep."""
+    shutil.rmtree(staging, ignore_errors=True)
+    sweep(root)
+
+
+def sweep(root: str) -> None:
+    """Remove what earlier failed or crashed saves (and a replaced copy) left behind, unless
+    `latest` depends on it."""
+    try:
+        resolved = resolve_checkpoint(root) if os.path.exists(os.path.join(root, LATEST)) \
+            else None
+    except CheckpointError:
+        resolved = ""  # `latest` is dangling: a suffixed copy may be the only complete one
+    for path in glob.glob(os.path.join(root, "*")) + glob.glob(os.path.join(root, ".*")):
+        name = os.path.basename(path)
+        if not _LEFTOVER.fullmatch(name) or path == resolved:
+            continue
+        if name.startswith(".latest.tmp-"):
+            remove_quietly(path)
+        elif resolved != "":
+            shutil.rmtree(path, ignore_errors=True)
