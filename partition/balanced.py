@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 
 from partition.bisection import solve_monotone
-from partition.stage_costs import StageCosts
 from partition.dag import DagCosts, solve_dag
 from partition.errors import InfeasibleMemoryError
 from partition.parametric import ChainCosts, solve_chain
+from partition.stage_costs import StageCosts
 
 __all__ = ["minimum_memory_cap", "solve_balanced"]
 

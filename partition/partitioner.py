@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from partition.balanced import solve_balanced
 from partition.bisection import partition_weights
 from partition.boundaries import check_stage_count, uniform_boundaries, validate_boundaries
-from partition.stage_costs import StageCosts, inflight_microbatches
 from partition.errors import InvalidOptionError, MemoryCapExceededError
 from partition.graph import ModelGraph
 from partition.methods import (
@@ -21,6 +20,7 @@ from partition.methods import (
     parse_schedule_memory,
 )
 from partition.result import Partition
+from partition.stage_costs import StageCosts, inflight_microbatches
 
 __all__ = ["DEFAULT_OPTIMIZER_BYTES_PER_PARAM_BYTE", "partition_graph"]
 
@@ -101,7 +101,7 @@ def _check_options(
 
 def _type_names(graph: ModelGraph) -> list[str]:
     """Class names to match, falling back to the layer name when a layer has no type."""
-    return [layer.type_name or layer.name for layer in graph.layers]
+    return [kind or name for kind, name in zip(graph.type_names, graph.names)]
 
 
 def _uniform(request: _Request) -> tuple[int, ...]:

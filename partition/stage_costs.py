@@ -61,12 +61,11 @@ class StageCosts:
         self.compute_prefix = _prefix(self.layer_compute)
         self.static_memory_prefix = _prefix(self.layer_static_memory)
         self.activation_prefix = _prefix(self.layer_activation)
-        edges = [edge for edge in graph.edges if edge.bytes > 0] if bandwidth else []
-        self.edge_source = np.array([edge.source for edge in edges], dtype=np.int64)
-        self.edge_target = np.array([edge.target for edge in edges], dtype=np.int64)
-        self.edge_seconds = np.array(
-            [edge.bytes / bandwidth for edge in edges] if bandwidth else [], dtype=np.float64
-        )
+        source, target, sizes = graph.edge_arrays
+        paid = sizes > 0 if bandwidth else np.zeros(len(sizes), dtype=bool)
+        self.edge_source = source[paid]
+        self.edge_target = target[paid]
+        self.edge_seconds = sizes[paid] / bandwidth if bandwidth else np.zeros(0)
         # Stage k's compute prefix is P / speed_k, its memory prefix S + inflight_k * A.
         self.compute = LinearPrefix((self.compute_prefix,), (1.0 / self.speeds)[:, None])
         self.memory = LinearPrefix(

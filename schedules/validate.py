@@ -103,7 +103,10 @@ def _coverage_error(schedule: Schedule, counts: dict[tuple[Kind, int, int], tupl
                f"needs exactly {wanted} on rank {schedule.placement[s]}")
     if not present:
         raise ScheduleValidationError(f"{schedule.name}: {message}")
-    rank, step = counts[min((k, s, i) for k in present)]
+    # Point at the last present op in F, B, I, W order: the I whose W is missing, the W
+    # without an I. (Kinds have no order of their own: compare positions, not Kind values.)
+    last = [kind for kind in (_F, _B, _I, _W) if kind in present][-1]
+    rank, step = counts[(last, s, i)]
     raise _fail(schedule, rank, step, message)
 
 
