@@ -101,10 +101,11 @@ def _load(source: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[str, Any]
         return "cost document", source
     label = os.fspath(source)
     try:
-        text = _read_regular_file(label).decode("utf-8")
-        return label, json.loads(text)
+        data = _read_regular_file(label)
     except OSError as error:
         raise CostFileError(label, [f"cannot read the file ({error.strerror})"]) from error
+    try:
+        return label, json.loads(data.decode("utf-8"))
     except json.JSONDecodeError as error:
         raise CostFileError(
             label, [f"not valid JSON at line {error.lineno} column {error.colno}: {error.msg}"]

@@ -62,10 +62,10 @@ def check_columns(
     problems: list[str] = []
     for field, values in columns.items():
         for index in np.flatnonzero(~(np.isfinite(values) & (values >= 0))).tolist():
-            problems.append(f"layer {names[index]!r} {field}={values[index]!r}")
+            problems.append(f"layer {names[index]!r} {field}={float(values[index])!r}")
     for index in np.flatnonzero(~(np.isfinite(sizes) & (sizes >= 0))).tolist():
         source, target = endpoints[index].tolist()
-        problems.append(f"edge {source}->{target} bytes={sizes[index]!r}")
+        problems.append(f"edge {source}->{target} bytes={float(sizes[index])!r}")
     if bandwidth is not None and (bad_number(bandwidth) or bandwidth == 0):
         problems.append(f"bandwidth={shown_value(bandwidth)} (must be > 0, or None for free)")
     if problems:
