@@ -119,7 +119,7 @@ def test_problems_are_listed_in_layer_order() -> None:
 
 
 def test_from_arrays_refuses_what_the_layer_constructor_refuses() -> None:
-    with pytest.raises(InvalidCostError, match="layer 'b' backward=-1.0"):
+    with pytest.raises(InvalidCostError, match=r"layer 'b' backward=-1\.0"):
         ModelGraph.from_arrays(["a", "b"], {"forward": [1, 1], "backward": [0, -1]})
     with pytest.raises(GraphError, match="duplicate layer names \\['a'\\]"):
         ModelGraph.from_arrays(["a", "a"], {"forward": [1, 1]})
@@ -129,7 +129,7 @@ def test_from_arrays_refuses_what_the_layer_constructor_refuses() -> None:
         ModelGraph.from_arrays(["a", "b"], {"forward": [1, 1]}, ([1], [0], [1.0]))
     with pytest.raises(GraphError, match="edge 0->1 is given twice"):
         ModelGraph.from_arrays(["a", "b"], {"forward": [1, 1]}, ([0, 0], [1, 1], [1.0, 2.0]))
-    with pytest.raises(GraphError, match="outside 0..1"):
+    with pytest.raises(GraphError, match=r"outside 0\.\.1"):
         ModelGraph.from_arrays(["a", "b"], {"forward": [1, 1]}, ([0], [2], [1.0]))
 
 

@@ -40,7 +40,7 @@ def test_split_backward_with_w_missing_points_at_the_i() -> None:
 
 def test_swapped_rank_labels_are_refused_not_ignored() -> None:
     # Was: accepted, each line taken as the rank of its position whatever its label said.
-    with pytest.raises(ScheduleParseError, match="line 1 is labelled 'rank 1'.*in order"):
+    with pytest.raises(ScheduleParseError, match=r"line 1 is labelled 'rank 1'.*in order"):
         Schedule.from_text("rank 1: 0F0 0B0\nrank 0: 1F0 1B0")
 
 
