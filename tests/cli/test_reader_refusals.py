@@ -195,3 +195,13 @@ def test_validate_refuses_swapped_rank_labels(capsys: pytest.CaptureFixture[str]
     path.write_text("rank 1: 0F0 0B0\nrank 0: 1F0 1B0\n")
     err = refused(capsys, "validate", str(path))
     assert "line 1 is labelled 'rank 1'" in err and "list the ranks in order" in err
+
+
+def test_every_command_module_registers_the_command_it_is_listed_under() -> None:
+    # `main` imports only the module of the command it runs: the table must match.
+    from pipeline.cli import COMMAND_MODULES, build_parser
+
+    for name in COMMAND_MODULES:
+        choices = next(action for action in build_parser(name)._actions
+                       if action.dest == "command").choices
+        assert list(choices or ()) == [name]
