@@ -8,6 +8,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -64,7 +65,7 @@ def refused_without_blocking(capsys: pytest.CaptureFixture[str], fifo: Path,
 def generators_that_must_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every registered generator fails if called: a refusal must come before building."""
 
-    def built(*args: object) -> None:
+    def built(*args: object) -> NoReturn:
         raise AssertionError(f"a generator ran with {args}: the size check came too late")
 
     for name, spec in list(SCHEDULES.items()):

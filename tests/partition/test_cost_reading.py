@@ -12,6 +12,7 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -143,7 +144,7 @@ layer_entries = st.fixed_dictionaries({"forward": costs}, optional={
 @given(st.lists(layer_entries, min_size=1, max_size=12), st.booleans(),
        st.none() | st.floats(1.0, 1e12))
 def test_the_column_reader_builds_the_graph_layer_by_layer_costs_would(
-        entries: list[dict[str, object]], skip: bool, bandwidth: float | None) -> None:
+        entries: list[dict[str, Any]], skip: bool, bandwidth: float | None) -> None:
     n = len(entries)
     edges = [[i, i + 1, 8.0 * i] for i in range(n - 1)] + (
         [[0, n - 1, 3.0]] if skip and n > 2 else [])
@@ -154,7 +155,8 @@ def test_the_column_reader_builds_the_graph_layer_by_layer_costs_would(
     layers = [LayerCost(f"layer{i}", type_name=str(entry.get("type", "")),
                         **{k: float(v) for k, v in entry.items() if k in COST_FIELDS})
               for i, entry in enumerate(entries)]
-    built = ModelGraph(layers, [tuple(edge) for edge in edges], bandwidth=bandwidth)
+    built = ModelGraph(layers, [(int(s), int(t), float(b)) for s, t, b in edges],
+                       bandwidth=bandwidth)
     assert read.names == built.names and read.layers == built.layers
     assert read.edges == built.edges and read.is_chain == built.is_chain
     for field in COST_FIELDS:
@@ -168,3 +170,18 @@ def test_a_chain_by_default_carries_each_layers_activation() -> None:
                                                      "activation": [5, 7, math.pi]})
     assert [(e.source, e.target, e.bytes) for e in graph.edges] == [(0, 1, 5.0), (1, 2, 7.0)]
     assert graph.is_chain and graph.type_names == ("", "", "")
+
+
+@pytest.mark.parametrize(("options", "what"), [
+    ({}, "compute time"),
+    ({"speeds": [1.0, 1e-308]}, "compute time"),
+    ({"bandwidth": 1e-320}, "communication time"),
+])
+def test_finite_costs_whose_sums_overflow_are_refused_not_an_internal_error(
+        options: dict[str, object], what: str) -> None:
+    # Was: "max() arg is an empty sequence" after numpy overflow warnings.
+    graph = ModelGraph.from_arrays(
+        ["a", "b", "c"], {"forward": [1e308, 1e308, 1.0] if not options else [1.0, 1.0, 1.0],
+                          "activation": [8.0, 8.0, 8.0]})
+    with pytest.raises(InvalidCostError, match=f"{what} .* past the largest float"):
+        partition_graph(graph, 2, **options)  # type: ignore[arg-type]

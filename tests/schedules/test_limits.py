@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NoReturn
 
 import pytest
 from hypothesis import given, settings
@@ -23,7 +24,7 @@ HUGE = 10**7
 def generators_that_must_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every registered generator fails if called: a refusal must come before building."""
 
-    def built(*args: object) -> None:
+    def built(*args: object) -> NoReturn:
         raise AssertionError(f"a generator ran with {args}: the size check came too late")
 
     for name, spec in list(SCHEDULES.items()):
