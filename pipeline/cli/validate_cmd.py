@@ -12,6 +12,7 @@ from typing import Any
 from pipeline.cli.options import positive_int
 from schedules import Schedule, add_optimizer_step, lower, parse_torch_csv, validate
 from schedules.errors import ScheduleParseError
+from schedules.limits import check_schedule_size
 from viz.output import file_kind
 
 __all__ = ["read_schedule_file", "register", "run"]
@@ -50,6 +51,8 @@ def read_schedule_file(path: Path, form: str = "auto",
                 else Schedule.from_text(text, name=path.name, num_microbatches=num_microbatches))
     if not schedule.lowered:
         validate(schedule)  # a skipped microbatch named as such, before lowering trips on it
+        check_schedule_size(schedule.num_ranks, schedule.num_microbatches, schedule.chunks,
+                            names=("ranks", "microbatches", "stages per rank"))
         schedule = lower(schedule)
     if schedule.has_backward and not any(op.kind.value == "STEP" for op in schedule.streams[0]):
         schedule = add_optimizer_step(schedule)
