@@ -135,14 +135,16 @@ class ModelGraph:
             sizes = columns["activation"][:-1].copy()
         else:
             sources, targets, sizes_given = edges
-            endpoints = np.stack(
-                [np.asarray(sources, dtype=np.int64), np.asarray(targets, dtype=np.int64)], axis=1
-            ).reshape(-1, 2)
-            sizes = np.asarray(sizes_given, dtype=np.float64).reshape(-1)
-            if len(sizes) != len(endpoints):
-                raise GraphError(f"{len(endpoints)} edge endpoints but {len(sizes)} byte counts")
-        graph = cls.__new__(cls)
+            if not len(sources) == len(targets) == len(sizes_given):
+                raise GraphError(f"edges give {len(sources)} sources, {len(targets)} targets "
+                                 f"and {len(sizes_given)} byte counts; give one of each per edge")
+            endpoints = np.stack([_positions(sources, "sources"), _positions(targets, "targets")],
+                                 axis=1)
+            sizes = cost_column(sizes_given, len(endpoints), "edge bytes")
         kinds = [""] * n if type_names is None else list(type_names)
+        if len(kinds) != n:
+            raise GraphError(f"type_names has {len(kinds)} entries for {n} layers")
+        graph = cls.__new__(cls)
         graph._set(list(names), kinds, columns, endpoints, sizes, bandwidth)
         graph._layers = None
         return graph
@@ -287,6 +289,20 @@ class ModelGraph:
             f"ModelGraph({kind}, {self.num_layers} layers, {len(self._edge_bytes)} edges, "
             f"bandwidth={self._bandwidth})"
         )
+
+
+def _positions(values: Any, what: str) -> np.ndarray:
+    """Edge endpoints as int64 layer positions; anything else is a `GraphError`."""
+    try:
+        positions = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        positions = np.asarray([], dtype=object)
+    if positions.size and positions.dtype.kind not in "iu":
+        raise GraphError(f"edge {what} must be integer layer positions, got {values!r:.60}")
+    try:
+        return positions.astype(np.int64).reshape(-1)
+    except OverflowError:
+        raise GraphError(f"edge {what} name a layer position too large for any graph") from None
 
 
 def _make_layer(name: str, values: dict[str, Any], type_name: str) -> LayerCost:

@@ -132,6 +132,12 @@ def test_from_arrays_refuses_what_the_layer_constructor_refuses() -> None:
         ModelGraph.from_arrays(["a", "b"], {"forward": [1, 1]}, ([0, 0], [1, 1], [1.0, 2.0]))
     with pytest.raises(GraphError, match=r"outside 0\.\.1"):
         ModelGraph.from_arrays(["a", "b"], {"forward": [1, 1]}, ([0], [2], [1.0]))
+    with pytest.raises(GraphError, match="1 sources, 2 targets and 1 byte counts"):
+        ModelGraph.from_arrays(["a", "b"], {"forward": [1, 1]}, ([0], [1, 1], [1.0]))
+    with pytest.raises(GraphError, match="must be integer layer positions"):
+        ModelGraph.from_arrays(["a", "b"], {"forward": [1, 1]}, ([0.5], [1], [1.0]))
+    with pytest.raises(GraphError, match="type_names has 1 entries for 2 layers"):
+        ModelGraph.from_arrays(["a", "b"], {"forward": [1, 1]}, type_names=["Block"])
 
 
 costs = st.floats(0, 1e6, allow_nan=False) | st.integers(0, 10**6)
