@@ -80,12 +80,16 @@ def graph_from_json(source: str | os.PathLike[str] | Mapping[str, Any]) -> Model
         problems.append(f"'edges' is {type(raw_edges).__name__}, not a list of triples")
     elif raw_edges is not None:
         positions = {name: index for index, name in enumerate(columns.names)}
-        edges = ([], [], [])
+        sources: list[int] = []
+        targets: list[int] = []
+        sizes: list[float] = []
         for position, raw in enumerate(raw_edges):
             edge = _read_edge(position, raw, positions, len(raw_layers), problems)
             if edge is not None:
-                for column, value in zip(edges, edge):
-                    column.append(value)  # type: ignore[attr-defined]
+                sources.append(edge[0])
+                targets.append(edge[1])
+                sizes.append(edge[2])
+        edges = (sources, targets, sizes)
     if problems:
         raise CostFileError(label, problems)
     try:
