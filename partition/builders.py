@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partition.checks import is_cost_number, shown_value
-from partition.cost_columns import read_layer_columns
+from partition.cost_columns import EdgeColumns, read_edge_columns, read_layer_columns
 from partition.errors import CostFileError, InvalidCostError
 from partition.graph import LayerCost, ModelGraph
 
@@ -75,21 +75,12 @@ def graph_from_json(source: str | os.PathLike[str] | Mapping[str, Any]) -> Model
     columns = read_layer_columns(raw_layers, problems)
     bandwidth = _read_bandwidth(document.get("bandwidth"), problems)
     raw_edges = document.get("edges")
-    edges: tuple[list[int], list[int], list[float]] | None = None
+    edges: EdgeColumns | None = None
     if raw_edges is not None and not isinstance(raw_edges, list):
         problems.append(f"'edges' is {type(raw_edges).__name__}, not a list of triples")
     elif raw_edges is not None:
         positions = {name: index for index, name in enumerate(columns.names)}
-        sources: list[int] = []
-        targets: list[int] = []
-        sizes: list[float] = []
-        for position, raw in enumerate(raw_edges):
-            edge = _read_edge(position, raw, positions, len(raw_layers), problems)
-            if edge is not None:
-                sources.append(edge[0])
-                targets.append(edge[1])
-                sizes.append(edge[2])
-        edges = (sources, targets, sizes)
+        edges = read_edge_columns(raw_edges, positions, len(raw_layers), problems)
     if problems:
         raise CostFileError(label, problems)
     try:
@@ -138,38 +129,6 @@ def _read_regular_file(path: str) -> bytes:
                                    "JSON file and pass its path"])
     with os.fdopen(descriptor, "rb") as handle:
         return handle.read()
-
-
-def _read_edge(
-    position: int,
-    raw: object,
-    names: Mapping[str, int],
-    num_layers: int,
-    problems: list[str],
-) -> tuple[int, int, float] | None:
-    """One ``[from, to, bytes]`` triple with endpoints resolved to indices."""
-    where = f"edges[{position}]"
-    if not isinstance(raw, list) or len(raw) != 3:
-        problems.append(f"{where}={shown_value(raw)} is not a [from, to, bytes] triple")
-        return None
-    endpoints: list[int] = []
-    for end in raw[:2]:
-        if isinstance(end, str) and end in names:
-            endpoints.append(names[end])
-        elif isinstance(end, int) and not isinstance(end, bool) and 0 <= end < num_layers:
-            endpoints.append(end)
-        else:
-            problems.append(
-                f"{where} endpoint {shown_value(end)} is neither a layer name nor an index in "
-                f"0..{num_layers - 1}"
-            )
-    size = raw[2]
-    if not is_cost_number(size):
-        problems.append(f"{where} bytes={shown_value(size)} is not a finite number >= 0")
-        return None
-    if len(endpoints) != 2:
-        return None
-    return endpoints[0], endpoints[1], float(size)
 
 
 def _read_bandwidth(value: object, problems: list[str]) -> float | None:

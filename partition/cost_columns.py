@@ -1,4 +1,4 @@
-"""Read the ``layers`` of a JSON cost file into columns, checking every value once.
+"""Read the layers and edges of a JSON cost file into columns, checking every value once.
 
 A cost file of 100,000 layers is 500,000 numbers. Checking them one by one through a
 `LayerCost` each (and again in the graph) took seconds; here one pass per field collects
@@ -16,7 +16,8 @@ import numpy as np
 
 from partition.checks import is_cost_number, shown_value
 
-__all__ = ["LAYER_KEYS", "LayerColumns", "read_layer_columns"]
+__all__ = ["LAYER_KEYS", "EdgeColumns", "LayerColumns", "read_edge_columns",
+           "read_layer_columns"]
 
 LAYER_KEYS = frozenset({"name", "forward", "backward", "params", "activation", "extra_memory",
                         "type"})
@@ -111,3 +112,63 @@ def _as_floats(values: list[Any]) -> tuple[np.ndarray, list[int], list[int]]:
                        else np.nan for value in values], dtype=np.float64)
     bad = np.flatnonzero(np.isnan(column)).tolist()
     return column, bad, missing
+
+
+class EdgeColumns(NamedTuple):
+    """The usable edges of a cost file as columns, in file order."""
+
+    sources: np.ndarray
+    targets: np.ndarray
+    sizes: np.ndarray
+
+
+def read_edge_columns(raw_edges: list[Any], positions: Mapping[str, int], num_layers: int,
+                      problems: list[str]) -> EdgeColumns:
+    """Columns of the ``[from, to, bytes]`` triples; endpoints are layer names (looked up
+    in `positions`) or indices. Problems are appended in edge order; an edge with any is
+    left out (the caller raises when `problems` is not empty)."""
+    found: list[tuple[int, int, str]] = []
+    kept = list(range(len(raw_edges)))
+    if not all(type(raw) is list and len(raw) == 3 for raw in raw_edges):
+        kept = [index for index, raw in enumerate(raw_edges)
+                if isinstance(raw, list) and len(raw) == 3]
+        shaped = set(kept)
+        found += [(index, 0, f"edges[{index}]={shown_value(raw)} is not a [from, to, bytes] "
+                             "triple") for index, raw in enumerate(raw_edges)
+                  if index not in shaped]
+    triples = [raw_edges[index] for index in kept]
+    columns = [list(column) for column in zip(*triples)] or [[], [], []]
+    usable = np.ones(len(kept), dtype=bool)
+    ends: list[np.ndarray] = []
+    for order, values in enumerate(columns[:2], start=1):
+        column, bad = _endpoints(values, positions, num_layers)
+        for k in bad:
+            found.append((kept[k], order, f"edges[{kept[k]}] endpoint {shown_value(values[k])} "
+                                          "is neither a layer name nor an index in "
+                                          f"0..{num_layers - 1}"))
+        usable[bad] = False
+        ends.append(column)
+    sizes, bad, _ = _as_floats(columns[2])
+    for k in bad:
+        found.append((kept[k], 3, f"edges[{kept[k]}] bytes={shown_value(columns[2][k])} is not "
+                                  "a finite number >= 0"))
+    usable[bad] = False
+    problems.extend(message for _, _, message in sorted(found, key=lambda f: f[:2]))
+    return EdgeColumns(ends[0][usable], ends[1][usable], sizes[usable])
+
+
+def _endpoints(values: list[Any], positions: Mapping[str, int],
+               num_layers: int) -> tuple[np.ndarray, list[int]]:
+    """Endpoints as layer positions (-1 where unusable), and the unusable ones' places."""
+    if set(map(type, values)) <= {int}:  # indices only: one numpy call
+        try:
+            column = np.fromiter(values, np.int64, len(values))
+        except OverflowError:  # an index beyond int64: fall through to one by one
+            pass
+        else:
+            return column, np.flatnonzero((column < 0) | (column >= num_layers)).tolist()
+    resolved = [positions.get(value, -1) if type(value) is str
+                else value if type(value) is int and 0 <= value < num_layers else -1
+                for value in values]
+    column = np.array(resolved, dtype=np.int64)
+    return column, np.flatnonzero(column < 0).tolist()
