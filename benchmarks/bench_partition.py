@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import json
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,12 +21,16 @@ from partition import (
     LayerCost,
     ModelGraph,
     chain_graph,
+    graph_from_json,
     partition_graph,
     partition_weights,
     uniform_boundaries,
 )
 
-__all__ = ["block_partition_torchgpipe_style", "main", "transformer_costs"]
+__all__ = ["block_partition_torchgpipe_style", "cli_table", "main", "transformer_costs",
+           "write_cost_file"]
+
+REPO = Path(__file__).resolve().parents[1]
 
 Boundaries = Sequence[int]
 
@@ -167,6 +175,53 @@ def speed_table() -> list[str]:
     return rows
 
 
+def write_cost_file(path: Path, weights: np.ndarray) -> None:
+    """The README's JSON cost format, one layer per weight: the speed table's chain (forward
+    a third of the weight, backward two thirds, 1 MB of parameters, 100 kB activations)."""
+    layers = [{"name": f"l{i}", "forward": w / 3, "backward": 2 * w / 3, "params": 1e6,
+               "activation": 1e5} for i, w in enumerate(weights.tolist())]
+    path.write_text(json.dumps({"layers": layers}))
+
+
+def cli_table(n: int = 100_000, p: int = 128) -> list[str]:
+    """End to end: `pipesched partition --costs FILE --stages P` in a fresh process (startup,
+    reading and checking the file, partitioning, printing), against the parts in-process."""
+    rng = np.random.default_rng(0)
+    rows = ["| case | n | p | time |", "|---|---:|---:|---:|"]
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory, f"costs_{n}.json")
+        write_cost_file(path, random_costs(n, rng))
+        command = [sys.executable, "-m", "pipeline.cli", "partition", "--costs", str(path),
+                   "--stages", str(p)]
+        seconds, cpu = _cli_seconds(command)
+        rows.append(f"| `pipesched partition --costs FILE --stages {p}`, end to end "
+                    f"({path.stat().st_size / 1e6:.0f} MB file; CPU time {cpu:.2f} s) | "
+                    f"{n:,} | {p} | {seconds:.2f} s |")
+        seconds, graph = timed(lambda: graph_from_json(path))
+        rows.append(f"| of which `graph_from_json` (read, parse, check) | {n:,} | - | "
+                    f"{seconds * 1e3:.0f} ms |")
+        assert isinstance(graph, ModelGraph)
+        seconds, _ = timed(lambda: partition_graph(graph, p))
+        rows.append(f"| of which `partition_graph` | {n:,} | {p} | {seconds * 1e3:.0f} ms |")
+    return rows
+
+
+def _cli_seconds(command: list[str], repeats: int = 3) -> tuple[float, float]:
+    """Best wall time of `repeats` runs of `command`, and the CPU time (user + system) of
+    that run: on a shared machine the wall time also counts waiting for a core."""
+    best, best_cpu = float("inf"), float("inf")
+    for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.perf_counter()
+        subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+        seconds = time.perf_counter() - started
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        if seconds < best:
+            best, best_cpu = seconds, cpu
+    return best, best_cpu
+
+
 def _skip_dag(n: int, rng: np.random.Generator) -> ModelGraph:
     """A residual network: a chain plus a skip edge over every pair of layers."""
     layers = [LayerCost(f"l{i}", forward=float(w)) for i, w in enumerate(random_costs(n, rng))]
@@ -207,6 +262,8 @@ def main() -> None:
     deepspeed, which = _deepspeed_partition_balanced()
     print("## Speed (best of 3 where the time is short; CPU, numpy)\n")
     print("\n".join(speed_table()))
+    print("\n## The command line on a 100,000-layer cost file (best of 3)\n")
+    print("\n".join(cli_table()))
     print(f"\n## Bottleneck vs peers (5 seeds each; DeepSpeed: {which})\n")
     print("Ratio = our bottleneck / theirs; below 1.000 means our slowest stage is faster.\n")
     print("\n".join(quality_table(deepspeed)))

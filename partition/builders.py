@@ -3,25 +3,18 @@
 from __future__ import annotations
 
 import json
-import math
 import os
+import stat
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeGuard
+from typing import Any
 
+from partition.checks import is_cost_number, shown_value
+from partition.cost_columns import EdgeColumns, read_edge_columns, read_layer_columns
 from partition.errors import CostFileError, InvalidCostError
 from partition.graph import LayerCost, ModelGraph
 
 __all__ = ["chain_graph", "graph_from_json"]
 
-_LAYER_KEYS = {
-    "name": "name",
-    "forward": "forward",
-    "backward": "backward",
-    "params": "params",
-    "activation": "activation",
-    "extra_memory": "extra_memory",
-    "type": "type_name",
-}
 _TOP_KEYS = ("layers", "edges", "bandwidth")
 
 
@@ -65,40 +58,34 @@ def graph_from_json(source: str | os.PathLike[str] | Mapping[str, Any]) -> Model
     ``extra_memory`` bytes and ``type`` class name). ``edges`` default to a chain whose
     edge i -> i+1 carries layer i's ``activation``; endpoints are layer indices or names.
     ``bandwidth`` defaults to free communication. All problems are reported at once.
+
+    Each value is checked once: the layers are read into one column per field and the
+    numbers checked with numpy, so 100,000 layers take a fraction of a second.
     """
     label, document = _load(source)
-    problems: list[str] = []
     if not isinstance(document, Mapping):
         raise CostFileError(label, [f"top level is {type(document).__name__}, not an object"])
-    unknown = sorted(set(document) - set(_TOP_KEYS))
+    problems: list[str] = []
+    unknown = sorted(map(str, set(document) - set(_TOP_KEYS)))
     if unknown:
         problems.append(f"unknown top-level keys {unknown}")
     raw_layers = document.get("layers")
     if not isinstance(raw_layers, list) or not raw_layers:
         raise CostFileError(label, [*problems, "'layers' must be a non-empty list"])
-    layers = [_read_layer(index, raw, problems) for index, raw in enumerate(raw_layers)]
-    names = {layer.name: index for index, layer in enumerate(layers) if layer is not None}
+    columns = read_layer_columns(raw_layers, problems)
     bandwidth = _read_bandwidth(document.get("bandwidth"), problems)
     raw_edges = document.get("edges")
-    edges: list[tuple[int, int, float]] = []
-    if raw_edges is None:
-        edges = [
-            (index, index + 1, layer.activation)
-            for index, layer in enumerate(layers[:-1])
-            if layer is not None
-        ]
-    elif not isinstance(raw_edges, list):
+    edges: EdgeColumns | None = None
+    if raw_edges is not None and not isinstance(raw_edges, list):
         problems.append(f"'edges' is {type(raw_edges).__name__}, not a list of triples")
-    else:
-        for position, raw in enumerate(raw_edges):
-            edge = _read_edge(position, raw, names, len(layers), problems)
-            if edge is not None:
-                edges.append(edge)
+    elif raw_edges is not None:
+        positions = {name: index for index, name in enumerate(columns.names)}
+        edges = read_edge_columns(raw_edges, positions, len(raw_layers), problems)
     if problems:
         raise CostFileError(label, problems)
-    complete = [layer for layer in layers if layer is not None]
     try:
-        return ModelGraph(complete, edges, bandwidth=bandwidth)
+        return ModelGraph.from_arrays(columns.names, columns.costs, edges,
+                                      type_names=columns.type_names, bandwidth=bandwidth)
     except (InvalidCostError, ValueError) as error:
         raise CostFileError(label, [str(error)]) from error
 
@@ -109,10 +96,11 @@ def _load(source: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[str, Any]
         return "cost document", source
     label = os.fspath(source)
     try:
-        with open(label, encoding="utf-8") as handle:
-            return label, json.load(handle)
+        data = _read_regular_file(label)
     except OSError as error:
         raise CostFileError(label, [f"cannot read the file ({error.strerror})"]) from error
+    try:
+        return label, json.loads(data.decode("utf-8"))
     except json.JSONDecodeError as error:
         raise CostFileError(
             label, [f"not valid JSON at line {error.lineno} column {error.colno}: {error.msg}"]
@@ -123,78 +111,32 @@ def _load(source: str | os.PathLike[str] | Mapping[str, Any]) -> tuple[str, Any]
         ) from None
     except RecursionError:
         raise CostFileError(label, ["nested too deeply to be a cost file"]) from None
+    except ValueError:  # json refuses integers of over 4,300 digits (int_max_str_digits)
+        raise CostFileError(label, ["holds an integer too long to read (over 4,300 digits); "
+                                    "costs must be finite numbers"]) from None
 
 
-def _is_number(value: object) -> TypeGuard[float]:
-    """True for int or float values that are not bools."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _read_layer(index: int, raw: object, problems: list[str]) -> LayerCost | None:
-    """One layer entry, or None after recording why it is unusable."""
-    where = f"layers[{index}]"
-    if not isinstance(raw, Mapping):
-        problems.append(f"{where} is {type(raw).__name__}, not an object")
-        return None
-    unknown = sorted(set(raw) - set(_LAYER_KEYS))
-    if unknown:
-        problems.append(f"{where} has unknown keys {unknown} (allowed: {sorted(_LAYER_KEYS)})")
-    if "forward" not in raw:
-        problems.append(f"{where} lacks 'forward' (seconds)")
-    name = raw.get("name", f"layer{index}")
-    type_name = raw.get("type", "")
-    if not isinstance(name, str) or not isinstance(type_name, str):
-        problems.append(f"{where} 'name' and 'type' must be strings")
-        return None
-    values: dict[str, float] = {}
-    for key in ("forward", "backward", "params", "activation", "extra_memory"):
-        value = raw.get(key, 0.0)
-        if not _is_number(value) or not math.isfinite(value) or value < 0:
-            problems.append(f"{where} ({name!r}) {key}={value!r} is not a finite number >= 0")
-            continue
-        values[_LAYER_KEYS[key]] = float(value)
-    if len(values) < 5:
-        return None
-    return LayerCost(name=name, type_name=type_name, **values)
-
-
-def _read_edge(
-    position: int,
-    raw: object,
-    names: Mapping[str, int],
-    num_layers: int,
-    problems: list[str],
-) -> tuple[int, int, float] | None:
-    """One ``[from, to, bytes]`` triple with endpoints resolved to indices."""
-    where = f"edges[{position}]"
-    if not isinstance(raw, list) or len(raw) != 3:
-        problems.append(f"{where}={raw!r} is not a [from, to, bytes] triple")
-        return None
-    endpoints: list[int] = []
-    for end in raw[:2]:
-        if isinstance(end, str) and end in names:
-            endpoints.append(names[end])
-        elif isinstance(end, int) and not isinstance(end, bool) and 0 <= end < num_layers:
-            endpoints.append(end)
-        else:
-            problems.append(
-                f"{where} endpoint {end!r} is neither a layer name nor an index in "
-                f"0..{num_layers - 1}"
-            )
-    size = raw[2]
-    if not _is_number(size) or not math.isfinite(size) or size < 0:
-        problems.append(f"{where} bytes={size!r} is not a finite number >= 0")
-        return None
-    if len(endpoints) != 2:
-        return None
-    return endpoints[0], endpoints[1], float(size)
+def _read_regular_file(path: str) -> bytes:
+    """The bytes of `path`, refusing anything but a regular file: reading a named pipe
+    would wait for a writer forever, a device may never end."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without waiting
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a named pipe (FIFO)" \
+            if stat.S_ISFIFO(mode) else "a device or socket"
+        raise CostFileError(path, [f"it is {kind}, not a regular file; save the costs to a "
+                                   "JSON file and pass its path"])
+    with os.fdopen(descriptor, "rb") as handle:
+        return handle.read()
 
 
 def _read_bandwidth(value: object, problems: list[str]) -> float | None:
     """The optional bandwidth in bytes per second."""
     if value is None:
         return None
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:
-        problems.append(f"bandwidth={value!r} must be a number > 0 bytes/s, or omitted")
+    if not is_cost_number(value) or value == 0:
+        problems.append(f"bandwidth={shown_value(value)} must be a number > 0 bytes/s, or "
+                        "omitted")
         return None
     return float(value)

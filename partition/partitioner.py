@@ -101,7 +101,7 @@ def _check_options(
 
 def _type_names(graph: ModelGraph) -> list[str]:
     """Class names to match, falling back to the layer name when a layer has no type."""
-    return [layer.type_name or layer.name for layer in graph.layers]
+    return [kind or name for kind, name in zip(graph.type_names, graph.names)]
 
 
 def _uniform(request: _Request) -> tuple[int, ...]:

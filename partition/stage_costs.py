@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
+from partition.errors import InvalidCostError
 from partition.graph import ModelGraph
 from partition.linear import LinearPrefix
 from partition.methods import ScheduleMemory
@@ -48,6 +50,20 @@ class StageCosts:
         bandwidth: float | None,
         memory_cap: float | None,
     ) -> None:
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is refused below
+            self._build(graph, speeds, inflight, optimizer_bytes_per_param_byte, bandwidth,
+                        memory_cap)
+        self._check_totals()
+
+    def _build(
+        self,
+        graph: ModelGraph,
+        speeds: Sequence[float],
+        inflight: Sequence[int],
+        optimizer_bytes_per_param_byte: float,
+        bandwidth: float | None,
+        memory_cap: float | None,
+    ) -> None:
         self.num_layers = graph.num_layers
         self.num_stages = len(speeds)
         self.speeds = np.asarray(speeds, dtype=np.float64)
@@ -61,18 +77,35 @@ class StageCosts:
         self.compute_prefix = _prefix(self.layer_compute)
         self.static_memory_prefix = _prefix(self.layer_static_memory)
         self.activation_prefix = _prefix(self.layer_activation)
-        edges = [edge for edge in graph.edges if edge.bytes > 0] if bandwidth else []
-        self.edge_source = np.array([edge.source for edge in edges], dtype=np.int64)
-        self.edge_target = np.array([edge.target for edge in edges], dtype=np.int64)
-        self.edge_seconds = np.array(
-            [edge.bytes / bandwidth for edge in edges] if bandwidth else [], dtype=np.float64
-        )
+        source, target, sizes = graph.edge_arrays
+        paid = sizes > 0 if bandwidth else np.zeros(len(sizes), dtype=bool)
+        self.edge_source = source[paid]
+        self.edge_target = target[paid]
+        self.edge_seconds = sizes[paid] / bandwidth if bandwidth else np.zeros(0)
         # Stage k's compute prefix is P / speed_k, its memory prefix S + inflight_k * A.
         self.compute = LinearPrefix((self.compute_prefix,), (1.0 / self.speeds)[:, None])
         self.memory = LinearPrefix(
             (self.static_memory_prefix, self.activation_prefix),
             np.stack([np.ones(self.num_stages), self.inflight], axis=1),
         )
+
+    def _check_totals(self) -> None:
+        """Refuse costs whose sums overflow a float: every value may be finite (1e308 each)
+        while the whole model's time or memory is not, and the solvers need finite sums."""
+        with np.errstate(over="ignore", invalid="ignore"):
+            totals = {
+                "compute time (forward + backward, over the slowest speed)":
+                    self.compute_prefix[-1] / self.speeds.min(),
+                "memory (parameters with optimizer state, extra memory and activations in "
+                "flight)": self.static_memory_prefix[-1]
+                + self.inflight.max() * self.activation_prefix[-1],
+                "communication time (edge bytes over bandwidth)": self.edge_seconds.sum(),
+            }
+        problems = [f"the layers' {what} add up to {float(total)!r}, past the largest float; "
+                    "express the costs in larger units (ms, MB)"
+                    for what, total in totals.items() if not math.isfinite(total)]
+        if problems:
+            raise InvalidCostError(problems)
 
     @property
     def has_comm(self) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from schedules.dualpipe import dualpipev
 from schedules.errors import ScheduleConfigError
 from schedules.generators import forward_only, gpipe, interleaved_1f1b, one_f_one_b
+from schedules.limits import check_schedule_size
 from schedules.looped_bfs import looped_bfs
 from schedules.lowering import add_optimizer_step, lower
 from schedules.schedule import Schedule, check_count, gc_paused
@@ -86,6 +87,7 @@ def generate_schedule(name: str, num_ranks: int, num_microbatches: int,
         raise ScheduleConfigError(
             f"schedule {name!r} takes chunks in {allowed}, got {v}"
             + ("; use 'interleaved' for several chunks per rank" if high == 1 else ""))
+    check_schedule_size(num_ranks, num_microbatches, v, lowered=False)  # before building
     if spec.plan is not None:
         return spec.plan(num_ranks, num_microbatches, v, memory_limit, costs)
     if memory_limit is not None:
@@ -101,5 +103,8 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int,
                    chunks: int | None = None, *, memory_limit: int | None = None,
                    costs: CostModel | None = None) -> Schedule:
     """`generate_schedule`, then the shared passes: communication, then reduce-grad and step."""
+    spec = SCHEDULES.get(name)  # refuse what is too large to lower before generating it
+    check_schedule_size(num_ranks, num_microbatches,
+                        spec.default_chunks if spec is not None and chunks is None else chunks)
     return add_optimizer_step(lower(generate_schedule(
         name, num_ranks, num_microbatches, chunks, memory_limit=memory_limit, costs=costs)))

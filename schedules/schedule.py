@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import gc
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import wraps
 from typing import ParamSpec, TypeVar, cast
 
-from schedules.errors import ScheduleConfigError
+from schedules.errors import ScheduleConfigError, ScheduleParseError
 from schedules.instructions import COMPUTE_KINDS, Instruction, Kind, format_stream, parse_stream
 
 __all__ = ["Schedule", "check_count", "count_problem", "gc_paused", "loop_placement",
            "v_placement"]
 
+_LABEL = re.compile(r"\s*rank\s+0*(\d+)\s*", re.IGNORECASE)
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -157,11 +159,15 @@ class Schedule:
                   placement: tuple[int, ...] | None = None) -> Schedule:
         """Read streams written by `format` (``rank R:`` prefixes optional, one rank a line).
 
+        A ``rank R:`` label must match the line's place (the first non-blank line is rank 0):
+        a file whose labels disagree with its order is refused, never silently reordered.
         Without `placement`, each stage is placed on the rank whose stream computes it;
         without `num_microbatches`, it is one more than the largest microbatch seen.
         """
-        lines = [line.split(":", 1)[-1] for line in text.splitlines() if line.strip()]
-        streams = tuple(parse_stream(line) for line in lines)
+        numbered = [(number, line) for number, line in enumerate(text.splitlines(), 1)
+                    if line.strip()]
+        streams = tuple(parse_stream(_stream_text(line, number, rank))
+                        for rank, (number, line) in enumerate(numbered))
         ops = [(rank, op) for rank, stream in enumerate(streams) for op in stream]
         if num_microbatches is None:
             num_microbatches = 1 + max((op.microbatch for _, op in ops), default=0)
@@ -178,3 +184,27 @@ class Schedule:
             placement = tuple(owner[stage] for stage in range(len(owner)))
         lowered = any(op.kind not in COMPUTE_KINDS for _, op in ops)
         return cls(name, num_microbatches, placement, streams, lowered)
+
+
+def _stream_text(line: str, number: int, rank: int) -> str:
+    """The stream of `line` (line `number`, holding `rank`'s stream), its label checked."""
+    if ":" not in line:
+        return line
+    label, stream = line.split(":", 1)
+    match = _LABEL.fullmatch(label)
+    if match is None:
+        raise ScheduleParseError(
+            f"line {number}: {label.strip()[:40]!r} before ':' is not a rank label; write "
+            f"'rank {rank}: ...' or the stream alone")
+    if match.group(1) != str(rank):  # compared as text: a 5,000-digit label is just wrong
+        shown = match.group(1) if len(match.group(1)) <= 12 else match.group(1)[:12] + "..."
+        raise ScheduleParseError(
+            f"line {number} is labelled 'rank {shown}' but holds rank {rank}'s stream (the "
+            f"{_ordinal(rank + 1)} non-blank line); list the ranks in order, rank 0 first, one "
+            "line each")
+    return stream
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"

@@ -103,7 +103,10 @@ def _coverage_error(schedule: Schedule, counts: dict[tuple[Kind, int, int], tupl
                f"needs exactly {wanted} on rank {schedule.placement[s]}")
     if not present:
         raise ScheduleValidationError(f"{schedule.name}: {message}")
-    rank, step = counts[min((k, s, i) for k in present)]
+    # Point at the last present op in F, B, I, W order: the I whose W is missing, the W
+    # without an I. (Kinds have no order of their own: compare positions, not Kind values.)
+    last = [kind for kind in (_F, _B, _I, _W) if kind in present][-1]
+    rank, step = counts[(last, s, i)]
     raise _fail(schedule, rank, step, message)
 
 
@@ -179,6 +182,9 @@ class _Rendezvous:
         self.loaded = bytearray(size)
         self.positions = [0] * schedule.num_ranks
         self.reduced: set[int] = set()
+        # `has_backward` scans every instruction: once here, not once per loaded forward
+        # (that made validating a lowered GPipe p=30, m=3000 take 11 s instead of 2 s).
+        self.trains = schedule.has_backward
 
     def run(self) -> None:
         streams = self.schedule.streams
@@ -242,7 +248,7 @@ class _Rendezvous:
                               else self.got_f[index]):
                 raise _fail(self.schedule, rank, step, f"F({s},{i}) runs before its input "
                             f"F({s - 1},{i}) has run and arrived")
-            if (s == 0 or (s == last and self.schedule.has_backward)) and not self.loaded[index]:
+            if (s == 0 or (s == last and self.trains)) and not self.loaded[index]:
                 raise _fail(self.schedule, rank, step, f"F({s},{i}) runs before LOAD of "
                             f"microbatch {i}")
             self.f_done[index] = 1

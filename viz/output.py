@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,6 +16,7 @@ __all__ = [
     "TRACE_FORMATS",
     "OutputPathError",
     "check_output_path",
+    "file_kind",
     "new_figure",
     "save_figure",
 ]
@@ -39,30 +42,64 @@ def _format_of(path: Path, formats: tuple[str, ...]) -> str:
     return suffix
 
 
+def file_kind(mode: int) -> str:
+    """What a file of this `st_mode` is, in words, for messages refusing non-regular files."""
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file" if not stat.S_ISREG(mode) else "a regular file"
+
+
+def _shown(path: Path) -> str:
+    """The path quoted, shortened in the middle when too long to read on one line."""
+    text = str(path)
+    return repr(text) if len(text) <= 80 else repr(f"{text[:40]}...{text[-20:]}")
+
+
+def _refused(path: Path, error: OSError) -> OutputPathError:
+    reason = error.strerror or type(error).__name__
+    if error.errno == errno.ENAMETOOLONG:
+        longest = max((len(os.fsencode(part)) for part in path.parts), default=0)
+        return OutputPathError(
+            f"cannot write {_shown(path)}: {reason} (a name of {longest} bytes, "
+            f"{len(os.fsencode(path))} in all); use a file name of at most 255 bytes")
+    return OutputPathError(f"cannot write {_shown(path)}: {reason}; choose a path in a "
+                           "directory you can write to")
+
+
 def check_output_path(path: str | os.PathLike[str], formats: tuple[str, ...]) -> Path:
     """`path` as a `Path` once it is known to be writable and to end in one of `formats`.
 
     Checked by really opening the file (and removing it again when it did not exist), since
-    permission bits say little to root or on read-only mounts. Raises `OutputPathError`.
+    permission bits say little to root or on read-only mounts. Only a regular file or a new
+    name passes: opening a named pipe to write would block until something reads it.
+    Raises `OutputPathError`.
     """
     target = Path(path)
-    if target.is_dir():
-        raise OutputPathError(f"cannot write {str(target)!r}: it is a directory; give a file "
+    try:
+        info: os.stat_result | None = os.stat(target)
+    except (FileNotFoundError, NotADirectoryError):
+        info = None
+    except OSError as error:  # a name too long, a loop of links, no permission
+        raise _refused(target, error) from None
+    if info is not None and stat.S_ISDIR(info.st_mode):
+        raise OutputPathError(f"cannot write {_shown(target)}: it is a directory; give a file "
                               f"name in it, such as {str(target / ('out.' + formats[0]))!r}")
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        raise OutputPathError(f"cannot write {_shown(target)}: it is {file_kind(info.st_mode)}, "
+                              "not a regular file; give the path of a new or regular file")
     _format_of(target, formats)
     parent = target.parent
     if not parent.is_dir():
-        raise OutputPathError(f"cannot write {str(target)!r}: the directory {str(parent)!r} "
+        raise OutputPathError(f"cannot write {_shown(target)}: the directory {_shown(parent)} "
                               "does not exist; create it first or choose another path")
-    existed = target.exists()
-    try:
-        with open(target, "ab"):
-            pass
+    try:  # O_NONBLOCK: should a pipe appear here since the stat, the open still returns
+        os.close(os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666))
     except OSError as error:
-        reason = error.strerror or type(error).__name__
-        raise OutputPathError(f"cannot write {str(target)!r}: {reason}; "
-                              "choose a path in a directory you can write to") from None
-    if not existed:
+        raise _refused(target, error) from None
+    if info is None:
         target.unlink(missing_ok=True)
     return target
 

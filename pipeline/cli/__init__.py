@@ -8,18 +8,20 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-__all__ = ["ArgumentParser", "UsageError", "build_parser", "main"]
+__all__ = ["COMMAND_MODULES", "ArgumentParser", "UsageError", "build_parser", "main"]
 
 # Each module defines register(subparsers) adding a parser whose `func(args) -> int` runs it.
-_COMMAND_MODULES = (
-    "pipeline.cli.simulate_cmd",
-    "pipeline.cli.schedule_cmd",
-    "pipeline.cli.compare_cmd",
-    "pipeline.cli.partition_cmd",
-    "pipeline.cli.train_cmd",
-    "pipeline.cli.validate_cmd",
-    "pipeline.cli.checkpoint_cmd",
-)
+# By command name, so that a run imports only its own command's module (the partition
+# command need not load the simulator, the plots or torch); `--help` loads them all.
+COMMAND_MODULES = {
+    "simulate": "pipeline.cli.simulate_cmd",
+    "schedule": "pipeline.cli.schedule_cmd",
+    "compare": "pipeline.cli.compare_cmd",
+    "partition": "pipeline.cli.partition_cmd",
+    "train": "pipeline.cli.train_cmd",
+    "validate": "pipeline.cli.validate_cmd",
+    "verify-checkpoint": "pipeline.cli.checkpoint_cmd",
+}
 
 
 class UsageError(ValueError):
@@ -33,22 +35,25 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> ArgumentParser:
+def build_parser(command: str | None = None) -> ArgumentParser:
+    """The `pipesched` parser with every subcommand, or only `command`'s when it is known."""
     parser = ArgumentParser(
         prog="pipesched",
         description="Pipeline-parallel training: partition, schedule, simulate, plot, train.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        parser_class=ArgumentParser)
-    for name in _COMMAND_MODULES:
-        importlib.import_module(name).register(subparsers)
+    names = [command] if command in COMMAND_MODULES else list(COMMAND_MODULES)
+    for name in names:
+        importlib.import_module(COMMAND_MODULES[name]).register(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pipesched` console script."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(arguments[0] if arguments else None)
+    args = parser.parse_args(arguments)
     try:
         code: int = args.func(args)
     except (ValueError, TypeError, OSError) as error:

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from pipeline.cli import UsageError
-from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, cost_model
+from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, check_size, cost_model
 from pipeline.cli.output_paths import figure_path
 from schedules import SCHEDULES, Timeline, build_schedule, figures, simulate
 from viz import TABLE_COLUMNS, comparison_table, plot_comparison
@@ -80,7 +80,10 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 def run(args: argparse.Namespace) -> int:
     names: tuple[str, ...] = args.schedules  # argparse applies `schedule_names` to the default
     timelines: list[Timeline] = []
-    for name, chunks in zip(names, _chunks_for(names, args.chunks)):
+    every_chunks = _chunks_for(names, args.chunks)
+    for name, chunks in zip(names, every_chunks):
+        check_size(name, args, chunks)  # every schedule, before building the first
+    for name, chunks in zip(names, every_chunks):
         costs = cost_model(args, chunks or SCHEDULES[name].default_chunks)
         tunable = SCHEDULES[name].plan is not None  # only cost-aware schedules take a limit
         schedule = build_schedule(name, args.stages, args.microbatches, chunks, costs=costs,
@@ -90,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"num_ranks": args.stages, "num_microbatches": args.microbatches,
                           "schedules": [{"schedule": n, "chunks": t.chunks, **r.to_dict()}
-                                        for n, t, r in zip(names, timelines, results)]}))
+                                        for n, t, r in zip(names, timelines, results)]},
+                         allow_nan=False))  # never JSON that parsers refuse
     else:
         print(f"p={args.stages}  m={args.microbatches}  (same per-rank costs for every "
               "schedule; a chunk of v costs 1/v)\n")

@@ -6,9 +6,10 @@ import argparse
 import math
 
 from schedules import SCHEDULES, CostModel
+from schedules.limits import MAX_COST, check_schedule_size
 
-__all__ = ["add_cost_arguments", "add_schedule_arguments", "chunks_of", "cost_model",
-           "positive_int"]
+__all__ = ["add_cost_arguments", "add_schedule_arguments", "check_size", "chunks_of",
+           "cost_model", "cost_number", "non_negative_float", "positive_int"]
 
 
 def positive_int(text: str) -> int:
@@ -30,6 +31,18 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def cost_number(text: str) -> float:
+    """argparse type of a cost option: a number in 0..`MAX_COST`, so that sums of millions of
+    op times stay finite (1e308 would print a makespan of inf and NaN figures)."""
+    value = non_negative_float(text)
+    if value > MAX_COST:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is over the largest cost we simulate, {MAX_COST:g} "
+            "(schedules.limits.MAX_COST); express the costs in a larger unit (e.g. ms "
+            "instead of ns, MB instead of bytes)")
     return value
 
 
@@ -67,16 +80,25 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     """Per-op costs of the simulator (the same for every stage)."""
     group = parser.add_argument_group(
         "costs (time units, the same on every rank; with v chunks each chunk costs 1/v)")
-    group.add_argument("--forward", type=non_negative_float, default=1.0, metavar="TF",
+    group.add_argument("--forward", type=cost_number, default=1.0, metavar="TF",
                        help="forward time F of one rank's share of the model (default 1)")
-    group.add_argument("--backward", type=non_negative_float, default=1.0, metavar="TB",
+    group.add_argument("--backward", type=cost_number, default=1.0, metavar="TB",
                        help="input-gradient backward time (default 1)")
-    group.add_argument("--weight", type=non_negative_float, default=1.0, metavar="TW",
+    group.add_argument("--weight", type=cost_number, default=1.0, metavar="TW",
                        help="weight-gradient time (default 1); a fused B costs TB + TW")
-    group.add_argument("--comm", type=non_negative_float, default=0.0, metavar="TC",
+    group.add_argument("--comm", type=cost_number, default=0.0, metavar="TC",
                        help="delay on every cross-rank dependency (default 0)")
-    group.add_argument("--activation-bytes", type=non_negative_float, default=0.0,
+    group.add_argument("--activation-bytes", type=cost_number, default=0.0,
                        metavar="BYTES", help="bytes of one microbatch's activation per stage")
+
+
+def check_size(name: str, args: argparse.Namespace, chunks: int | None, *,
+               lowered: bool = True) -> None:
+    """Refuse, before building, a schedule of `args.stages` × `args.microbatches` × `chunks`
+    (the schedule's default when None) too large to build (see `schedules.limits`)."""
+    v = chunks if chunks is not None else SCHEDULES[name].default_chunks
+    check_schedule_size(args.stages, args.microbatches, v, lowered=lowered,
+                        names=("--stages", "--microbatches", "--chunks"))
 
 
 def chunks_of(args: argparse.Namespace) -> int:

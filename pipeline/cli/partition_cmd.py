@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         bandwidth=parse_bytes(args.bandwidth) if args.bandwidth is not None else None,
     )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(result.to_dict(), indent=2, allow_nan=False))  # strict JSON only
     else:
         print(result.format_table())
     if args.plot:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pipeline.cli.options import add_schedule_arguments
+from pipeline.cli.options import add_schedule_arguments, check_size
 from schedules import build_schedule, generate_schedule
 
 __all__ = ["register", "run"]
@@ -23,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_size(args.schedule, args, args.chunks, lowered=not args.compute_only)
     make = generate_schedule if args.compute_only else build_schedule
     print(make(args.schedule, args.stages, args.microbatches, args.chunks,
                memory_limit=args.memory_limit).format())

@@ -8,7 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, chunks_of, cost_model
+from pipeline.cli.options import (
+    add_cost_arguments,
+    add_schedule_arguments,
+    check_size,
+    chunks_of,
+    cost_model,
+)
 from pipeline.cli.output_paths import figure_path, trace_path
 from schedules import Figures, Timeline, build_schedule, figures, simulate
 from viz import plot_memory, plot_timeline, write_trace  # matplotlib loads only when plotting
@@ -70,6 +76,7 @@ def write_outputs(args: argparse.Namespace, timeline: Timeline) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_size(args.schedule, args, args.chunks)
     costs = cost_model(args, chunks_of(args))
     schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks,
                               memory_limit=args.memory_limit, costs=costs)
@@ -79,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         payload = {"schedule": args.schedule, "num_ranks": schedule.num_ranks,
                    "num_microbatches": schedule.num_microbatches, "chunks": schedule.chunks,
                    **result.to_dict()}
-        print(json.dumps(payload))
+        print(json.dumps(payload, allow_nan=False))  # never JSON that parsers refuse
     else:
         print(format_figures(args.schedule, schedule.num_ranks, schedule.num_microbatches,
                              schedule.chunks, result))

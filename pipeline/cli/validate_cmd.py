@@ -4,12 +4,16 @@ runs — every microbatch computed once, no deadlock — or say where it breaks.
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
 from pipeline.cli.options import positive_int
 from schedules import Schedule, add_optimizer_step, lower, parse_torch_csv, validate
 from schedules.errors import ScheduleParseError
+from schedules.limits import check_schedule_size
+from viz.output import file_kind
 
 __all__ = ["read_schedule_file", "register", "run"]
 
@@ -34,8 +38,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 def read_schedule_file(path: Path, form: str = "auto",
                        num_microbatches: int | None = None) -> Schedule:
     """The schedule in `path`, lowered and with its optimizer step, as the engine runs it."""
-    with open(path, "rb") as handle:
-        raw = handle.read(_MAX_BYTES + 1)
+    raw = _read_regular_file(path, _MAX_BYTES + 1)
     if len(raw) > _MAX_BYTES:
         raise ScheduleParseError(f"{path} is over {_MAX_BYTES >> 20} MiB; not a schedule file")
     try:
@@ -48,10 +51,34 @@ def read_schedule_file(path: Path, form: str = "auto",
                 else Schedule.from_text(text, name=path.name, num_microbatches=num_microbatches))
     if not schedule.lowered:
         validate(schedule)  # a skipped microbatch named as such, before lowering trips on it
+        check_schedule_size(schedule.num_ranks, schedule.num_microbatches, schedule.chunks,
+                            names=("ranks", "microbatches", "stages per rank"))
         schedule = lower(schedule)
     if schedule.has_backward and not any(op.kind.value == "STEP" for op in schedule.streams[0]):
         schedule = add_optimizer_step(schedule)
     return schedule
+
+
+def _read_regular_file(path: Path, limit: int) -> bytes:
+    """Up to `limit` bytes of `path`, refusing anything but a regular file: reading a named
+    pipe would wait for a writer forever, a device may never end."""
+    try:  # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise ScheduleParseError(f"cannot read {_shown(path)}: {error.strerror or error}; "
+                                 "give the path of a schedule file") from None
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        raise ScheduleParseError(f"cannot read {_shown(path)}: it is {file_kind(mode)}, "
+                                 "not a regular file; save the schedule to a file first")
+    with os.fdopen(descriptor, "rb") as handle:
+        return handle.read(limit)
+
+
+def _shown(path: Path) -> str:
+    text = str(path)
+    return text if len(text) <= 80 else f"{text[:40]}...{text[-20:]}"
 
 
 def run(args: argparse.Namespace) -> int:
