@@ -7,17 +7,16 @@ stages, m microbatches; F forward, B full backward. Generators take integers and
 
 from __future__ import annotations
 
-from schedules.instructions import NONE, Instruction, Kind
+from schedules.instructions import NONE, Instruction, Kind, instruction_from
 from schedules.schedule import Schedule, check_count, loop_placement
 
 __all__ = ["forward_only", "gpipe", "interleaved_1f1b", "one_f_one_b"]
 
 _F, _B = Kind.F, Kind.B
-_new = tuple.__new__  # skips NamedTuple's slower __new__; generators build ~1M of these
 
 
 def _op(kind: Kind, stage: int, microbatch: int) -> Instruction:
-    return _new(Instruction, (kind, stage, microbatch, NONE))
+    return instruction_from((kind, stage, microbatch, NONE))
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
