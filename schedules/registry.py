@@ -8,12 +8,14 @@ from dataclasses import dataclass
 from schedules.dualpipe import dualpipev
 from schedules.errors import ScheduleConfigError
 from schedules.generators import forward_only, gpipe, interleaved_1f1b, one_f_one_b
+from schedules.interleaved_zb import interleaved_zb
 from schedules.looped_bfs import looped_bfs
 from schedules.lowering import add_optimizer_step, lower
 from schedules.schedule import Schedule, check_count, gc_paused
 from schedules.simulate import CostModel
 from schedules.zb_auto import zb_auto
 from schedules.zbv import zb_v
+from schedules.zbv_auto import zb_v_auto
 from schedules.zero_bubble import zb_h1, zb_h2
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "build_schedule", "generate_schedule"]
@@ -59,6 +61,17 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         "Zero Bubble automatic: the paper's greedy, searched under the costs and a memory "
         "limit (default 2p)",
         plan=lambda p, m, v, limit, costs: zb_auto(p, m, memory_limit=limit, costs=costs)),
+    "zb-v-auto": ScheduleSpec(
+        lambda p, m, v: zb_v_auto(p, m), (2, 2), 2,
+        "Zero Bubble V under the costs and a memory limit (default 2p stage activations): "
+        "never behind the paper's V greedy",
+        plan=lambda p, m, v, limit, costs: zb_v_auto(p, m, memory_limit=limit, costs=costs)),
+    "interleaved-zb": ScheduleSpec(
+        lambda p, m, v: interleaved_zb(p, m, v), (2, None), 2,
+        "interleaved zero bubble (torch's ZB1P, any v >= 2) under the costs and a memory "
+        "limit (default v*p stage activations)",
+        plan=lambda p, m, v, limit, costs: interleaved_zb(p, m, v, memory_limit=limit,
+                                                          costs=costs)),
 }
 
 

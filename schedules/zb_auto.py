@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from schedules.dataflow import execute
 from schedules.errors import ScheduleConfigError
 from schedules.instructions import Instruction, Kind
+from schedules.list_scheduler import LIST_KNOB_GRID, list_order
 from schedules.schedule import Schedule, check_count, gc_paused, loop_placement
 from schedules.simulate import CostModel
 from schedules.zb_greedy import GreedyKnobs, greedy_order
@@ -77,6 +78,9 @@ def plan_zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | N
     orders: list[tuple[str, tuple[tuple[Instruction, ...], ...]]] = [
         (knobs.label(), greedy_order(m, limit, forward, backward, weight, delay, knobs))
         for knobs in KNOB_GRID]
+    orders.extend((knobs.label(), list_order(placement, m, limit, forward, backward, weight,
+                                             delay, knobs))
+                  for knobs in LIST_KNOB_GRID if knobs.deepest_forward and knobs.deepest_backward)
     for baseline in (zb_h1, zb_h2):
         streams = baseline(p, m).streams
         if peak_in_flight(streams) <= limit:
