@@ -14,6 +14,7 @@ from schedules.lowering import add_optimizer_step, lower
 from schedules.schedule import Schedule, check_count, gc_paused
 from schedules.simulate import CostModel
 from schedules.zb_auto import zb_auto
+from schedules.zb_optimal import zb_optimal
 from schedules.zbv import zb_v
 from schedules.zbv_auto import zb_v_auto
 from schedules.zero_bubble import zb_h1, zb_h2
@@ -72,6 +73,12 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         "limit (default v*p stage activations)",
         plan=lambda p, m, v, limit, costs: interleaved_zb(p, m, v, memory_limit=limit,
                                                           costs=costs)),
+    "zb-optimal": ScheduleSpec(
+        lambda p, m, v: zb_optimal(p, m, v), (1, None), 1,
+        "the minimum makespan under a memory limit (default 2p), proven by CP-SAT within "
+        "10 s; p <= 8, m <= 16; needs pip install 'pipesched[solver]'",
+        plan=lambda p, m, v, limit, costs: zb_optimal(p, m, v, memory_limit=limit,
+                                                      costs=costs)),
 }
 
 
@@ -81,8 +88,9 @@ def generate_schedule(name: str, num_ranks: int, num_microbatches: int,
                       costs: CostModel | None = None) -> Schedule:
     """The compute-only schedule called `name` (see `SCHEDULES`) for p, m and v.
 
-    `memory_limit` (microbatches of one stage's activations per rank) and `costs` go to
-    cost-aware schedules (zb-auto); the others ignore `costs` and refuse a memory limit.
+    `memory_limit` ((stage, microbatch) activations per rank) and `costs` go to the
+    cost-aware schedules (zb-auto, zb-v-auto, interleaved-zb, zb-optimal); the others
+    ignore `costs` and refuse a memory limit.
     """
     spec = SCHEDULES.get(name)
     if spec is None:

@@ -59,8 +59,9 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, *, single: bool = Tr
                              "dualpipev: default 2; others: 1)")
     if memory_limit:
         parser.add_argument("--memory-limit", type=positive_int, default=None, metavar="K",
-                            help="zb-auto only: microbatches of one stage's activations a rank "
-                                 "may hold (default 2p)")
+                            help="cost-aware schedules only (zb-auto, zb-v-auto, "
+                                 "interleaved-zb, zb-optimal): (stage, microbatch) activations "
+                                 "a rank may hold (default 2p; interleaved-zb v*p)")
 
 
 def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
