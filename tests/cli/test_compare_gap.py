@@ -1,0 +1,37 @@
+"""`pipesched compare --optimality-gap`: every heuristic against the proven optimum at its memory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.cli_helpers import run_cli
+
+pytest.importorskip("ortools", reason="the optimality gap needs the 'solver' extra")
+
+
+def test_the_gap_column_is_zero_for_an_optimal_schedule_and_positive_for_1f1b() -> None:
+    done = run_cli("compare", "--stages", "3", "--microbatches", "4", "--schedules",
+                   "1f1b,zb-h2", "--optimality-gap", "20")
+    assert done.returncode == 0, done.stderr
+    header, *rows = [line for line in done.stdout.splitlines()[2:] if line.strip()]
+    assert header.endswith("optimality gap")
+    gaps = {row.split()[0]: row.split()[-1] for row in rows}
+    assert gaps["zb-h2"] == "0.0%"  # zero bubble at unit costs: nothing to gain
+    assert gaps["1f1b"].endswith("%") and float(gaps["1f1b"].rstrip("%")) > 0
+
+
+def test_json_carries_the_optimum() -> None:
+    done = run_cli("compare", "--stages", "2", "--microbatches", "3", "--schedules", "zb-auto",
+                   "--optimality-gap", "20", "--json")
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)["schedules"][0]
+    assert row["optimum"]["proven"] and row["optimum"]["makespan"] <= row["makespan"]
+
+
+def test_too_large_a_problem_is_one_line_naming_the_limits() -> None:
+    done = run_cli("compare", "--stages", "9", "--microbatches", "4", "--optimality-gap")
+    assert done.returncode == 2
+    assert "--stages <= 8 and --microbatches <= 16" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
