@@ -1,4 +1,4 @@
-"""`pipesched compare --optimality-gap`: every heuristic against the proven optimum at its memory."""
+"""`pipesched compare --optimality-gap`: each heuristic against the proven optimum."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""zb-optimal: valid, within its limit, never above any heuristic, and a clear error without OR-Tools."""
+"""zb-optimal: valid, within its limit, never above a heuristic; a clear error without OR-Tools."""
 
 from __future__ import annotations
 
