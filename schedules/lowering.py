@@ -47,7 +47,7 @@ def lower(schedule: Schedule) -> Schedule:
             f"{step} ({compute[rank][step]}) for an op that comes after a wait on its own rank",
             rank=rank, step=step, grid=format_grid(compute, rank, step))
 
-    kind_f, kind_b, kind_i = Kind.F, Kind.B, Kind.I
+    kind_f, kind_b, kind_i, kind_ob = Kind.F, Kind.B, Kind.I, Kind.OVERLAP_B
     recv_f, recv_b, send_f, send_b, load = (Kind.RECV_F, Kind.RECV_B, Kind.SEND_F, Kind.SEND_B,
                                             Kind.LOAD)
     new = instruction_from
@@ -64,7 +64,8 @@ def lower(schedule: Schedule) -> Schedule:
                     b = placement[s + 1]
                     recvs[b].append((int(end) * p + a, new((recv_f, s + 1, i, a))))
                     send = new((send_f, s, i, b))
-            elif (kind is kind_b or kind is kind_i) and s > 0 and placement[s - 1] != a:
+            elif (kind is kind_b or kind is kind_i or kind is kind_ob) and s > 0 and \
+                    placement[s - 1] != a:
                 b = placement[s - 1]
                 recvs[b].append((int(end) * p + a, new((recv_b, s - 1, i, a))))
                 send = new((send_b, s, i, b))
@@ -110,7 +111,7 @@ def add_optimizer_step(schedule: Schedule) -> Schedule:
     """
     if not schedule.has_backward:
         return schedule
-    backward_kinds = (Kind.B, Kind.I, Kind.W)
+    backward_kinds = (Kind.B, Kind.I, Kind.W, Kind.OVERLAP_B)
     comm_sends = (Kind.SEND_F, Kind.SEND_B)
     streams = []
     for rank, stream in enumerate(schedule.streams):

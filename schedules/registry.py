@@ -54,6 +54,10 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "dualpipev": ScheduleSpec(lambda p, m, v: dualpipev(p, m), (2, 2), 2,
                               "DeepSeek DualPipeV: V placement, F of one microbatch with B of "
                               "another; m >= 2p"),
+    "dualpipev-overlap": ScheduleSpec(
+        lambda p, m, v: dualpipev(p, m, overlap=True), (2, 2), 2,
+        "DualPipeV with each F&B of the main step one overlapped pair (OVERLAP_B), costed "
+        "by the cost model's overlap; m >= 2p"),
     "looped-bfs": ScheduleSpec(looped_bfs, (1, None), 2,
                                "looped breadth-first: every microbatch through a chunk, then "
                                "the next chunk"),

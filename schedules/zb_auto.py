@@ -112,6 +112,6 @@ def peak_in_flight(streams: Sequence[Sequence[Instruction]]) -> int:
             if op.kind is Kind.F:
                 held += 1
                 peak = max(peak, held)
-            elif op.kind is Kind.B or op.kind is Kind.W:
+            elif op.kind is Kind.B or op.kind is Kind.W or op.kind is Kind.OVERLAP_B:
                 held -= 1
     return peak

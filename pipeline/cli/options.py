@@ -78,6 +78,9 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
                        help="delay on every cross-rank dependency (default 0)")
     group.add_argument("--activation-bytes", type=non_negative_float, default=0.0,
                        metavar="BYTES", help="bytes of one microbatch's activation per stage")
+    group.add_argument("--overlap", type=non_negative_float, default=1.0, metavar="FRACTION",
+                       help="time of an overlapped F&B pair (dualpipev-overlap) as a fraction "
+                            "of F + B back to back (default 1: no gain)")
 
 
 def chunks_of(args: argparse.Namespace) -> int:
@@ -93,4 +96,5 @@ def cost_model(args: argparse.Namespace, chunks: int = 1) -> CostModel:
     """
     return CostModel(forward=args.forward / chunks, backward=args.backward / chunks,
                      weight=args.weight / chunks, comm=args.comm,
-                     activation_bytes=args.activation_bytes)
+                     activation_bytes=args.activation_bytes,
+                     overlap=getattr(args, "overlap", 1.0))

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
 
 from tests.support.cli_helpers import run_cli
 
-pytest.importorskip("ortools", reason="the optimality gap needs the 'solver' extra")
+needs_solver = pytest.mark.skipif(importlib.util.find_spec("ortools") is None,
+                                  reason="the optimality gap needs the 'solver' extra")
 
 
+@needs_solver
 def test_the_gap_column_is_zero_for_an_optimal_schedule_and_positive_for_1f1b() -> None:
     done = run_cli("compare", "--stages", "3", "--microbatches", "4", "--schedules",
                    "1f1b,zb-h2", "--optimality-gap", "20")
@@ -22,6 +25,7 @@ def test_the_gap_column_is_zero_for_an_optimal_schedule_and_positive_for_1f1b() 
     assert gaps["1f1b"].endswith("%") and float(gaps["1f1b"].rstrip("%")) > 0
 
 
+@needs_solver
 def test_json_carries_the_optimum() -> None:
     done = run_cli("compare", "--stages", "2", "--microbatches", "3", "--schedules", "zb-auto",
                    "--optimality-gap", "20", "--json")
@@ -35,3 +39,13 @@ def test_too_large_a_problem_is_one_line_naming_the_limits() -> None:
     assert done.returncode == 2
     assert "--stages <= 8 and --microbatches <= 16" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_overlap_fraction_speeds_up_only_the_overlapped_dualpipev() -> None:
+    done = run_cli("compare", "--stages", "4", "--microbatches", "8", "--schedules",
+                   "dualpipev,dualpipev-overlap", "--overlap", "0.7", "--json")
+    assert done.returncode == 0, done.stderr
+    makespans = {row["schedule"]: row["makespan"]
+                 for row in json.loads(done.stdout)["schedules"]}
+    assert makespans["dualpipev"] == pytest.approx(25.5)  # chunks cost 1/2: 51 / 2
+    assert makespans["dualpipev-overlap"] == pytest.approx(22.5)
