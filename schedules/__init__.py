@@ -3,6 +3,7 @@
 Pure Python and numpy: integers and costs in, instruction streams and timelines out.
 """
 
+from schedules.controllable_memory import v_half, v_min
 from schedules.dualpipe import dualpipev
 from schedules.errors import (
     ScheduleConfigError,
@@ -92,6 +93,8 @@ __all__ = [
     "simulate",
     "solve_zb_optimal",
     "to_torch_rows",
+    "v_half",
+    "v_min",
     "v_placement",
     "validate",
     "zb_auto",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from schedules.controllable_memory import v_half, v_min
 from schedules.dualpipe import dualpipev
 from schedules.errors import ScheduleConfigError
 from schedules.generators import forward_only, gpipe, interleaved_1f1b, one_f_one_b
@@ -66,6 +67,12 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         "Zero Bubble automatic: the paper's greedy, searched under the costs and a memory "
         "limit (default 2p)",
         plan=lambda p, m, v, limit, costs: zb_auto(p, m, memory_limit=limit, costs=costs)),
+    "v-half": ScheduleSpec(lambda p, m, v: v_half(p, m), (2, 2), 2,
+                           "controllable memory V-Half: a repeated building block, about half "
+                           "of 1F1B's activation memory, about no bubble"),
+    "v-min": ScheduleSpec(lambda p, m, v: v_min(p, m), (2, 2), 2,
+                          "controllable memory V-Min: a repeated building block, about a third "
+                          "of 1F1B's activation memory, a small bubble"),
     "zb-v-auto": ScheduleSpec(
         lambda p, m, v: zb_v_auto(p, m), (2, 2), 2,
         "Zero Bubble V under the costs and a memory limit (default 2p stage activations): "
