@@ -190,6 +190,8 @@ def sweep(quick: bool) -> None:
                     a, r = span(ours, costs), span(ref, costs)
                     worse += [("zb-auto", p, m, (f, b, w, comm), limit, a, r)] * (a > r + 1e-9)
                     better += a < r - 1e-9
+        print(f"  p={p} done: {cases} cases so far, worse {len(worse)}, better {better} "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
     print()
     print(f"Sweep: {cases} cases (p in {ranks}, m in p..4p, F:I:W in {ratios}, comm 0/0.2, "
           f"two limits) in {time.perf_counter() - start:.0f} s: ours worse in {len(worse)}, "
@@ -204,9 +206,11 @@ def main() -> None:
                         help="seconds per optimum solve (default 20)")
     parser.add_argument("--sweep", action="store_true", help="run the never-worse sweep too")
     parser.add_argument("--quick", action="store_true", help="a smaller sweep (p <= 8)")
+    parser.add_argument("--sweep-only", action="store_true", help="skip the table")
     args = parser.parse_args()
-    reference_table(args.time_limit)
-    if args.sweep:
+    if not args.sweep_only:
+        reference_table(args.time_limit)
+    if args.sweep or args.sweep_only:
         sweep(args.quick)
 
 

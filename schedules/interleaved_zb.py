@@ -13,7 +13,7 @@ from schedules.cost_search import (
     split_backward,
 )
 from schedules.generators import interleaved_order
-from schedules.list_scheduler import LIST_KNOB_GRID, list_order
+from schedules.list_scheduler import knob_grid, list_order
 from schedules.schedule import Schedule, check_count, gc_paused, loop_placement
 from schedules.simulate import CostModel
 from schedules.zb_auto import AutoPlan, peak_in_flight
@@ -29,9 +29,10 @@ def interleaved_zb(num_ranks: int, num_microbatches: int, chunks: int = 2, *,
 
     `memory_limit`: (stage, microbatch) activations per rank, default v·p (p microbatches
     of a rank's share, 1F1B's memory), at least v. The fastest simulated order among the
-    list scheduler's 32 settings and the interleaved orders (Megatron's warm-up, and
-    torch's ZB1P warm-up of one hop fewer) with the backward split and W's held back on
-    later ranks is kept; with a limit that interleaved 1F1B fits in, it is never slower.
+    list scheduler's 32 settings (8 on large problems) and the interleaved orders
+    (Megatron's warm-up, and torch's ZB1P warm-up of one hop fewer) with the backward split
+    and W's held back on later ranks is kept; with a limit that interleaved 1F1B fits in,
+    it is never slower.
     """
     return plan_interleaved_zb(num_ranks, num_microbatches, chunks, memory_limit=memory_limit,
                                costs=costs).schedule
@@ -62,5 +63,6 @@ def plan_interleaved_zb(num_ranks: int, num_microbatches: int, chunks: int = 2, 
             if peak_in_flight(streams) <= limit:
                 orders.append((f"interleaved(hops={hops}, defer W {a}r+{b})", streams))
     orders.extend((knobs.label(), list_order(placement, m, limit, forward, backward, weight,
-                                             delay, knobs)) for knobs in LIST_KNOB_GRID)
+                                             delay, knobs))
+                  for knobs in knob_grid(len(placement), m))
     return pick_fastest("interleaved-zb", m, placement, orders, costs)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from schedules.instructions import NONE, Instruction, Kind, instruction_from
 
-__all__ = ["LIST_KNOB_GRID", "ListKnobs", "list_order"]
+__all__ = ["LARGE_PROBLEM", "LIST_KNOB_GRID", "SMALL_KNOB_GRID", "ListKnobs", "knob_grid",
+           "list_order"]
 
 _F, _I, _W = Kind.F, Kind.I, Kind.W
 _UNKNOWN = -1.0  # end time of an op not scheduled yet
@@ -60,6 +61,19 @@ LIST_KNOB_GRID: tuple[ListKnobs, ...] = tuple(
         (True, False), (True, False), (True, False), (0.0, 1.0), (False, True)))
 """The variants every cost-aware schedule tries (32; with one stage per rank the two
 `deepest_*` knobs change nothing, so `zb_auto` takes the 8 with both True)."""
+
+SMALL_KNOB_GRID: tuple[ListKnobs, ...] = tuple(
+    knobs for knobs in LIST_KNOB_GRID if knobs.deepest_forward and not knobs.lookahead)
+"""The 8 variants tried on large problems (more than `LARGE_PROBLEM` ops), where each run
+of the list scheduler costs seconds."""
+
+LARGE_PROBLEM = 5_000
+
+
+def knob_grid(num_stages: int, num_microbatches: int) -> tuple[ListKnobs, ...]:
+    """`LIST_KNOB_GRID`, or `SMALL_KNOB_GRID` above `LARGE_PROBLEM` compute ops."""
+    return SMALL_KNOB_GRID if 3 * num_stages * num_microbatches > LARGE_PROBLEM else \
+        LIST_KNOB_GRID
 
 
 def list_order(placement: Sequence[int], num_microbatches: int, memory_limit: int,
@@ -150,8 +164,9 @@ class _ListScheduler:
         if not self.ops_left[r]:
             return
         knobs = self.knobs
-        ready_i = next((s for s in self.backward_order[r]
-                        if 0.0 <= self._i_arrival(r, s) <= t), None)
+        i_at = [(s, self._i_arrival(r, s)) for s in self.backward_order[r]]
+        ready_i = next((s for s, at in i_at if 0.0 <= at <= t), None)
+        i_times = [at for _, at in i_at if at > t]
         ready_f = None
         memory_blocked = False
         known: list[float] = []
@@ -166,7 +181,6 @@ class _ListScheduler:
                 ready_f = s if ready_f is None else ready_f
             else:
                 known.append(at)
-        i_times = [at for s in self.backward_order[r] if (at := self._i_arrival(r, s)) > t]
         known.extend(i_times)
         if ready_i is not None and (knobs.backward_first or ready_f is None):
             return self._run(r, t, _I, ready_i)

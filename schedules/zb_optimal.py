@@ -71,14 +71,16 @@ def _default_placement(p: int, v: int) -> tuple[int, ...]:
 def solve_zb_optimal(num_ranks: int, num_microbatches: int, chunks: int = 1, *,
                      memory_limit: int | None = None, costs: CostModel | None = None,
                      time_limit: float = 10.0,
-                     placement: tuple[int, ...] | None = None) -> OptimalPlan:
+                     placement: tuple[int, ...] | None = None,
+                     start_from: Schedule | None = None) -> OptimalPlan:
     """Minimum makespan for p <= 8 ranks and m <= 16 microbatches with split backwards.
 
     Placement: one stage per rank (v = 1), the V of ZB-V (v = 2) or a loop (v >= 3), or
     `placement` given. `memory_limit` K: (stage, microbatch) activations a rank may hold
     (default 2p, at least the most stages on one rank). Stops after `time_limit` seconds
-    with the best order found and the proven gap. Needs OR-Tools (`pip install
-    'pipesched[solver]'`).
+    with the best order found and the proven gap. `start_from`: a schedule to start from
+    when it is faster than our heuristic (same placement and within the limit), so the
+    result is never slower than it. Needs OR-Tools (`pip install 'pipesched[solver]'`).
     """
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)
@@ -106,6 +108,12 @@ def solve_zb_optimal(num_ranks: int, num_microbatches: int, chunks: int = 1, *,
             "pip install 'pipesched[solver]' (or pip install ortools)") from error
     hint_name, hint = _heuristic(p, m, placement, limit, costs)
     hint_makespan = figures(simulate(hint, costs)).makespan
+    if start_from is not None and start_from.placement == placement and \
+            start_from.num_microbatches == m:
+        given = Schedule(start_from.name, m, placement, _split(start_from.compute_streams()))
+        found = figures(simulate(given, costs))
+        if max(found.peak_activations) <= limit and found.makespan < hint_makespan:
+            hint_name, hint, hint_makespan = start_from.name, given, found.makespan
     return _Model(cp_model, placement, m, limit, costs).solve(
         hint, hint_name, hint_makespan, time_limit)
 
@@ -126,6 +134,14 @@ def _heuristic(p: int, m: int, placement: tuple[int, ...], limit: int,
         return "interleaved-zb", interleaved_zb(p, m, v, memory_limit=limit, costs=costs)
     raise ScheduleConfigError(f"zb-optimal knows no heuristic to start from for placement "
                               f"{placement}; use one stage per rank, the V, or a loop")
+
+
+def _split(streams: tuple[tuple[Instruction, ...], ...]) -> tuple[tuple[Instruction, ...], ...]:
+    """Each fused or overlapped backward as I then W at once (the model knows F, I, W)."""
+    return tuple(tuple(x for op in stream for x in (
+        (Instruction(Kind.I, op.stage, op.microbatch), Instruction(Kind.W, op.stage,
+                                                                    op.microbatch))
+        if op.kind in (Kind.B, Kind.OVERLAP_B) else (op,))) for stream in streams)
 
 
 def _renamed(schedule: Schedule) -> Schedule:

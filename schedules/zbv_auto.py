@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from schedules.cost_search import Orders, check_memory_limit, pick_fastest
-from schedules.list_scheduler import LIST_KNOB_GRID, list_order
+from schedules.list_scheduler import knob_grid, list_order
 from schedules.schedule import Schedule, check_count, gc_paused, v_placement
 from schedules.simulate import CostModel
 from schedules.zb_auto import AutoPlan, peak_in_flight
@@ -20,9 +20,9 @@ def zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None
     per rank, default 2p: 1F1B's p microbatches; at least 2, one microbatch in both chunks).
 
     Candidates: the fixed ZB-V table (torch's order) when it fits, the paper's V greedy in
-    its four fill settings, and the list scheduler in 32 settings; the shortest simulated
-    makespan wins. So it is never slower than the V greedy nor than the table under the
-    same memory, and at unit costs with p <= m < 2p-1 it closes half the table's bubble.
+    its four fill settings, and the list scheduler in 32 settings (8 on large problems);
+    the shortest simulated makespan wins. So it is never slower than the V greedy nor than
+    the table under the same memory; at unit costs with m = p it halves the table's bubble.
     """
     return plan_zb_v_auto(num_ranks, num_microbatches, memory_limit=memory_limit,
                           costs=costs).schedule
@@ -49,5 +49,6 @@ def plan_zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int |
         if streams is not None:
             orders.append((knobs.label(), streams))
     orders.extend((knobs.label(), list_order(placement, m, limit, forward, backward, weight,
-                                             delay, knobs)) for knobs in LIST_KNOB_GRID)
+                                             delay, knobs))
+                  for knobs in knob_grid(len(placement), m))
     return pick_fastest("zb-v-auto", m, placement, orders, costs)

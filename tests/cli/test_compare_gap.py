@@ -49,3 +49,15 @@ def test_overlap_fraction_speeds_up_only_the_overlapped_dualpipev() -> None:
                  for row in json.loads(done.stdout)["schedules"]}
     assert makespans["dualpipev"] == pytest.approx(25.5)  # chunks cost 1/2: 51 / 2
     assert makespans["dualpipev-overlap"] == pytest.approx(22.5)
+
+
+@needs_solver
+def test_the_optimum_is_never_above_a_listed_schedule() -> None:
+    # v-min holds less than any heuristic the solver would start from: its own order is
+    # the start, so the optimum at its memory can only be faster (regression: 0%..44%).
+    done = run_cli("compare", "--stages", "3", "--microbatches", "6", "--schedules",
+                   "v-min,v-half,zb-v,1f1b", "--optimality-gap", "10", "--json")
+    assert done.returncode == 0, done.stderr
+    for row in json.loads(done.stdout)["schedules"]:
+        assert row["optimum"]["makespan"] <= row["makespan"] + 1e-9, row["schedule"]
+        assert row["optimum"]["bound"] <= row["optimum"]["makespan"] + 1e-9
