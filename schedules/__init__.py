@@ -39,6 +39,7 @@ from schedules.validate import validate
 from schedules.zb_auto import AutoPlan, Candidate, plan_zb_auto, zb_auto
 from schedules.zb_greedy import GreedyKnobs
 from schedules.zb_optimal import OptimalPlan, solve_zb_optimal, zb_optimal
+from schedules.zb_paper_greedy import PaperGreedyKnobs
 from schedules.zbv import zb_v
 from schedules.zbv_auto import plan_zb_v_auto, zb_v_auto
 from schedules.zbv_greedy import VGreedyKnobs
@@ -57,6 +58,7 @@ __all__ = [
     "Kind",
     "ListKnobs",
     "OptimalPlan",
+    "PaperGreedyKnobs",
     "Schedule",
     "ScheduleConfigError",
     "ScheduleError",

@@ -25,9 +25,12 @@ from typing import Any
 
 from schedules.errors import ScheduleConfigError
 from schedules.instructions import NONE, Instruction, Kind
+from schedules.interleaved_zb import interleaved_zb
 from schedules.schedule import Schedule, check_count, loop_placement, v_placement
 from schedules.simulate import CostModel, simulate
 from schedules.timeline import figures
+from schedules.zb_auto import zb_auto
+from schedules.zbv_auto import zb_v_auto
 
 __all__ = ["MAX_MICROBATCHES", "MAX_RANKS", "OptimalPlan", "solve_zb_optimal", "zb_optimal"]
 
@@ -121,10 +124,6 @@ def solve_zb_optimal(num_ranks: int, num_microbatches: int, chunks: int = 1, *,
 def _heuristic(p: int, m: int, placement: tuple[int, ...], limit: int,
                costs: CostModel) -> tuple[str, Schedule]:
     """The best cost-aware heuristic for this placement: the solver's starting point."""
-    from schedules.interleaved_zb import interleaved_zb
-    from schedules.zb_auto import zb_auto
-    from schedules.zbv_auto import zb_v_auto
-
     v = len(placement) // p
     if placement == loop_placement(p, 1):
         return "zb-auto", zb_auto(p, m, memory_limit=limit, costs=costs)
