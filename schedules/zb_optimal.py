@@ -92,16 +92,19 @@ def solve_zb_optimal(num_ranks: int, num_microbatches: int, chunks: int = 1, *,
         raise ScheduleConfigError(
             f"zb-optimal solves p <= {MAX_RANKS} and m <= {MAX_MICROBATCHES} (got p={p}, "
             f"m={m}): larger problems do not finish; use zb-auto or zb-v-auto")
-    if not (isinstance(time_limit, int | float) and math.isfinite(time_limit)
-            and time_limit > 0):
+    if isinstance(time_limit, bool) or not (isinstance(time_limit, int | float) and
+                                            math.isfinite(time_limit) and time_limit > 0):
         raise ScheduleConfigError(f"time_limit must be seconds > 0, got {time_limit!r}")
     placement = placement or _default_placement(p, v)
+    if sorted(set(placement)) != list(range(p)):
+        raise ScheduleConfigError(f"placement {placement} must put stages on every rank "
+                                  f"0..{p - 1} and on no other")
     most = max(placement.count(r) for r in range(p))
     limit = 2 * p if memory_limit is None else check_count(
         "memory_limit", memory_limit, minimum=most,
         hint=f" ((stage, microbatch) activations a rank may hold; the minimum is {most}, "
              "one microbatch through every stage of a rank)")
-    limit = max(limit, most)
+    limit = max(limit, most)  # the default 2p is below v for a loop of v > 2p chunks
     costs = costs or CostModel()
     try:
         from ortools.sat.python import cp_model

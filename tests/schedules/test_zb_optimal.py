@@ -64,6 +64,7 @@ def test_registered_and_lowers() -> None:
     ({"num_ranks": 3, "num_microbatches": 4, "chunks": 2, "memory_limit": 1},
      "the minimum is 2"),
     ({"num_ranks": 3, "num_microbatches": 4, "time_limit": 0}, "time_limit must be"),
+    ({"num_ranks": 2, "num_microbatches": 2, "placement": (0, 2)}, "on every rank 0..1"),
 ])
 def test_bad_input_gets_one_line_naming_the_fix(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ScheduleConfigError, match=message) as caught:
