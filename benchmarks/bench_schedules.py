@@ -1,6 +1,6 @@
 """Bubble rate of every schedule on realistic costs; lowering time of ZB-V and interleaved vs torch.
 
-    python benchmarks/bench_schedules.py [--skip-torch]
+    python benchmarks/bench_schedules.py [--skip-torch] [--time-limit S]
 
 Table 1: simulated bubble rate (the Zero Bubble paper's: 1 - busiest rank / longest rank
 span) and peak activations (microbatches of one rank's model share; a chunk of a v-chunk
@@ -11,8 +11,12 @@ Table 2: building the lowered schedule of every rank at p = 64, m = 1024, v = 2.
 generate + `lower` + `add_optimizer_step`. Torch 2.13: constructing the schedule class with
 stand-in stages, which builds and lowers every rank's order (`_add_unshard_reshard`,
 `_add_reduce_grad`, `_add_send_recv`) — the work each rank's process does at start-up.
-For interleaved zero bubble (torch's ZB1P, which we do not generate) ours lowers torch's
-own compute order, converted with `schedules.torch_format`.
+For interleaved zero bubble ours lowers torch's own ZB1P compute order, converted with
+`schedules.torch_format` (our `interleaved-zb` searches under costs, which takes minutes at
+this size; at p=4 m=8 it finds torch's 51 units at peak 8, see table 3).
+
+Table 3 (`bench_references.reference_table`): each cost-aware schedule against the
+reference heuristic and the proven optimum (zb-optimal) at the same placement and memory.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ ROWS: tuple[tuple[str, str, int | None], ...] = (  # label, schedule, memory lim
     ("looped-bfs (v=2)", "looped-bfs", None), ("zb-h1", "zb-h1", None),
     ("zb-h2", "zb-h2", None), ("zb-v", "zb-v", None), ("dualpipev", "dualpipev", None),
     ("zb-auto (K=p)", "zb-auto", 1), ("zb-auto (K=2p)", "zb-auto", 2),
+    ("zb-v-auto (K=2p)", "zb-v-auto", 2), ("interleaved-zb (v=2, K=2p)", "interleaved-zb", 2),
+    ("v-half", "v-half", None), ("v-min", "v-min", None),
 )
 SIZES = tuple((p, k * p) for p in (8, 16, 32) for k in (3, 8))
 F, B, W, COMM = 1.0, 1.0, 0.5, 0.05
@@ -129,12 +135,18 @@ def lowering_table(skip_torch: bool, p: int = 64, m: int = 1024, v: int = 2) -> 
 
 
 def main() -> None:
+    from bench_references import reference_table
+
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--skip-torch", action="store_true",
                         help="skip torch's lowering (minutes at p=64, m=1024)")
+    parser.add_argument("--time-limit", type=float, default=20.0,
+                        help="seconds per proven-optimum solve in table 3 (default 20)")
     args = parser.parse_args()
     bubble_table()
     lowering_table(args.skip_torch)
+    print()
+    reference_table(args.time_limit)
 
 
 if __name__ == "__main__":

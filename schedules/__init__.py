@@ -3,6 +3,7 @@
 Pure Python and numpy: integers and costs in, instruction streams and timelines out.
 """
 
+from schedules.controllable_memory import v_half, v_min
 from schedules.dualpipe import dualpipev
 from schedules.errors import (
     ScheduleConfigError,
@@ -20,10 +21,12 @@ from schedules.instructions import (
     parse_instruction,
     parse_stream,
 )
+from schedules.interleaved_zb import interleaved_zb, plan_interleaved_zb
+from schedules.list_scheduler import ListKnobs
 from schedules.looped_bfs import looped_bfs
 from schedules.lowering import add_optimizer_step, lower
 from schedules.registry import SCHEDULES, ScheduleSpec, build_schedule, generate_schedule
-from schedules.schedule import Schedule, loop_placement, v_placement
+from schedules.schedule import Schedule, check_count, loop_placement, v_placement
 from schedules.simulate import CostModel, simulate
 from schedules.timeline import KINDS, Figures, Span, Timeline, figures
 from schedules.torch_format import (
@@ -35,7 +38,11 @@ from schedules.torch_format import (
 from schedules.validate import validate
 from schedules.zb_auto import AutoPlan, Candidate, plan_zb_auto, zb_auto
 from schedules.zb_greedy import GreedyKnobs
+from schedules.zb_optimal import OptimalPlan, solve_zb_optimal, zb_optimal
+from schedules.zb_paper_greedy import PaperGreedyKnobs
 from schedules.zbv import zb_v
+from schedules.zbv_auto import plan_zb_v_auto, zb_v_auto
+from schedules.zbv_greedy import VGreedyKnobs
 from schedules.zero_bubble import zb_h1, zb_h2
 
 __all__ = [
@@ -49,6 +56,9 @@ __all__ = [
     "GreedyKnobs",
     "Instruction",
     "Kind",
+    "ListKnobs",
+    "OptimalPlan",
+    "PaperGreedyKnobs",
     "Schedule",
     "ScheduleConfigError",
     "ScheduleError",
@@ -57,8 +67,10 @@ __all__ = [
     "ScheduleValidationError",
     "Span",
     "Timeline",
+    "VGreedyKnobs",
     "add_optimizer_step",
     "build_schedule",
+    "check_count",
     "dualpipev",
     "figures",
     "format_stream",
@@ -69,6 +81,7 @@ __all__ = [
     "generate_schedule",
     "gpipe",
     "interleaved_1f1b",
+    "interleaved_zb",
     "loop_placement",
     "looped_bfs",
     "lower",
@@ -76,13 +89,20 @@ __all__ = [
     "parse_instruction",
     "parse_stream",
     "parse_torch_csv",
+    "plan_interleaved_zb",
     "plan_zb_auto",
+    "plan_zb_v_auto",
     "simulate",
+    "solve_zb_optimal",
     "to_torch_rows",
+    "v_half",
+    "v_min",
     "v_placement",
     "validate",
     "zb_auto",
     "zb_h1",
     "zb_h2",
+    "zb_optimal",
     "zb_v",
+    "zb_v_auto",
 ]

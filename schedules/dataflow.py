@@ -6,6 +6,8 @@ another rank). Dependencies of stage s, microbatch i (S stages):
     F(s,i)      <- F(s-1,i)                  (none for s = 0)
     B|I(s,i)    <- F(s,i), B|I(s+1,i)        (the latter absent for s = S-1)
     W(s,i)      <- I(s,i)
+An F followed on its rank by an OVERLAP_B (DualPipe's overlapped F&B pair) starts when the
+inputs of both are there and lasts `overlap` × (F + B); both outputs leave at its end.
 Written as an event loop (a rank runs until it blocks, then waits on the op it needs)
 rather than with networkx because it must execute ~1M ops a second for the planner.
 """
@@ -37,14 +39,17 @@ def execute(
     backward: Sequence[float],
     weight: Sequence[float],
     delay: Sequence[float],
+    overlap: float = 1.0,
 ) -> Execution:
     """Execute compute-only `streams`; per-stage costs, `delay[s]` on the s ↔ s+1 edge.
 
-    A fused B costs backward[s] + weight[s]; I costs backward[s]; W costs weight[s].
+    A fused B costs backward[s] + weight[s]; I costs backward[s]; W costs weight[s]; a pair
+    F(s) + OVERLAP_B(s') costs overlap × (forward[s] + backward[s'] + weight[s']), shown as
+    two spans in that proportion.
     Ops must reference stages in range(len(placement)) and microbatches in range(m);
     the validator checks that before calling this.
     """
-    kind_f, kind_w, kind_b = Kind.F, Kind.W, Kind.B
+    kind_f, kind_w, kind_i, kind_ob = Kind.F, Kind.W, Kind.I, Kind.OVERLAP_B
     num_ranks = len(streams)
     m = num_microbatches
     num_stages = len(placement)
@@ -67,6 +72,48 @@ def execute(
             kind, s, i, _ = stream[k]
             index = s * m + i
             ready = clock
+            if kind is kind_f and k + 1 < n and stream[k + 1][0] is kind_ob:
+                # The overlapped pair: wait for the inputs of both, then run as one op.
+                if s:
+                    dep = f_end[index - m]
+                    if dep < 0.0:
+                        waiting.setdefault(index - m, []).append(rank)
+                        break
+                    if placement[s - 1] != rank:
+                        dep += delay[s - 1]
+                    if dep > ready:
+                        ready = dep
+                s2 = stream[k + 1][1]
+                index2 = s2 * m + stream[k + 1][2]
+                dep = f_end[index2]
+                if dep < 0.0:
+                    waiting.setdefault(index2, []).append(rank)
+                    break
+                if dep > ready:
+                    ready = dep
+                if s2 + 1 < num_stages:
+                    dep = g_end[index2 + m]
+                    if dep < 0.0:
+                        waiting.setdefault(grad_base + index2 + m, []).append(rank)
+                        break
+                    if placement[s2 + 1] != rank:
+                        dep += delay[s2]
+                    if dep > ready:
+                        ready = dep
+                split = ready + overlap * forward[s]
+                end = split + overlap * fused[s2]
+                f_end[index] = end
+                g_end[index2] = end
+                rank_starts.append(ready)
+                rank_ends.append(split)
+                rank_starts.append(split)
+                rank_ends.append(end)
+                clock = end
+                k += 2
+                for key in (index, grad_base + index2):
+                    if key in waiting:
+                        runnable.extend(waiting.pop(key))
+                continue
             if kind is kind_f:
                 if s:
                     dep = f_end[index - m]
@@ -105,7 +152,7 @@ def execute(
                         dep += delay[s]
                     if dep > ready:
                         ready = dep
-                end = ready + (fused[s] if kind is kind_b else backward[s])
+                end = ready + (backward[s] if kind is kind_i else fused[s])
                 g_end[index] = end
                 done_key = grad_base + index
             rank_starts.append(ready)

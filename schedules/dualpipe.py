@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 from schedules.errors import ScheduleConfigError
+from schedules.instructions import Instruction, Kind
 from schedules.schedule import Schedule, check_count, v_placement
 from schedules.steps import StepTable, emit_steps
 
 __all__ = ["dualpipev"]
 
 
-def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
+def dualpipev(num_ranks: int, num_microbatches: int, *, overlap: bool = False) -> Schedule:
     """DualPipeV (DeepSeek-AI, "DeepSeek-V3 Technical Report", 2024, §3.2.1,
     https://arxiv.org/abs/2412.19437; the "V" variant of https://github.com/deepseek-ai/DualPipe).
 
     Rank r holds stages r and 2p-1-r. In the main phase each rank pairs the forward of
     one microbatch with the backward of another (``F0 B1 F1 B0``), which DeepSeek overlap
-    to hide communication; here they run back to back. Backwards are fused except where
-    the split fills a bubble (warm-up step 3 and the second half of the cool-down).
+    to hide communication. With `overlap` every such F directly followed by a fused B is
+    an overlapped pair (F, OVERLAP_B: torch's OVERLAP_F_B), costed by `CostModel.overlap`;
+    without, they run back to back. Backwards are fused except where the split fills a
+    bubble (warm-up step 3 and the second half of the cool-down).
     Requires m >= 2p, like DualPipe and torch's `ScheduleDualPipeV`.
     """
     p = check_count("num_ranks", num_ranks)
@@ -27,7 +30,26 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
             f"runs 2p-1 = {2 * p - 1} chunk-0 forwards before its first main step (DualPipe "
             f"asserts the same); use m >= {2 * p}, or 'zb-v', which takes any m")
     streams = tuple(emit_steps((r, 2 * p - 1 - r), _steps(p, m, r), m) for r in range(p))
-    return Schedule("dualpipev", m, v_placement(p), streams)
+    if overlap:
+        # DualPipe leaves the V's bottom rank's first main-step F0 B1 unpaired: the two
+        # are on one rank back to back, and overlapping them would only delay the B.
+        streams = tuple(_pair_up(stream, skip_first=r == p - 1)
+                        for r, stream in enumerate(streams))
+    return Schedule("dualpipev-overlap" if overlap else "dualpipev", m, v_placement(p), streams)
+
+
+def _pair_up(stream: tuple[Instruction, ...], *, skip_first: bool) -> tuple[Instruction, ...]:
+    """Each B that directly follows an F (of another microbatch) becomes OVERLAP_B, except
+    the first such B when `skip_first`."""
+    out = list(stream)
+    for k in range(1, len(out)):
+        before, op = out[k - 1], out[k]
+        if op.kind is Kind.B and before.kind is Kind.F and before.microbatch != op.microbatch:
+            if skip_first:
+                skip_first = False
+                continue
+            out[k] = Instruction(Kind.OVERLAP_B, op.stage, op.microbatch)
+    return tuple(out)
 
 
 def _steps(p: int, m: int, r: int) -> StepTable:

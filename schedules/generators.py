@@ -7,17 +7,16 @@ stages, m microbatches; F forward, B full backward. Generators take integers and
 
 from __future__ import annotations
 
-from schedules.instructions import NONE, Instruction, Kind
+from schedules.instructions import NONE, Instruction, Kind, instruction_from
 from schedules.schedule import Schedule, check_count, loop_placement
 
-__all__ = ["forward_only", "gpipe", "interleaved_1f1b", "one_f_one_b"]
+__all__ = ["forward_only", "gpipe", "interleaved_1f1b", "interleaved_order", "one_f_one_b"]
 
 _F, _B = Kind.F, Kind.B
-_new = tuple.__new__  # skips NamedTuple's slower __new__; generators build ~1M of these
 
 
 def _op(kind: Kind, stage: int, microbatch: int) -> Instruction:
-    return _new(Instruction, (kind, stage, microbatch, NONE))
+    return instruction_from((kind, stage, microbatch, NONE))
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -104,13 +103,23 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> 
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)
     v = check_count("chunks", chunks)
+    streams = interleaved_order(p, m, v, warmup_hops=2)
+    return Schedule("interleaved", m, loop_placement(p, v), streams)
+
+
+def interleaved_order(p: int, m: int, v: int, *, warmup_hops: int) -> tuple[
+        tuple[Instruction, ...], ...]:
+    """Megatron's interleaved streams with `num_warmup = min(warmup_hops·(p - r - 1) +
+    (v - 1)·N, v·m)` on rank r: 2 hops is interleaved 1F1B (a forward out and its gradient
+    back), 1 hop torch's interleaved zero bubble, which holds fewer activations and lets
+    the split W's fill the rest."""
     sizes = _group_sizes(p, m)
     forward_order = _virtual_order(v, sizes, backward=False)
     backward_order = _virtual_order(v, sizes, backward=True)
     total = v * m
     streams = []
     for r in range(p):
-        num_warmup = min((p - r - 1) * 2 + (v - 1) * sizes[0], total)
+        num_warmup = min((p - r - 1) * warmup_hops + (v - 1) * sizes[0], total)
         num_steady = total - num_warmup
         ops = [_op(_F, c * p + r, i) for c, i in forward_order[:num_warmup]]
         for k in range(num_steady):
@@ -120,7 +129,7 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, chunks: int = 2) -> 
             ops.append(_op(_B, c * p + r, i))
         ops.extend(_op(_B, c * p + r, i) for c, i in backward_order[num_steady:])
         streams.append(tuple(ops))
-    return Schedule("interleaved", m, loop_placement(p, v), tuple(streams))
+    return tuple(streams)
 
 
 def forward_only(num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:

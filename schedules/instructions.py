@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from enum import Enum
+from functools import partial
 from typing import NamedTuple
 
 from schedules.errors import ScheduleParseError
@@ -16,6 +17,7 @@ __all__ = [
     "Instruction",
     "Kind",
     "format_stream",
+    "instruction_from",
     "parse_instruction",
     "parse_stream",
 ]
@@ -38,9 +40,13 @@ class Kind(Enum):
     LOAD = "LOAD"  # load a microbatch: inputs on the first stage, targets on the last
     REDUCE_GRAD = "REDUCE_GRAD"  # reduce a stage's gradients (data parallel), once a step
     STEP = "STEP"  # optimizer step of everything on the rank
+    # A full backward (like B) overlapped with the F just before it on the rank (DualPipe's
+    # F&B pair, torch's OVERLAP_F_B): the pair costs one overlapped time, both outputs leave
+    # when it ends. The two must be of different microbatches; an engine may run F then B.
+    OVERLAP_B = "OVERLAP_B"
 
 
-COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP_B})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 _BY_TEXT = {kind.value: kind for kind in Kind}
 _PATTERN = re.compile(r"(\d*)([A-Z_]+?)(\d*)(?:@(\d+))?")
@@ -50,7 +56,8 @@ class Instruction(NamedTuple):
     """One step of a rank's stream.
 
     Text form: ``{stage}{kind}{microbatch}`` with ``@{peer rank}`` on communication,
-    e.g. ``2F0``, ``1B3``, ``1SEND_F0@2``, ``0LOAD3``, ``1REDUCE_GRAD``, ``STEP``.
+    e.g. ``2F0``, ``1B3``, ``1SEND_F0@2``, ``0LOAD3``, ``1REDUCE_GRAD``, ``STEP``; an
+    overlapped pair is two words, ``0F3 3OVERLAP_B1`` (torch: ``(0F3;3B1)OVERLAP_F_B``).
     Fields that an instruction does not use hold `NONE` (-1).
     """
 
@@ -88,8 +95,17 @@ _NEEDS = {  # which fields each kind carries: (stage, microbatch, peer)
     Kind.SEND_F: (True, True, True), Kind.RECV_F: (True, True, True),
     Kind.SEND_B: (True, True, True), Kind.RECV_B: (True, True, True),
     Kind.LOAD: (True, True, False), Kind.REDUCE_GRAD: (True, False, False),
-    Kind.STEP: (False, False, False),
+    Kind.STEP: (False, False, False), Kind.OVERLAP_B: (True, True, False),
 }
+
+
+instruction_from: Callable[[tuple[Kind, int, int, int]], Instruction] = partial(
+    tuple.__new__, Instruction)
+"""Build an `Instruction` from a ``(kind, stage, microbatch, peer)`` tuple without checks.
+
+`tuple.__new__` skips NamedTuple's argument handling and, bound by a C `partial`, costs no
+Python frame: generators and `lower` build ~1M instructions, where that is most of the time.
+"""
 
 
 def parse_instruction(text: str) -> Instruction:

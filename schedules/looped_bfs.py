@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from schedules.instructions import NONE, Instruction, Kind
+from schedules.instructions import NONE, Kind, instruction_from
 from schedules.schedule import Schedule, check_count, loop_placement
 
 __all__ = ["looped_bfs"]
-
-_new = tuple.__new__  # skips NamedTuple's slower __new__
 
 
 def looped_bfs(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
@@ -29,8 +27,8 @@ def looped_bfs(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedu
     streams = []
     for r in range(p):
         stages = [c * p + r for c in range(v)]
-        forward = [_new(Instruction, (Kind.F, s, i, NONE)) for s in stages for i in range(m)]
-        backward = [_new(Instruction, (Kind.B, s, i, NONE)) for s in reversed(stages)
+        forward = [instruction_from((Kind.F, s, i, NONE)) for s in stages for i in range(m)]
+        backward = [instruction_from((Kind.B, s, i, NONE)) for s in reversed(stages)
                     for i in range(m)]
         streams.append(tuple(forward + backward))
     return Schedule("looped-bfs", m, loop_placement(p, v), tuple(streams))

@@ -18,7 +18,7 @@ from operator import itemgetter
 from schedules.dataflow import execute
 from schedules.errors import ScheduleValidationError
 from schedules.grid import format_grid
-from schedules.instructions import NONE, Instruction, Kind
+from schedules.instructions import NONE, Instruction, Kind, instruction_from
 from schedules.schedule import Schedule, gc_paused
 
 __all__ = ["add_optimizer_step", "lower"]
@@ -47,10 +47,10 @@ def lower(schedule: Schedule) -> Schedule:
             f"{step} ({compute[rank][step]}) for an op that comes after a wait on its own rank",
             rank=rank, step=step, grid=format_grid(compute, rank, step))
 
-    kind_f, kind_b, kind_i = Kind.F, Kind.B, Kind.I
+    kind_f, kind_b, kind_i, kind_ob = Kind.F, Kind.B, Kind.I, Kind.OVERLAP_B
     recv_f, recv_b, send_f, send_b, load = (Kind.RECV_F, Kind.RECV_B, Kind.SEND_F, Kind.SEND_B,
                                             Kind.LOAD)
-    new, ins = tuple.__new__, Instruction  # tuple.__new__ skips NamedTuple's slower __new__
+    new = instruction_from
     last_stage = num_stages - 1
     loads_targets = schedule.has_backward
     recvs: list[list[tuple[int, Instruction]]] = [[] for _ in range(p)]
@@ -62,12 +62,13 @@ def lower(schedule: Schedule) -> Schedule:
             if kind is kind_f:
                 if s < last_stage and placement[s + 1] != a:
                     b = placement[s + 1]
-                    recvs[b].append((int(end) * p + a, new(ins, (recv_f, s + 1, i, a))))
-                    send = new(ins, (send_f, s, i, b))
-            elif (kind is kind_b or kind is kind_i) and s > 0 and placement[s - 1] != a:
+                    recvs[b].append((int(end) * p + a, new((recv_f, s + 1, i, a))))
+                    send = new((send_f, s, i, b))
+            elif (kind is kind_b or kind is kind_i or kind is kind_ob) and s > 0 and \
+                    placement[s - 1] != a:
                 b = placement[s - 1]
-                recvs[b].append((int(end) * p + a, new(ins, (recv_b, s - 1, i, a))))
-                send = new(ins, (send_b, s, i, b))
+                recvs[b].append((int(end) * p + a, new((recv_b, s - 1, i, a))))
+                send = new((send_b, s, i, b))
             rank_sends.append(send)
         sends.append(rank_sends)
 
@@ -87,7 +88,7 @@ def lower(schedule: Schedule) -> Schedule:
                 next_key = pending[j][0]
             kind, s, i, _ = op
             if kind is kind_f and (s == 0 or (loads_targets and s == last_stage)):
-                append(new(ins, (load, s, i, NONE)))
+                append(new((load, s, i, NONE)))
             append(op)
             if send is not None:
                 own_key = round_key + a
@@ -110,7 +111,7 @@ def add_optimizer_step(schedule: Schedule) -> Schedule:
     """
     if not schedule.has_backward:
         return schedule
-    backward_kinds = (Kind.B, Kind.I, Kind.W)
+    backward_kinds = (Kind.B, Kind.I, Kind.W, Kind.OVERLAP_B)
     comm_sends = (Kind.SEND_F, Kind.SEND_B)
     streams = []
     for rank, stream in enumerate(schedule.streams):

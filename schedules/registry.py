@@ -5,16 +5,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from schedules.controllable_memory import v_half, v_min
 from schedules.dualpipe import dualpipev
 from schedules.errors import ScheduleConfigError
 from schedules.generators import forward_only, gpipe, interleaved_1f1b, one_f_one_b
+from schedules.interleaved_zb import interleaved_zb
 from schedules.limits import check_schedule_size
 from schedules.looped_bfs import looped_bfs
 from schedules.lowering import add_optimizer_step, lower
 from schedules.schedule import Schedule, check_count, gc_paused
 from schedules.simulate import CostModel
 from schedules.zb_auto import zb_auto
+from schedules.zb_optimal import zb_optimal
 from schedules.zbv import zb_v
+from schedules.zbv_auto import zb_v_auto
 from schedules.zero_bubble import zb_h1, zb_h2
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "build_schedule", "generate_schedule"]
@@ -52,6 +56,10 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "dualpipev": ScheduleSpec(lambda p, m, v: dualpipev(p, m), (2, 2), 2,
                               "DeepSeek DualPipeV: V placement, F of one microbatch with B of "
                               "another; m >= 2p"),
+    "dualpipev-overlap": ScheduleSpec(
+        lambda p, m, v: dualpipev(p, m, overlap=True), (2, 2), 2,
+        "DualPipeV with each F&B of the main step one overlapped pair (OVERLAP_B), costed "
+        "by the cost model's overlap; m >= 2p"),
     "looped-bfs": ScheduleSpec(looped_bfs, (1, None), 2,
                                "looped breadth-first: every microbatch through a chunk, then "
                                "the next chunk"),
@@ -60,6 +68,29 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         "Zero Bubble automatic: the paper's greedy, searched under the costs and a memory "
         "limit (default 2p)",
         plan=lambda p, m, v, limit, costs: zb_auto(p, m, memory_limit=limit, costs=costs)),
+    "v-half": ScheduleSpec(lambda p, m, v: v_half(p, m), (2, 2), 2,
+                           "controllable memory V-Half: a repeated building block, about half "
+                           "of 1F1B's activation memory, about no bubble"),
+    "v-min": ScheduleSpec(lambda p, m, v: v_min(p, m), (2, 2), 2,
+                          "controllable memory V-Min: a repeated building block, about a third "
+                          "of 1F1B's activation memory, a small bubble"),
+    "zb-v-auto": ScheduleSpec(
+        lambda p, m, v: zb_v_auto(p, m), (2, 2), 2,
+        "Zero Bubble V under the costs and a memory limit (default 2p stage activations): "
+        "never behind the paper's V greedy",
+        plan=lambda p, m, v, limit, costs: zb_v_auto(p, m, memory_limit=limit, costs=costs)),
+    "interleaved-zb": ScheduleSpec(
+        lambda p, m, v: interleaved_zb(p, m, v), (2, None), 2,
+        "interleaved zero bubble (torch's ZB1P, any v >= 2) under the costs and a memory "
+        "limit (default v*p stage activations)",
+        plan=lambda p, m, v, limit, costs: interleaved_zb(p, m, v, memory_limit=limit,
+                                                          costs=costs)),
+    "zb-optimal": ScheduleSpec(
+        lambda p, m, v: zb_optimal(p, m, v), (1, None), 1,
+        "the minimum makespan under a memory limit (default 2p), proven by CP-SAT within "
+        "10 s; p <= 8, m <= 16; needs pip install 'pipesched[solver]'",
+        plan=lambda p, m, v, limit, costs: zb_optimal(p, m, v, memory_limit=limit,
+                                                      costs=costs)),
 }
 
 
@@ -69,8 +100,9 @@ def generate_schedule(name: str, num_ranks: int, num_microbatches: int,
                       costs: CostModel | None = None) -> Schedule:
     """The compute-only schedule called `name` (see `SCHEDULES`) for p, m and v.
 
-    `memory_limit` (microbatches of one stage's activations per rank) and `costs` go to
-    cost-aware schedules (zb-auto); the others ignore `costs` and refuse a memory limit.
+    `memory_limit` ((stage, microbatch) activations per rank) and `costs` go to the
+    cost-aware schedules (zb-auto, zb-v-auto, interleaved-zb, zb-optimal); the others
+    ignore `costs` and refuse a memory limit.
     """
     spec = SCHEDULES.get(name)
     if spec is None:

@@ -68,12 +68,19 @@ class CostModel:
     """Bytes of one microbatch's output activation (and of its gradient), per stage."""
     bandwidth: float | None = None
     """Bytes per time unit on a link; None makes bytes free (only `comm` is charged)."""
+    overlap: float = 1.0
+    """Time of an overlapped pair (F, then OVERLAP_B: DualPipe's F&B) as a fraction of F + B
+    back to back: 1 gains nothing; below 1 when one op's compute hides the other's
+    communication (DualPipe's point)."""
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "weight", "activation_bytes"):
             _check_per_stage(name, getattr(self, name))
         if not _is_number(self.comm) or not math.isfinite(self.comm) or self.comm < 0:
             raise ScheduleConfigError(f"comm must be finite and >= 0, got {self.comm!r}")
+        if not _is_number(self.overlap) or not math.isfinite(self.overlap) or self.overlap < 0:
+            raise ScheduleConfigError(f"overlap must be a finite fraction >= 0 of F + B, got "
+                                      f"{self.overlap!r}")
         if self.bandwidth is not None and not (_is_number(self.bandwidth) and
                                                self.bandwidth > 0 and math.isfinite(
                 self.bandwidth)):
@@ -108,7 +115,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     forward, backward, weight, delay, act = costs.resolve(schedule.num_stages)
     streams = schedule.compute_streams() if schedule.lowered else schedule.streams
     run = execute(streams, schedule.placement, schedule.num_microbatches, forward, backward,
-                  weight, delay)
+                  weight, delay, costs.overlap)
     if run.stuck:
         rank, step = min(run.stuck.items())
         raise ScheduleValidationError(

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from schedules.errors import ScheduleConfigError
-from schedules.instructions import NONE, Instruction, Kind
+from schedules.instructions import NONE, Instruction, Kind, instruction_from
 
 __all__ = ["StepTable", "emit_steps"]
 
@@ -23,7 +23,6 @@ StepTable = Sequence[tuple[int, str]]
 """(repeat count, pattern) rows; a count <= 0 skips the row."""
 
 _KINDS = {"F": Kind.F, "B": Kind.B, "I": Kind.I, "W": Kind.W}
-_new = tuple.__new__  # skips NamedTuple's slower __new__
 
 
 def _parse(pattern: str, chunks: int) -> list[tuple[Kind, int]]:
@@ -62,7 +61,7 @@ def emit_steps(stages: Sequence[int], steps: StepTable, num_microbatches: int) -
 
     def add(kind: Kind, chunk: int, microbatch: int) -> None:
         if microbatch < m:
-            out.append(_new(Instruction, (kind, stages[chunk], microbatch, NONE)))
+            out.append(instruction_from((kind, stages[chunk], microbatch, NONE)))
 
     for count, pattern in steps:
         tokens = _parse(pattern, chunks)

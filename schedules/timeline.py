@@ -15,7 +15,8 @@ __all__ = ["KINDS", "KIND_CODES", "Figures", "Span", "Timeline", "figures"]
 KINDS: tuple[Kind, ...] = tuple(Kind)
 """Kind of code n in `Timeline.kind` is KINDS[n]."""
 KIND_CODES: dict[Kind, int] = {kind: code for code, kind in enumerate(KINDS)}
-_COMPUTE_CODES = np.array([KIND_CODES[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W)])
+_COMPUTE_CODES = np.array([KIND_CODES[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W,
+                                                    Kind.OVERLAP_B)])
 _F, _B, _I, _W = (KIND_CODES[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W))
 
 

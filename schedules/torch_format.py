@@ -8,7 +8,9 @@ actions together (DualPipeV). torch writes no peer: it follows from the placemen
 
 Mapping (ours ↔ torch):
 - F, B, I, W ↔ F, B, I, W; SEND_F/RECV_F/SEND_B/RECV_B ↔ the same, peer ↔ placement.
-- OVERLAP_F_B → its actions in order (we do not overlap; the order is kept).
+- OVERLAP_F_B ↔ an F followed by an OVERLAP_B (our overlapped pair) when read with
+  overlap=True; by default it is read as its two actions in order (F, then a plain B).
+  An OVERLAP_B that does not directly follow its F in a row is written as a plain B.
 - UNSHARD / RESHARD → dropped: FSDP sharding is not part of our schedules.
 - REDUCE_GRAD: in compute-only rows dropped (torch's single-stage tables append it; our
   `add_optimizer_step` places it); in rows with communication kept where torch put it.
@@ -40,8 +42,17 @@ def to_torch_rows(schedule: Schedule, *, reduce_grad: bool = True) -> list[list[
     REDUCE_GRAD too when `reduce_grad` is False (torch's `_simulate_comms_compute` and
     its compute-only loader do not take it)."""
     kinds = _WRITTEN if reduce_grad else _WRITTEN - {Kind.REDUCE_GRAD}
-    return [[_torch_text(op) for op in stream if op.kind in kinds]
-            for stream in schedule.streams]
+    rows = []
+    for stream in schedule.streams:
+        row: list[str] = []
+        kept = [op for op in stream if op.kind in kinds]
+        for k, op in enumerate(kept):
+            if op.kind is Kind.OVERLAP_B and k and kept[k - 1].kind is Kind.F:
+                row[-1] = f"({row[-1]};{op.stage}B{op.microbatch})OVERLAP_F_B"
+            else:
+                row.append(_torch_text(op))
+        rows.append(row)
+    return rows
 
 
 def format_torch_csv(schedule: Schedule, *, reduce_grad: bool = True) -> str:
@@ -53,19 +64,19 @@ def format_torch_csv(schedule: Schedule, *, reduce_grad: bool = True) -> str:
 
 def parse_torch_csv(text: str, *, name: str = "torch", num_microbatches: int | None = None,
                     placement: tuple[int, ...] | None = None,
-                    lowered: bool | None = None) -> Schedule:
+                    lowered: bool | None = None, overlap: bool = False) -> Schedule:
     """A `Schedule` from torch's CSV (either format), one row per rank; see `from_torch_rows`."""
     rows = [line.split(",") for line in text.splitlines()]
     while rows and not any(cell.strip() for cell in rows[-1]):
         rows.pop()  # trailing blank lines; a blank line inside is an idle rank
     return from_torch_rows(rows, name=name, num_microbatches=num_microbatches,
-                           placement=placement, lowered=lowered)
+                           placement=placement, lowered=lowered, overlap=overlap)
 
 
 def from_torch_rows(rows: Sequence[Sequence[str | None]], *, name: str = "torch",
                     num_microbatches: int | None = None,
                     placement: tuple[int, ...] | None = None,
-                    lowered: bool | None = None) -> Schedule:
+                    lowered: bool | None = None, overlap: bool = False) -> Schedule:
     """A `Schedule` from torch's actions (strings, or None for an idle slot), rank by rank.
 
     Without `placement`, each stage goes to the rank whose row computes it; without
@@ -73,10 +84,12 @@ def from_torch_rows(rows: Sequence[Sequence[str | None]], *, name: str = "torch"
     of torch's formats the rows are in; by default rows with a SEND/RECV are
     "compute_comms" (LOAD and STEP are added as described in the module docstring) and the
     rest "compute_only". Pass lowered=True for a communication-free lowered schedule
-    (one rank, or all stages on one rank). Run `validate` on the result before trusting it.
+    (one rank, or all stages on one rank). With `overlap`, an OVERLAP_F_B cell of an F and
+    a B becomes our overlapped pair (F, OVERLAP_B). Run `validate` on the result before
+    trusting it.
     """
-    parsed = [[op for row_index, cell in enumerate(row) for op in _parse_cell(cell, rank,
-                                                                              row_index)]
+    parsed = [[op for row_index, cell in enumerate(row)
+               for op in _parse_cell(cell, rank, row_index, overlap)]
               for rank, row in enumerate(rows)]
     if lowered is None:
         lowered = any(op[0] in COMM_KINDS for row in parsed for op in row)
@@ -110,10 +123,12 @@ def from_torch_rows(rows: Sequence[Sequence[str | None]], *, name: str = "torch"
 
 def _torch_text(op: Instruction) -> str:
     kind, stage, microbatch, _ = op
-    return f"{stage}{kind.value}" + ("" if microbatch == NONE else str(microbatch))
+    text = "B" if kind is Kind.OVERLAP_B else kind.value  # torch has no lone overlapped B
+    return f"{stage}{text}" + ("" if microbatch == NONE else str(microbatch))
 
 
-def _parse_cell(cell: str | None, rank: int, column: int) -> list[tuple[Kind, int, int]]:
+def _parse_cell(cell: str | None, rank: int, column: int,
+                pairs: bool = False) -> list[tuple[Kind, int, int]]:
     """(kind, stage, microbatch) of the actions in one cell; [] for idle or dropped ones."""
     text = (cell or "").strip()
     if not text:
@@ -137,7 +152,15 @@ def _parse_cell(cell: str | None, rank: int, column: int) -> list[tuple[Kind, in
                 f"rank {rank}, column {column}: torch action {part!r} "
                 + ("needs a microbatch" if needs_microbatch else "takes no microbatch"))
         out.append((kind, int(stage_text), int(microbatch_text) if microbatch_text else NONE))
+    if pairs and overlap is not None and _is_pair(out):
+        out[1] = (Kind.OVERLAP_B, out[1][1], out[1][2])
     return out
+
+
+def _is_pair(actions: list[tuple[Kind, int, int]]) -> bool:
+    """True for OVERLAP_F_B actions that are exactly an F, then a B of another microbatch."""
+    return len(actions) == 2 and actions[0][0] is Kind.F and actions[1][0] is Kind.B \
+        and actions[0][2] != actions[1][2]
 
 
 def _infer_placement(parsed: Sequence[Sequence[tuple[Kind, int, int]]]) -> tuple[int, ...]:

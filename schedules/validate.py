@@ -14,14 +14,16 @@ __all__ = ["validate"]
 
 _F, _B, _I, _W = Kind.F, Kind.B, Kind.I, Kind.W
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+_OB = Kind.OVERLAP_B
 
 
 def validate(schedule: Schedule) -> None:
     """Raise `ScheduleValidationError` at the first broken invariant; return None if sound.
 
     Checked: every op names a stage, microbatch and peer in range, on the rank that owns the
-    stage; each (stage, microbatch) has exactly one F and either one B or one I and one W
-    (none in a forward-only schedule); and then, executing the streams:
+    stage; each (stage, microbatch) has exactly one F and either one B (or OVERLAP_B, which
+    must come right after an F of another microbatch) or one I and one W (none in a
+    forward-only schedule); and then, executing the streams:
     - compute-only: the order can run (no rank waits forever on its dependencies);
     - lowered: with blocking (rendezvous) send/recv, F(s,i) runs after F(s-1,i) arrived,
       B(s,i) after F(s,i) and after the gradient from s+1 arrived, W after I, every send
@@ -50,7 +52,14 @@ def _check_structure(schedule: Schedule) -> None:
     num_stages = schedule.num_stages
     counts: dict[tuple[Kind, int, int], tuple[int, int]] = {}  # -> first (rank, step)
     for rank, stream in enumerate(schedule.streams):
+        previous: tuple[Kind, int, int] | None = None  # the last compute op on the rank
         for step, (kind, s, i, peer) in enumerate(stream):
+            if kind is _OB and (previous is None or previous[0] is not _F or previous[2] == i):
+                raise _fail(schedule, rank, step, "an overlapped backward runs with the F just "
+                            "before it on the rank, of another microbatch (their own F and B "
+                            "depend on each other); put it right after such an F, or use B")
+            if kind in (_F, _B, _I, _W, _OB):
+                previous = (kind, s, i)
             if kind is Kind.STEP:
                 continue
             if not 0 <= s < num_stages:
@@ -69,8 +78,8 @@ def _check_structure(schedule: Schedule) -> None:
                                 else "no rank (there is no such neighbour stage)")
                     raise _fail(schedule, rank, step,
                                 f"peer {peer} is wrong: stage {neighbour} is on {expected}")
-            if kind in (_F, _B, _I, _W):
-                key = (kind, s, i)
+            if kind in (_F, _B, _I, _W, _OB):
+                key = (_B if kind is _OB else kind, s, i)  # an overlapped B is still a B
                 if key in counts:
                     first_rank, first_step = counts[key]
                     raise _fail(schedule, rank, step, f"{kind.value}({s},{i}) appears twice "
@@ -160,7 +169,7 @@ def _culprit(schedule: Schedule, stuck: dict[int, int]) -> tuple[int, int]:
     for rank, step in sorted(stuck.items()):
         kind, s, i, _ = schedule.streams[rank][step]
         needs = {(_F, s - 1, i)} if kind is _F else {(_I, s, i)} if kind is _W else {
-            (_F, s, i), (_B, s + 1, i), (_I, s + 1, i)}
+            (_F, s, i), (_B, s + 1, i), (_I, s + 1, i), (_OB, s + 1, i)}
         later = {(op.kind, op.stage, op.microbatch) for op in schedule.streams[rank][step:]}
         if needs & later:
             return rank, step
@@ -252,7 +261,7 @@ class _Rendezvous:
                 raise _fail(self.schedule, rank, step, f"F({s},{i}) runs before LOAD of "
                             f"microbatch {i}")
             self.f_done[index] = 1
-        elif kind is _B or kind is _I:
+        elif kind is _B or kind is _I or kind is _OB:
             if not self.f_done[index]:
                 raise _fail(self.schedule, rank, step,
                             f"{kind.value}({s},{i}) runs before F({s},{i})")
@@ -261,7 +270,7 @@ class _Rendezvous:
                 raise _fail(self.schedule, rank, step, f"{kind.value}({s},{i}) runs before the "
                             f"gradient from stage {s + 1} has been computed and arrived")
             self.g_done[index] = 1
-            self.w_done[index] = kind is _B
+            self.w_done[index] = kind is not _I
         elif kind is _W:
             if not self.g_done[index]:
                 raise _fail(self.schedule, rank, step, f"W({s},{i}) runs before I({s},{i})")

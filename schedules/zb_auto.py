@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from schedules.dataflow import execute
 from schedules.errors import ScheduleConfigError
 from schedules.instructions import Instruction, Kind
+from schedules.list_scheduler import LIST_KNOB_GRID, list_order
 from schedules.schedule import Schedule, check_count, gc_paused, loop_placement
 from schedules.simulate import CostModel
 from schedules.zb_greedy import GreedyKnobs, greedy_order
+from schedules.zb_paper_greedy import PaperGreedyKnobs, paper_greedy_order
 from schedules.zero_bubble import zb_h1, zb_h2
 
 __all__ = ["AutoPlan", "Candidate", "peak_in_flight", "plan_zb_auto", "zb_auto"]
@@ -77,6 +79,14 @@ def plan_zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | N
     orders: list[tuple[str, tuple[tuple[Instruction, ...], ...]]] = [
         (knobs.label(), greedy_order(m, limit, forward, backward, weight, delay, knobs))
         for knobs in KNOB_GRID]
+    orders.extend((knobs.label(), list_order(placement, m, limit, forward, backward, weight,
+                                             delay, knobs))
+                  for knobs in LIST_KNOB_GRID if knobs.deepest_forward and knobs.deepest_backward)
+    for first, prioritize, greedy in itertools.product((True, False), repeat=3):
+        paper = PaperGreedyKnobs(first, prioritize, greedy)
+        streams = paper_greedy_order(m, limit, forward, backward, weight, delay, paper)
+        if streams is not None:
+            orders.append((paper.label(), streams))
     for baseline in (zb_h1, zb_h2):
         streams = baseline(p, m).streams
         if peak_in_flight(streams) <= limit:
@@ -108,6 +118,6 @@ def peak_in_flight(streams: Sequence[Sequence[Instruction]]) -> int:
             if op.kind is Kind.F:
                 held += 1
                 peak = max(peak, held)
-            elif op.kind is Kind.B or op.kind is Kind.W:
+            elif op.kind is Kind.B or op.kind is Kind.W or op.kind is Kind.OVERLAP_B:
                 held -= 1
     return peak

@@ -15,12 +15,11 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from schedules.instructions import NONE, Instruction, Kind
+from schedules.instructions import NONE, Instruction, Kind, instruction_from
 
 __all__ = ["GreedyKnobs", "greedy_order"]
 
 _F, _I, _W = Kind.F, Kind.I, Kind.W
-_new = tuple.__new__  # skips NamedTuple's slower __new__
 _UNKNOWN = -1.0  # end time of an op not scheduled yet
 
 
@@ -140,7 +139,7 @@ class _Greedy:
             self.next_w[r] += 1
             end = t + self.weight[r]
             neighbour = NONE
-        self.streams[r].append(_new(Instruction, (kind, r, k, NONE)))
+        self.streams[r].append(instruction_from((kind, r, k, NONE)))
         self.last_was_i[r] = kind is _I
         self.clock[r] = end
         heapq.heappush(self.queue, (end, r))

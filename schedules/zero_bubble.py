@@ -11,17 +11,16 @@ Our text calls the paper's B "I" (input-gradient only); "B" is the fused backwar
 
 from __future__ import annotations
 
-from schedules.instructions import NONE, Instruction, Kind
+from schedules.instructions import NONE, Instruction, Kind, instruction_from
 from schedules.schedule import Schedule, check_count, loop_placement
 
 __all__ = ["zb_h1", "zb_h2"]
 
 _F, _I, _W = Kind.F, Kind.I, Kind.W
-_new = tuple.__new__  # skips NamedTuple's slower __new__
 
 
 def _op(kind: Kind, stage: int, microbatch: int) -> Instruction:
-    return _new(Instruction, (kind, stage, microbatch, NONE))
+    return instruction_from((kind, stage, microbatch, NONE))
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:

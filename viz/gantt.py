@@ -52,7 +52,7 @@ IDLE_LABEL = "idle"
 _MAX_LABELS = 4000
 """Beyond this many fitting labels the text is dropped: unreadable, and slow to draw."""
 _COMM_HEIGHT = 0.14
-_ORDER = (Kind.F, Kind.B, Kind.I, Kind.W)
+_ORDER = (Kind.F, Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,11 @@ KIND_COLOURS: dict[Kind, tuple[float, float, float]] = {
     Kind.B: (0.902, 0.459, 0.137),  # orange
     Kind.I: (0.776, 0.247, 0.259),  # red
     Kind.W: (0.251, 0.600, 0.286),  # green
+    Kind.OVERLAP_B: (0.588, 0.294, 0.553),  # purple: a B overlapped with the F before it
 }
 KIND_LABELS: dict[Kind, str] = {
     Kind.F: "F forward", Kind.B: "B backward", Kind.I: "I input grad", Kind.W: "W weight grad",
+    Kind.OVERLAP_B: "B overlapped with the F before it",
 }
 IDLE_FACE = (0.955, 0.955, 0.955)
 IDLE_EDGE = (0.70, 0.70, 0.70)

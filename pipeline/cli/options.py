@@ -72,8 +72,9 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, *, single: bool = Tr
                              "dualpipev: default 2; others: 1)")
     if memory_limit:
         parser.add_argument("--memory-limit", type=positive_int, default=None, metavar="K",
-                            help="zb-auto only: microbatches of one stage's activations a rank "
-                                 "may hold (default 2p)")
+                            help="cost-aware schedules only (zb-auto, zb-v-auto, "
+                                 "interleaved-zb, zb-optimal): (stage, microbatch) activations "
+                                 "a rank may hold (default 2p; interleaved-zb v*p)")
 
 
 def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +91,9 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
                        help="delay on every cross-rank dependency (default 0)")
     group.add_argument("--activation-bytes", type=cost_number, default=0.0,
                        metavar="BYTES", help="bytes of one microbatch's activation per stage")
+    group.add_argument("--overlap", type=non_negative_float, default=1.0, metavar="FRACTION",
+                       help="time of an overlapped F&B pair (dualpipev-overlap) as a fraction "
+                            "of F + B back to back (default 1: no gain)")
 
 
 def check_size(name: str, args: argparse.Namespace, chunks: int | None, *,
@@ -114,4 +118,5 @@ def cost_model(args: argparse.Namespace, chunks: int = 1) -> CostModel:
     """
     return CostModel(forward=args.forward / chunks, backward=args.backward / chunks,
                      weight=args.weight / chunks, comm=args.comm,
-                     activation_bytes=args.activation_bytes)
+                     activation_bytes=args.activation_bytes,
+                     overlap=getattr(args, "overlap", 1.0))

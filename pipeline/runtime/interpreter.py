@@ -152,6 +152,8 @@ class Interpreter:
         self.op_start = 0.0
         self.handlers: dict[Kind, Callable[[Instruction], None]] = {
             Kind.LOAD: self.load, Kind.F: self.forward, Kind.B: self.backward,
+            # an overlapped pair's B: its F ran as the instruction before, as its own call
+            Kind.OVERLAP_B: self.backward,
             Kind.I: self.input_grad, Kind.W: self.weight_grad,
             Kind.SEND_F: self.send_forward, Kind.RECV_F: self.recv_forward,
             Kind.SEND_B: self.send_backward, Kind.RECV_B: self.recv_backward,

@@ -87,7 +87,8 @@ class StepStats:
     """Mean per-op costs of this rank's stages."""
 
 
-_KIND_FIELDS = {Kind.F: "forward", Kind.B: "backward", Kind.I: "input_grad",
+_KIND_FIELDS = {Kind.F: "forward", Kind.B: "backward", Kind.OVERLAP_B: "backward",
+                Kind.I: "input_grad",
                 Kind.W: "weight_grad", Kind.SEND_F: "send_forward",
                 Kind.SEND_B: "send_backward"}
 _PRODUCER = {Kind.RECV_F: (Kind.SEND_F, -1), Kind.RECV_B: (Kind.SEND_B, +1)}

@@ -28,6 +28,11 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
+SEARCHED = ("zb-v-auto", "interleaved-zb", "v-min", "v-half", "dualpipev-overlap",
+            "zb-optimal")
+"""Schedules found by a search or solver (or overlapped pairs), each built on every rank."""
+
+
 def _cases(p: int) -> list[Case]:
     cases = [(model, schedule, m, 2 if schedule == "interleaved" else 1, 0)
              for model in MODELS for schedule in ("gpipe", "1f1b", "interleaved")
@@ -38,8 +43,10 @@ def _cases(p: int) -> list[Case]:
     if p > 1:  # every other registered schedule (zero bubble: I/W, V placement)
         cases += [(model, name, m, SCHEDULES[name].default_chunks, 0) for model in MODELS
                   for name in SCHEDULES if name not in ("gpipe", "1f1b", "interleaved",
-                                                        "forward-only")
+                                                        "forward-only", *SEARCHED)
                   for m in (3, 8) if not (name == "dualpipev" and m < 2 * p)]
+        # the searched and overlapped orders: one case each (their build is the cost)
+        cases += [("mlp", name, 2 * p, SCHEDULES[name].default_chunks, 0) for name in SEARCHED]
         cases += [("mlp", "zb-h1", 3, 1, 2), ("transformer", "zb-v", 8, 2, 1)]  # + checkpoints
     return cases
 
