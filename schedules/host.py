@@ -22,6 +22,7 @@ import numpy as np
 
 from schedules.errors import ScheduleConfigError
 from schedules.instructions import Kind
+from schedules.schedule import Schedule
 from schedules.simulate import CostModel
 from schedules.timeline import KIND_CODES, KINDS, Timeline
 
@@ -111,18 +112,20 @@ def measure_host_costs(measured: Timeline, nominal: CostModel) -> HostCosts:
     return HostCosts({key: float(np.median(values)) for key, values in samples.items()})
 
 
-def with_host_costs(costs: CostModel, host: HostCosts, num_stages: int,
+def with_host_costs(costs: CostModel, host: HostCosts, schedule: Schedule,
                     link: Link | None = None) -> CostModel:
     """`costs` with each stage's host seconds added to its F, I (or B) and W, and the
     message costs of `link` (its latency as `comm`, its bandwidth for the activation bytes).
 
-    A fused B is charged backward + weight by the simulator: its host seconds go to the
-    backward part (taken from I when the stage splits its backward, else from B).
+    The simulator charges a fused B backward + weight: on a stage whose backward
+    `schedule` splits, I's host seconds go to backward and W's to weight; on the others
+    B's go to backward.
     """
-    if not isinstance(costs, CostModel) or not isinstance(host, HostCosts):
-        raise TypeError("with_host_costs needs a CostModel and a HostCosts")
-    forward, backward, weight, _, act = costs.resolve(num_stages)
-    split = {s for (k, s) in host.per_op if k is Kind.I}
+    if not isinstance(costs, CostModel) or not isinstance(host, HostCosts) or \
+            not isinstance(schedule, Schedule):
+        raise TypeError("with_host_costs needs a CostModel, a HostCosts and the Schedule")
+    forward, backward, weight, _, act = costs.resolve(schedule.num_stages)
+    split = {op.stage for stream in schedule.streams for op in stream if op.kind is Kind.I}
     return CostModel(
         forward=[f + host.of(Kind.F, s) for s, f in enumerate(forward)],
         backward=[b + host.of(Kind.I if s in split else Kind.B, s)

@@ -140,10 +140,10 @@ def run(args: argparse.Namespace) -> int:
     schedule = build_schedule(plan.schedule, plan.stages, plan.microbatches, plan.chunks)
     nominal = plan.cost_model()
     host = measure_host_costs(report.timeline, nominal)
-    machine = with_host_costs(nominal, host, plan.total_stages, report.link)
-    timelines = [_in_seconds(simulate(schedule, nominal), "simulated (nominal costs)"),
-                 _in_seconds(simulate(schedule, machine), "simulated (+ host work, P2P)"),
-                 dataclasses.replace(report.timeline, name="measured (emulated compute)")]
+    machine = with_host_costs(nominal, host, schedule, report.link)
+    timelines = [_in_seconds(simulate(schedule, nominal), "simulated"),
+                 _in_seconds(simulate(schedule, machine), "simulated + machine"),
+                 dataclasses.replace(report.timeline, name="measured")]
     results = [figures(t) for t in timelines]
     predicted = list(predict_memory(schedule, plan.memory_model()))
     out: Path = args.out

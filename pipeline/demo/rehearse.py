@@ -9,6 +9,7 @@ on a CPU. `rehearse_rank` runs on every rank; the plan is built and checked befo
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,7 @@ class RehearsalReport:
     """Measured bytes per pipeline rank (replica 0)."""
 
 
-def _unique_bytes(tensors: list[torch.Tensor]) -> int:
+def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 

@@ -157,9 +157,10 @@ class EmulatedLayer(nn.Module):
     """A layer that costs `cost` (wall time, see the module docstring) and outputs a
     (rows, `cost.output_elements`) float32 tensor, rows = the input's first dimension.
 
-    Its weight has `cost.param_elements` elements (its node carries W and the saved output). Its output is saved for the backward (one output's bytes of activation
-    memory per microbatch in flight until W, or B, frees it), as a real layer saves what its
-    backward reads. The model's first layer gets data as input, so its I never runs (no
+    Its weight has `cost.param_elements` elements (its node carries W and the saved output).
+    Its output is saved for the backward (one output's bytes of activation memory per
+    microbatch in flight until W, or B, frees it), as a real layer saves what its backward
+    reads. The model's first layer gets data as input, so its I never runs (no
     input gradient is needed): give it input_grad 0 (`pipeline.demo.rehearse` does).
     """
 
