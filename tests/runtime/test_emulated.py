@@ -124,3 +124,16 @@ def test_layer_specs_build_only_when_asked() -> None:
     assert len(specs) == 2 and isinstance(specs[0].build(), EmulatedLayer)
     with pytest.raises(PipelineConfigError, match="at least one"):
         emulated_layers([])
+
+
+def test_first_stage_i_runs_the_input_chain_so_w_pays_weights_only() -> None:
+    # regression: on the first stage (no input to differentiate) I did nothing and W ran
+    # the whole input-gradient chain, so I cost 0 and W cost I + W there
+    clock = FakeClock()
+    out, captured = _forward(_stack(clock), torch.zeros(2, 7))  # data: no grad
+    clock.take()
+    captured.backward_inputs([emulated_loss(out, None)], None)
+    assert clock.take() == [("I", 12.0), ("I", 11.0)]  # the first layer's I never runs
+    assert captured.complete()
+    captured.backward_weights()
+    assert clock.take() == [("W", 102.0), ("W", 101.0), ("W", 100.0)]
