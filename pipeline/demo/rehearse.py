@@ -9,6 +9,7 @@ on a CPU. `rehearse_rank` runs on every rank; the plan is built and checked befo
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +23,12 @@ from pipeline.model.module import PipelineModule
 from pipeline.runtime.engine import PipelineEngine
 from pipeline.runtime.pingpong import ping_pong
 from pipeline.runtime.saved_memory import SavedTensorMeter
-from schedules import CostModel, Timeline, figures
+from schedules import CostModel, Schedule, Timeline, figures
 from schedules.host import Link
 from schedules.memory import MemoryModel, RankMemory
 
-__all__ = ["RehearsalPlan", "RehearsalReport", "emulation_costs", "rehearse_rank"]
+__all__ = ["RehearsalPlan", "RehearsalReport", "build_engine", "emulation_costs", "measured_memory",
+           "rehearse_rank"]
 
 BYTES = 4  # float32
 
@@ -119,23 +121,39 @@ def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def rehearse_rank(plan: RehearsalPlan) -> RehearsalReport | None:
-    """Run the plan on this rank; the report on global rank 0, None elsewhere."""
-    import time
-
-    torch.set_num_threads(1)
+def build_engine(plan: RehearsalPlan, schedule: str | Schedule | None = None
+                 ) -> PipelineEngine:
+    """This rank's engine over emulated layers (Adam, the plan's dp and ZeRO stage)."""
     module = PipelineModule(emulated_layers(plan.layers), num_stages=plan.stages,
                             chunks=plan.chunks, loss_fn=emulated_loss,
                             partition_method=list(plan.boundaries), base_seed=None)
-    engine = PipelineEngine(module, schedule=plan.schedule, num_microbatches=plan.microbatches,
-                            optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
-                            data_parallel=plan.data_parallel, zero_stage=plan.zero_stage)
+    return PipelineEngine(module, schedule=schedule or plan.schedule,
+                          num_microbatches=plan.microbatches,
+                          optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+                          data_parallel=plan.data_parallel, zero_stage=plan.zero_stage)
+
+
+def measured_memory(engine: PipelineEngine, activation_peak: int) -> RankMemory:
+    """This rank's bytes after a step: parameters, gradients (each storage once), optimizer
+    state, and the saved-activation peak a `SavedTensorMeter` saw."""
+    params = list(engine.module.parameters())
+    stats = engine.last_stats
+    return RankMemory(
+        rank=engine.pp_rank, params=float(_unique_bytes(params)),
+        gradients=float(_unique_bytes([p.grad for p in params if p.grad is not None])),
+        optimizer=float(engine.optimizer_state_bytes()), activations=float(activation_peak),
+        peak_in_flight=stats.peak_activations if stats else 0)
+
+
+def rehearse_rank(plan: RehearsalPlan) -> RehearsalReport | None:
+    """Run the plan on this rank; the report on global rank 0, None elsewhere."""
+    torch.set_num_threads(1)
+    engine = build_engine(plan)
     biggest = max(c.output_elements for c in plan.layers) * BYTES
     link = Link(0.0)
     if plan.stages > 1:  # replica 0's first link, measured before any step
         link = ping_pong(engine.topology.rank_of(0), engine.topology.rank_of(1), biggest)
-    params = list(module.parameters())
-    meter = SavedTensorMeter(ignore=params)
+    meter = SavedTensorMeter(ignore=list(engine.module.parameters()))
     inputs = torch.zeros(plan.microbatches, 1)
     timelines: list[Timeline] = []
     seconds: list[float] = []
@@ -152,14 +170,8 @@ def rehearse_rank(plan: RehearsalPlan) -> RehearsalReport | None:
             seconds.append(elapsed)
             timelines.append(timeline)
             peak = max(peak, meter.peak)
-    stats = engine.last_stats
-    measured = RankMemory(
-        rank=engine.pp_rank, params=float(_unique_bytes(params)),
-        gradients=float(_unique_bytes([p.grad for p in params if p.grad is not None])),
-        optimizer=float(engine.optimizer_state_bytes()), activations=float(peak),
-        peak_in_flight=stats.peak_activations if stats else 0)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (engine.position.dp_rank, measured))
+    dist.all_gather_object(gathered, (engine.position.dp_rank, measured_memory(engine, peak)))
     if dist.get_rank() != 0:
         return None
     memory = sorted((m for dp_rank, m in gathered if dp_rank == 0), key=lambda m: m.rank)
