@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from pipeline import PipelineConfigError
-from pipeline.model.emulated import EmulatedCost, EmulatedLayer, emulated_layers, emulated_loss
+from pipeline.model.emulated import (
+    EmulatedCost,
+    EmulatedLayer,
+    WallClock,
+    emulated_layers,
+    emulated_loss,
+)
 from pipeline.runtime.saved_memory import SavedTensorMeter
 from pipeline.runtime.split_backward import LayerGrads
 
@@ -137,3 +143,38 @@ def test_first_stage_i_runs_the_input_chain_so_w_pays_weights_only() -> None:
     assert captured.complete()
     captured.backward_weights()
     assert clock.take() == [("W", 102.0), ("W", 101.0), ("W", 100.0)]
+
+
+class _LateSleeper:
+    """A fake `time`: sleeping wakes `late` seconds after asked; nothing else moves it."""
+
+    def __init__(self, late: float) -> None:
+        self.time, self.late = 0.0, late
+        self.asked: list[float] = []
+
+    def now(self) -> float:
+        return self.time
+
+    def sleep(self, seconds: float) -> None:
+        self.asked.append(round(seconds, 9))
+        self.time += seconds + self.late
+
+
+def test_wall_clock_repays_an_overshoot_on_the_next_back_to_back_wait() -> None:
+    fake = _LateSleeper(late=0.3)
+    clock = WallClock(spin_limit=0.0, now=fake.now, sleep=fake.sleep)
+    clock.lateness = 0.0
+    clock.sleep_until(1.0, "F")  # asks 1.0, wakes at 1.3: 0.3 owed
+    assert clock.debt == pytest.approx(0.3)
+    clock.sleep_until(fake.time + 1.0, "F")  # starts at once: repays the 0.3
+    assert fake.asked == [1.0, pytest.approx(0.7)]
+
+
+def test_wall_clock_forgives_the_debt_after_a_pause() -> None:
+    fake = _LateSleeper(late=0.3)
+    clock = WallClock(spin_limit=0.0, carry_window=0.1, now=fake.now, sleep=fake.sleep)
+    clock.lateness = 0.0
+    clock.sleep_until(1.0, "F")
+    fake.time += 0.5  # idle, e.g. waiting for a message: nothing to repay into
+    clock.sleep_until(fake.time + 1.0, "F")
+    assert fake.asked == [1.0, 1.0]
