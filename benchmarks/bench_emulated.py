@@ -32,7 +32,7 @@ import torch.distributed as dist
 from bench_runtime import TORCH_CLASSES
 
 from pipeline import launch, torch_stages
-from pipeline.demo.rehearse import RehearsalPlan, build_engine, measured_memory
+from pipeline.demo.rehearse import GradientPeak, RehearsalPlan, build_engine, measured_memory
 from pipeline.model.emulated import EmulatedCost, emulated_layers, emulated_loss
 from pipeline.model.module import PipelineModule
 from pipeline.runtime.pingpong import ping_pong
@@ -114,6 +114,7 @@ def _run_case(plan: RehearsalPlan, steps: int, warmup: int, link: Any,
               scratch: str) -> dict[str, Any]:
     engine = build_engine(plan)
     meter = SavedTensorMeter(ignore=list(engine.module.parameters()))
+    gradients = GradientPeak(list(engine.module.parameters()))
     x = torch.zeros(plan.microbatches, 1)
 
     def ours() -> None:
@@ -135,7 +136,7 @@ def _run_case(plan: RehearsalPlan, steps: int, warmup: int, link: Any,
             if round_index >= warmup:
                 times["torch"].append(elapsed)
     memory: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(memory, measured_memory(engine, meter.peak))
+    dist.all_gather_object(memory, measured_memory(engine, meter.peak, gradients.peak))
     schedule = engine.schedule
     nominal = plan.cost_model()
     measured, simulated, machine = [], [], []

@@ -45,7 +45,10 @@ class MemoryModel:
     data_parallel: int = 1
     """Replicas dp; under ZeRO-1 each holds 1/dp of the optimizer state."""
     zero_stage: int = 0
-    """0: every replica keeps the whole optimizer state; 1: sharded over dp."""
+    """0: every replica keeps the whole optimizer state. 1: sharded over dp, as pipesched's
+    ZeRO-1 holds it: besides the parameters' own gradients, a flat reduce buffer (one more
+    gradient's bytes) and the reduced 1/dp shard; an fp32 master copy of the 1/dp parameter
+    shard besides the optimizer state."""
     optimizer_factor: float = 2.0
     """Optimizer-state bytes per parameter byte (Adam: two moments = 2; SGD: 0)."""
     gradient_factor: float = 1.0
@@ -116,13 +119,16 @@ def predict_memory(schedule: Schedule, model: MemoryModel) -> tuple[RankMemory, 
     params = _per_stage("params", model.params, num_stages)
     saved = _per_stage("saved", model.saved, num_stages)
     streams = schedule.compute_streams() if schedule.lowered else schedule.streams
-    shards = model.data_parallel if model.zero_stage == 1 else 1
+    dp, zero = model.data_parallel, model.zero_stage == 1
     result = []
     for rank, stream in enumerate(streams):
         stage_params = sum(params[s] for s in schedule.stages_of(rank))
+        grads = stage_params * model.gradient_factor
         peak, count = _activation_peak([(op[0], op[1], op[2]) for op in stream], saved)
         result.append(RankMemory(
-            rank=rank, params=stage_params, gradients=stage_params * model.gradient_factor,
-            optimizer=stage_params * model.optimizer_factor / shards, activations=peak,
-            peak_in_flight=count))
+            rank=rank, params=stage_params,
+            gradients=grads * (2 + 1 / dp) if zero else grads,
+            optimizer=stage_params * (model.optimizer_factor + 1) / dp if zero
+            else stage_params * model.optimizer_factor,
+            activations=peak, peak_in_flight=count))
     return tuple(result)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from partition import ModelGraph
 from pipeline.model.emulated import EmulatedCost, emulated_layers, emulated_loss
 from pipeline.model.module import PipelineModule
+from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.engine import PipelineEngine
 from pipeline.runtime.pingpong import ping_pong
 from pipeline.runtime.saved_memory import SavedTensorMeter
@@ -27,8 +28,8 @@ from schedules import CostModel, Schedule, Timeline, figures
 from schedules.host import Link
 from schedules.memory import MemoryModel, RankMemory
 
-__all__ = ["RehearsalPlan", "RehearsalReport", "build_engine", "emulation_costs", "measured_memory",
-           "rehearse_rank"]
+__all__ = ["GradientPeak", "RehearsalPlan", "RehearsalReport", "build_engine", "emulation_costs",
+           "measured_memory", "rehearse_rank"]
 
 BYTES = 4  # float32
 
@@ -133,15 +134,37 @@ def build_engine(plan: RehearsalPlan, schedule: str | Schedule | None = None
                           data_parallel=plan.data_parallel, zero_stage=plan.zero_stage)
 
 
-def measured_memory(engine: PipelineEngine, activation_peak: int) -> RankMemory:
-    """This rank's bytes after a step: parameters, gradients (each storage once), optimizer
-    state, and the saved-activation peak a `SavedTensorMeter` saw."""
+class GradientPeak:
+    """The most gradient bytes this rank's parameters hold at once (each storage once),
+    read whenever a gradient is accumulated."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = list(params)
+        self.peak = 0
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._seen)
+
+    def _seen(self, _: torch.Tensor) -> None:
+        held = _unique_bytes([p.grad for p in self.params if p.grad is not None])
+        self.peak = max(self.peak, held)
+
+
+def measured_memory(engine: PipelineEngine, activation_peak: int,
+                    gradient_peak: int) -> RankMemory:
+    """This rank's bytes after a step: parameters, gradients (the parameters' own at their
+    peak, and ZeRO-1's reduce buffers), optimizer state (with ZeRO-1's master shard), and
+    the saved-activation peak a `SavedTensorMeter` saw."""
     params = list(engine.module.parameters())
     stats = engine.last_stats
+    optimizer = engine.optimizer
+    buffers = master = 0
+    if isinstance(optimizer, ShardedOptimizer):
+        buffers, master = optimizer.gradient_buffer_bytes(), optimizer.master_bytes()
     return RankMemory(
         rank=engine.pp_rank, params=float(_unique_bytes(params)),
-        gradients=float(_unique_bytes([p.grad for p in params if p.grad is not None])),
-        optimizer=float(engine.optimizer_state_bytes()), activations=float(activation_peak),
+        gradients=float(gradient_peak + buffers),
+        optimizer=float(engine.optimizer_state_bytes() + master),
+        activations=float(activation_peak),
         peak_in_flight=stats.peak_activations if stats else 0)
 
 
@@ -154,6 +177,7 @@ def rehearse_rank(plan: RehearsalPlan) -> RehearsalReport | None:
     if plan.stages > 1:  # replica 0's first link, measured before any step
         link = ping_pong(engine.topology.rank_of(0), engine.topology.rank_of(1), biggest)
     meter = SavedTensorMeter(ignore=list(engine.module.parameters()))
+    gradients = GradientPeak(list(engine.module.parameters()))
     inputs = torch.zeros(plan.microbatches, 1)
     timelines: list[Timeline] = []
     seconds: list[float] = []
@@ -171,7 +195,8 @@ def rehearse_rank(plan: RehearsalPlan) -> RehearsalReport | None:
             timelines.append(timeline)
             peak = max(peak, meter.peak)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (engine.position.dp_rank, measured_memory(engine, peak)))
+    dist.all_gather_object(gathered, (engine.position.dp_rank, measured_memory(engine, peak,
+                                                                     gradients.peak)))
     if dist.get_rank() != 0:
         return None
     memory = sorted((m for dp_rank, m in gathered if dp_rank == 0), key=lambda m: m.rank)

@@ -61,3 +61,18 @@ def test_tiny_rehearsal_writes_plot_trace_and_memory(tmp_path: Path) -> None:
         assert m["gradients"] == p["gradients"]
         assert m["activations"] == p["activations"]
         assert m["peak_in_flight"] == p["peak_in_flight"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_zero_one_memory_is_predicted_as_the_engine_holds_it(tmp_path: Path) -> None:
+    costs = _costs(tmp_path, [LAYER] * 4)
+    done = run_cli("rehearse", "--costs", costs, "--schedule", "1f1b", "--stages", "2",
+                   "--data-parallel", "2", "--zero-stage", "1", "--microbatches", "2",
+                   "--steps", "1", "--json", "--out", str(tmp_path), timeout=240)
+    assert done.returncode == 0, done.stderr
+    memory = json.loads(done.stdout)["memory"]
+    for p, m in zip(memory["predicted"], memory["measured"]):
+        assert m["gradients"] == p["gradients"] == 2 * 4096 * (2 + 1 / 2)
+        assert m["activations"] == p["activations"]
+        assert m["optimizer"] == pytest.approx(p["optimizer"], rel=0.01)  # + Adam's step
