@@ -8,8 +8,10 @@ rank (legend: c_k its span, prev the end of the rank's previous compute op):
     host_k = (c_k.start - prev) - waits between them + (duration(c_k) - nominal(c_k))
 
 where waits are the receive spans in between (time blocked on a peer is the schedule's,
-not the host's). `HostCosts` keeps its median per (kind, stage); `with_host_costs` adds it
-to a `CostModel`, and the link's latency and bandwidth become its message costs.
+not the host's). `HostCosts` keeps its mean per (kind, stage) (a mean, not a median: a
+loaded host stalls now and then, and the stalls lengthen the step as much as the rest);
+`with_host_costs` adds it to a `CostModel`, and the link's latency and bandwidth become its
+message costs.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class HostCosts:
 
 
 def measure_host_costs(measured: Timeline, nominal: CostModel) -> HostCosts:
-    """Median host seconds per (kind, stage) of a measured run whose op costs were `nominal`
+    """Mean host seconds per (kind, stage) of a measured run whose op costs were `nominal`
     (see the module docstring); negative estimates (an op ending early) count as 0."""
     if not isinstance(measured, Timeline) or not isinstance(nominal, CostModel):
         raise TypeError("measure_host_costs needs a measured Timeline and the nominal "
@@ -109,7 +111,7 @@ def measure_host_costs(measured: Timeline, nominal: CostModel) -> HostCosts:
             host = (start - previous) - waited + (end - start) - cost[kind][stage]
             samples.setdefault((kind, stage), []).append(max(host, 0.0))
             previous, waited = end, 0.0
-    return HostCosts({key: float(np.median(values)) for key, values in samples.items()})
+    return HostCosts({key: float(np.mean(values)) for key, values in samples.items()})
 
 
 def with_host_costs(costs: CostModel, host: HostCosts, schedule: Schedule,

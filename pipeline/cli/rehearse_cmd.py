@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nmeasured / simulated with host work: {ratio:.3f}   (nominal: "
               f"{results[2].makespan / results[0].makespan:.3f});  link latency "
               f"{report.link.latency * 1e6:.0f} µs;  host work {host.mean() * 1e6:.0f} µs "
-              "per compute op (median per kind and stage, mean over them)\n")
+              "per compute op (mean over kinds and stages)\n")
         print(format_memory(predicted, report.memory))
     for name in ("rehearsal.png", "trace.json", "summary.json"):
         print(f"pipesched rehearse: wrote {out / name}", file=sys.stderr)
