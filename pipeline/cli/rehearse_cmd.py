@@ -134,13 +134,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"rehearsing {plan.schedule} on {world} local ranks (p={plan.stages}, "
           f"dp={plan.data_parallel}, v={plan.chunks}, m={plan.microbatches}), boundaries "
           f"{list(plan.boundaries)}", file=sys.stderr)
-    report: RehearsalReport | None = launch(rehearse_rank, world, plan, timeout=120.0)[0]
+    schedule = build_schedule(plan.schedule, plan.stages, plan.microbatches, plan.chunks)
+    nominal = plan.cost_model()
+    # a wait inside a step may last a whole nominal step (and more on a loaded host)
+    step = figures(simulate(schedule, nominal)).makespan
+    report: RehearsalReport | None = launch(rehearse_rank, world, plan,
+                                            timeout=max(120.0, 20 * step))[0]
     if report is None:
         raise RuntimeError("rank 0 returned no report")
     # Simulate the same schedule: nominal costs, then with the host work and the link
     # this run measured.
-    schedule = build_schedule(plan.schedule, plan.stages, plan.microbatches, plan.chunks)
-    nominal = plan.cost_model()
     host = measure_host_costs(report.timeline, nominal)
     machine = with_host_costs(nominal, host, schedule, report.link)
     saved = plan.memory_model().saved

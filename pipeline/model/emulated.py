@@ -133,8 +133,8 @@ class _InputPath(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cost: EmulatedCost, clock: Clock) -> torch.Tensor:
         deadline = clock.now() + cost.forward
-        out = torch.zeros(x.shape[0] if x.dim() else 1, cost.output_elements)
-        ctx.input_shape = x.shape
+        out = torch.zeros(x.shape[0] if x.dim() else 1, cost.output_elements, device=x.device)
+        ctx.input_shape, ctx.device = x.shape, x.device
         ctx.cost, ctx.clock = cost, clock
         clock.sleep_until(deadline, "F")
         return out
@@ -142,7 +142,7 @@ class _InputPath(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         deadline = ctx.clock.now() + ctx.cost.input_grad
-        grad_input = torch.zeros(ctx.input_shape)
+        grad_input = torch.zeros(ctx.input_shape, device=ctx.device)
         ctx.clock.sleep_until(deadline, "I")
         return grad_input, None, None
 
@@ -157,14 +157,14 @@ class _WeightPath(torch.autograd.Function):
     def forward(ctx: Any, weight: torch.Tensor, activation: torch.Tensor, cost: EmulatedCost,
                 clock: Clock) -> torch.Tensor:
         ctx.save_for_backward(activation)
-        ctx.cost, ctx.clock = cost, clock
-        return torch.zeros(())
+        ctx.cost, ctx.clock, ctx.device = cost, clock, weight.device
+        return torch.zeros((), device=weight.device)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         deadline = ctx.clock.now() + ctx.cost.weight_grad
         ctx.saved_tensors  # noqa: B018  (read, as a real weight gradient reads it)
-        grad_weight = torch.zeros(ctx.cost.param_elements)
+        grad_weight = torch.zeros(ctx.cost.param_elements, device=ctx.device)
         ctx.clock.sleep_until(deadline, "W")
         return grad_weight, None, None, None
 
