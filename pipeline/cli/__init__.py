@@ -21,6 +21,7 @@ COMMAND_MODULES = {
     "train": "pipeline.cli.train_cmd",
     "validate": "pipeline.cli.validate_cmd",
     "verify-checkpoint": "pipeline.cli.checkpoint_cmd",
+    "rehearse": "pipeline.cli.rehearse_cmd",
 }
 
 

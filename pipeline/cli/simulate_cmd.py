@@ -14,12 +14,16 @@ from pipeline.cli.options import (
     check_size,
     chunks_of,
     cost_model,
+    non_negative_float,
+    positive_int,
 )
 from pipeline.cli.output_paths import figure_path, trace_path
 from schedules import Figures, Timeline, build_schedule, figures, simulate
+from schedules.memory import MemoryModel, RankMemory, predict_memory
 from viz import plot_memory, plot_timeline, write_trace  # matplotlib loads only when plotting
 
-__all__ = ["add_output_arguments", "format_figures", "register", "run", "write_outputs"]
+__all__ = ["add_memory_arguments", "add_output_arguments", "format_figures", "format_memory",
+           "register", "run", "write_outputs"]
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -29,8 +33,34 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     add_schedule_arguments(parser)
     add_cost_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_memory_arguments(parser)
     add_output_arguments(parser)
     parser.set_defaults(func=run)
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """--params-bytes and the training setup: predict memory per rank (schedules.memory)."""
+    group = parser.add_argument_group(
+        "memory per rank (printed when --params-bytes is given; activations are "
+        "--activation-bytes per microbatch held)")
+    group.add_argument("--params-bytes", type=non_negative_float, default=None,
+                       metavar="BYTES", help="parameter bytes of one stage")
+    group.add_argument("--data-parallel", type=positive_int, default=1, metavar="D",
+                       help="replicas (ZeRO-1 shards the optimizer state over them)")
+    group.add_argument("--zero-stage", type=int, choices=(0, 1), default=0)
+    group.add_argument("--optimizer-factor", type=non_negative_float, default=2.0,
+                       metavar="X", help="optimizer-state bytes per parameter byte "
+                       "(Adam 2, the default; SGD 0)")
+
+
+def format_memory(memory: tuple[RankMemory, ...]) -> str:
+    """Predicted bytes per rank, one row each."""
+    lines = [f"{'rank':>4}  {'params':>12}  {'gradients':>12}  {'optimizer':>12}  "
+             f"{'activations':>12}  {'total':>12}"]
+    for r in memory:
+        lines.append(f"{r.rank:>4}  {r.params:>12.0f}  {r.gradients:>12.0f}  "
+                     f"{r.optimizer:>12.0f}  {r.activations:>12.0f}  {r.total:>12.0f}")
+    return "\n".join(lines)
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,13 +112,23 @@ def run(args: argparse.Namespace) -> int:
                               memory_limit=args.memory_limit, costs=costs)
     timeline = simulate(schedule, costs)
     result = figures(timeline)
+    memory = None
+    if args.params_bytes is not None:
+        memory = predict_memory(schedule, MemoryModel(
+            params=args.params_bytes, saved=args.activation_bytes,
+            data_parallel=args.data_parallel, zero_stage=args.zero_stage,
+            optimizer_factor=args.optimizer_factor))
     if args.json:
         payload = {"schedule": args.schedule, "num_ranks": schedule.num_ranks,
                    "num_microbatches": schedule.num_microbatches, "chunks": schedule.chunks,
                    **result.to_dict()}
+        if memory is not None:
+            payload["memory"] = [r.to_dict() for r in memory]
         print(json.dumps(payload, allow_nan=False))  # never JSON that parsers refuse
     else:
         print(format_figures(args.schedule, schedule.num_ranks, schedule.num_microbatches,
                              schedule.chunks, result))
+        if memory is not None:
+            print("\npredicted memory per rank (bytes)\n" + format_memory(memory))
     write_outputs(args, timeline)
     return 0

@@ -226,6 +226,17 @@ class ShardedOptimizer:
                    for state in self.optimizer.state.values()
                    for value in state.values() if isinstance(value, torch.Tensor))
 
+    def master_bytes(self) -> int:
+        """Bytes of the fp32 master shards (the inner optimizer's parameters)."""
+        return sum(r.master.numel() * r.master.element_size() for r in self._regions.values())
+
+    def gradient_buffer_bytes(self) -> int:
+        """Bytes of the gradient buffers kept between steps: each region's flat reduce
+        buffer and this rank's reduced shard."""
+        return sum(r.flat_grad.numel() * r.flat_grad.element_size()
+                   + r.grad_shard.numel() * r.grad_shard.element_size()
+                   for r in self._regions.values())
+
     # -- internals --------------------------------------------------------------------------
 
     def _build_region(self, key: int, params: list[torch.nn.Parameter]) -> _Region:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from pipeline.device import process_group_timeout
 from pipeline.errors import PipelineConfigError
 from pipeline.runtime.batch import Layout
+from pipeline.runtime.posting import Poster
 
 __all__ = ["HEADER_LENGTH", "Comm", "PendingRecv", "decode_header", "encode_header"]
 
@@ -98,22 +99,27 @@ class Comm:
         self._process_group: Any = group if group is not None else dist.group.WORLD
         self._group_ranks = [rank if group is None else dist.get_group_rank(group, rank)
                              for rank in self.pipeline_ranks]
+        self._poster = Poster()
 
     # -- point to point ------------------------------------------------------------------
     # Gloo: ProcessGroup.send/recv directly (dist.isend's Python checks cost ~150 µs a
-    # message on a busy CPU). NCCL: one batch_isend_irecv per exchange, as it requires.
+    # message on a busy CPU), posted from one background thread (`posting`: a post can stall
+    # on gloo's I/O thread, and the step should not wait for that). NCCL: one
+    # batch_isend_irecv per exchange, as it requires.
 
     def _send(self, tensor: torch.Tensor, peer: int) -> Any:
         if self._batched:
             return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor,
                                                       self.pipeline_ranks[peer], self.group)])[0]
-        return self._process_group.send([tensor], self._group_ranks[peer], 0)
+        group, rank = self._process_group, self._group_ranks[peer]
+        return self._poster.submit(lambda: group.send([tensor], rank, 0))
 
     def _recv(self, tensor: torch.Tensor, peer: int) -> Any:
         if self._batched:
             return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor,
                                                       self.pipeline_ranks[peer], self.group)])[0]
-        return self._process_group.recv([tensor], self._group_ranks[peer], 0)
+        group, rank = self._process_group, self._group_ranks[peer]
+        return self._poster.submit(lambda: group.recv([tensor], rank, 0))
 
     def _wait(self, work: Any) -> None:
         work.wait(self.timeout)

@@ -337,6 +337,8 @@ class Interpreter:
         saved.root_grads = grads
         if saved.roots and saved.leaves:
             torch.autograd.backward(saved.roots, grads, inputs=saved.leaves, retain_graph=True)
+        elif saved.roots and saved.layer_grads is not None:  # first stage: no input grad
+            saved.layer_grads.backward_inputs(saved.roots, grads)
         self._pass_input_grads(s, i, saved.leaves)
         saved.leaves = []  # their gradients are sent; W needs only the roots
 

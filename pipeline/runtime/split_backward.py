@@ -46,6 +46,20 @@ class LayerGrads:
         """True when I delivered every hooked gradient (else W must start from the roots)."""
         return all(g is not None for _, _, grads in self.layers for g in grads)
 
+    def backward_inputs(self, roots: list[torch.Tensor],
+                        grads: list[torch.Tensor] | None) -> None:
+        """I on a stage with no input to differentiate (the first): carry the gradient down
+        to the first hooked layer's outputs, leaving every layer's output gradient for W
+        (else W would run the whole input-gradient chain itself)."""
+        if not self.layers:
+            return
+        _, outputs, first = self.layers[0]
+        found = torch.autograd.grad(roots, outputs, grads, retain_graph=True,
+                                    allow_unused=True)
+        for k, grad in enumerate(found):
+            if grad is not None:
+                first[k] = grad
+
     def backward_weights(self) -> None:
         """W: accumulate every layer's weight gradients from its captured output gradient."""
         layers, self.layers = self.layers, []

@@ -1,0 +1,186 @@
+"""`pipesched rehearse`: run a schedule on local ranks with emulated compute from a cost file,
+and put the measured timeline next to the simulated ones, with figures and memory per rank."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.cli.options import add_schedule_arguments, positive_int
+from schedules import SCHEDULES, Timeline, build_schedule, figures, simulate
+from schedules.memory import RankMemory
+
+__all__ = ["format_memory", "register", "run"]
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "rehearse", help="run a schedule on local ranks with emulated compute from a cost file",
+        description="Build layers that wait the F, I and W times of a cost file (the "
+                    "partitioner's JSON) and send their activation bytes, run them with the "
+                    "real engine on P × D local processes, and plot the measured timeline "
+                    "under the simulated ones (nominal costs, and with this machine's host "
+                    "work and P2P measured on the run), with memory per rank predicted and "
+                    "measured.")
+    parser.add_argument("--costs", type=Path, required=True, metavar="FILE",
+                        help="per-layer costs: partitioner JSON (seconds, bytes)")
+    add_schedule_arguments(parser, memory_limit=False)
+    parser.add_argument("--data-parallel", type=positive_int, default=1, metavar="D",
+                        help="pipeline replicas; P × D processes in all (default 1)")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1), default=0,
+                        help="1: shard the optimizer state over the replicas (ZeRO-1)")
+    parser.add_argument("--partition", default="balanced", metavar="METHOD",
+                        help="how to cut the layers: balanced (default), uniform, parameters, "
+                             "type:<regex>")
+    parser.add_argument("--weight-fraction", type=_fraction, default=0.5, metavar="F",
+                        help="share of each layer's backward that is W (default 0.5)")
+    parser.add_argument("--time-scale", type=_positive, default=1.0, metavar="X",
+                        help="multiply every time by X (default 1)")
+    parser.add_argument("--bytes-scale", type=_positive, default=1.0, metavar="X",
+                        help="divide activation and parameter bytes by X (default 1)")
+    parser.add_argument("--steps", type=positive_int, default=5, metavar="N",
+                        help="timed steps; the one of median makespan is shown (default 5)")
+    parser.add_argument("--out", type=Path, default=Path("rehearsal-out"), metavar="DIR",
+                        help="directory for rehearsal.png, trace.json and summary.json")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(func=run)
+
+
+def format_memory(predicted: list[RankMemory], measured: list[RankMemory]) -> str:
+    """Bytes per rank, predicted / measured, with the ratio of the totals."""
+    def mib(value: float) -> str:
+        return f"{value / 2**20:.2f}"
+
+    lines = [f"{'rank':>4}  {'params MiB':>14}  {'grads MiB':>14}  {'optimizer MiB':>14}  "
+             f"{'activations MiB':>16}  {'in flight':>9}  {'total: meas/pred':>16}",
+             f"{'':>4}  {'pred / meas':>14}  {'pred / meas':>14}  {'pred / meas':>14}  "
+             f"{'pred / meas':>16}  {'pred/meas':>9}"]
+    for p, m in zip(predicted, measured):
+        ratio = m.total / p.total if p.total else float("nan")
+        lines.append(
+            f"{p.rank:>4}  {mib(p.params) + ' / ' + mib(m.params):>14}  "
+            f"{mib(p.gradients) + ' / ' + mib(m.gradients):>14}  "
+            f"{mib(p.optimizer) + ' / ' + mib(m.optimizer):>14}  "
+            f"{mib(p.activations) + ' / ' + mib(m.activations):>16}  "
+            f"{f'{p.peak_in_flight}/{m.peak_in_flight}':>9}  {ratio:>16.3f}")
+    return "\n".join(lines)
+
+
+def _plan(args: argparse.Namespace) -> Any:
+    """Read and check everything (costs, schedule, partition) before any process starts."""
+    from partition import graph_from_json, parse_method, partition_graph
+    from pipeline.demo.rehearse import RehearsalPlan, emulation_costs
+    from viz import FIGURE_FORMATS, TRACE_FORMATS, check_output_path
+
+    chunks = args.chunks if args.chunks is not None else SCHEDULES[args.schedule].default_chunks
+    build_schedule(args.schedule, args.stages, args.microbatches, chunks)  # refuses bad p/m/v
+    if args.stages < 2:
+        raise ValueError(f"--stages {args.stages}: a rehearsal needs at least 2 pipeline ranks")
+    if args.zero_stage and args.data_parallel < 2:
+        raise ValueError("--zero-stage 1 shards over replicas: give --data-parallel 2 or more")
+    graph = graph_from_json(args.costs)
+    method, pattern = parse_method(args.partition)
+    part = partition_graph(graph, args.stages * chunks, method=method, type_pattern=pattern)
+    layers = emulation_costs(graph, weight_fraction=args.weight_fraction,
+                             bytes_scale=args.bytes_scale, time_scale=args.time_scale)
+    args.out.mkdir(parents=True, exist_ok=True)
+    check_output_path(args.out / "rehearsal.png", FIGURE_FORMATS)
+    check_output_path(args.out / "trace.json", TRACE_FORMATS)
+    return RehearsalPlan(layers=tuple(layers), boundaries=tuple(part.boundaries),
+                         schedule=args.schedule, stages=args.stages, chunks=chunks,
+                         microbatches=args.microbatches, data_parallel=args.data_parallel,
+                         zero_stage=args.zero_stage, steps=args.steps)
+
+
+def _for_plot(timeline: Timeline, name: str, saved: tuple[float, ...]) -> Timeline:
+    """In seconds, named, and sized by the bytes a microbatch leaves saved per stage (so the
+    figures' peak bytes are activation memory, measured run included)."""
+    return dataclasses.replace(timeline, unit="s", name=name, activation_bytes=saved)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.demo.rehearse import RehearsalReport, rehearse_rank
+    from pipeline.launcher.processes import launch
+    from schedules.host import measure_host_costs, with_host_costs
+    from schedules.memory import predict_memory
+    from viz import comparison_table, plot_comparison, write_trace
+
+    plan = _plan(args)
+    world = plan.stages * plan.data_parallel
+    print(f"rehearsing {plan.schedule} on {world} local ranks (p={plan.stages}, "
+          f"dp={plan.data_parallel}, v={plan.chunks}, m={plan.microbatches}), boundaries "
+          f"{list(plan.boundaries)}", file=sys.stderr)
+    schedule = build_schedule(plan.schedule, plan.stages, plan.microbatches, plan.chunks)
+    nominal = plan.cost_model()
+    # a wait inside a step may last a whole nominal step (and more on a loaded host)
+    step = figures(simulate(schedule, nominal)).makespan
+    report: RehearsalReport | None = launch(rehearse_rank, world, plan,
+                                            timeout=max(120.0, 20 * step))[0]
+    if report is None:
+        raise RuntimeError("rank 0 returned no report")
+    # Simulate the same schedule: nominal costs, then with the host work and the link
+    # this run measured.
+    host = measure_host_costs(report.timeline, nominal)
+    machine = with_host_costs(nominal, host, schedule, report.link)
+    saved = plan.memory_model().saved
+    saved_bytes = tuple(saved) if not isinstance(saved, float | int) else ()
+    timelines = [_for_plot(simulate(schedule, nominal), "simulated", saved_bytes),
+                 _for_plot(simulate(schedule, machine), "simulated + machine", saved_bytes),
+                 _for_plot(report.timeline, "measured", saved_bytes)]
+    results = [figures(t) for t in timelines]
+    predicted = list(predict_memory(schedule, plan.memory_model()))
+    out: Path = args.out
+    plot_comparison(timelines, out / "rehearsal.png",
+                    title=f"rehearsal of {plan.schedule}   p={plan.stages}  m={plan.microbatches}"
+                          f"  v={plan.chunks}   measured vs simulated (red dashes: makespan)")
+    write_trace(report.timeline, out / "trace.json")
+    summary = {
+        "schedule": plan.schedule, "stages": plan.stages, "chunks": plan.chunks,
+        "microbatches": plan.microbatches, "data_parallel": plan.data_parallel,
+        "boundaries": list(plan.boundaries), "step_seconds": report.step_seconds,
+        "link": {"latency": report.link.latency, "bandwidth": report.link.bandwidth},
+        "host_seconds_per_op": {f"{s}{k.value}": v for (k, s), v in host.per_op.items()},
+        "timelines": [{"name": t.name, **r.to_dict()} for t, r in zip(timelines, results)],
+        "memory": {"predicted": [m.to_dict() for m in predicted],
+                   "measured": [m.to_dict() for m in report.memory]},
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        from pipeline.cli.compare_cmd import format_table
+
+        print(format_table(comparison_table(timelines, results)))
+        ratio = results[2].makespan / results[1].makespan
+        print(f"\nmeasured / simulated with host work: {ratio:.3f}   (nominal: "
+              f"{results[2].makespan / results[0].makespan:.3f});  link latency "
+              f"{report.link.latency * 1e6:.0f} µs;  host work {host.mean() * 1e6:.0f} µs "
+              "per compute op (mean over kinds and stages)\n")
+        print(format_memory(predicted, report.memory))
+    for name in ("rehearsal.png", "trace.json", "summary.json"):
+        print(f"pipesched rehearse: wrote {out / name}", file=sys.stderr)
+    return 0

@@ -1,0 +1,205 @@
+"""A rehearsal: the real engine on local ranks, with emulated compute built from a cost file.
+
+The costs (the partitioner's JSON, e.g. profiled on a GPU cluster) become `EmulatedLayer`s:
+each F, I and W waits its time, each output has its bytes (divided by `bytes_scale`), so the
+run exercises the schedule, the P2P and the host work of the engine as the cluster would,
+on a CPU. `rehearse_rank` runs on every rank; the plan is built and checked before launch.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from partition import ModelGraph
+from pipeline.model.emulated import EmulatedCost, emulated_layers, emulated_loss
+from pipeline.model.module import PipelineModule
+from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.runtime.engine import PipelineEngine
+from pipeline.runtime.pingpong import ping_pong
+from pipeline.runtime.saved_memory import SavedTensorMeter
+from schedules import CostModel, Schedule, Timeline, figures
+from schedules.host import Link
+from schedules.memory import MemoryModel, RankMemory
+
+__all__ = ["GradientPeak", "RehearsalPlan", "RehearsalReport", "build_engine", "emulation_costs",
+           "measured_memory", "rehearse_rank"]
+
+BYTES = 4  # float32
+
+
+def emulation_costs(graph: ModelGraph, *, weight_fraction: float = 0.5,
+                    bytes_scale: float = 1.0, time_scale: float = 1.0) -> list[EmulatedCost]:
+    """One `EmulatedCost` per layer of `graph`: its backward split into I and W by
+    `weight_fraction` (the JSON gives B = I + W), times multiplied by `time_scale`, bytes
+    divided by `bytes_scale` (at least one float32 element each).
+
+    The first layer's input is data, so its I never runs: its input_grad is 0 here, and the
+    simulator is given the same costs.
+    """
+    if not 0.0 <= weight_fraction <= 1.0:
+        raise ValueError(f"weight_fraction must be in [0, 1] (the share of each layer's "
+                         f"backward that is W), got {weight_fraction!r}")
+    for name, value in (("bytes_scale", bytes_scale), ("time_scale", time_scale)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    costs = []
+    for index, layer in enumerate(graph.layers):
+        backward = layer.backward * time_scale
+        costs.append(EmulatedCost(
+            forward=layer.forward * time_scale,
+            input_grad=0.0 if index == 0 else backward * (1.0 - weight_fraction),
+            weight_grad=backward * weight_fraction,
+            output_elements=max(1, round(layer.activation / bytes_scale / BYTES)),
+            param_elements=max(1, round(layer.params / bytes_scale / BYTES))))
+    return costs
+
+
+@dataclass(frozen=True, kw_only=True)
+class RehearsalPlan:
+    """Everything a rank needs; made and checked by the CLI before any process starts."""
+
+    layers: tuple[EmulatedCost, ...]
+    boundaries: tuple[int, ...]
+    """S + 1 cut indices into `layers` (S = stages × chunks)."""
+    schedule: str
+    stages: int
+    chunks: int
+    microbatches: int
+    data_parallel: int = 1
+    zero_stage: int = 0
+    steps: int = 5
+    """Timed steps; the one of median makespan is reported."""
+    warmup: int = 1
+
+    def stage_layers(self, stage: int) -> tuple[EmulatedCost, ...]:
+        return self.layers[self.boundaries[stage]:self.boundaries[stage + 1]]
+
+    @property
+    def total_stages(self) -> int:
+        return self.stages * self.chunks
+
+    def cost_model(self) -> CostModel:
+        """The nominal per-stage costs the emulated layers wait (no host work, free P2P)."""
+        stages = [self.stage_layers(s) for s in range(self.total_stages)]
+        return CostModel(
+            forward=[sum(c.forward for c in layers) for layers in stages],
+            backward=[sum(c.input_grad for c in layers) for layers in stages],
+            weight=[sum(c.weight_grad for c in layers) for layers in stages],
+            comm=0.0,
+            activation_bytes=[layers[-1].output_elements * BYTES for layers in stages])
+
+    def memory_model(self) -> MemoryModel:
+        """Parameter and saved-activation bytes per stage (one row per microbatch), Adam."""
+        stages = [self.stage_layers(s) for s in range(self.total_stages)]
+        return MemoryModel(
+            params=[sum(c.param_elements for c in layers) * BYTES for layers in stages],
+            saved=[sum(c.output_elements for c in layers) * BYTES for layers in stages],
+            data_parallel=self.data_parallel, zero_stage=self.zero_stage, optimizer_factor=2.0)
+
+
+@dataclass(frozen=True)
+class RehearsalReport:
+    """What rank 0 brings back."""
+
+    timeline: Timeline
+    """Measured spans (s) of the step of median makespan, every pipeline rank."""
+    step_seconds: list[float]
+    link: Link
+    """The ping-pong between pipeline ranks 0 and 1 before the run."""
+    memory: list[RankMemory]
+    """Measured bytes per pipeline rank (replica 0)."""
+
+
+def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def build_engine(plan: RehearsalPlan, schedule: str | Schedule | None = None
+                 ) -> PipelineEngine:
+    """This rank's engine over emulated layers (Adam, the plan's dp and ZeRO stage)."""
+    module = PipelineModule(emulated_layers(plan.layers), num_stages=plan.stages,
+                            chunks=plan.chunks, loss_fn=emulated_loss,
+                            partition_method=list(plan.boundaries), base_seed=None)
+    return PipelineEngine(module, schedule=schedule or plan.schedule,
+                          num_microbatches=plan.microbatches,
+                          optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+                          data_parallel=plan.data_parallel, zero_stage=plan.zero_stage)
+
+
+class GradientPeak:
+    """The most gradient bytes this rank's parameters hold at once (each storage once),
+    read whenever a gradient is accumulated."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = list(params)
+        self.peak = 0
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(self._seen)
+
+    def _seen(self, _: torch.Tensor) -> None:
+        held = _unique_bytes([p.grad for p in self.params if p.grad is not None])
+        self.peak = max(self.peak, held)
+
+
+def measured_memory(engine: PipelineEngine, activation_peak: int,
+                    gradient_peak: int) -> RankMemory:
+    """This rank's bytes after a step: parameters, gradients (the parameters' own at their
+    peak, and ZeRO-1's reduce buffers), optimizer state (with ZeRO-1's master shard), and
+    the saved-activation peak a `SavedTensorMeter` saw."""
+    params = list(engine.module.parameters())
+    stats = engine.last_stats
+    optimizer = engine.optimizer
+    buffers = master = 0
+    if isinstance(optimizer, ShardedOptimizer):
+        buffers, master = optimizer.gradient_buffer_bytes(), optimizer.master_bytes()
+    return RankMemory(
+        rank=engine.pp_rank, params=float(_unique_bytes(params)),
+        gradients=float(gradient_peak + buffers),
+        optimizer=float(engine.optimizer_state_bytes() + master),
+        activations=float(activation_peak),
+        peak_in_flight=stats.peak_activations if stats else 0)
+
+
+def rehearse_rank(plan: RehearsalPlan) -> RehearsalReport | None:
+    """Run the plan on this rank; the report on global rank 0, None elsewhere."""
+    torch.set_num_threads(1)
+    engine = build_engine(plan)
+    biggest = max(c.output_elements for c in plan.layers) * BYTES
+    link = Link(0.0)
+    if plan.stages > 1:  # replica 0's first link, measured before any step
+        link = ping_pong(engine.topology.rank_of(0), engine.topology.rank_of(1), biggest)
+    meter = SavedTensorMeter(ignore=list(engine.module.parameters()))
+    gradients = GradientPeak(list(engine.module.parameters()))
+    inputs = torch.zeros(plan.microbatches, 1)
+    timelines: list[Timeline] = []
+    seconds: list[float] = []
+    peak = 0
+    for step in range(plan.warmup + plan.steps):
+        meter.reset_peak()
+        dist.barrier()
+        start = time.perf_counter()
+        with meter:
+            engine.train_batch(inputs, inputs)
+        elapsed = time.perf_counter() - start
+        timeline = engine.last_timeline()  # a collective: every rank calls it
+        if step >= plan.warmup:
+            seconds.append(elapsed)
+            timelines.append(timeline)
+            peak = max(peak, meter.peak)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (engine.position.dp_rank, measured_memory(engine, peak,
+                                                                     gradients.peak)))
+    if dist.get_rank() != 0:
+        return None
+    memory = sorted((m for dp_rank, m in gathered if dp_rank == 0), key=lambda m: m.rank)
+    makespans = [figures(t).makespan for t in timelines]
+    middle = makespans.index(statistics.median_low(makespans))
+    return RehearsalReport(timelines[middle], seconds, link, memory)

@@ -1,0 +1,58 @@
+"""Measure a P2P link with a ping-pong: one-way latency and bandwidth between two ranks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from schedules.host import Link
+
+__all__ = ["ping_pong"]
+
+
+def _round_trips(peer: int, starts: bool, tensor: torch.Tensor, repeats: int,
+                 group: dist.ProcessGroup | None) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if starts:
+            dist.send(tensor, peer, group=group)
+            dist.recv(tensor, peer, group=group)
+        else:
+            dist.recv(tensor, peer, group=group)
+            dist.send(tensor, peer, group=group)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def ping_pong(first: int, second: int, nbytes: int, *, repeats: int = 20,
+              group: dist.ProcessGroup | None = None) -> Link:
+    """The link between global ranks `first` and `second` (a collective over `group`: every
+    rank calls it; the others wait at its closing barrier).
+
+    Half the median round trip of a 1-element message is the latency; the extra time of a
+    message of `nbytes` gives the bandwidth (None when it is too small to tell).
+    """
+    if first == second:
+        raise ValueError(f"ping_pong needs two different ranks, got {first} twice")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    rank = dist.get_rank()
+    link = Link(0.0)
+    if rank in (first, second):
+        peer, starts = (second, True) if rank == first else (first, False)
+        small = torch.zeros(1)
+        large = torch.zeros(max(1, nbytes // 4))
+        _round_trips(peer, starts, small, 3, group)  # connect, warm the paths
+        latency = statistics.median(_round_trips(peer, starts, small, repeats, group)) / 2
+        one_way = statistics.median(_round_trips(peer, starts, large, repeats, group)) / 2
+        extra = one_way - latency
+        bandwidth = large.numel() * 4 / extra if extra > 1e-6 and nbytes >= 4096 else None
+        link = Link(latency, bandwidth)
+    found: list[Link | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, link if rank == first else None, group=group)
+    result = next(x for x in found if x is not None)
+    return result
