@@ -19,6 +19,7 @@ _COMMAND_MODULES = (
     "pipeline.cli.train_cmd",
     "pipeline.cli.validate_cmd",
     "pipeline.cli.checkpoint_cmd",
+    "pipeline.cli.plan_cmd",
 )
 
 
