@@ -41,7 +41,8 @@ class ClusterSpec:
     """Bytes/s of the device's own memory: bounds the optimizer step, which streams the
     parameters, gradients and Adam moments once."""
     op_overhead: float = 0.0
-    """Fixed seconds per layer and op (kernel launches, the runtime's dispatch)."""
+    """Fixed seconds per stage op (F, I, W) and per optimizer step whatever the batch: the
+    runtime's dispatch, kernel launches, message headers."""
     precision: str = "bf16"
     """Precision the planner assumes unless told otherwise."""
 

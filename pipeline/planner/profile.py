@@ -80,8 +80,7 @@ class LayerProfile:
         else:
             rate = cluster.flops(precision)
             work = (self.flops_split / tp + self.flops_replicated) * batch / rate
-            forward = cluster.op_overhead + work
-            backward = 2 * cluster.op_overhead + 2 * work
+            forward, backward = work, 2 * work
         if tp > 1 and self.tp_allreduces:
             bandwidth, latency = cluster.link(tp)
             one = ring_allreduce_seconds(self.tp_allreduce_bytes * batch, tp, bandwidth, latency)

@@ -70,8 +70,12 @@ class StageTable:
         for stage in stages:
             empty = [layer.times(cluster, precision, 0, tp) for layer in stage]
             single = [layer.times(cluster, precision, 1, tp) for layer in stage]
-            forward.append((sum(t[0] for t in empty), sum(t[0] for t in single)))
-            backward.append((sum(t[1] for t in empty), sum(t[1] for t in single)))
+            # the runtime's fixed cost: once per op, F and the two halves of the backward
+            fixed = (cluster.op_overhead, 2 * cluster.op_overhead)
+            forward.append((fixed[0] + sum(t[0] for t in empty),
+                            fixed[0] + sum(t[0] for t in single)))
+            backward.append((fixed[1] + sum(t[1] for t in empty),
+                             fixed[1] + sum(t[1] for t in single)))
             comm.append((_tp_seconds(stage, cluster, tp, 0), _tp_seconds(stage, cluster, tp, 1)))
         return cls(
             boundaries=tuple(boundaries),
