@@ -4,10 +4,13 @@ every configuration in a small space on 2 CPU ranks, and the planner's own searc
 
 Real runs: the demo language model (pipeline/demo/language_model.py), profiled per layer
 in this process, the `local` cluster calibrated over gloo; every configuration is then run
-on 2 ranks (gloo, 1 thread each) with the planner's partition, 2 warm-up and 5 timed steps
-(median of the slowest rank). Memory per rank is measured from the tensors: parameters,
-gradients, the optimizer's state, and the peak of bytes held by autograd for the backward
-(saved-tensor hooks, storages counted once, parameters excluded) during a step.
+on 2 ranks (gloo, 1 thread each) with the planner's partition: one warm-up step, then one
+step of each configuration per round for --rounds rounds, keeping each one's fastest (the
+slowest rank's); profiles and calibration keep their fastest runs too, so load from other
+processes on a shared machine disturbs prediction and measurement alike. Memory per rank is
+measured from the tensors: parameters, gradients (ZeRO-1's flat buffers included), the
+optimizer's state, and the peak of bytes autograd holds for the backward during a step
+(saved-tensor hooks, storages counted once, parameters excluded).
 
     python benchmarks/bench_plan.py                  # both parts
     python benchmarks/bench_plan.py --part search    # the 64-device search time only
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from dataclasses import replace
@@ -91,8 +93,29 @@ def _unpack(value: Any) -> Any:
     return value.tensor if isinstance(value, _Holder) else value
 
 
-def run_configs(configs: list[dict[str, Any]], model_config: Any) -> list[dict[str, Any]]:
-    """On every rank: train each configuration a few steps; time and measure memory."""
+def _state_bytes(module: Any, engine: Any) -> int:
+    """Bytes of parameters, gradients and optimizer state of this rank, storages once: the
+    module's parameters and gradients, the optimizer's state tensors, and under ZeRO-1 the
+    sharded optimizer's flat gradient buffers and shards (read from its regions)."""
+    import torch
+
+    tensors = [p for p in module.parameters()]
+    tensors += [p.grad for p in module.parameters() if p.grad is not None]
+    optimizer = engine.optimizer
+    for region in getattr(optimizer, "_regions", {}).values():
+        tensors += [region.flat_param, region.flat_grad, region.grad_shard, region.master]
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for state in getattr(inner, "state", {}).values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def run_configs(configs: list[dict[str, Any]], model_config: Any, rounds: int
+                ) -> list[dict[str, Any]]:
+    """On every rank: build every configuration's engine, then time one step of each per
+    round, `rounds` times over (so load from other processes falls on all alike), keep the
+    fastest; then measure each one's memory during one more step."""
     import torch
     import torch.distributed as dist
 
@@ -100,7 +123,8 @@ def run_configs(configs: list[dict[str, Any]], model_config: Any) -> list[dict[s
     from pipeline.demo.language_model import lm_layers, lm_loss, synthetic_batch
 
     torch.set_num_threads(1)
-    results = []
+    inputs, targets = synthetic_batch(0, BATCH, model_config)
+    runs = []
     for item in configs:
         config: PlanConfig = item["config"]
         module = PipelineModule(lm_layers(model_config), num_stages=config.pp,
@@ -113,23 +137,21 @@ def run_configs(configs: list[dict[str, Any]], model_config: Any) -> list[dict[s
                                 optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
         replica = engine.position.dp_rank
         rows = slice(replica * BATCH // config.dp, (replica + 1) * BATCH // config.dp)
-        inputs, targets = synthetic_batch(0, BATCH, model_config)
-        times = []
-        for step in range(7):
+        engine.train_batch(inputs[rows], targets[rows])  # warm-up: shapes, buffers
+        runs.append((module, engine, rows, []))
+    for _ in range(rounds):
+        for _module, engine, rows, times in runs:
             dist.barrier()
             start = time.perf_counter()
             engine.train_batch(inputs[rows], targets[rows])
-            if step >= 2:
-                times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
+    results = []
+    for module, engine, rows, times in runs:
         held = _HeldBytes({p.untyped_storage().data_ptr() for p in module.parameters()})
         with torch.autograd.graph.saved_tensors_hooks(held.pack, _unpack):
             engine.train_batch(inputs[rows], targets[rows])
-        params = sum(p.numel() * p.element_size() for p in module.parameters())
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in module.parameters()
-                    if p.grad is not None)
-        results.append({"seconds": statistics.median(times), "memory": params + grads +
-                        engine.optimizer_state_bytes() + held.peak,
-                        "activations": held.peak})
+        results.append({"seconds": min(times), "memory": _state_bytes(module, engine)
+                        + held.peak, "activations": held.peak})
     return results
 
 
@@ -139,7 +161,7 @@ def _spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(rank_a, rank_b)[0, 1])
 
 
-def local_part() -> list[str]:
+def local_part(rounds: int) -> list[str]:
     """Plan the demo model on 2 local ranks, run every configuration, compare."""
     import torch
 
@@ -152,7 +174,7 @@ def local_part() -> list[str]:
     torch.set_num_threads(1)
     model = profile_layers(lm_layers(model_config),
                            lambda b: synthetic_batch(0, b, model_config)[0], batches=(2, 16),
-                           name="demo LM", seq=model_config.seq_len)
+                           rounds=3, name="demo LM", seq=model_config.seq_len)
     cluster = calibrate_local(ranks=2)
     result = plan(model, cluster, BATCH, options=SearchOptions(
         schedules=BENCH_SCHEDULES, max_chunks=2, top=10_000))
@@ -162,7 +184,8 @@ def local_part() -> list[str]:
     if result.best not in chosen:  # the planner's overall pick always runs
         chosen.insert(0, result.best)
     items = [{"config": p.config, "boundaries": p.boundaries} for p in chosen]
-    ranks = launch(run_configs, 2, items, model_config, timeout=600.0, threads_per_rank=1)
+    ranks = launch(run_configs, 2, items, model_config, rounds, timeout=900.0,
+                   threads_per_rank=1)
     measured = [max(rank[i]["seconds"] for rank in ranks) for i in range(len(chosen))]
     memory = [max(rank[i]["memory"] for rank in ranks) for i in range(len(chosen))]
     lines = [f"2 CPU ranks, demo LM (vocab 256, width 128, 6 blocks, seq 64), global batch "
@@ -200,13 +223,17 @@ def _met(ok: bool) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("search", "local", "all"), default="all")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="timed steps of every configuration (fastest kept)")
     args = parser.parse_args(argv)
     if args.part in ("search", "all"):
         wall, cpu, what = search_time()
+        load = os.getloadavg()[0]
         print(f"search, {SEARCH_SHAPE} on 8 × 8 a100-80g, global batch 512: {what}; "
-              f"{wall:.2f} s wall, {cpu:.2f} s CPU -> {_met(wall < 10)} (target < 10 s wall)")
+              f"{wall:.2f} s wall, {cpu:.2f} s CPU (load average {load:.1f} on "
+              f"{os.cpu_count()} cores) -> {_met(wall < 10)} (target < 10 s wall)")
     if args.part in ("local", "all"):
-        print("\n".join(local_part()))
+        print("\n".join(local_part(args.rounds)))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ cluster, predicted with the partitioner, the simulator and a memory model (no to
 from pipeline.planner.cluster import PRESETS, ClusterSpec, cluster_from_json, resolve_cluster
 from pipeline.planner.errors import PlanError
 from pipeline.planner.load import load_model
-from pipeline.planner.memory import MemoryBreakdown, held_peaks, peak_rank_memory
+from pipeline.planner.memory import HeldTrace, MemoryBreakdown, held_peaks, peak_rank_memory
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction
 from pipeline.planner.profile import LayerProfile, ModelProfile, profile_from_cost_json
 from pipeline.planner.search import PlanResult, SearchOptions, format_counts, plan
@@ -13,6 +13,7 @@ from pipeline.planner.transformer import TransformerShape, parse_shape, transfor
 __all__ = [
     "PRESETS",
     "ClusterSpec",
+    "HeldTrace",
     "LayerProfile",
     "MemoryBreakdown",
     "ModelProfile",

@@ -4,7 +4,6 @@ imported only here and only when called."""
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,14 +17,16 @@ __all__ = ["calibrate_local", "measure_links", "profile_layers"]
 _SMALL, _LARGE = 8, 4 * 2**20  # bytes of the latency and bandwidth probes
 
 
-def _median_seconds(run: Callable[[], Any], repeats: int) -> float:
-    run()  # warm-up
+def _least_seconds(run: Callable[[], Any], repeats: int) -> float:
+    """The fastest of `repeats` timed runs after a warm-up: on a shared machine, the run
+    least disturbed by other processes (timeit's advice)."""
+    run()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def measure_links(repeats: int = 10) -> dict[str, float]:
@@ -53,12 +54,12 @@ def measure_links(repeats: int = 10) -> dict[str, float]:
             else:
                 dist.recv(buffer, 0)
                 dist.send(buffer, 0)
-        return _median_seconds(run, repeats) / 2
+        return _least_seconds(run, repeats) / 2
 
     latency = ping_pong(_SMALL)
     p2p = _LARGE / max(ping_pong(_LARGE) - latency, 1e-9)
     large = torch.zeros(_LARGE // 4)
-    reduce_seconds = _median_seconds(lambda: dist.all_reduce(large), repeats)
+    reduce_seconds = _least_seconds(lambda: dist.all_reduce(large), repeats)
     # ring all-reduce on d = 2: (2(d-1)/d) · n / bw + 2(d-1) · latency
     allreduce = _LARGE / max(reduce_seconds - 2 * latency, 1e-9)
     m = 8
@@ -67,7 +68,7 @@ def measure_links(repeats: int = 10) -> dict[str, float]:
     engine = PipelineEngine(module, schedule="1f1b", num_microbatches=m,
                             optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
     inputs, targets = torch.randn(m, 4), torch.randn(m, 4)
-    step = _median_seconds(lambda: engine.train_batch(inputs, targets), repeats)
+    step = _least_seconds(lambda: engine.train_batch(inputs, targets), repeats)
     # a 2-stage 1F1B step is (m + p - 1) F and as many B on the critical path: 2(m + 1) ops
     return {"latency": latency, "p2p_bandwidth": p2p, "allreduce_bandwidth": allreduce,
             "op_overhead": step / (2 * (m + 1))}
@@ -84,11 +85,11 @@ def calibrate_local(*, ranks: int | None = None) -> ClusterSpec:
     cores = ranks or os.cpu_count() or 1
     torch.set_num_threads(1)  # the ranks run one thread each
     a, b = torch.randn(256, 512), torch.randn(512, 512)
-    flops = 2 * 256 * 512 * 512 / _median_seconds(lambda: a @ b, 20)
+    flops = 2 * 256 * 512 * 512 / _least_seconds(lambda: a @ b, 20)
     params = [torch.nn.Parameter(torch.randn(2**20))]
     params[0].grad = torch.randn(2**20)
     adam = torch.optim.Adam(params, lr=1e-3)
-    memory_bandwidth = 7 * 4 * 2**20 / _median_seconds(adam.step, 5)
+    memory_bandwidth = 7 * 4 * 2**20 / _least_seconds(adam.step, 5)
     links = launch(measure_links, 2, timeout=120.0, threads_per_rank=1)[0]
     page, pages = os.sysconf("SC_PAGE_SIZE"), os.sysconf("SC_PHYS_PAGES")
     return ClusterSpec(
@@ -101,25 +102,29 @@ def calibrate_local(*, ranks: int | None = None) -> ClusterSpec:
 
 
 def profile_layers(layers: Sequence[Any], sample: Callable[[int], Any], *,
-                   batches: tuple[int, int] = (1, 8), repeats: int = 5,
+                   batches: tuple[int, int] = (1, 8), repeats: int = 5, rounds: int = 1,
                    name: str = "profiled", seq: int = 1) -> ModelProfile:
     """Profile built layers (modules, or `LayerSpec`s built here) as a `ModelProfile`:
     forward and backward seconds at two microbatch sizes fitted to fixed + per-sample
     (the partitioner's profiler, `partition.graph_from_layers`), and the bytes each layer
     saves for its backward, counted by `torch.autograd.graph.saved_tensors_hooks`
     (storages counted once, the layer's input included; parameters excluded).
-    `sample(b)` returns the first layer's input for b samples."""
+    `sample(b)` returns the first layer's input for b samples. With `rounds` > 1 each time
+    is the least of that many profiles (medians of `repeats`): on a shared machine the
+    least disturbed by other processes."""
     from partition import graph_from_layers
 
     if len(set(batches)) != 2 or min(batches) < 1:
         raise PlanError(f"batches={batches!r} must be two different sizes >= 1")
     modules = [layer.build() if hasattr(layer, "build") else layer for layer in layers]
-    graphs = [graph_from_layers(modules, sample(b), repeats=repeats) for b in batches]
+    graphs = [[graph_from_layers(modules, sample(b), repeats=repeats) for _ in range(rounds)]
+              for b in batches]
     held = [_saved_bytes(modules, sample(b)) for b in batches]
     small, large = batches
     profiles: list[LayerProfile] = []
     for index, module in enumerate(modules):
-        at_small, at_large = graphs[0].layers[index], graphs[1].layers[index]
+        at_small, at_large = (_least([graph.layers[index] for graph in runs])
+                              for runs in graphs)
 
         def slope(low: float, high: float) -> float:
             return max(0.0, (high - low) / (large - small))
@@ -135,6 +140,14 @@ def profile_layers(layers: Sequence[Any], sample: Callable[[int], Any], *,
             forward_fixed=max(0.0, at_small.forward - forward_slope * small),
             backward_fixed=max(0.0, at_small.backward - backward_slope * small)))
     return ModelProfile(tuple(profiles), name=name, seq=seq)
+
+
+def _least(costs: Sequence[Any]) -> Any:
+    """The layer cost with the least forward and the least backward of several profiles."""
+    from dataclasses import replace
+
+    return replace(costs[0], forward=min(cost.forward for cost in costs),
+                   backward=min(cost.backward for cost in costs))
 
 
 def _saved_bytes(modules: Sequence[Any], inputs: Any) -> list[float]:

@@ -4,7 +4,8 @@ activations held at the schedule's peak, with or without recomputation.
 The bytes per parameter follow the engine, which keeps fp32 parameters and gradients even
 under bf16/fp16 autocast (master weights) and Adam's two fp32 moments: 4 + 4 + 8 = 16 bytes,
 the "16Ψ" of Rajbhandari et al. 2020 (ZeRO, section 3.1); ZeRO-1 divides the 8 by dp
-(the engine's ShardedOptimizer shards moments and masters; the masters are the parameters).
+(the engine's ShardedOptimizer shards moments and masters; the masters are the parameters),
+and adds a 1/dp gradient shard to the whole flat gradient buffer it reduce-scatters.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from numpy.typing import ArrayLike
 from pipeline.planner.profile import LayerProfile
 from schedules import Kind, Schedule
 
-__all__ = ["PARAM_BYTES", "MemoryBreakdown", "held_peaks", "peak_rank_memory",
+__all__ = ["PARAM_BYTES", "HeldTrace", "MemoryBreakdown", "held_peaks", "peak_rank_memory",
            "recompute_workspace", "stage_activation_bytes"]
 
 PARAM_BYTES = 4.0
@@ -64,57 +65,88 @@ def recompute_workspace(layers: Sequence[LayerProfile], tp: int, batch: int) -> 
     return batch * max((layer.held(tp) for layer in layers), default=0.0)
 
 
+@dataclass(frozen=True)
+class HeldTrace:
+    """Every rank's ops in the rank's own order as +1 (F: a microbatch's activations of a
+    stage arrive) or -1 (its last backward op, B, or W when the backward is split: they
+    leave), so the activations held are a running sum under any costs, as
+    `schedules.figures` counts them."""
+
+    stage: np.ndarray
+    delta: np.ndarray
+    lengths: np.ndarray
+    """Ops per rank (the arrays hold rank 0's, then rank 1's, ...)."""
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> HeldTrace:
+        lengths = np.array([len(stream) for stream in schedule.streams], dtype=np.int64)
+        ops = [op for stream in schedule.streams for op in stream]
+        if not ops:
+            return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), lengths)
+        columns = list(zip(*ops))  # kind, stage, microbatch columns, transposed in C
+        # enum members are singletons: their ids are the fastest exact codes (no hashing)
+        kind = np.fromiter(map(id, columns[0]), dtype=np.int64, count=len(ops))
+        stage = np.asarray(columns[1], dtype=np.int64)
+        rank = np.repeat(np.arange(len(lengths)), lengths)
+        key = (rank * schedule.num_stages + stage) * schedule.num_microbatches \
+            + np.asarray(columns[2])
+        is_w = kind == id(Kind.W)
+        release = (kind == id(Kind.B)) | is_w | (
+            (kind == id(Kind.I)) & ~np.isin(key, key[is_w]))
+        return cls(stage, (kind == id(Kind.F)).astype(np.int64) - release, lengths)
+
+    def _peaks(self, steps: np.ndarray) -> np.ndarray:
+        """Per rank, the largest running sum of `steps` (one value per op)."""
+        peaks = np.zeros(len(self.lengths))
+        busy = self.lengths > 0
+        if not busy.any():
+            return peaks
+        ends = np.cumsum(self.lengths)
+        running = np.cumsum(steps)
+        # every rank's running sum restarts at 0: subtract where the ranks before it ended
+        before = np.concatenate([[0.0], running[ends[:-1] - 1]]) if len(ends) > 1 else \
+            np.zeros(1)
+        peaks[busy] = np.maximum.reduceat(running - np.repeat(before, self.lengths),
+                                          (ends - self.lengths)[busy])
+        return peaks
+
+    def peaks(self) -> tuple[int, ...]:
+        """Most (stage, microbatch) activations each rank holds at once."""
+        return tuple(int(x) for x in self._peaks(self.delta.astype(float)))
+
+    def peak_bytes(self, stage_bytes: ArrayLike) -> np.ndarray:
+        """Most activation bytes each rank holds at once, one microbatch of stage s being
+        `stage_bytes[s]`: exact with several chunks per rank too."""
+        return self._peaks(self.delta * np.asarray(stage_bytes, dtype=float)[self.stage])
+
+
 def held_peaks(schedule: Schedule) -> tuple[int, ...]:
-    """Most (stage, microbatch) activations each rank holds at once, read off the rank's own
-    op order (so it holds under any costs): held from its F to its last backward op (B, or
-    W when the backward is split), as `schedules.figures` counts them."""
-    streams = schedule.streams
-    lengths = np.array([len(stream) for stream in streams])
-    ops = [op for stream in streams for op in stream]
-    if not ops:
-        return (0,) * len(streams)
-    columns = list(zip(*ops))  # kind, stage, microbatch columns, transposed in C
-    # enum members are singletons: their ids are the fastest exact codes (no Enum.__hash__)
-    kind = np.fromiter(map(id, columns[0]), dtype=np.int64, count=len(ops))
-    rank = np.repeat(np.arange(len(streams)), lengths)
-    key = (rank * schedule.num_stages + np.asarray(columns[1])) * schedule.num_microbatches \
-        + np.asarray(columns[2])
-    is_w = kind == id(Kind.W)
-    release = (kind == id(Kind.B)) | is_w | ((kind == id(Kind.I)) & ~np.isin(key, key[is_w]))
-    held = np.cumsum((kind == id(Kind.F)).astype(np.int64) - release)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    # every rank's running count restarts at 0: subtract what the ranks before it ended on
-    before = np.concatenate([[0], held[np.cumsum(lengths)[:-1] - 1]])
-    peaks = np.zeros(len(streams), dtype=np.int64)
-    busy = lengths > 0
-    peaks[busy] = np.maximum.reduceat(held - np.repeat(before, lengths), starts[busy])
-    return tuple(int(x) for x in peaks)
+    """Most (stage, microbatch) activations each rank of `schedule` holds at once."""
+    return HeldTrace.of(schedule).peaks()
 
 
-def peak_rank_memory(stage_params: ArrayLike, stage_held: ArrayLike,
-                     stage_workspace: ArrayLike, placement: Sequence[int],
-                     peaks: Sequence[int], *, dp: int, zero: int, recompute: bool
-                     ) -> tuple[MemoryBreakdown, int]:
+def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
+                     stage_workspace: ArrayLike, placement: Sequence[int], *, dp: int,
+                     zero: int, recompute: bool) -> tuple[MemoryBreakdown, int]:
     """Memory of the pipeline rank holding the most, and that rank.
 
-    Per stage: `stage_params` parameters one tp rank holds, `stage_held` bytes one
-    microbatch leaves between forward and backward (`stage_activation_bytes`),
-    `stage_workspace` the recomputation workspace (`recompute_workspace`). Rank r holds
-    the stages `placement` puts on it and `peaks[r]` microbatches at once. With several
-    chunks per rank the count is priced at the rank's largest stage: exact for v = 1, an
-    upper bound otherwise.
+    `stage_params`: parameters one tp rank holds, per stage; `rank_activations`: the
+    activation bytes each rank holds at its peak (`HeldTrace.peak_bytes`);
+    `stage_workspace`: the recomputation workspace per stage (`recompute_workspace`); rank
+    r holds the stages `placement` puts on it. ZeRO-1 as the engine runs it: the optimizer
+    state divided by dp, the gradients kept whole (one flat buffer per stage, reduce-
+    scattered) plus the rank's 1/dp gradient shard.
     """
-    ranks = len(peaks)
+    activations = np.asarray(rank_activations, dtype=float)
+    ranks = len(activations)
     where = np.asarray(placement)
     params = np.bincount(where, weights=np.asarray(stage_params, dtype=float),
                          minlength=ranks)
-    held, workspace = np.zeros(ranks), np.zeros(ranks)
-    np.maximum.at(held, where, np.asarray(stage_held, dtype=float))
+    workspace = np.zeros(ranks)
     np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
-    per_param = PARAM_BYTES + GRAD_BYTES + ADAM_BYTES / (dp if zero >= 1 else 1)
-    activations = np.asarray(peaks) * held + (workspace if recompute else 0.0)
-    rank = int(np.argmax(params * per_param + activations))
     shard = dp if zero >= 1 else 1
-    return MemoryBreakdown(float(params[rank] * PARAM_BYTES), float(params[rank] * GRAD_BYTES),
-                           float(params[rank] * ADAM_BYTES / shard),
-                           float(activations[rank])), rank
+    gradients = GRAD_BYTES * (1 + 1 / dp if zero >= 1 else 1)
+    held = activations + (workspace if recompute else 0.0)
+    rank = int(np.argmax(params * (PARAM_BYTES + gradients + ADAM_BYTES / shard) + held))
+    return MemoryBreakdown(float(params[rank] * PARAM_BYTES), float(params[rank] * gradients),
+                           float(params[rank] * ADAM_BYTES / shard), float(held[rank])), rank

@@ -13,8 +13,8 @@ from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.memory import (
     GRAD_BYTES,
     PARAM_BYTES,
+    HeldTrace,
     MemoryBreakdown,
-    held_peaks,
     peak_rank_memory,
 )
 from pipeline.planner.profile import ModelProfile, ring_allreduce_seconds
@@ -104,8 +104,7 @@ class PlanContext:
     precision: str
     _tables: dict[tuple[int, int, bool], StageTable] = field(default_factory=dict)
     _schedules: dict[tuple[Any, ...], Schedule | None] = field(default_factory=dict)
-    _peaks: dict[tuple[str, int, int, int], tuple[int, ...] | None] = field(
-        default_factory=dict)
+    _traces: dict[tuple[str, int, int, int], HeldTrace | None] = field(default_factory=dict)
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
@@ -141,25 +140,39 @@ class PlanContext:
                 self._schedules[key] = None
         return self._schedules[key]
 
-    def held_peaks(self, config: PlanConfig) -> tuple[int, ...] | None:
-        """Peak held microbatches per rank (None: the schedule refuses these p, m, v).
-        zb-auto depends on costs; its default memory limit, 2p, bounds it instead."""
+    def held_trace(self, config: PlanConfig) -> HeldTrace | None:
+        """When each rank's activations arrive and leave (None: the schedule refuses these
+        p, m, v). zb-auto depends on the costs: None here, priced by `memory`'s bound."""
         if config.schedule == "zb-auto":
-            return (min(2 * config.pp, config.num_microbatches),) * config.pp
+            return None
         key = (config.schedule, config.pp, config.num_microbatches, config.chunks)
-        if key not in self._peaks:
+        if key not in self._traces:
             schedule = self.schedule(config)
-            self._peaks[key] = None if schedule is None else held_peaks(schedule)
-        return self._peaks[key]
+            self._traces[key] = None if schedule is None else HeldTrace.of(schedule)
+        return self._traces[key]
 
-    def memory(self, config: PlanConfig, peaks: tuple[int, ...]
-               ) -> tuple[MemoryBreakdown, int]:
-        """The largest rank's memory and that rank."""
+    def memory(self, config: PlanConfig, trace: HeldTrace | None = None, *,
+               floor: bool = False) -> tuple[MemoryBreakdown, int]:
+        """The largest rank's memory and that rank: at the schedule's peak (`trace`), or
+        with `floor` at one microbatch of the rank's largest stage (no schedule holds less).
+        zb-auto, without a trace, is priced at its default memory limit: min(2p, m)
+        microbatches of the rank's largest stage."""
         table = self.table(config)
         b = config.microbatch_size
-        return peak_rank_memory(table.params, table.held * b, table.workspace * b,
-                                _placement(config), peaks, dp=config.dp,
-                                zero=config.zero_stage, recompute=config.recompute)
+        placement = _placement(config)
+        largest = np.zeros(config.pp)
+        np.maximum.at(largest, np.asarray(placement), table.held * b)
+        if floor:
+            activations = largest
+        elif trace is not None:
+            activations = trace.peak_bytes(table.held * b)
+        elif config.schedule == "zb-auto":
+            activations = largest * min(2 * config.pp, config.num_microbatches)
+        else:
+            raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
+        return peak_rank_memory(table.params, activations, table.workspace * b, placement,
+                                dp=config.dp, zero=config.zero_stage,
+                                recompute=config.recompute)
 
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
         return np.bincount(_placement(config), weights=self.table(config).params,

@@ -63,7 +63,8 @@ class PlanResult:
     no larger: it can be neither in the top K nor on the Pareto front."""
     seconds: float = 0.0
     leanest: tuple[PlanConfig, MemoryBreakdown] | None = field(default=None, repr=False)
-    """The configuration needing the least memory (for the "what would fit" message)."""
+    """The configuration with the smallest memory floor (one microbatch held per rank), for
+    the "what would fit" message."""
 
     @property
     def best(self) -> Prediction:
@@ -136,31 +137,39 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     context = PlanContext(model, cluster, global_batch, precision or cluster.precision)
     cluster.flops(context.precision)  # refuses an unknown precision up front
     result = PlanResult([])
-    fitting: list[tuple[float, PlanConfig, tuple[MemoryBreakdown, int]]] = []
-    # Step 1: memory first; only configurations that fit are priced at all.
+    fitting: list[tuple[float, PlanConfig, MemoryBreakdown]] = []
+    # Step 1: memory first. Every rank holds at least one microbatch's activations, so the
+    # memory with one held per rank is a floor that prunes before any schedule is made.
     for config in _configs(model, cluster, global_batch, options):
         result.considered += 1
-        peaks = context.held_peaks(config)
-        if peaks is None:
-            result.refused_by_schedule += 1
-            continue
-        memory = context.memory(config, peaks)
-        if result.leanest is None or memory[0].total < result.leanest[1].total:
-            result.leanest = (config, memory[0])
-        if memory[0].total > cluster.device_memory:
+        floor = context.memory(config, floor=True)[0]
+        if result.leanest is None or floor.total < result.leanest[1].total:
+            result.leanest = (config, floor)
+        if floor.total > cluster.device_memory:
             result.over_memory += 1
             continue
-        fitting.append((context.lower_bound(config), config, memory))
-    if not fitting:
-        raise _nothing_fits(result, cluster, global_batch, model)
-    # Step 2: cheapest bound first; simulate unless already beaten in both time and memory.
+        fitting.append((context.lower_bound(config), config, floor))
+    # Step 2: cheapest time bound first. A configuration that a simulated one beats in both
+    # time (its bound) and memory (its floor) cannot reach the top K or the Pareto front;
+    # the others get their schedule's exact peak memory, then the simulator.
     fitting.sort(key=lambda item: (item[0], item[1]))
     times, sizes = np.empty(len(fitting)), np.empty(len(fitting))
     count = 0
-    for bound, config, memory in fitting:
+    for bound, config, floor in fitting:
         faster = times[:count] <= bound
-        if int(faster.sum()) >= options.top and bool((sizes[:count][faster]
-                                                       <= memory[0].total).any()):
+        enough = int(faster.sum()) >= options.top
+        if enough and bool((sizes[:count][faster] <= floor.total).any()):
+            result.skipped_by_bound += 1
+            continue
+        trace = context.held_trace(config)
+        if trace is None and config.schedule != "zb-auto":
+            result.refused_by_schedule += 1
+            continue
+        memory = context.memory(config, trace)
+        if memory[0].total > cluster.device_memory:
+            result.over_memory += 1
+            continue
+        if enough and bool((sizes[:count][faster] <= memory[0].total).any()):
             result.skipped_by_bound += 1
             continue
         prediction = context.predict(config, memory)
@@ -170,6 +179,8 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         result.predictions.append(prediction)
         times[count], sizes[count] = prediction.step_seconds, prediction.memory.total
         count += 1
+    if not result.predictions:
+        raise _nothing_fits(result, cluster, global_batch, model)
     result.predictions.sort(key=lambda p: (p.step_seconds, p.memory.total, p.config))
     result.seconds = time.perf_counter() - started
     return result
@@ -186,7 +197,7 @@ def _nothing_fits(result: PlanResult, cluster: ClusterSpec, global_batch: int,
     return PlanError(
         f"{model.name} does not fit on {cluster.num_devices} × "
         f"{cluster.device_memory / GIB:.1f} GiB devices: the leanest configuration "
-        f"({config.label()}) needs {memory.total / GIB:.1f} GiB per device; use devices "
+        f"({config.label()}) needs at least {memory.total / GIB:.1f} GiB per device; use devices "
         f"with at least that much, more devices (--nodes), or a smaller model")
 
 

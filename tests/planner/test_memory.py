@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.planner import LayerProfile, held_peaks, peak_rank_memory
+from pipeline.planner import HeldTrace, LayerProfile, held_peaks, peak_rank_memory
 from pipeline.planner.memory import stage_activation_bytes
 from schedules import SCHEDULES, CostModel, figures, generate_schedule, simulate
 
@@ -34,18 +34,38 @@ def test_rank_zero_of_1f1b_holds_the_most(p: int, m: int) -> None:
     assert peaks == tuple(min(p - rank, m) for rank in range(p))
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(TRAINING), st.integers(2, 5), st.integers(1, 10),
+       st.lists(st.floats(0, 1e6), min_size=12, max_size=12))
+def test_peak_bytes_lie_between_one_stage_and_the_count_at_the_largest(
+        name: str, p: int, m: int, sizes: list[float]) -> None:
+    try:
+        schedule = generate_schedule(name, p, m)
+    except ValueError:
+        return
+    trace = HeldTrace.of(schedule)
+    stage_bytes = sizes[:schedule.num_stages] + [0.0] * (schedule.num_stages - len(sizes))
+    peaks = trace.peak_bytes(stage_bytes)
+    for rank, count in enumerate(trace.peaks()):
+        mine = [stage_bytes[s] for s in schedule.stages_of(rank)]
+        assert max(mine) - 1e-6 <= peaks[rank] <= count * max(mine) + 1e-6
+    uniform = trace.peak_bytes([3.0] * schedule.num_stages)
+    assert uniform.tolist() == [3.0 * count for count in trace.peaks()]
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 64), st.floats(1, 1e9), st.floats(0, 1e9))
-def test_zero1_divides_only_the_optimizer_state(dp: int, params: float, held: float) -> None:
-    plain, _ = peak_rank_memory([params], [held], [0.0], [0], [3], dp=dp, zero=0,
-                                recompute=False)
-    sharded, _ = peak_rank_memory([params], [held], [0.0], [0], [3], dp=dp, zero=1,
+def test_zero1_shards_the_optimizer_state(dp: int, params: float, held: float) -> None:
+    plain, _ = peak_rank_memory([params], [held], [0.0], [0], dp=dp, zero=0, recompute=False)
+    sharded, _ = peak_rank_memory([params], [held], [0.0], [0], dp=dp, zero=1,
                                   recompute=False)
     assert sharded.parameters == plain.parameters == 4 * params
-    assert sharded.gradients == plain.gradients == 4 * params
+    assert plain.gradients == 4 * params
+    # the engine keeps the whole flat gradient buffer plus its 1/dp reduce-scatter shard
+    assert sharded.gradients == pytest.approx(4 * params * (1 + 1 / dp))
     assert plain.optimizer == 8 * params
     assert sharded.optimizer == pytest.approx(8 * params / dp)
-    assert sharded.activations == plain.activations == pytest.approx(3 * held)
+    assert sharded.activations == plain.activations == held
 
 
 def test_recomputation_keeps_only_layer_inputs() -> None:
@@ -53,12 +73,11 @@ def test_recomputation_keeps_only_layer_inputs() -> None:
               for i in range(4)]
     assert stage_activation_bytes(layers, 1, 2, recompute=False) == 2 * 4 * 100
     assert stage_activation_bytes(layers, 1, 2, recompute=True) == 2 * 4 * 10
-    memory, _ = peak_rank_memory([0.0], [80.0], [200.0], [0], [3], dp=1, zero=0,
-                                 recompute=True)
-    assert memory.activations == 3 * 80 + 200  # plus one layer's workspace
+    memory, _ = peak_rank_memory([0.0], [240.0], [200.0], [0], dp=1, zero=0, recompute=True)
+    assert memory.activations == 240 + 200  # plus one layer's workspace
 
 
 def test_the_largest_rank_is_reported() -> None:
-    memory, rank = peak_rank_memory([10.0, 10.0], [5.0, 5.0], [0.0, 0.0], [0, 1], [2, 1],
+    memory, rank = peak_rank_memory([10.0, 10.0], [10.0, 5.0], [0.0, 0.0], [0, 1],
                                     dp=1, zero=0, recompute=False)
     assert rank == 0 and memory.activations == 10.0
