@@ -73,7 +73,8 @@ def test_zero_two_and_three_are_never_proposed() -> None:
 def test_a_model_too_large_names_the_memory_it_needs() -> None:
     huge = transformer_profile(parse_shape("layers=96,hidden=12288,heads=96,vocab=51200,"
                                            "seq=2048"))
-    with pytest.raises(PlanError, match=r"does not fit on 4 × 10\.0 GiB.*needs at least \d+\.\d GiB"):
+    with pytest.raises(PlanError,
+                       match=r"does not fit on 4 × 10\.0 GiB.*needs at least \d+\.\d GiB"):
         plan(huge, _cluster(10.0), 8, options=SearchOptions(max_chunks=2, recompute=False))
 
 
