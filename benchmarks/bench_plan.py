@@ -111,6 +111,19 @@ def _state_bytes(module: Any, engine: Any) -> int:
     return sum(storages.values())
 
 
+def _snapshot_before_step(module: Any, engine: Any) -> None:
+    """Record the state bytes right before each optimizer step in `engine.state_at_step`."""
+    optimizer = engine.optimizer
+    step = optimizer.step
+    engine.state_at_step = 0
+
+    def measured_step(*args: Any, **kwargs: Any) -> Any:
+        engine.state_at_step = max(engine.state_at_step, _state_bytes(module, engine))
+        return step(*args, **kwargs)
+
+    optimizer.step = measured_step
+
+
 def run_configs(configs: list[dict[str, Any]], model_config: Any, rounds: int
                 ) -> list[dict[str, Any]]:
     """On every rank: build every configuration's engine, then time one step of each per
@@ -139,6 +152,8 @@ def run_configs(configs: list[dict[str, Any]], model_config: Any, rounds: int
         rows = slice(replica * BATCH // config.dp, (replica + 1) * BATCH // config.dp)
         engine.train_batch(inputs[rows], targets[rows])  # warm-up: shapes, buffers
         runs.append((module, engine, rows, []))
+        # gradients are whole only at the optimizer step (ZeRO-1 frees them after it)
+        _snapshot_before_step(module, engine)
     for _ in range(rounds):
         for _module, engine, rows, times in runs:
             dist.barrier()
@@ -150,8 +165,9 @@ def run_configs(configs: list[dict[str, Any]], model_config: Any, rounds: int
         held = _HeldBytes({p.untyped_storage().data_ptr() for p in module.parameters()})
         with torch.autograd.graph.saved_tensors_hooks(held.pack, _unpack):
             engine.train_batch(inputs[rows], targets[rows])
-        results.append({"seconds": min(times), "memory": _state_bytes(module, engine)
-                        + held.peak, "activations": held.peak})
+        state = max(engine.state_at_step, _state_bytes(module, engine))
+        results.append({"seconds": min(times), "memory": state + held.peak,
+                        "activations": held.peak})
     return results
 
 
@@ -176,6 +192,11 @@ def local_part(rounds: int) -> list[str]:
                            lambda b: synthetic_batch(0, b, model_config)[0], batches=(2, 16),
                            rounds=3, name="demo LM", seq=model_config.seq_len)
     cluster = calibrate_local(ranks=2)
+    calibration = (f"local calibration: P2P {cluster.intra_bandwidth / 1e9:.2f} GB/s, "
+                   f"all-reduce {cluster.inter_bandwidth / 1e9:.2f} GB/s, latency "
+                   f"{cluster.intra_latency * 1e6:.0f} µs, engine overhead "
+                   f"{cluster.op_overhead * 1e3:.2f} ms per op, Adam "
+                   f"{cluster.memory_bandwidth / 1e9:.2f} GB/s")
     result = plan(model, cluster, BATCH, options=SearchOptions(
         schedules=BENCH_SCHEDULES, max_chunks=2, top=10_000))
     chosen = [p for p in result.predictions if p.config.num_microbatches in (2, 4, 8)
@@ -190,7 +211,8 @@ def local_part(rounds: int) -> list[str]:
     memory = [max(rank[i]["memory"] for rank in ranks) for i in range(len(chosen))]
     lines = [f"2 CPU ranks, demo LM (vocab 256, width 128, 6 blocks, seq 64), global batch "
              f"{BATCH}; {len(chosen)} configurations of {len(result.predictions)} feasible",
-             "", "| configuration | predicted ms | measured ms | predicted MiB | measured MiB "
+             calibration, "",
+             "| configuration | predicted ms | measured ms | predicted MiB | measured MiB "
              "| memory error |", "|---|---:|---:|---:|---:|---:|"]
     errors = []
     for prediction, seconds, nbytes in zip(chosen, measured, memory):
@@ -223,7 +245,7 @@ def _met(ok: bool) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("search", "local", "all"), default="all")
-    parser.add_argument("--rounds", type=int, default=5,
+    parser.add_argument("--rounds", type=int, default=8,
                         help="timed steps of every configuration (fastest kept)")
     args = parser.parse_args(argv)
     if args.part in ("search", "all"):

@@ -3,9 +3,8 @@ activations held at the schedule's peak, with or without recomputation.
 
 The bytes per parameter follow the engine, which keeps fp32 parameters and gradients even
 under bf16/fp16 autocast (master weights) and Adam's two fp32 moments: 4 + 4 + 8 = 16 bytes,
-the "16Ψ" of Rajbhandari et al. 2020 (ZeRO, section 3.1); ZeRO-1 divides the 8 by dp
-(the engine's ShardedOptimizer shards moments and masters; the masters are the parameters),
-and adds a 1/dp gradient shard to the whole flat gradient buffer it reduce-scatters.
+the "16Ψ" of Rajbhandari et al. 2020 (ZeRO, section 3.1). ZeRO-1 shards the optimizer state
+over dp, priced as the engine holds it (see `peak_rank_memory`).
 """
 
 from __future__ import annotations
@@ -133,9 +132,13 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     `stage_params`: parameters one tp rank holds, per stage; `rank_activations`: the
     activation bytes each rank holds at its peak (`HeldTrace.peak_bytes`);
     `stage_workspace`: the recomputation workspace per stage (`recompute_workspace`); rank
-    r holds the stages `placement` puts on it. ZeRO-1 as the engine runs it: the optimizer
-    state divided by dp, the gradients kept whole (one flat buffer per stage, reduce-
-    scattered) plus the rank's 1/dp gradient shard.
+    r holds the stages `placement` puts on it.
+
+    ZeRO-1 as the engine's ShardedOptimizer runs it (pipeline/parallel/zero.py), at the
+    optimizer step: the parameters' own gradients (4), the flat gradient buffer they are
+    copied into and reduce-scattered from (4) and the rank's gradient shard (4/dp); an fp32
+    master copy of the parameter shard (4/dp) and Adam's moments on it (8/dp). So 12 + 16/dp
+    bytes per parameter against 16 without ZeRO: it saves memory only from dp = 5 on.
     """
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
@@ -144,9 +147,11 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                          minlength=ranks)
     workspace = np.zeros(ranks)
     np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
-    shard = dp if zero >= 1 else 1
-    gradients = GRAD_BYTES * (1 + 1 / dp if zero >= 1 else 1)
+    if zero >= 1:
+        gradients, optimizer = GRAD_BYTES * (2 + 1 / dp), (PARAM_BYTES + ADAM_BYTES) / dp
+    else:
+        gradients, optimizer = GRAD_BYTES, ADAM_BYTES
     held = activations + (workspace if recompute else 0.0)
-    rank = int(np.argmax(params * (PARAM_BYTES + gradients + ADAM_BYTES / shard) + held))
+    rank = int(np.argmax(params * (PARAM_BYTES + gradients + optimizer) + held))
     return MemoryBreakdown(float(params[rank] * PARAM_BYTES), float(params[rank] * gradients),
-                           float(params[rank] * ADAM_BYTES / shard), float(held[rank])), rank
+                           float(params[rank] * optimizer), float(held[rank])), rank
