@@ -190,7 +190,7 @@ def local_part(rounds: int) -> list[str]:
     torch.set_num_threads(1)
     model = profile_layers(lm_layers(model_config),
                            lambda b: synthetic_batch(0, b, model_config)[0], batches=(2, 16),
-                           rounds=3, name="demo LM", seq=model_config.seq_len)
+                           repeats=1, rounds=10, name="demo LM", seq=model_config.seq_len)
     cluster = calibrate_local(ranks=2)
     calibration = (f"local calibration: P2P {cluster.intra_bandwidth / 1e9:.2f} GB/s, "
                    f"all-reduce {cluster.inter_bandwidth / 1e9:.2f} GB/s, latency "

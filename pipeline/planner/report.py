@@ -45,9 +45,11 @@ def format_table(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
               "TFLOP/s/dev  memory GiB  why slower")
     lines = [header, "-" * len(header)]
     for index, prediction in enumerate(result.predictions[:top], start=1):
+        flops = (f"{prediction.flops_per_device / 1e12:>11.1f}" if prediction.flops_per_device
+                 else f"{'n/a':>11}")  # a cost file gives times, not FLOPs
         lines.append(
             f"{index:>3} {prediction.config.label():<44} {_seconds(prediction.step_seconds):>9}"
-            f" {prediction.tokens_per_second:>12,.0f} {prediction.flops_per_device / 1e12:>11.1f}"
+            f" {prediction.tokens_per_second:>12,.0f} {flops}"
             f" {prediction.memory.total / GIB:>11.1f}  {loss_reason(prediction, pick)}")
     config = pick.config
     arguments = ", ".join(f"{key}={value!r}" for key, value in config.engine_arguments().items())
