@@ -15,6 +15,7 @@ from pipeline.planner.memory import MemoryBreakdown
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction
 from pipeline.planner.profile import ModelProfile
 from schedules import SCHEDULES
+from schedules.schedule import gc_paused
 
 __all__ = ["PlanResult", "SearchOptions", "format_counts", "plan"]
 
@@ -125,6 +126,7 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                                                  zero_stage=zero, recompute=recompute)
 
 
+@gc_paused  # millions of small tuples and arrays, no cycles: collections find nothing
 def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
          precision: str | None = None, options: SearchOptions | None = None) -> PlanResult:
     """Search every configuration of `model` on `cluster` for `global_batch` samples a step.
