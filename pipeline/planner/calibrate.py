@@ -3,6 +3,7 @@ imported only here and only when called."""
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -120,6 +121,7 @@ def profile_layers(layers: Sequence[Any], sample: Callable[[int], Any], *,
     graphs = [[graph_from_layers(modules, sample(b), repeats=repeats) for _ in range(rounds)]
               for b in batches]
     held = [_saved_bytes(modules, sample(b)) for b in batches]
+    split = [_split_seconds(modules, sample(b), max(rounds * repeats, 3)) for b in batches]
     small, large = batches
     profiles: list[LayerProfile] = []
     for index, module in enumerate(modules):
@@ -132,13 +134,18 @@ def profile_layers(layers: Sequence[Any], sample: Callable[[int], Any], *,
         forward_slope = slope(at_small.forward, at_large.forward)
         backward_slope = slope(at_small.backward, at_large.backward)
         output = at_large.activation / large
+        split_slopes = tuple(slope(split[0][index][k], split[1][index][k]) for k in (0, 1))
+        split_fixed = tuple(max(0.0, split[0][index][k] - split_slopes[k] * small)
+                            for k in (0, 1))
         profiles.append(LayerProfile(
             name=at_large.name, params_replicated=sum(p.numel() for p in module.parameters()),
             held_replicated=max(0.0, held[1][index] / large), output_bytes=output,
             input_bytes=profiles[-1].output_bytes if profiles else 0.0,
             forward_seconds=forward_slope, backward_seconds=backward_slope,
             forward_fixed=max(0.0, at_small.forward - forward_slope * small),
-            backward_fixed=max(0.0, at_small.backward - backward_slope * small)))
+            backward_fixed=max(0.0, at_small.backward - backward_slope * small),
+            split_seconds=(split_slopes[0], split_slopes[1]),
+            split_fixed=(split_fixed[0], split_fixed[1])))
     return ModelProfile(tuple(profiles), name=name, seq=seq)
 
 
@@ -148,6 +155,37 @@ def _least(costs: Sequence[Any]) -> Any:
 
     return replace(costs[0], forward=min(cost.forward for cost in costs),
                    backward=min(cost.backward for cost in costs))
+
+
+def _split_seconds(modules: Sequence[Any], inputs: Any, repeats: int
+                   ) -> list[tuple[float, float]]:
+    """Per layer, the fastest of `repeats` timings of a split backward as the engine runs it
+    (pipeline/runtime/split_backward.py): I, the gradient of the layer's input, then W, the
+    layer's output gradient taken back to its parameters alone."""
+    import torch
+
+    results = []
+    value = inputs
+    for module in modules:
+        params = [p for p in module.parameters() if p.requires_grad]
+        best = [math.inf, math.inf]
+        for _ in range(repeats):
+            x = value.detach().requires_grad_(True) if value.is_floating_point() else value
+            out = module(x)
+            seed = torch.ones_like(out)
+            start = time.perf_counter()
+            if x.requires_grad:
+                torch.autograd.grad(out, x, seed, retain_graph=True)
+            middle = time.perf_counter()
+            if params:
+                torch.autograd.backward(out, seed, inputs=params)
+            end = time.perf_counter()
+            best = [min(best[0], middle - start), min(best[1], end - middle)]
+        for param in params:
+            param.grad = None
+        results.append((best[0], best[1]))
+        value = out.detach()
+    return results
 
 
 def _saved_bytes(modules: Sequence[Any], inputs: Any) -> list[float]:

@@ -194,9 +194,12 @@ class PlanContext:
     def lower_bound(self, config: PlanConfig) -> float:
         """A step time no schedule can beat: per rank, the forwards of the stages before
         its first one (microbatch 0 must pass them), all its compute, and its update."""
-        costs = self.table(config).costs(config.microbatch_size)
+        table = self.table(config)
+        totals = np.minimum(table.costs(config.microbatch_size).total,
+                            table.costs(config.microbatch_size, split=True).total)
+        costs = table.costs(config.microbatch_size)
         placement = np.asarray(_placement(config))
-        busy = np.bincount(placement, weights=costs.total, minlength=config.pp)
+        busy = np.bincount(placement, weights=totals, minlength=config.pp)
         first = np.array([np.flatnonzero(placement == rank)[0] for rank in range(config.pp)])
         fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
         step, gather = self._update_seconds(config)
@@ -209,7 +212,14 @@ class PlanContext:
         REDUCE_GRAD overlaps the rank's remaining compute) and the optimizer step.
         None when the schedule refuses the configuration."""
         table = self.table(config)
-        costs = table.costs(config.microbatch_size)
+        if config.schedule == "zb-auto":
+            split = True  # planned on the costs, and it always splits the backward
+        else:
+            plain = self.schedule(config)
+            if plain is None:
+                return None
+            split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
+        costs = table.costs(config.microbatch_size, split)
         p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
         model = CostModel(forward=costs.forward.tolist(), backward=costs.input_grad.tolist(),
                           weight=costs.weight_grad.tolist(), comm=p2p_latency,

@@ -45,9 +45,17 @@ class LayerProfile:
     forward_fixed: float = 0.0
     """Measured seconds per forward call whatever the batch (dispatch, small kernels)."""
     backward_fixed: float = 0.0
+    split_seconds: tuple[float, float] | None = None
+    """Measured seconds per sample of a split backward's input-gradient (I) and weight-
+    gradient (W) halves; None: half of the backward each."""
+    split_fixed: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
-        bad = [f"{name}={value!r}" for name, value in vars(self).items()
+        values = {**vars(self), "split_fixed": None, "split_seconds": None,
+                  "split_0": (self.split_seconds or (0.0, 0.0))[0],
+                  "split_1": (self.split_seconds or (0.0, 0.0))[1],
+                  "split_fixed_0": self.split_fixed[0], "split_fixed_1": self.split_fixed[1]}
+        bad = [f"{name}={value!r}" for name, value in values.items()
                if name != "name" and value is not None and (
                    isinstance(value, bool) or not isinstance(value, int | float)
                    or not math.isfinite(value) or value < 0)]
@@ -81,12 +89,29 @@ class LayerProfile:
             rate = cluster.flops(precision)
             work = (self.flops_split / tp + self.flops_replicated) * batch / rate
             forward, backward = work, 2 * work
-        if tp > 1 and self.tp_allreduces:
-            bandwidth, latency = cluster.link(tp)
-            one = ring_allreduce_seconds(self.tp_allreduce_bytes * batch, tp, bandwidth, latency)
-            forward += self.tp_allreduces * one
-            backward += self.tp_allreduces * one
-        return forward, backward
+        comm = self.tp_seconds(cluster, batch, tp)
+        return forward + comm, backward + comm
+
+    def tp_seconds(self, cluster: ClusterSpec, batch: int, tp: int) -> float:
+        """Seconds of one pass's tensor-parallel all-reduces (Megatron: the same count in
+        the forward and in the backward)."""
+        if tp <= 1 or not self.tp_allreduces:
+            return 0.0
+        bandwidth, latency = cluster.link(tp)
+        return self.tp_allreduces * ring_allreduce_seconds(self.tp_allreduce_bytes * batch, tp,
+                                                           bandwidth, latency)
+
+    def split_times(self, cluster: ClusterSpec, precision: str, batch: int, tp: int
+                    ) -> tuple[float, float]:
+        """(I, W) seconds of a split backward of one microbatch: measured when profiled
+        (an engine's W may cost more than half a backward), else half the backward's work
+        each, the tensor-parallel all-reduces in I."""
+        if self.split_seconds is None:
+            _, backward = self.times(cluster, precision, batch, tp)
+            comm = self.tp_seconds(cluster, batch, tp)
+            return comm + (backward - comm) / 2, (backward - comm) / 2
+        return (self.split_fixed[0] + self.split_seconds[0] * batch,
+                self.split_fixed[1] + self.split_seconds[1] * batch)
 
 
 def ring_allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: float

@@ -11,7 +11,7 @@ import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.memory import recompute_workspace, stage_activation_bytes
-from pipeline.planner.profile import LayerProfile, ring_allreduce_seconds
+from pipeline.planner.profile import LayerProfile
 
 __all__ = ["StageCosts", "StageTable"]
 
@@ -50,6 +50,8 @@ class StageTable:
     """Recomputation workspace per sample (the stage's largest layer's activations)."""
     forward: tuple[np.ndarray, np.ndarray]
     backward: tuple[np.ndarray, np.ndarray]
+    split: tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+    """A split backward's input-gradient (I) and weight-gradient (W) lines."""
     tp_comm: tuple[np.ndarray, np.ndarray]
     boundary: np.ndarray
     """Bytes per sample of each stage's output."""
@@ -66,43 +68,51 @@ class StageTable:
 
         forward: list[tuple[float, float]] = []
         backward: list[tuple[float, float]] = []
+        input_grad: list[tuple[float, float]] = []
+        weight_grad: list[tuple[float, float]] = []
         comm: list[tuple[float, float]] = []
+        overhead = cluster.op_overhead  # the runtime's fixed cost, once per F, B, I or W
         for stage in stages:
-            empty = [layer.times(cluster, precision, 0, tp) for layer in stage]
-            single = [layer.times(cluster, precision, 1, tp) for layer in stage]
-            # the runtime's fixed cost: once per op, F and the two halves of the backward
-            fixed = (cluster.op_overhead, 2 * cluster.op_overhead)
-            forward.append((fixed[0] + sum(t[0] for t in empty),
-                            fixed[0] + sum(t[0] for t in single)))
-            backward.append((fixed[1] + sum(t[1] for t in empty),
-                             fixed[1] + sum(t[1] for t in single)))
-            comm.append((_tp_seconds(stage, cluster, tp, 0), _tp_seconds(stage, cluster, tp, 1)))
+            whole = [[layer.times(cluster, precision, b, tp) for layer in stage] for b in (0, 1)]
+            split = [[layer.split_times(cluster, precision, b, tp) for layer in stage]
+                     for b in (0, 1)]
+            forward.append(_pair(overhead, whole, 0))
+            backward.append(_pair(overhead, whole, 1))
+            input_grad.append(_pair(overhead, split, 0))
+            weight_grad.append(_pair(overhead, split, 1))
+            comm.append((2 * sum(layer.tp_seconds(cluster, 0, tp) for layer in stage),
+                         2 * sum(layer.tp_seconds(cluster, 1, tp) for layer in stage)))
         return cls(
             boundaries=tuple(boundaries),
             params=np.array([sum(layer.params(tp) for layer in stage) for stage in stages]),
             held=np.array([stage_activation_bytes(stage, tp, 1, recompute) for stage in stages]),
             workspace=np.array([recompute_workspace(stage, tp, 1) for stage in stages]),
-            forward=line(forward), backward=line(backward), tp_comm=line(comm),
+            forward=line(forward), backward=line(backward),
+            split=(line(input_grad), line(weight_grad)), tp_comm=line(comm),
             boundary=np.array([stage[-1].output_bytes for stage in stages]),
             recompute=recompute)
 
-    def costs(self, batch: int) -> StageCosts:
-        """Seconds of one microbatch of `batch` samples on every stage. The backward splits
-        evenly into input and weight gradients (one matmul each, as the Zero Bubble paper
-        assumes); recomputation runs the forward again before the input gradient."""
+    def costs(self, batch: int, split: bool = False) -> StageCosts:
+        """Seconds of one microbatch of `batch` samples on every stage. A fused backward is
+        given as two halves (the simulator adds them for B); a `split` one as its own I and
+        W (profiled layers measure them: the runtime's W may cost more than half a
+        backward). Recomputation runs the forward again before the input gradient."""
         forward = self.forward[0] + self.forward[1] * batch
-        backward = self.backward[0] + self.backward[1] * batch
+        if split:
+            (i0, i1), (w0, w1) = self.split
+            input_grad, weight_grad = i0 + i1 * batch, w0 + w1 * batch
+        else:
+            backward = self.backward[0] + self.backward[1] * batch
+            input_grad, weight_grad = backward / 2, backward / 2
         recompute = forward if self.recompute else np.zeros_like(forward)
-        return StageCosts(forward, backward / 2 + recompute, backward / 2,
+        return StageCosts(forward, input_grad + recompute, weight_grad,
                           self.tp_comm[0] + self.tp_comm[1] * batch, recompute,
                           self.boundary * batch)
 
 
-def _tp_seconds(stage: Sequence[LayerProfile], cluster: ClusterSpec, tp: int, batch: int
-                ) -> float:
-    """Seconds of the stage's tensor-parallel all-reduces, forward and backward."""
-    if tp <= 1:
-        return 0.0
-    bandwidth, latency = cluster.link(tp)
-    return sum(2 * layer.tp_allreduces * ring_allreduce_seconds(
-        layer.tp_allreduce_bytes * batch, tp, bandwidth, latency) for layer in stage)
+
+def _pair(overhead: float, times: list[list[tuple[float, float]]], index: int
+          ) -> tuple[float, float]:
+    """(value at b = 0, value at b = 1) of the stage's sum of `times[b][layer][index]`."""
+    return (overhead + sum(t[index] for t in times[0]),
+            overhead + sum(t[index] for t in times[1]))
