@@ -50,7 +50,7 @@ def format_table(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
         lines.append(
             f"{index:>3} {prediction.config.label():<44} {_seconds(prediction.step_seconds):>9}"
             f" {prediction.tokens_per_second:>12,.0f} {flops}"
-            f" {prediction.memory.total / GIB:>11.1f}  {loss_reason(prediction, pick)}")
+            f" {prediction.memory.total / GIB:>11.2f}  {loss_reason(prediction, pick)}")
     config = pick.config
     arguments = ", ".join(f"{key}={value!r}" for key, value in config.engine_arguments().items())
     lines += [
@@ -92,19 +92,25 @@ def plot_plan(result: PlanResult, cluster: ClusterSpec, path: str | os.PathLike[
 
     figure = new_figure(8, 5)
     axes = figure.add_subplot(1, 1, 1)
-    memory = [p.memory.total / GIB for p in result.predictions]
+    largest = max(p.memory.total for p in result.predictions)
+    unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
+    memory = [p.memory.total / scale for p in result.predictions]
     seconds = [p.step_seconds for p in result.predictions]
     axes.scatter(memory, seconds, s=10, color="#9aa7b8", label="feasible configuration")
     front = result.pareto()
-    axes.plot([p.memory.total / GIB for p in front], [p.step_seconds for p in front],
+    axes.plot([p.memory.total / scale for p in front], [p.step_seconds for p in front],
               "o-", color="#d1495b", markersize=5, label="Pareto front")
     pick = result.best
-    axes.scatter([pick.memory.total / GIB], [pick.step_seconds], marker="*", s=220,
+    axes.scatter([pick.memory.total / scale], [pick.step_seconds], marker="*", s=220,
                  color="#edae49", edgecolors="black", zorder=5,
                  label=f"pick: {pick.config.label()}")
-    axes.axvline(cluster.device_memory / GIB, color="black", linestyle="--", linewidth=1,
-                 label="device memory")
-    axes.set_xlabel("memory per rank (GiB, the largest rank)")
+    device = f"device memory {cluster.device_memory / scale:,.1f} {unit}"
+    if cluster.device_memory <= 2 * largest:  # else the line would squash every point
+        axes.axvline(cluster.device_memory / scale, color="black", linestyle="--",
+                     linewidth=1, label=device)
+    else:
+        device += " (off the chart)"
+    axes.set_xlabel(f"memory per rank ({unit}, the largest rank); {device}")
     axes.set_ylabel("predicted step time (s)")
     axes.set_title(f"{len(result.predictions)} simulated configurations on "
                    f"{cluster.num_devices} × {cluster.name} ({result.skipped_by_bound} more fit "
