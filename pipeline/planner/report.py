@@ -52,13 +52,14 @@ def format_table(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
             f" {prediction.tokens_per_second:>12,.0f} {flops}"
             f" {prediction.memory.total / GIB:>11.2f}  {loss_reason(prediction, pick)}")
     config = pick.config
+    unit, scale = ("GiB", GIB) if pick.memory.total >= GIB else ("MiB", 2**20)
     arguments = ", ".join(f"{key}={value!r}" for key, value in config.engine_arguments().items())
     lines += [
         "",
         f"{format_counts(result)}; device memory {cluster.device_memory / GIB:.1f} GiB",
         f"pick: {config.label()}  (memory: rank {pick.memory_rank} holds the most, "
-        + ", ".join(f"{key} {value / GIB:.1f}" for key, value in pick.memory.to_dict().items()
-                    if key != "total") + " GiB)",
+        + ", ".join(f"{key} {value / scale:.1f}" for key, value in pick.memory.to_dict().items()
+                    if key != "total") + f" {unit})",
         f"  PipelineModule/PipelineEngine: {arguments}",
         f"  {config.train_command(global_batch)}",
     ]
