@@ -136,6 +136,11 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     options = options or SearchOptions()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise PlanError(f"global batch {global_batch!r} must be a whole number >= 1")
+    tp_sizes = options.tensor_parallel or ()
+    if any(size > 1 for size in tp_sizes) and not model.tensor_parallel_ok:
+        raise PlanError(f"tensor_parallel {list(tp_sizes)}: {model.name} has measured or "
+                        f"cost-file layers, which cannot be split over tensor-parallel ranks; "
+                        f"give a transformer shape, or tensor_parallel 1")
     context = PlanContext(model, cluster, global_batch, precision or cluster.precision)
     cluster.flops(context.precision)  # refuses an unknown precision up front
     result = PlanResult([])

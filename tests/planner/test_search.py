@@ -107,3 +107,6 @@ def test_cost_json_models_run_without_tensor_parallel() -> None:
     result = plan(profile_from_cost_json(costs, cost_batch=4), _cluster(80.0), 16,
                   options=SearchOptions(max_chunks=2))
     assert {p.config.tp for p in result.predictions} == {1}
+    with pytest.raises(PlanError, match="cannot be split over tensor-parallel ranks"):
+        plan(profile_from_cost_json(costs), _cluster(80.0), 16,
+             options=SearchOptions(tensor_parallel=(1, 2)))
