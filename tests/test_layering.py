@@ -17,9 +17,10 @@ TOP_LEVEL: dict[str, frozenset[str]] = {
     "viz": frozenset({"schedules", "partition"}),
     "pipeline": frozenset({"schedules", "partition", "viz"}),
 }
-# pipeline's rooms, lowest first: cli -> demo -> interop -> runtime -> checkpoint -> model ->
-# parallel -> launcher -> the shared leaves (pipeline/errors.py, pipeline/device.py).
-ROOMS = ("", "launcher", "parallel", "model", "checkpoint", "runtime", "interop", "demo", "cli")
+# pipeline's rooms, lowest first: cli -> demo -> planner -> interop -> runtime -> checkpoint ->
+# model -> parallel -> launcher -> the shared leaves (pipeline/errors.py, pipeline/device.py).
+ROOMS = ("", "launcher", "parallel", "model", "checkpoint", "runtime", "interop", "planner", "demo",
+         "cli")
 
 
 def _imports(path: Path) -> list[str]:

@@ -22,6 +22,7 @@ COMMAND_MODULES = {
     "validate": "pipeline.cli.validate_cmd",
     "verify-checkpoint": "pipeline.cli.checkpoint_cmd",
     "rehearse": "pipeline.cli.rehearse_cmd",
+    "plan": "pipeline.cli.plan_cmd",
 }
 
 

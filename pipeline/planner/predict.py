@@ -1,0 +1,278 @@
+"""Price one configuration: partition, memory at the schedule's peak, and the simulated step
+with tensor-parallel, pipeline and data-parallel communication and the optimizer step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partition import LayerCost, chain_graph, partition_graph
+from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.memory import (
+    GRAD_BYTES,
+    PARAM_BYTES,
+    HeldTrace,
+    MemoryBreakdown,
+    peak_rank_memory,
+)
+from pipeline.planner.profile import ModelProfile, ring_allreduce_seconds
+from pipeline.planner.stages import StageTable
+from schedules import KINDS, CostModel, Kind, Schedule, generate_schedule, simulate
+
+__all__ = ["PlanConfig", "PlanContext", "Prediction"]
+
+# Adam reads parameter, gradient and both moments and writes parameter and moments: 7 fp32
+# values of memory traffic per parameter (a memory-bound update).
+_ADAM_TRAFFIC = 7 * 4.0
+_BACKWARD_KINDS = np.array([KINDS.index(k) for k in (Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)])
+
+
+@dataclass(frozen=True, order=True, kw_only=True)
+class PlanConfig:
+    """One point of the search: everything `PipelineEngine` and `pipesched train` are told."""
+
+    pp: int
+    tp: int
+    dp: int
+    schedule: str
+    chunks: int
+    microbatch_size: int
+    num_microbatches: int
+    zero_stage: int
+    recompute: bool
+
+    def engine_arguments(self) -> dict[str, Any]:
+        """Keyword arguments of `PipelineModule` (num_stages, chunks,
+        activation_checkpoint_interval) and `PipelineEngine`."""
+        return {"num_stages": self.pp, "chunks": self.chunks,
+                "activation_checkpoint_interval": int(self.recompute),
+                "schedule": self.schedule, "num_microbatches": self.num_microbatches,
+                "data_parallel": self.dp, "tensor_parallel": self.tp,
+                "zero_stage": self.zero_stage}
+
+    def train_command(self, global_batch: int) -> str:
+        """The `pipesched train` arguments of this configuration (the demo model: its CLI
+        has no tensor-parallel, ZeRO or recomputation switches, named when needed)."""
+        text = (f"pipesched train --schedule {self.schedule} --stages {self.pp} "
+                f"--chunks {self.chunks} --microbatches {self.num_microbatches} "
+                f"--data-parallel {self.dp} --batch-size {global_batch}")
+        extra = [name for name, on in (("tensor_parallel", self.tp > 1),
+                                       ("zero_stage", self.zero_stage > 0),
+                                       ("activation_checkpoint_interval", self.recompute)) if on]
+        return text + (f"   # plus {', '.join(extra)}: PipelineEngine only" if extra else "")
+
+    def label(self) -> str:
+        v = f" v{self.chunks}" if self.chunks > 1 else ""
+        return (f"pp{self.pp} tp{self.tp} dp{self.dp} {self.schedule}{v} b{self.microbatch_size}"
+                f" m{self.num_microbatches} z{self.zero_stage}{' rc' if self.recompute else ''}")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the planner expects of one configuration."""
+
+    config: PlanConfig
+    step_seconds: float
+    tokens_per_second: float
+    flops_per_device: float
+    """Model FLOP/s per device (3 × forward FLOPs per step; recomputation is not counted)."""
+    memory: MemoryBreakdown
+    """The rank holding the most."""
+    memory_rank: int
+    breakdown: dict[str, float]
+    """Seconds of the busiest pipeline rank's step by cause: compute, recomputation,
+    tp_comm, bubble (idle, P2P waits included), dp_comm (exposed), optimizer."""
+    boundaries: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": vars(self.config) | {"label": self.config.label()},
+                "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second,
+                "flops_per_device": self.flops_per_device, "memory": self.memory.to_dict(),
+                "memory_rank": self.memory_rank, "breakdown": self.breakdown,
+                "boundaries": list(self.boundaries)}
+
+
+@dataclass
+class PlanContext:
+    """The fixed inputs of a search and the caches its configurations share."""
+
+    model: ModelProfile
+    cluster: ClusterSpec
+    global_batch: int
+    precision: str
+    _tables: dict[tuple[int, int, bool], StageTable] = field(default_factory=dict)
+    _schedules: dict[tuple[Any, ...], Schedule | None] = field(default_factory=dict)
+    _traces: dict[tuple[str, int, int, int], HeldTrace | None] = field(default_factory=dict)
+
+    def table(self, config: PlanConfig) -> StageTable:
+        """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
+        (compute only: every cut carries the same hidden-state bytes) into p·v stages."""
+        key = (config.pp * config.chunks, config.tp, config.recompute)
+        if key not in self._tables:
+            costs = []
+            for layer in self.model.layers:
+                forward, backward = layer.times(self.cluster, self.precision, 1, config.tp)
+                costs.append(LayerCost(layer.name, forward=forward, backward=backward + (
+                    forward if config.recompute else 0.0)))
+            cuts = partition_graph(chain_graph(costs), key[0]).boundaries
+            self._tables[key] = StageTable.build(self.model.layers, cuts, self.cluster,
+                                                 self.precision, config.tp, config.recompute)
+        return self._tables[key]
+
+    def schedule(self, config: PlanConfig, costs: CostModel | None = None) -> Schedule | None:
+        """The compute schedule (None: it refuses these p, m, v). zb-auto is planned on the
+        costs; it is cached by their shape relative to the largest, to 2 digits."""
+        key: tuple[Any, ...] = (config.schedule, config.pp, config.num_microbatches,
+                                config.chunks)
+        if config.schedule == "zb-auto":
+            if costs is None:
+                return None
+            values = np.concatenate([np.asarray(costs.resolve(config.pp)[i]) for i in range(3)])
+            key += tuple(np.round(values / values.max(), 2).tolist())
+        if key not in self._schedules:
+            try:
+                self._schedules[key] = generate_schedule(
+                    config.schedule, config.pp, config.num_microbatches, config.chunks,
+                    costs=costs)
+            except ValueError:
+                self._schedules[key] = None
+        return self._schedules[key]
+
+    def held_trace(self, config: PlanConfig) -> HeldTrace | None:
+        """When each rank's activations arrive and leave (None: the schedule refuses these
+        p, m, v). zb-auto depends on the costs: None here, priced by `memory`'s bound."""
+        if config.schedule == "zb-auto":
+            return None
+        key = (config.schedule, config.pp, config.num_microbatches, config.chunks)
+        if key not in self._traces:
+            schedule = self.schedule(config)
+            self._traces[key] = None if schedule is None else HeldTrace.of(schedule)
+        return self._traces[key]
+
+    def memory(self, config: PlanConfig, trace: HeldTrace | None = None, *,
+               floor: bool = False) -> tuple[MemoryBreakdown, int]:
+        """The largest rank's memory and that rank: at the schedule's peak (`trace`), or
+        with `floor` at one microbatch of the rank's largest stage (no schedule holds less).
+        zb-auto, without a trace, is priced at its default memory limit: min(2p, m)
+        microbatches of the rank's largest stage."""
+        table = self.table(config)
+        b = config.microbatch_size
+        placement = _placement(config)
+        largest = np.zeros(config.pp)
+        np.maximum.at(largest, np.asarray(placement), table.held * b)
+        if floor:
+            activations = largest
+        elif trace is not None:
+            activations = trace.peak_bytes(table.held * b)
+        elif config.schedule == "zb-auto":
+            activations = largest * min(2 * config.pp, config.num_microbatches)
+        else:
+            raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
+        return peak_rank_memory(table.params, activations, table.workspace * b, placement,
+                                dp=config.dp, zero=config.zero_stage,
+                                recompute=config.recompute)
+
+    def _rank_params(self, config: PlanConfig) -> np.ndarray:
+        return np.bincount(_placement(config), weights=self.table(config).params,
+                           minlength=config.pp)
+
+    def _update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank: optimizer step seconds and the exposed ZeRO-1 all-gather seconds."""
+        params = self._rank_params(config)
+        shard = params / (config.dp if config.zero_stage else 1)
+        step = self.cluster.op_overhead + shard * _ADAM_TRAFFIC / self.cluster.memory_bandwidth
+        if not config.zero_stage:
+            return step, np.zeros(config.pp)
+        # ZeRO-1: reduce-scatter before the step (overlapped), all-gather after it (exposed)
+        bandwidth, latency = self.cluster.link(config.tp * config.dp)
+        gather = np.array([ring_allreduce_seconds(x * PARAM_BYTES, config.dp, bandwidth,
+                                                  latency) / 2 for x in params])
+        return step, gather
+
+    def lower_bound(self, config: PlanConfig) -> float:
+        """A step time no schedule can beat: per rank, the forwards of the stages before
+        its first one (microbatch 0 must pass them), all its compute, and its update."""
+        table = self.table(config)
+        totals = np.minimum(table.costs(config.microbatch_size).total,
+                            table.costs(config.microbatch_size, split=True).total)
+        costs = table.costs(config.microbatch_size)
+        placement = np.asarray(_placement(config))
+        busy = np.bincount(placement, weights=totals, minlength=config.pp)
+        first = np.array([np.flatnonzero(placement == rank)[0] for rank in range(config.pp)])
+        fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
+        step, gather = self._update_seconds(config)
+        return float((fill + config.num_microbatches * busy + step + gather).max())
+
+    def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
+                ) -> Prediction | None:
+        """Simulate the schedule on the stage costs, then add the data-parallel reduction
+        (per stage, from its last backward on, serial on the rank: the engine's
+        REDUCE_GRAD overlaps the rank's remaining compute) and the optimizer step.
+        None when the schedule refuses the configuration."""
+        table = self.table(config)
+        if config.schedule == "zb-auto":
+            split = True  # planned on the costs, and it always splits the backward
+        else:
+            plain = self.schedule(config)
+            if plain is None:
+                return None
+            split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
+        costs = table.costs(config.microbatch_size, split)
+        p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
+        model = CostModel(forward=costs.forward.tolist(), backward=costs.input_grad.tolist(),
+                          weight=costs.weight_grad.tolist(), comm=p2p_latency,
+                          activation_bytes=costs.boundary_bytes.tolist(),
+                          bandwidth=p2p_bandwidth)
+        schedule = self.schedule(config, model)
+        if schedule is None:
+            return None
+        timeline = simulate(schedule, model)
+        placement = np.asarray(_placement(config))
+        step, gather = self._update_seconds(config)
+        dp_bandwidth, dp_latency = self.cluster.link(config.tp * config.dp)
+        rank_end = np.zeros(config.pp)
+        np.maximum.at(rank_end, timeline.rank, timeline.end)
+        backward = np.isin(timeline.kind, _BACKWARD_KINDS)
+        stage_done = np.zeros(len(placement))
+        np.maximum.at(stage_done, timeline.stage[backward], timeline.end[backward])
+        finish = np.empty(config.pp)
+        for rank in range(config.pp):
+            reduce_end = 0.0
+            for s in sorted(np.flatnonzero(placement == rank), key=lambda s: stage_done[s]):
+                seconds = ring_allreduce_seconds(table.params[s] * GRAD_BYTES, config.dp,
+                                                 dp_bandwidth, dp_latency)
+                # ZeRO-1 reduce-scatters: half an all-reduce's traffic
+                reduce_end = max(reduce_end, stage_done[s]) + (
+                    seconds / 2 if config.zero_stage else seconds)
+            finish[rank] = max(rank_end[rank], reduce_end) + step[rank] + gather[rank]
+        total = float(finish.max())
+        m = config.num_microbatches
+        busy_by_rank = m * np.bincount(placement, weights=costs.total, minlength=config.pp)
+        busiest = int(np.argmax(busy_by_rank))
+        mine = placement == busiest
+        tp_comm = m * float(costs.tp_comm[mine].sum())
+        recompute = m * float(costs.recompute[mine].sum())
+        busy = float(busy_by_rank[busiest])
+        makespan = float(rank_end.max())
+        exposed = max(0.0, total - makespan - float(step[busiest] + gather[busiest]))
+        breakdown = {"compute": busy - tp_comm - recompute, "recomputation": recompute,
+                     "tp_comm": tp_comm, "bubble": max(0.0, makespan - busy),
+                     "dp_comm": exposed + float(gather[busiest]),
+                     "optimizer": float(step[busiest])}
+        tokens = self.global_batch * self.model.seq
+        devices = config.pp * config.tp * config.dp
+        model_flops = 3 * self.model.flops_per_sample * self.global_batch
+        return Prediction(config, total, tokens / total, model_flops / total / devices,
+                          memory[0], memory[1], breakdown, table.boundaries)
+
+
+def _placement(config: PlanConfig) -> tuple[int, ...]:
+    """Rank of each stage: loops for one-directional chunks, a V for the V schedules."""
+    from schedules import loop_placement, v_placement
+
+    if config.schedule in ("zb-v", "dualpipev"):
+        return v_placement(config.pp)
+    return loop_placement(config.pp, config.chunks)
+

@@ -1,0 +1,177 @@
+"""What the planner knows of a model: per-layer FLOPs or measured times, parameters and
+activation bytes, all per sample so any microbatch size can be priced."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.errors import PlanError
+
+__all__ = ["LayerProfile", "ModelProfile", "profile_from_cost_json"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerProfile:
+    """One pipeline layer. "split" parts are divided over tensor-parallel ranks, "replicated"
+    parts are held (or computed) whole on each of them."""
+
+    name: str
+    flops_split: float = 0.0
+    """Forward FLOPs per sample of the layer's matmuls (split over tp)."""
+    flops_replicated: float = 0.0
+    params_split: float = 0.0
+    """Parameters (a count) split over tp."""
+    params_replicated: float = 0.0
+    held_split: float = 0.0
+    """Bytes per sample the forward saves for the backward, split over tp."""
+    held_replicated: float = 0.0
+    output_bytes: float = 0.0
+    """Bytes per sample of the layer's output (what crosses a stage boundary)."""
+    input_bytes: float = 0.0
+    """Bytes per sample of the layer's input: all a recomputed layer keeps."""
+    tp_allreduces: int = 0
+    """All-reduces per pass (forward, and again backward) over the tp group (Megatron: 2)."""
+    tp_allreduce_bytes: float = 0.0
+    """Bytes per sample of each of those all-reduces."""
+    forward_seconds: float | None = None
+    """Measured forward seconds per sample; None prices the FLOPs on the cluster instead."""
+    backward_seconds: float | None = None
+    """Measured backward seconds per sample (input and weight gradients together)."""
+    forward_fixed: float = 0.0
+    """Measured seconds per forward call whatever the batch (dispatch, small kernels)."""
+    backward_fixed: float = 0.0
+    split_seconds: tuple[float, float] | None = None
+    """Measured seconds per sample of a split backward's input-gradient (I) and weight-
+    gradient (W) halves; None: half of the backward each."""
+    split_fixed: tuple[float, float] = (0.0, 0.0)
+
+    def __post_init__(self) -> None:
+        values = {**vars(self), "split_fixed": None, "split_seconds": None,
+                  "split_0": (self.split_seconds or (0.0, 0.0))[0],
+                  "split_1": (self.split_seconds or (0.0, 0.0))[1],
+                  "split_fixed_0": self.split_fixed[0], "split_fixed_1": self.split_fixed[1]}
+        bad = [f"{name}={value!r}" for name, value in values.items()
+               if name != "name" and value is not None and (
+                   isinstance(value, bool) or not isinstance(value, int | float)
+                   or not math.isfinite(value) or value < 0)]
+        if bad:
+            raise PlanError(f"layer {self.name!r}: {', '.join(bad)} must be finite numbers >= 0")
+
+    @property
+    def measured(self) -> bool:
+        return self.forward_seconds is not None
+
+    def params(self, tp: int) -> float:
+        """Parameters one tensor-parallel rank holds."""
+        return self.params_split / tp + self.params_replicated
+
+    def held(self, tp: int) -> float:
+        """Activation bytes per sample one tp rank keeps for the backward."""
+        return self.held_split / tp + self.held_replicated
+
+    def times(self, cluster: ClusterSpec, precision: str, batch: int, tp: int
+              ) -> tuple[float, float]:
+        """(forward, full backward) seconds of one microbatch of `batch` samples on one tp
+        rank, tensor-parallel all-reduces included.
+
+        FLOP-priced layers: backward = 2 × forward FLOPs (one matmul for the input gradient,
+        one for the weight gradient; Narayanan et al. 2021, section 5.1).
+        """
+        if self.forward_seconds is not None:
+            forward = self.forward_fixed + self.forward_seconds * batch
+            backward = self.backward_fixed + (self.backward_seconds or 0.0) * batch
+        else:
+            rate = cluster.flops(precision)
+            work = (self.flops_split / tp + self.flops_replicated) * batch / rate
+            forward, backward = work, 2 * work
+        comm = self.tp_seconds(cluster, batch, tp)
+        return forward + comm, backward + comm
+
+    def tp_seconds(self, cluster: ClusterSpec, batch: int, tp: int) -> float:
+        """Seconds of one pass's tensor-parallel all-reduces (Megatron: the same count in
+        the forward and in the backward)."""
+        if tp <= 1 or not self.tp_allreduces:
+            return 0.0
+        bandwidth, latency = cluster.link(tp)
+        return self.tp_allreduces * ring_allreduce_seconds(self.tp_allreduce_bytes * batch, tp,
+                                                           bandwidth, latency)
+
+    def split_times(self, cluster: ClusterSpec, precision: str, batch: int, tp: int
+                    ) -> tuple[float, float]:
+        """(I, W) seconds of a split backward of one microbatch: measured when profiled
+        (an engine's W may cost more than half a backward), else half the backward's work
+        each, the tensor-parallel all-reduces in I."""
+        if self.split_seconds is None:
+            _, backward = self.times(cluster, precision, batch, tp)
+            comm = self.tp_seconds(cluster, batch, tp)
+            return comm + (backward - comm) / 2, (backward - comm) / 2
+        return (self.split_fixed[0] + self.split_seconds[0] * batch,
+                self.split_fixed[1] + self.split_seconds[1] * batch)
+
+
+def ring_allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: float
+                           ) -> float:
+    """A ring all-reduce: 2(d-1)/d of the bytes through each link, 2(d-1) latency hops
+    (Patarasuk & Yuan 2009; the same volume as reduce-scatter + all-gather, ZeRO-1's pair)."""
+    if group <= 1:
+        return 0.0
+    return 2 * (group - 1) / group * nbytes / bandwidth + 2 * (group - 1) * latency
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """The pipeline layers in order, and what the search may vary."""
+
+    layers: tuple[LayerProfile, ...]
+    name: str = "model"
+    heads: int | None = None
+    """Attention heads (tp must divide them); None: the model cannot be tensor-split."""
+    seq: int = 1
+    """Tokens per sample (for tokens/s)."""
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise PlanError("a model needs at least one layer")
+
+    @property
+    def num_parameters(self) -> float:
+        return sum(layer.params(1) for layer in self.layers)
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Forward FLOPs of one sample through the whole model."""
+        return sum(layer.flops_split + layer.flops_replicated for layer in self.layers)
+
+    @property
+    def tensor_parallel_ok(self) -> bool:
+        return self.heads is not None and not any(layer.measured for layer in self.layers)
+
+
+def profile_from_cost_json(source: str | os.PathLike[str] | Mapping[str, Any], *,
+                           cost_batch: int = 1) -> ModelProfile:
+    """The partitioner's cost JSON (see partition/README.md) as a profile: times and
+    activation bytes are for a microbatch of `cost_batch` samples, so they are divided by it;
+    `params` are fp32 bytes; a layer's `activation` (its output) is what it holds."""
+    from partition import graph_from_json
+
+    if isinstance(cost_batch, bool) or not isinstance(cost_batch, int) or cost_batch < 1:
+        raise PlanError(f"cost_batch={cost_batch!r} must be a whole number >= 1")
+    graph = graph_from_json(source)
+    layers = []
+    previous = 0.0
+    for cost in graph.layers:
+        per_sample = cost.activation / cost_batch
+        layers.append(LayerProfile(
+            name=cost.name, params_replicated=cost.params / 4, held_replicated=per_sample,
+            output_bytes=per_sample, input_bytes=previous,
+            forward_seconds=cost.forward / cost_batch,
+            backward_seconds=cost.backward / cost_batch))
+        previous = per_sample
+    label = os.fspath(source) if not isinstance(source, Mapping) else "costs"
+    return ModelProfile(tuple(layers), name=os.path.basename(label))
+
