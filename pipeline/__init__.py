@@ -32,6 +32,7 @@ _LAZY: dict[str, str] = {
     "PipelineError": "pipeline.errors",
     "PipelineConfigError": "pipeline.errors",
     "PipelineStepError": "pipeline.errors",
+    "PipelineLayerError": "pipeline.errors",
     "RankFailedError": "pipeline.errors",
     "Topology": "pipeline.parallel.topology",
     "TopologyError": "pipeline.parallel.topology",

@@ -9,14 +9,21 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.errors import PipelineConfigError
+from pipeline.errors import PipelineConfigError, PipelineLayerError
 from pipeline.model.build_context import building_with
+from pipeline.model.layer_checks import (
+    find_shared_groups,
+    hidden_module_problems,
+    shared_layer_problems,
+    starts_in_place,
+    tie_shared_groups,
+)
 from pipeline.model.layers import Layer, build_layer, check_tied_specs, normalize_layers
 from pipeline.model.partitioning import PartitionMethod, stage_boundaries
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.groups import ProcessGroups
 
-__all__ = ["LossFn", "PipelineModule", "Stage"]
+__all__ = ["LossFn", "PipelineModule", "Stage", "run_layer"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(outputs, targets)`` -> the mean loss of one microbatch."""
@@ -27,20 +34,28 @@ class Stage(nn.Module):
     (a tensor or a tuple of tensors), as in DeepSpeed's `PipelineModule`.
 
     With ``checkpoint_interval = k > 0`` every run of k layers is an activation checkpoint:
-    only its input is kept, and its forward is recomputed during the backward.
+    only its input is kept, and its forward is recomputed during the backward. With
+    `clone_input`, a received input (a leaf that requires grad) is cloned first, so a first
+    layer that writes into its input (``ReLU(inplace=True)``) works as in a single process.
     """
 
     def __init__(self, index: int, first_layer: int, layers: Sequence[nn.Module],
-                 checkpoint_interval: int = 0) -> None:
+                 checkpoint_interval: int = 0, clone_input: bool = False) -> None:
         super().__init__()
         self.index = index
         self.first_layer = first_layer
         # keyed by global layer index, so parameter names do not depend on the partition
         self.layers = nn.ModuleDict({str(first_layer + k): layer for k, layer in enumerate(layers)})
         self.checkpoint_interval = checkpoint_interval
+        self.clone_input = clone_input
+
+    def prepare_input(self, x: Any) -> Any:
+        """The stage input as its first layer may use it (cloned when `clone_input`)."""
+        return _clone_leaves(x) if self.clone_input else x
 
     def forward(self, x: Any) -> Any:
-        layers = list(self.layers.values())
+        x = self.prepare_input(x)
+        layers = list(self.layers.items())
         k = self.checkpoint_interval
         if k <= 0 or not torch.is_grad_enabled():
             return _run(layers, x)
@@ -50,9 +65,36 @@ class Stage(nn.Module):
         return x
 
 
-def _run(layers: Sequence[nn.Module], x: Any) -> Any:
-    for layer in layers:
-        x = layer(x)
+def _clone_leaves(x: Any) -> Any:
+    """Leaves that require grad (a received activation) cloned; anything else as is."""
+    def clone(t: Any) -> Any:
+        return t.clone() if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad \
+            else t
+    return clone(x) if isinstance(x, torch.Tensor) else type(x)(clone(t) for t in x)
+
+
+_IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def run_layer(key: str, layer: nn.Module, x: Any) -> Any:
+    """``layer(x)``; an error becomes a `PipelineLayerError` naming global layer `key`."""
+    try:
+        return layer(x)
+    except PipelineLayerError:
+        raise
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as error:
+        # (not every Exception: torch's checkpoint recomputation stops by raising its own)
+        fix = ("pass PipelineModule(..., clone_stage_inputs=True) so received activations "
+               "are cloned" if _IN_PLACE_ON_LEAF in str(error) else
+               f"check that layer {int(key) - 1}'s output is what layer {key} takes")
+        raise PipelineLayerError(
+            f"layer {key} ({type(layer).__name__}) failed: {type(error).__name__}: "
+            f"{error}; {fix}", layer=int(key)) from error
+
+
+def _run(layers: Sequence[tuple[str, nn.Module]], x: Any) -> Any:
+    for key, layer in layers:
+        x = run_layer(key, layer, x)
     return x
 
 
@@ -66,7 +108,8 @@ class PipelineModule(nn.Module):
     def __init__(self, layers: Sequence[Layer] | nn.Sequential, num_stages: int, *,
                  chunks: int = 1, loss_fn: LossFn | None = None,
                  partition_method: PartitionMethod = "parameters",
-                 activation_checkpoint_interval: int = 0, base_seed: int | None = 1234) -> None:
+                 activation_checkpoint_interval: int = 0, base_seed: int | None = 1234,
+                 tie_shared: bool = False, clone_stage_inputs: bool | None = None) -> None:
         super().__init__()
         for name, value, minimum in (("num_stages", num_stages, 1), ("chunks", chunks, 1),
                                      ("activation_checkpoint_interval",
@@ -78,7 +121,14 @@ class PipelineModule(nn.Module):
             raise PipelineConfigError(f"base_seed must be an int or None, got {base_seed!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise PipelineConfigError(f"loss_fn must be callable, got {loss_fn!r}")
-        items = normalize_layers(layers)
+        for name, flag in (("tie_shared", tie_shared), ("clone_stage_inputs",
+                                                          clone_stage_inputs)):
+            if not isinstance(flag, bool) and not (flag is None and name != "tie_shared"):
+                raise PipelineConfigError(f"{name} must be True or False, got {flag!r}")
+        items = _checked_layers(normalize_layers(layers), tie_shared)
+        self.clone_stage_inputs = clone_stage_inputs
+        """Clone received stage inputs: True always, False never, None (default) only where
+        the stage's first layer works in place (e.g. ``ReLU(inplace=True)``)."""
         try:
             self.tied_keys = check_tied_specs(items)
             """Layer index -> key of every `TiedLayerSpec` (its copies share weights)."""
@@ -141,8 +191,11 @@ class PipelineModule(nn.Module):
                 span = self.layers_of(stage)
                 modules = [build_layer(self._layer(k), k, base_seed=self.base_seed,
                                        device=device, shared=self._tied_modules) for k in span]
+                clone = self.clone_stage_inputs
+                if clone is None:
+                    clone = stage > 0 and starts_in_place(modules[0])
                 self.stages[str(stage)] = Stage(stage, span.start, modules,
-                                                self.activation_checkpoint_interval)
+                                                self.activation_checkpoint_interval, clone)
         self._layer_list = [None if not any(k in self.layers_of(s) for s in stages) else layer
                             for k, layer in enumerate(self._layer_list)]
 
@@ -206,3 +259,14 @@ class PipelineModule(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_layers={self.num_layers}, num_stages={self.num_stages}, "
                 f"chunks={self.chunks}, boundaries={self.boundaries}")
+
+
+def _checked_layers(items: list[Layer], tie_shared: bool) -> list[Layer]:
+    """Refuse layers whose weights a pipeline would not train; tie shared ones when asked."""
+    groups = find_shared_groups(items)
+    problems = hidden_module_problems(items)
+    if not tie_shared:
+        problems += shared_layer_problems(groups)
+    if problems:
+        raise PipelineConfigError("PipelineModule: " + "; ".join(problems))
+    return tie_shared_groups(items, groups) if tie_shared else items

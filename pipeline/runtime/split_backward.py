@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.model.module import Stage
+from pipeline.model.module import Stage, run_layer
 from pipeline.runtime.batch import as_tensors
 
 __all__ = ["LayerGrads", "forward_capturing"]
@@ -64,7 +64,8 @@ def forward_capturing(stage: Stage, x: Any) -> tuple[Any, LayerGrads | None]:
     if stage.checkpoint_interval > 0:
         return stage(x), None
     captured = LayerGrads()
-    for layer in stage.layers.values():
-        x = layer(x)
+    x = stage.prepare_input(x)
+    for key, layer in stage.layers.items():
+        x = run_layer(key, layer, x)
         captured.watch(layer, x)
     return x, captured
