@@ -86,6 +86,7 @@ def run_layer(key: str, layer: nn.Module, x: Any) -> Any:
         # (not every Exception: torch's checkpoint recomputation stops by raising its own)
         fix = ("pass PipelineModule(..., clone_stage_inputs=True) so received activations "
                "are cloned" if _IN_PLACE_ON_LEAF in str(error) else
+               "check the inputs given to the pipeline" if key == "0" else
                f"check that layer {int(key) - 1}'s output is what layer {key} takes")
         raise PipelineLayerError(
             f"layer {key} ({type(layer).__name__}) failed: {type(error).__name__}: "
@@ -156,6 +157,7 @@ class PipelineModule(nn.Module):
         """S+1 cut indices: stage s holds layers boundaries[s] .. boundaries[s+1]-1."""
         self.stages = nn.ModuleDict()
         """The stages built on this rank, keyed by str(stage index)."""
+        self._build_hooks: list[Callable[[PipelineModule], None]] = []
 
     @property
     def num_layers(self) -> int:
@@ -198,6 +200,20 @@ class PipelineModule(nn.Module):
                                                 self.activation_checkpoint_interval, clone)
         self._layer_list = [None if not any(k in self.layers_of(s) for s in stages) else layer
                             for k, layer in enumerate(self._layer_list)]
+        hooks, self._build_hooks = self._build_hooks, []
+        for hook in hooks:
+            hook(self)
+
+    def on_materialize(self, hook: Callable[[PipelineModule], None]) -> None:
+        """Call ``hook(self)`` once this rank's stages are built (at once if they already
+        are): e.g. load pretrained weights on the owning rank only, before the engine hands
+        the parameters to its optimizer."""
+        if not callable(hook):
+            raise TypeError(f"on_materialize needs a callable hook(module), got {hook!r}")
+        if self.stages:
+            hook(self)
+        else:
+            self._build_hooks.append(hook)
 
     def _layer(self, index: int) -> Layer:
         layer = self._layer_list[index]
