@@ -28,6 +28,7 @@ from torch import nn
 from pipeline.errors import PipelineConfigError
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
+from pipeline.runtime.loss_normalization import SummedLoss, token_cross_entropy
 
 __all__ = ["IGNORE_INDEX", "HFLayers", "causal_lm_loss", "causal_lm_targets", "layers_from_hf"]
 
@@ -52,6 +53,10 @@ class HFLayers:
     state dict), e.g. ``("layer.", "model.layers.3.")``."""
     config: Any
     """The `transformers.PretrainedConfig` the layers were built from."""
+    summed_loss: SummedLoss
+    """The same loss summed over tokens with their count: with
+    `pipeline.runtime.loss_normalization.normalized_train_batch` the loss of a padded batch
+    is weighted by tokens over microbatches and replicas, as HF computes it on the batch."""
 
     def hf_name(self, layer: int, name: str) -> str:
         """The HF state-dict key of parameter `name` of global layer `layer`."""
@@ -276,5 +281,6 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
         config._attn_implementation = (attn_implementation or config._attn_implementation
                                        or "sdpa")
     layers, names = _layers_for(config, model)
-    return HFLayers(layers, causal_lm_loss, tuple(names), config)
+    return HFLayers(layers, causal_lm_loss, tuple(names), config,
+                    token_cross_entropy(ignore_index=IGNORE_INDEX, shift=True))
 

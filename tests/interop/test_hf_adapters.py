@@ -21,6 +21,7 @@ from pipeline.interop.hf_weights import (
     save_hf_checkpoint,
 )
 from pipeline.model.reference import reference_forward
+from pipeline.runtime.loss_normalization import normalized_train_batch
 from schedules import SCHEDULES
 from tests.support.hf_models import FAMILIES, tiny_config, tiny_model, token_batch
 from tests.support.rank_harness import run_ranks
@@ -84,6 +85,26 @@ def _grads_match(engine: PipelineEngine, hf_model: torch.nn.Module,
 def _check_schedules(rank: int, world_size: int, plan: dict[str, list[str]]) -> None:
     for family, schedules in plan.items():
         _check_family(world_size, family, schedules)
+    _check_padded(world_size)
+
+
+def _check_padded(world_size: int) -> None:
+    """Padded rows: HF's loss is the mean over the batch's real tokens; the pipeline's
+    token-weighted loss equals it (the mean of microbatch means would not)."""
+    hf_model = tiny_model("llama")
+    ids, mask = token_batch(8, 8, seed=4, padded=True)
+    labels = causal_lm_targets(ids, mask)
+    expected = hf_model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    expected.backward()
+    for name in ("1f1b", "zb-h1"):
+        hf = layers_from_hf(tiny_config("llama"))
+        module = PipelineModule(hf.layers, num_stages=world_size, loss_fn=hf.summed_loss)
+        load_hf_weights(module, hf, hf_model.state_dict())
+        engine = PipelineEngine(module, schedule=name, num_microbatches=4, timeout=30)
+        loss = normalized_train_batch(engine, (ids, mask), labels)
+        assert abs(loss - float(expected)) < 1e-5, (name, loss, float(expected))
+        names = {key: hf.hf_name(*key) for key, _ in module.named_layer_parameters()}
+        _grads_match(engine, hf_model, names, f"padded llama {name}")
 
 
 def _check_family(world_size: int, family: str, schedules: list[str]) -> None:
@@ -109,7 +130,8 @@ def _check_family(world_size: int, family: str, schedules: list[str]) -> None:
 @pytest.mark.slow
 def test_every_family_and_schedule_equals_the_hf_model() -> None:
     """GPT-2 and Llama through every registered training schedule; Mistral and Qwen2 (the
-    Llama shape with their own classes) through 1F1B and ZB-H1. One launch: importing
+    Llama shape with their own classes) through 1F1B and ZB-H1; a padded batch with the
+    token-weighted loss. One launch: importing
     transformers in each rank is most of the time."""
     run_ranks(_check_schedules, 2, {"gpt2": TRAINING_SCHEDULES, "llama": TRAINING_SCHEDULES,
                                     "mistral": ["1f1b", "zb-h1"], "qwen2": ["1f1b", "zb-h1"]},
