@@ -69,7 +69,7 @@ def test_file_config_reads_every_pipeline_key(tmp_path: Path) -> None:
 
 
 def test_unknown_optimizer_names_the_available_ones() -> None:
-    with pytest.raises(PipelineConfigError, match="OneBitAdam.*Adam, AdamW, SGD"):
+    with pytest.raises(PipelineConfigError, match=r"OneBitAdam.*Adam, AdamW, SGD"):
         make_optimizer_factory({"type": "OneBitAdam"})
 
 
