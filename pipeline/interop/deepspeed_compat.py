@@ -13,6 +13,7 @@ over its data iterator, ``eval_batch``, ``gradient_accumulation_steps()``, ...).
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import random
 import sys
@@ -35,6 +36,7 @@ from pipeline.interop.ds_config import (
     make_scheduler,
     read_ds_config,
 )
+from pipeline.launcher.failure import stop_watchdog
 from pipeline.model.layers import LayerSpec
 from pipeline.model.module import PipelineModule
 from pipeline.model.tied import TiedLayerSpec
@@ -285,6 +287,18 @@ class DeepSpeedPipelineEngine:
         return info.directory, dict(extra.get("client_state", {}))
 
 
+def _shut_down() -> None:
+    """At exit of a script run under torchrun (no `pipeline.launch` to clean up): stop the
+    watchdog before the process group it polls goes away (else the store client can be torn
+    down under it and the process aborts), then destroy the group."""
+    stop_watchdog()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_SHUTDOWN_REGISTERED: list[bool] = []
+
+
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     for value in (config, config_params, getattr(args, "deepspeed_config", None)):
         if value is not None:
@@ -330,6 +344,9 @@ def initialize(args: Any = None, model: PipelineModule | None = None,
         precision=ds.precision,  # type: ignore[arg-type]
         gradient_clipping=ds.gradient_clipping, initial_loss_scale=ds.initial_loss_scale,
         loss_scale_window=ds.loss_scale_window, timeout=timeout)
+    if not _SHUTDOWN_REGISTERED:
+        atexit.register(_shut_down)
+        _SHUTDOWN_REGISTERED.append(True)
     wrapped = DeepSpeedPipelineEngine(engine, ds, training_data=training_data,
                                       collate_fn=collate_fn)
     torch_optimizer = wrapped._torch_optimizer()

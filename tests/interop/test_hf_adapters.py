@@ -21,6 +21,7 @@ from pipeline.interop.hf_weights import (
     save_hf_checkpoint,
 )
 from pipeline.model.reference import reference_forward
+from pipeline.runtime.inference import Inference, greedy_generate
 from pipeline.runtime.loss_normalization import normalized_train_batch
 from schedules import SCHEDULES
 from tests.support.hf_models import FAMILIES, tiny_config, tiny_model, token_batch
@@ -86,6 +87,21 @@ def _check_schedules(rank: int, world_size: int, plan: dict[str, list[str]]) -> 
     for family, schedules in plan.items():
         _check_family(world_size, family, schedules)
     _check_padded(world_size)
+    _check_generate(world_size)
+
+
+def _check_generate(world_size: int) -> None:
+    """Greedy tokens from the pipeline (eval with its own m, logits on every rank) are HF's."""
+    hf_model = tiny_model("llama", seed=5)
+    hf = layers_from_hf(tiny_config("llama"))
+    module = PipelineModule(hf.layers, num_stages=world_size, chunks=2, loss_fn=hf.loss_fn)
+    load_hf_weights(module, hf, hf_model.state_dict())
+    engine = PipelineEngine(module, schedule="zb-v", num_microbatches=4, timeout=30)
+    prompt, _ = token_batch(2, 4, seed=6)
+    tokens = greedy_generate(Inference(engine), prompt, max_new_tokens=5, num_microbatches=1)
+    expected = hf_model.generate(prompt, max_new_tokens=5, do_sample=False,
+                                 attention_mask=torch.ones_like(prompt), pad_token_id=0)
+    assert torch.equal(tokens, expected), (tokens, expected)
 
 
 def _check_padded(world_size: int) -> None:
@@ -131,7 +147,7 @@ def _check_family(world_size: int, family: str, schedules: list[str]) -> None:
 def test_every_family_and_schedule_equals_the_hf_model() -> None:
     """GPT-2 and Llama through every registered training schedule; Mistral and Qwen2 (the
     Llama shape with their own classes) through 1F1B and ZB-H1; a padded batch with the
-    token-weighted loss. One launch: importing
+    token-weighted loss; greedy generation against HF's generate. One launch: importing
     transformers in each rank is most of the time."""
     run_ranks(_check_schedules, 2, {"gpt2": TRAINING_SCHEDULES, "llama": TRAINING_SCHEDULES,
                                     "mistral": ["1f1b", "zb-h1"], "qwen2": ["1f1b", "zb-h1"]},
