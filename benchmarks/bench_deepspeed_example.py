@@ -11,6 +11,7 @@ default (cloned only before an in-place first layer) is what cloning everywhere,
 does, would cost.
 
     python benchmarks/bench_deepspeed_example.py                 # 2 ranks, 5 timed steps
+    python benchmarks/bench_deepspeed_example.py --deepspeed-cpu-adam  # DeepSpeed's own Adam
     python benchmarks/bench_deepspeed_example.py --side 64 --steps 3 --no-deepspeed
 """
 
@@ -42,10 +43,13 @@ PP, SEED = 2, 1138
 Step = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
 
 
-def _config(batch: int, micro: int) -> dict[str, Any]:
+def _config(batch: int, micro: int, torch_adam: bool) -> dict[str, Any]:
+    """The example's ds_config with the batch sizes given. With `torch_adam` DeepSpeed steps
+    torch's AdamW, as ours does; without, its own compiled CPU Adam."""
     return {"train_batch_size": batch, "train_micro_batch_size_per_gpu": micro,
             "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.9, 0.999],
-                                                     "eps": 1e-8, "weight_decay": 0}},
+                                                     "eps": 1e-8, "weight_decay": 0,
+                                                     "torch_adam": torch_adam}},
             "steps_per_print": 10**9}
 
 
@@ -85,9 +89,9 @@ def _timed(step: Step, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> floa
 
 
 def _bench_rank(side: int, batch: int, micro: int, steps: int, warmup: int,
-                use_deepspeed: bool) -> dict[str, float]:
+                use_deepspeed: bool, torch_adam: bool) -> dict[str, float]:
     torch.set_num_threads(1)
-    config = _config(batch, micro)
+    config = _config(batch, micro, torch_adam)
     runners: dict[str, Step] = {"ours": _ours(config, None),
                                 "ours, every input cloned": _ours(config, True)}
     if use_deepspeed:
@@ -114,16 +118,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per engine")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-deepspeed", action="store_true")
+    parser.add_argument("--deepspeed-cpu-adam", action="store_true",
+                        help="let DeepSpeed step its own compiled CPU Adam (default: torch's "
+                             "AdamW in both engines, via torch_adam)")
     args = parser.parse_args(argv)
     use_deepspeed = deepspeed_available(not args.no_deepspeed, "ours only")
     started = time.time()
     rows = launch(_bench_rank, PP, args.side, args.batch, args.micro, args.steps, args.warmup,
-                  use_deepspeed, timeout=1800, threads_per_rank=1)
+                  use_deepspeed, not args.deepspeed_cpu_adam, timeout=1800,
+                  threads_per_rank=1)
     slowest = {name: max(row[name] for row in rows) for name in rows[0]}
     print(f"DeepSpeed's AlexNet pipeline example, p = {PP} (gloo, 1 thread per rank), images "
           f"{args.side}², batch {args.batch}, microbatch {args.micro} (m = "
-          f"{args.batch // args.micro}, 1F1B), Adam fp32; medians of {args.steps} steps, "
-          f"slowest rank; torch {torch.__version__}; {time.time() - started:.0f} s")
+          f"{args.batch // args.micro}, 1F1B), Adam fp32 ("
+          f"{'DeepSpeed CPU Adam' if args.deepspeed_cpu_adam else 'torch AdamW in both'}); "
+          f"medians of {args.steps} steps, slowest rank; torch {torch.__version__}; {time.time() - started:.0f} s")
     base = slowest.get("DeepSpeed")
     print("| engine | step time (ms) | / DeepSpeed |\n|---|---|---|")
     for name, value in slowest.items():
