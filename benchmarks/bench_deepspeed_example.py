@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.side}², batch {args.batch}, microbatch {args.micro} (m = "
           f"{args.batch // args.micro}, 1F1B), Adam fp32 ("
           f"{'DeepSpeed CPU Adam' if args.deepspeed_cpu_adam else 'torch AdamW in both'}); "
-          f"medians of {args.steps} steps, slowest rank; torch {torch.__version__}; {time.time() - started:.0f} s")
+          f"medians of {args.steps} steps, slowest rank; torch {torch.__version__}; "
+          f"{time.time() - started:.0f} s")
     base = slowest.get("DeepSpeed")
     print("| engine | step time (ms) | / DeepSpeed |\n|---|---|---|")
     for name, value in slowest.items():
