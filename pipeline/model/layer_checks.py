@@ -93,6 +93,9 @@ def find_hidden_modules(fn: Callable[..., Any]) -> list[tuple[str, nn.Module | n
         elif callable(obj) and not isinstance(obj, type):
             for how, ref in _references(obj):
                 visit(ref, f"{path} -> {how}" if path else how, depth + 1)
+        elif not isinstance(obj, type | types.ModuleType) and hasattr(obj, "__dict__"):
+            for name, value in vars(obj).items():  # e.g. `self` of the method that built it
+                visit(value, f"{path}.{name}", depth + 1)
 
     for how, ref in _references(fn):
         visit(ref, how, 1)

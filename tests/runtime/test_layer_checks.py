@@ -29,6 +29,16 @@ class _Holder:
         return self.proj(x)
 
 
+class _Builder:
+    """A plain object whose method builds a layer list closing over `self`."""
+
+    def __init__(self) -> None:
+        self.norm = nn.LayerNorm(4)
+
+    def layer(self) -> Any:
+        return lambda x: self.norm(x)
+
+
 def _hidden_callables() -> dict[str, Any]:
     norm = nn.LayerNorm(4)
     weight = nn.Parameter(torch.ones(4))
@@ -39,6 +49,7 @@ def _hidden_callables() -> dict[str, Any]:
         "partial keyword 'weight'": functools.partial(F.layer_norm, normalized_shape=(4,),
                                                       weight=weight),
         "attribute 'proj'": _Holder(),
+        "closure variable 'self'.norm": _Builder().layer(),
     }
 
 
