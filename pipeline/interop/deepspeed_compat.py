@@ -42,6 +42,7 @@ from pipeline.model.module import PipelineModule
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.engine import PipelineEngine
+from pipeline.runtime.inference import Inference
 from pipeline.runtime.loss_normalization import (
     is_summed,
     normalized_eval_batch,
@@ -122,6 +123,7 @@ class DeepSpeedPipelineEngine:
         if training_data is not None:
             self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn)
             self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
+        self._inference: Inference | None = None
         self._step_start = time.perf_counter()
         self.device = engine.device
         self.global_rank = dist.get_rank()
@@ -223,15 +225,26 @@ class DeepSpeedPipelineEngine:
         return torch.tensor(loss)
 
     def eval_batch(self, data_iter: Iterator[Any] | None = None, return_logits: bool = False,
-                   compute_loss: bool = True, **_: Any) -> Any:
-        """Forward gradient_accumulation_steps microbatches; the mean loss on every rank
-        (and the last stage's outputs there with `return_logits`)."""
+                   compute_loss: bool = True, num_micro_batches: int | None = None,
+                   **_: Any) -> Any:
+        """Forward `num_micro_batches` microbatches (default gradient_accumulation_steps)
+        from `data_iter` (or the training data). Returns the mean loss on every rank (token
+        weighted for a summed loss at the default m), and with `return_logits` also the
+        last stage's outputs, broadcast to every rank of the pipeline."""
         iterator = self._iterator(data_iter)
-        summed = is_summed(self.module.loss_fn) and compute_loss
-        outputs = normalized_eval_batch(self.engine, data_iter=iterator) if summed else \
-            self.engine.eval_batch(data_iter=iterator)
-        loss = torch.tensor(self.engine.last_loss if self.engine.last_loss is not None
-                            else float("nan"))
+        m = num_micro_batches or self.config.gradient_accumulation_steps
+        outputs = None
+        if is_summed(self.module.loss_fn) and compute_loss and not return_logits and \
+                m == self.config.gradient_accumulation_steps:
+            normalized_eval_batch(self.engine, data_iter=iterator)
+            value = self.engine.last_loss
+        else:
+            if self._inference is None:
+                self._inference = Inference(self.engine)
+            outputs = self._inference.eval_batch(num_microbatches=m, data_iter=iterator,
+                                                 broadcast=return_logits)
+            value = self._inference.last_loss
+        loss = torch.tensor(value if value is not None else float("nan"))
         return (loss, outputs) if return_logits else loss
 
     def _report(self, loss: float) -> None:

@@ -13,6 +13,7 @@ comes earlier in that order: no rank can wait on one that waits back.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -63,14 +64,17 @@ class Inference:
         return self._engines[num_microbatches]
 
     def eval_batch(self, inputs: Any = None, targets: Any = None, *,
-                   num_microbatches: int | None = None, broadcast: bool = False) -> Any:
-        """Forward `inputs` in `num_microbatches` microbatches (default: the training m).
+                   num_microbatches: int | None = None, broadcast: bool = False,
+                   data_iter: Iterator[Any] | None = None) -> Any:
+        """Forward `inputs` in `num_microbatches` microbatches (default: the training m), or
+        that many (inputs, targets) pairs from `data_iter`.
 
         Returns the last stage's outputs joined over microbatches: on the rank holding the
         last stage, and with `broadcast` on every rank of its pipeline (None elsewhere).
         With targets, the mean loss is in `last_loss`."""
         engine = self._engine_for(num_microbatches)
-        outputs = engine.eval_batch(inputs, targets)
+        outputs = engine.eval_batch(data_iter=data_iter) if data_iter is not None else \
+            engine.eval_batch(inputs, targets)
         self.last_loss = engine.last_loss
         if not broadcast:
             return outputs

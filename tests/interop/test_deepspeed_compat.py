@@ -20,6 +20,7 @@ import pipeline
 from pipeline import LayerSpec, PipelineModule
 from pipeline.errors import PipelineConfigError
 from pipeline.model.reference import build_reference, reference_forward
+from tests.support.equivalence import gathered_weights
 from tests.support.rank_harness import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +57,15 @@ def _check_initialize(rank: int, world_size: int, directory: str) -> None:
         lrs.append(engine.get_lr()[0])
     assert engine.global_steps == 4
     assert lrs == pytest.approx([0.1 * 0.6309298, 0.1, 0.1, 0.1])  # log warm-up over 3 steps
+    pairs = iter([(inputs[k * 4:(k + 1) * 4], labels[k * 4:(k + 1) * 4]) for k in range(2)])
+    loss, logits = engine.eval_batch(pairs, return_logits=True, num_micro_batches=2)
+    trained = build_reference(_layers())
+    with torch.no_grad():
+        for (layer, name), value in gathered_weights(engine.engine).items():
+            dict(trained[layer].named_parameters())[name].copy_(value)
+        expected_logits = reference_forward(trained, inputs)
+    torch.testing.assert_close(logits, expected_logits)  # on every rank
+    assert abs(float(loss) - float(F.cross_entropy(expected_logits, labels))) < 1e-5
     with pytest.raises(PipelineConfigError, match="train_batch"):
         engine(inputs)
     engine.save_checkpoint(directory, client_state={"epoch": 3})
