@@ -19,6 +19,8 @@ from pipeline.interop.hf_layers import layers_from_hf
 from pipeline.interop.hf_weights import load_hf_weights
 from pipeline.runtime.inference import Inference, greedy_generate
 
+__all__: list[str] = []
+
 
 def _config() -> object:
     import transformers
