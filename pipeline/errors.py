@@ -7,6 +7,7 @@ __all__ = [
     "NonFiniteError",
     "PipelineConfigError",
     "PipelineError",
+    "PipelineLayerError",
     "PipelineStepError",
     "RankFailedError",
 ]
@@ -18,6 +19,21 @@ class PipelineError(RuntimeError):
 
 class PipelineConfigError(PipelineError, ValueError):
     """The module, schedule, batch or ranks do not fit together; raised before any step runs."""
+
+
+class PipelineLayerError(PipelineError):
+    """A layer raised while a stage ran; `layer` is its global index in the layer list."""
+
+    def __init__(self, message: str, *, layer: int) -> None:
+        self.layer = layer
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[object, ...]:  # keep the field across pickling (launcher)
+        return (_rebuild_layer_error, (str(self), self.layer))
+
+
+def _rebuild_layer_error(message: str, layer: int) -> PipelineLayerError:
+    return PipelineLayerError(message, layer=layer)
 
 
 class PipelineStepError(PipelineError):

@@ -38,6 +38,11 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--partition", default="balanced", metavar="METHOD",
                         help="balanced (profiled costs, default), uniform, parameters or "
                              "type:<regex>")
+    parser.add_argument("--model", metavar="MODULE:FUNCTION", default=None,
+                        help="train your own layer list instead of the demo LM: FUNCTION() "
+                             "returns pipeline.demo.user_model.ModelRecipe(layers, loss_fn, "
+                             "batch); MODULE is a module name or a .py path (--blocks, "
+                             "--width, --seq-len are then unused)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed")
     parser.add_argument("--out", type=Path, default=Path("pipesched-out"), metavar="DIR",
                         help="directory for timeline.png, trace.json, loss.png, summary.json")
@@ -62,11 +67,20 @@ def _check_args(args: argparse.Namespace) -> int:
             f"--batch-size {args.batch_size} must split into --data-parallel "
             f"{args.data_parallel} replicas of --microbatches {args.microbatches} equal "
             f"microbatches; use a multiple of {args.data_parallel * args.microbatches}")
+    if args.model is not None:
+        from pipeline.demo.user_model import load_recipe
+
+        args.recipe = load_recipe(args.model)
+        layers = len(args.recipe.layers)
+        if layers < args.stages * chunks:
+            raise ValueError(f"--model {args.model} has {layers} layers, too few for "
+                             f"{args.stages} stages × {chunks} chunks; use fewer --stages")
     layers = args.blocks + 2
-    check_footprint(TinyLMConfig(width=args.width, blocks=args.blocks, seq_len=args.seq_len,
-                                 heads=_heads(args.width)),
-                    batch_size=args.batch_size, world_size=args.stages * args.data_parallel)
-    if layers < args.stages * chunks:
+    if args.model is None:  # a user's model (--model) has no size flags to estimate from
+        check_footprint(TinyLMConfig(width=args.width, blocks=args.blocks, seq_len=args.seq_len,
+                                     heads=_heads(args.width)),
+                        batch_size=args.batch_size, world_size=args.stages * args.data_parallel)
+    if args.model is None and layers < args.stages * chunks:
         raise ValueError(f"{layers} layers (--blocks {args.blocks} + embedding + head) cannot "
                          f"fill {args.stages} stages × {chunks} chunks; raise --blocks to at "
                          f"least {args.stages * chunks - 2}")
@@ -89,9 +103,16 @@ def _partition(args: argparse.Namespace, config: Any, num_stages: int) -> Any:
     method, pattern = parse_method(args.partition)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # profile as the ranks will run: one thread each
-    layers = [spec.build() for spec in lm_layers(config)]
-    sample, _ = synthetic_batch(0, args.batch_size // args.data_parallel // args.microbatches,
-                                config, seed=args.seed)
+    microbatch = args.batch_size // args.data_parallel // args.microbatches
+    if args.model is not None:  # the user's layers, built as the ranks will build them
+        from pipeline.model.layers import build_layer
+
+        layers = [build_layer(layer, k, base_seed=args.seed)
+                  for k, layer in enumerate(args.recipe.layers)]
+        sample, _ = args.recipe.batch(0, microbatch)
+    else:
+        layers = [spec.build() for spec in lm_layers(config)]
+        sample, _ = synthetic_batch(0, microbatch, config, seed=args.seed)
     graph = graph_from_layers(layers, sample, repeats=5)
     return partition_graph(graph, num_stages, method=method, type_pattern=pattern)
 
@@ -119,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
                          microbatches=args.microbatches, chunks=chunks,
                          data_parallel=args.data_parallel, steps=args.steps,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, model=model,
+                         user_model=args.model,
                          boundaries=tuple(part.boundaries))
     world = args.stages * args.data_parallel
     print(f"training {args.schedule} on {world} CPU ranks (p={args.stages}, "

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipeline.demo.language_model import TinyLMConfig, lm_layers, lm_loss, synthetic_batch
+from pipeline.demo.user_model import load_recipe
 from pipeline.model.module import PipelineModule
 from pipeline.runtime.engine import PipelineEngine
 from schedules import Timeline
@@ -35,6 +38,8 @@ class TrainConfig:
     lr: float = 3e-3
     seed: int = 0
     model: TinyLMConfig = field(default_factory=TinyLMConfig)
+    user_model: str | None = None
+    """``module:function`` giving a `ModelRecipe` to train instead of the demo LM."""
     boundaries: tuple[int, ...] = ()
     """Cut indices into the layer list (p·v + 1), chosen by the partitioner before launch."""
     progress: bool = True
@@ -72,11 +77,21 @@ class ProgressBar:
             print(text, flush=True)
 
 
+def _demo_batch(config: TrainConfig, step: int, batch_size: int) -> tuple[Any, Any]:
+    return synthetic_batch(step, batch_size, config.model, seed=config.seed)
+
+
 def train_rank(config: TrainConfig) -> TrainReport | None:
     """Build this rank's stages, train `config.steps` steps, return the report on rank 0."""
     rank = dist.get_rank()
-    module = PipelineModule(lm_layers(config.model), num_stages=config.stages,
-                            chunks=config.chunks, loss_fn=lm_loss,
+    if config.user_model is not None:
+        recipe = load_recipe(config.user_model)
+        layers, loss_fn, make_batch = list(recipe.layers), recipe.loss_fn, recipe.batch
+    else:
+        layers, loss_fn = lm_layers(config.model), lm_loss
+        make_batch = functools.partial(_demo_batch, config)
+    module = PipelineModule(layers, num_stages=config.stages,
+                            chunks=config.chunks, loss_fn=loss_fn,
                             partition_method=list(config.boundaries) or "parameters",
                             base_seed=config.seed)
     engine = PipelineEngine(module, schedule=config.schedule,
@@ -87,7 +102,7 @@ def train_rank(config: TrainConfig) -> TrainReport | None:
     progress = ProgressBar(config.steps) if rank == 0 and config.progress else None
     losses, seconds = [], []
     for step in range(config.steps):
-        inputs, targets = synthetic_batch(step, config.batch_size, config.model, seed=config.seed)
+        inputs, targets = make_batch(step, config.batch_size)
         rows = slice(replica * per_replica, (replica + 1) * per_replica)
         start = time.perf_counter()
         loss = engine.train_batch(inputs[rows], targets[rows])

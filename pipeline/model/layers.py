@@ -100,9 +100,11 @@ class _Call(nn.Module):
 
 def normalize_layers(layers: Sequence[Layer] | nn.Sequential) -> list[Layer]:
     """The layers as a list, each checked to be a module, a `LayerSpec` or a callable."""
-    if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential):
-        raise TypeError(f"layers must be a list of layers or an nn.Sequential, got one "
-                        f"{type(layers).__name__}; wrap it: [{type(layers).__name__}(...)]")
+    if isinstance(layers, nn.Module) and not isinstance(layers, nn.Sequential | nn.ModuleList):
+        name = type(layers).__name__
+        raise TypeError(f"layers must be a list of layers (or an nn.Sequential / nn.ModuleList), "
+                        f"got one {name}; pass its layers in order, e.g. "
+                        f"list(model.children()), or [model] for a one-layer pipeline")
     if isinstance(layers, str | bytes) or not isinstance(layers, Iterable):
         raise TypeError(f"layers must be a list of nn.Module, LayerSpec or callables, got "
                         f"{layers!r}")
@@ -113,6 +115,12 @@ def normalize_layers(layers: Sequence[Layer] | nn.Sequential) -> list[Layer]:
                if isinstance(item, type) and issubclass(item, nn.Module)]
     if classes:  # a class is callable: it would build a fresh, untrained module per call
         raise TypeError("layers must be modules, not module classes; got " + "; ".join(classes))
+    nested = [f"layer {k} is a {type(item).__name__} of {len(item)} modules"
+              for k, item in enumerate(items) if isinstance(item, nn.ModuleList)]
+    if nested:  # a ModuleList has no forward: it would fail only when the step runs
+        raise TypeError("; ".join(nested) + ": a ModuleList cannot be called as one layer; "
+                        "splice its modules into the list, e.g. [embed, *model.transformer.h, "
+                        "head] instead of [embed, model.transformer.h, head]")
     bad = [f"layer {k}: {type(item).__name__}" for k, item in enumerate(items)
            if not (isinstance(item, nn.Module | LayerSpec | TiedLayerSpec) or callable(item))]
     if bad:
@@ -143,13 +151,30 @@ def check_tied_specs(layers: Sequence[Layer]) -> dict[int, str]:
         keys[index] = layer.key
         seen = first.setdefault(layer.key, layer)
         built = (layer.cls, layer.args, layer.kwargs, layer.tied_weight_attr)
-        if built != (seen.cls, seen.args, seen.kwargs, seen.tied_weight_attr):
+        if built == (seen.cls, seen.args, seen.kwargs, seen.tied_weight_attr):
+            continue
+        if layer.cls is not seen.cls:
+            problems.append(
+                f"layer {index} builds with {_describe_factory(layer.cls)} but an earlier "
+                f"occurrence of key {layer.key!r} builds with {_describe_factory(seen.cls)}: "
+                "two factory objects, even equal-looking ones, may build different modules; "
+                "define the factory once and pass that same object to every occurrence")
+        else:
             problems.append(f"layer {index} builds {layer!r} but an earlier occurrence of key "
-                            f"{layer.key!r} builds {seen!r}")
+                            f"{layer.key!r} builds {seen!r}; give every occurrence the same "
+                            "arguments (only forward_fn may differ)")
     if problems:
         raise ValueError("tied layers of one key must build the same module (only forward_fn "
                          "may differ): " + "; ".join(problems))
     return keys
+
+
+def _describe_factory(factory: Any) -> str:
+    """A factory told apart from an equal-looking one: qualified name, definition site, id."""
+    name = getattr(factory, "__qualname__", type(factory).__qualname__)
+    code = getattr(factory, "__code__", None)
+    where = f" at {code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+    return f"{name}{where} (object id {id(factory):#x})"
 
 
 def tied_seed(base_seed: int, key: str) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -9,8 +10,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pipeline.errors import PipelineConfigError
+from pipeline.errors import PipelineConfigError, PipelineLayerError
 from pipeline.model.build_context import building_with
+from pipeline.model.layer_checks import (
+    find_shared_groups,
+    hidden_module_problems,
+    shared_layer_problems,
+    starts_in_place,
+    tie_shared_groups,
+)
 from pipeline.model.layer_rng import (
     ForwardKey,
     call_seeded,
@@ -23,7 +31,7 @@ from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.groups import ProcessGroups
 from schedules.schedule import count_problem
 
-__all__ = ["LossFn", "PipelineModule", "Stage"]
+__all__ = ["LossFn", "PipelineModule", "Stage", "run_layer"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(outputs, targets)`` -> the mean loss of one microbatch."""
@@ -36,11 +44,14 @@ class Stage(nn.Module):
     With ``checkpoint_interval = k > 0`` every run of k layers is an activation checkpoint:
     only its input is kept, and its forward is recomputed during the backward. With a
     `base_seed`, inside the engine's `forward_key` each layer draws from its own seeded
-    stream (`pipeline.model.layer_rng`), the recompute included.
+    stream (`pipeline.model.layer_rng`), the recompute included. With `clone_input`, a
+    received input (a leaf that requires grad) is cloned first, so a first layer that writes
+    into its input (``ReLU(inplace=True)``) works as in a single process.
     """
 
     def __init__(self, index: int, first_layer: int, layers: Sequence[nn.Module],
-                 checkpoint_interval: int = 0, base_seed: int | None = None) -> None:
+                 checkpoint_interval: int = 0, base_seed: int | None = None,
+                 clone_input: bool = False) -> None:
         super().__init__()
         self.index = index
         self.first_layer = first_layer
@@ -48,8 +59,14 @@ class Stage(nn.Module):
         self.layers = nn.ModuleDict({str(first_layer + k): layer for k, layer in enumerate(layers)})
         self.checkpoint_interval = checkpoint_interval
         self.base_seed = base_seed
+        self.clone_input = clone_input
+
+    def prepare_input(self, x: Any) -> Any:
+        """The stage input as its first layer may use it (cloned when `clone_input`)."""
+        return _clone_leaves(x) if self.clone_input else x
 
     def forward(self, x: Any) -> Any:
+        x = self.prepare_input(x)
         # read once, here: a checkpointed segment gets it as an argument, so the recompute
         # during the backward (outside this forward's key) reseeds exactly as the forward did
         key = current_forward_key()
@@ -70,11 +87,40 @@ class Stage(nn.Module):
 
     def call_layer(self, index: int, layer: nn.Module, x: Any, key: ForwardKey | None) -> Any:
         """Global layer `index`'s forward; under a key (and a `base_seed`) its random draws
-        come from `layer_seed(base_seed, index, key.step, key.microbatch)`."""
+        come from `layer_seed(base_seed, index, key.step, key.microbatch)`. An error becomes a
+        `PipelineLayerError` naming the layer."""
         if key is None or self.base_seed is None:
-            return layer(x)
+            return run_layer(index, layer, x)
         seed = layer_seed(self.base_seed, index, key.step, key.microbatch)
-        return call_seeded(seed, key.device, layer, x)
+        return call_seeded(seed, key.device, functools.partial(run_layer, index, layer), x)
+
+
+def _clone_leaves(x: Any) -> Any:
+    """Leaves that require grad (a received activation) cloned; anything else as is."""
+    def clone(t: Any) -> Any:
+        return t.clone() if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad \
+            else t
+    return clone(x) if isinstance(x, torch.Tensor) else type(x)(clone(t) for t in x)
+
+
+_IN_PLACE_ON_LEAF = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+def run_layer(index: int, layer: nn.Module, x: Any) -> Any:
+    """``layer(x)``; an error becomes a `PipelineLayerError` naming global layer `index`."""
+    try:
+        return layer(x)
+    except PipelineLayerError:
+        raise
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError) as error:
+        # (not every Exception: torch's checkpoint recomputation stops by raising its own)
+        fix = ("pass PipelineModule(..., clone_stage_inputs=True) so received activations "
+               "are cloned" if _IN_PLACE_ON_LEAF in str(error) else
+               "check the inputs given to the pipeline" if index == 0 else
+               f"check that layer {index - 1}'s output is what layer {index} takes")
+        raise PipelineLayerError(
+            f"layer {index} ({type(layer).__name__}) failed: {type(error).__name__}: "
+            f"{error}; {fix}", layer=index) from error
 
 
 class PipelineModule(nn.Module):
@@ -92,7 +138,8 @@ class PipelineModule(nn.Module):
     def __init__(self, layers: Sequence[Layer] | nn.Sequential, num_stages: int, *,
                  chunks: int = 1, loss_fn: LossFn | None = None,
                  partition_method: PartitionMethod = "parameters",
-                 activation_checkpoint_interval: int = 0, base_seed: int | None = 1234) -> None:
+                 activation_checkpoint_interval: int = 0, base_seed: int | None = 1234,
+                 tie_shared: bool = False, clone_stage_inputs: bool | None = None) -> None:
         super().__init__()
         for name, value, minimum in (("num_stages", num_stages, 1), ("chunks", chunks, 1),
                                      ("activation_checkpoint_interval",
@@ -105,7 +152,14 @@ class PipelineModule(nn.Module):
             raise PipelineConfigError(f"base_seed must be an int or None, got {base_seed!r}")
         if loss_fn is not None and not callable(loss_fn):
             raise PipelineConfigError(f"loss_fn must be callable, got {loss_fn!r}")
-        items = normalize_layers(layers)
+        for name, flag in (("tie_shared", tie_shared), ("clone_stage_inputs",
+                                                          clone_stage_inputs)):
+            if not isinstance(flag, bool) and not (flag is None and name != "tie_shared"):
+                raise PipelineConfigError(f"{name} must be True or False, got {flag!r}")
+        items = _checked_layers(normalize_layers(layers), tie_shared)
+        self.clone_stage_inputs = clone_stage_inputs
+        """Clone received stage inputs: True always, False never, None (default) only where
+        the stage's first layer works in place (e.g. ``ReLU(inplace=True)``)."""
         try:
             self.tied_keys = check_tied_specs(items)
             """Layer index -> key of every `TiedLayerSpec` (its copies share weights)."""
@@ -133,6 +187,7 @@ class PipelineModule(nn.Module):
         """S+1 cut indices: stage s holds layers boundaries[s] .. boundaries[s+1]-1."""
         self.stages = nn.ModuleDict()
         """The stages built on this rank, keyed by str(stage index)."""
+        self._build_hooks: list[Callable[[PipelineModule], None]] = []
 
     @property
     def num_layers(self) -> int:
@@ -168,11 +223,28 @@ class PipelineModule(nn.Module):
                 span = self.layers_of(stage)
                 modules = [build_layer(self._layer(k), k, base_seed=self.base_seed,
                                        device=device, shared=self._tied_modules) for k in span]
+                clone = self.clone_stage_inputs
+                if clone is None:
+                    clone = stage > 0 and starts_in_place(modules[0])
                 self.stages[str(stage)] = Stage(stage, span.start, modules,
                                                 self.activation_checkpoint_interval,
-                                                self.base_seed)
+                                                self.base_seed, clone)
         self._layer_list = [None if not any(k in self.layers_of(s) for s in stages) else layer
                             for k, layer in enumerate(self._layer_list)]
+        hooks, self._build_hooks = self._build_hooks, []
+        for hook in hooks:
+            hook(self)
+
+    def on_materialize(self, hook: Callable[[PipelineModule], None]) -> None:
+        """Call ``hook(self)`` once this rank's stages are built (at once if they already
+        are): e.g. load pretrained weights on the owning rank only, before the engine hands
+        the parameters to its optimizer."""
+        if not callable(hook):
+            raise TypeError(f"on_materialize needs a callable hook(module), got {hook!r}")
+        if self.stages:
+            hook(self)
+        else:
+            self._build_hooks.append(hook)
 
     def _layer(self, index: int) -> Layer:
         layer = self._layer_list[index]
@@ -234,3 +306,14 @@ class PipelineModule(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_layers={self.num_layers}, num_stages={self.num_stages}, "
                 f"chunks={self.chunks}, boundaries={self.boundaries}")
+
+
+def _checked_layers(items: list[Layer], tie_shared: bool) -> list[Layer]:
+    """Refuse layers whose weights a pipeline would not train; tie shared ones when asked."""
+    groups = find_shared_groups(items)
+    problems = hidden_module_problems(items)
+    if not tie_shared:
+        problems += shared_layer_problems(groups)
+    if problems:
+        raise PipelineConfigError("PipelineModule: " + "; ".join(problems))
+    return tie_shared_groups(items, groups) if tie_shared else items

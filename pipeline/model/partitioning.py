@@ -6,6 +6,7 @@ cannot know about a `LayerSpec` that is not built yet: its parameter count.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from pipeline.errors import PipelineConfigError
@@ -24,14 +25,14 @@ def stage_boundaries(layers: Sequence[Layer], num_stages: int,
     from partition import Method, PartitionError, parse_method, partition_layers
 
     n = len(layers)
-    if not isinstance(method, str) and not (
-            isinstance(method, Sequence) and all(isinstance(cut, int) for cut in method)):
+    cuts = None if isinstance(method, str) else _cut_indices(method)
+    if not isinstance(method, str) and cuts is None:
         raise PipelineConfigError(
             f"partition_method must be 'parameters', 'uniform', 'balanced', 'type:<regex>' or "
             f"a list of cut indices such as [0, {n // 2}, {n}], got {method!r}")
     try:
         if not isinstance(method, str):
-            return partition_layers(layers, num_stages, Method.EXPLICIT, boundaries=list(method))
+            return partition_layers(layers, num_stages, Method.EXPLICIT, boundaries=cuts)
         kind, pattern = parse_method(method)  # parsed once, here
         if kind is Method.EXPLICIT:
             raise PipelineConfigError(
@@ -47,3 +48,13 @@ def stage_boundaries(layers: Sequence[Layer], num_stages: int,
     except PartitionError as error:
         raise PipelineConfigError(f"cannot partition {n} layers into {num_stages} stages "
                                   f"with {method!r}: {error}") from error
+
+
+def _cut_indices(method: object) -> list[int] | None:
+    """Explicit cuts as Python ints (numpy integers and arrays accepted), or None."""
+    if isinstance(method, bytes) or not hasattr(method, "__iter__"):
+        return None
+    try:
+        return [operator.index(cut) for cut in method]
+    except TypeError:  # a float or anything else that is not an integer
+        return None

@@ -45,11 +45,13 @@ def build_reference(layers: Sequence[Layer] | nn.Sequential, *,
     parameters with a pipeline. Occurrences of one tied key share one module, so its
     gradient is the sum over its uses."""
     items = normalize_layers(layers)
+    # one deepcopy of all prebuilt modules together, so a module listed twice (or two
+    # modules sharing a parameter) stay shared in the copy, as in the user's model
+    copies = copy.deepcopy([layer if isinstance(layer, nn.Module) else None for layer in items])
     shared: dict[str, nn.Module] = {}
     return nn.ModuleList(
-        build_layer(layer if not isinstance(layer, nn.Module) else copy.deepcopy(layer), k,
-                    base_seed=base_seed, shared=shared)
-        for k, layer in enumerate(items))
+        build_layer(layer if copied is None else copied, k, base_seed=base_seed, shared=shared)
+        for k, (layer, copied) in enumerate(zip(items, copies)))
 
 
 def reference_forward(model: nn.ModuleList, inputs: Any) -> Any:

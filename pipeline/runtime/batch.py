@@ -38,6 +38,11 @@ class Layout(NamedTuple):
 def as_tensors(value: Any, what: str) -> tuple[torch.Tensor, ...]:
     """`value` as a tuple of tensors (a lone tensor becomes a 1-tuple)."""
     items = (value,) if isinstance(value, torch.Tensor) else value
+    if isinstance(value, Iterator):
+        raise TypeError(f"{what} is an iterator ({type(value).__name__}): a DeepSpeed-style "
+                        "data iterator goes in as train_batch(data_iter=it) / "
+                        "eval_batch(data_iter=it) (or use pipeline.initialize, whose engine "
+                        "takes train_batch(it) as DeepSpeed does)")
     if not isinstance(items, tuple | list) or not all(isinstance(t, torch.Tensor) for t in items):
         raise TypeError(f"{what} must be a tensor or a tuple of tensors, got "
                         f"{_describe(value)}")

@@ -79,6 +79,7 @@ def forward_capturing(stage: Stage, x: Any) -> tuple[Any, LayerGrads | None]:
     if stage.checkpoint_interval > 0:
         return stage(x), None
     captured = LayerGrads()
+    x = stage.prepare_input(x)
     key = current_forward_key()
     for index, layer in stage.layers.items():
         x = stage.call_layer(int(index), layer, x, key)  # seeded as `Stage.forward` does

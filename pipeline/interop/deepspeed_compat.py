@@ -1,0 +1,372 @@
+"""DeepSpeed's pipeline API on `PipelineEngine`: a DeepSpeed script runs with its imports changed.
+
+    import pipeline.interop.deepspeed_compat as deepspeed
+    from pipeline.interop.deepspeed_compat import PipelineModule, RepeatingLoader
+
+``deepspeed.initialize(args=, model=, config=, training_data=)`` reads the ds_config keys a
+pipeline job uses (`pipeline.interop.ds_config`) and returns ``(engine, optimizer,
+dataloader, lr_scheduler)``; the engine has DeepSpeed's method names (``train_batch()``
+over its data iterator, ``eval_batch``, ``gradient_accumulation_steps()``, ...). It wraps a
+`PipelineEngine` through its public methods only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import random
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from pipeline.errors import PipelineConfigError
+from pipeline.interop.ds_config import (
+    DSConfig,
+    make_optimizer_factory,
+    make_scheduler,
+    read_ds_config,
+)
+from pipeline.launcher.failure import stop_watchdog
+from pipeline.model.layers import LayerSpec
+from pipeline.model.module import PipelineModule
+from pipeline.model.tied import TiedLayerSpec
+from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.runtime.engine import PipelineEngine
+from pipeline.runtime.inference import Inference
+from pipeline.runtime.loss_normalization import (
+    is_summed,
+    normalized_eval_batch,
+    normalized_train_batch,
+)
+
+__all__ = ["DeepSpeedPipelineEngine", "LayerSpec", "PipelineModule", "RepeatingLoader",
+           "TiedLayerSpec", "add_config_arguments", "init_distributed", "initialize", "runtime"]
+
+
+class RepeatingLoader:
+    """Iterate a loader forever, restarting it when it ends (DeepSpeed's name)."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.loader = loader
+        self._iterator = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._iterator)
+        except StopIteration:
+            self._iterator = iter(self.loader)
+            return next(self._iterator)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--deepspeed`` and ``--deepspeed_config`` (DeepSpeed's command-line flags)."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable the DeepSpeed-style engine (always on here)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="DeepSpeed JSON configuration file")
+    return parser
+
+
+def init_distributed(dist_backend: str = "gloo", **kwargs: Any) -> None:
+    """Initialise the default process group from the launcher's environment (torchrun's or
+    DeepSpeed's RANK / WORLD_SIZE / MASTER_ADDR). NCCL without CUDA becomes gloo."""
+    if dist.is_initialized():
+        return
+    backend = dist_backend
+    if backend == "nccl" and not torch.cuda.is_available():
+        backend = "gloo"
+    for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                          ("MASTER_PORT", "29500"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(name, default)
+    dist.init_process_group(backend=backend, **kwargs)
+
+
+def _set_random_seed(seed: int) -> None:
+    """Seed Python, numpy and torch (DeepSpeed's ``runtime.utils.set_random_seed``)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+runtime = SimpleNamespace(utils=SimpleNamespace(set_random_seed=_set_random_seed))
+"""``deepspeed.runtime.utils.set_random_seed`` as scripts call it."""
+
+
+class DeepSpeedPipelineEngine:
+    """DeepSpeed's `PipelineEngine` methods over ours; `engine` is the wrapped engine."""
+
+    def __init__(self, engine: PipelineEngine, config: DSConfig, *,
+                 training_data: Dataset[Any] | None, collate_fn: Any = None,
+                 lr_scheduler: Any = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.module = engine.module
+        self.lr_scheduler = lr_scheduler
+        self.global_steps = 0
+        self.global_samples = 0
+        self.training_dataloader: DataLoader[Any] | None = None
+        self.data_iterator: Iterator[Any] | None = None
+        if training_data is not None:
+            self.training_dataloader = self.deepspeed_io(training_data, collate_fn=collate_fn)
+            self.data_iterator = iter(RepeatingLoader(self.training_dataloader))
+        self._inference: Inference | None = None
+        self._step_start = time.perf_counter()
+        self.device = engine.device
+        self.global_rank = dist.get_rank()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.world_size = dist.get_world_size()
+
+    # -- facts -----------------------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> Any:
+        return self.engine.optimizer
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision == "bf16"
+
+    def gradient_clipping(self) -> float | None:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def is_first_stage(self) -> bool:
+        return self.engine.is_first_stage()
+
+    def is_last_stage(self) -> bool:
+        return self.engine.is_last_stage()
+
+    def was_step_applied(self) -> bool:
+        return not self.engine.last_step_skipped
+
+    def get_lr(self) -> list[float]:
+        torch_optimizer = self._torch_optimizer()
+        return [] if torch_optimizer is None else [
+            group["lr"] for group in torch_optimizer.param_groups]
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer | None:
+        optimizer = self.engine.optimizer
+        if isinstance(optimizer, ShardedOptimizer):
+            return optimizer.optimizer
+        return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+    # -- data ------------------------------------------------------------------------------
+
+    def deepspeed_io(self, dataset: Dataset[Any], *, collate_fn: Any = None
+                     ) -> DataLoader[Any]:
+        """A loader of microbatches for this rank's data-parallel replica (every rank of a
+        pipeline draws the same samples, so the first stage's inputs meet the last stage's
+        labels)."""
+        position = self.engine.position
+        sampler: DistributedSampler[Any] = DistributedSampler(
+            dataset, num_replicas=self.engine.topology.dp, rank=position.dp_rank, shuffle=True,
+            seed=0)
+        return DataLoader(dataset, batch_size=self.config.micro_batch_size, sampler=sampler,
+                          collate_fn=collate_fn, drop_last=True)
+
+    def set_dataiterator(self, iterator: Iterator[Any]) -> None:
+        self.data_iterator = iterator
+
+    def _iterator(self, data_iter: Iterator[Any] | None) -> Iterator[Any]:
+        if data_iter is not None:
+            return data_iter
+        if self.data_iterator is None:
+            raise PipelineConfigError("train_batch() has no data: pass "
+                                      "initialize(training_data=dataset) or "
+                                      "train_batch(data_iter=iterator of (inputs, labels))")
+        return self.data_iterator
+
+    # -- steps -----------------------------------------------------------------------------
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """One optimizer step over gradient_accumulation_steps microbatches drawn from
+        `data_iter` (or the training data's loader); the mean loss on every rank. A loss
+        with ``reduction == "sum"`` and ``count`` is weighted by its count instead."""
+        iterator = self._iterator(data_iter)
+        if is_summed(self.module.loss_fn):
+            loss = normalized_train_batch(self.engine, data_iter=iterator)
+        else:
+            loss = self.engine.train_batch(data_iter=iterator)
+        if self.lr_scheduler is not None and not self.engine.last_step_skipped:
+            self.lr_scheduler.step()
+        self.global_steps += 1
+        self.global_samples += self.config.train_batch_size
+        self._report(loss)
+        return torch.tensor(loss)
+
+    def eval_batch(self, data_iter: Iterator[Any] | None = None, return_logits: bool = False,
+                   compute_loss: bool = True, num_micro_batches: int | None = None,
+                   **_: Any) -> Any:
+        """Forward `num_micro_batches` microbatches (default gradient_accumulation_steps)
+        from `data_iter` (or the training data). Returns the mean loss on every rank (token
+        weighted for a summed loss at the default m), and with `return_logits` also the
+        last stage's outputs, broadcast to every rank of the pipeline."""
+        iterator = self._iterator(data_iter)
+        m = num_micro_batches or self.config.gradient_accumulation_steps
+        outputs = None
+        if is_summed(self.module.loss_fn) and compute_loss and not return_logits and \
+                m == self.config.gradient_accumulation_steps:
+            normalized_eval_batch(self.engine, data_iter=iterator)
+            value = self.engine.last_loss
+        else:
+            if self._inference is None:
+                self._inference = Inference(self.engine)
+            outputs = self._inference.eval_batch(num_microbatches=m, data_iter=iterator,
+                                                 broadcast=return_logits)
+            value = self._inference.last_loss
+        loss = torch.tensor(value if value is not None else float("nan"))
+        return (loss, outputs) if return_logits else loss
+
+    def _report(self, loss: float) -> None:
+        if self.global_steps % self.config.steps_per_print or self.global_rank != 0:
+            return
+        now = time.perf_counter()
+        elapsed = (now - self._step_start) / self.config.steps_per_print
+        self._step_start = now
+        print(f"steps: {self.global_steps} loss: {loss:0.4f} iter time (s): {elapsed:0.3f} "
+              f"samples/sec: {self.config.train_batch_size / elapsed:0.3f}", flush=True)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineConfigError("a pipeline engine runs whole steps: call train_batch() / "
+                                  "eval_batch() instead of engine(inputs), backward, step")
+
+    __call__ = forward
+    backward = forward
+    step = forward
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None,
+                        client_state: Mapping[str, Any] | None = None) -> bool:
+        """Weights, optimizer, generators (our crash-safe format) plus the scheduler and
+        `client_state` (a collective)."""
+        if tag is not None:
+            warnings.warn("save_checkpoint(tag=) is ignored: checkpoints are step_<N>",
+                          stacklevel=2)
+        info = self.engine.save_checkpoint(save_dir)
+        if self.global_rank == 0:
+            extra = {"client_state": dict(client_state or {}),
+                     "lr_scheduler": None if self.lr_scheduler is None
+                     else self.lr_scheduler.state_dict(),
+                     "global_samples": self.global_samples}
+            torch.save(extra, Path(info.directory) / "client_state.pt")
+        dist.barrier()
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None,
+                        load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True) -> tuple[str, dict[str, Any]]:
+        """Load (the latest, or `tag`'s step directory); returns (path, client_state)."""
+        source = str(Path(load_dir) / tag) if tag is not None else load_dir
+        info = self.engine.load_checkpoint(source, load_optimizer=load_optimizer_states)
+        self.global_steps = info.step
+        extra_path = Path(info.directory) / "client_state.pt"
+        extra: dict[str, Any] = torch.load(extra_path, weights_only=False) \
+            if extra_path.is_file() else {}
+        if load_lr_scheduler_states and self.lr_scheduler is not None and extra.get(
+                "lr_scheduler") is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        self.global_samples = int(extra.get("global_samples", 0))
+        return info.directory, dict(extra.get("client_state", {}))
+
+
+def _shut_down() -> None:
+    """At exit of a script run under torchrun (no `pipeline.launch` to clean up): stop the
+    watchdog before the process group it polls goes away (else the store client can be torn
+    down under it and the process aborts), then destroy the group."""
+    stop_watchdog()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_SHUTDOWN_REGISTERED: list[bool] = []
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    for value in (config, config_params, getattr(args, "deepspeed_config", None)):
+        if value is not None:
+            return value
+    raise PipelineConfigError("no DeepSpeed config: pass initialize(config=path or dict) or "
+                              "--deepspeed_config path (add_config_arguments(parser))")
+
+
+def initialize(args: Any = None, model: PipelineModule | None = None,
+               optimizer: Any = None, model_parameters: Any = None,
+               training_data: Dataset[Any] | None = None, lr_scheduler: Any = None,
+               collate_fn: Any = None, config: str | Path | Mapping[str, Any] | None = None,
+               config_params: Any = None, *, schedule: str = "1f1b",
+               timeout: float = 300.0, **_: Any
+               ) -> tuple[DeepSpeedPipelineEngine, Any, DataLoader[Any] | None, Any]:
+    """DeepSpeed's ``initialize`` for a `PipelineModule`: (engine, optimizer, training
+    dataloader, lr_scheduler). `model_parameters` is not needed: each rank's optimizer
+    takes its own stages' parameters once they are built. `schedule` picks any of our
+    schedules (DeepSpeed has only 1F1B)."""
+    if not isinstance(model, PipelineModule):
+        raise TypeError(f"initialize(model=) needs a PipelineModule, got "
+                        f"{type(model).__name__}; wrap the layers: PipelineModule(layers=..., "
+                        "num_stages=..., loss_fn=...)")
+    if not dist.is_initialized():
+        init_distributed()
+    world = dist.get_world_size()
+    if world % model.num_stages:
+        raise PipelineConfigError(f"world size {world} is not a multiple of num_stages="
+                                  f"{model.num_stages}")
+    ds = read_ds_config(_config_source(args, config, config_params),
+                        data_parallel=world // model.num_stages)
+    if ds.ignored and dist.get_rank() == 0:
+        print(f"[pipesched] ds_config keys not used by a pipeline job: {list(ds.ignored)}",
+              file=sys.stderr)
+    if optimizer is not None and ds.optimizer is not None:
+        raise PipelineConfigError("an optimizer is both in the config and passed to "
+                                  "initialize(optimizer=); keep one")
+    factory = optimizer if optimizer is not None else (
+        make_optimizer_factory(ds.optimizer) if ds.optimizer is not None else None)
+    engine = PipelineEngine(
+        model, schedule=schedule, num_microbatches=ds.gradient_accumulation_steps,
+        optimizer=factory, data_parallel=world // model.num_stages, zero_stage=ds.zero_stage,
+        precision=ds.precision,
+        gradient_clipping=ds.gradient_clipping, initial_loss_scale=ds.initial_loss_scale,
+        loss_scale_window=ds.loss_scale_window, timeout=timeout)
+    if not _SHUTDOWN_REGISTERED:
+        atexit.register(_shut_down)
+        _SHUTDOWN_REGISTERED.append(True)
+    wrapped = DeepSpeedPipelineEngine(engine, ds, training_data=training_data,
+                                      collate_fn=collate_fn)
+    torch_optimizer = wrapped._torch_optimizer()
+    if lr_scheduler is None and ds.scheduler is not None and torch_optimizer is not None:
+        lr_scheduler = make_scheduler(ds.scheduler, torch_optimizer)
+    elif callable(lr_scheduler) and torch_optimizer is not None and not hasattr(
+            lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(torch_optimizer)
+    wrapped.lr_scheduler = lr_scheduler
+    return wrapped, engine.optimizer, wrapped.training_dataloader, lr_scheduler

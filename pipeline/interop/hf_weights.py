@@ -1,0 +1,134 @@
+"""HF weights in and out of a pipeline: load a local checkpoint on the owning rank only, export
+the pipelined parameters back to a HF state dict."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline.errors import PipelineConfigError
+from pipeline.interop.hf_layers import HFLayers
+from pipeline.model.module import PipelineModule
+
+__all__ = ["gather_hf_state_dict", "hf_state_dict", "load_hf_weights", "read_hf_tensors",
+           "save_hf_checkpoint"]
+
+WeightSource = str | Path | Mapping[str, torch.Tensor]
+"""A local HF checkpoint directory (``model.safetensors`` or a sharded index), or a state
+dict (``hf_model.state_dict()``)."""
+
+
+def read_hf_tensors(directory: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Only `keys` from the safetensors files of a local checkpoint directory (each file is
+    opened lazily: tensors this rank does not hold are never read)."""
+    from safetensors import safe_open
+
+    root = Path(directory)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    elif (root / "model.safetensors").is_file():
+        weight_map = dict.fromkeys(keys, "model.safetensors")
+    else:
+        raise PipelineConfigError(
+            f"{root} holds no model.safetensors nor model.safetensors.index.json; save the "
+            "model with save_pretrained(directory) (safetensors is its default format)")
+    missing = [key for key in keys if key not in weight_map]
+    by_file: dict[str, list[str]] = {}
+    for key in keys:
+        if key in weight_map:
+            by_file.setdefault(weight_map[key], []).append(key)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, wanted in by_file.items():
+        with safe_open(str(root / name), framework="pt") as handle:
+            present = set(handle.keys())
+            missing += [key for key in wanted if key not in present]
+            tensors.update({key: handle.get_tensor(key) for key in wanted if key in present})
+    if missing:
+        raise PipelineConfigError(f"{root} lacks {sorted(missing)}; is it a checkpoint of the "
+                                  "same model type and size as the config?")
+    return tensors
+
+
+def _load_now(module: PipelineModule, hf: HFLayers, source: WeightSource) -> list[str]:
+    held = list(module.named_layer_parameters())
+    keys = [hf.hf_name(layer, name) for (layer, name), _ in held]
+    if isinstance(source, Mapping):
+        missing = sorted({key for key in keys if key not in source})
+        if missing:
+            raise PipelineConfigError(f"the state dict lacks {missing}; pass the state dict "
+                                      "of the same model type and size as the config")
+        tensors = {key: source[key] for key in keys}
+    else:
+        tensors = read_hf_tensors(source, sorted(set(keys)))
+    problems = []
+    with torch.no_grad():
+        for ((layer, name), param), key in zip(held, keys):
+            value = tensors[key]
+            if tuple(value.shape) != tuple(param.shape):
+                problems.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, "
+                                f"{tuple(param.shape)} in layer {layer} ({name})")
+                continue
+            param.copy_(value.to(param.dtype))
+    if problems:
+        raise PipelineConfigError("HF weights do not fit: " + "; ".join(problems) + "; build "
+                                  "the layers from the checkpoint's own config")
+    return sorted(set(keys))
+
+
+def load_hf_weights(module: PipelineModule, hf: HFLayers, source: WeightSource) -> None:
+    """Copy HF weights into the parameters of this rank's stages, reading only those.
+
+    Before the engine exists (the usual order) the copy runs when the engine builds this
+    rank's stages, so the optimizer (and ZeRO-1's fp32 masters) start from the loaded
+    weights; on a module already built it runs at once: build the engine afterwards.
+    """
+    if not isinstance(module, PipelineModule):
+        raise TypeError(f"load_hf_weights needs a PipelineModule, got {type(module).__name__}")
+    def load(built: PipelineModule) -> None:
+        _load_now(built, hf, source)
+
+    module.on_materialize(load)
+
+
+def hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torch.Tensor]:
+    """This rank's parameters under their HF names (detached CPU copies)."""
+    return {hf.hf_name(layer, name): param.detach().cpu().clone()
+            for (layer, name), param in module.named_layer_parameters()}
+
+
+def gather_hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torch.Tensor]:
+    """The whole model's HF state dict on every rank (a collective over the default group).
+
+    A tied lm_head appears under ``lm_head.weight`` too, as ``hf_model.state_dict()`` has
+    it, so ``hf_model.load_state_dict(gather_hf_state_dict(...))`` loads strictly.
+    """
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, hf_state_dict(module, hf))
+    merged = {key: value for part in parts for key, value in part.items()}
+    tied_key = hf.names[-1][1] + "weight"
+    if tied_key != "lm_head.weight" and tied_key in merged:
+        merged["lm_head.weight"] = merged[tied_key]
+    return merged
+
+
+def save_hf_checkpoint(module: PipelineModule, hf: HFLayers, directory: str | Path) -> None:
+    """Write ``config.json`` and ``model.safetensors`` that ``from_pretrained(directory)``
+    loads (a collective; global rank 0 writes)."""
+    from safetensors.torch import save_file
+
+    state = gather_hf_state_dict(module, hf)
+    if dist.get_rank() == 0:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        tied = hf.names[-1][1] != "lm_head."
+        tensors = {key: value.contiguous() for key, value in state.items()
+                   if not (tied and key == "lm_head.weight")}
+        save_file(tensors, str(Path(directory) / "model.safetensors"),
+                  metadata={"format": "pt"})
+        hf.config.save_pretrained(str(directory))
+    dist.barrier()
