@@ -103,7 +103,7 @@ def _activation_peak(stream: Sequence[tuple[Kind, int, int]],
             count += 1
             if held > peak or (held == peak and count > peak_count):
                 peak, peak_count = held, count
-        elif kind is Kind.B or kind is Kind.W:
+        elif kind is Kind.B or kind is Kind.OVERLAP_B or kind is Kind.W:
             held -= saved[stage]
             count -= 1
     return peak, peak_count

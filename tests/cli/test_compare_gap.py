@@ -9,6 +9,8 @@ import pytest
 
 from tests.support.cli_helpers import run_cli
 
+pytestmark = pytest.mark.slow  # each test runs the command line in a subprocess
+
 needs_solver = pytest.mark.skipif(importlib.util.find_spec("ortools") is None,
                                   reason="the optimality gap needs the 'solver' extra")
 

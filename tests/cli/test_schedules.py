@@ -9,6 +9,8 @@ import pytest
 from schedules import Schedule, build_schedule
 from tests.support.cli_helpers import run_cli
 
+pytestmark = pytest.mark.slow  # each test runs the command line in a subprocess
+
 
 def test_simulate_json_has_the_figures() -> None:
     done = run_cli("simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",

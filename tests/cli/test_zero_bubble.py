@@ -9,6 +9,8 @@ import pytest
 from schedules import SCHEDULES, Schedule, build_schedule
 from tests.support.cli_helpers import run_cli
 
+pytestmark = pytest.mark.slow  # each test runs the command line in a subprocess
+
 
 def test_zb_v_simulates_with_no_bubble_at_equal_costs() -> None:
     done = run_cli("simulate", "--schedule", "zb-v", "--stages", "4", "--microbatches", "8",
