@@ -12,6 +12,7 @@ new job resumed from the last complete checkpoint (`tests/support/fault_scenario
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
@@ -67,14 +68,13 @@ def _crashes_during_save(workdir: str) -> tuple[int, int]:
             save_checkpoint(root, job.parts())
             if not replace:
                 job.train(1)
-            faults.arm(point, _raise)
+            points = faults.FaultPoints()
+            points.arm(point, _raise)
             total += 1
             try:
-                save_checkpoint(root, job.parts())
+                save_checkpoint(root, dataclasses.replace(job.parts(), faults=points))
             except _Crash:
                 pass
-            finally:
-                faults.disarm_all()
             survived += load_checkpoint(root, Job(base_seed=3).parts()).step == 1
     return survived, total
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-
-from pipeline.launcher import faults
+from collections.abc import Callable
 
 __all__ = ["atomic_write", "fsync_directory", "read_pointer", "sha256_bytes", "sha256_file",
            "write_pointer"]
@@ -41,11 +40,12 @@ def fsync_directory(path: str) -> None:
         os.close(descriptor)
 
 
-def atomic_write(path: str, data: bytes, *, fault_point: str | None = None) -> None:
+def atomic_write(path: str, data: bytes, *,
+                 before_rename: Callable[[], None] | None = None) -> None:
     """Write `data` to `path` so that a crash leaves the old file or the new one, never a mix.
 
-    `fault_point` names the `faults` point reached after the bytes are durable under the
-    temporary name and before the rename (where a crash leaves a stray temporary file).
+    `before_rename` is called after the bytes are durable under the temporary name and before
+    the rename (where a crash leaves a stray temporary file): a fault point's hook.
     """
     directory, name = os.path.split(path)
     temporary = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
@@ -53,8 +53,8 @@ def atomic_write(path: str, data: bytes, *, fault_point: str | None = None) -> N
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-    if fault_point is not None:
-        faults.reach(fault_point)
+    if before_rename is not None:
+        before_rename()
     os.replace(temporary, path)
     fsync_directory(directory or ".")
 

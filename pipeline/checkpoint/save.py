@@ -54,7 +54,7 @@ from pipeline.checkpoint.optimizer_state import export_torch_optimizer, hyperpar
 from pipeline.checkpoint.rng_state import capture_rng
 from pipeline.checkpoint.zero_state import export_zero, zero_layout
 from pipeline.errors import CheckpointError
-from pipeline.launcher import faults
+from pipeline.launcher.faults import FaultPoints
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
@@ -88,6 +88,13 @@ class CheckpointParts:
     loss_scaler: Stateful | None = None
     schedule: str = ""
     num_microbatches: int = 1
+    faults: FaultPoints | None = None
+    """Fault points a test armed for this save (the engine passes its `faults`)."""
+
+    def reach(self, point: str) -> None:
+        """Fire `point` if a test armed it (see `pipeline.launcher.faults`)."""
+        if self.faults is not None:
+            self.faults.reach(point)
 
     @property
     def layers(self) -> dict[int, nn.Module]:
@@ -208,7 +215,8 @@ def _write_files(staging: str, parts: CheckpointParts) -> list[FileEntry]:
     entries = []
     for name, role, layers, make in _payloads(parts):
         data = _serialize(make())
-        atomic_write(os.path.join(staging, name), data, fault_point="checkpoint.file")
+        atomic_write(os.path.join(staging, name), data,
+                     before_rename=lambda: parts.reach("checkpoint.file"))
         entries.append(FileEntry(name, sha256_bytes(data), len(data), role, parts.rank, layers))
     return entries
 
@@ -243,7 +251,8 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
         try:
             manifest = _manifest(parts, [entry for rank_entries in gathered
                                          for entry in rank_entries])
-            _commit(root, staging, final_name, dump_manifest(manifest), token)
+            _commit(root, staging, final_name, dump_manifest(manifest), token,
+                    parts.reach)
         except OSError as error:
             problem = CheckpointError(f"cannot commit {staging}: {error}", path=staging)
     agree(problem, "committing the checkpoint")
@@ -262,11 +271,12 @@ def _manifest(parts: CheckpointParts, entries: list[FileEntry]) -> Manifest:
         files=tuple(sorted(entries, key=lambda entry: entry.path)))
 
 
-def _commit(root: str, staging: str, final_name: str, manifest: bytes, token: str) -> None:
-    """Steps 3-5 of the module docstring, on rank 0."""
-    faults.reach("checkpoint.manifest")
+def _commit(root: str, staging: str, final_name: str, manifest: bytes, token: str,
+            reach: Callable[[str], None]) -> None:
+    """Steps 3-5 of the module docstring, on rank 0; `reach` fires the armed fault points."""
+    reach("checkpoint.manifest")
     atomic_write(os.path.join(staging, MANIFEST), manifest)
-    faults.reach("checkpoint.commit")
+    reach("checkpoint.commit")
     final = os.path.join(root, final_name)
     replaced = None
     if os.path.exists(final):
@@ -275,10 +285,10 @@ def _commit(root: str, staging: str, final_name: str, manifest: bytes, token: st
         # under suffixed names, which `resolve_checkpoint` looks for.
         replaced = f"{final}.old-{token}"
         os.rename(final, replaced)
-        faults.reach("checkpoint.swap")
+        reach("checkpoint.swap")
     os.rename(staging, final)
     fsync_directory(root)
-    faults.reach("checkpoint.latest")
+    reach("checkpoint.latest")
     write_pointer(os.path.join(root, LATEST), final_name)
     _sweep(root)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+import weakref
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,9 @@ from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, save_checkpoint
 from pipeline.device import default_device, synchronize
 from pipeline.errors import PipelineConfigError, PipelineStepError
-from pipeline.launcher.failure import read_failure, report_failure, start_watchdog
+from pipeline.launcher.failure import Watchdog, read_failure, report_failure
+from pipeline.launcher.faults import FaultPoints
+from pipeline.launcher.progress import ProgressRecord, StallError
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB, GradReducer
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
@@ -100,16 +103,24 @@ class PipelineEngine:
         self.topology = topology
         self.position = topology.position(self.rank)
         self.pp_rank = self.position.pp_rank
-        # 2. The schedule: fits the module, validates, and every rank agrees on it.
+        # 2. The schedule: fits the module, validates, and every rank agrees on it (this
+        #    rank's watchdog runs from here: it answers stall probes from `progress`).
         self.schedule = resolve_schedule(schedule, module, num_microbatches)
         self.eval_schedule = forward_schedule(self.schedule)
+        self.progress = ProgressRecord(self.rank)
+        """What this rank does now (phase, instruction, wait): names it when it stalls."""
+        self.faults = FaultPoints()
+        """Fault points a test can arm in this engine's checkpoint saves."""
+        self._watchdog = Watchdog(self.rank, progress=self.progress).start()
+        weakref.finalize(self, self._watchdog.stop)
+        self.progress.enter("engine set-up", collective=True)
         prints: list[Any] = [None] * world
         dist.all_gather_object(prints, fingerprint(module, self.schedule, world, {
             "dynamic_shapes": dynamic_shapes, "topology": (topology.pp, topology.dp,
                                                            topology.tp),
             "parallel": repr(self.config)}))
         check_agreement(prints, list(range(world)))
-        start_watchdog(self.rank)
+        self.progress.enter("engine set-up")
         # 3. This rank's groups, stages (tp layers get their group), reducer, optimizer,
         #    STEP and channels.
         self.device = device or default_device()
@@ -134,7 +145,8 @@ class PipelineEngine:
             loss_fn=module.loss_fn, optimizer_step=self.training.step, device=self.device,
             split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
                                    if op.kind is Kind.I),
-            precision=self.config.precision, loss_scale=self.training.loss_scale)
+            precision=self.config.precision, loss_scale=self.training.loss_scale,
+            progress=self.progress)
         self._last_stream: Schedule = self.schedule
         self.last_stats: StepStats | None = None
         """What this rank measured in the last step (None before the first)."""
@@ -144,6 +156,7 @@ class PipelineEngine:
         """Optimizer steps taken (`train_batch` calls); saved and restored by checkpoints."""
         self.loss_scaler: Stateful | None = self.training.scaler
         """The fp16 loss scaler, when mixed precision uses one (checkpointed with the rest)."""
+        self.progress.enter("between steps, after step 0")
 
     # -- facts DeepSpeed users look for ----------------------------------------------------
 
@@ -272,6 +285,8 @@ class PipelineEngine:
         """Run one step of `schedule`; the mean loss (on every rank) and the last stage's
         outputs per microbatch (eval, on the rank holding it)."""
         m = schedule.num_microbatches
+        self.progress.enter(f"{'train' if training else 'eval'}_batch of step "
+                            f"{self.global_step + 1}", collective=True)
         # 1. This rank's microbatches; every rank agrees the batch is usable.
         microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
         # 2. Run this rank's stream.
@@ -305,6 +320,7 @@ class PipelineEngine:
         if self.groups is not None and self.topology.dp > 1:  # mean over the replicas' batches
             dist.all_reduce(loss, group=self.groups.dp_group)
             loss /= self.topology.dp
+        self.progress.enter(f"between steps, after step {self.global_step + training}")
         return float(loss[0]), state.outputs
 
     def _failure(self, schedule: Schedule, step: int, op: Instruction,
@@ -314,9 +330,14 @@ class PipelineEngine:
         detail = f"{type(error).__name__}: {error}"
         peer = read_failure()
         caused_by = None
-        if peer is not None and peer.rank != self.rank:
+        if peer is not None and peer.reporter != self.rank:
             caused_by = peer.rank
             message = f"rank {self.rank} stopped at instruction {op} because {peer.describe()}"
+        elif isinstance(error, StallError) and error.culprit is not None:
+            caused_by = error.culprit  # a rank that stopped progressing: every rank stops
+            report_failure(error.culprit, None, f"stopped progressing ({detail})",
+                           reporter=self.rank)
+            message = f"rank {self.rank} timed out at instruction {op}: {detail}"
         else:
             report_failure(self.rank, str(op), detail)
             message = (f"rank {self.rank} (pipeline rank {self.pp_rank}) failed at instruction "
@@ -332,7 +353,10 @@ class PipelineEngine:
         their offsets), loss scaler, generators and `global_step` under
         ``directory/step_<global_step>/`` and point ``directory/latest`` at it, crash-safely
         (a collective: every rank calls it). See `pipeline.checkpoint.save`."""
-        return save_checkpoint(directory, self._checkpoint_parts())
+        self.progress.enter("save_checkpoint", collective=True)
+        info = save_checkpoint(directory, self._checkpoint_parts())
+        self.progress.enter(f"between steps, after step {self.global_step}")
+        return info
 
     def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> CheckpointInfo:
         """Load a checkpoint root (following ``latest``) or one step directory, saved under
@@ -351,7 +375,7 @@ class PipelineEngine:
             module=self.module, topology=self.topology, rank=self.rank, step=self.global_step,
             optimizer=optimizer, zero_params_by_stage=regions,
             loss_scaler=self.loss_scaler, schedule=self.schedule.name,
-            num_microbatches=self.schedule.num_microbatches)
+            num_microbatches=self.schedule.num_microbatches, faults=self.faults)
 
     # -- measurements ----------------------------------------------------------------------
 
