@@ -17,7 +17,6 @@ import multiprocessing.util
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -124,7 +123,7 @@ def _run_in_place(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], 
         raise PipelineConfigError(f"launch(world_size={world_size}) runs under torchrun with "
                                   f"WORLD_SIZE={env_world}; make them agree")
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: end with it
-        watch_launcher(identity_of(os.getppid()))
+        watch_launcher(identity_of(os.getppid()), _torchrun_directories())
     if threads:
         torch.set_num_threads(threads)
     created = not dist.is_initialized()
@@ -144,6 +143,17 @@ def _run_in_place(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], 
         watchdog.stop()
         if created:
             dist.destroy_process_group()
+
+
+def _torchrun_directories() -> list[str]:
+    """The temporary log directory torchrun's agent made for this run (it cannot remove it
+    once killed): ``<tmp>/torchelastic_*/<run id>/attempt_<n>/<rank>/error.json``."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(error_file))))
+    inside_tmp = os.path.dirname(root) == os.path.realpath(tempfile.gettempdir()) or \
+        os.path.dirname(root) == tempfile.gettempdir()
+    return [root] if error_file and inside_tmp and \
+        os.path.basename(root).startswith("torchelastic_") else []
 
 
 def _context(start_method: str | None) -> Any:
@@ -230,8 +240,8 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None
 def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
             threads: int | None, fn: Callable[..., Any], args: tuple[Any, ...],
             workdir: str, launcher: ProcessIdentity, cleanup: list[str]) -> None:
+    # No parent-death signal: it would kill this rank before the watch removes `cleanup`.
     watch_launcher(launcher, cleanup)
-    _die_with_parent()
     if threads:
         torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -299,16 +309,3 @@ def _stopped(workdir: str, rank: int, record: FailureRecord) -> None:
         caused_by=record.rank)))
     print(f"[pipesched] rank {rank} stopping: {record.describe()}", file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_FAILED)  # the main thread may be blocked in a receive forever
-
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this rank if its parent (the launcher, or under the
-    forkserver method the fork server) dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
