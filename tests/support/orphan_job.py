@@ -48,6 +48,8 @@ class KillOutcome:
     """Every process of the job ended, and the temporary directory was left empty."""
     hung: bool
     """Some process of the job was still running `_GONE` seconds after the kill."""
+    traceback: bool
+    """A process of the job printed a Python traceback after the kill (not a clean end)."""
     problems: tuple[str, ...]
 
 
@@ -79,17 +81,21 @@ def kill_launcher(workdir: str, start_method: str, signal_number: int) -> KillOu
     command = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node=2", "--module", *module[1:]]
                if start_method == "torchrun" else [sys.executable, *module])
+    log_path = os.path.join(workdir, "stderr.txt")
+    log = open(log_path, "wb")  # the job's stderr, its ranks' too
     launcher = subprocess.Popen(command, env=env, cwd=_REPO, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+                                stderr=log)
+    written_before_kill = 0
     problems: list[str] = []
     job: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + _START
         while not all(Path(workdir, f"running-{r}").exists() for r in range(2)):
             if time.monotonic() > deadline or launcher.poll() is not None:
-                return KillOutcome(False, False, False, ("the job did not start training",))
+                return KillOutcome(False, False, False, False, ("the job did not start training",))
             time.sleep(0.1)
         job = _descendants(launcher.pid)
+        written_before_kill = os.path.getsize(log_path)
         launcher.send_signal(signal_number)
         launcher.wait(timeout=_GONE)
         deadline = time.monotonic() + _GONE
@@ -104,7 +110,8 @@ def kill_launcher(workdir: str, start_method: str, signal_number: int) -> KillOu
                      if not name.startswith("torchinductor_")]
         if leftovers:
             problems.append(f"left in the temporary directory: {leftovers}")
-        return KillOutcome(True, not problems, bool(left), tuple(problems))
+        traceback = b"Traceback" in Path(log_path).read_bytes()[written_before_kill:]
+        return KillOutcome(True, not problems, bool(left), traceback, tuple(problems))
     finally:
         for process in [*job, psutil.Process(launcher.pid)] if launcher.poll() is None else job:
             try:
@@ -112,6 +119,7 @@ def kill_launcher(workdir: str, start_method: str, signal_number: int) -> KillOu
             except psutil.NoSuchProcess:
                 pass
         launcher.wait(timeout=_GONE)
+        log.close()
 
 
 if __name__ == "__main__":
