@@ -14,13 +14,17 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
 from typing import NamedTuple
 
-__all__ = ["EXIT_LAUNCHER_GONE", "ProcessIdentity", "identity_of", "watch_launcher"]
+__all__ = ["EXIT_LAUNCHER_GONE", "ProcessIdentity", "identity_of", "remove_on_sigterm",
+           "watch_launcher"]
 
 EXIT_LAUNCHER_GONE = 4
 """Exit code of a rank that ended because its launcher was gone."""
@@ -97,3 +101,26 @@ def watch_launcher(launcher: ProcessIdentity, cleanup: Sequence[str] = ()) -> No
     returns at once (a daemon thread watches)."""
     threading.Thread(target=_end, args=(launcher, tuple(cleanup)), name="pipesched-launcher-watch",
                      daemon=True).start()
+
+
+@contextmanager
+def remove_on_sigterm(paths: Sequence[str]) -> Iterator[None]:
+    """While inside, a SIGTERM (torchrun's agent stopping its workers) first removes `paths`,
+    then ends the process by the signal as before. Only where SIGTERM has its default
+    action and we are on the main thread (the only one Python signal handlers run on)."""
+    if not paths or threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def remove_then_die(number: int, frame: FrameType | None) -> None:
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, remove_then_die)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

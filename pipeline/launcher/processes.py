@@ -30,7 +30,12 @@ import torch.distributed as dist
 from pipeline.device import default_backend, process_group_timeout
 from pipeline.errors import PipelineConfigError
 from pipeline.launcher.failure import EXIT_PEER_FAILED, FailureRecord, Watchdog, report_failure
-from pipeline.launcher.orphans import ProcessIdentity, identity_of, watch_launcher
+from pipeline.launcher.orphans import (
+    ProcessIdentity,
+    identity_of,
+    remove_on_sigterm,
+    watch_launcher,
+)
 from pipeline.launcher.progress import StallError, explain_stall, looks_like_timeout
 from pipeline.launcher.results import (
     RankReport,
@@ -44,7 +49,8 @@ __all__ = ["launch"]
 
 T = TypeVar("T")
 _GRACE = 5.0  # seconds the other ranks get to stop by themselves once one has failed
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "pipeline.runtime.engine"]
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim",
+            "pipeline.runtime.engine")
 
 
 def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 300.0,
@@ -122,8 +128,9 @@ def _run_in_place(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], 
     if env_world != world_size:
         raise PipelineConfigError(f"launch(world_size={world_size}) runs under torchrun with "
                                   f"WORLD_SIZE={env_world}; make them agree")
+    torchrun_directories = _torchrun_directories()
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: end with it
-        watch_launcher(identity_of(os.getppid()), _torchrun_directories())
+        watch_launcher(identity_of(os.getppid()), torchrun_directories)
     if threads:
         torch.set_num_threads(threads)
     created = not dist.is_initialized()
@@ -133,7 +140,8 @@ def _run_in_place(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], 
     rank = dist.get_rank()
     watchdog = Watchdog(rank).start()
     try:
-        return fn(*args)
+        with remove_on_sigterm(torchrun_directories):  # the agent stopping us leaves nothing
+            return fn(*args)
     except BaseException as error:
         report = _report(rank, dist.get_world_size(), error)
         if report.kind == "error":
@@ -160,7 +168,7 @@ def _context(start_method: str | None) -> Any:
     method = start_method or ("forkserver" if sys.platform.startswith("linux") else "spawn")
     context = multiprocessing.get_context(method)
     if method == "forkserver":
-        context.set_forkserver_preload(_PRELOAD)  # ranks fork with torch already imported
+        context.set_forkserver_preload(list(_PRELOAD))  # ranks fork with torch already imported
     return context
 
 

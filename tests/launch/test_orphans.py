@@ -37,7 +37,11 @@ def test_killing_the_launcher_orphans_nothing(start_method: str, signal_number: 
 
 
 @pytest.mark.slow
-def test_killing_torchrun_orphans_nothing(tmp_path: Path) -> None:
-    outcome = kill_launcher(str(tmp_path), "torchrun", signal.SIGKILL)
+@pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGTERM],
+                         ids=["SIGKILL", "SIGTERM"])
+def test_killing_torchrun_orphans_nothing(signal_number: int, tmp_path: Path) -> None:
+    # SIGKILL: the agent cannot act, the ranks see it go; SIGTERM: the agent stops the
+    # ranks itself (its own traceback is its way of saying so) and they remove its log dir
+    outcome = kill_launcher(str(tmp_path), "torchrun", signal_number)
     assert outcome.started, outcome.problems
     assert outcome.clean, outcome.problems
