@@ -63,7 +63,8 @@ class ProgressRecord:
         self.marks += 1
 
     def execute(self, instruction: object) -> None:
-        self.instruction = instruction
+        """The main thread starts `instruction` (busy until it blocks in a receive)."""
+        self.instruction, self.waiting_on = instruction, None
         self.marks += 1
 
     def wait_on(self, rank: int | None) -> None:

@@ -109,6 +109,7 @@ def test_progress_marks_advance_with_every_phase_and_instruction() -> None:
     record.enter("save_checkpoint", collective=True)
     assert record.snapshot() == RankState("save_checkpoint", None, EVERY_RANK, 1)
     record.execute("2F0")
+    assert record.snapshot() == RankState("save_checkpoint", "2F0", None, 2)  # busy
     record.wait_on(1)
     assert record.snapshot() == RankState("save_checkpoint", "2F0", 1, 2)
 
