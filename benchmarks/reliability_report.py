@@ -64,14 +64,14 @@ def _faults(workdir: str) -> tuple[int, int]:
 
 
 def _launcher_kills(workdir: str, repeats: int) -> Tally:
-    print("| launcher killed | start method | clean | hang | traceback | problems |\n"
-          "|---|---|---|---|---|---|")
+    print("| launcher killed | start method | clean | hang | traceback | all gone after (s) | "
+          "problems |\n|---|---|---|---|---|---|---|")
     tried = clean = hang = traceback = silent = 0
     for trial in range(repeats):
         for index, (method, sig) in enumerate(_KILLS):
             outcome = kill_launcher(os.path.join(workdir, f"kill{trial}-{index}"), method, sig)
             if not outcome.started:
-                print(f"| {sig.name} | {method} | (did not start) | | | |", flush=True)
+                print(f"| {sig.name} | {method} | (did not start) | | | | |", flush=True)
                 continue
             tried += 1
             clean += outcome.clean and not outcome.traceback
@@ -79,7 +79,8 @@ def _launcher_kills(workdir: str, repeats: int) -> Tally:
             traceback += outcome.traceback
             silent += not outcome.clean and not outcome.hung and not outcome.traceback
             print(f"| {sig.name} | {method} | {outcome.clean} | {outcome.hung} | "
-                  f"{outcome.traceback} | {'; '.join(outcome.problems)} |", flush=True)
+                  f"{outcome.traceback} | {outcome.seconds:.1f} | {'; '.join(outcome.problems)} |",
+                  flush=True)
     return tried, clean, hang, traceback, silent
 
 

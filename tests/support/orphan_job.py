@@ -50,6 +50,8 @@ class KillOutcome:
     """Some process of the job was still running `_GONE` seconds after the kill."""
     traceback: bool
     """A process of the job printed a Python traceback after the kill (not a clean end)."""
+    seconds: float
+    """From the kill until every process of the job had ended (or `_GONE`)."""
     problems: tuple[str, ...]
 
 
@@ -92,15 +94,17 @@ def kill_launcher(workdir: str, start_method: str, signal_number: int) -> KillOu
         deadline = time.monotonic() + _START
         while not all(Path(workdir, f"running-{r}").exists() for r in range(2)):
             if time.monotonic() > deadline or launcher.poll() is not None:
-                return KillOutcome(False, False, False, False, ("the job did not start training",))
+                return KillOutcome(False, False, False, False, 0.0,
+                                   ("the job did not start training",))
             time.sleep(0.1)
         job = _descendants(launcher.pid)
         written_before_kill = os.path.getsize(log_path)
+        killed_at = time.monotonic()
         launcher.send_signal(signal_number)
         launcher.wait(timeout=_GONE)
-        deadline = time.monotonic() + _GONE
-        while _running(job) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        while _running(job) and time.monotonic() < killed_at + _GONE:
+            time.sleep(0.05)
+        seconds = time.monotonic() - killed_at
         left = _running(job)
         if left:
             problems.append(f"processes {left} outlived the launcher")
@@ -111,7 +115,7 @@ def kill_launcher(workdir: str, start_method: str, signal_number: int) -> KillOu
         if leftovers:
             problems.append(f"left in the temporary directory: {leftovers}")
         traceback = b"Traceback" in Path(log_path).read_bytes()[written_before_kill:]
-        return KillOutcome(True, not problems, bool(left), traceback, tuple(problems))
+        return KillOutcome(True, not problems, bool(left), traceback, seconds, tuple(problems))
     finally:
         for process in [*job, psutil.Process(launcher.pid)] if launcher.poll() is None else job:
             try:
