@@ -61,11 +61,15 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
     per-rank results (index = rank).
 
     Under torchrun (RANK and WORLD_SIZE set) `fn` runs in this process only, over env://,
-    and the list holds this rank's result alone. `timeout` bounds every wait inside a step;
-    `join_timeout` (None: unbounded) bounds the whole run, after which every rank is killed.
-    Once a rank fails, the others get `grace` seconds (default min(5, timeout)) to stop by
-    themselves and report, then are killed: a failed job ends within about that long.
-    `fn` and `args` must be picklable (a module-level function) for spawned ranks.
+    and the list holds this rank's result alone. `timeout` bounds every wait (a collective,
+    or a receive of an engine given the same timeout); the rank that times out names the
+    rank that stopped progressing. `join_timeout` (None: unbounded) bounds the whole run,
+    start-up included, after which every rank is killed. Once a rank fails, the others get
+    `grace` seconds (default min(5, timeout)) to stop by themselves and report, then are
+    killed: a failed job ends within about that long. If this process dies, every rank ends
+    at once and removes the run's temporary directories.
+    `fn` and `args` must be picklable (a module-level function) for spawned ranks; every
+    rank must return a picklable value.
     """
     _check_arguments(fn, world_size, timeout, backend, join_timeout, threads_per_rank,
                      start_method)
@@ -144,7 +148,7 @@ def _run_in_place(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], 
             return fn(*args)
     except BaseException as error:
         report = _report(rank, dist.get_world_size(), error)
-        if report.kind == "error":
+        if report.kind in ("error", "exit"):
             report_failure(rank, report.instruction, report.message)
         raise
     finally:
