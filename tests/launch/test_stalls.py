@@ -17,6 +17,7 @@ import torch.distributed as dist
 from pipeline import RankFailedError, launch
 from pipeline.demo.language_model import TinyLMConfig
 from pipeline.demo.train_job import TrainConfig, train_rank
+from tests.support.cli_helpers import run_cli
 from tests.support.fault_helpers import record_pid, surviving_ranks
 from tests.support.stall_scenarios import STALLS, run_stall
 
@@ -69,6 +70,12 @@ def test_train_passes_its_timeout_to_the_engine(tmp_path: Path) -> None:
 def test_train_config_refuses_a_bad_timeout() -> None:
     with pytest.raises(ValueError, match="timeout must be a finite number of seconds > 0"):
         replace(TrainConfig(), timeout=0)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "soon"])
+def test_train_refuses_a_timeout_that_is_not_a_positive_number(value: str) -> None:
+    result = run_cli("train", "--timeout", value)
+    assert result.returncode == 2 and "--timeout" in result.stderr, result.stderr
 
 
 def _rank() -> int:
