@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,10 +87,14 @@ class Watchdog:
 
     def __init__(self, rank: int, *, progress: ProgressRecord | None = None,
                  on_peer_failure: Callable[[FailureRecord], None] | None = None,
-                 interval: float = 0.1) -> None:
+                 interval: float = 0.1, delay: float = 0.0) -> None:
         self.rank = rank
         self.progress = progress
         self.interval = interval
+        self.delay = delay
+        """Seconds a peer's failure must have been seen before acting on it (an engine's
+        watchdog leaves the launcher's one, which records why this rank stopped, to act)."""
+        self._seen_at: float | None = None
         self.on_peer_failure = on_peer_failure or _exit_on_peer_failure(rank)
         self._answered = 0
         self._group: Any = None
@@ -118,8 +123,11 @@ class Watchdog:
             try:
                 record = read_failure(store)
                 if record is not None and record.reporter != self.rank:
-                    self.on_peer_failure(record)
-                    return
+                    now = time.monotonic()
+                    self._seen_at = self._seen_at if self._seen_at is not None else now
+                    if now - self._seen_at >= self.delay:
+                        self.on_peer_failure(record)
+                        return
                 if self.progress is not None:
                     self._answered = answer_probes(store, self.rank, self.progress.snapshot(),
                                                    self._answered)

@@ -274,16 +274,15 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
                 "(tensors, numbers, lists, dicts, dataclasses)") from None
         payload = ("ok", value)
     except BaseException as error:  # report everything, including KeyboardInterrupt
-        report = _report(rank, world_size, error)
-        if report.kind in ("error", "exit"):
-            report_failure(rank, report.instruction, report.message)
-        payload = ("error", report)
-        print(f"[pipesched] rank {rank}: {report.traceback or report.message}", file=sys.stderr,
-              flush=True)
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-    write_result(workdir, rank, payload)
+        payload = ("error", _report(rank, world_size, error))
+    write_result(workdir, rank, payload)  # first: the launcher may kill this rank soon
+    if payload[0] == "error" and payload[1].kind in ("error", "exit"):
+        report_failure(rank, payload[1].instruction, payload[1].message)  # stops the others
+    if payload[0] == "error":
+        print(f"[pipesched] rank {rank}: {payload[1].traceback or payload[1].message}",
+              file=sys.stderr, flush=True)
+    if watchdog is not None:
+        watchdog.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     if payload[0] != "ok":

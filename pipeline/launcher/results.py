@@ -83,8 +83,9 @@ def failure_error(results: list[Result | None], codes: tuple[int | None, ...],
 
     In order: the join deadline passing (`still_running` the ranks it found running); a
     rank killed by a signal before any other failed (the others' errors are its echo); a
-    rank's own exception or sys.exit; the rank that timed-out ranks name as stalled; a rank
-    that died without a word; a rank that ended with code 0 but no result."""
+    rank's own exception or sys.exit; the rank that timed-out ranks name as stalled; the rank
+    a stopped rank read in the failure record; a rank that died without a word; a rank that
+    ended with code 0 but no result."""
     summary = _summary(codes)
     if still_running is not None:
         finished = [r for r in range(len(codes)) if r not in still_running]
@@ -117,6 +118,12 @@ def failure_error(results: list[Result | None], codes: tuple[int | None, ...],
         return RankFailedError(
             f"rank {culprit} stopped progressing; rank {reporter} timed out waiting: "
             f"{report.message}\n({summary})", rank=culprit, exit_codes=codes)
+    stopped = _reports(results, ("stopped",))
+    if stopped:  # the culprit's own report was lost (killed late): the record says who
+        reporter, report = stopped[0]
+        blamed = report.caused_by if report.caused_by is not None else reporter
+        return RankFailedError(f"rank {blamed} failed; rank {reporter} {report.message} "
+                               f"({summary})", rank=blamed, exit_codes=codes)
     for rank, result in enumerate(results):
         code = codes[rank]
         if result is None and code:
@@ -131,10 +138,4 @@ def failure_error(results: list[Result | None], codes: tuple[int | None, ...],
                 f"rank {rank} exited with code 0 without returning a result (did fn call "
                 f"os._exit?); launch needs fn to return on every rank ({summary})",
                 rank=rank, exit_codes=codes)
-    stopped = _reports(results, ("stopped",))
-    if stopped:
-        reporter, report = stopped[0]
-        blamed = report.caused_by if report.caused_by is not None else reporter
-        return RankFailedError(f"rank {blamed} failed (reported by rank {reporter}: "
-                               f"{report.message}) ({summary})", rank=blamed, exit_codes=codes)
     return None

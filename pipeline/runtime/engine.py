@@ -111,7 +111,7 @@ class PipelineEngine:
         """What this rank does now (phase, instruction, wait): names it when it stalls."""
         self.faults = FaultPoints()
         """Fault points a test can arm in this engine's checkpoint saves."""
-        self._watchdog = Watchdog(self.rank, progress=self.progress).start()
+        self._watchdog = Watchdog(self.rank, progress=self.progress, delay=1.0).start()
         weakref.finalize(self, self._watchdog.stop)
         self.progress.enter("engine set-up", collective=True)
         prints: list[Any] = [None] * world
