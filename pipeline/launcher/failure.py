@@ -21,7 +21,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.launcher.progress import ProgressRecord, answer_probes, bounded, default_store
+from pipeline.launcher.progress import (
+    ProgressRecord,
+    answer_probes,
+    bounded,
+    default_store,
+    probes_sent,
+)
 
 __all__ = ["EXIT_PEER_FAILED", "FailureRecord", "Watchdog", "read_failure", "report_failure"]
 
@@ -105,8 +111,7 @@ class Watchdog:
         """Start polling (needs an initialised process group; without one, do nothing)."""
         if dist.is_initialized() and not self._thread.is_alive():
             self._group = dist.group.WORLD
-            self._answered = int(bounded(lambda: default_store().add(
-                "pipesched/probe/count", 0), _STORE_PATIENCE, 0))
+            self._answered = bounded(lambda: probes_sent(default_store()), _STORE_PATIENCE, 0)
             self._thread.start()
         return self
 

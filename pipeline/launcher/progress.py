@@ -23,7 +23,8 @@ from typing import Any, NamedTuple, TypeVar
 import torch.distributed as dist
 
 __all__ = ["EVERY_RANK", "ProgressRecord", "RankState", "Stall", "StallError", "answer_probes",
-           "bounded", "default_store", "explain_stall", "looks_like_timeout", "name_culprit"]
+           "bounded", "default_store", "explain_stall", "looks_like_timeout", "name_culprit",
+           "probes_sent"]
 
 EVERY_RANK = -1
 """`waiting_on` of a rank blocked in a collective: it waits on every rank of its group."""
@@ -174,10 +175,16 @@ def bounded(action: Callable[[], _T], seconds: float, default: _T) -> _T:
     return result[0] if result else default
 
 
+def probes_sent(store: Any) -> int:
+    """How many probes were sent so far (read only: on a file store `add(key, 0)` would
+    append to the file at every poll)."""
+    return int(store.get(_PROBE_COUNT)) if store.check([_PROBE_COUNT]) else 0
+
+
 def answer_probes(store: Any, rank: int, state: RankState, answered: int) -> int:
     """Answer every probe sent since probe `answered` (at most the last 8); returns the last
     probe answered. Called by a watchdog thread."""
-    latest = int(store.add(_PROBE_COUNT, 0))
+    latest = probes_sent(store)
     for probe in range(max(answered + 1, latest - 7), latest + 1):
         store.set(f"pipesched/probe/{probe}/{rank}", json.dumps(state))
     return latest
