@@ -1,8 +1,16 @@
-"""The reliability figures for the README: faults injected and survived, crashes during a
-save and corrupt checkpoints refused, fuzz cases run.
+"""The reliability figures for the README: faults injected and survived, launchers killed
+and stalled ranks named, crashes during a save and corrupt checkpoints refused, fuzz cases.
 
-    python benchmarks/reliability_report.py            # everything (~2 min on 2 cores)
+    python benchmarks/reliability_report.py            # everything (~8 min on 2 cores)
     python benchmarks/reliability_report.py --quick    # no launched jobs (~1 min)
+    python benchmarks/reliability_report.py --repeats 3   # each launcher kill / stall 3 times
+
+A killed launcher ends "clean" when every rank, the fork server and the resource tracker end
+within 30 s and nothing is left in TMPDIR; "hang" when a process outlives that, "traceback"
+when a rank prints one instead of its one-line exit (`tests/support/orphan_job.py`). A stall
+ends "clean" when `RankFailedError` names the stalled rank and no process survives, "hang"
+when only join_timeout ends it, "traceback" when the error names another rank, "silent"
+when the job ends without an error (`tests/support/stall_scenarios.py`).
 
 "Survived" means the job ended as it must: `RankFailedError` naming the right rank, every
 rank exited non-zero, no process outlived the launcher, and after a kill during a save a
@@ -12,8 +20,10 @@ new job resumed from the last complete checkpoint (`tests/support/fault_scenario
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -28,10 +38,18 @@ from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.save import save_checkpoint
 from pipeline.errors import CheckpointError
 from pipeline.launcher import faults
-from tests import test_fuzz_files, test_fuzz_schedules
+from tests.partition import test_fuzz_files
+from tests.schedules import test_fuzz_readers
 from tests.support.checkpoint_cases import Job, corruption_cases
 from tests.support.fault_scenarios import SCENARIOS, run_scenario
 from tests.support.fuzz_counts import COUNTS
+from tests.support.orphan_job import kill_launcher
+from tests.support.stall_scenarios import STALLS, run_stall
+
+Tally = tuple[int, int, int, int, int]
+"""tried, clean, hang, traceback, silent"""
+_KILLS = [(method, sig) for method in ("forkserver", "spawn", "fork", "torchrun")
+          for sig in (signal.SIGKILL, signal.SIGTERM)]
 
 
 def _faults(workdir: str) -> tuple[int, int]:
@@ -43,6 +61,49 @@ def _faults(workdir: str) -> tuple[int, int]:
         verdict = "yes" if outcome.survived else "NO: " + "; ".join(outcome.problems)
         print(f"| {scenario.name} | {verdict} | {outcome.seconds:.1f} |", flush=True)
     return survived, len(SCENARIOS)
+
+
+def _launcher_kills(workdir: str, repeats: int) -> Tally:
+    print("| launcher killed | start method | clean | hang | traceback | all gone after (s) | "
+          "problems |\n|---|---|---|---|---|---|---|")
+    tried = clean = hang = traceback = silent = 0
+    for trial in range(repeats):
+        for index, (method, sig) in enumerate(_KILLS):
+            outcome = kill_launcher(os.path.join(workdir, f"kill{trial}-{index}"), method, sig)
+            if not outcome.started:
+                print(f"| {sig.name} | {method} | (did not start) | | | | |", flush=True)
+                continue
+            tried += 1
+            clean += outcome.clean and not outcome.traceback
+            hang += outcome.hung
+            traceback += outcome.traceback
+            silent += not outcome.clean and not outcome.hung and not outcome.traceback
+            print(f"| {sig.name} | {method} | {outcome.clean} | {outcome.hung} | "
+                  f"{outcome.traceback} | {outcome.seconds:.1f} | {'; '.join(outcome.problems)} |",
+                  flush=True)
+    return tried, clean, hang, traceback, silent
+
+
+def _stalls(workdir: str, repeats: int) -> Tally:
+    print("| stall | named the stalled rank | hang | error (first line) |\n|---|---|---|---|")
+    tried = clean = hang = traceback = silent = 0
+    for trial in range(repeats):
+        for where, name in STALLS.items():
+            outcome = run_stall(where, os.path.join(workdir, f"stall{trial}-{where}"))
+            tried += 1
+            ended_silently = outcome.error == "the job finished without an error"
+            clean += outcome.named and outcome.clean
+            hang += outcome.hung
+            silent += ended_silently
+            traceback += not (outcome.named or outcome.hung or ended_silently)
+            print(f"| {name} | {outcome.named} | {outcome.hung} | "
+                  f"{outcome.error.splitlines()[0][:160]} |", flush=True)
+    return tried, clean, hang, traceback, silent
+
+
+def _tally_row(label: str, tally: Tally) -> str:
+    tried, clean, hang, traceback, silent = tally
+    return f"| {label} | {tried} | {clean} | {hang} | {traceback} | {silent} |"
 
 
 class _Crash(Exception):
@@ -67,14 +128,13 @@ def _crashes_during_save(workdir: str) -> tuple[int, int]:
             save_checkpoint(root, job.parts())
             if not replace:
                 job.train(1)
-            faults.arm(point, _raise)
+            points = faults.FaultPoints()
+            points.arm(point, _raise)
             total += 1
             try:
-                save_checkpoint(root, job.parts())
+                save_checkpoint(root, dataclasses.replace(job.parts(), faults=points))
             except _Crash:
                 pass
-            finally:
-                faults.disarm_all()
             survived += load_checkpoint(root, Job(base_seed=3).parts()).step == 1
     return survived, total
 
@@ -102,10 +162,10 @@ def _corruptions(workdir: str) -> tuple[int, int]:
 
 def _fuzz() -> int:
     tests: list[Callable[[], None]] = [
-        test_fuzz_schedules.test_fuzz_parse_instruction, test_fuzz_schedules.test_fuzz_parse_stream,
-        test_fuzz_schedules.test_fuzz_schedule_from_text,
-        test_fuzz_schedules.test_fuzz_parse_torch_csv,
-        test_fuzz_schedules.test_fuzz_validate_command_file,
+        test_fuzz_readers.test_fuzz_parse_instruction, test_fuzz_readers.test_fuzz_parse_stream,
+        test_fuzz_readers.test_fuzz_schedule_from_text,
+        test_fuzz_readers.test_fuzz_parse_torch_csv,
+        test_fuzz_readers.test_fuzz_validate_command_file,
         test_fuzz_files.test_fuzz_cost_json_documents, test_fuzz_files.test_fuzz_cost_json_bytes,
         test_fuzz_files.test_fuzz_manifest, test_fuzz_files.test_fuzz_latest_pointer]
     for test in tests:
@@ -119,11 +179,17 @@ def _fuzz() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the launched fault jobs")
+    parser.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="run each launcher kill and each stall N times (default 1)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     workdir = tempfile.mkdtemp(prefix="pipesched-reliability-")
     start = time.monotonic()
     try:
         faults_row = (0, 0) if args.quick else _faults(workdir)
+        kills = (0,) * 5 if args.quick else _launcher_kills(workdir, args.repeats)
+        stalls = (0,) * 5 if args.quick else _stalls(workdir, args.repeats)
         crashes = _crashes_during_save(workdir)
         corrupt = _corruptions(workdir)
         fuzz_cases = _fuzz()
@@ -135,6 +201,9 @@ def main() -> None:
           f"{crashes[0]} / {crashes[1]} |\n"
           f"| corrupt-checkpoint cases refused, naming the file | {corrupt[0]} / {corrupt[1]} |\n"
           f"| fuzz cases run, nothing but our typed errors escaped | {fuzz_cases} |\n"
+          f"\n| trials | tried | clean | hang | traceback | silent |\n|---|---|---|---|---|---|\n"
+          f"{_tally_row('launcher SIGKILLed / SIGTERMed (4 start methods)', kills)}\n"
+          f"{_tally_row('stalled rank named (SIGSTOP, slow set-up, slow save)', stalls)}\n"
           f"\n({time.monotonic() - start:.0f} s)")
 
 

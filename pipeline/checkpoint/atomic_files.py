@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-
-from pipeline.launcher import faults
+from collections.abc import Callable
 
 __all__ = ["atomic_write", "fsync_directory", "read_pointer", "remove_quietly", "sha256_bytes",
            "sha256_file", "write_pointer"]
@@ -41,11 +40,12 @@ def fsync_directory(path: str) -> None:
         os.close(descriptor)
 
 
-def atomic_write(path: str, data: bytes, *, fault_point: str | None = None) -> None:
+def atomic_write(path: str, data: bytes, *,
+                 before_rename: Callable[[], None] | None = None) -> None:
     """Write `data` to `path` so that a crash leaves the old file or the new one, never a mix.
 
-    `fault_point` names the `faults` point reached after the bytes are durable under the
-    temporary name and before the rename (where a crash leaves a stray temporary file).
+    `before_rename` is called after the bytes are durable under the temporary name and before
+    the rename (where a crash leaves a stray temporary file): a fault point's hook.
     A failed write or rename (ENOSPC, EIO) removes the temporary file before raising: a full
     disk must not keep what it could not finish.
     """
@@ -56,8 +56,8 @@ def atomic_write(path: str, data: bytes, *, fault_point: str | None = None) -> N
     except OSError:
         remove_quietly(temporary)
         raise
-    if fault_point is not None:
-        faults.reach(fault_point)
+    if before_rename is not None:
+        before_rename()
     try:
         os.replace(temporary, path)
     except OSError:

@@ -12,6 +12,7 @@ import glob
 import os
 import re
 import shutil
+from collections.abc import Callable
 
 from pipeline.checkpoint.atomic_files import (
     atomic_write,
@@ -22,7 +23,6 @@ from pipeline.checkpoint.atomic_files import (
 )
 from pipeline.checkpoint.manifest import LATEST, MANIFEST, resolve_checkpoint
 from pipeline.errors import CheckpointError
-from pipeline.launcher import faults
 
 __all__ = ["abandon", "commit", "latest_name", "latest_status", "sweep"]
 
@@ -46,14 +46,15 @@ def _names(name: str | None) -> str:
     return f"'{LATEST}' still names {name}" if name else f"there is no '{LATEST}' yet"
 
 
-def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str
-           ) -> CheckpointError | None:
+def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str,
+           reach: Callable[[str], None]) -> CheckpointError | None:
     """Write the manifest, rename `staging` to `root/final_name`, point `latest` at it, sweep.
-    None on success; otherwise the error to report, with the disk already cleaned up."""
+    None on success; otherwise the error to report, with the disk already cleaned up.
+    `reach` fires the owner's armed fault points (`pipeline.launcher.faults`)."""
     previous = latest_name(root)
     final = os.path.join(root, final_name)
     try:
-        _publish(root, staging, final, manifest, token)
+        _publish(root, staging, final, manifest, token, reach)
     except OSError as error:
         abandon(root, staging)
         return CheckpointError(
@@ -61,7 +62,7 @@ def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str
             f"directory is removed and {_names(previous)}; free space and save again",
             path=staging)
     try:
-        faults.reach("checkpoint.latest")
+        reach("checkpoint.latest")
         write_pointer(os.path.join(root, LATEST), final_name)
     except OSError as error:
         if previous == final_name:  # a re-saved step: `latest` already names the new copy
@@ -76,11 +77,12 @@ def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str
     return None
 
 
-def _publish(root: str, staging: str, final: str, manifest: bytes, token: str) -> None:
+def _publish(root: str, staging: str, final: str, manifest: bytes, token: str,
+             reach: Callable[[str], None]) -> None:
     """Manifest last into the staging directory, then the rename that commits it."""
-    faults.reach("checkpoint.manifest")
+    reach("checkpoint.manifest")
     atomic_write(os.path.join(staging, MANIFEST), manifest)
-    faults.reach("checkpoint.commit")
+    reach("checkpoint.commit")
     replaced = None
     if os.path.exists(final):
         # Re-saving a step (e.g. after rolling back): keep the old copy until `latest` can
@@ -88,7 +90,7 @@ def _publish(root: str, staging: str, final: str, manifest: bytes, token: str) -
         # under suffixed names, which `resolve_checkpoint` looks for.
         replaced = f"{final}.old-{token}"
         os.rename(final, replaced)
-        faults.reach("checkpoint.swap")
+        reach("checkpoint.swap")
     try:
         os.rename(staging, final)
     except OSError:

@@ -46,6 +46,7 @@ from pipeline.checkpoint.rng_state import capture_rng
 from pipeline.checkpoint.root_lock import CheckpointRootLockedError, lock_root
 from pipeline.checkpoint.zero_state import export_zero, zero_layout
 from pipeline.errors import CheckpointError
+from pipeline.launcher.faults import FaultPoints
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
@@ -79,6 +80,13 @@ class CheckpointParts:
     loss_scaler: Stateful | None = None
     schedule: str = ""
     num_microbatches: int = 1
+    faults: FaultPoints | None = None
+    """Fault points a test armed for this save (the engine passes its `faults`)."""
+
+    def reach(self, point: str) -> None:
+        """Fire `point` if a test armed it (see `pipeline.launcher.faults`)."""
+        if self.faults is not None:
+            self.faults.reach(point)
 
     @property
     def layers(self) -> dict[int, nn.Module]:
@@ -205,7 +213,8 @@ def _write_files(staging: str, parts: CheckpointParts) -> list[FileEntry]:
     entries = []
     for name, role, layers, make in _payloads(parts):
         data = _serialize(make())
-        atomic_write(os.path.join(staging, name), data, fault_point="checkpoint.file")
+        atomic_write(os.path.join(staging, name), data,
+                     before_rename=lambda: parts.reach("checkpoint.file"))
         entries.append(FileEntry(name, sha256_bytes(data), len(data), role, parts.rank, layers))
     return entries
 
@@ -252,7 +261,8 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
     if parts.rank == 0:
         manifest = _manifest(parts, [entry for rank_entries in gathered
                                      for entry in rank_entries])
-        problem = commit(root, staging, final_name, dump_manifest(manifest), token)
+        problem = commit(root, staging, final_name, dump_manifest(manifest), token,
+                         parts.reach)
     agree(problem, "committing the checkpoint")
     return CheckpointInfo(os.path.join(root, final_name), parts.step)
 

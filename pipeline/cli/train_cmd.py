@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "batch); MODULE is a module name or a .py path (--blocks, "
                              "--width, --seq-len are then unused)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed")
+    parser.add_argument("--timeout", type=_seconds, default=120.0, metavar="SECONDS",
+                        help="how long any wait between ranks may take before the run fails "
+                             "naming the rank that stopped progressing (default 120)")
     parser.add_argument("--out", type=Path, default=Path("pipesched-out"), metavar="DIR",
                         help="directory for timeline.png, trace.json, loss.png, summary.json")
     parser.set_defaults(func=run)
@@ -51,6 +54,14 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 def _heads(width: int) -> int:
     return max(h for h in (4, 2, 1) if width % h == 0)
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0 seconds, got 0")
+    return value
 
 
 def _check_args(args: argparse.Namespace) -> int:
@@ -141,11 +152,11 @@ def run(args: argparse.Namespace) -> int:
                          data_parallel=args.data_parallel, steps=args.steps,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, model=model,
                          user_model=args.model,
-                         boundaries=tuple(part.boundaries))
+                         boundaries=tuple(part.boundaries), timeout=args.timeout)
     world = args.stages * args.data_parallel
     print(f"training {args.schedule} on {world} CPU ranks (p={args.stages}, "
           f"dp={args.data_parallel}, v={chunks}, m={args.microbatches}), {args.steps} steps")
-    report: TrainReport | None = launch(train_rank, world, config, timeout=120.0)[0]
+    report: TrainReport | None = launch(train_rank, world, config, timeout=args.timeout)[0]
     if report is None:
         raise RuntimeError("rank 0 returned no report")
     # 3. Measured last step against the simulator fed with the measured op costs.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,15 @@ class TrainConfig:
     boundaries: tuple[int, ...] = ()
     """Cut indices into the layer list (p·v + 1), chosen by the partitioner before launch."""
     progress: bool = True
+    timeout: float = 120.0
+    """Seconds any wait may take (the engine's receives and every collective) before the job
+    fails naming the rank that stopped progressing."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or \
+                not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got "
+                             f"{self.timeout!r}")
 
 
 @dataclass(frozen=True)
@@ -96,7 +106,8 @@ def train_rank(config: TrainConfig) -> TrainReport | None:
                             base_seed=config.seed)
     engine = PipelineEngine(module, schedule=config.schedule,
                             num_microbatches=config.microbatches,
-                            optimizer=lambda params: torch.optim.Adam(params, lr=config.lr))
+                            optimizer=lambda params: torch.optim.Adam(params, lr=config.lr),
+                            timeout=config.timeout)
     replica = engine.position.dp_rank
     per_replica = config.batch_size // config.data_parallel
     progress = ProgressBar(config.steps) if rank == 0 and config.progress else None

@@ -36,7 +36,6 @@ from pipeline.interop.ds_config import (
     make_scheduler,
     read_ds_config,
 )
-from pipeline.launcher.failure import stop_watchdog
 from pipeline.model.layers import LayerSpec
 from pipeline.model.module import PipelineModule
 from pipeline.model.tied import TiedLayerSpec
@@ -300,16 +299,13 @@ class DeepSpeedPipelineEngine:
         return info.directory, dict(extra.get("client_state", {}))
 
 
-def _shut_down() -> None:
+def _shut_down(engine: PipelineEngine) -> None:
     """At exit of a script run under torchrun (no `pipeline.launch` to clean up): stop the
-    watchdog before the process group it polls goes away (else the store client can be torn
-    down under it and the process aborts), then destroy the group."""
-    stop_watchdog()
+    engine's watchdog before the process group it polls goes away (else the store client can
+    be torn down under it and the process aborts), then destroy the group."""
+    engine.stop_watchdog()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-_SHUTDOWN_REGISTERED: list[bool] = []
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -357,9 +353,7 @@ def initialize(args: Any = None, model: PipelineModule | None = None,
         precision=ds.precision,
         gradient_clipping=ds.gradient_clipping, initial_loss_scale=ds.initial_loss_scale,
         loss_scale_window=ds.loss_scale_window, timeout=timeout)
-    if not _SHUTDOWN_REGISTERED:
-        atexit.register(_shut_down)
-        _SHUTDOWN_REGISTERED.append(True)
+    atexit.register(_shut_down, engine)
     wrapped = DeepSpeedPipelineEngine(engine, ds, training_data=training_data,
                                       collate_fn=collate_fn)
     torch_optimizer = wrapped._torch_optimizer()

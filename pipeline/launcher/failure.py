@@ -1,9 +1,11 @@
 """Stop every rank when one fails: a failure record in the rendezvous store and a watchdog.
 
 A rank that fails writes one record (rank, instruction, message) to the process group's
-store. Every rank runs a watchdog thread that polls the store; when it sees another
-rank's record it reports it and ends the process, so no rank waits forever in a receive
-whose sender is gone. A rank that simply stalls is caught by the process-group timeout.
+store; a rank that timed out writes the record of the rank it names as stalled. Every rank
+runs a `Watchdog` thread, owned by whoever started it (the launcher for its rank, the engine
+for itself), that polls the store: when it sees a record another rank wrote, it reports it
+and ends the process, so no rank waits forever in a receive whose sender is gone. An
+engine's watchdog also answers stall probes from its `ProgressRecord`.
 """
 
 from __future__ import annotations
@@ -19,67 +21,59 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["EXIT_PEER_FAILED", "PROGRESS", "FailureRecord", "Progress", "Watchdog",
-           "explain_stall", "read_failure", "report_failure", "start_watchdog", "stop_watchdog"]
+from pipeline.launcher.progress import (
+    ProgressRecord,
+    answer_probes,
+    bounded,
+    default_store,
+    probes_sent,
+)
+
+__all__ = ["EXIT_PEER_FAILED", "FailureRecord", "Watchdog", "read_failure", "report_failure"]
 
 EXIT_PEER_FAILED = 3
 """Exit code of a rank stopped because another rank failed."""
 _FIRST_KEY = "pipesched/failure/first"
 _COUNT_KEY = "pipesched/failure/count"
-_PROBE_KEY = "pipesched/probe"
-
-
-class Progress:
-    """What this rank's main thread is doing: the watchdog reads it to answer stall probes."""
-
-    def __init__(self) -> None:
-        self.instruction: object = None
-        """The instruction being executed (formatted only when a probe asks)."""
-        self.waiting_on: int | None = None
-        """Global rank whose data the main thread is blocked on, if any."""
-
-
-PROGRESS = Progress()
+_STORE_PATIENCE = 5.0  # seconds a failure path waits on the store before giving up on it
 
 
 @dataclass(frozen=True)
 class FailureRecord:
-    """Who failed, where, and why."""
+    """Who failed, where, and why; `reporter` is the rank that wrote it (another rank when
+    it names a rank that stalled)."""
 
     rank: int
     instruction: str | None
     message: str
+    reporter: int
 
     def describe(self) -> str:
         where = f" at instruction {self.instruction}" if self.instruction else ""
-        return f"rank {self.rank} failed{where}: {self.message}"
+        told = "" if self.reporter == self.rank else f" (reported by rank {self.reporter})"
+        return f"rank {self.rank} failed{where}{told}: {self.message}"
 
 
-def _store() -> Any:
-    if not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, AttributeError, ValueError):
-        return None
-
-
-def report_failure(rank: int, instruction: str | None, message: str) -> None:
-    """Record this rank's failure; the first record written is the one every rank sees."""
-    store = _store()
+def report_failure(rank: int, instruction: str | None, message: str, *,
+                   reporter: int | None = None) -> None:
+    """Record `rank`'s failure (written by `reporter`, default `rank`); the first record
+    written is the one every rank sees. Gives up after a few seconds if the store hangs."""
+    store = default_store()
     if store is None:
         return
-    try:
+    record = json.dumps({"rank": rank, "instruction": instruction, "message": message[:4000],
+                         "reporter": rank if reporter is None else reporter})
+
+    def write() -> None:
         if store.add(_COUNT_KEY, 1) == 1:
-            store.set(_FIRST_KEY, json.dumps({"rank": rank, "instruction": instruction,
-                                              "message": message[:4000]}))
-    except RuntimeError:
-        pass  # the store is gone (the job is ending): nothing left to tell
+            store.set(_FIRST_KEY, record)
+
+    bounded(write, _STORE_PATIENCE, None)  # the store gone or stuck: nothing left to tell
 
 
-def read_failure() -> FailureRecord | None:
+def read_failure(store: Any = None) -> FailureRecord | None:
     """The first failure recorded in this job, if any."""
-    store = _store()
+    store = store if store is not None else default_store()
     if store is None:
         return None
     try:
@@ -88,85 +82,62 @@ def read_failure() -> FailureRecord | None:
         raw = json.loads(store.get(_FIRST_KEY))
     except RuntimeError:
         return None
-    return FailureRecord(int(raw["rank"]), raw["instruction"], str(raw["message"]))
+    return FailureRecord(int(raw["rank"]), raw["instruction"], str(raw["message"]),
+                         int(raw.get("reporter", raw["rank"])))
 
 
 class Watchdog:
-    """Polls the store every `interval` seconds; calls `on_peer_failure` once when another
-    rank's failure appears (by default: print it and end this process)."""
+    """Polls the store every `interval` seconds while the process group it started under
+    lives; calls `on_peer_failure` once when a record written by another rank appears (by
+    default: print it and end this process). With a `progress` record it answers probes."""
 
-    def __init__(self, rank: int, interval: float = 0.1,
-                 on_peer_failure: Callable[[FailureRecord], None] | None = None) -> None:
+    def __init__(self, rank: int, *, progress: ProgressRecord | None = None,
+                 on_peer_failure: Callable[[FailureRecord], None] | None = None,
+                 interval: float = 0.1, delay: float = 0.0) -> None:
         self.rank = rank
-        self._answered = ""
+        self.progress = progress
         self.interval = interval
+        self.delay = delay
+        """Seconds a peer's failure must have been seen before acting on it (an engine's
+        watchdog leaves the launcher's one, which records why this rank stopped, to act)."""
+        self._seen_at: float | None = None
         self.on_peer_failure = on_peer_failure or _exit_on_peer_failure(rank)
+        self._answered = 0
+        self._group: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pipesched-watchdog", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
+    def start(self) -> Watchdog:
+        """Start polling (needs an initialised process group; without one, do nothing)."""
+        if dist.is_initialized() and not self._thread.is_alive():
+            self._group = dist.group.WORLD
+            self._answered = bounded(lambda: probes_sent(default_store()), _STORE_PATIENCE, 0)
+            self._thread.start()
+        return self
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join()
+            self._thread.join(timeout=_STORE_PATIENCE)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            record = read_failure()
-            if record is not None and record.rank != self.rank:
-                self.on_peer_failure(record)
-                return
-            self._answer_probe()
-
-    def _answer_probe(self) -> None:
-        """Tell a rank that timed out what this rank is doing (see `explain_stall`)."""
-        store = _store()
-        try:
-            if store is None or not store.check([_PROBE_KEY]):
-                return
-            probe = store.get(_PROBE_KEY).decode()
-            if probe != self._answered:
-                self._answered = probe
-                instruction = PROGRESS.instruction
-                store.set(f"{_PROBE_KEY}/{probe}/{self.rank}", json.dumps(
-                    [None if instruction is None else str(instruction), PROGRESS.waiting_on]))
-        except RuntimeError:
-            pass
-
-
-def explain_stall(waited_for: int, ranks: list[int], patience: float = 1.0) -> str:
-    """Ask every rank (through their watchdogs) what it is doing and follow the chain of
-    waits from `waited_for` to the rank that holds everyone up; '' when nobody answers."""
-    store = _store()
-    if store is None or _watchdog is None:
-        return ""
-    try:
-        probe = str(store.add(f"{_PROBE_KEY}/count", 1))
-        store.set(_PROBE_KEY, probe)
-        answers: dict[int, tuple[str | None, int | None]] = {}
-        deadline = time.monotonic() + patience
-        while time.monotonic() < deadline and len(answers) < len(ranks) - 1:
-            for rank in ranks:
-                key = f"{_PROBE_KEY}/{probe}/{rank}"
-                if rank not in answers and rank != _watchdog.rank and store.check([key]):
-                    instruction, waiting_on = json.loads(store.get(key))
-                    answers[rank] = (instruction, waiting_on)
-            time.sleep(0.02)
-    except RuntimeError:
-        return ""
-    rank, seen = waited_for, []
-    while rank in answers and rank not in seen:
-        seen.append(rank)
-        instruction, waiting_on = answers[rank]
-        if waiting_on is None:
-            return (f"rank {rank} holds the pipeline up: it is in {instruction or 'no step'} "
-                    f"and not waiting for data (chain of waits: {' -> '.join(map(str, seen))})")
-        rank = waiting_on
-    if rank not in answers:
-        return f"rank {rank} did not answer (chain of waits: {' -> '.join(map(str, seen))})"
-    return f"the ranks wait for each other in a cycle: {' -> '.join(map(str, [*seen, rank]))}"
+            if not dist.is_initialized() or dist.group.WORLD is not self._group:
+                return  # the process group this watchdog served is gone
+            store = default_store()
+            try:
+                record = read_failure(store)
+                if record is not None and record.reporter != self.rank:
+                    now = time.monotonic()
+                    self._seen_at = self._seen_at if self._seen_at is not None else now
+                    if now - self._seen_at >= self.delay:
+                        self.on_peer_failure(record)
+                        return
+                if self.progress is not None:
+                    self._answered = answer_probes(store, self.rank, self.progress.snapshot(),
+                                                   self._answered)
+            except RuntimeError:
+                return  # the store is gone: the job is ending
 
 
 def _exit_on_peer_failure(rank: int) -> Callable[[FailureRecord], None]:
@@ -175,24 +146,3 @@ def _exit_on_peer_failure(rank: int) -> Callable[[FailureRecord], None]:
               flush=True)
         os._exit(EXIT_PEER_FAILED)  # the main thread may be blocked in a receive forever
     return stop
-
-
-_watchdog: Watchdog | None = None
-
-
-def start_watchdog(rank: int, on_peer_failure: Callable[[FailureRecord], None] | None = None,
-                   interval: float = 0.1) -> None:
-    """Start this process's watchdog unless one runs already (needs a process group)."""
-    global _watchdog
-    if _watchdog is not None or _store() is None:
-        return
-    _watchdog = Watchdog(rank, interval, on_peer_failure)
-    _watchdog.start()
-
-
-def stop_watchdog() -> None:
-    """Stop this process's watchdog (before the process group is destroyed)."""
-    global _watchdog
-    if _watchdog is not None:
-        _watchdog.stop()
-        _watchdog = None

@@ -1,9 +1,10 @@
-"""Named fault points: tests arm one to crash this process at an exact moment.
+"""Named fault points: a test arms one on a `FaultPoints` to crash at an exact moment.
 
-Production code calls `reach(point)` at the few moments whose failure matters (between a
-checkpoint's file writes, before its manifest, before the commit); nothing happens unless a
-test armed that point in this process. A crash is simulated with SIGKILL (`kill_self`) or
-an exception, so the on-disk state is exactly what a real crash there would leave.
+Production code calls `points.reach(name)` at the few moments whose failure matters (between
+a checkpoint's file writes, before its manifest, before the commit) on the `FaultPoints` its
+owner holds (the engine's `faults`, or a `CheckpointParts.faults`); nothing happens unless a
+test armed that point on that object. A crash is simulated with SIGKILL (`kill_self`) or an
+exception, so the on-disk state is exactly what a real crash there would leave.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import signal
 from collections.abc import Callable
 
-__all__ = ["FAULT_POINTS", "arm", "disarm_all", "kill_self", "reach"]
+__all__ = ["FAULT_POINTS", "FaultPoints", "kill_self"]
 
 FAULT_POINTS = (
     "checkpoint.file",  # a file's bytes are in its temporary name, not yet renamed
@@ -23,33 +24,43 @@ FAULT_POINTS = (
 )
 """Where `reach` is called; `arm` refuses any other name."""
 
-_armed: dict[str, tuple[int, Callable[[], None]]] = {}
 
+class FaultPoints:
+    """The armed fault points of one owner (an engine, one save): name -> (skip, action)."""
 
-def arm(point: str, action: Callable[[], None], *, skip: int = 0) -> None:
-    """Run `action` the (`skip` + 1)-th time this process reaches `point`, then forget it."""
-    if point not in FAULT_POINTS:
-        raise ValueError(f"unknown fault point {point!r}; use one of {', '.join(FAULT_POINTS)}")
-    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-        raise ValueError(f"skip must be an int >= 0, got {skip!r}")
-    _armed[point] = (skip, action)
+    def __init__(self) -> None:
+        self._armed: dict[str, tuple[int, Callable[[], None]]] = {}
 
+    def arm(self, point: str, action: Callable[[], None], *, skip: int = 0) -> None:
+        """Run `action` the (`skip` + 1)-th time `point` is reached, then forget it."""
+        if point not in FAULT_POINTS:
+            raise ValueError(f"unknown fault point {point!r}; use one of "
+                             f"{', '.join(FAULT_POINTS)}")
+        if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
+            raise ValueError(f"skip must be an int >= 0, got {skip!r}")
+        if not callable(action):
+            raise TypeError(f"action must be callable (e.g. kill_self), got {action!r}")
+        self._armed[point] = (skip, action)
 
-def disarm_all() -> None:
-    _armed.clear()
+    def disarm_all(self) -> None:
+        self._armed.clear()
 
+    @property
+    def armed(self) -> tuple[str, ...]:
+        """The points that will still fire."""
+        return tuple(self._armed)
 
-def reach(point: str) -> None:
-    """Called by production code at `point`: fires the armed action, if any is due."""
-    entry = _armed.get(point)
-    if entry is None:
-        return
-    skip, action = entry
-    if skip > 0:
-        _armed[point] = (skip - 1, action)
-        return
-    del _armed[point]
-    action()
+    def reach(self, point: str) -> None:
+        """Called by production code at `point`: fires the armed action, if any is due."""
+        entry = self._armed.get(point)
+        if entry is None:
+            return
+        skip, action = entry
+        if skip > 0:
+            self._armed[point] = (skip - 1, action)
+            return
+        del self._armed[point]
+        action()
 
 
 def kill_self() -> None:

@@ -3,7 +3,9 @@
 Spawned ranks rendezvous through a file in a fresh temporary directory, so nothing needs a
 port. When a rank fails, its watchdog peers end within a poll interval; the launcher kills
 any rank still alive after a short grace, then raises one `RankFailedError` naming the rank
-that failed first and the instruction it failed at.
+that failed first and the instruction it failed at (or, after a timeout, the rank that
+stopped progressing). When the launcher itself dies, every rank ends and removes the
+launcher's temporary directories (`pipeline.launcher.orphans`).
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ from __future__ import annotations
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -26,20 +28,29 @@ import torch
 import torch.distributed as dist
 
 from pipeline.device import default_backend, process_group_timeout
-from pipeline.errors import PipelineConfigError, RankFailedError
-from pipeline.launcher.failure import (
-    EXIT_PEER_FAILED,
-    FailureRecord,
-    report_failure,
-    start_watchdog,
-    stop_watchdog,
+from pipeline.errors import PipelineConfigError
+from pipeline.launcher.failure import EXIT_PEER_FAILED, FailureRecord, Watchdog, report_failure
+from pipeline.launcher.orphans import (
+    ProcessIdentity,
+    identity_of,
+    remove_on_sigterm,
+    watch_launcher,
+)
+from pipeline.launcher.progress import StallError, explain_stall, looks_like_timeout
+from pipeline.launcher.results import (
+    RankReport,
+    Result,
+    failure_error,
+    read_result,
+    write_result,
 )
 
 __all__ = ["launch"]
 
 T = TypeVar("T")
 _GRACE = 5.0  # seconds the other ranks get to stop by themselves once one has failed
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim", "pipeline.runtime.engine"]
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim",
+            "pipeline.runtime.engine")
 
 
 def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 300.0,
@@ -50,11 +61,15 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
     per-rank results (index = rank).
 
     Under torchrun (RANK and WORLD_SIZE set) `fn` runs in this process only, over env://,
-    and the list holds this rank's result alone. `timeout` bounds every wait inside a step;
-    `join_timeout` (None: unbounded) bounds the whole run, after which every rank is killed.
-    Once a rank fails, the others get `grace` seconds (default min(5, timeout)) to stop by
-    themselves and report, then are killed: a failed job ends within about that long.
-    `fn` and `args` must be picklable (a module-level function) for spawned ranks.
+    and the list holds this rank's result alone. `timeout` bounds every wait (a collective,
+    or a receive of an engine given the same timeout); the rank that times out names the
+    rank that stopped progressing. `join_timeout` (None: unbounded) bounds the whole run,
+    start-up included, after which every rank is killed. Once a rank fails, the others get
+    `grace` seconds (default min(5, timeout)) to stop by themselves and report, then are
+    killed: a failed job ends within about that long. If this process dies, every rank ends
+    at once and removes the run's temporary directories.
+    `fn` and `args` must be picklable (a module-level function) for spawned ranks; every
+    rank must return a picklable value.
     """
     _check_arguments(fn, world_size, timeout, backend, join_timeout, threads_per_rank,
                      start_method)
@@ -117,54 +132,82 @@ def _run_in_place(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], 
     if env_world != world_size:
         raise PipelineConfigError(f"launch(world_size={world_size}) runs under torchrun with "
                                   f"WORLD_SIZE={env_world}; make them agree")
+    torchrun_directories = _torchrun_directories()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is our parent: end with it
+        watch_launcher(identity_of(os.getppid()), torchrun_directories)
     if threads:
         torch.set_num_threads(threads)
     created = not dist.is_initialized()
     if created:
         dist.init_process_group(backend or default_backend(), init_method="env://",
                                 timeout=process_group_timeout(timeout))
-    start_watchdog(dist.get_rank())
+    rank = dist.get_rank()
+    watchdog = Watchdog(rank).start()
     try:
-        return fn(*args)
+        with remove_on_sigterm(torchrun_directories):  # the agent stopping us leaves nothing
+            return fn(*args)
     except BaseException as error:
-        report_failure(dist.get_rank(), getattr(error, "instruction", None),
-                       f"{type(error).__name__}: {error}")
+        report = _report(rank, dist.get_world_size(), error)
+        if report.kind in ("error", "exit"):
+            report_failure(rank, report.instruction, report.message)
         raise
     finally:
-        stop_watchdog()
+        watchdog.stop()
         if created:
             dist.destroy_process_group()
+
+
+def _torchrun_directories() -> list[str]:
+    """The temporary log directory torchrun's agent made for this run (it cannot remove it
+    once killed): ``<tmp>/torchelastic_*/<run id>/attempt_<n>/<rank>/error.json``."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(error_file))))
+    inside_tmp = os.path.dirname(root) == os.path.realpath(tempfile.gettempdir()) or \
+        os.path.dirname(root) == tempfile.gettempdir()
+    return [root] if error_file and inside_tmp and \
+        os.path.basename(root).startswith("torchelastic_") else []
 
 
 def _context(start_method: str | None) -> Any:
     method = start_method or ("forkserver" if sys.platform.startswith("linux") else "spawn")
     context = multiprocessing.get_context(method)
     if method == "forkserver":
-        context.set_forkserver_preload(_PRELOAD)  # ranks fork with torch already imported
+        context.set_forkserver_preload(list(_PRELOAD))  # ranks fork with torch already imported
     return context
+
+
+def _owned_directories(context: Any) -> list[str]:
+    """This process's temporary directories a rank removes if the launcher dies: the fork
+    server's socket lives in multiprocessing's per-process directory."""
+    if context.get_start_method() != "forkserver":
+        return []
+    return [multiprocessing.util.get_temp_dir()]  # created now, so the fork server uses it
 
 
 def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout: float,
            backend: str | None, join_timeout: float | None, threads: int | None,
            start_method: str | None, grace: float) -> list[T]:
-    workdir = tempfile.mkdtemp(prefix="pipesched-")
     context = _context(start_method)
+    workdir = tempfile.mkdtemp(prefix="pipesched-")
+    launcher = identity_of(os.getpid())
+    cleanup = [workdir, *_owned_directories(context)]
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
     processes = [context.Process(target=_worker, name=f"pipesched-rank-{rank}", args=(
         rank, world_size, init_method, backend or default_backend(), timeout, threads, fn,
-        args, workdir)) for rank in range(world_size)]
+        args, workdir, launcher, cleanup)) for rank in range(world_size)]
     try:
         for process in processes:
             process.start()
-        expired, first_failed = _supervise(processes, grace, join_timeout)
-        results = [_read(workdir, rank) for rank in range(world_size)]
+        still_running, first_failed = _supervise(processes, grace, join_timeout)
+        for process in processes:
+            process.join(timeout=5)  # killed ranks: read their real exit codes
+        results = [read_result(workdir, rank) for rank in range(world_size)]
         codes = tuple(process.exitcode for process in processes)
-        if any(code != 0 for code in codes):
-            killed = _killed_first(results, codes, first_failed)
-            if killed is not None and not expired:
-                raise killed
-            raise _failure_error(results, codes, join_timeout if expired else None)
-        return [payload[1] for payload in results]  # type: ignore[index]
+        error = failure_error(results, codes, first_failed, still_running, join_timeout)
+        if error is not None:
+            raise error
+        return [result[1] for result in results  # type: ignore[misc]  # every rank's "ok"
+                if result is not None]
     finally:
         for process in processes:
             if process.pid is None:
@@ -176,10 +219,10 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
 
 
 def _supervise(processes: list[Any], grace: float, join_timeout: float | None
-               ) -> tuple[bool, list[int]]:
-    """Wait for every rank; once one fails (or the deadline passes), kill the rest after
-    `grace` seconds (at once on the deadline). Returns whether the deadline expired, and
-    the ranks seen failing first (in the same wake-up)."""
+               ) -> tuple[list[int] | None, list[int]]:
+    """Wait for every rank; once one fails, kill the rest after `grace` seconds, and every
+    rank on the deadline. Returns the ranks still running at the deadline (None when it did
+    not pass) and the ranks seen failing first (in the same wake-up)."""
     deadline = None if join_timeout is None else time.monotonic() + join_timeout
     failed_at: float | None = None
     first_failed: list[int] = []
@@ -189,11 +232,11 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None
         if deadline is not None and now >= deadline:
             for process in alive:
                 process.kill()
-            return True, first_failed
+            return [processes.index(p) for p in alive], first_failed
         if failed_at is not None and now - failed_at >= grace:
             for process in alive:
                 process.kill()
-            return False, first_failed
+            return None, first_failed
         limits = [0.5] + ([deadline - now] if deadline is not None else []) + \
             ([failed_at + grace - now] if failed_at is not None else [])
         multiprocessing.connection.wait([p.sentinel for p in alive], timeout=max(0.0, min(limits)))
@@ -203,127 +246,77 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None
         if failed_at is None and any(p.exitcode != 0 for p in ended):
             failed_at = time.monotonic()
             first_failed = [processes.index(p) for p in ended if p.exitcode != 0]
-    return False, first_failed
+    return None, first_failed
 
 
 def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
             threads: int | None, fn: Callable[..., Any], args: tuple[Any, ...],
-            workdir: str) -> None:
-    _die_with_parent()
+            workdir: str, launcher: ProcessIdentity, cleanup: list[str]) -> None:
+    # No parent-death signal: it would kill this rank before the watch removes `cleanup`.
+    watch_launcher(launcher, cleanup)
     if threads:
         torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    payload: tuple[str, Any]
+    payload: Result
+    watchdog: Watchdog | None = None
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=process_group_timeout(timeout))
-        start_watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record))
-        payload = ("ok", fn(*args))
+        watchdog = Watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record))
+        watchdog.start()
+        value = fn(*args)
+        try:
+            pickle.dumps(value)
+        except Exception as error:  # pickling raises many types; all mean the same here
+            raise PipelineConfigError(
+                f"rank {rank}'s result, a {type(value).__name__}, cannot be pickled to send "
+                f"it to the launcher ({type(error).__name__}: {error}); return plain data "
+                "(tensors, numbers, lists, dicts, dataclasses)") from None
+        payload = ("ok", value)
     except BaseException as error:  # report everything, including KeyboardInterrupt
-        instruction = getattr(error, "instruction", None)
-        report_failure(rank, instruction, f"{type(error).__name__}: {error}")
-        caused_by = getattr(error, "caused_by", None)
-        payload = ("error", {"message": f"{type(error).__name__}: {error}",
-                             "instruction": instruction, "caused_by": caused_by,
-                             "traceback": traceback.format_exc(), "time": time.time()})
-        print(f"[pipesched] rank {rank}: {payload[1]['traceback']}", file=sys.stderr, flush=True)
-    finally:
-        stop_watchdog()
-    _write(workdir, rank, payload)
+        payload = ("error", _report(rank, world_size, error))
+    write_result(workdir, rank, payload)  # first: the launcher may kill this rank soon
+    if payload[0] == "error" and payload[1].kind in ("error", "exit"):
+        report_failure(rank, payload[1].instruction, payload[1].message)  # stops the others
+    if payload[0] == "error":
+        print(f"[pipesched] rank {rank}: {payload[1].traceback or payload[1].message}",
+              file=sys.stderr, flush=True)
+    if watchdog is not None:
+        watchdog.stop()
     if dist.is_initialized():
         dist.destroy_process_group()
     if payload[0] != "ok":
         sys.exit(1)
 
 
+def _report(rank: int, world_size: int, error: BaseException) -> RankReport:
+    """Why `fn` failed on this rank. After a timeout, probe the ranks and report the one that
+    stopped progressing (and record it, so that every rank stops)."""
+    now, trace = time.time(), traceback.format_exc()
+    instruction = getattr(error, "instruction", None)
+    message = f"{type(error).__name__}: {error}"
+    if isinstance(error, SystemExit):
+        return RankReport("exit", f"fn called sys.exit({error.code!r}) on rank {rank} instead "
+                          "of returning a value", now, traceback=trace)
+    caused_by = getattr(error, "caused_by", None)
+    if caused_by is not None:
+        if isinstance(error.__cause__, StallError):
+            return RankReport("stall", message, now, instruction, caused_by, trace)
+        return RankReport("stopped", message, now, instruction, caused_by, trace)
+    if looks_like_timeout(error) and dist.is_initialized():
+        stall = explain_stall(rank, list(range(world_size)), None)
+        if stall.culprit is not None:
+            report_failure(stall.culprit, None, f"stopped progressing ({stall.explanation})",
+                           reporter=rank)
+            return RankReport("stall", f"{message}; {stall.explanation}", now, instruction,
+                              stall.culprit, trace)
+    return RankReport("error", message, now, instruction, None, trace)
+
+
 def _stopped(workdir: str, rank: int, record: FailureRecord) -> None:
-    _write(workdir, rank, ("error", {"message": f"stopped because {record.describe()}",
-                                     "instruction": None, "caused_by": record.rank,
-                                     "traceback": "", "time": time.time()}))
+    """This rank's watchdog saw another rank's failure: leave a report and end at once."""
+    write_result(workdir, rank, ("error", RankReport(
+        "stopped", f"stopped because {record.describe()}", time.time(),
+        caused_by=record.rank)))
     print(f"[pipesched] rank {rank} stopping: {record.describe()}", file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_FAILED)  # the main thread may be blocked in a receive forever
-
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this rank if the launching process dies (no orphans)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def _write(workdir: str, rank: int, payload: tuple[str, Any]) -> None:
-    path = os.path.join(workdir, f"rank{rank}.result")
-    try:
-        data = pickle.dumps(payload)
-    except Exception as error:  # an unpicklable result: report it instead of losing it
-        data = pickle.dumps(("error", {"message": f"rank {rank}'s result cannot be pickled: "
-                                       f"{error}", "instruction": None, "caused_by": None,
-                                       "traceback": "", "time": time.time()}))
-    with open(path + ".tmp", "wb") as handle:
-        handle.write(data)
-    os.replace(path + ".tmp", path)
-
-
-def _read(workdir: str, rank: int) -> tuple[str, Any] | None:
-    try:
-        with open(os.path.join(workdir, f"rank{rank}.result"), "rb") as handle:
-            payload: tuple[str, Any] = pickle.load(handle)
-            return payload
-    except (OSError, EOFError, pickle.UnpicklingError):
-        return None
-
-
-def _killed_first(results: list[tuple[str, Any] | None], codes: tuple[int | None, ...],
-                  first_failed: list[int]) -> RankFailedError | None:
-    """A rank killed by a signal (SIGKILL, the OOM killer) reports nothing; if it was among
-    the first to end, the errors of the others (a closed connection) are its consequence."""
-    killed = [rank for rank in first_failed if results[rank] is None
-              and (codes[rank] or 0) < 0]
-    if not killed:
-        return None
-    rank = killed[0]
-    number = -(codes[rank] or 0)
-    try:
-        name = signal.Signals(number).name
-    except ValueError:
-        name = "an unknown signal"
-    summary = ", ".join(f"rank {r}: exit {code}" for r, code in enumerate(codes))
-    return RankFailedError(f"rank {rank} was killed by signal {number} ({name}) without "
-                           f"reporting an error; every other rank was stopped ({summary})",
-                           rank=rank, exit_codes=codes)
-
-
-def _failure_error(results: list[tuple[str, Any] | None], codes: tuple[int | None, ...],
-                   join_timeout: float | None) -> RankFailedError:
-    """One error naming the rank that failed first: a rank's own error before a rank that
-    died without a word, before ranks stopped because of another."""
-    own = [(info["time"], rank, info) for rank, result in enumerate(results)
-           if result is not None and result[0] == "error"
-           for info in [result[1]] if info["caused_by"] is None]
-    silent = [rank for rank, result in enumerate(results) if result is None and codes[rank]]
-    summary = ", ".join(f"rank {r}: exit {code}" for r, code in enumerate(codes))
-    if own:
-        _, rank, info = min(own, key=lambda item: (item[0], item[1]))
-        where = f" at instruction {info['instruction']}" if info["instruction"] else ""
-        return RankFailedError(
-            f"rank {rank} failed{where}: {info['message']}\n({summary})\n"
-            f"--- traceback of rank {rank} ---\n{info['traceback']}", rank=rank,
-            instruction=info["instruction"], exit_codes=codes)
-    if silent:
-        rank = silent[0]
-        code = codes[rank]
-        why = (f"did not finish within join_timeout={join_timeout}s and was killed"
-               if join_timeout is not None else "was killed after another rank failed"
-               if code is not None and code < 0 else
-               f"exited with code {codes[rank]} without reporting an error")
-        return RankFailedError(f"rank {rank} {why} ({summary})", rank=rank, exit_codes=codes)
-    caused = [result[1]["caused_by"] for result in results if result is not None and
-              result[0] == "error"]
-    rank = caused[0] if caused else 0
-    return RankFailedError(f"rank {rank} failed (reported by the other ranks) ({summary})",
-                           rank=rank, exit_codes=codes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import socket
 import time
-import zlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,7 +16,9 @@ from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, save_checkpoint
 from pipeline.device import default_device, synchronize
 from pipeline.errors import NonFiniteError, PipelineConfigError, PipelineStepError
-from pipeline.launcher.failure import read_failure, report_failure, start_watchdog
+from pipeline.launcher.failure import Watchdog, read_failure, report_failure
+from pipeline.launcher.faults import FaultPoints
+from pipeline.launcher.progress import ProgressRecord, StallError
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
@@ -25,12 +27,9 @@ from pipeline.parallel.optimizer_step import StepOptimizer
 from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.batch import (
-    Layout,
-    batch_size,
     join_microbatches,
-    split_microbatches,
-    take_microbatches,
 )
+from pipeline.runtime.batch_vote import agree_on_batch
 from pipeline.runtime.checks import check_engine_arguments
 from pipeline.runtime.comm import Comm
 from pipeline.runtime.config import EngineConfig
@@ -100,16 +99,24 @@ class PipelineEngine:
         self.topology = topology
         self.position = topology.position(self.rank)
         self.pp_rank = self.position.pp_rank
-        # 2. The schedule: fits the module, validates, and every rank agrees on it.
+        # 2. The schedule: fits the module, validates, and every rank agrees on it (this
+        #    rank's watchdog runs from here: it answers stall probes from `progress`).
         self.schedule = resolve_schedule(self.config.schedule, module,
                                          self.config.num_microbatches)
         self.eval_schedule = forward_schedule(self.schedule)
+        self.progress = ProgressRecord(self.rank)
+        """What this rank does now (phase, instruction, wait): names it when it stalls."""
+        self.faults = FaultPoints()
+        """Fault points a test can arm in this engine's checkpoint saves."""
+        self._watchdog = Watchdog(self.rank, progress=self.progress, delay=1.0).start()
+        weakref.finalize(self, self._watchdog.stop)
+        self.progress.enter("engine set-up", collective=True)
         prints: list[Any] = [None] * world
         dist.all_gather_object(prints, fingerprint(module, self.schedule, world, {
             "dynamic_shapes": self.config.dynamic_shapes,
             "topology": (topology.pp, topology.dp, topology.tp), "parallel": repr(parallel)}))
         check_agreement(prints, list(range(world)))
-        start_watchdog(self.rank)
+        self.progress.enter("engine set-up")
         # 3. This rank's groups, stages (tp layers get their group), reducer, optimizer,
         #    STEP and channels.
         self.device = device or default_device()
@@ -135,7 +142,8 @@ class PipelineEngine:
             loss_fn=module.loss_fn, optimizer_step=self.training.step, device=self.device,
             split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
                                    if op.kind is Kind.I),
-            precision=parallel.precision, loss_scale=self.training.loss_scale)
+            precision=parallel.precision, loss_scale=self.training.loss_scale,
+            progress=self.progress)
         self._last_schedule: Schedule = self.schedule
         self._finite_flags: list[FiniteFlag] = []
         self.last_stats: StepStats | None = None
@@ -146,6 +154,12 @@ class PipelineEngine:
         """Optimizer steps taken (`train_batch` calls); saved and restored by checkpoints."""
         self.loss_scaler: Stateful | None = self.training.scaler
         """The fp16 loss scaler, when mixed precision uses one (checkpointed with the rest)."""
+        self.progress.enter("between steps, after step 0")
+
+    def stop_watchdog(self) -> None:
+        """Stop this engine's failure watchdog (at the end of a script that owns its process
+        group: before destroying the group the watchdog polls)."""
+        self._watchdog.stop()
 
     # -- facts DeepSpeed users look for ----------------------------------------------------
 
@@ -243,46 +257,11 @@ class PipelineEngine:
                  training: bool) -> tuple[list[Any] | None, list[Any] | None]:
         """This rank's microbatches, after every rank agreed that the batch is usable and on
         its layout (when it changed, this step's forward messages carry headers)."""
-        first, last = self.is_first_stage(), self.is_last_stage()
-        problem: Exception | None = None
-        microbatches = split_targets = None
-        try:
-            if data_iter is not None:
-                microbatches, split_targets = take_microbatches(data_iter, m)
-            else:
-                if first:
-                    microbatches = split_microbatches(inputs, m, "inputs")
-                if last and targets is not None:
-                    split_targets = split_microbatches(targets, m, "targets")
-            if training and last and split_targets is None:
-                raise PipelineConfigError("this rank holds the last stage: pass targets")
-            if first and microbatches is None:
-                raise PipelineConfigError("this rank holds the first stage: pass inputs")
-        except (PipelineConfigError, TypeError) as error:
-            problem = error
-        local = samples = target_samples = 0
-        if problem is None:
-            if first and microbatches is not None:
-                shapes = [Layout.of(x, "inputs") for x in microbatches]
-                local = zlib.crc32(repr((shapes, training)).encode()) + 1
-                samples = batch_size(microbatches)
-            if last:
-                target_samples = batch_size(split_targets)
-        # also aligns the ranks' clocks: every rank leaves it within a message time
-        (agreed, samples, target_samples), refused = self.comm.agree(
-            [local, samples, target_samples], failed=problem is not None, pp_rank=self.pp_rank)
-        if problem is not None:
-            raise problem
-        if refused:
-            raise PipelineConfigError(f"pipeline rank(s) {refused} refused the batch (see "
-                                      "their error); nothing was run")
-        if samples and target_samples and samples != target_samples:
-            # they would pair the wrong samples per microbatch, or broadcast into a wrong loss
-            raise PipelineConfigError(f"inputs hold {samples} samples but targets "
-                                      f"{target_samples}; pass one target per input sample "
-                                      f"(same size in dim 0); nothing was run")
-        self._shapes.begin_step(agreed)
-        return microbatches, split_targets
+        agreed = agree_on_batch(self.comm, self.pp_rank, m, inputs, targets, data_iter,
+                                training=training, first=self.is_first_stage(),
+                                last=self.is_last_stage())
+        self._shapes.begin_step(agreed.layout)
+        return agreed.microbatches, agreed.targets
 
     def _run(self, schedule: Schedule, inputs: Any, targets: Any,
              data_iter: Iterator[tuple[Any, Any]] | None, *,
@@ -290,6 +269,8 @@ class PipelineEngine:
         """Run one step of `schedule`; the mean loss (on every rank) and the last stage's
         outputs per microbatch (eval, on the rank holding it)."""
         m = schedule.num_microbatches
+        self.progress.enter(f"{'train' if training else 'eval'}_batch of step "
+                            f"{self.global_step + 1}", collective=True)
         # 1. This rank's microbatches; every rank agrees the batch is usable.
         microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
         # 2. Run this rank's stream.
@@ -324,6 +305,7 @@ class PipelineEngine:
         if self.groups is not None and self.topology.dp > 1:  # mean over the replicas' batches
             dist.all_reduce(loss, group=self.groups.dp_group)
             loss /= self.topology.dp
+        self.progress.enter(f"between steps, after step {self.global_step + training}")
         return float(loss[0]), state.outputs
 
     def _nonfinite(self, loss: float) -> NonFiniteError:
@@ -340,9 +322,14 @@ class PipelineEngine:
         detail = f"{type(error).__name__}: {error}"
         peer = read_failure()
         caused_by = None
-        if peer is not None and peer.rank != self.rank:
+        if peer is not None and peer.reporter != self.rank:
             caused_by = peer.rank
             message = f"rank {self.rank} stopped at instruction {op} because {peer.describe()}"
+        elif isinstance(error, StallError) and error.culprit is not None:
+            caused_by = error.culprit  # a rank that stopped progressing: every rank stops
+            report_failure(error.culprit, None, f"stopped progressing ({detail})",
+                           reporter=self.rank)
+            message = f"rank {self.rank} timed out at instruction {op}: {detail}"
         else:
             report_failure(self.rank, str(op), detail)
             message = (f"rank {self.rank} (pipeline rank {self.pp_rank}) failed at instruction "
@@ -358,7 +345,10 @@ class PipelineEngine:
         their offsets), loss scaler, generators and `global_step` under
         ``directory/step_<global_step>/`` and point ``directory/latest`` at it, crash-safely
         (a collective: every rank calls it). See `pipeline.checkpoint.save`."""
-        return save_checkpoint(directory, self._checkpoint_parts())
+        self.progress.enter("save_checkpoint", collective=True)
+        info = save_checkpoint(directory, self._checkpoint_parts())
+        self.progress.enter(f"between steps, after step {self.global_step}")
+        return info
 
     def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> CheckpointInfo:
         """Load a checkpoint root (following ``latest``) or one step directory, saved under
@@ -377,7 +367,7 @@ class PipelineEngine:
             module=self.module, topology=self.topology, rank=self.rank, step=self.global_step,
             optimizer=optimizer, zero_params_by_stage=regions,
             loss_scaler=self.loss_scaler, schedule=self.schedule.name,
-            num_microbatches=self.schedule.num_microbatches)
+            num_microbatches=self.schedule.num_microbatches, faults=self.faults)
 
     # -- measurements ----------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from pipeline.launcher.failure import PROGRESS, explain_stall
+from pipeline.launcher.progress import ProgressRecord, StallError, explain_stall
 from pipeline.model.layer_rng import forward_key
 from pipeline.model.module import LossFn, PipelineModule, Stage
 from pipeline.parallel.data_parallel import GradReducer
@@ -125,7 +125,8 @@ class Interpreter:
                  optimizer_step: Callable[[], None],
                  device: torch.device, split_stages: frozenset[int] = frozenset(),
                  precision: Precision = "fp32",
-                 loss_scale: Callable[[], float] = lambda: 1.0) -> None:
+                 loss_scale: Callable[[], float] = lambda: 1.0,
+                 progress: ProgressRecord | None = None) -> None:
         self.module = module
         self.pp_rank = pp_rank
         self.placement = tuple(placement)
@@ -149,6 +150,8 @@ class Interpreter:
         self.stage_params: dict[int, list[nn.Parameter]] = {
             s: module.stage_parameters(s) for s in self.stages}
         self.state = StepState(None, None, True)
+        self.progress = progress or ProgressRecord(comm.pipeline_ranks[pp_rank])
+        """What this rank does, for stall probes (the engine's record, read by its watchdog)."""
         self.op_start = 0.0
         self.handlers: dict[Kind, Callable[[Instruction], None]] = {
             Kind.LOAD: self.load, Kind.F: self.forward, Kind.B: self.backward,
@@ -180,7 +183,7 @@ class Interpreter:
 
     def execute(self, op: Instruction) -> None:
         """Run one instruction and record its span (receive waits get their own span)."""
-        PROGRESS.instruction = op
+        self.progress.execute(op)
         self.op_start = _now()
         self.handlers[op.kind](op)
         if op.kind is not Kind.RECV_F and op.kind is not Kind.RECV_B:
@@ -193,14 +196,15 @@ class Interpreter:
         """Run `wait` (blocked on data from pipeline rank `peer`); on a timeout, ask the other
         ranks what they do and say which one holds the pipeline up."""
         rank = self.comm.pipeline_ranks[peer]
-        PROGRESS.waiting_on = rank
+        self.progress.wait_on(rank)
         try:
             result = wait()
         except RuntimeError as error:
-            why = explain_stall(rank, list(self.comm.pipeline_ranks))
-            raise RuntimeError(f"no data from pipeline rank {peer} (global rank {rank}) for "
-                               f"{what}: {error}" + (f"; {why}" if why else "")) from error
-        PROGRESS.waiting_on = None
+            stall = explain_stall(self.progress.rank, list(self.comm.pipeline_ranks), rank)
+            why = f"; {stall.explanation}" if stall.explanation else ""
+            raise StallError(f"no data from pipeline rank {peer} (global rank {rank}) for "
+                             f"{what}: {error}{why}", culprit=stall.culprit) from error
+        self.progress.wait_on(None)
         return result
 
     def _wait(self, pending: PendingRecv, kind: Kind, stage: int,

@@ -3,6 +3,7 @@ a loadable checkpoint, and every corruption is refused naming the file."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -66,12 +67,10 @@ def test_a_crash_at_any_moment_of_a_save_leaves_a_complete_checkpoint(
     after = job.weights()
     if point == "checkpoint.swap" and not replace:
         return  # only a save over an existing step directory swaps
-    faults.arm(point, _crash, skip=1 if point == "checkpoint.file" else 0)  # mid-way
-    try:
-        with pytest.raises(_Crash):
-            save_checkpoint(str(tmp_path), job.parts())
-    finally:
-        faults.disarm_all()
+    points = faults.FaultPoints()
+    points.arm(point, _crash, skip=1 if point == "checkpoint.file" else 0)  # mid-way
+    with pytest.raises(_Crash):
+        save_checkpoint(str(tmp_path), dataclasses.replace(job.parts(), faults=points))
     # `latest` names the previous checkpoint until the very last rename
     fresh = Job(base_seed=7)
     assert load_checkpoint(str(tmp_path), fresh.parts()).step == 1

@@ -64,7 +64,7 @@ def _killed_while_saving(root: str, pids: str) -> None:
     engine.load_checkpoint(root)
     _train(engine, 1)
     if dist.get_rank() == 1:  # dies after its first file is durable, before the rename
-        faults.arm("checkpoint.file", faults.kill_self)
+        engine.faults.arm("checkpoint.file", faults.kill_self)
     engine.save_checkpoint(root)
 
 

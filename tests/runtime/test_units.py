@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import LayerSpec, PipelineConfigError, PipelineModule
-from pipeline.launcher.processes import _failure_error
 from pipeline.model.layers import build_layer, count_parameters
 from pipeline.model.reference import build_reference, reference_forward, reference_step
 from pipeline.runtime.batch import (
@@ -189,16 +188,6 @@ def test_reference_step_matches_a_hand_written_step() -> None:
     assert torch.allclose(model[0].weight.grad, result.grads[(0, "weight")])
     assert torch.allclose(model[0].weight - 0.5 * model[0].weight.grad,
                           result.params[(0, "weight")])
-
-
-def test_the_launcher_blames_the_rank_that_failed_first() -> None:
-    def error(message: str, when: float, caused_by: int | None = None) -> tuple[str, object]:
-        return ("error", {"message": message, "instruction": "2F1" if caused_by is None else None,
-                          "caused_by": caused_by, "traceback": "", "time": when})
-
-    results = [error("stopped", 2.0, caused_by=2), None, error("Boom", 1.0), ("ok", 1)]
-    failure = _failure_error(results, (3, -9, 1, 0), None)
-    assert failure.rank == 2 and failure.instruction == "2F1" and "Boom" in str(failure)
 
 
 def test_importing_pipeline_does_not_import_torch() -> None:

@@ -72,7 +72,7 @@ def _save_with_fault(point: str, culprit: int, workdir: str) -> None:
     if point != "checkpoint.swap":
         engine.train_batch(*MODELS["mlp"].batch(seed=1))
     if dist.get_rank() == culprit:
-        faults.arm(point, faults.kill_self)
+        engine.faults.arm(point, faults.kill_self)
     engine.save_checkpoint(os.path.join(workdir, "ckpt"))
 
 

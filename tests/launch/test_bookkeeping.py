@@ -1,0 +1,110 @@
+"""`launch`'s bookkeeping: every way a rank can end without a usable result is one
+`RankFailedError` naming the rank and the cause."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from pipeline import RankFailedError, launch
+from pipeline.launcher.results import RankReport, Result, failure_error
+
+_BOUND = 120.0  # join_timeout of the jobs that must end by themselves
+
+
+def _os_exit_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        os._exit(0)
+    return dist.get_rank()
+
+
+def _unpicklable_on_rank_one() -> object:
+    return threading.Lock() if dist.get_rank() == 1 else 0
+
+
+def _sys_exit_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        sys.exit(0)
+    return dist.get_rank()
+
+
+def _sleep_on_rank_one() -> int:
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    return dist.get_rank()
+
+
+@pytest.mark.multiprocess
+def test_os_exit_zero_is_not_a_type_error() -> None:
+    # regression: `TypeError: 'NoneType' object is not subscriptable`
+    with pytest.raises(RankFailedError, match=r"rank 1 exited with code 0 without returning "
+                                              r"a result \(did fn call os\._exit\?\)") as caught:
+        launch(_os_exit_on_rank_one, 2, timeout=30, join_timeout=_BOUND)
+    assert caught.value.rank == 1 and caught.value.exit_codes == (0, 0)
+
+
+@pytest.mark.multiprocess
+def test_an_unpicklable_result_raises_instead_of_returning_error_dicts() -> None:
+    # regression: launch returned [0, {'message': "rank 1's result cannot be pickled", ...}]
+    with pytest.raises(RankFailedError, match=r"rank 1 failed: PipelineConfigError: rank 1's "
+                                              r"result, a lock, cannot be pickled") as caught:
+        launch(_unpicklable_on_rank_one, 2, timeout=30, join_timeout=_BOUND)
+    assert caught.value.rank == 1 and caught.value.exit_codes[1] == 1
+
+
+@pytest.mark.multiprocess
+def test_join_timeout_names_the_running_rank_with_real_exit_codes() -> None:
+    # regression: the error blamed rank 0 with exit codes (None, None)
+    # join_timeout counts from the start: leave a loaded machine time to start both ranks
+    with pytest.raises(RankFailedError, match=r"rank 1 was still running when "
+                                              r"join_timeout=60s passed \(running: \[1\], "
+                                              r"finished: \[0\]\)") as caught:
+        launch(_sleep_on_rank_one, 2, timeout=30, join_timeout=60)
+    assert caught.value.rank == 1
+    assert caught.value.exit_codes == (0, -9)
+
+
+@pytest.mark.multiprocess
+def test_sys_exit_zero_on_a_rank_says_so() -> None:
+    # regression: reported as "rank 1 failed: SystemExit: 0" with nothing about the call
+    with pytest.raises(RankFailedError, match=r"rank 1 failed: fn called sys\.exit\(0\) on "
+                                              r"rank 1 instead of returning a value") as caught:
+        launch(_sys_exit_on_rank_one, 2, timeout=30, join_timeout=_BOUND)
+    assert caught.value.rank == 1 and caught.value.exit_codes[1] == 1
+
+
+def _error(kind: str, message: str, when: float, caused_by: int | None = None) -> Result:
+    return ("error", RankReport(kind, message, when,  # type: ignore[arg-type]
+                                "2F1" if caused_by is None else None, caused_by))
+
+
+def test_the_launcher_blames_the_rank_that_failed_first() -> None:
+    results = [_error("stopped", "stopped", 2.0, caused_by=2), None, _error("error", "Boom", 1.0),
+               ("ok", 1)]
+    failure = failure_error(results, (3, -9, 1, 0), [2], None, None)
+    assert failure is not None
+    assert failure.rank == 2 and failure.instruction == "2F1" and "Boom" in str(failure)
+
+
+def test_a_rank_killed_first_is_blamed_before_the_errors_it_caused() -> None:
+    results = [_error("error", "connection closed", 2.0), None, ("ok", 1)]
+    failure = failure_error(results, (1, -9, 0), [1], None, None)
+    assert failure is not None and failure.rank == 1 and "SIGKILL" in str(failure)
+
+
+def test_the_rank_most_timed_out_ranks_name_is_blamed_over_the_reporters() -> None:
+    results = [_error("stall", "timed out", 1.0, caused_by=2),
+               _error("stall", "timed out", 1.5, caused_by=2),
+               _error("stall", "timed out", 1.2, caused_by=0), None]
+    failure = failure_error(results, (1, 1, 1, -9), [0], None, None)
+    assert failure is not None and failure.rank == 2
+    assert str(failure).startswith("rank 2 stopped progressing; rank 0 timed out waiting")
+
+
+def test_every_rank_returning_is_no_failure() -> None:
+    assert failure_error([("ok", 0), ("ok", None)], (0, 0), [], None, None) is None
