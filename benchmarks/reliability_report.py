@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from benchmarks.reliability_inputs import concurrent_writers, huge_inputs, silent_steps
 from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.save import save_checkpoint
 from pipeline.errors import CheckpointError
@@ -190,6 +191,9 @@ def main() -> None:
         faults_row = (0, 0) if args.quick else _faults(workdir)
         kills = (0,) * 5 if args.quick else _launcher_kills(workdir, args.repeats)
         stalls = (0,) * 5 if args.quick else _stalls(workdir, args.repeats)
+        writers = (0,) * 5 if args.quick else concurrent_writers(args.repeats)
+        steps = (0,) * 5 if args.quick else silent_steps()
+        huge = huge_inputs()
         crashes = _crashes_during_save(workdir)
         corrupt = _corruptions(workdir)
         fuzz_cases = _fuzz()
@@ -204,6 +208,9 @@ def main() -> None:
           f"\n| trials | tried | clean | hang | traceback | silent |\n|---|---|---|---|---|---|\n"
           f"{_tally_row('launcher SIGKILLed / SIGTERMed (4 start methods)', kills)}\n"
           f"{_tally_row('stalled rank named (SIGSTOP, slow set-up, slow save)', stalls)}\n"
+          f"{_tally_row('two jobs saving into one checkpoint root', writers)}\n"
+          f"{_tally_row('steps that trained silently wrong (2 ranks and API)', steps)}\n"
+          f"{_tally_row('huge sizes on the command line (exit 2, one line)', huge)}\n"
           f"\n({time.monotonic() - start:.0f} s)")
 
 

@@ -25,7 +25,6 @@ from pipeline.checkpoint.root_lock import (
     release_root,
 )
 from pipeline.checkpoint.save import save_checkpoint
-from pipeline.launcher import faults
 from tests.support.checkpoint_cases import Job
 from tests.support.pipeline_models import MODELS
 
@@ -142,7 +141,7 @@ def _first_job(root: str, gate: str) -> dict[str, Any]:
         def pause() -> None:
             Path(gate, "first_paused").touch()
             _wait_for(Path(gate, "second_tried"), "the second job's save")
-        faults.arm("checkpoint.manifest", pause)
+        engine.faults.arm("checkpoint.manifest", pause)
     info = engine.save_checkpoint(root)
     return {"pid": os.getpid(), "directory": info.directory}
 
