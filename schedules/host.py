@@ -106,6 +106,8 @@ def measure_host_costs(measured: Timeline, nominal: CostModel) -> HostCosts:
             if not compute[row]:
                 continue
             kind = KINDS[int(measured.kind[row])]
+            if kind is Kind.OVERLAP_B:  # the engine runs an overlapped pair's B as a plain B
+                kind = Kind.B
             stage = int(measured.stage[row])
             start, end = float(measured.start[row]), float(measured.end[row])
             host = (start - previous) - waited + (end - start) - cost[kind][stage]

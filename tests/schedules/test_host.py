@@ -73,3 +73,12 @@ def test_a_stage_without_a_measurement_takes_the_kinds_median() -> None:
 def test_bad_machine_values_are_refused(make) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ScheduleConfigError):
         make()
+
+
+def test_an_overlapped_backward_is_measured_as_a_backward() -> None:
+    # regression: a measured OVERLAP_B span (dualpipev-overlap on the engine) was a KeyError
+    from schedules import Kind, Span, Timeline
+    spans = [Span(0, Kind.F, 0, 0, 0.0, 1.0), Span(0, Kind.OVERLAP_B, 0, 0, 1.5, 3.5)]
+    host = measure_host_costs(Timeline.from_spans(spans, 1, name="m"),
+                              CostModel(forward=1.0, backward=1.0, weight=1.0))
+    assert host.of(Kind.B, 0) == pytest.approx(0.5)
