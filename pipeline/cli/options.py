@@ -9,7 +9,7 @@ from schedules import SCHEDULES, CostModel
 from schedules.limits import MAX_COST, check_schedule_size
 
 __all__ = ["add_cost_arguments", "add_schedule_arguments", "check_size", "chunks_of",
-           "cost_model", "cost_number", "non_negative_float", "positive_int"]
+           "cost_model", "cost_number", "non_negative_float", "positive_float", "positive_int"]
 
 
 def positive_int(text: str) -> int:
@@ -20,6 +20,14 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.options import add_schedule_arguments, positive_int
+from pipeline.cli.options import add_schedule_arguments, positive_float, positive_int
 from schedules import SCHEDULES, Timeline, build_schedule, figures, simulate
 from schedules.memory import RankMemory
 
@@ -24,16 +24,6 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
-    return value
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (value > 0 and value < float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
 
@@ -58,9 +48,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "type:<regex>")
     parser.add_argument("--weight-fraction", type=_fraction, default=0.5, metavar="F",
                         help="share of each layer's backward that is W (default 0.5)")
-    parser.add_argument("--time-scale", type=_positive, default=1.0, metavar="X",
+    parser.add_argument("--time-scale", type=positive_float, default=1.0, metavar="X",
                         help="multiply every time by X (default 1)")
-    parser.add_argument("--bytes-scale", type=_positive, default=1.0, metavar="X",
+    parser.add_argument("--bytes-scale", type=positive_float, default=1.0, metavar="X",
                         help="divide activation and parameter bytes by X (default 1)")
     parser.add_argument("--steps", type=positive_int, default=5, metavar="N",
                         help="timed steps; the one of median makespan is shown (default 5)")

@@ -10,7 +10,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.options import add_schedule_arguments, non_negative_float, positive_int
+from pipeline.cli.options import (
+    add_schedule_arguments,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from schedules import Figures, figures, generate_schedule, simulate
 
 __all__ = ["register", "run"]
@@ -44,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "batch); MODULE is a module name or a .py path (--blocks, "
                              "--width, --seq-len are then unused)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed")
-    parser.add_argument("--timeout", type=_seconds, default=120.0, metavar="SECONDS",
+    parser.add_argument("--timeout", type=positive_float, default=120.0, metavar="SECONDS",
                         help="how long any wait between ranks may take before the run fails "
                              "naming the rank that stopped progressing (default 120)")
     parser.add_argument("--out", type=Path, default=Path("pipesched-out"), metavar="DIR",
@@ -54,14 +59,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 def _heads(width: int) -> int:
     return max(h for h in (4, 2, 1) if width % h == 0)
-
-
-def _seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    value = non_negative_float(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be > 0 seconds, got 0")
-    return value
 
 
 def _check_args(args: argparse.Namespace) -> int:
