@@ -84,3 +84,11 @@ def test_without_ortools_the_error_names_the_extra(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ScheduleConfigError, match=r"pipesched\[solver\]") as caught:
         solve_zb_optimal(2, 2)
     assert "\n" not in str(caught.value)
+
+
+def test_every_rank_building_zb_optimal_gets_the_same_order() -> None:
+    # regression: with two solver workers and a wall-clock limit, ranks that each build
+    # the schedule could get different orders when the limit hit (the engine then refuses)
+    first, second = (solve_zb_optimal(4, 8, 2, time_limit=0.5) for _ in range(2))
+    assert first.schedule.format() == second.schedule.format()
+    assert (first.makespan, first.bound) == (second.makespan, second.bound)
