@@ -129,26 +129,26 @@ def normalized_train_batch(engine: PipelineEngine, inputs: Any = None, targets: 
                            data_iter: Iterator[Any] | None = None) -> float:
     """`PipelineEngine.train_batch` with the loss and gradients normalised by the total item
     count of the step (over microbatches and data-parallel replicas); returns that loss."""
-    loss_fn = _summed(engine)
-    parts, replay = _take(engine, targets, data_iter)
-    _set_scale(engine, loss_fn, parts)
-    try:
-        if replay is not None:
-            return engine.train_batch(data_iter=replay)
-        return engine.train_batch(inputs, targets)
-    finally:
-        loss_fn.scale = 1.0
+    result: float = _normalized(engine, engine.train_batch, inputs, targets, data_iter)
+    return result
 
 
 def normalized_eval_batch(engine: PipelineEngine, inputs: Any = None, targets: Any = None, *,
                           data_iter: Iterator[Any] | None = None) -> Any:
     """`PipelineEngine.eval_batch` whose `last_loss` is the item-weighted mean."""
+    return _normalized(engine, engine.eval_batch, inputs, targets, data_iter)
+
+
+def _normalized(engine: PipelineEngine, step: Callable[..., Any], inputs: Any, targets: Any,
+                data_iter: Iterator[Any] | None) -> Any:
+    """Run `step` (the engine's train or eval batch) with the summed loss scaled by the
+    step's total item count, then put the scale back."""
     loss_fn = _summed(engine)
     parts, replay = _take(engine, targets, data_iter)
     _set_scale(engine, loss_fn, parts)
     try:
         if replay is not None:
-            return engine.eval_batch(data_iter=replay)
-        return engine.eval_batch(inputs, targets)
+            return step(data_iter=replay)
+        return step(inputs, targets)
     finally:
         loss_fn.scale = 1.0
