@@ -23,8 +23,8 @@ from typing import Any, NamedTuple, TypeVar
 import torch.distributed as dist
 
 __all__ = ["EVERY_RANK", "ProgressRecord", "RankState", "Stall", "StallError", "answer_probes",
-           "bounded", "default_store", "explain_stall", "looks_like_timeout", "name_culprit",
-           "probes_sent"]
+           "bounded", "default_store", "explain_stall", "explain_timeout", "looks_like_timeout",
+           "name_culprit", "probes_sent"]
 
 EVERY_RANK = -1
 """`waiting_on` of a rank blocked in a collective: it waits on every rank of its group."""
@@ -215,3 +215,16 @@ def explain_stall(me: int, ranks: Sequence[int], waited_for: int | None,
         return Stall(None, "the rendezvous store did not answer (a rank may be stopped "
                            "while holding its lock)")
     return name_culprit(answers, ranks, me, waited_for, patience)
+
+
+def explain_timeout(error: Exception, me: int, ranks: Sequence[int]) -> Exception:
+    """`error`, or a `StallError` naming the rank that stopped when `error` is a collective's
+    timeout (probe before recording any failure: a record ends the ranks that would answer)."""
+    if isinstance(error, StallError) or not looks_like_timeout(error):
+        return error
+    stall = explain_stall(me, ranks, None)
+    if stall.culprit is None or stall.culprit == me:
+        return error
+    explained = StallError(f"{error}; {stall.explanation}", culprit=stall.culprit)
+    explained.__cause__ = error
+    return explained

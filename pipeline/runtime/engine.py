@@ -18,7 +18,7 @@ from pipeline.device import default_device, synchronize
 from pipeline.errors import NonFiniteError, PipelineConfigError, PipelineStepError
 from pipeline.launcher.failure import Watchdog, read_failure, report_failure
 from pipeline.launcher.faults import FaultPoints
-from pipeline.launcher.progress import ProgressRecord, StallError
+from pipeline.launcher.progress import ProgressRecord, StallError, explain_timeout
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
@@ -283,6 +283,8 @@ class PipelineEngine:
             self._interpreter.run(stream, state)
         except InstructionFailed as failed:
             cause = failed.__cause__ if isinstance(failed.__cause__, Exception) else failed
+            if read_failure() is None:  # a collective that timed out: who stopped?
+                cause = explain_timeout(cause, self.rank, range(dist.get_world_size()))
             raise self._failure(schedule, failed.step, failed.op, cause) from cause
         # 3. Wait for the sends, then share the loss with every rank.
         try:

@@ -35,13 +35,23 @@ def _engine() -> PipelineEngine:
 
 def _train(where: str, workdir: str) -> None:
     """3 ranks train; rank `STALLED` stalls `where`: "sigstop" (the parent stops it once
-    every rank trains), "setup" (sleeps before building its engine), "save" (sleeps while
-    the others enter `save_checkpoint`)."""
+    every rank trains), "step" (it stops itself as its third optimizer step begins: the
+    others time out in the step's collective), "setup" (sleeps before building its engine),
+    "save" (sleeps while the others enter `save_checkpoint`)."""
     record_pid(os.path.join(workdir, "pids"))
     rank = dist.get_rank()
     if where == "setup" and rank == STALLED:
         time.sleep(_SLOW)
     engine = _engine()
+    if where == "step" and rank == STALLED:
+        interpreter = engine._interpreter  # the test reaches in: stop at an exact moment
+        step_optimizer = interpreter.optimizer_step
+
+        def stop_at_third_step() -> None:
+            if engine.global_step == 2:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            step_optimizer()
+        interpreter.optimizer_step = stop_at_third_step
     for step in range(400):
         engine.train_batch(*MODELS["mlp"].batch(seed=step))
         if step == 1:
@@ -52,7 +62,9 @@ def _train(where: str, workdir: str) -> None:
             engine.save_checkpoint(os.path.join(workdir, "ckpt"))
 
 
-STALLS = {"sigstop": "rank SIGSTOPped mid-step", "setup": "rank slow in engine set-up",
+STALLS = {"sigstop": "rank SIGSTOPped mid-step",
+          "step": "rank SIGSTOPped in the optimizer step's collective",
+          "setup": "rank slow in engine set-up",
           "save": "rank slow before save_checkpoint"}
 
 
