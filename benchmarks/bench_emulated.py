@@ -32,11 +32,10 @@ import torch.distributed as dist
 from bench_runtime import TORCH_CLASSES
 
 from pipeline import launch, torch_stages
-from pipeline.demo.rehearse import GradientPeak, RehearsalPlan, build_engine, measured_memory
+from pipeline.demo.rehearse import RehearsalPlan, build_engine, metered_step
 from pipeline.model.emulated import EmulatedCost, emulated_layers, emulated_loss
 from pipeline.model.module import PipelineModule
 from pipeline.runtime.pingpong import ping_pong
-from pipeline.runtime.saved_memory import SavedTensorMeter
 from schedules import SCHEDULES, build_schedule, figures, simulate
 from schedules.host import measure_host_costs, with_host_costs
 from schedules.memory import predict_memory
@@ -113,19 +112,16 @@ def _timed(step: Any) -> float:
 def _run_case(plan: RehearsalPlan, steps: int, warmup: int, link: Any,
               scratch: str) -> dict[str, Any]:
     engine = build_engine(plan)
-    meter = SavedTensorMeter(ignore=list(engine.module.parameters()))
-    gradients = GradientPeak(list(engine.module.parameters()))
     x = torch.zeros(plan.microbatches, 1)
+    mine = metered_step(engine, x)  # memory on an untimed step: the meters cost host time
 
     def ours() -> None:
-        with meter:
-            engine.train_batch(x, x)
+        engine.train_batch(x, x)
 
     theirs = _torch_step(plan, scratch)
     times: dict[str, list[float]] = {"ours": [], "torch": []}
     timelines = []
     for round_index in range(warmup + steps):
-        meter.reset_peak()
         elapsed = _timed(ours)
         timeline = engine.last_timeline()
         if round_index >= warmup:
@@ -136,7 +132,7 @@ def _run_case(plan: RehearsalPlan, steps: int, warmup: int, link: Any,
             if round_index >= warmup:
                 times["torch"].append(elapsed)
     memory: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(memory, measured_memory(engine, meter.peak, gradients.peak))
+    dist.all_gather_object(memory, mine)
     schedule = engine.schedule
     nominal = plan.cost_model()
     measured, simulated, machine = [], [], []

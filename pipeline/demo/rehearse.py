@@ -29,7 +29,7 @@ from schedules.host import Link
 from schedules.memory import MemoryModel, RankMemory
 
 __all__ = ["GradientPeak", "RehearsalPlan", "RehearsalReport", "build_engine", "emulation_costs",
-           "measured_memory", "rehearse_rank"]
+           "measured_memory", "metered_step", "rehearse_rank"]
 
 BYTES = 4  # float32
 
@@ -141,8 +141,14 @@ class GradientPeak:
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.params = list(params)
         self.peak = 0
-        for param in self.params:
-            param.register_post_accumulate_grad_hook(self._seen)
+        self._hooks = [param.register_post_accumulate_grad_hook(self._seen)
+                       for param in self.params]
+
+    def remove(self) -> None:
+        """Stop watching (the hooks cost host time at every gradient)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _seen(self, _: torch.Tensor) -> None:
         held = _unique_bytes([p.grad for p in self.params if p.grad is not None])
@@ -168,6 +174,19 @@ def measured_memory(engine: PipelineEngine, activation_peak: int,
         peak_in_flight=stats.peak_activations if stats else 0)
 
 
+def metered_step(engine: PipelineEngine, inputs: torch.Tensor) -> RankMemory:
+    """One step with saved-tensor and gradient meters on (untimed: their hooks cost host
+    time at every saved tensor and gradient); this rank's measured memory."""
+    meter = SavedTensorMeter(ignore=list(engine.module.parameters()))
+    gradients = GradientPeak(list(engine.module.parameters()))
+    try:
+        with meter:
+            engine.train_batch(inputs, inputs)
+    finally:
+        gradients.remove()
+    return measured_memory(engine, meter.peak, gradients.peak)
+
+
 def rehearse_rank(plan: RehearsalPlan) -> RehearsalReport | None:
     """Run the plan on this rank; the report on global rank 0, None elsewhere."""
     torch.set_num_threads(1)
@@ -176,27 +195,21 @@ def rehearse_rank(plan: RehearsalPlan) -> RehearsalReport | None:
     link = Link(0.0)
     if plan.stages > 1:  # replica 0's first link, measured before any step
         link = ping_pong(engine.topology.rank_of(0), engine.topology.rank_of(1), biggest)
-    meter = SavedTensorMeter(ignore=list(engine.module.parameters()))
-    gradients = GradientPeak(list(engine.module.parameters()))
     inputs = torch.zeros(plan.microbatches, 1)
+    mine = metered_step(engine, inputs)  # memory on its own step: the meters cost time
     timelines: list[Timeline] = []
     seconds: list[float] = []
-    peak = 0
     for step in range(plan.warmup + plan.steps):
-        meter.reset_peak()
         dist.barrier()
         start = time.perf_counter()
-        with meter:
-            engine.train_batch(inputs, inputs)
+        engine.train_batch(inputs, inputs)
         elapsed = time.perf_counter() - start
         timeline = engine.last_timeline()  # a collective: every rank calls it
         if step >= plan.warmup:
             seconds.append(elapsed)
             timelines.append(timeline)
-            peak = max(peak, meter.peak)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (engine.position.dp_rank, measured_memory(engine, peak,
-                                                                     gradients.peak)))
+    dist.all_gather_object(gathered, (engine.position.dp_rank, mine))
     if dist.get_rank() != 0:
         return None
     memory = sorted((m for dp_rank, m in gathered if dp_rank == 0), key=lambda m: m.rank)

@@ -132,12 +132,10 @@ class _InputPath(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, cost: EmulatedCost, clock: Clock) -> torch.Tensor:
-        deadline = clock.now() + cost.forward
-        out = torch.zeros(x.shape[0] if x.dim() else 1, cost.output_elements, device=x.device)
+        # no wait here: `EmulatedLayer.forward` waits F once its whole forward is built
         ctx.input_shape, ctx.device = x.shape, x.device
         ctx.cost, ctx.clock = cost, clock
-        clock.sleep_until(deadline, "F")
-        return out
+        return torch.zeros(x.shape[0] if x.dim() else 1, cost.output_elements, device=x.device)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -189,14 +187,17 @@ class EmulatedLayer(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cost.param_elements))
 
     def forward(self, x: Any) -> torch.Tensor:
+        # the deadline first, the wait last: the layer's own host work is inside its F time
+        deadline = self.clock.now() + self.cost.forward
         if not isinstance(x, torch.Tensor):
             x = x[0]  # a tuple between stages: the first tensor carries the batch
         if not x.is_floating_point():
             x = x.float()
         out = _InputPath.apply(x, self.cost, self.clock)
-        if not torch.is_grad_enabled() or not self.weight.requires_grad:
-            return out
-        return out + _WeightPath.apply(self.weight, out.detach(), self.cost, self.clock)
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            out = out + _WeightPath.apply(self.weight, out.detach(), self.cost, self.clock)
+        self.clock.sleep_until(deadline, "F")
+        return out
 
     def extra_repr(self) -> str:
         c = self.cost

@@ -129,17 +129,22 @@ class OptimizerStep:
         self.grad_norm: float | None = None
         """Global gradient norm before clipping at the last step (None without clipping)."""
 
-    def __call__(self) -> None:
+    def __call__(self, riders: torch.Tensor | None = None) -> bool:
+        """Step (or skip, on every rank alike); returns whether `riders` were summed over
+        the world in the step's vote (`any_nonfinite`): fp32 and bf16, not fp16."""
+        shared = False
         if self.scaler is None:
             # the vote every rank takes alike: a NaN/inf gradient anywhere skips the update
             # everywhere, so no weight is corrupted and the engine can say where it began
-            self.nonfinite = any_nonfinite(self.view.grads(), self.finite_group)
+            self.nonfinite = any_nonfinite(self.view.grads(), self.finite_group, riders)
+            shared = riders is not None
             if not self.nonfinite:
                 self._apply()
             self.skipped = self.nonfinite
         else:
             self.skipped = not self.scaler.step(self.view.grads(), self._apply)
         self.view.clear()
+        return shared
 
     def _apply(self) -> None:
         if self.max_grad_norm is not None:

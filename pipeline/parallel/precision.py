@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pipeline.parallel.param_marks import is_tensor_parallel, is_tied_duplicate
+from pipeline.parallel.small_reduce import small_all_reduce
 
 __all__ = [
     "DynamicLossScaler",
@@ -43,16 +44,25 @@ def autocast(precision: Precision, device_type: str = "cpu") -> AbstractContextM
     return torch.autocast(device_type, dtype=_AUTOCAST_DTYPES[precision])
 
 
-def any_nonfinite(tensors: Iterable[torch.Tensor], group: ProcessGroup | None) -> bool:
-    """Collective over `group`: True on every rank if any rank's tensors hold inf or NaN."""
-    flag = torch.zeros(1, dtype=torch.float32)
+def any_nonfinite(tensors: Iterable[torch.Tensor], group: ProcessGroup | None,
+                  riders: torch.Tensor | None = None) -> bool:
+    """Collective over `group`: True on every rank if any rank's tensors hold inf or NaN.
+
+    `riders` (float64, CPU) are summed over `group` in the same message, in place: a value
+    every rank needs at this point (the step's loss) costs no collective of its own."""
+    extra = 0 if riders is None else riders.numel()
+    values = torch.zeros(1 + extra, dtype=torch.float64)
     for tensor in tensors:
         if not bool(torch.isfinite(tensor).all()):
-            flag.fill_(1.0)
+            values[0] = 1.0
             break
+    if riders is not None:
+        values[1:] = riders.reshape(-1)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item() > 0)
+        small_all_reduce(values, group=group)  # the flag sums to the count of such ranks
+    if riders is not None:
+        riders.copy_(values[1:].reshape(riders.shape))
+    return bool(values[0].item() > 0)
 
 
 def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:

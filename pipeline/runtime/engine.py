@@ -143,7 +143,7 @@ class PipelineEngine:
             split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
                                    if op.kind is Kind.I),
             precision=parallel.precision, loss_scale=self.training.loss_scale,
-            progress=self.progress)
+            progress=self.progress, shares_loss=self.position.tp_rank == 0)
         self._last_schedule: Schedule = self.schedule
         self._finite_flags: list[FiniteFlag] = []
         self.last_stats: StepStats | None = None
@@ -301,12 +301,15 @@ class PipelineEngine:
         self._last_schedule = schedule
         self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
                                     measured_costs(self._trace.spans))
-        total = torch.stack(state.losses).sum().double().cpu() if state.losses else \
-            torch.zeros((), dtype=torch.float64)
-        loss = self.comm.broadcast_tensor(total.reshape(1) / m, schedule.placement[-1])
-        if self.groups is not None and self.topology.dp > 1:  # mean over the replicas' batches
-            dist.all_reduce(loss, group=self.groups.dp_group)
-            loss /= self.topology.dp
+        if state.shared_loss is not None:  # STEP's vote summed it over the replicas
+            loss = state.shared_loss / self.topology.dp
+        else:
+            total = torch.stack(state.losses).sum().double().cpu() if state.losses else \
+                torch.zeros((), dtype=torch.float64)
+            loss = self.comm.broadcast_tensor(total.reshape(1) / m, schedule.placement[-1])
+            if self.groups is not None and self.topology.dp > 1:  # mean over the replicas
+                dist.all_reduce(loss, group=self.groups.dp_group)
+                loss /= self.topology.dp
         self.progress.enter(f"between steps, after step {self.global_step + training}")
         return float(loss[0]), state.outputs
 

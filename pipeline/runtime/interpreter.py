@@ -88,6 +88,8 @@ class StepState:
     finite: list[FiniteFlag] = field(default_factory=list)
     """Whether each forward output and loss was finite, read only if the step's loss or
     gradients are not (`first_nonfinite`)."""
+    shared_loss: torch.Tensor | None = None
+    """The step's mean loss summed over data-parallel replicas, when STEP's vote carried it."""
 
     def leftovers(self) -> dict[str, int]:
         """Per-step entries still held (all empty after a complete step)."""
@@ -122,11 +124,11 @@ class Interpreter:
     def __init__(self, *, module: PipelineModule, pp_rank: int, placement: Sequence[int],
                  num_microbatches: int, comm: Comm, shapes: ShapeBook, trace: Trace,
                  reducer: GradReducer, loss_fn: LossFn | None,
-                 optimizer_step: Callable[[], None],
+                 optimizer_step: Callable[[torch.Tensor], bool],
                  device: torch.device, split_stages: frozenset[int] = frozenset(),
                  precision: Precision = "fp32",
                  loss_scale: Callable[[], float] = lambda: 1.0,
-                 progress: ProgressRecord | None = None) -> None:
+                 progress: ProgressRecord | None = None, shares_loss: bool = True) -> None:
         self.module = module
         self.pp_rank = pp_rank
         self.placement = tuple(placement)
@@ -138,7 +140,10 @@ class Interpreter:
         self.reducer = reducer
         self.loss_fn = loss_fn
         self.optimizer_step = optimizer_step
-        """STEP after the reducer's wait (`pipeline.parallel.optimizer_step.OptimizerStep`)."""
+        """STEP after the reducer's wait (`pipeline.parallel.optimizer_step.OptimizerStep`);
+        its vote also sums the step's loss (True when it did)."""
+        self.shares_loss = shares_loss
+        """Whether this rank's losses count in that sum (one tensor-parallel rank each)."""
         self.device = device
         self.precision = precision
         """Stages run under this autocast; the loss is computed in fp32 from their output."""
@@ -389,7 +394,11 @@ class Interpreter:
 
     def step(self, op: Instruction) -> None:
         self.reducer.wait()
-        self.optimizer_step()
+        state = self.state  # the last stage has every loss by now: the vote carries them
+        share = torch.zeros(1, dtype=torch.float64)
+        if state.losses and self.shares_loss:
+            share += torch.stack(state.losses).sum().double().cpu() / self.m
+        state.shared_loss = share if self.optimizer_step(share) else None
 
 
 def _to(value: Batch, device: torch.device) -> Batch:
