@@ -40,47 +40,58 @@ class Clock(Protocol):
     """Where an emulated layer reads the time and waits (a fake one in tests)."""
 
     def now(self) -> float:
-        """Seconds on a monotonic clock."""
+        """Seconds on a monotonic clock at which an op issued now starts (its deadline is
+        this plus its cost)."""
 
     def sleep_until(self, deadline: float, label: str) -> None:
         """Return at `deadline` (not before); `label` names the op ("F", "I", "W")."""
 
 
 class WallClock:
-    """`time.perf_counter` with a deadline sleep that corrects its own overshoot.
+    """`time.perf_counter` as an accelerator's queue: waits that end on time in total.
 
-    `time.sleep` wakes late by a machine-dependent amount (tens of µs idle, milliseconds on
-    a loaded host). Two corrections, both without burning the core:
+    Two things make a run of waits longer than the sum of their costs, and a device has
+    neither:
 
-    - the clock learns that lateness (an exponential average of the last wakes) and sleeps
-      that much less, then spins at most `spin_limit` for the rest;
-    - what a wait still overshot is a debt that the next wait repays, when it starts
-      within `carry_window` of the last wake (the next layer of the same op, or the next op
-      right after it): back-to-back waits then end on time in total, as kernels queued on a
-      device would.
+    - `time.sleep` wakes late by a machine-dependent amount (tens of µs idle, milliseconds
+      on a loaded host). The clock learns that lateness (an exponential average of the last
+      wakes), sleeps that much less, then spins at most `spin_limit` for the rest;
+    - the host works between two waits (the next layer's Python, the autograd engine
+      between a backward's nodes: ~0.1 ms a node here), where a device would already run
+      the next kernel the host queued ahead.
+
+    So an op issued within `carry_window` of the last wake starts where the last one was
+    due to end (`now`): an overshoot is repaid and the host's gap is hidden, as for kernels
+    queued on a device. A longer gap (a wait for a message, a pause) starts afresh; keep
+    the window below such waits, so no op starts before the data it waits for.
     """
 
-    def __init__(self, spin_limit: float = 100e-6, carry_window: float = 500e-6, *,
+    def __init__(self, spin_limit: float = 100e-6, carry_window: float = 250e-6, *,
                  now: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.spin_limit = spin_limit
         """Longest busy wait (s) after the sleep."""
         self.carry_window = carry_window
-        """A wait starting this soon (s) after the last wake repays its overshoot."""
+        """An op issued this soon (s) after the last wake starts where the last one ended."""
         self.lateness = 60e-6
         """Learned wake-up lateness of `sleep` (s)."""
-        self.debt = 0.0
-        """Overshoot of the last wait (s), not yet repaid."""
         self._now, self._sleep = now, sleep
         self._last_wake = -float("inf")
+        self._last_deadline = -float("inf")
+
+    @property
+    def debt(self) -> float:
+        """How much the last wait overshot its deadline (s): what a back-to-back op repays."""
+        return max(self._last_wake - self._last_deadline, 0.0)
 
     def now(self) -> float:
-        return self._now()
+        now = self._now()
+        if now - self._last_wake <= self.carry_window:
+            return self._last_deadline  # queued behind the last op: it starts at its end
+        return now
 
     def sleep_until(self, deadline: float, label: str) -> None:
         now = self._now()
-        if now - self._last_wake <= self.carry_window:
-            deadline -= self.debt
         remaining = deadline - now
         if remaining > 0:
             asked = remaining - min(self.lateness, self.spin_limit)
@@ -91,7 +102,7 @@ class WallClock:
             while self._now() < deadline:  # the last few µs: sleep cannot hit them
                 pass
         self._last_wake = self._now()
-        self.debt = max(self._last_wake - deadline, 0.0)
+        self._last_deadline = deadline
 
 
 WALL_CLOCK = WallClock()
