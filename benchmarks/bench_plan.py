@@ -142,7 +142,7 @@ def run_configs(configs: list[dict[str, Any]], model_config: Any, rounds: int
 
     torch.set_num_threads(1)
     inputs, targets = synthetic_batch(0, BATCH, model_config)
-    runs = []
+    runs: list[tuple[Any, Any, Any, list[float]]] = []
     for item in configs:
         config: PlanConfig = item["config"]
         module = PipelineModule(lm_layers(model_config), num_stages=config.pp,
@@ -153,6 +153,7 @@ def run_configs(configs: list[dict[str, Any]], model_config: Any, rounds: int
                                 num_microbatches=config.num_microbatches,
                                 data_parallel=config.dp, zero_stage=config.zero_stage,
                                 optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
+        engine.stop_watchdog()  # many engines polling the store would load the 2 cores
         replica = engine.position.dp_rank
         rows = slice(replica * BATCH // config.dp, (replica + 1) * BATCH // config.dp)
         engine.train_batch(inputs[rows], targets[rows])  # warm-up: shapes, buffers

@@ -22,7 +22,9 @@ microbatch count. The configurations run are those with m in `MICROBATCHES` time
 pipeline depth (plus the planner's pick, always). Each runs with the planner's partition and
 `pipeline.demo.plan_rehearsal`'s costs for its microbatch size: one warm-up step, one
 metered step (memory), then one timed step of every configuration per round for `rounds`
-rounds (barrier before and after each), the fastest kept.
+rounds (barrier before and after each), the fastest kept (the median is printed too).
+Every engine's failure watchdog is stopped once it is built: a hundred engines polling the
+store ten times a second would load the cores the timed steps share.
 """
 
 from __future__ import annotations
@@ -98,12 +100,15 @@ def run_plans(plans: list[Any], rounds: int) -> list[dict[str, Any]]:
     torch.set_num_threads(1)
     world = dist.get_world_size()
     groups: dict[int, Any] = {}
-    runs = []
+    runs: list[tuple[Any, Any, Any, list[float]]] = []
     for item in plans:
         if item.data_parallel > 1 and item.data_parallel not in groups:
             groups[item.data_parallel] = create_process_groups(
                 Topology.for_world(world, dp=item.data_parallel))
         engine = build_engine(item, groups=groups.get(item.data_parallel))
+        # dozens of engines' watchdogs polling the store 10 times a second would load the
+        # cores the timed steps share; the launcher's watchdog still ends a failed job
+        engine.stop_watchdog()
         inputs = torch.zeros(item.microbatches, 1)  # one row per microbatch
         engine.train_batch(inputs, inputs)  # warm-up: buffers, shapes
         memory = metered_step(engine, inputs)
@@ -162,7 +167,7 @@ def emulated_part(devices: int, rounds: int, cluster: ClusterSpec | None = None
     lines = [f"{devices} emulated devices, {model.name} (emulated costs), global batch "
              f"{GLOBAL_BATCH}: {len(chosen)} configurations run of {len(result.predictions)} "
              f"feasible; {time.perf_counter() - started:.0f} s",
-             f"local calibration: P2P {cluster.intra_bandwidth / 1e9:.2f} GB/s, latency "
+             f"cluster {cluster.name!r}: P2P {cluster.intra_bandwidth / 1e9:.2f} GB/s, latency "
              f"{cluster.intra_latency * 1e6:.0f} µs, all-reduce "
              f"{cluster.inter_bandwidth / 1e9:.2f} GB/s, engine overhead "
              f"{cluster.op_overhead * 1e3:.2f} ms per op, Adam "
