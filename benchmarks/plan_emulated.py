@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +45,9 @@ from pipeline.planner import (
     plan,
     transformer_profile,
 )
+
+if TYPE_CHECKING:
+    from pipeline.demo.rehearse import RehearsalPlan
 
 __all__ = ["emulated_model", "emulated_part", "run_plans"]
 
@@ -87,7 +90,7 @@ def emulated_model() -> ModelProfile:
     return ModelProfile(tuple(layers), name=f"emulated {base.name}", seq=shape.seq)
 
 
-def run_plans(plans: list[Any], rounds: int) -> list[dict[str, Any]]:
+def run_plans(plans: list[RehearsalPlan], rounds: int) -> list[dict[str, Any]]:
     """On every rank: build every plan's engine (process groups shared per dp size), one
     warm-up and one metered step each, then `rounds` rounds of one timed step of each."""
     import torch
@@ -125,6 +128,7 @@ def run_plans(plans: list[Any], rounds: int) -> list[dict[str, Any]]:
 
 
 def _chosen(predictions: list[Prediction], best: Prediction) -> list[Prediction]:
+    """The configurations run: m in `MICROBATCHES` × p, and the planner's pick."""
     chosen = [p for p in predictions
               if p.config.num_microbatches in {k * p.config.pp for k in MICROBATCHES}]
     if best not in chosen:
