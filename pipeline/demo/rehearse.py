@@ -20,6 +20,7 @@ import torch.distributed as dist
 from partition import ModelGraph
 from pipeline.model.emulated import EmulatedCost, emulated_layers, emulated_loss
 from pipeline.model.module import PipelineModule
+from pipeline.parallel.groups import ProcessGroups
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.engine import PipelineEngine
 from pipeline.runtime.pingpong import ping_pong
@@ -122,16 +123,18 @@ def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def build_engine(plan: RehearsalPlan, schedule: str | Schedule | None = None
-                 ) -> PipelineEngine:
-    """This rank's engine over emulated layers (Adam, the plan's dp and ZeRO stage)."""
+def build_engine(plan: RehearsalPlan, schedule: str | Schedule | None = None,
+                 groups: ProcessGroups | None = None) -> PipelineEngine:
+    """This rank's engine over emulated layers (Adam, the plan's dp and ZeRO stage); `groups`
+    (made for the plan's topology) lets many engines share their process groups."""
     module = PipelineModule(emulated_layers(plan.layers), num_stages=plan.stages,
                             chunks=plan.chunks, loss_fn=emulated_loss,
                             partition_method=list(plan.boundaries), base_seed=None)
     return PipelineEngine(module, schedule=schedule or plan.schedule,
                           num_microbatches=plan.microbatches,
                           optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
-                          data_parallel=plan.data_parallel, zero_stage=plan.zero_stage)
+                          data_parallel=plan.data_parallel, zero_stage=plan.zero_stage,
+                          groups=groups)
 
 
 class GradientPeak:
