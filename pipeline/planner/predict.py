@@ -3,6 +3,7 @@ with tensor-parallel, pipeline and data-parallel communication and the optimizer
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from pipeline.planner.profile import ModelProfile, ring_allreduce_seconds
 from pipeline.planner.stages import StageTable
 from schedules import KINDS, CostModel, Kind, Schedule, generate_schedule, simulate
 
-__all__ = ["PlanConfig", "PlanContext", "Prediction"]
+__all__ = ["PlanConfig", "PlanContext", "Prediction", "schedule_placement"]
 
 # Adam reads parameter, gradient and both moments and writes parameter and moments: 7 fp32
 # values of memory traffic per parameter (a memory-bound update).
@@ -269,10 +270,17 @@ class PlanContext:
 
 
 def _placement(config: PlanConfig) -> tuple[int, ...]:
-    """Rank of each stage: loops for one-directional chunks, a V for the V schedules."""
-    from schedules import loop_placement, v_placement
+    """Rank of each stage, as the schedule itself places them."""
+    return schedule_placement(config.schedule, config.pp, config.chunks)
 
-    if config.schedule in ("zb-v", "dualpipev"):
-        return v_placement(config.pp)
-    return loop_placement(config.pp, config.chunks)
+
+@functools.lru_cache(maxsize=1024)
+def schedule_placement(name: str, pp: int, chunks: int) -> tuple[int, ...]:
+    """Rank of each stage of schedule `name` on `pp` ranks with `chunks` per rank, read off
+    the schedule it generates (placement does not depend on m: m = 2p fits every schedule;
+    cost-aware ones are built on their default costs). A list of V-shaped names here
+    went stale once: dualpipev-overlap, V-Min and V-Half were priced on a loop."""
+    from schedules import generate_schedule
+
+    return generate_schedule(name, pp, 2 * pp, chunks).placement
 

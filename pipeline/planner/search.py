@@ -20,12 +20,10 @@ from schedules.schedule import gc_paused
 __all__ = ["PlanResult", "SearchOptions", "format_counts", "plan"]
 
 GIB = 2**30
-_UNPRICED = ("forward-only", "zb-v-auto", "interleaved-zb", "zb-optimal", "v-min", "v-half")
+_UNPRICED = ("forward-only", "zb-v-auto", "interleaved-zb", "zb-optimal")
 """Not searched. forward-only trains nothing. zb-v-auto, interleaved-zb and zb-optimal are
 built per cost model and memory limit by a search or a solver (seconds to minutes each),
-which the planner does not price yet (zb-auto stands for the cost-aware zero-bubble family).
-v-min and v-half: with them the pruned search lost configurations of the exact Pareto front
-(tests/planner/test_search.py), so the search's bounds do not yet hold for them."""
+which the planner does not price yet (zb-auto stands for the cost-aware zero-bubble family)."""
 _TRAINING_SCHEDULES = tuple(name for name in SCHEDULES if name not in _UNPRICED)
 
 

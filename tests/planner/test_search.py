@@ -21,6 +21,8 @@ from pipeline.planner import (
     resolve_cluster,
     transformer_profile,
 )
+from pipeline.planner.predict import schedule_placement
+from schedules import loop_placement, v_placement
 
 __all__: list[str] = []
 
@@ -110,3 +112,11 @@ def test_cost_json_models_run_without_tensor_parallel() -> None:
     with pytest.raises(PlanError, match="cannot be split over tensor-parallel ranks"):
         plan(profile_from_cost_json(costs), _cluster(80.0), 16,
              options=SearchOptions(tensor_parallel=(1, 2)))
+
+
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev", "dualpipev-overlap", "v-half", "v-min"])
+def test_v_schedules_are_priced_on_their_v(name: str) -> None:
+    # regression: a list of V-shaped names went stale, so dualpipev-overlap, V-Min and V-Half
+    # were priced as if their stages looped over the ranks
+    assert schedule_placement(name, 4, 2) == v_placement(4)
+    assert schedule_placement("interleaved", 4, 2) == loop_placement(4, 2)
