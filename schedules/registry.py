@@ -13,7 +13,7 @@ from schedules.interleaved_zb import interleaved_zb
 from schedules.limits import check_schedule_size
 from schedules.looped_bfs import looped_bfs
 from schedules.lowering import add_optimizer_step, lower
-from schedules.schedule import Schedule, check_count, gc_paused
+from schedules.schedule import Schedule, check_count, gc_paused, loop_placement, v_placement
 from schedules.simulate import CostModel
 from schedules.zb_auto import zb_auto
 from schedules.zb_optimal import zb_optimal
@@ -37,6 +37,17 @@ class ScheduleSpec:
     plan: Callable[[int, int, int, int | None, CostModel | None], Schedule] | None = None
     """Cost-aware schedules only (zb-auto): (p, m, v, memory_limit, costs) -> schedule;
     None for schedules that depend on p, m and v alone."""
+    placement: Callable[[int, int], tuple[int, ...]] = loop_placement
+    """(p, v) -> the rank of each stage, as `make` and `plan` place them (without building
+    a schedule: the planner prices thousands of configurations; a test checks they agree)."""
+
+
+def _v_shape(p: int, v: int) -> tuple[int, ...]:
+    return v_placement(p)
+
+
+def _v_when_two(p: int, v: int) -> tuple[int, ...]:
+    return v_placement(p) if v == 2 else loop_placement(p, v)
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {
@@ -52,14 +63,17 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zb-h2": ScheduleSpec(lambda p, m, v: zb_h2(p, m), (1, 1), 1,
                           "Zero Bubble H2: 2p-1 microbatches of memory, bubble (p-1)(F+B-2W)"),
     "zb-v": ScheduleSpec(lambda p, m, v: zb_v(p, m), (2, 2), 2,
-                         "Zero Bubble V: 2 chunks in a V, no bubble at 1F1B's memory if F=B=W"),
+                         "Zero Bubble V: 2 chunks in a V, no bubble at 1F1B's memory if F=B=W",
+                         placement=_v_shape),
     "dualpipev": ScheduleSpec(lambda p, m, v: dualpipev(p, m), (2, 2), 2,
                               "DeepSeek DualPipeV: V placement, F of one microbatch with B of "
-                              "another; m >= 2p"),
+                              "another; m >= 2p",
+                              placement=_v_shape),
     "dualpipev-overlap": ScheduleSpec(
         lambda p, m, v: dualpipev(p, m, overlap=True), (2, 2), 2,
         "DualPipeV with each F&B of the main step one overlapped pair (OVERLAP_B), costed "
-        "by the cost model's overlap; m >= 2p"),
+        "by the cost model's overlap; m >= 2p",
+        placement=_v_shape),
     "looped-bfs": ScheduleSpec(looped_bfs, (1, None), 2,
                                "looped breadth-first: every microbatch through a chunk, then "
                                "the next chunk"),
@@ -70,15 +84,18 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         plan=lambda p, m, v, limit, costs: zb_auto(p, m, memory_limit=limit, costs=costs)),
     "v-half": ScheduleSpec(lambda p, m, v: v_half(p, m), (2, 2), 2,
                            "controllable memory V-Half: a repeated building block, about half "
-                           "of 1F1B's activation memory, about no bubble"),
+                           "of 1F1B's activation memory, about no bubble",
+                           placement=_v_shape),
     "v-min": ScheduleSpec(lambda p, m, v: v_min(p, m), (2, 2), 2,
                           "controllable memory V-Min: a repeated building block, about a third "
-                          "of 1F1B's activation memory, a small bubble"),
+                          "of 1F1B's activation memory, a small bubble",
+                          placement=_v_shape),
     "zb-v-auto": ScheduleSpec(
         lambda p, m, v: zb_v_auto(p, m), (2, 2), 2,
         "Zero Bubble V under the costs and a memory limit (default 2p stage activations): "
         "never behind the paper's V greedy",
-        plan=lambda p, m, v, limit, costs: zb_v_auto(p, m, memory_limit=limit, costs=costs)),
+        plan=lambda p, m, v, limit, costs: zb_v_auto(p, m, memory_limit=limit, costs=costs),
+        placement=_v_shape),
     "interleaved-zb": ScheduleSpec(
         lambda p, m, v: interleaved_zb(p, m, v), (2, None), 2,
         "interleaved zero bubble (torch's ZB1P, any v >= 2) under the costs and a memory "
@@ -90,7 +107,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         "the minimum makespan under a memory limit (default 2p), proven by CP-SAT within "
         "10 s; p <= 8, m <= 16; needs pip install 'pipesched[solver]'",
         plan=lambda p, m, v, limit, costs: zb_optimal(p, m, v, memory_limit=limit,
-                                                      costs=costs)),
+                                                      costs=costs),
+                                                      placement=_v_when_two),
 }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pipeline.demo.rehearse import RehearsalPlan
 from pipeline.model.emulated import BYTES_PER_ELEMENT, EmulatedCost
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.predict import PlanConfig, Prediction
+from pipeline.planner.predict import PlanConfig, Prediction, is_cost_aware
 from pipeline.planner.profile import ModelProfile
 
 __all__ = ["planned_costs", "rehearsal_plan"]
@@ -34,8 +34,8 @@ def _check_emulable(config: PlanConfig) -> None:
 def _split_backward(config: PlanConfig, schedule_splits: bool | None) -> bool:
     if schedule_splits is not None:
         return schedule_splits
-    if config.schedule == "zb-auto":
-        return True  # planned on the costs, and it always splits (as the planner prices it)
+    if is_cost_aware(config.schedule):
+        return True  # planned on the costs, and they always split (as the planner prices it)
     from schedules import Kind, generate_schedule
 
     schedule = generate_schedule(config.schedule, config.pp, config.num_microbatches,

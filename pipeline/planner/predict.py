@@ -3,7 +3,6 @@ with tensor-parallel, pipeline and data-parallel communication and the optimizer
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +19,18 @@ from pipeline.planner.memory import (
 )
 from pipeline.planner.profile import ModelProfile, ring_allreduce_seconds
 from pipeline.planner.stages import StageTable
-from schedules import KINDS, CostModel, Kind, Schedule, generate_schedule, simulate
+from schedules import (
+    KINDS,
+    SCHEDULES,
+    CostModel,
+    Kind,
+    Schedule,
+    generate_schedule,
+    simulate,
+)
 
-__all__ = ["PlanConfig", "PlanContext", "Prediction", "schedule_placement"]
+__all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_limit",
+           "schedule_placement"]
 
 # Adam reads parameter, gradient and both moments and writes parameter and moments: 7 fp32
 # values of memory traffic per parameter (a memory-bound update).
@@ -123,28 +131,33 @@ class PlanContext:
         return self._tables[key]
 
     def schedule(self, config: PlanConfig, costs: CostModel | None = None) -> Schedule | None:
-        """The compute schedule (None: it refuses these p, m, v). zb-auto is planned on the
-        costs; it is cached by their shape relative to the largest, to 2 digits."""
+        """The compute schedule (None: it refuses these p, m, v). A cost-aware one is
+        planned on the costs within `memory_limit(config)`; it is cached by their shape
+        relative to the largest, to 2 digits."""
         key: tuple[Any, ...] = (config.schedule, config.pp, config.num_microbatches,
                                 config.chunks)
-        if config.schedule == "zb-auto":
+        limit = None
+        if is_cost_aware(config.schedule):
             if costs is None:
                 return None
-            values = np.concatenate([np.asarray(costs.resolve(config.pp)[i]) for i in range(3)])
+            stages = config.pp * config.chunks
+            values = np.concatenate([np.asarray(costs.resolve(stages)[i]) for i in range(3)])
             key += tuple(np.round(values / values.max(), 2).tolist())
+            limit = memory_limit(config)
         if key not in self._schedules:
             try:
                 self._schedules[key] = generate_schedule(
                     config.schedule, config.pp, config.num_microbatches, config.chunks,
-                    costs=costs)
+                    costs=costs, memory_limit=limit)
             except ValueError:
                 self._schedules[key] = None
         return self._schedules[key]
 
     def held_trace(self, config: PlanConfig) -> HeldTrace | None:
         """When each rank's activations arrive and leave (None: the schedule refuses these
-        p, m, v). zb-auto depends on the costs: None here, priced by `memory`'s bound."""
-        if config.schedule == "zb-auto":
+        p, m, v). A cost-aware schedule depends on the costs: None here, priced by
+        `memory`'s bound."""
+        if is_cost_aware(config.schedule):
             return None
         key = (config.schedule, config.pp, config.num_microbatches, config.chunks)
         if key not in self._traces:
@@ -156,8 +169,8 @@ class PlanContext:
                floor: bool = False) -> tuple[MemoryBreakdown, int]:
         """The largest rank's memory and that rank: at the schedule's peak (`trace`), or
         with `floor` at one microbatch of the rank's largest stage (no schedule holds less).
-        zb-auto, without a trace, is priced at its default memory limit: min(2p, m)
-        microbatches of the rank's largest stage."""
+        A cost-aware schedule, without a trace, is priced at its memory limit: that many
+        microbatches of the rank's largest stage (at most all it runs)."""
         table = self.table(config)
         b = config.microbatch_size
         placement = _placement(config)
@@ -167,8 +180,9 @@ class PlanContext:
             activations = largest
         elif trace is not None:
             activations = trace.peak_bytes(table.held * b)
-        elif config.schedule == "zb-auto":
-            activations = largest * min(2 * config.pp, config.num_microbatches)
+        elif is_cost_aware(config.schedule):
+            activations = largest * min(memory_limit(config),
+                                        config.chunks * config.num_microbatches)
         else:
             raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
         return peak_rank_memory(table.params, activations, table.workspace * b, placement,
@@ -213,8 +227,8 @@ class PlanContext:
         REDUCE_GRAD overlaps the rank's remaining compute) and the optimizer step.
         None when the schedule refuses the configuration."""
         table = self.table(config)
-        if config.schedule == "zb-auto":
-            split = True  # planned on the costs, and it always splits the backward
+        if is_cost_aware(config.schedule):
+            split = True  # planned on the costs, and they all split the backward
         else:
             plain = self.schedule(config)
             if plain is None:
@@ -269,18 +283,28 @@ class PlanContext:
                           memory[0], memory[1], breakdown, table.boundaries)
 
 
+def is_cost_aware(name: str) -> bool:
+    """Whether schedule `name` is planned per cost model and memory limit (zb-auto,
+    zb-v-auto, interleaved-zb, zb-optimal)."""
+    return SCHEDULES[name].plan is not None
+
+
+def memory_limit(config: PlanConfig) -> int:
+    """The (stage, microbatch) activations a rank of a cost-aware schedule may hold, given
+    to it explicitly so that its price and its order agree: each one's own default (2p;
+    v·p for interleaved-zb, whose p microbatches in flight hold v stages each)."""
+    if config.schedule == "interleaved-zb":
+        return config.chunks * config.pp
+    return 2 * config.pp
+
+
 def _placement(config: PlanConfig) -> tuple[int, ...]:
     """Rank of each stage, as the schedule itself places them."""
     return schedule_placement(config.schedule, config.pp, config.chunks)
 
 
-@functools.lru_cache(maxsize=1024)
 def schedule_placement(name: str, pp: int, chunks: int) -> tuple[int, ...]:
-    """Rank of each stage of schedule `name` on `pp` ranks with `chunks` per rank, read off
-    the schedule it generates (placement does not depend on m: m = 2p fits every schedule;
-    cost-aware ones are built on their default costs). A list of V-shaped names here
-    went stale once: dualpipev-overlap, V-Min and V-Half were priced on a loop."""
-    from schedules import generate_schedule
-
-    return generate_schedule(name, pp, 2 * pp, chunks).placement
-
+    """Rank of each stage of schedule `name` on `pp` ranks with `chunks` per rank, as the
+    registry states it (`ScheduleSpec.placement`; a list of V-shaped names kept here once
+    went stale: dualpipev-overlap, V-Min and V-Half were priced on a loop)."""
+    return SCHEDULES[name].placement(pp, chunks)

@@ -12,7 +12,7 @@ import numpy as np
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import MemoryBreakdown
-from pipeline.planner.predict import PlanConfig, PlanContext, Prediction
+from pipeline.planner.predict import PlanConfig, PlanContext, Prediction, is_cost_aware
 from pipeline.planner.profile import ModelProfile
 from schedules import SCHEDULES
 from schedules.schedule import gc_paused
@@ -20,10 +20,10 @@ from schedules.schedule import gc_paused
 __all__ = ["PlanResult", "SearchOptions", "format_counts", "plan"]
 
 GIB = 2**30
-_UNPRICED = ("forward-only", "zb-v-auto", "interleaved-zb", "zb-optimal")
-"""Not searched. forward-only trains nothing. zb-v-auto, interleaved-zb and zb-optimal are
-built per cost model and memory limit by a search or a solver (seconds to minutes each),
-which the planner does not price yet (zb-auto stands for the cost-aware zero-bubble family)."""
+_UNPRICED = ("forward-only", "zb-optimal")
+"""Not searched. forward-only trains nothing. zb-optimal proves its order with a solver
+(up to 10 s per configuration, thousands of configurations a search): the searched
+zero-bubble family (zb-auto, zb-v-auto, interleaved-zb) stands for it."""
 _TRAINING_SCHEDULES = tuple(name for name in SCHEDULES if name not in _UNPRICED)
 
 
@@ -43,13 +43,17 @@ class SearchOptions:
     zb_auto_max: int = 1024
     """zb-auto (a greedy search per configuration, ~p²·m work) only where p·m is at most
     this; larger pipelines get the fixed zero-bubble schedules (zb-h1, zb-h2, zb-v)."""
+    searched_max: int = 32
+    """zb-v-auto and interleaved-zb (searches of several orders per configuration, 3-6×
+    zb-auto's time: 0.2 s at p·m = 128, 0.6 s at 512 here) only where p·m is at most this:
+    the 64-device search takes 6 s at 32, 9 s at 64, 15 s at 128."""
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.schedules if name not in _TRAINING_SCHEDULES]
         if unknown or not self.schedules:
             raise PlanError(f"schedules {unknown or '(none)'} are not training schedules; "
                             f"choose from {', '.join(_TRAINING_SCHEDULES)}")
-        for name in ("max_chunks", "top", "zb_auto_max"):
+        for name in ("max_chunks", "top", "zb_auto_max", "searched_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a whole number >= 1")
@@ -120,7 +124,9 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                 for chunks in _chunk_options(name, pp, n, options.max_chunks):
                     for b in _divisors(global_batch // dp):
                         m = global_batch // dp // b
-                        if name == "zb-auto" and pp * m > options.zb_auto_max:
+                        if is_cost_aware(name) and pp * m > (
+                                options.zb_auto_max if name == "zb-auto"
+                                else options.searched_max):
                             continue
                         for zero in ((0, 1) if dp > 1 else (0,)):
                             for recompute in ((False, True) if options.recompute else (False,)):
@@ -173,7 +179,7 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
             result.skipped_by_bound += 1
             continue
         trace = context.held_trace(config)
-        if trace is None and config.schedule != "zb-auto":
+        if trace is None and not is_cost_aware(config.schedule):
             result.refused_by_schedule += 1
             continue
         memory = context.memory(config, trace)

@@ -21,8 +21,9 @@ from pipeline.planner import (
     resolve_cluster,
     transformer_profile,
 )
-from pipeline.planner.predict import schedule_placement
-from schedules import loop_placement, v_placement
+from pipeline.planner.memory import HeldTrace
+from pipeline.planner.predict import PlanContext, schedule_placement
+from schedules import CostModel, loop_placement, v_placement
 
 __all__: list[str] = []
 
@@ -120,3 +121,26 @@ def test_v_schedules_are_priced_on_their_v(name: str) -> None:
     # were priced as if their stages looped over the ranks
     assert schedule_placement(name, 4, 2) == v_placement(4)
     assert schedule_placement("interleaved", 4, 2) == loop_placement(4, 2)
+
+
+@pytest.mark.parametrize("name", ["zb-auto", "zb-v-auto", "interleaved-zb"])
+def test_cost_aware_schedules_are_searched_and_never_priced_below_their_real_peak(
+        name: str) -> None:
+    # zb-v-auto and interleaved-zb were not searched; they are priced at their memory limit
+    cluster = _cluster(80.0, per_node=4)
+    result = plan(SMALL, cluster, 16, options=SearchOptions(
+        schedules=(name,), top=100_000, recompute=False, tensor_parallel=(1,)))
+    searched = [p for p in result.predictions if p.config.schedule == name]
+    assert searched, f"{name} was never priced"
+    context = PlanContext(SMALL, cluster, 16, cluster.precision)
+    for prediction in searched:
+        config = prediction.config
+        costs = context.table(config).costs(config.microbatch_size, True)
+        bandwidth, latency = cluster.link(config.pp * config.dp * config.tp)
+        model = CostModel(forward=costs.forward.tolist(), backward=costs.input_grad.tolist(),
+                          weight=costs.weight_grad.tolist(), comm=latency,
+                          activation_bytes=costs.boundary_bytes.tolist(), bandwidth=bandwidth)
+        schedule = context.schedule(config, model)
+        assert schedule is not None
+        real = context.memory(config, HeldTrace.of(schedule))[0].total
+        assert real <= prediction.memory.total * (1 + 1e-12), config.label()
