@@ -3,17 +3,14 @@ fix, and at once: never a traceback, a hang on a FIFO, or a run until killed."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import threading
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 
 from pipeline.cli import main
-from schedules import SCHEDULES
 
 HUGE = str(10**7)
 LONG_NAME = "a" * 300
@@ -61,16 +58,6 @@ def refused_without_blocking(capsys: pytest.CaptureFixture[str], fifo: Path,
     return result[0]
 
 
-@pytest.fixture
-def generators_that_must_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every registered generator fails if called: a refusal must come before building."""
-
-    def built(*args: object) -> NoReturn:
-        raise AssertionError(f"a generator ran with {args}: the size check came too late")
-
-    for name, spec in list(SCHEDULES.items()):
-        monkeypatch.setitem(SCHEDULES, name, dataclasses.replace(
-            spec, make=built, plan=built if spec.plan is not None else None))
 
 
 # --- issue 16, item 3: sizes that would run until killed -----------------------------------

