@@ -61,43 +61,6 @@ def search_time() -> tuple[float, float, str]:
             f"{result.considered} configurations, {len(result.predictions)} simulated")
 
 
-class _HeldBytes:
-    """Live bytes autograd keeps for the backward, and their peak (storages counted once)."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude, self.live, self.count = exclude, 0, {}  # type: ignore[var-annotated]
-        self.peak = 0
-
-    def pack(self, tensor: Any) -> Any:
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer in self.exclude:
-            return tensor
-        if self.count.get(pointer, 0) == 0:
-            self.live += tensor.untyped_storage().nbytes()
-            self.peak = max(self.peak, self.live)
-        self.count[pointer] = self.count.get(pointer, 0) + 1
-        return _Holder(self, tensor, pointer)
-
-    def release(self, tensor: Any, pointer: int) -> None:
-        self.count[pointer] -= 1
-        if self.count[pointer] == 0:
-            self.live -= tensor.untyped_storage().nbytes()
-
-
-class _Holder:
-    """What autograd keeps instead of the tensor; its end is the tensor's release."""
-
-    def __init__(self, owner: _HeldBytes, tensor: Any, pointer: int) -> None:
-        self.owner, self.tensor, self.pointer = owner, tensor, pointer
-
-    def __del__(self) -> None:
-        self.owner.release(self.tensor, self.pointer)
-
-
-def _unpack(value: Any) -> Any:
-    return value.tensor if isinstance(value, _Holder) else value
-
-
 def _state_bytes(module: Any, engine: Any) -> int:
     """Bytes of parameters, gradients and optimizer state of this rank, storages once: the
     module's parameters and gradients, the optimizer's state tensors, and under ZeRO-1 the
@@ -139,6 +102,7 @@ def run_configs(configs: list[dict[str, Any]], model_config: Any, rounds: int
 
     from pipeline import PipelineEngine, PipelineModule
     from pipeline.demo.language_model import lm_layers, lm_loss, synthetic_batch
+    from pipeline.runtime.saved_memory import SavedTensorMeter
 
     torch.set_num_threads(1)
     inputs, targets = synthetic_batch(0, BATCH, model_config)
@@ -168,8 +132,8 @@ def run_configs(configs: list[dict[str, Any]], model_config: Any, rounds: int
             times.append(time.perf_counter() - start)
     results = []
     for module, engine, rows, times in runs:
-        held = _HeldBytes({p.untyped_storage().data_ptr() for p in module.parameters()})
-        with torch.autograd.graph.saved_tensors_hooks(held.pack, _unpack):
+        held = SavedTensorMeter(ignore=list(module.parameters()))
+        with held:
             engine.train_batch(inputs[rows], targets[rows])
         state = max(engine.state_at_step, _state_bytes(module, engine))
         results.append({"seconds": min(times), "memory": state + held.peak,
