@@ -24,6 +24,7 @@ from pipeline.parallel.precision import Precision, autocast
 from pipeline.runtime.batch import Batch, Layout, as_tensors
 from pipeline.runtime.comm import Comm, PendingRecv
 from pipeline.runtime.finite import FiniteFlag, all_finite
+from pipeline.runtime.lookahead import early_receives
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.split_backward import LayerGrads, forward_capturing
 from pipeline.runtime.trace import Trace
@@ -158,6 +159,7 @@ class Interpreter:
         self.progress = progress or ProgressRecord(comm.pipeline_ranks[pp_rank])
         """What this rank does, for stall probes (the engine's record, read by its watchdog)."""
         self.op_start = 0.0
+        self._early: tuple[Sequence[Instruction], dict[int, list[int]]] = ((), {})
         self.handlers: dict[Kind, Callable[[Instruction], None]] = {
             Kind.LOAD: self.load, Kind.F: self.forward, Kind.B: self.backward,
             # an overlapped pair's B: its F ran as the instruction before, as its own call
@@ -172,19 +174,33 @@ class Interpreter:
         """Run one step's `stream` on `state` (this rank's microbatches and what the step
         holds); an instruction that raises is reported as `InstructionFailed`."""
         self.state = state
+        if self._early[0] is not stream:
+            self._early = (stream, early_receives(stream))
+        early = self._early[1]
+        posted: set[int] = set()  # receives already posted ahead of their place
         try:
             for step, op in enumerate(stream):
-                try:
-                    if op.kind is Kind.F:  # its layers draw dropout masks from this key
-                        with forward_key(state.step, state.first_microbatch + op.microbatch,
-                                         self.device):
-                            self.execute(op)
-                    else:  # a recompute in B gets the key through its checkpointed segment
-                        self.execute(op)
-                except Exception as error:
-                    raise InstructionFailed(step, op) from error
+                if step in posted:
+                    continue
+                for k in early.get(step, ()):
+                    if not self._can_post_early(stream[k]):
+                        break  # the later ones wait too: a peer's messages match in order
+                    self._run_one(k, stream[k], state)
+                    posted.add(k)
+                self._run_one(step, op, state)
         finally:
             self.state = StepState(None, None, True)  # hold nothing between steps
+
+    def _run_one(self, step: int, op: Instruction, state: StepState) -> None:
+        try:
+            if op.kind is Kind.F:  # its layers draw dropout masks from this key
+                with forward_key(state.step, state.first_microbatch + op.microbatch,
+                                 self.device):
+                    self.execute(op)
+            else:  # a recompute in B gets the key through its checkpointed segment
+                self.execute(op)
+        except Exception as error:
+            raise InstructionFailed(step, op) from error
 
     def execute(self, op: Instruction) -> None:
         """Run one instruction and record its span (receive waits get their own span)."""
@@ -193,6 +209,13 @@ class Interpreter:
         self.handlers[op.kind](op)
         if op.kind is not Kind.RECV_F and op.kind is not Kind.RECV_B:
             self.trace.record(op.kind, op.stage, op.microbatch, self.op_start, _now())
+
+    def _can_post_early(self, op: Instruction) -> bool:
+        """Whether a receive can be posted now without blocking: its layout is known (a
+        gradient's from its forward, an activation's from the shape cache)."""
+        if op.kind is Kind.RECV_B:
+            return (op.stage, op.microbatch) in self.state.saved
+        return self.shapes.cached(op.stage)
 
     def _local(self, stage: int) -> bool:
         return 0 <= stage <= self.last_stage and self.placement[stage] == self.pp_rank

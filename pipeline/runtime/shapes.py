@@ -54,6 +54,11 @@ class ShapeBook:
     def _with_header(self, stage: int) -> bool:
         return self.always_dynamic or self.learning or stage in self.dynamic
 
+    def cached(self, stage: int) -> bool:
+        """Whether the next message into `stage` comes without a header (its layout is
+        known before it arrives)."""
+        return not self._with_header(stage)
+
     def sending(self, stage: int, meta: Layout) -> Layout | None:
         """The header to send with a message into `stage` (None when the layout is cached)."""
         if not self._with_header(stage):
