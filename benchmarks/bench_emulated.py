@@ -35,6 +35,7 @@ from pipeline import launch, torch_stages
 from pipeline.demo.rehearse import RehearsalPlan, build_engine, metered_step
 from pipeline.model.emulated import EmulatedCost, emulated_layers, emulated_loss
 from pipeline.model.module import PipelineModule
+from pipeline.runtime.local_p2p import open_local_link
 from pipeline.runtime.pingpong import ping_pong
 from schedules import SCHEDULES, build_schedule, figures, simulate
 from schedules.host import measure_host_costs, with_host_costs
@@ -176,7 +177,10 @@ def _bench_rank(schedules: list[str], microbatches: list[int] | None, cases: lis
                 steps: int, warmup: int, layer_ms: float) -> dict[str, Any]:
     torch.set_num_threads(1)
     p = dist.get_world_size()
-    link = ping_pong(0, 1, ELEMENTS * 4)
+    local = open_local_link(None, 300.0)  # the engines' own transport for small messages
+    link = ping_pong(0, 1, ELEMENTS * 4, link=local)
+    if local is not None:
+        local.close()
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-emulated-") as scratch:
         for m in microbatches or [p, 2 * p, 4 * p]:

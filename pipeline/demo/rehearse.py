@@ -197,7 +197,8 @@ def rehearse_rank(plan: RehearsalPlan) -> RehearsalReport | None:
     biggest = max(c.output_elements for c in plan.layers) * BYTES
     link = Link(0.0)
     if plan.stages > 1:  # replica 0's first link, measured before any step
-        link = ping_pong(engine.topology.rank_of(0), engine.topology.rank_of(1), biggest)
+        link = ping_pong(engine.topology.rank_of(0), engine.topology.rank_of(1), biggest,
+                         link=engine.comm.local)
     inputs = torch.zeros(plan.microbatches, 1)
     mine = metered_step(engine, inputs)  # memory on its own step: the meters cost time
     timelines: list[Timeline] = []

@@ -37,6 +37,10 @@ class EngineConfig:
     dynamic_shapes: bool = False
     """Send a shape header with every activation (shapes may change between microbatches);
     otherwise headers are sent only when a step's batch signature changes."""
+    local_p2p: bool = True
+    """Gloo on one host: send point-to-point messages of up to 64 KiB between the pipeline's
+    ranks as Unix datagrams (`pipeline.runtime.local_p2p`), not through gloo's TCP. Used only
+    when every pipeline rank is on this host; False keeps every message on gloo."""
     on_nonfinite: NonFinitePolicy = "raise"
     """A step whose loss or gradients hold inf/NaN never updates the weights (a vote over
     every rank, as fp16's overflow vote); 'raise' then stops with `NonFiniteError` naming the
@@ -58,6 +62,8 @@ class EngineConfig:
                             f"{self.timeout!r}")
         if not isinstance(self.dynamic_shapes, bool):
             problems.append(f"dynamic_shapes must be True or False, got {self.dynamic_shapes!r}")
+        if not isinstance(self.local_p2p, bool):
+            problems.append(f"local_p2p must be True or False, got {self.local_p2p!r}")
         if self.on_nonfinite not in get_args(NonFinitePolicy):
             problems.append(f"on_nonfinite must be one of {get_args(NonFinitePolicy)}, got "
                             f"{self.on_nonfinite!r}")

@@ -35,6 +35,7 @@ from pipeline.runtime.comm import Comm
 from pipeline.runtime.config import EngineConfig
 from pipeline.runtime.finite import FiniteFlag, first_nonfinite, nonfinite_error
 from pipeline.runtime.interpreter import InstructionFailed, Interpreter, StepState
+from pipeline.runtime.local_p2p import open_local_link
 from pipeline.runtime.parallel_setup import (
     needs_process_groups,
     optimizer_state_bytes,
@@ -131,8 +132,10 @@ class PipelineEngine:
         """Reducer, optimizer, tied-weight sync, loss scaler and STEP of this rank."""
         pipeline_group = groups.pp_group if groups is not None else None
         self.gradient_reducer = self.training.reducer
+        local = open_local_link(pipeline_group, self.config.timeout) \
+            if self.config.local_p2p and self.device.type == "cpu" else None
         self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group,
-                         self.config.timeout)
+                         self.config.timeout, local=local)
         self._shapes = ShapeBook(always_dynamic=self.config.dynamic_shapes)
         self._trace = Trace(self.pp_rank)
         self._interpreter = Interpreter(

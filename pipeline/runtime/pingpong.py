@@ -8,30 +8,44 @@ import time
 import torch
 import torch.distributed as dist
 
+from pipeline.runtime.local_p2p import LocalLink
 from schedules.host import Link
 
 __all__ = ["ping_pong"]
 
 
 def _round_trips(peer: int, starts: bool, tensor: torch.Tensor, repeats: int,
-                 group: dist.ProcessGroup | None) -> list[float]:
+                 group: dist.ProcessGroup | None, link: LocalLink | None) -> list[float]:
+    def send() -> None:
+        if link is not None and link.carries(tensor):
+            link.send(tensor, peer).wait()
+        else:
+            dist.send(tensor, peer, group=group)
+
+    def recv() -> None:
+        if link is not None and link.carries(tensor):
+            link.recv(tensor, peer).wait()
+        else:
+            dist.recv(tensor, peer, group=group)
+
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         if starts:
-            dist.send(tensor, peer, group=group)
-            dist.recv(tensor, peer, group=group)
+            send()
+            recv()
         else:
-            dist.recv(tensor, peer, group=group)
-            dist.send(tensor, peer, group=group)
+            recv()
+            send()
         times.append(time.perf_counter() - start)
     return times
 
 
 def ping_pong(first: int, second: int, nbytes: int, *, repeats: int = 20,
-              group: dist.ProcessGroup | None = None) -> Link:
+              group: dist.ProcessGroup | None = None, link: LocalLink | None = None) -> Link:
     """The link between global ranks `first` and `second` (a collective over `group`: every
-    rank calls it; the others wait at its closing barrier).
+    rank calls it; the others wait at its closing barrier). Messages that an engine's
+    `link` (`PipelineEngine.comm.local`) carries go through it, as the engine's do.
 
     Half the median round trip of a 1-element message is the latency; the extra time of a
     message of `nbytes` gives the bandwidth (None when it is too small to tell).
@@ -41,18 +55,20 @@ def ping_pong(first: int, second: int, nbytes: int, *, repeats: int = 20,
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     rank = dist.get_rank()
-    link = Link(0.0)
+    measured = Link(0.0)
     if rank in (first, second):
         peer, starts = (second, True) if rank == first else (first, False)
         small = torch.zeros(1)
         large = torch.zeros(max(1, nbytes // 4))
-        _round_trips(peer, starts, small, 3, group)  # connect, warm the paths
-        latency = statistics.median(_round_trips(peer, starts, small, repeats, group)) / 2
-        one_way = statistics.median(_round_trips(peer, starts, large, repeats, group)) / 2
+        _round_trips(peer, starts, small, 3, group, link)  # connect, warm the paths
+        latency = statistics.median(_round_trips(peer, starts, small, repeats, group,
+                                                 link)) / 2
+        one_way = statistics.median(_round_trips(peer, starts, large, repeats, group,
+                                                 link)) / 2
         extra = one_way - latency
         bandwidth = large.numel() * 4 / extra if extra > 1e-6 and nbytes >= 4096 else None
-        link = Link(latency, bandwidth)
+        measured = Link(latency, bandwidth)
     found: list[Link | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(found, link if rank == first else None, group=group)
+    dist.all_gather_object(found, measured if rank == first else None, group=group)
     result = next(x for x in found if x is not None)
     return result
