@@ -35,7 +35,7 @@ from pipeline import launch, torch_stages
 from pipeline.demo.rehearse import RehearsalPlan, build_engine, metered_step
 from pipeline.model.emulated import EmulatedCost, emulated_layers, emulated_loss
 from pipeline.model.module import PipelineModule
-from pipeline.runtime.local_p2p import open_local_link
+from pipeline.parallel.local_p2p import open_local_link
 from pipeline.runtime.pingpong import ping_pong
 from schedules import SCHEDULES, build_schedule, figures, simulate
 from schedules.host import measure_host_costs, with_host_costs

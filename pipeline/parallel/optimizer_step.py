@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from pipeline.parallel.local_p2p import LocalLink
 from pipeline.parallel.precision import (
     DynamicLossScaler,
     any_nonfinite,
@@ -121,6 +122,9 @@ class OptimizerStep:
         self.max_grad_norm = max_grad_norm
         self.finite_group = finite_group
         """Every rank: without fp16's scaler, the non-finite vote spans it."""
+        self.link: LocalLink | None = None
+        """The engine's datagram link (`pipeline.parallel.local_p2p`): the vote takes it
+        when it spans `finite_group`."""
         self.skipped = False
         """Whether the last step was skipped (the same on every rank): fp16 overflow, or
         non-finite gradients on some rank."""
@@ -136,7 +140,8 @@ class OptimizerStep:
         if self.scaler is None:
             # the vote every rank takes alike: a NaN/inf gradient anywhere skips the update
             # everywhere, so no weight is corrupted and the engine can say where it began
-            self.nonfinite = any_nonfinite(self.view.grads(), self.finite_group, riders)
+            self.nonfinite = any_nonfinite(self.view.grads(), self.finite_group, riders,
+                                           self.link)
             shared = riders is not None
             if not self.nonfinite:
                 self._apply()

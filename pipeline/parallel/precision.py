@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from pipeline.parallel.local_p2p import LocalLink
 from pipeline.parallel.param_marks import is_tensor_parallel, is_tied_duplicate
 from pipeline.parallel.small_reduce import small_all_reduce
 
@@ -45,11 +46,12 @@ def autocast(precision: Precision, device_type: str = "cpu") -> AbstractContextM
 
 
 def any_nonfinite(tensors: Iterable[torch.Tensor], group: ProcessGroup | None,
-                  riders: torch.Tensor | None = None) -> bool:
+                  riders: torch.Tensor | None = None, link: LocalLink | None = None) -> bool:
     """Collective over `group`: True on every rank if any rank's tensors hold inf or NaN.
 
     `riders` (float64, CPU) are summed over `group` in the same message, in place: a value
-    every rank needs at this point (the step's loss) costs no collective of its own."""
+    every rank needs at this point (the step's loss) costs no collective of its own. The
+    vote goes through `link` when it spans `group` (`small_all_reduce`)."""
     extra = 0 if riders is None else riders.numel()
     values = torch.zeros(1 + extra, dtype=torch.float64)
     for tensor in tensors:
@@ -59,7 +61,7 @@ def any_nonfinite(tensors: Iterable[torch.Tensor], group: ProcessGroup | None,
     if riders is not None:
         values[1:] = riders.reshape(-1)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        small_all_reduce(values, group=group)  # the flag sums to the count of such ranks
+        small_all_reduce(values, group=group, link=link)  # the flag sums to the count
     if riders is not None:
         riders.copy_(values[1:].reshape(riders.shape))
     return bool(values[0].item() > 0)

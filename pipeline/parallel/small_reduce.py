@@ -5,7 +5,8 @@ Gloo's all_reduce runs a ring: a tensor of at least as many elements as ranks ta
 cores that is what a step's vote costs most (measured here: 8 int64 take 5 ms, one element
 0.7 ms). A gather to the group's first rank and a broadcast back take two hops whatever p
 (0.9 ms for the same 8 int64), so small tensors go that way; NCCL, one element and two
-ranks keep `all_reduce`, where it is already at its best.
+ranks keep `all_reduce`, where it is already at its best. Ranks of one host with an
+engine's `LocalLink` take the same two hops as datagrams.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pipeline.parallel.local_p2p import LocalLink
 
 __all__ = ["small_all_reduce"]
 
@@ -24,14 +27,20 @@ _LARGEST = 1024
 
 
 def small_all_reduce(tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM,
-                     group: dist.ProcessGroup | None = None) -> None:
-    """`dist.all_reduce(tensor, op, group)` in place, for a small CPU tensor (SUM or MAX)."""
+                     group: dist.ProcessGroup | None = None,
+                     link: LocalLink | None = None) -> None:
+    """`dist.all_reduce(tensor, op, group)` in place, for a small CPU tensor (SUM or MAX);
+    through `link` (the engine's, `pipeline.parallel.local_p2p`) when it spans `group`."""
     size = dist.get_world_size(group)
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    if op in _REDUCERS and size > 1 and link is not None and link.carries(tensor) and \
+            link.spans(group):
+        _over_link(tensor, op, group, root, link)
+        return
     if (op not in _REDUCERS or size <= 2 or tensor.numel() <= 1 or tensor.numel() > _LARGEST
             or dist.get_backend(group) != "gloo" or tensor.device.type != "cpu"):
         dist.all_reduce(tensor, op=op, group=group)
         return
-    root = dist.get_global_rank(group, 0) if group is not None else 0
     mine = tensor.contiguous()
     gathered = [torch.empty_like(mine) for _ in range(size)] if dist.get_rank() == root \
         else None
@@ -39,3 +48,24 @@ def small_all_reduce(tensor: torch.Tensor, *, op: Any = dist.ReduceOp.SUM,
     if gathered is not None:
         tensor.copy_(_REDUCERS[op](torch.stack(gathered)))
     dist.broadcast(tensor, root, group=group)
+
+
+def _over_link(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None, root: int,
+               link: LocalLink) -> None:
+    """The same gather and broadcast as datagrams: two hops of ~20 µs, not gloo's ~100."""
+    mine = tensor.contiguous()
+    if dist.get_rank() != root:
+        link.send(mine, root).wait()
+        link.recv(mine, root).wait()
+        if mine is not tensor:
+            tensor.copy_(mine)
+        return
+    members = dist.get_process_group_ranks(group) if group is not None else \
+        range(dist.get_world_size())
+    others = [rank for rank in members if rank != root]
+    parts = [torch.empty_like(mine) for _ in others]
+    for receive in [link.recv(part, rank) for part, rank in zip(parts, others)]:
+        receive.wait()
+    tensor.copy_(_REDUCERS[op](torch.stack([mine, *parts])))
+    for send in [link.send(tensor.contiguous(), rank) for rank in others]:
+        send.wait()

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from pipeline.device import process_group_timeout
 from pipeline.errors import PipelineConfigError
+from pipeline.parallel.local_p2p import LocalLink
 from pipeline.parallel.small_reduce import small_all_reduce
 from pipeline.runtime.batch import Layout
-from pipeline.runtime.local_p2p import LocalLink
 
 __all__ = ["HEADER_LENGTH", "Comm", "PendingRecv", "decode_header", "encode_header"]
 
@@ -102,7 +102,7 @@ class Comm:
         self._group_ranks = [rank if group is None else dist.get_group_rank(group, rank)
                              for rank in self.pipeline_ranks]
         self.local = local
-        """Small CPU messages go through this link when set (`pipeline.runtime.local_p2p`)."""
+        """Small CPU messages go through this link when set (`pipeline.parallel.local_p2p`)."""
 
     # -- point to point ------------------------------------------------------------------
     # Gloo: ProcessGroup.send/recv directly (dist.isend's Python checks cost ~150 µs a
@@ -186,7 +186,7 @@ class Comm:
         flags = torch.zeros(len(values) + len(self.pipeline_ranks), dtype=torch.int64)
         flags[:len(values)] = torch.tensor(list(values), dtype=torch.int64)
         flags[len(values) + pp_rank] = int(failed)
-        small_all_reduce(flags, group=self.group)
+        small_all_reduce(flags, group=self.group, link=self.local)
         summed = flags.tolist()
         return summed[:len(values)], [rank for rank, flag in enumerate(summed[len(values):])
                                       if flag]

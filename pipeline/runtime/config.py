@@ -39,7 +39,7 @@ class EngineConfig:
     otherwise headers are sent only when a step's batch signature changes."""
     local_p2p: bool = True
     """Gloo on one host: send point-to-point messages of up to 64 KiB between the pipeline's
-    ranks as Unix datagrams (`pipeline.runtime.local_p2p`), not through gloo's TCP. Used only
+    ranks as Unix datagrams (`pipeline.parallel.local_p2p`), not through gloo's TCP. Used only
     when every pipeline rank is on this host; False keeps every message on gloo."""
     on_nonfinite: NonFinitePolicy = "raise"
     """A step whose loss or gradients hold inf/NaN never updates the weights (a vote over

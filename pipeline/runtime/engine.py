@@ -22,6 +22,7 @@ from pipeline.launcher.progress import ProgressRecord, StallError, explain_timeo
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
+from pipeline.parallel.local_p2p import open_local_link
 from pipeline.parallel.optimizer import OptimizerFactory
 from pipeline.parallel.optimizer_step import StepOptimizer
 from pipeline.parallel.topology import Topology
@@ -35,7 +36,6 @@ from pipeline.runtime.comm import Comm
 from pipeline.runtime.config import EngineConfig
 from pipeline.runtime.finite import FiniteFlag, first_nonfinite, nonfinite_error
 from pipeline.runtime.interpreter import InstructionFailed, Interpreter, StepState
-from pipeline.runtime.local_p2p import open_local_link
 from pipeline.runtime.parallel_setup import (
     needs_process_groups,
     optimizer_state_bytes,
@@ -132,8 +132,10 @@ class PipelineEngine:
         """Reducer, optimizer, tied-weight sync, loss scaler and STEP of this rank."""
         pipeline_group = groups.pp_group if groups is not None else None
         self.gradient_reducer = self.training.reducer
-        local = open_local_link(pipeline_group, self.config.timeout) \
+        # over the world (not the pipeline group): STEP's vote spans every rank
+        local = open_local_link(None, self.config.timeout) \
             if self.config.local_p2p and self.device.type == "cpu" else None
+        self.training.step.link = local
         self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group,
                          self.config.timeout, local=local)
         self._shapes = ShapeBook(always_dynamic=self.config.dynamic_shapes)

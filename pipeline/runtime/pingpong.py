@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pipeline.runtime.local_p2p import LocalLink
+from pipeline.parallel.local_p2p import LocalLink
 from schedules.host import Link
 
 __all__ = ["ping_pong"]

@@ -1,4 +1,4 @@
-"""Unix-datagram messages between ranks of one host (`pipeline.runtime.local_p2p`): order,
+"""Unix-datagram messages between ranks of one host (`pipeline.parallel.local_p2p`): order,
 layouts, full queues, timeouts, exited peers, and when the engine uses them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import PipelineEngine, PipelineModule, launch
-from pipeline.runtime.local_p2p import LocalLink, open_local_link
+from pipeline.parallel.local_p2p import LocalLink, open_local_link
 from tests.support.equivalence import sgd
 from tests.support.pipeline_models import MODELS
 

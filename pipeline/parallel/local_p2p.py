@@ -103,9 +103,11 @@ class _Receive:
 class LocalLink:
     """This rank's end of datagram links to the ranks of its host (see the module doc)."""
 
-    def __init__(self, job: str, rank: int, timeout: float, inline_limit: int = 64 * 1024
-                 ) -> None:
+    def __init__(self, job: str, rank: int, timeout: float, inline_limit: int = 64 * 1024,
+                 *, ranks: frozenset[int] = frozenset()) -> None:
         self.job, self.rank, self.timeout = job, rank, timeout
+        self.ranks = ranks or frozenset({rank})
+        """Global ranks whose links were opened with this one (those it can reach)."""
         self.inline_limit = inline_limit
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(address(job, rank))
@@ -122,6 +124,12 @@ class LocalLink:
     def close(self) -> None:
         self.sock.close()
         self.out.close()
+
+    def spans(self, group: Any) -> bool:
+        """Whether every rank of `group` (None: the world) is reachable through this link."""
+        members = dist.get_process_group_ranks(group) if group is not None else \
+            range(dist.get_world_size())
+        return all(rank in self.ranks for rank in members)
 
     def carries(self, tensor: torch.Tensor) -> bool:
         """Whether a message of `tensor` goes through this link (CPU, small enough)."""
@@ -225,9 +233,11 @@ def open_local_link(group: Any, timeout: float, *, key: Callable[[], str] = host
     if not mine or any(host != mine for host, _ in found):
         return None
     job = found[0][1]  # the group's first rank names the job: unique per link, per engine
+    ranks = frozenset(dist.get_process_group_ranks(group) if group is not None
+                      else range(size))
     link: LocalLink | None = None
     try:
-        link = LocalLink(job, dist.get_rank(), timeout)
+        link = LocalLink(job, dist.get_rank(), timeout, ranks=ranks)
     except OSError:
         pass
     bound: list[Any] = [None] * size
