@@ -125,6 +125,13 @@ class LocalLink:
         self.sock.close()
         self.out.close()
 
+    def forget(self) -> None:
+        """Drop unfilled receives, unsent messages and unclaimed datagrams (after a failed
+        step: what they belonged to is abandoned on every rank)."""
+        self._posted.clear()
+        self._outbox.clear()
+        self._arrived.clear()
+
     def spans(self, group: Any) -> bool:
         """Whether every rank of `group` (None: the world) is reachable through this link."""
         members = dist.get_process_group_ranks(group) if group is not None else \

@@ -169,6 +169,8 @@ class Comm:
     def drop_pending(self) -> None:
         """Forget posted sends after a failure (the step is abandoned)."""
         self._sends = []
+        if self.local is not None:
+            self.local.forget()
 
     # -- collectives over the pipeline ---------------------------------------------------
 

@@ -51,7 +51,7 @@ from pipeline.runtime.schedule_plan import (
     resolve_schedule,
 )
 from pipeline.runtime.shapes import ShapeBook
-from pipeline.runtime.trace import StepStats, Trace, measured_costs, merge_rank_spans
+from pipeline.runtime.trace import StepStats, Trace, merge_rank_spans
 from schedules import Instruction, Kind, Schedule, Timeline
 from schedules.grid import format_grid
 
@@ -305,7 +305,7 @@ class PipelineEngine:
         self._shapes.end_step()
         self._last_schedule = schedule
         self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
-                                    measured_costs(self._trace.spans))
+                                    self._trace.spans)
         if state.shared_loss is not None:  # STEP's vote summed it over the replicas
             loss = state.shared_loss / self.topology.dp
         else:
