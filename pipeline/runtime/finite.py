@@ -42,4 +42,6 @@ def all_finite(value: Batch) -> torch.Tensor:
     """A 0-dim bool tensor: whether every floating tensor of `value` is finite (no sync)."""
     flags = [torch.isfinite(t.detach()).all() for t in as_tensors(value, "a stage's output")
              if t.is_floating_point()]
+    if len(flags) == 1:
+        return flags[0]  # most stages pass one tensor: no stack (~15 µs an op)
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
