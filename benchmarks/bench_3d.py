@@ -7,7 +7,9 @@ run in the same processes, one timed step each per round, so machine noise hits 
 
 Bytes sent are measured, not counted by our code: the growth of ``wchar`` in /proc/self/io
 (bytes passed to write-family syscalls, which is how gloo's TCP transport sends) around
-each step. The theory for one rank per step, N = its stage's parameter bytes, d = dp:
+each step, plus, for our engine, the bytes its one-host datagram link handed to `sendmsg`
+(`LocalLink.sent_bytes`: the kernel counts `sendmsg` on a Unix socket in no field of
+/proc/self/io). The theory for one rank per step, N = its stage's parameter bytes, d = dp:
 
     activations or their gradients: m · microbatch · width · 4 bytes to the neighbour stage
     ZeRO-1: reduce-scatter (d-1)/d · N + all-gather (d-1)/d · N     (ring algorithms)
@@ -59,14 +61,15 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def _ours(m: int) -> tuple[Step, Callable[[], int], int]:
+def _ours(m: int) -> tuple[Step, Callable[[], int], int, Callable[[], int]]:
     module = PipelineModule(_layers(LayerSpec), num_stages=PP, loss_fn=F.mse_loss,
                             partition_method="uniform")
     engine = PipelineEngine(module, schedule="1f1b", num_microbatches=m, optimizer=_adam,
                             data_parallel=DP, zero_stage=1)
     stage_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    link = engine.comm.local
     return ((lambda x, y: engine.train_batch(x, y)), engine.optimizer_state_bytes,
-            stage_bytes)
+            stage_bytes, lambda: link.sent_bytes if link is not None else 0)
 
 
 def _deepspeed(m: int) -> tuple[Step, Callable[[], int]]:
@@ -96,11 +99,12 @@ def _written() -> int:
     return int(fields["wchar"])
 
 
-def _timed(step: Step, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+def _timed(step: Step, x: torch.Tensor, y: torch.Tensor,
+           datagrams: Callable[[], int]) -> tuple[float, int]:
     dist.barrier()
-    start, written = time.perf_counter(), _written()
+    start, written, linked = time.perf_counter(), _written(), datagrams()
     step(x, y)
-    sent = _written() - written
+    sent = _written() - written + datagrams() - linked
     dist.barrier()
     return time.perf_counter() - start, sent
 
@@ -110,25 +114,26 @@ def _bench_rank(m: int, steps: int, warmup: int, use_deepspeed: bool) -> dict[st
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, WIDTH,
                                                                       generator=generator)
-    ours, ours_state, stage_bytes = _ours(m)
-    runners: dict[str, tuple[Step, Callable[[], int]]] = {"ours": (ours, ours_state)}
+    ours, ours_state, stage_bytes, ours_datagrams = _ours(m)
+    runners: dict[str, tuple[Step, Callable[[], int], Callable[[], int]]] = {
+        "ours": (ours, ours_state, ours_datagrams)}
     if use_deepspeed:
-        runners["deepspeed"] = _deepspeed(m)
+        runners["deepspeed"] = (*_deepspeed(m), lambda: 0)
     torch.set_num_threads(1)  # in case a framework changed it
     replica = dist.get_rank() % DP  # global rank = pp_rank · dp + dp_rank in both engines
     half = slice(replica * BATCH // DP, (replica + 1) * BATCH // DP)
     times: dict[str, list[float]] = {name: [] for name in runners}
     sent: dict[str, list[int]] = {name: [] for name in runners}
     for round_index in range(warmup + steps):
-        for name, (step, _) in runners.items():
-            elapsed, written = _timed(step, x[half], y[half])
+        for name, (step, _, datagrams) in runners.items():
+            elapsed, written = _timed(step, x[half], y[half], datagrams)
             if round_index >= warmup:
                 times[name].append(elapsed)
                 sent[name].append(written)
     activations = m * (BATCH // (DP * m)) * WIDTH * 4
     return {"rank": dist.get_rank(), "time": {k: statistics.median(v) for k, v in times.items()},
             "sent": {k: statistics.median(v) for k, v in sent.items()},
-            "state": {name: state() for name, (_, state) in runners.items()},
+            "state": {name: state() for name, (_, state, _) in runners.items()},
             "theory": activations + 2 * (DP - 1) * stage_bytes // DP,
             "stage_bytes": stage_bytes}
 
