@@ -36,7 +36,12 @@ from pipeline.launcher.orphans import (
     remove_on_sigterm,
     watch_launcher,
 )
-from pipeline.launcher.progress import StallError, explain_stall, looks_like_timeout
+from pipeline.launcher.progress import (
+    StallError,
+    default_store,
+    explain_stall,
+    looks_like_timeout,
+)
 from pipeline.launcher.results import (
     RankReport,
     Result,
@@ -49,6 +54,7 @@ __all__ = ["launch"]
 
 T = TypeVar("T")
 _GRACE = 5.0  # seconds the other ranks get to stop by themselves once one has failed
+_STARTED = "pipesched/ranks-started"  # store counter: ranks whose process group is up
 _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim",
             "pipeline.runtime.engine")
 
@@ -264,6 +270,7 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
                                 world_size=world_size, timeout=process_group_timeout(timeout))
         watchdog = Watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record))
         watchdog.start()
+        _all_started(world_size, timeout)
         value = fn(*args)
         try:
             pickle.dumps(value)
@@ -287,6 +294,24 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
         dist.destroy_process_group()
     if payload[0] != "ok":
         sys.exit(1)
+
+
+def _all_started(world_size: int, timeout: float) -> None:
+    """Wait until every rank's process group is up before running `fn`: a rank whose `fn`
+    returned at once could exit and close the gloo connections a slower rank was still
+    making (seen in CI: that rank failed in `init_process_group` with "Connection closed by
+    peer", hiding why the job really ended). A counter in the rendezvous store, not a
+    collective, so it needs no device and a rank that failed to start is reported by the
+    watchdog, not waited for."""
+    store = default_store()
+    if store is None:
+        return
+    store.add(_STARTED, 1)
+    deadline = time.monotonic() + timeout
+    while int(store.add(_STARTED, 0)) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank started within timeout={timeout:g}s")
+        time.sleep(0.005)
 
 
 def _report(rank: int, world_size: int, error: BaseException) -> RankReport:
