@@ -37,10 +37,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["LocalLink", "host_key", "open_local_link"]
+__all__ = ["LocalLink", "group_members", "host_key", "open_local_link"]
 
 _HEADER = struct.Struct("<i")  # the sender's global rank
 _POLL = 0.0005  # s between attempts to flush a full peer queue while waiting
+
+
+def group_members(group: Any) -> list[int]:
+    """Global ranks of `group` (None: the world), in group-rank order."""
+    return list(dist.get_process_group_ranks(group)) if group is not None else \
+        list(range(dist.get_world_size()))
 
 
 def address(job: str, rank: int) -> bytes:
@@ -56,6 +62,9 @@ class _Done:
 
     def is_completed(self) -> bool:
         return True
+
+
+_DONE = _Done()  # every send the kernel took at once is the same completed work
 
 
 class _Queued:
@@ -137,9 +146,7 @@ class LocalLink:
 
     def spans(self, group: Any) -> bool:
         """Whether every rank of `group` (None: the world) is reachable through this link."""
-        members = dist.get_process_group_ranks(group) if group is not None else \
-            range(dist.get_world_size())
-        return all(rank in self.ranks for rank in members)
+        return all(rank in self.ranks for rank in group_members(group))
 
     def carries(self, tensor: torch.Tensor) -> bool:
         """Whether a message of `tensor` goes through this link (CPU, small enough)."""
@@ -156,7 +163,7 @@ class LocalLink:
         self.flush()
         waiting = self._outbox.get(to)
         if not waiting and self._try_send(to, parts):
-            return _Done()
+            return _DONE
         queued = _Queued(self)
         self._outbox.setdefault(to, deque()).append((parts, queued))
         return queued
@@ -243,8 +250,7 @@ def open_local_link(group: Any, timeout: float, *, key: Callable[[], str] = host
     if not mine or any(host != mine for host, _ in found):
         return None
     job = found[0][1]  # the group's first rank names the job: unique per link, per engine
-    ranks = frozenset(dist.get_process_group_ranks(group) if group is not None
-                      else range(size))
+    ranks = frozenset(group_members(group))
     link: LocalLink | None = None
     try:
         link = LocalLink(job, dist.get_rank(), timeout, ranks=ranks)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.parallel.local_p2p import LocalLink
+from pipeline.parallel.local_p2p import LocalLink, group_members
 
 __all__ = ["small_all_reduce"]
 
@@ -60,9 +60,7 @@ def _over_link(tensor: torch.Tensor, op: Any, group: dist.ProcessGroup | None, r
         if mine is not tensor:
             tensor.copy_(mine)
         return
-    members = dist.get_process_group_ranks(group) if group is not None else \
-        range(dist.get_world_size())
-    others = [rank for rank in members if rank != root]
+    others = [rank for rank in group_members(group) if rank != root]
     parts = [torch.empty_like(mine) for _ in others]
     for receive in [link.recv(part, rank) for part, rank in zip(parts, others)]:
         receive.wait()
