@@ -43,29 +43,15 @@ def measure_links(repeats: int = 10) -> dict[str, float]:
     from pipeline.model.module import PipelineModule
     from pipeline.parallel.local_p2p import open_local_link
     from pipeline.runtime.engine import PipelineEngine
+    from pipeline.runtime.pingpong import round_trip
 
     rank = dist.get_rank()
     local = open_local_link(None, 60.0)  # small messages take the engine's own transport
 
     def ping_pong(size: int) -> float:
         buffer = torch.zeros(size // 4)
-        peer = 1 - rank
-
-        def run() -> None:
-            if local is not None and local.carries(buffer):
-                if rank == 0:
-                    local.send(buffer, peer).wait()
-                    local.recv(buffer, peer).wait()
-                else:
-                    local.recv(buffer, peer).wait()
-                    local.send(buffer, peer).wait()
-            elif rank == 0:
-                dist.send(buffer, 1)
-                dist.recv(buffer, 1)
-            else:
-                dist.recv(buffer, 0)
-                dist.send(buffer, 0)
-        return _least_seconds(run, repeats) / 2
+        return _least_seconds(lambda: round_trip(buffer, 1 - rank, rank == 0, link=local),
+                              repeats) / 2
 
     latency = ping_pong(_SMALL)
     p2p = _LARGE / max(ping_pong(_LARGE) - latency, 1e-9)

@@ -11,32 +11,29 @@ import torch.distributed as dist
 from pipeline.parallel.local_p2p import LocalLink
 from schedules.host import Link
 
-__all__ = ["ping_pong"]
+__all__ = ["ping_pong", "round_trip"]
+
+
+def round_trip(tensor: torch.Tensor, peer: int, starts: bool,
+               group: dist.ProcessGroup | None = None, link: LocalLink | None = None) -> None:
+    """One exchange of `tensor` with global rank `peer` (`starts`: send first), through
+    `link` when it carries `tensor` (as the engine's messages go), else through gloo."""
+    via = link if link is not None and link.carries(tensor) else None
+    for sending in (starts, not starts):
+        if via is not None:
+            (via.send(tensor, peer) if sending else via.recv(tensor, peer)).wait()
+        elif sending:
+            dist.send(tensor, peer, group=group)
+        else:
+            dist.recv(tensor, peer, group=group)
 
 
 def _round_trips(peer: int, starts: bool, tensor: torch.Tensor, repeats: int,
                  group: dist.ProcessGroup | None, link: LocalLink | None) -> list[float]:
-    def send() -> None:
-        if link is not None and link.carries(tensor):
-            link.send(tensor, peer).wait()
-        else:
-            dist.send(tensor, peer, group=group)
-
-    def recv() -> None:
-        if link is not None and link.carries(tensor):
-            link.recv(tensor, peer).wait()
-        else:
-            dist.recv(tensor, peer, group=group)
-
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        if starts:
-            send()
-            recv()
-        else:
-            recv()
-            send()
+        round_trip(tensor, peer, starts, group, link)
         times.append(time.perf_counter() - start)
     return times
 
