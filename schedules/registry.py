@@ -40,6 +40,9 @@ class ScheduleSpec:
     placement: Callable[[int, int], tuple[int, ...]] = loop_placement
     """(p, v) -> the rank of each stage, as `make` and `plan` place them (without building
     a schedule: the planner prices thousands of configurations; a test checks they agree)."""
+    default_limit: Callable[[int, int], int] = lambda p, v: 2 * p
+    """Cost-aware schedules: (p, v) -> the memory limit `plan` takes when given None
+    ((stage, microbatch) activations per rank; a test checks they agree)."""
 
 
 def _v_shape(p: int, v: int) -> tuple[int, ...]:
@@ -101,14 +104,15 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         "interleaved zero bubble (torch's ZB1P, any v >= 2) under the costs and a memory "
         "limit (default v*p stage activations)",
         plan=lambda p, m, v, limit, costs: interleaved_zb(p, m, v, memory_limit=limit,
-                                                          costs=costs)),
+                                                          costs=costs),
+        default_limit=lambda p, v: v * p),
     "zb-optimal": ScheduleSpec(
         lambda p, m, v: zb_optimal(p, m, v), (1, None), 1,
         "the minimum makespan under a memory limit (default 2p), proven by CP-SAT within "
         "10 s; p <= 8, m <= 16; needs pip install 'pipesched[solver]'",
         plan=lambda p, m, v, limit, costs: zb_optimal(p, m, v, memory_limit=limit,
                                                       costs=costs),
-                                                      placement=_v_when_two),
+        placement=_v_when_two),
 }
 
 

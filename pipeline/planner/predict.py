@@ -291,11 +291,10 @@ def is_cost_aware(name: str) -> bool:
 
 def memory_limit(config: PlanConfig) -> int:
     """The (stage, microbatch) activations a rank of a cost-aware schedule may hold, given
-    to it explicitly so that its price and its order agree: each one's own default (2p;
-    v·p for interleaved-zb, whose p microbatches in flight hold v stages each)."""
-    if config.schedule == "interleaved-zb":
-        return config.chunks * config.pp
-    return 2 * config.pp
+    to it explicitly so that its price and its order agree: each one's own default, as the
+    registry states it (`ScheduleSpec.default_limit`: 2p; v·p for interleaved-zb, whose p
+    microbatches in flight hold v stages each)."""
+    return SCHEDULES[config.schedule].default_limit(config.pp, config.chunks)
 
 
 def _placement(config: PlanConfig) -> tuple[int, ...]:

@@ -1,5 +1,7 @@
 """Every registered schedule places its stages where the registry says (`ScheduleSpec.placement`),
-which the planner reads instead of building a schedule per configuration."""
+and every cost-aware one defaults to the memory limit the registry states
+(`ScheduleSpec.default_limit`): the planner reads both instead of building a schedule per
+configuration."""
 
 from __future__ import annotations
 
@@ -32,3 +34,21 @@ def test_registry_placement_is_the_schedules_own(name: str, p: int, v: int) -> N
     m = 2 * p if name != "zb-optimal" else p
     schedule = generate_schedule(name, p, m, v)
     assert SCHEDULES[name].placement(p, v) == schedule.placement
+
+
+@pytest.mark.parametrize("name", [n for n, spec in SCHEDULES.items() if spec.plan is not None])
+def test_registry_default_limit_is_the_schedules_own(name: str) -> None:
+    # regression: the planner named interleaved-zb's v·p default itself
+    if name == "zb-optimal" and not _SOLVER:
+        pytest.skip("zb-optimal needs ortools (pip install 'pipesched[solver]')")
+    spec = SCHEDULES[name]
+    low, high = spec.chunks
+    for p, v in ((2, low), (3, high if high is not None else low + 1)):
+        m = 2 * p
+        limit = spec.default_limit(p, v)
+        assert generate_schedule(name, p, m, v).streams == \
+            generate_schedule(name, p, m, v, memory_limit=limit).streams, (name, p, v)
+        if limit > v:  # a tighter limit changes the order: the comparison can tell them apart
+            tighter = generate_schedule(name, p, m, v, memory_limit=limit - 1)
+            assert tighter.streams != generate_schedule(name, p, m, v).streams or \
+                name == "zb-optimal", (name, p, v)
