@@ -16,6 +16,7 @@ __all__ = [
     "CommStats",
     "GradReducer",
     "NoOpGradReducer",
+    "OverlappingReducer",
     "broadcast_parameters",
     "make_grad_reducer",
     "split_into_buckets",
@@ -38,6 +39,18 @@ class GradReducer(Protocol):
     def reduce_stage(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None: ...
 
     def wait(self) -> None: ...
+
+
+@runtime_checkable
+class OverlappingReducer(GradReducer, Protocol):
+    """A `GradReducer` that can start reducing inside a stage's last backward.
+
+    `last_backward(stage_index)` is called right before the stage's last backward of the
+    step (its last B); the reducer may then launch bucket reductions from gradient hooks as
+    buckets become final. `reduce_stage` still follows, and launches whatever is left.
+    """
+
+    def last_backward(self, stage_index: int) -> None: ...
 
 
 @dataclass

@@ -42,7 +42,7 @@ from pipeline.parallel.optimizer_step import (
     ShardedGrads,
     StepOptimizer,
 )
-from pipeline.parallel.precision import DynamicLossScaler
+from pipeline.parallel.precision import DynamicLossScaler, half_dtype
 from pipeline.parallel.tied_sync import (
     TiedGradReducer,
     TiedWeightSynchronizer,
@@ -125,6 +125,8 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
                    optimizer: OptimizerFactory | torch.optim.Optimizer | None,
                    gradient_reducer: GradReducer | None = None) -> TrainingRuntime:
     """Build this rank's reducer, optimizer and STEP for a materialized `module`."""
+    if config.half_parameters:  # Megatron's Float16Module: the stages hold half parameters
+        module.to(half_dtype(config.precision))
     params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
     tp_rank = 0 if groups is None else groups.position.tp_rank
     # 1. Tied weights: a group per key over its owners' pipeline ranks (same dp, tp).
