@@ -274,14 +274,18 @@ class ShardedOptimizer:
                          if g is not None and not _aliases(g, r.flat_grad))
                    for r in self._regions.values())
 
-    def held_tensors(self) -> list[torch.Tensor]:
-        """Every tensor this object keeps beyond the inner optimizer's state: flat parameter
-        and gradient buffers, masters and their gradients (for counting live bytes)."""
-        held: list[torch.Tensor] = []
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this object keeps beyond the inner optimizer's state, by kind:
+        'parameters' (flat buffers), 'gradients' (main-gradient buffers, shard gradients),
+        'masters' (for counting live bytes; views share their base's storage)."""
+        held: dict[str, list[torch.Tensor]] = {"parameters": [], "gradients": [],
+                                               "masters": []}
         for region in self._regions.values():
-            held += [region.flat_param, region.flat_grad, region.master]
+            held["parameters"].append(region.flat_param)
+            held["gradients"].append(region.flat_grad)
             if region.master.grad is not None:
-                held.append(region.master.grad)
+                held["gradients"].append(region.master.grad)
+            held["masters"].append(region.master)
         return held
 
     # -- internals --------------------------------------------------------------------------
