@@ -1,21 +1,25 @@
-"""Memory at the peers' level: bytes per parameter at the optimizer step, and exposed reduction.
+"""Memory benchmark: model states. Bytes per parameter at the optimizer step, exposed gradient
+reduction with and without overlap, and bf16 half parameters' loss curve against fp32.
 
-Section "model states" (`model_state_rows`): live tensor bytes per owned parameter, counted
-right after a training step (`pipeline.parallel.model_state`), for fp32 / bf16 / fp16 ×
-ZeRO 0 / 1 × d ∈ {1, 2, 4}, beside Megatron-Core's distributed-optimizer formula (its docs):
-fp32 16 → 8 + 8/d, bf16 18 → 6 + 12/d, fp16 20 → 4 + 16/d. Model of issue 20: 16 ×
-Linear(512), Adam, one stage per rank (p = 1, dp = d). bf16 / fp16 run with autocast over
-fp32 parameters without ZeRO (16 B, leaner than Megatron's 18 / 20) and with
-`half_parameters` under ZeRO-1.
+Section "states": live tensor bytes per owned parameter, counted right after a training step
+(`pipeline.parallel.model_state`), for fp32 / bf16 / fp16 × ZeRO 0 / 1 × d ∈ {1, 2, 4},
+beside Megatron-Core's distributed-optimizer formula (its docs): fp32 16 → 8 + 8/d, bf16
+18 → 6 + 12/d, fp16 20 → 4 + 16/d. Model of issue 20: 16 × Linear(512), Adam, one stage per
+rank (p = 1, dp = d). bf16 / fp16 run with autocast over fp32 parameters without ZeRO (16 B,
+leaner than Megatron's 18 / 20) and with `half_parameters` under ZeRO-1.
 
-Section "exposed reduction" (`overlap_rows`): seconds per step spent in REDUCE_GRAD and in
-STEP's wait for the reductions (`StepStats.exposed_reduction`), ZeRO-1, with and without
-`overlap_grad_reduce`, same processes, alternating steps. Timings are noisy on a shared
-machine: compare only within one run.
+Section "overlap": seconds per step spent in REDUCE_GRAD and in STEP's wait for the
+reductions (`StepStats.exposed_reduction`), ZeRO-1, with and without `overlap_grad_reduce`,
+same processes, alternating steps.
 
-    python benchmarks/bench_memory.py                     # both sections
-    python benchmarks/bench_memory.py --section states
-    python benchmarks/bench_memory.py --section overlap --steps 20
+Section "bf16-curve": the demo language model (pp 2 × dp 2, ZeRO-1, 1F1B, Adam) for 100
+steps in fp32 and in bf16 with half parameters, same processes, same data; the largest
+relative gap between the two loss curves.
+
+    PYTHONPATH=$PWD python benchmarks/bench_memory.py [--section states|overlap|bf16-curve]
+
+Counted bytes are exact and repeatable; times are medians on a shared CPU and noisy: compare
+only within one run.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,7 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline import PipelineEngine, PipelineModule, launch
+from pipeline.demo.language_model import TinyLMConfig, lm_layers, lm_loss, synthetic_batch
 from pipeline.parallel.model_state import count_model_states
+
+__all__ = ["bf16_curve_section", "model_state_rows", "overlap_rows", "overlap_section",
+           "states_section"]
 
 WIDTH, LAYERS = 512, 16
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -132,17 +141,62 @@ def overlap_rows(world: int = 2, steps: int = 10) -> list[str]:
     return lines
 
 
+def states_section() -> None:
+    print("\n## Model states at the optimizer step (live bytes per owned parameter)\n")
+    print("\n".join(model_state_rows()), flush=True)
+
+
+def overlap_section() -> None:
+    print("\n## Exposed gradient reduction per step\n")
+    print("\n".join(overlap_rows()), flush=True)
+
+
+# -- section: bf16 half parameters' loss curve against fp32 ---------------------------------
+
+def _curves(steps: int) -> dict[str, list[float]]:
+    config = TinyLMConfig()
+    engines = {}
+    for name, options in (("fp32", {}), ("bf16", {"precision": "bf16",
+                                                  "half_parameters": True})):
+        module = PipelineModule(lm_layers(config), num_stages=2, loss_fn=lm_loss,
+                                base_seed=7)
+        engines[name] = PipelineEngine(module, optimizer=lambda ps: torch.optim.Adam(
+            ps, lr=3e-3), num_microbatches=4, data_parallel=2, zero_stage=1, **options)
+    curves: dict[str, list[float]] = {name: [] for name in engines}
+    for step in range(steps):
+        inputs, targets = synthetic_batch(step, 32, config)
+        for name, engine in engines.items():
+            dp_rank = engine.position.dp_rank
+            local = slice(dp_rank * 16, (dp_rank + 1) * 16)
+            curves[name].append(engine.train_batch(inputs[local], targets[local]))
+    for engine in engines.values():
+        engine.stop_watchdog()
+    return curves
+
+
+def bf16_curve_section(steps: int = 100) -> None:
+    curves = launch(_curves, 4, steps, join_timeout=1800)[0]
+    gaps = [abs(b - f) / f for f, b in zip(curves["fp32"], curves["bf16"])]
+    print(f"\n## bf16 half parameters against fp32: demo LM, pp2 × dp2, ZeRO-1, {steps} "
+          f"steps\n")
+    print("| step | fp32 loss | bf16 loss | relative gap |\n|---|---|---|---|")
+    for step in sorted({0, 9, 24, 49, 74, steps - 1}):
+        print(f"| {step + 1} | {curves['fp32'][step]:.4f} | {curves['bf16'][step]:.4f} | "
+              f"{gaps[step]:.2%} |")
+    print(f"\nlargest relative gap {max(gaps):.2%} (step {gaps.index(max(gaps)) + 1}); "
+          f"mean {statistics.mean(gaps):.2%}", flush=True)
+
+
+SECTIONS: dict[str, Callable[[], None]] = {
+    "states": states_section, "overlap": overlap_section, "bf16-curve": bf16_curve_section}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", choices=("states", "overlap", "all"), default="all")
-    parser.add_argument("--steps", type=int, default=10)
-    args = parser.parse_args()
-    if args.section in ("states", "all"):
-        print("\n## Model states at the optimizer step (live bytes per owned parameter)\n")
-        print("\n".join(model_state_rows()))
-    if args.section in ("overlap", "all"):
-        print("\n## Exposed gradient reduction per step\n")
-        print("\n".join(overlap_rows(steps=args.steps)))
+    parser.add_argument("--section", choices=sorted(SECTIONS), action="append",
+                        help="run only this section (repeatable); default: all")
+    for name in parser.parse_args().section or list(SECTIONS):
+        SECTIONS[name]()
 
 
 if __name__ == "__main__":

@@ -105,9 +105,9 @@ class ParallelConfig:
     Adam in bf16, 4 + 16/d in fp16, instead of autocast's 8 + 8/d. Without ZeRO autocast's
     16 is already leaner than the 18 / 20 this would take, so it is refused there."""
     overlap_grad_reduce: bool = True
-    """ZeRO-1: launch each gradient bucket's reduction from the gradient hooks of a stage's
-    last backward as soon as the bucket is final (Megatron's `overlap_grad_reduce`), not
-    after that backward at REDUCE_GRAD."""
+    """Launch each gradient bucket's reduction (dp all-reduce, or ZeRO-1's reduce-scatter)
+    from the gradient hooks of a stage's last backward as soon as the bucket is final (DDP,
+    Megatron's `overlap_grad_reduce`), not after that backward at REDUCE_GRAD."""
     gradient_clipping: float | None = None
     """Clip gradients to this global norm over every rank (None: no clipping)."""
     bucket_mb: float = DEFAULT_BUCKET_MB

@@ -1,5 +1,4 @@
-"""One region's main-gradient buffer: gradients accumulate into it by hooks, buckets launch as
-they become final.
+"""Gradient buckets launched as they become final, and the main-gradient buffer they fill.
 
 Megatron's `main_grad` (Shoeybi et al., 2019; its distributed optimizer): a parameter's
 gradient is added into its slice of one contiguous buffer as soon as autograd has
@@ -22,7 +21,62 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["GradBuffer"]
+__all__ = ["BucketLaunches", "GradBuffer"]
+
+
+class BucketLaunches:
+    """Which buckets are final during a last backward; launches them strictly in order.
+
+    `members[b]` lists the parameter indices bucket b waits for. While armed, `final(k)` marks
+    parameter k's gradient final and hands every bucket now complete, in index order, to
+    `launch(b)`; `flush` launches the rest (parameters without a gradient in that backward).
+    """
+
+    def __init__(self, members: Sequence[Sequence[int]], num_params: int,
+                 launch: Callable[[int], None]) -> None:
+        self._launch = launch
+        self._buckets_of: list[list[int]] = [[] for _ in range(num_params)]
+        for b, indices in enumerate(members):
+            for k in indices:
+                self._buckets_of[k].append(b)
+        self._needs = [len(indices) for indices in members]
+        self._waiting = list(self._needs)
+        self._final = [False] * num_params
+        self.armed = False
+        self.launched = 0
+        """Buckets handed to `launch` this step (they go in index order)."""
+
+    def arm(self) -> None:
+        """The next backward is the last of the step: launch buckets as they complete."""
+        self.armed = True
+
+    def final(self, k: int) -> None:
+        """Parameter k's gradient arrived in the armed backward: it is final."""
+        if self._final[k]:
+            # a second accumulation inside the last backward (a parameter used by two
+            # layers of a split W pass): its bucket may be on the wire already
+            raise RuntimeError(f"parameter {k} of a gradient region accumulated twice in its "
+                               f"last backward; set overlap_grad_reduce=False for this model")
+        self._final[k] = True
+        for b in self._buckets_of[k]:
+            self._waiting[b] -= 1
+        while self.launched < len(self._needs) and self._waiting[self.launched] == 0:
+            self.launched += 1
+            self._launch(self.launched - 1)
+
+    def flush(self) -> None:
+        """Launch every bucket not launched yet (in order) and stop watching."""
+        self.armed = False
+        while self.launched < len(self._needs):
+            self.launched += 1
+            self._launch(self.launched - 1)
+
+    def reset(self) -> None:
+        """A new step: nothing launched or final."""
+        self.armed = False
+        self.launched = 0
+        self._waiting = list(self._needs)
+        self._final = [False] * len(self._final)
 
 
 class GradBuffer:
@@ -42,23 +96,12 @@ class GradBuffer:
         self.flat = torch.zeros(size, dtype=dtype)
         """The main gradients, padded to the shard layout's size."""
         self.hooked = hooked
-        self._launch = launch
-        self._num_buckets = len(buckets)
-        # bucket b waits for the parameters whose elements meet one of its slices
-        self._buckets_of: list[list[int]] = [[] for _ in self.params]
-        self._needs = [0] * len(buckets)
-        for b, slices in enumerate(buckets):
-            for k, (param, offset) in enumerate(zip(self.params, self.offsets)):
-                if any(offset < end and start < offset + param.numel()
-                       for start, end in slices):
-                    self._buckets_of[k].append(b)
-                    self._needs[b] += 1
-        self._waiting = list(self._needs)
-        self._final = [False] * len(self.params)
-        self._armed = False
+        members: list[list[int]] = [
+            [k for k, (param, offset) in enumerate(zip(self.params, self.offsets))
+             if any(offset < end and start < offset + param.numel() for start, end in slices)]
+            for slices in buckets]  # bucket b waits for the parameters meeting its slices
+        self.launches = BucketLaunches(members, len(self.params), launch)
         self._stale = False
-        self.launched = 0
-        """Buckets handed to `launch` this step (they go in index order)."""
         self._handles: list[RemovableHandle] = []
         if hooked:
             self._handles = [param.register_post_accumulate_grad_hook(self._hook(k))
@@ -66,15 +109,12 @@ class GradBuffer:
 
     def arm(self) -> None:
         """The next backward is this region's last of the step: launch buckets as they fill."""
-        self._armed = True
+        self.launches.arm()
 
     def flush(self) -> None:
         """Launch every bucket not launched yet (in order) and stop watching."""
-        self._armed = False
         self._refresh()
-        while self.launched < self._num_buckets:
-            self._launch(self.launched)
-            self.launched += 1
+        self.launches.flush()
 
     def take_grads(self) -> None:
         """Add any `.grad` the parameters hold into the buffer and drop it (unhooked
@@ -89,10 +129,7 @@ class GradBuffer:
         """Start a new step: nothing launched or final; the buffer is emptied when the next
         gradient arrives (until then it still holds the last step's reduced gradients)."""
         self._stale = True
-        self.launched = 0
-        self._armed = False
-        self._waiting = list(self._needs)
-        self._final = [False] * len(self.params)
+        self.launches.reset()
 
     def _refresh(self) -> None:
         if self._stale:
@@ -116,18 +153,6 @@ class GradBuffer:
             with torch.no_grad():
                 self.flat[offset:offset + param.numel()].add_(grad.reshape(-1))
             tensor.grad = None
-            if not self._armed:
-                return
-            if self._final[k]:
-                # a second accumulation inside the last backward (a parameter used by two
-                # layers of a split W pass): its bucket may be on the wire already
-                raise RuntimeError(f"parameter {k} of a gradient region accumulated twice in "
-                                   f"its last backward; disable overlap_grad_reduce for this "
-                                   f"model")
-            self._final[k] = True
-            for b in self._buckets_of[k]:
-                self._waiting[b] -= 1
-            while self.launched < self._num_buckets and self._waiting[self.launched] == 0:
-                self._launch(self.launched)
-                self.launched += 1
+            if self.launches.armed:
+                self.launches.final(k)
         return accumulate

@@ -16,11 +16,11 @@ from torch import nn
 
 from pipeline.parallel.zero import ShardedOptimizer
 
-__all__ = ["ModelStateBytes", "count_model_states", "storage_bytes"]
+__all__ = ["LiveModelStates", "count_model_states", "storage_bytes"]
 
 
 @dataclass(frozen=True)
-class ModelStateBytes:
+class LiveModelStates:
     """Bytes per kind of model state on one rank, each storage counted once (in the first
     kind that holds it, in the order below), and the parameters they serve."""
 
@@ -57,7 +57,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
 
 def count_model_states(module: nn.Module,
                        optimizer: torch.optim.Optimizer | ShardedOptimizer | None
-                       ) -> ModelStateBytes:
+                       ) -> LiveModelStates:
     """This rank's live model-state bytes: `module`'s parameters and gradients and what
     `optimizer` holds (its state; under ZeRO-1 also its buffers and masters)."""
     params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
@@ -78,6 +78,6 @@ def count_model_states(module: nn.Module,
         state += [value for values in inner.state.values() for value in values.values()
                   if isinstance(value, torch.Tensor)]
     gradient_bytes = storage_bytes(grads, seen)
-    return ModelStateBytes(parameters=parameter_bytes, gradients=gradient_bytes,
+    return LiveModelStates(parameters=parameter_bytes, gradients=gradient_bytes,
                            optimizer=storage_bytes(state, seen),
                            num_parameters=sum(p.numel() for p in params))

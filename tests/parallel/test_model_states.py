@@ -99,6 +99,8 @@ BUFFER_CASES = [
     Case("interleaved pp2×dp2 ZeRO-1 +clip", "mlp",
          {"data_parallel": 2, "zero_stage": 1, "gradient_clipping": 0.05,
           "bucket_mb": 2**-10}, schedule="interleaved", chunks=2, optimizer="adam"),
+    Case("interleaved pp2×dp2 overlapped all-reduce", "mlp",
+         {"data_parallel": 2, "bucket_mb": 2**-10}, schedule="interleaved", chunks=2),
     Case("pp2×dp2 ZeRO-1 no overlap", "mlp",
          {"data_parallel": 2, "zero_stage": 1, "bucket_mb": 2**-10,
           "overlap_grad_reduce": False}, optimizer="adam"),
@@ -127,42 +129,45 @@ def test_main_gradient_buffers_equal_one_process() -> None:
 
 class _Probe(nn.Module):
     """A first layer whose output gradient (the last gradient of a backward, but for its
-    own weight's) records how many bucket reductions the optimizer had launched by then."""
+    own weight's) records how many bucket reductions the reducer had launched by then."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(WIDTH))
-        self.optimizer: Any = None
+        self.reducer: Any = None
         self.seen: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x * self.scale
-        y.register_hook(lambda grad: self.seen.append(self.optimizer.stats.calls))
+        y.register_hook(lambda grad: self.seen.append(self.reducer.stats.calls))
         return y
 
 
-def _launch_order() -> dict[bool, list[int]]:
+def _launch_order() -> dict[tuple[int, bool], list[int]]:
     seen = {}
-    for overlap in (False, True):
-        probe = _Probe()
-        layers = [probe, *(nn.Linear(WIDTH, WIDTH) for _ in range(6))]
-        module = PipelineModule(layers, num_stages=1, loss_fn=F.mse_loss)
-        engine = PipelineEngine(module, optimizer=_adam, num_microbatches=2, zero_stage=1,
-                                bucket_mb=2**-12, overlap_grad_reduce=overlap, timeout=60)
-        probe.optimizer = engine.optimizer
-        engine.train_batch(torch.randn(8, WIDTH), torch.randn(8, WIDTH))
-        seen[overlap] = probe.seen
-        engine.stop_watchdog()
+    for zero in (0, 1):  # plain dp's all-reduce buckets, ZeRO-1's reduce-scatter buckets
+        for overlap in (False, True):
+            probe = _Probe()
+            layers = [probe, *(nn.Linear(WIDTH, WIDTH) for _ in range(6))]
+            module = PipelineModule(layers, num_stages=1, loss_fn=F.mse_loss)
+            engine = PipelineEngine(module, optimizer=_adam, num_microbatches=2,
+                                    zero_stage=zero, bucket_mb=2**-12,
+                                    overlap_grad_reduce=overlap, timeout=60)
+            probe.reducer = engine.gradient_reducer
+            engine.train_batch(torch.randn(8, WIDTH), torch.randn(8, WIDTH))
+            seen[(zero, overlap)] = probe.seen
+            engine.stop_watchdog()
     return seen
 
 
 @pytest.mark.multiprocess
 def test_bucket_reductions_launch_inside_the_last_backward() -> None:
     for seen in launch(_launch_order, 2, timeout=60, join_timeout=180):
-        # microbatch 0's backward launches nothing either way (its gradients are not final)
-        assert seen[False] == [0, 0] and seen[True][0] == 0, seen
-        # the last backward: the later layers' buckets are on the wire before it ends
-        assert seen[True][1] > 0, seen
+        for zero in (0, 1):
+            # microbatch 0's backward launches nothing either way (not final yet)
+            assert seen[(zero, False)] == [0, 0] and seen[(zero, True)][0] == 0, seen
+            # the last backward: the later layers' buckets are on the wire before it ends
+            assert seen[(zero, True)][1] > 0, seen
 
 
 def test_last_backwards_marks_each_stages_last_fused_backward() -> None:
