@@ -9,8 +9,9 @@ rank (p = 1, dp = d). bf16 / fp16 run with autocast over fp32 parameters without
 leaner than Megatron's 18 / 20) and with `half_parameters` under ZeRO-1.
 
 Section "overlap": seconds per step spent in REDUCE_GRAD and in STEP's wait for the
-reductions (`StepStats.exposed_reduction`), ZeRO-1, with and without `overlap_grad_reduce`,
-same processes, alternating steps.
+reductions (`StepStats.exposed_reduction`), plain dp and ZeRO-1, with and without
+`overlap_grad_reduce`, p = 1 (the whole reduction follows the last backward), same processes,
+steps in turn.
 
 Section "bf16-curve": the demo language model (pp 2 × dp 2, ZeRO-1, 1F1B, Adam) for 100
 steps in fp32 and in bf16 with half parameters, same processes, same data; the largest
@@ -106,25 +107,27 @@ def model_state_rows(ranks: tuple[int, ...] = (1, 2, 4)) -> list[str]:
 # -- section: exposed reduction -------------------------------------------------------------
 
 def _measure_overlap(steps: int) -> list[list[float]]:
-    """[exposed, step] seconds (median over steps, mean over ranks) without / with overlap."""
+    """Per (ZeRO stage, overlap): [exposed, step] seconds, median over steps, mean over
+    ranks; every configuration steps in turn in the same processes."""
     world = dist.get_world_size()
-    engines = {overlap: _engine("fp32", 1, overlap=overlap, bucket_mb=1.0, num_microbatches=4)
-               for overlap in (False, True)}
+    configs = [(zero, overlap) for zero in (0, 1) for overlap in (False, True)]
+    engines = [_engine("fp32", zero, overlap=overlap, bucket_mb=1.0, num_microbatches=4)
+               for zero, overlap in configs]
     torch.manual_seed(2)
     x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
-    exposed: dict[bool, list[float]] = {False: [], True: []}
-    step: dict[bool, list[float]] = {False: [], True: []}
+    exposed: list[list[float]] = [[] for _ in configs]
+    step: list[list[float]] = [[] for _ in configs]
     for k in range(steps + 1):
-        for overlap, engine in engines.items():
+        for index, engine in enumerate(engines):
             engine.train_batch(x, y)
             stats = engine.last_stats
             if k and stats is not None:  # the first step warms up
-                exposed[overlap].append(stats.exposed_reduction)
-                step[overlap].append(stats.step_time)
-    mine = torch.tensor([[statistics.median(exposed[o]), statistics.median(step[o])]
-                         for o in (False, True)], dtype=torch.float64)
+                exposed[index].append(stats.exposed_reduction)
+                step[index].append(stats.step_time)
+    mine = torch.tensor([[statistics.median(exposed[i]), statistics.median(step[i])]
+                         for i in range(len(configs))], dtype=torch.float64)
     dist.all_reduce(mine)  # the mean over ranks
-    for engine in engines.values():
+    for engine in engines:
         engine.stop_watchdog()
     return (mine / world).tolist()
 
@@ -132,12 +135,13 @@ def _measure_overlap(steps: int) -> list[list[float]]:
 def overlap_rows(world: int = 2, steps: int = 10) -> list[str]:
     """The markdown rows of the exposed-reduction section."""
     rows = launch(_measure_overlap, world, steps, join_timeout=1800)[0]
-    lines = [f"ZeRO-1 fp32, p = 1, dp = {world}, m = 4, 1 MiB buckets, 16 × Linear({WIDTH}); "
-             f"median over {steps} steps, mean over ranks",
-             "| overlap_grad_reduce | exposed reduction (ms/step) | step (ms) |",
-             "|---|---|---|"]
-    for overlap, (exposed, step) in zip((False, True), rows):
-        lines.append(f"| {overlap} | {exposed * 1e3:.1f} | {step * 1e3:.1f} |")
+    lines = [f"fp32, p = 1, dp = {world}, m = 4, 1 MiB buckets, {LAYERS} × Linear({WIDTH}), "
+             f"Adam; median over {steps} steps, mean over ranks",
+             "| ZeRO | overlap_grad_reduce | exposed reduction (ms/step) | step (ms) |",
+             "|---|---|---|---|"]
+    configs = [(zero, overlap) for zero in (0, 1) for overlap in (False, True)]
+    for (zero, overlap), (exposed, step) in zip(configs, rows):
+        lines.append(f"| {zero} | {overlap} | {exposed * 1e3:.1f} | {step * 1e3:.1f} |")
     return lines
 
 
