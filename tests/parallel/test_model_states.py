@@ -7,6 +7,7 @@ from the layout's definition (and Megatron's per-parameter formulas within 5%)."
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,8 @@ from pipeline import PipelineConfigError, PipelineEngine, PipelineModule, launch
 from pipeline.parallel.model_state import count_model_states
 from pipeline.runtime.interpreter import last_backwards
 from schedules import Kind, build_schedule
-from tests.support.engine3d_models import Case, run_case
+from tests.support.engine3d_models import MODELS, OPTIMIZERS, Case, run_case
+from tests.support.equivalence import gathered_weights
 
 WIDTH = 32
 MEGATRON = {"fp32": (16.0, lambda d: 8 + 8 / d), "bf16": (18.0, lambda d: 6 + 12 / d),
@@ -191,3 +193,42 @@ def test_half_parameters_refused_where_autocast_is_leaner() -> None:
                             ({"zero_stage": 1}, "precision='bf16'")):
         with pytest.raises(PipelineConfigError, match=wanted):
             PipelineEngine(module, half_parameters=True, **options)
+
+
+def _half_checkpoint(root: str, resume: bool) -> dict[str, Any]:
+    spec = MODELS["mlp"]
+    module = PipelineModule(spec.layers(), num_stages=2, loss_fn=spec.loss, base_seed=7)
+    engine = PipelineEngine(module, num_microbatches=4, optimizer=OPTIMIZERS["adam"],
+                            data_parallel=2, zero_stage=1, precision="bf16",
+                            half_parameters=True, timeout=60)
+    if resume:
+        engine.load_checkpoint(root)
+    else:
+        _train_steps(engine, 2)
+        engine.save_checkpoint(root)
+    losses = _train_steps(engine, 2)
+    engine.stop_watchdog()
+    return {"losses": losses, "weights": gathered_weights(engine)}
+
+
+def _train_steps(engine: PipelineEngine, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        inputs, targets = MODELS["mlp"].batch(engine.global_step, 16)
+        mine = slice(8 * engine.position.dp_rank, 8 * engine.position.dp_rank + 8)
+        losses.append(engine.train_batch(inputs[mine], targets[mine]))
+    return losses
+
+
+@pytest.mark.multiprocess
+def test_half_parameters_checkpoint_resumes_exactly_with_its_fp32_masters(
+        tmp_path: Path) -> None:
+    # the bf16 parameters alone would round the masters: only the saved fp32 masters make the
+    # resumed run take the same steps
+    root = str(tmp_path)
+    straight = launch(_half_checkpoint, 4, root, False, timeout=60, join_timeout=240)
+    resumed = launch(_half_checkpoint, 4, root, True, timeout=60, join_timeout=240)
+    assert resumed[0]["losses"] == straight[0]["losses"]
+    for key, value in straight[0]["weights"].items():
+        assert value.dtype == torch.bfloat16, key
+        assert torch.equal(resumed[0]["weights"][key], value), key
