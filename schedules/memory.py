@@ -46,9 +46,9 @@ class MemoryModel:
     """Replicas dp; under ZeRO-1 each holds 1/dp of the optimizer state."""
     zero_stage: int = 0
     """0: every replica keeps the whole optimizer state. 1: sharded over dp, as pipesched's
-    ZeRO-1 holds it: besides the parameters' own gradients, a flat reduce buffer (one more
-    gradient's bytes) and the reduced 1/dp shard; an fp32 master copy of the 1/dp parameter
-    shard besides the optimizer state."""
+    ZeRO-1 holds it (fp32): the gradients once, in one main-gradient buffer; the optimizer
+    state of the 1/dp shard, whose fp32 master is a view of the parameters (8 + 8/dp bytes
+    per parameter with Adam)."""
     optimizer_factor: float = 2.0
     """Optimizer-state bytes per parameter byte (Adam: two moments = 2; SGD: 0)."""
     gradient_factor: float = 1.0
@@ -127,8 +127,10 @@ def predict_memory(schedule: Schedule, model: MemoryModel) -> tuple[RankMemory, 
         peak, count = _activation_peak([(op[0], op[1], op[2]) for op in stream], saved)
         result.append(RankMemory(
             rank=rank, params=stage_params,
-            gradients=grads * (2 + 1 / dp) if zero else grads,
-            optimizer=stage_params * (model.optimizer_factor + 1) / dp if zero
+            # ZeRO-1 as the engine holds it: one main-gradient buffer, the optimizer state
+            # of the 1/dp shard (its fp32 master is a view of the fp32 parameters)
+            gradients=grads,
+            optimizer=stage_params * model.optimizer_factor / dp if zero
             else stage_params * model.optimizer_factor,
             activations=peak, peak_in_flight=count))
     return tuple(result)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -10,12 +10,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from pipeline.parallel.grad_buffer import BucketLaunches
+
 __all__ = [
     "DEFAULT_BUCKET_MB",
     "BucketedGradReducer",
     "CommStats",
     "GradReducer",
     "NoOpGradReducer",
+    "OverlappingReducer",
     "broadcast_parameters",
     "make_grad_reducer",
     "split_into_buckets",
@@ -38,6 +41,18 @@ class GradReducer(Protocol):
     def reduce_stage(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None: ...
 
     def wait(self) -> None: ...
+
+
+@runtime_checkable
+class OverlappingReducer(GradReducer, Protocol):
+    """A `GradReducer` that can start reducing inside a stage's last backward.
+
+    `last_backward(stage_index)` is called right before the stage's last backward of the
+    step (its last B); the reducer may then launch bucket reductions from gradient hooks as
+    buckets become final. `reduce_stage` still follows, and launches whatever is left.
+    """
+
+    def last_backward(self, stage_index: int) -> None: ...
 
 
 @dataclass
@@ -115,21 +130,55 @@ class BucketedGradReducer:
         self.average = average
         self.stats = CommStats()
         self._pending: list[_PendingBucket] = []
+        self._watched: dict[int, tuple[list[torch.nn.Parameter], list[list[int]],
+                                       BucketLaunches]] = {}
+
+    def watch(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None:
+        """Prepare the overlap of one stage (DDP's buckets): its buckets, last parameters
+        first (a backward finalises them first), launched from gradient hooks during the
+        stage's last backward once `last_backward` armed them. `reduce_stage` must then name
+        the same parameters."""
+        order = [param for param in params if param.requires_grad][::-1]
+        members = split_into_buckets(order, self.bucket_bytes)
+        launches = BucketLaunches(members, len(order),
+                                  lambda b: self._launch(order, members[b]))
+        self._watched[stage_index] = (order, members, launches)
+        for k, param in enumerate(order):
+            param.register_post_accumulate_grad_hook(_mark_final(launches, k))
+
+    def last_backward(self, stage_index: int) -> None:
+        """The stage's last backward of the step follows: launch buckets as they fill."""
+        watched = self._watched.get(stage_index)
+        if watched is not None:
+            watched[2].arm()
 
     def reduce_stage(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None:
-        """Launch the all-reduce of `params`' gradients (one stage's) without waiting."""
-        del stage_index  # buckets are per call; the index only names the call in the protocol
-        grads = [_grad_or_zeros(param) for param in params if param.requires_grad]
-        for members in split_into_buckets(grads, self.bucket_bytes):
-            bucket_grads = [grads[i] for i in members]
-            flat = torch.cat([grad.reshape(-1) for grad in bucket_grads])
-            if self.average:
-                flat.div_(self.dp_size)
-            self.stats.record("all_reduce", flat)
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            if work is None:  # only without async_op; keeps the type checker honest
-                raise RuntimeError("all_reduce(async_op=True) returned no work handle")
-            self._pending.append(_PendingBucket(work, flat, bucket_grads))
+        """Launch the all-reduce of `params`' gradients (one stage's) without waiting (the
+        buckets its last backward did not launch already, for a watched stage)."""
+        watched = self._watched.get(stage_index)
+        if watched is None:
+            grads = [param for param in params if param.requires_grad]
+            for members in split_into_buckets(grads, self.bucket_bytes):
+                self._launch(grads, members)
+            return
+        order, _, launches = watched
+        if {id(p) for p in params if p.requires_grad} != {id(p) for p in order}:
+            raise ValueError(f"reduce_stage({stage_index}) got other parameters than "
+                             f"watch({stage_index}) did; pass the same ones")
+        launches.flush()
+        launches.reset()
+
+    def _launch(self, params: Sequence[torch.nn.Parameter], members: Sequence[int]) -> None:
+        """All-reduce one bucket: the gradients of `params[i]` for i in `members`."""
+        bucket_grads = [_grad_or_zeros(params[i]) for i in members]
+        flat = torch.cat([grad.reshape(-1) for grad in bucket_grads])
+        if self.average:
+            flat.div_(self.dp_size)
+        self.stats.record("all_reduce", flat)
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        if work is None:  # only without async_op; keeps the type checker honest
+            raise RuntimeError("all_reduce(async_op=True) returned no work handle")
+        self._pending.append(_PendingBucket(work, flat, bucket_grads))
 
     def wait(self) -> None:
         """Block until every launched bucket is reduced, and write the results back."""
@@ -148,6 +197,13 @@ def make_grad_reducer(group: ProcessGroup | None, *, bucket_mb: float = DEFAULT_
     if dist.get_world_size(group) == 1:
         return NoOpGradReducer()
     return BucketedGradReducer(group, bucket_mb=bucket_mb)
+
+
+def _mark_final(launches: BucketLaunches, k: int) -> Callable[[torch.Tensor], None]:
+    def hook(_: torch.Tensor) -> None:
+        if launches.armed:
+            launches.final(k)
+    return hook
 
 
 def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:

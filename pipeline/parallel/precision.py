@@ -25,6 +25,7 @@ __all__ = [
     "clip_grad_norm_global",
     "counts_in_norm",
     "global_grad_norm",
+    "half_dtype",
 ]
 
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -43,6 +44,13 @@ def autocast(precision: Precision, device_type: str = "cpu") -> AbstractContextM
     if precision not in _AUTOCAST_DTYPES:
         raise ValueError(f"precision must be 'fp32', 'bf16' or 'fp16', got {precision!r}")
     return torch.autocast(device_type, dtype=_AUTOCAST_DTYPES[precision])
+
+
+def half_dtype(precision: Precision) -> torch.dtype:
+    """The dtype 'bf16' / 'fp16' names (parameters stored in it under `half_parameters`)."""
+    if precision not in _AUTOCAST_DTYPES:
+        raise ValueError(f"precision must be 'bf16' or 'fp16' here, got {precision!r}")
+    return _AUTOCAST_DTYPES[precision]
 
 
 def any_nonfinite(tensors: Iterable[torch.Tensor], group: ProcessGroup | None,

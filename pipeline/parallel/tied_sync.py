@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pipeline.parallel.data_parallel import GradReducer
+from pipeline.parallel.data_parallel import GradReducer, OverlappingReducer
 from pipeline.parallel.param_marks import mark_tied_duplicate
 from pipeline.parallel.topology import Topology, TopologyError
 
@@ -144,6 +144,11 @@ class TiedGradReducer:
     def reduce_stage(self, stage_index: int, params: Sequence[nn.Parameter]) -> None:
         self.inner.reduce_stage(stage_index,
                                 [p for p in params if id(p) not in self._tied_ids])
+
+    def last_backward(self, stage_index: int) -> None:
+        """Pass the overlap signal on (tied weights are reduced at `wait`, unhooked)."""
+        if isinstance(self.inner, OverlappingReducer):
+            self.inner.last_backward(stage_index)
 
     def wait(self) -> None:
         self.tied.all_reduce_grads()

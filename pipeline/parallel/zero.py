@@ -14,9 +14,15 @@ exactly its own slice (the ZeRO paper's P_os, Megatron's distributed optimizer:
 reduce-scatter gradients, step the shard in fp32, all-gather parameters; bytes per parameter
 16 → 8 + 8/d with fp32 Adam state).
 
-When reduction happens: `reduce_stage` (the engine's REDUCE_GRAD) launches the region's
-reduce-scatter without blocking, so it overlaps the rank's other stages; `step` first
+When reduction happens: with `last_backward(key)` called before a region's last backward
+of the step, each bucket launches from the gradient hooks as soon as it is final, inside that
+backward (`pipeline.parallel.grad_buffer`); `reduce_stage` (the engine's REDUCE_GRAD) then
+launches what is left, without blocking, so it overlaps the rank's other stages; `step` first
 (through `wait`) reduces any region nobody reduced yet, so the optimizer also works alone.
+Buckets go from the shard's tail to its head: a bucket holds the same slice of all d shards,
+so it is final once its slice of shard 0 is, i.e. after (d - 1)/d of the region's backward;
+reductions hide behind the last 1/d of it (Megatron shards each bucket instead, a layout the
+checkpoints here do not describe).
 """
 
 from __future__ import annotations
@@ -32,8 +38,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB, CommStats
+from pipeline.parallel.grad_buffer import GradBuffer
 from pipeline.parallel.optimizer import OptimizerFactory, build_optimizer
 from pipeline.parallel.precision import clip_coefficient, counts_in_norm, global_grad_norm
+from pipeline.parallel.tied_sync import TIED_REGION
 
 __all__ = ["Collective", "ShardedOptimizer", "detect_reduce_scatter"]
 
@@ -64,12 +72,22 @@ class _Region:
     numel: int
     shard_size: int
     flat_param: torch.Tensor
-    flat_grad: torch.Tensor
-    grad_shard: torch.Tensor
+    """The parameters laid end to end (their `.data` are views of it), padded to d · S."""
     master: torch.nn.Parameter
+    """This rank's fp32 shard the inner optimizer steps: a view of `flat_param` when the
+    parameters are fp32 (no second copy), an fp32 copy when they are bf16 / fp16."""
+    buckets: list[tuple[int, int]]
+    """[lo, hi) slices of a shard, in launch order (the buffer's tail, final first, first)."""
+    grads: GradBuffer | None = None
     pending: list[tuple[dist.Work, _Finish | None]] = field(default_factory=list)
     """Launched bucket reductions, each with what to do once it arrived (all_to_all: sum)."""
     reduced: bool = False
+
+    @property
+    def flat_grad(self) -> torch.Tensor:
+        if self.grads is None:
+            raise RuntimeError("internal error: a ZeRO region without its gradient buffer")
+        return self.grads.flat
 
 
 class ShardedOptimizer:
@@ -79,7 +97,15 @@ class ShardedOptimizer:
     keyed like the engine's stages (`params_by_stage`); `reduce_stage(key, params)` must name
     exactly the parameters given for that key. Parameters of one region share a dtype; their
     `.data` becomes a view of the region's flat buffer (so the all-gather writes them in
-    place). The optimizer steps fp32 master shards whatever the parameters' dtype.
+    place). Their gradients accumulate into the region's main-gradient buffer (fp32, or fp16
+    for fp16 parameters, as Megatron's) through hooks and `.grad` stays None (`GradBuffer`);
+    the tied region (`TIED_REGION`) keeps `.grad`, which its owners sum first. The optimizer
+    steps fp32 master shards: views of the parameters when they are fp32.
+
+    Bytes per parameter at the step, with Adam (Megatron's distributed-optimizer table):
+    fp32 params 4 + main grads 4 + (moments 8)/d; bf16 params 2 + fp32 main grads 4 +
+    (master 4 + moments 8)/d; fp16 params 2 + fp16 grads 2 + (fp32 grad 4 + master 4 +
+    moments 8)/d.
     """
 
     def __init__(self, params_by_stage: Mapping[int, Sequence[torch.nn.Parameter]],
@@ -130,7 +156,8 @@ class ShardedOptimizer:
     # -- the reducer role -------------------------------------------------------------------
 
     def reduce_stage(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None:
-        """Launch the reduce-scatter of one region's gradients without waiting."""
+        """Launch the reduce-scatter of one region's gradients without waiting (the buckets
+        its last backward did not launch already)."""
         region = self._regions.get(stage_index)
         trainable = {id(p) for p in params if p.requires_grad}
         if region is None:
@@ -149,9 +176,17 @@ class ShardedOptimizer:
                                f"step() (or zero_grad()) between steps")
         self._launch_reduce(region)
 
+    def last_backward(self, stage_index: int) -> None:
+        """The next backward of this stage is its last of the step: launch each bucket's
+        reduction from the gradient hooks as soon as the bucket is final (overlap)."""
+        region = self._regions.get(stage_index)
+        if region is not None and region.grads is not None and region.grads.hooked \
+                and not region.reduced:
+            region.grads.arm()
+
     def wait(self) -> None:
         """Reduce every region not reduced yet, then block until all reductions finished;
-        the shards then hold reduced gradients."""
+        the shards then hold reduced gradients (the masters' `.grad`)."""
         for region in self._regions.values():
             if not region.reduced:
                 self._launch_reduce(region)
@@ -163,37 +198,35 @@ class ShardedOptimizer:
                 if finish is not None:
                     finish()
             region.pending.clear()
-            if self.collective == "all_reduce":
-                start = self.dp_rank * region.shard_size
-                region.grad_shard.copy_(region.flat_grad[start:start + region.shard_size])
+            shard = self._shard_view(region)
+            region.master.grad = shard if shard.dtype == torch.float32 else shard.float()
 
     # -- the optimizer role -----------------------------------------------------------------
 
     def step(self) -> None:
         """Reduce what is not reduced yet, step the shard, all-gather updated parameters."""
         self.wait()
-        for region in self._regions.values():
-            region.master.grad = region.grad_shard.to(torch.float32)
         self.optimizer.step()
         self._gather_params()
         for region in self._regions.values():
             region.reduced = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear model and shard gradients, ready for the next step's backward passes."""
+        """Ready for the next step's backward passes: the gradient buffers empty themselves
+        when its first gradient arrives, so the reduced shards stay readable until then
+        (`set_to_none` is accepted for torch's signature: model `.grad` is always None)."""
+        del set_to_none
         for region in self._regions.values():
             for param in region.params:
-                if set_to_none:
-                    param.grad = None
-                elif param.grad is not None:
-                    param.grad.zero_()
-            region.master.grad = None
+                param.grad = None
+            if region.grads is not None:
+                region.grads.zero()
             region.reduced = False
 
     def grad_shards(self) -> list[torch.Tensor]:
-        """This rank's reduced gradient shards (valid after `wait`): overflow checks and
-        unscaling act on these."""
-        return [region.grad_shard for region in self._regions.values()]
+        """This rank's reduced fp32 gradient shards (valid after `wait`): overflow checks,
+        unscaling and clipping act on these, and the optimizer steps with them."""
+        return [self._step_grad(region) for region in self._regions.values()]
 
     def gather_grads(self) -> dict[int, torch.Tensor]:
         """id(parameter) -> its full reduced gradient, all-gathered from every dp rank's shard
@@ -201,11 +234,12 @@ class ShardedOptimizer:
         step saw it). For checks and debugging: it materialises what ZeRO-1 avoids holding."""
         full: dict[int, torch.Tensor] = {}
         for region in self._regions.values():
-            parts = [torch.empty_like(region.grad_shard) for _ in range(self.dp_size)]
-            dist.all_gather(parts, region.grad_shard.clone(), group=self.group)
+            shard = self._step_grad(region)
+            parts = [torch.empty_like(shard) for _ in range(self.dp_size)]
+            dist.all_gather(parts, shard.clone(), group=self.group)
             flat = torch.cat(parts)
             for param, offset in zip(region.params, region.offsets):
-                full[id(param)] = flat[offset:offset + param.numel()].view_as(param).clone()
+                full[id(param)] = flat[offset:offset + param.numel()].view(param.shape).clone()
         return full
 
     def clip_grad_norm_(self, max_norm: float, group: ProcessGroup | None, *,
@@ -227,15 +261,32 @@ class ShardedOptimizer:
                    for value in state.values() if isinstance(value, torch.Tensor))
 
     def master_bytes(self) -> int:
-        """Bytes of the fp32 master shards (the inner optimizer's parameters)."""
-        return sum(r.master.numel() * r.master.element_size() for r in self._regions.values())
+        """Bytes of the fp32 master shards held apart from the parameters (0 when the
+        parameters are fp32: each master is then a view of them)."""
+        return sum(r.master.numel() * r.master.element_size() for r in self._regions.values()
+                   if not _aliases(r.master, r.flat_param))
 
     def gradient_buffer_bytes(self) -> int:
-        """Bytes of the gradient buffers kept between steps: each region's flat reduce
-        buffer and this rank's reduced shard."""
+        """Bytes of the gradient buffers: each region's main-gradient buffer, and the fp32
+        copies of this rank's shard where the buffer is not fp32 (fp16, after `wait`)."""
         return sum(r.flat_grad.numel() * r.flat_grad.element_size()
-                   + r.grad_shard.numel() * r.grad_shard.element_size()
+                   + sum(g.numel() * g.element_size() for g in [r.master.grad]
+                         if g is not None and not _aliases(g, r.flat_grad))
                    for r in self._regions.values())
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this object keeps beyond the inner optimizer's state, by kind:
+        'parameters' (flat buffers), 'gradients' (main-gradient buffers, shard gradients),
+        'masters' (for counting live bytes; views share their base's storage)."""
+        held: dict[str, list[torch.Tensor]] = {"parameters": [], "gradients": [],
+                                               "masters": []}
+        for region in self._regions.values():
+            held["parameters"].append(region.flat_param)
+            held["gradients"].append(region.flat_grad)
+            if region.master.grad is not None:
+                held["gradients"].append(region.master.grad)
+            held["masters"].append(region.master)
+        return held
 
     # -- internals --------------------------------------------------------------------------
 
@@ -255,31 +306,61 @@ class ShardedOptimizer:
             flat_param[offset:offset + param.numel()].copy_(param.detach().reshape(-1))
             param.data = flat_param[offset:offset + param.numel()].view_as(param)
         start = self.dp_rank * shard_size
-        master = torch.nn.Parameter(flat_param[start:start + shard_size].to(torch.float32,
-                                                                              copy=True))
-        return _Region(params=params, offsets=offsets, numel=numel, shard_size=shard_size,
-                       flat_param=flat_param, flat_grad=torch.zeros_like(flat_param),
-                       grad_shard=torch.zeros(shard_size, dtype=dtype), master=master)
+        shard = flat_param[start:start + shard_size]
+        # fp32 parameters: the master IS this rank's slice of them (the optimizer updates the
+        # parameters in place); half parameters: an fp32 copy (Micikevicius et al., 2018)
+        master = torch.nn.Parameter(shard if dtype == torch.float32
+                                    else shard.to(torch.float32, copy=True))
+        region = _Region(params=params, offsets=offsets, numel=numel, shard_size=shard_size,
+                         flat_param=flat_param, master=master, buckets=[])
+        # fp16 keeps fp16 gradients (Megatron's fp16 row: 2 + 2 + 16/d); bf16 and fp32 fp32
+        grad_dtype = torch.float16 if dtype == torch.float16 else torch.float32
+        per_rank = max(1, self.bucket_bytes // (grad_dtype.itemsize * self.dp_size))
+        # the shard's tail first: a backward makes the buffer's end final first
+        region.buckets = [(lo, min(lo + per_rank, shard_size))
+                          for lo in reversed(range(0, shard_size, per_rank))]
+        region.grads = GradBuffer(params, offsets, flat_param.numel(), grad_dtype,
+                                  [self._bucket_slices(region, lo, hi)
+                                   for lo, hi in region.buckets],
+                                  lambda b: self._launch_bucket(region, b),
+                                  hooked=key != TIED_REGION)
+        return region
 
-    def _bucket_ranges(self, region: _Region) -> Iterable[tuple[int, int]]:
-        """[lo, hi) slices of a shard such that d of them fill about one bucket."""
-        per_rank = max(1, self.bucket_bytes // (region.flat_grad.element_size() * self.dp_size))
-        for lo in range(0, region.shard_size, per_rank):
-            yield lo, min(lo + per_rank, region.shard_size)
+    def _bucket_slices(self, region: _Region, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The [start, end) slices of the flat buffer one bucket's collective reduces."""
+        size = region.shard_size
+        if self.collective == "all_reduce":
+            return [(lo * self.dp_size, hi * self.dp_size)]
+        return [(r * size + lo, r * size + hi) for r in range(self.dp_size)]
+
+    def _shard_view(self, region: _Region) -> torch.Tensor:
+        start = self.dp_rank * region.shard_size
+        return region.flat_grad[start:start + region.shard_size]
+
+    def _step_grad(self, region: _Region) -> torch.Tensor:
+        grad = region.master.grad
+        if grad is None:
+            raise RuntimeError("the gradient shards are read before wait(): call wait() (or "
+                               "clip_grad_norm_ / step) first")
+        return grad
 
     def _launch_reduce(self, region: _Region) -> None:
-        region.flat_grad.zero_()
-        for param, offset in zip(region.params, region.offsets):
-            if param.grad is not None:
-                region.flat_grad[offset:offset + param.numel()].copy_(param.grad.reshape(-1))
+        if region.grads is None:
+            raise RuntimeError("internal error: a ZeRO region without its gradient buffer")
+        # unhooked (tied) gradients, or ones accumulated before this optimizer existed
+        region.grads.take_grads()
+        region.grads.flush()
+        region.reduced = True
+
+    def _launch_bucket(self, region: _Region, index: int) -> None:
+        lo, hi = region.buckets[index]
         if self.average:
             # Divide before summing, as DDP does, so fp16 sums stay in range.
-            region.flat_grad.div_(self.dp_size)
+            for start, end in self._bucket_slices(region, lo, hi):
+                region.flat_grad[start:end].div_(self.dp_size)
         launch = {"reduce_scatter": self._reduce_scatter, "all_to_all": self._exchange,
                   "all_reduce": self._all_reduce}[self.collective]
-        for lo, hi in self._bucket_ranges(region):
-            region.pending.append(launch(region, lo, hi))
-        region.reduced = True
+        region.pending.append(launch(region, lo, hi))
 
     # One bucket [lo, hi) of every rank's shard, three ways; each returns the work and what
     # to do when it has arrived.
@@ -289,8 +370,12 @@ class ShardedOptimizer:
         size = region.shard_size
         pieces = [region.flat_grad[r * size + lo:r * size + hi] for r in range(self.dp_size)]
         self.stats.record("reduce_scatter", *pieces)
-        return _require(dist.reduce_scatter(region.grad_shard[lo:hi], pieces, group=self.group,
-                                            async_op=True)), None
+        received = torch.empty_like(pieces[0])  # the output must not alias an input piece
+        work = dist.reduce_scatter(received, pieces, group=self.group, async_op=True)
+
+        def finish() -> None:
+            self._shard_view(region)[lo:hi].copy_(received)
+        return _require(work), finish
 
     def _exchange(self, region: _Region, lo: int, hi: int) -> tuple[dist.Work, _Finish | None]:
         """Send rank r the bucket of its shard, receive every rank's bucket of ours, sum."""
@@ -300,12 +385,12 @@ class ShardedOptimizer:
         work = dist.all_to_all_single(received, pieces, group=self.group, async_op=True)
 
         def finish() -> None:
-            torch.sum(received, dim=0, out=region.grad_shard[lo:hi])
+            torch.sum(received, dim=0, out=self._shard_view(region)[lo:hi])
         return _require(work), finish
 
     def _all_reduce(self, region: _Region, lo: int, hi: int) -> tuple[dist.Work, _Finish | None]:
-        # Fallback: reduce the same amount of the buffer, contiguously; `wait` slices this
-        # rank's shard out of the fully reduced buffer.
+        # Fallback: reduce the same amount of the buffer, contiguously; this rank's shard of
+        # the fully reduced buffer is then in place.
         chunk = region.flat_grad[lo * self.dp_size:hi * self.dp_size]
         self.stats.record("all_reduce", chunk)
         return _require(dist.all_reduce(chunk, group=self.group, async_op=True)), None
@@ -314,8 +399,11 @@ class ShardedOptimizer:
         works = []
         for region in self._regions.values():
             size, start = region.shard_size, self.dp_rank * region.shard_size
-            region.flat_param[start:start + size].copy_(region.master.detach())
-            for lo, hi in self._bucket_ranges(region):
+            if not _aliases(region.master, region.flat_param):
+                region.flat_param[start:start + size].copy_(region.master.detach())
+            if self.dp_size == 1:
+                continue
+            for lo, hi in region.buckets:
                 outputs = [region.flat_param[r * size + lo:r * size + hi]
                            for r in range(self.dp_size)]
                 mine = outputs[self.dp_rank].clone()  # input must not alias an output
@@ -330,10 +418,16 @@ class ShardedOptimizer:
         for region in self._regions.values():
             start = self.dp_rank * region.shard_size
             end = start + region.shard_size
+            shard = self._step_grad(region)
             for param, offset in zip(region.params, region.offsets):
                 lo, hi = max(offset, start), min(offset + param.numel(), end)
                 if lo < hi and counts_in_norm(param, tp_rank):
-                    yield region.grad_shard[lo - start:hi - start]
+                    yield shard[lo - start:hi - start]
+
+
+def _aliases(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether `view` shares `base`'s memory (a view of it, not a copy)."""
+    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
 def _require(work: dist.Work | None) -> dist.Work:

@@ -135,10 +135,10 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     r holds the stages `placement` puts on it.
 
     ZeRO-1 as the engine's ShardedOptimizer runs it (pipeline/parallel/zero.py), at the
-    optimizer step: the parameters' own gradients (4), the flat gradient buffer they are
-    copied into and reduce-scattered from (4) and the rank's gradient shard (4/dp); an fp32
-    master copy of the parameter shard (4/dp) and Adam's moments on it (8/dp). So 12 + 16/dp
-    bytes per parameter against 16 without ZeRO: it saves memory only from dp = 5 on.
+    optimizer step, fp32: the parameters (4), the main-gradient buffer their gradients
+    accumulate into (4; no `.grad` copy), Adam's moments on the rank's shard (8/dp); the
+    fp32 master shard is a view of the parameters. So 8 + 8/dp bytes per parameter against 16
+    without ZeRO (Megatron's distributed-optimizer table).
     """
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
@@ -148,7 +148,7 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     workspace = np.zeros(ranks)
     np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
     if zero >= 1:
-        gradients, optimizer = GRAD_BYTES * (2 + 1 / dp), (PARAM_BYTES + ADAM_BYTES) / dp
+        gradients, optimizer = GRAD_BYTES, ADAM_BYTES / dp
     else:
         gradients, optimizer = GRAD_BYTES, ADAM_BYTES
     held = activations + (workspace if recompute else 0.0)

@@ -148,7 +148,8 @@ class PipelineEngine:
             split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
                                    if op.kind is Kind.I),
             precision=parallel.precision, loss_scale=self.training.loss_scale,
-            progress=self.progress, shares_loss=self.position.tp_rank == 0)
+            progress=self.progress, shares_loss=self.position.tp_rank == 0,
+            overlap_grad_reduce=parallel.overlap_grad_reduce)
         self._last_schedule: Schedule = self.schedule
         self._finite_flags: list[FiniteFlag] = []
         self.last_stats: StepStats | None = None
@@ -305,7 +306,8 @@ class PipelineEngine:
         self._shapes.end_step()
         self._last_schedule = schedule
         self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
-                                    self._trace.spans)
+                                    self._trace.spans,
+                                    exposed_reduction=state.exposed_reduction)
         if state.shared_loss is not None:  # STEP's vote summed it over the replicas
             loss = state.shared_loss / self.topology.dp
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torch import nn
 from pipeline.launcher.progress import ProgressRecord, StallError, explain_stall
 from pipeline.model.layer_rng import forward_key
 from pipeline.model.module import LossFn, PipelineModule, Stage
-from pipeline.parallel.data_parallel import GradReducer
+from pipeline.parallel.data_parallel import GradReducer, OverlappingReducer
 from pipeline.parallel.precision import Precision, autocast
 from pipeline.runtime.batch import Batch, Layout, as_tensors
 from pipeline.runtime.comm import Comm, PendingRecv
@@ -30,7 +30,7 @@ from pipeline.runtime.split_backward import LayerGrads, forward_capturing
 from pipeline.runtime.trace import Trace
 from schedules import Instruction, Kind
 
-__all__ = ["InstructionFailed", "Interpreter", "StepState"]
+__all__ = ["InstructionFailed", "Interpreter", "StepState", "last_backwards"]
 
 Key = tuple[int, int]  # (stage, microbatch)
 _T = TypeVar("_T")
@@ -86,6 +86,8 @@ class StepState:
     outputs: dict[int, Batch] = field(default_factory=dict)
     peak_activations: int = 0
     recv_wait: float = 0.0
+    exposed_reduction: float = 0.0
+    """Seconds spent in REDUCE_GRAD and in STEP's wait for the gradient reductions."""
     finite: list[FiniteFlag] = field(default_factory=list)
     """Whether each forward output and loss was finite, read only if the step's loss or
     gradients are not (`first_nonfinite`)."""
@@ -129,7 +131,8 @@ class Interpreter:
                  device: torch.device, split_stages: frozenset[int] = frozenset(),
                  precision: Precision = "fp32",
                  loss_scale: Callable[[], float] = lambda: 1.0,
-                 progress: ProgressRecord | None = None, shares_loss: bool = True) -> None:
+                 progress: ProgressRecord | None = None, shares_loss: bool = True,
+                 overlap_grad_reduce: bool = False) -> None:
         self.module = module
         self.pp_rank = pp_rank
         self.placement = tuple(placement)
@@ -158,8 +161,11 @@ class Interpreter:
         self.state = StepState(None, None, True)
         self.progress = progress or ProgressRecord(comm.pipeline_ranks[pp_rank])
         """What this rank does, for stall probes (the engine's record, read by its watchdog)."""
+        self.overlap = overlap_grad_reduce and isinstance(reducer, OverlappingReducer)
+        """Whether each stage's last B tells the reducer to launch buckets from its hooks."""
         self.op_start = 0.0
         self._early: tuple[Sequence[Instruction], dict[int, list[int]]] = ((), {})
+        self._last: tuple[Sequence[Instruction], dict[int, int]] = ((), {})
         self.handlers: dict[Kind, Callable[[Instruction], None]] = {
             Kind.LOAD: self.load, Kind.F: self.forward, Kind.B: self.backward,
             # an overlapped pair's B: its F ran as the instruction before, as its own call
@@ -177,6 +183,8 @@ class Interpreter:
         if self._early[0] is not stream:
             self._early = (stream, early_receives(stream))
         early = self._early[1]
+        if self.overlap and self._last[0] is not stream:
+            self._last = (stream, last_backwards(stream))
         posted: set[int] = set()  # receives already posted ahead of their place
         try:
             for step, op in enumerate(stream):
@@ -193,6 +201,8 @@ class Interpreter:
 
     def _run_one(self, step: int, op: Instruction, state: StepState) -> None:
         try:
+            if self.overlap and step in self._last[1]:
+                cast(OverlappingReducer, self.reducer).last_backward(op.stage)
             if op.kind is Kind.F:  # its layers draw dropout masks from this key
                 with forward_key(state.step, state.first_microbatch + op.microbatch,
                                  self.device):
@@ -414,14 +424,33 @@ class Interpreter:
 
     def reduce_grad(self, op: Instruction) -> None:
         self.reducer.reduce_stage(op.stage, self.stage_params[op.stage])
+        self.state.exposed_reduction += _now() - self.op_start
 
     def step(self, op: Instruction) -> None:
         self.reducer.wait()
+        self.state.exposed_reduction += _now() - self.op_start
         state = self.state  # the last stage has every loss by now: the vote carries them
         share = torch.zeros(1, dtype=torch.float64)
         if state.losses and self.shares_loss:
             share += torch.stack(state.losses).sum().double().cpu() / self.m
         state.shared_loss = share if self.optimizer_step(share) else None
+
+
+def last_backwards(stream: Sequence[Instruction]) -> dict[int, int]:
+    """Step index -> stage of each stage's last fused backward (B) before its REDUCE_GRAD.
+
+    A stage whose last backward op is a split W is left out: its W runs layer by layer, so
+    a weight shared by two layers would be accumulated after its bucket launched."""
+    last: dict[int, tuple[int, Kind]] = {}
+    found: dict[int, int] = {}
+    for k, op in enumerate(stream):
+        if op.kind in (Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W):
+            last[op.stage] = (k, op.kind)
+        elif op.kind is Kind.REDUCE_GRAD and op.stage in last:
+            index, kind = last[op.stage]
+            if kind is not Kind.I and kind is not Kind.W:
+                found[index] = op.stage
+    return found
 
 
 def _to(value: Batch, device: torch.device) -> Batch:

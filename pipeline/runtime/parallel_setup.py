@@ -28,6 +28,7 @@ from pipeline.errors import PipelineConfigError
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.config import ParallelConfig, ZeroStage
 from pipeline.parallel.data_parallel import (
+    BucketedGradReducer,
     GradReducer,
     NoOpGradReducer,
     broadcast_parameters,
@@ -42,7 +43,7 @@ from pipeline.parallel.optimizer_step import (
     ShardedGrads,
     StepOptimizer,
 )
-from pipeline.parallel.precision import DynamicLossScaler
+from pipeline.parallel.precision import DynamicLossScaler, half_dtype
 from pipeline.parallel.tied_sync import (
     TiedGradReducer,
     TiedWeightSynchronizer,
@@ -125,6 +126,8 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
                    optimizer: OptimizerFactory | torch.optim.Optimizer | None,
                    gradient_reducer: GradReducer | None = None) -> TrainingRuntime:
     """Build this rank's reducer, optimizer and STEP for a materialized `module`."""
+    if config.half_parameters:  # Megatron's Float16Module: the stages hold half parameters
+        module.to(half_dtype(config.precision))
     params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
     tp_rank = 0 if groups is None else groups.position.tp_rank
     # 1. Tied weights: a group per key over its owners' pipeline ranks (same dp, tp).
@@ -163,6 +166,8 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
             make_grad_reducer(groups.dp_group, bucket_mb=config.bucket_mb)
             if groups is not None and topology.dp > 1 else NoOpGradReducer())
         built = make_optimizer(optimizer, params)
+        if config.overlap_grad_reduce and isinstance(reducer, BucketedGradReducer):
+            _watch_stages(reducer, module, tied)
         view = ReplicatedGrads(params, None if groups is None
                                else groups.model_parallel_group, tp_rank)
     if tied is not None:
@@ -178,6 +183,16 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
         max_grad_norm=config.gradient_clipping,
         finite_group=None if groups is None else groups.world_group))
     return runtime
+
+
+def _watch_stages(reducer: BucketedGradReducer, module: PipelineModule,
+                  tied: TiedWeightSynchronizer | None) -> None:
+    """DDP's overlap: each stage's buckets launch from its last backward's gradient hooks
+    (tied weights excepted: they are reduced at STEP, after their owners' sum)."""
+    tied_ids = {id(p) for p in tied.params} if tied is not None else set()
+    for stage in module.stages:
+        reducer.watch(int(stage), [p for p in module.stage_parameters(int(stage))
+                                   if id(p) not in tied_ids])
 
 
 def _sharded_optimizer(module: PipelineModule, tied: TiedWeightSynchronizer | None,

@@ -86,6 +86,9 @@ class StepStats:
     """Seconds this rank spent blocked waiting for received data."""
     spans: Sequence[Span] = ()
     """The step's measured spans on this rank."""
+    exposed_reduction: float = 0.0
+    """Seconds in REDUCE_GRAD and in STEP's wait for the gradient reductions: reduction
+    time not hidden behind compute (bucket launches inside a backward are not counted)."""
 
     @cached_property
     def costs(self) -> OpCosts:

@@ -62,11 +62,11 @@ def test_zero1_shards_the_optimizer_state_as_the_engine_does(dp: int, params: fl
                                   recompute=False)
     assert sharded.parameters == plain.parameters == 4 * params
     assert plain.gradients == 4 * params
-    # the engine: the parameters' gradients, a flat buffer and its 1/dp reduce-scatter shard;
-    # an fp32 master shard and Adam's moments on it
-    assert sharded.gradients == pytest.approx(4 * params * (2 + 1 / dp))
+    # the engine: one fp32 main-gradient buffer; Adam's moments on the 1/dp shard (the
+    # fp32 master shard is a view of the parameters)
+    assert sharded.gradients == pytest.approx(4 * params)
     assert plain.optimizer == 8 * params
-    assert sharded.optimizer == pytest.approx(12 * params / dp)
+    assert sharded.optimizer == pytest.approx(8 * params / dp)
     assert sharded.activations == plain.activations == held
 
 

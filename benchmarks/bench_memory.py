@@ -1,0 +1,207 @@
+"""Memory benchmark: model states. Bytes per parameter at the optimizer step, exposed gradient
+reduction with and without overlap, and bf16 half parameters' loss curve against fp32.
+
+Section "states": live tensor bytes per owned parameter, counted right after a training step
+(`pipeline.parallel.model_state`), for fp32 / bf16 / fp16 × ZeRO 0 / 1 × d ∈ {1, 2, 4},
+beside Megatron-Core's distributed-optimizer formula (its docs): fp32 16 → 8 + 8/d, bf16
+18 → 6 + 12/d, fp16 20 → 4 + 16/d. Model of issue 20: 16 × Linear(512), Adam, one stage per
+rank (p = 1, dp = d). bf16 / fp16 run with autocast over fp32 parameters without ZeRO (16 B,
+leaner than Megatron's 18 / 20) and with `half_parameters` under ZeRO-1.
+
+Section "overlap": seconds per step spent in REDUCE_GRAD and in STEP's wait for the
+reductions (`StepStats.exposed_reduction`), plain dp and ZeRO-1, with and without
+`overlap_grad_reduce`, p = 1 (the whole reduction follows the last backward), same processes,
+steps in turn.
+
+Section "bf16-curve": the demo language model (pp 2 × dp 2, ZeRO-1, 1F1B, Adam) for 100
+steps in fp32 and in bf16 with half parameters, same processes, same data; the largest
+relative gap between the two loss curves.
+
+    PYTHONPATH=$PWD python benchmarks/bench_memory.py [--section states|overlap|bf16-curve]
+
+Counted bytes are exact and repeatable; times are medians on a shared CPU and noisy: compare
+only within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline import PipelineEngine, PipelineModule, launch
+from pipeline.demo.language_model import TinyLMConfig, lm_layers, lm_loss, synthetic_batch
+from pipeline.parallel.model_state import count_model_states
+
+__all__ = ["bf16_curve_section", "model_state_rows", "overlap_rows", "overlap_section",
+           "states_section"]
+
+WIDTH, LAYERS = 512, 16
+PRECISIONS = ("fp32", "bf16", "fp16")
+MEGATRON = {  # bytes per parameter with Adam: (without, with the distributed optimizer)
+    "fp32": (lambda d: 16.0, lambda d: 8 + 8 / d),
+    "bf16": (lambda d: 18.0, lambda d: 6 + 12 / d),
+    "fp16": (lambda d: 20.0, lambda d: 4 + 16 / d),
+}
+
+
+def _layers(width: int = WIDTH, layers: int = LAYERS) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(width, width) for _ in range(layers)]
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def _engine(precision: str, zero: int, *, overlap: bool = True, bucket_mb: float = 25.0,
+            num_microbatches: int = 2) -> PipelineEngine:
+    module = PipelineModule(_layers(), num_stages=1, loss_fn=F.mse_loss)
+    return PipelineEngine(module, optimizer=_adam, num_microbatches=num_microbatches,
+                          zero_stage=zero, precision=precision,
+                          half_parameters=zero == 1 and precision != "fp32",
+                          overlap_grad_reduce=overlap, bucket_mb=bucket_mb)
+
+
+# -- section: model states ------------------------------------------------------------------
+
+def _measure_states() -> list[tuple[str, int, float]]:
+    """On every rank: (precision, ZeRO stage, bytes per owned parameter) after one step."""
+    rows = []
+    for precision in PRECISIONS:
+        for zero in (0, 1):
+            engine = _engine(precision, zero)
+            torch.manual_seed(1)
+            x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+            engine.train_batch(x, y)
+            counted = count_model_states(engine.module, engine.optimizer)
+            rows.append((precision, zero, counted.per_parameter))
+            engine.stop_watchdog()
+    return rows
+
+
+def model_state_rows(ranks: tuple[int, ...] = (1, 2, 4)) -> list[str]:
+    """The markdown rows of the model-states section (one launch per d)."""
+    lines = ["| precision | ZeRO | d | ours (B/param) | Megatron (B/param) | ours / Megatron |",
+             "|---|---|---|---|---|---|"]
+    for world in ranks:
+        rows = launch(_measure_states, world, join_timeout=900)[0]
+        for precision, zero, ours in rows:
+            megatron = MEGATRON[precision][zero](world)
+            mode = "" if precision == "fp32" else (" (half params)" if zero else " (autocast)")
+            lines.append(f"| {precision}{mode} | {zero} | {world} | {ours:.2f} | "
+                         f"{megatron:.2f} | {ours / megatron:.3f} |")
+    return lines
+
+
+# -- section: exposed reduction -------------------------------------------------------------
+
+def _measure_overlap(steps: int) -> list[list[float]]:
+    """Per (ZeRO stage, overlap): [exposed, step] seconds, median over steps, mean over
+    ranks; every configuration steps in turn in the same processes."""
+    world = dist.get_world_size()
+    configs = [(zero, overlap) for zero in (0, 1) for overlap in (False, True)]
+    engines = [_engine("fp32", zero, overlap=overlap, bucket_mb=1.0, num_microbatches=4)
+               for zero, overlap in configs]
+    torch.manual_seed(2)
+    x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
+    exposed: list[list[float]] = [[] for _ in configs]
+    step: list[list[float]] = [[] for _ in configs]
+    for k in range(steps + 1):
+        for index, engine in enumerate(engines):
+            engine.train_batch(x, y)
+            stats = engine.last_stats
+            if k and stats is not None:  # the first step warms up
+                exposed[index].append(stats.exposed_reduction)
+                step[index].append(stats.step_time)
+    mine = torch.tensor([[statistics.median(exposed[i]), statistics.median(step[i])]
+                         for i in range(len(configs))], dtype=torch.float64)
+    dist.all_reduce(mine)  # the mean over ranks
+    for engine in engines:
+        engine.stop_watchdog()
+    return (mine / world).tolist()
+
+
+def overlap_rows(world: int = 2, steps: int = 10) -> list[str]:
+    """The markdown rows of the exposed-reduction section."""
+    rows = launch(_measure_overlap, world, steps, join_timeout=1800)[0]
+    lines = [f"fp32, p = 1, dp = {world}, m = 4, 1 MiB buckets, {LAYERS} × Linear({WIDTH}), "
+             f"Adam; median over {steps} steps, mean over ranks",
+             "| ZeRO | overlap_grad_reduce | exposed reduction (ms/step) | step (ms) |",
+             "|---|---|---|---|"]
+    configs = [(zero, overlap) for zero in (0, 1) for overlap in (False, True)]
+    for (zero, overlap), (exposed, step) in zip(configs, rows):
+        lines.append(f"| {zero} | {overlap} | {exposed * 1e3:.1f} | {step * 1e3:.1f} |")
+    return lines
+
+
+def states_section() -> None:
+    print("\n## Model states at the optimizer step (live bytes per owned parameter)\n")
+    print("\n".join(model_state_rows()), flush=True)
+
+
+def overlap_section() -> None:
+    print("\n## Exposed gradient reduction per step\n")
+    print("\n".join(overlap_rows()), flush=True)
+
+
+# -- section: bf16 half parameters' loss curve against fp32 ---------------------------------
+
+def _curves(steps: int) -> dict[str, list[float]]:
+    config = TinyLMConfig()
+    engines = {}
+    for name, options in (("fp32", {}), ("bf16", {"precision": "bf16",
+                                                  "half_parameters": True})):
+        module = PipelineModule(lm_layers(config), num_stages=2, loss_fn=lm_loss,
+                                base_seed=7)
+        engines[name] = PipelineEngine(module, optimizer=lambda ps: torch.optim.Adam(
+            ps, lr=3e-3), num_microbatches=4, data_parallel=2, zero_stage=1, **options)
+    curves: dict[str, list[float]] = {name: [] for name in engines}
+    for step in range(steps):
+        inputs, targets = synthetic_batch(step, 32, config)
+        for name, engine in engines.items():
+            dp_rank = engine.position.dp_rank
+            local = slice(dp_rank * 16, (dp_rank + 1) * 16)
+            curves[name].append(engine.train_batch(inputs[local], targets[local]))
+    for engine in engines.values():
+        engine.stop_watchdog()
+    return curves
+
+
+def bf16_curve_section(steps: int = 100) -> None:
+    curves = launch(_curves, 4, steps, join_timeout=1800)[0]
+    gaps = [abs(b - f) / f for f, b in zip(curves["fp32"], curves["bf16"])]
+    print(f"\n## bf16 half parameters against fp32: demo LM, pp2 × dp2, ZeRO-1, {steps} "
+          f"steps\n")
+    print("| step | fp32 loss | bf16 loss | relative gap |\n|---|---|---|---|")
+    for step in sorted({0, 9, 24, 49, 74, steps - 1}):
+        print(f"| {step + 1} | {curves['fp32'][step]:.4f} | {curves['bf16'][step]:.4f} | "
+              f"{gaps[step]:.2%} |")
+    print(f"\nlargest relative gap {max(gaps):.2%} (step {gaps.index(max(gaps)) + 1}); "
+          f"mean {statistics.mean(gaps):.2%}", flush=True)
+
+
+SECTIONS: dict[str, Callable[[], None]] = {
+    "states": states_section, "overlap": overlap_section, "bf16-curve": bf16_curve_section}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=sorted(SECTIONS), action="append",
+                        help="run only this section (repeatable); default: all")
+    for name in parser.parse_args().section or list(SECTIONS):
+        SECTIONS[name]()
+
+
+if __name__ == "__main__":
+    main()
