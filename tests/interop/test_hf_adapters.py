@@ -24,6 +24,7 @@ from pipeline.model.reference import reference_forward
 from pipeline.runtime.inference import Inference, greedy_generate
 from pipeline.runtime.loss_normalization import normalized_train_batch
 from schedules import SCHEDULES
+from tests.support.hf_equivalence import step_differences
 from tests.support.hf_models import FAMILIES, tiny_config, tiny_model, token_batch
 from tests.support.rank_harness import run_ranks
 
@@ -59,6 +60,34 @@ def test_unsupported_model_type_names_the_covered_ones() -> None:
                                      num_attention_heads=4, intermediate_size=64)
     with pytest.raises(PipelineConfigError, match=r"gpt2, llama, mistral, qwen2.*by hand"):
         layers_from_hf(config)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_mixture_of_experts_is_refused_naming_the_router_loss(family: str) -> None:
+    import transformers
+
+    config_class = {"mixtral": transformers.MixtralConfig,
+                    "qwen2_moe": transformers.Qwen2MoeConfig}[family]
+    config = config_class(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
+    with pytest.raises(PipelineConfigError, match=r"mixture-of-experts.*auxiliary"):
+        layers_from_hf(config)
+
+
+def test_final_logit_softcapping_is_applied() -> None:
+    """Gemma 2's logits are capped at 30: without the cap the tiny model's logits (scaled
+    up here past it) would differ from HF's."""
+    model = tiny_model("gemma2")
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(40.0)
+    ids, _ = token_batch(2, 8)
+    expected = model(input_ids=ids).logits
+    assert float(expected.abs().max()) < 30.0
+    hf = layers_from_hf(model)
+    module = PipelineModule(hf.layers, num_stages=1, loss_fn=hf.loss_fn)
+    module.materialize([0])
+    torch.testing.assert_close(reference_forward(torch.nn.ModuleList([module.stage(0)]), ids),
+                               expected)
 
 
 def test_checkpoint_directory_loads_only_the_requested_tensors(tmp_path: Path) -> None:
@@ -150,8 +179,25 @@ def test_every_family_and_schedule_equals_the_hf_model() -> None:
     token-weighted loss; greedy generation against HF's generate. One launch: importing
     transformers in each rank is most of the time."""
     run_ranks(_check_schedules, 2, {"gpt2": TRAINING_SCHEDULES, "llama": TRAINING_SCHEDULES,
-                                    "mistral": ["1f1b", "zb-h1"], "qwen2": ["1f1b", "zb-h1"]},
-              timeout=240)
+                                    **{family: ["zb-h1"] for family in FAMILIES[2:]}},
+              timeout=300)
+
+
+def _check_steps(rank: int, world_size: int) -> None:
+    for family in FAMILIES:
+        for tied in (True, False) if family != "gpt2" else (True,):
+            found = step_differences(family, tied=tied)
+            limits = {"loss": 1e-5, "grad": 2e-5, "param": 2e-6, "logits": 2e-5}
+            bad = {k: v for k, v in found.items() if not v <= limits[k]}
+            assert not bad, (family, tied, bad)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_every_family_trains_one_step_and_exports_as_hf() -> None:
+    """Each family, tied and untied: loss, every gradient, the weights after one SGD step
+    and the logits of the exported checkpoint reloaded by HF equal HF's own step."""
+    run_ranks(_check_steps, 2, timeout=300)
 
 
 def _check_round_trip(rank: int, world_size: int, directory: str) -> None:
