@@ -202,7 +202,7 @@ class HFBlock(nn.Module):
         attention_mask = rest[0] if rest else None
         if len(rest) == 2:  # decoding: (mask over past and new tokens, cache rows)
             cache = self._caches.setdefault(int(rest[1][0]), LayerCache())
-            mask = decoding_mask(self.mask_function, self.config, hidden, attention_mask)
+            mask = decoding_mask(self.mask_function, self.config, hidden, rest[0])
             return (self.attend(hidden, mask, positions, cache), positions, *rest)
         # Positional: the cache argument is `past_key_values` up to transformers 5.18 and
         # `cache` after; both stand fourth.
