@@ -4,6 +4,7 @@ owning rank only and export back to a HF state dict."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -82,12 +83,32 @@ def test_final_logit_softcapping_is_applied() -> None:
         model.model.embed_tokens.weight.mul_(40.0)
     ids, _ = token_batch(2, 8)
     expected = model(input_ids=ids).logits
-    assert float(expected.abs().max()) < 30.0
+    assert float(expected.detach().abs().max()) < 30.0
     hf = layers_from_hf(model)
     module = PipelineModule(hf.layers, num_stages=1, loss_fn=hf.loss_fn)
     module.materialize([0])
     torch.testing.assert_close(reference_forward(torch.nn.ModuleList([module.stage(0)]), ids),
                                expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blocks_pass_no_argument_transformers_deprecates(family: str) -> None:
+    """`past_key_values=` to HF's mask functions warns (removed in transformers 5.40): the
+    training forward and a decoding step (prompt, then one cached token) warn nothing."""
+    hf = layers_from_hf(tiny_model(family))
+    module = PipelineModule(hf.layers, num_stages=1, loss_fn=hf.loss_fn)
+    module.materialize([0])
+    stage = torch.nn.ModuleList([module.stage(0)])
+    ids, mask = token_batch(2, 8, padded=True)
+    positions = torch.arange(8).expand(2, 8)
+    rows = torch.arange(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reference_forward(stage, (ids, mask))
+        reference_forward(stage, (ids, mask, positions, rows))
+        step = reference_forward(stage, (ids[:, :1], torch.cat([mask, mask[:, :1]], 1),
+                                         positions[:, :1] + 8, rows))
+    assert step.shape[:2] == (2, 1)
 
 
 def test_checkpoint_directory_loads_only_the_requested_tensors(tmp_path: Path) -> None:
