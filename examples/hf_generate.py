@@ -47,7 +47,7 @@ def _generate(directory: str) -> list[list[int]]:
     engine = PipelineEngine(module, schedule="1f1b", num_microbatches=2)
     prompt = torch.tensor([[5, 7, 11, 13], [0, 0, 4, 6]])  # the second is 2 tokens long
     mask = (prompt != 0).long()
-    eos = 9  # any row producing token 9 stops there (padded with 0 afterwards)
+    eos = 27  # a row stops at its first 27 and is padded with 0 until every row has stopped
     tokens = greedy_generate(Inference(engine), prompt, max_new_tokens=6, attention_mask=mask,
                              eos_token_id=eos, pad_token_id=0, num_microbatches=1)
     if dist.get_rank() == 0:
