@@ -22,8 +22,9 @@ def _max_difference(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def step_differences(family: str, schedule: str = "1f1b", *, tied: bool = True,
                      learning_rate: float = 0.1) -> dict[str, float]:
-    """On every rank of the default group: the pipelined run of `family` (one SGD step over
-    4 microbatches of `schedule`) against HF's model(labels=) + backward + the same step.
+    """On every rank of the default group: the pipelined run of `family` (weights read from
+    a saved HF checkpoint, each rank only its own stages'; one SGD step over 4 microbatches
+    of `schedule`) against HF's model(labels=) + backward + the same step.
 
     Returns max absolute differences: ``loss``, ``grad`` (over every parameter),
     ``param`` (after the step, exported back to HF names) and ``logits`` (of a HF model
@@ -36,9 +37,19 @@ def step_differences(family: str, schedule: str = "1f1b", *, tied: bool = True,
     hf = layers_from_hf(tiny_config(family, tied=tied))
     module = PipelineModule(hf.layers, num_stages=dist.get_world_size(), loss_fn=hf.loss_fn,
                             partition_method="uniform")
-    load_hf_weights(module, hf, hf_model.state_dict())
-    engine = PipelineEngine(module, schedule=schedule, num_microbatches=4, timeout=60,
-                            optimizer=lambda p: torch.optim.SGD(p, lr=learning_rate))
+    with tempfile.TemporaryDirectory() as directory:
+        box = [directory]
+        dist.broadcast_object_list(box, src=0)
+        if dist.get_rank() == 0:
+            hf_model.save_pretrained(box[0] + "/source")
+        dist.barrier()
+        load_hf_weights(module, hf, box[0] + "/source")
+        engine = PipelineEngine(module, schedule=schedule, num_microbatches=4, timeout=60,
+                                optimizer=lambda p: torch.optim.SGD(p, lr=learning_rate))
+        dist.barrier()
+    held = {hf.hf_name(*key) for key, _ in module.named_layer_parameters()}
+    if not held < set(dict(hf_model.named_parameters())):
+        raise AssertionError(f"{family}: a rank read tensors of stages it does not hold")
     loss = engine.train_batch(ids, labels)
 
     expected = hf_model(input_ids=ids, labels=labels).loss
@@ -46,9 +57,8 @@ def step_differences(family: str, schedule: str = "1f1b", *, tied: bool = True,
     reference = dict(hf_model.named_parameters(remove_duplicate=False))
     grads = [_max_difference(param.grad, reference[hf.hf_name(*key)].grad)
              for key, param in module.named_layer_parameters() if param.grad is not None]
-    held = sum(1 for _ in module.named_layer_parameters())
-    if len(grads) != held:
-        raise AssertionError(f"{family}: {held - len(grads)} pipelined parameters got no grad")
+    if len(grads) != len(held):
+        raise AssertionError(f"{family}: {len(held) - len(grads)} parameters got no grad")
     grad = torch.tensor(max(grads, default=0.0))
     dist.all_reduce(grad, op=dist.ReduceOp.MAX)
     torch.optim.SGD(hf_model.parameters(), lr=learning_rate).step()
