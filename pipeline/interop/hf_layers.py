@@ -364,6 +364,10 @@ def _check_supported(config: Any) -> None:
             "(output_router_logits=True), and the pipeline carries no router logits between "
             "stages, so training would silently differ; covered dense types: "
             f"{', '.join(SUPPORTED)}")
+    if config.model_type == "gemma3":
+        raise PipelineConfigError(
+            "layers_from_hf covers Gemma 3's text model, not the image-text 'gemma3': pass "
+            "its config.text_config (model type 'gemma3_text', Gemma3ForCausalLM)")
     if config.model_type not in SUPPORTED:
         raise PipelineConfigError(
             f"layers_from_hf covers model types {', '.join(SUPPORTED)}; got "

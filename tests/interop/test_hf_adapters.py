@@ -73,6 +73,13 @@ def test_mixture_of_experts_is_refused_naming_the_router_loss(family: str) -> No
         layers_from_hf(config)
 
 
+def test_image_text_gemma3_points_to_its_text_config() -> None:
+    import transformers
+
+    with pytest.raises(PipelineConfigError, match="text_config"):
+        layers_from_hf(transformers.Gemma3Config())
+
+
 def test_final_logit_softcapping_is_applied() -> None:
     """Gemma 2's logits are capped at 30: without the cap the tiny model's logits (scaled
     up here past it) would differ from HF's."""
