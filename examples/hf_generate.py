@@ -3,8 +3,10 @@
     PYTHONPATH=. python examples/hf_generate.py
 
 Each rank builds only its own layers from the config and loads their weights from a
-checkpoint directory (written here by `save_pretrained`, as a real one would be); rank 0
-checks the tokens against HF's own `generate`.
+checkpoint directory (written here by `save_pretrained`, as a real one would be). Prompts
+of different lengths are left-padded (attention mask 0); each stage keeps its layers' KV
+cache, so after the prompt only the new token travels between ranks; a row stops at the EOS
+token and is padded after it. Rank 0 checks the tokens against HF's own `generate`.
 """
 
 from __future__ import annotations
@@ -43,11 +45,14 @@ def _generate(directory: str) -> list[list[int]]:
     module = PipelineModule(hf.layers, num_stages=dist.get_world_size(), loss_fn=hf.loss_fn)
     load_hf_weights(module, hf, directory)  # each rank reads only its own stages' tensors
     engine = PipelineEngine(module, schedule="1f1b", num_microbatches=2)
-    prompt = torch.tensor([[5, 7, 11, 13], [2, 3, 4, 6]])
-    tokens = greedy_generate(Inference(engine), prompt, max_new_tokens=6, num_microbatches=1)
+    prompt = torch.tensor([[5, 7, 11, 13], [0, 0, 4, 6]])  # the second is 2 tokens long
+    mask = (prompt != 0).long()
+    eos = 27  # a row stops at its first 27 and is padded with 0 until every row has stopped
+    tokens = greedy_generate(Inference(engine), prompt, max_new_tokens=6, attention_mask=mask,
+                             eos_token_id=eos, pad_token_id=0, num_microbatches=1)
     if dist.get_rank() == 0:
         expected = hf_model.generate(prompt, max_new_tokens=6, do_sample=False,
-                                     attention_mask=torch.ones_like(prompt), pad_token_id=0)
+                                     attention_mask=mask, eos_token_id=eos, pad_token_id=0)
         same = torch.equal(tokens, expected)
         print(f"pipelined: {tokens.tolist()}\nHF generate: {expected.tolist()}\nsame: {same}")
     return tokens.tolist()

@@ -2,14 +2,18 @@
 
 Covered families (the decoder shapes tested here): GPT-2 (``gpt2``: token + learned position
 embeddings, LayerNorm blocks, lm_head always tied to ``wte``) and the Llama shape (``llama``,
-``mistral``, ``qwen2``: token embedding, rotary positions, RMSNorm blocks, lm_head tied when
-``tie_word_embeddings``). Needs ``transformers`` (``pip install pipesched[hf]``); the core
-never imports it.
+``mistral``, ``qwen2``, ``qwen3``, ``phi3``, ``gemma2``, ``gemma3_text``: token embedding
+(scaled by sqrt(hidden) for Gemma), rotary positions (one per layer type for Gemma 3), RMSNorm
+blocks, sliding-window layers where the config says so, lm_head tied when
+``tie_word_embeddings``, logits soft-capped when ``final_logit_softcapping`` is set).
+Mixture-of-experts families are refused (see `layers_from_hf`). Needs ``transformers``
+(``pip install pipesched[hf]``, tested from 5.9 to 5.24); the core never imports it.
 
 Legend of the value between stages: ``(hidden, position_ids)`` or, when the inputs came as
-``(input_ids, attention_mask)``, ``(hidden, position_ids, attention_mask)``. Every block
-rebuilds its causal mask and (Llama) its rotary ``position_embeddings`` from those: they
-are cheap to recompute and carry no gradient, so nothing floating but ``hidden`` is sent.
+``(input_ids, attention_mask)``, ``(hidden, position_ids, attention_mask)``; while decoding
+(`pipeline.runtime.decoding`) ``(hidden, position_ids, attention_mask, cache_rows)``. Every
+block rebuilds its causal mask and its rotary ``position_embeddings`` from those: they are
+cheap to recompute and carry no gradient, so nothing floating but ``hidden`` is sent.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import PipelineConfigError
+from pipeline.interop.hf_decoding import LayerCache, cache_argument, decoding_mask
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.runtime.loss_normalization import SummedLoss, token_cross_entropy
@@ -35,9 +40,34 @@ __all__ = ["IGNORE_INDEX", "HFLayers", "causal_lm_loss", "causal_lm_targets", "l
 IGNORE_INDEX = -100
 """Label of a token that takes no part in the loss (HF's convention)."""
 
-_LLAMA_SHAPED = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
-"""model_type -> class-name prefix in ``transformers.models.<type>.modeling_<type>``."""
+
+
+@dataclass(frozen=True)
+class _Family:
+    """Where a Llama-shaped family's classes live and how it departs from Llama."""
+
+    module: str
+    """``transformers.models.<module>.modeling_<module>``."""
+    prefix: str
+    """Class-name prefix: ``<prefix>DecoderLayer``, ``<prefix>RMSNorm``, ..."""
+    scaled_embedding: bool = False
+    """Gemma: the token embedding is multiplied by sqrt(hidden_size)
+    (``<prefix>TextScaledWordEmbedding``)."""
+    rotary_per_layer_type: bool = False
+    """Gemma 3: one rotary table per layer type (local and global base frequencies)."""
+
+
+_LLAMA_SHAPED = {
+    "llama": _Family("llama", "Llama"), "mistral": _Family("mistral", "Mistral"),
+    "qwen2": _Family("qwen2", "Qwen2"), "qwen3": _Family("qwen3", "Qwen3"),
+    "phi3": _Family("phi3", "Phi3"),
+    "gemma2": _Family("gemma2", "Gemma2", scaled_embedding=True),
+    "gemma3_text": _Family("gemma3", "Gemma3", scaled_embedding=True,
+                           rotary_per_layer_type=True)}
+"""model_type -> its family's classes."""
 SUPPORTED = ("gpt2", *_LLAMA_SHAPED)
+_SLIDING_BY_CONFIG = ("mistral", "phi3")
+"""Families whose every layer slides when ``sliding_window`` is set (no ``layer_types``)."""
 
 
 @dataclass(frozen=True)
@@ -85,17 +115,37 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 # -- the layers -----------------------------------------------------------------------------
 
 def _embed(embedding: nn.Module, x: Any) -> tuple[torch.Tensor, ...]:
-    """input_ids or (input_ids, attention_mask) -> (hidden, position_ids[, mask])."""
-    ids, mask = (x, None) if isinstance(x, torch.Tensor) else (x[0], x[1] if len(x) > 1
-                                                               else None)
+    """input_ids, (input_ids, attention_mask) or the decoding input (input_ids,
+    attention_mask, position_ids[, cache_rows]) -> (hidden, position_ids[, mask[, rows]])."""
+    parts = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+    ids, mask, positions, rows = (*parts, None, None, None)[:4]
     hidden = embedding(ids)
-    positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-    return (hidden, positions) if mask is None else (hidden, positions, mask)
+    if positions is None:
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    return (hidden, positions, *(t for t in (mask, rows) if t is not None))
 
 
-def _tied_head(embedding: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def _soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma's final logit soft-capping, cap * tanh(logits / cap), as HF computes it."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _tied_head(embedding: nn.Module, hidden: torch.Tensor, *,
+               softcap: float | None = None) -> torch.Tensor:
     weight: Any = embedding.weight
-    return F.linear(hidden, weight)
+    return _soft_cap(F.linear(hidden, weight), softcap)
+
+
+class SoftCappedHead(nn.Module):
+    """An untied lm_head whose logits are soft-capped (Gemma's ``final_logit_softcapping``)."""
+
+    def __init__(self, head: nn.Module, softcap: float) -> None:
+        super().__init__()
+        self.head = head
+        self.softcap = softcap
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _soft_cap(self.head(hidden), self.softcap)
 
 
 class HFEmbedding(nn.Module):
@@ -127,25 +177,48 @@ class GPT2Positions(nn.Module):
 
 
 class HFBlock(nn.Module):
-    """One HF decoder layer on the carried tuple; rebuilds the mask (and rotary) it needs."""
+    """One HF decoder layer on the carried tuple; rebuilds the mask (and rotary) it needs.
+
+    While decoding it keeps the layer's keys and values per group of rows (one
+    `LayerCache` per microbatch, keyed by its first row), so a step forwards only the new
+    tokens; `reset_decoding_cache` drops them (`pipeline.runtime.decoding` calls it)."""
 
     def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any],
-                 rotary: nn.Module | None) -> None:
+                 rotary: nn.Module | None, rotary_layer_type: str | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.rotary = rotary
+        self.rotary_layer_type = rotary_layer_type
         self.config = config
         self.mask_function = mask_function
+        self.cache_argument = cache_argument(layer)
+        self._caches: dict[int, LayerCache] = {}
+
+    def reset_decoding_cache(self) -> None:
+        self._caches.clear()
 
     def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, positions, *rest = value
-        mask = self.mask_function(config=self.config, inputs_embeds=hidden,
-                                  attention_mask=rest[0] if rest else None,
-                                  past_key_values=None, position_ids=positions)
-        extra = {} if self.rotary is None else {
-            "position_embeddings": self.rotary(hidden, positions)}
+        attention_mask = rest[0] if rest else None
+        if len(rest) == 2:  # decoding: (mask over past and new tokens, cache rows)
+            cache = self._caches.setdefault(int(rest[1][0]), LayerCache())
+            mask = decoding_mask(self.mask_function, self.config, hidden, rest[0])
+            return (self.attend(hidden, mask, positions, cache), positions, *rest)
+        # Positional: the cache argument is `past_key_values` up to transformers 5.18 and
+        # `cache` after; both stand fourth.
+        mask = self.mask_function(self.config, hidden, attention_mask, None, positions)
+        return (self.attend(hidden, mask, positions, None), positions, *rest)
+
+    def attend(self, hidden: torch.Tensor, mask: Any, positions: torch.Tensor,
+               cache: LayerCache | None) -> torch.Tensor:
+        """The HF decoder layer (attention and MLP) on `hidden`: the one place it is called."""
+        extra: dict[str, Any] = {} if cache is None else {self.cache_argument: cache}
+        if self.rotary is not None:
+            table = (self.rotary(hidden, positions) if self.rotary_layer_type is None
+                     else self.rotary(hidden, positions, self.rotary_layer_type))
+            extra["position_embeddings"] = table
         out = self.layer(hidden, attention_mask=mask, position_ids=positions, **extra)
-        return (out[0] if isinstance(out, tuple) else out, positions, *rest)
+        return out[0] if isinstance(out, tuple) else out
 
 
 class HFFinalNorm(nn.Module):
@@ -174,7 +247,8 @@ def _mask_function(config: Any, index: int) -> Callable[..., Any]:
     masks = importlib.import_module("transformers.masking_utils")
     layer_types = getattr(config, "layer_types", None)
     sliding = (layer_types[index] == "sliding_attention") if layer_types else (
-        config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None)
+        config.model_type in _SLIDING_BY_CONFIG
+        and getattr(config, "sliding_window", None) is not None)
     return masks.create_sliding_window_causal_mask if sliding else masks.create_causal_mask
 
 
@@ -182,21 +256,37 @@ def _existing(module: nn.Module) -> Callable[[], nn.Module]:
     return lambda: module
 
 
+def _modeling(config: Any) -> Any:
+    module = "gpt2" if config.model_type == "gpt2" else _LLAMA_SHAPED[config.model_type].module
+    return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+
+
+def _make_embedding(config: Any, model: Any) -> Callable[[], nn.Module]:
+    """A factory of the token embedding (the model's own module when given)."""
+    if config.model_type == "gpt2":
+        return _existing(model.transformer.wte) if model is not None else functools.partial(
+            nn.Embedding, config.vocab_size, config.n_embd)
+    if model is not None:
+        return _existing(model.model.embed_tokens)
+    family = _LLAMA_SHAPED[config.model_type]
+    if family.scaled_embedding:
+        scaled = getattr(_modeling(config), f"{family.prefix}TextScaledWordEmbedding")
+        return functools.partial(scaled, config.vocab_size, config.hidden_size,
+                                 config.pad_token_id, embed_scale=config.hidden_size ** 0.5)
+    return functools.partial(nn.Embedding, config.vocab_size, config.hidden_size,
+                             config.pad_token_id)
+
+
 def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, str]]]:
     """The layer list and its name prefixes; from `model`'s modules when given (no copy),
     else as specs each rank builds only for its own stages."""
     n, kind = config.num_hidden_layers, config.model_type
     tied = bool(getattr(config, "tie_word_embeddings", kind == "gpt2"))
-    if kind == "gpt2":
-        modeling = importlib.import_module("transformers.models.gpt2.modeling_gpt2")
-        root, embed_name = "transformer.", "transformer.wte."
-        make_embed: Callable[[], nn.Module] = _existing(model.transformer.wte) if model \
-            else functools.partial(nn.Embedding, config.vocab_size, config.n_embd)
-    else:
-        modeling = importlib.import_module(f"transformers.models.{kind}.modeling_{kind}")
-        root, embed_name = "model.", "model.embed_tokens."
-        make_embed = _existing(model.model.embed_tokens) if model else functools.partial(
-            nn.Embedding, config.vocab_size, config.hidden_size, config.pad_token_id)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    modeling = _modeling(config)
+    root = "transformer." if kind == "gpt2" else "model."
+    embed_name = root + ("wte." if kind == "gpt2" else "embed_tokens.")
+    make_embed = _make_embedding(config, model)
     layers: list[Layer] = [TiedLayerSpec("embed_tokens", make_embed, forward_fn=_embed)
                            if tied else LayerSpec(HFEmbedding.around, make_embed)]
     names = [("module." if tied else "embedding.", embed_name)]
@@ -209,11 +299,13 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
     layers.append(LayerSpec(_final_norm, modeling, config, model))
     names.append(("norm.", f"{root}{'ln_f' if kind == 'gpt2' else 'norm'}."))
     if tied:
-        layers.append(TiedLayerSpec("embed_tokens", make_embed, forward_fn=_tied_head))
+        head = _tied_head if softcap is None else functools.partial(_tied_head,
+                                                                    softcap=softcap)
+        layers.append(TiedLayerSpec("embed_tokens", make_embed, forward_fn=head))
         names.append(("module.", embed_name))
     else:
         layers.append(LayerSpec(_lm_head, config, model))
-        names.append(("", "lm_head."))
+        names.append(("" if softcap is None else "head.", "lm_head."))
     return layers, names
 
 
@@ -228,12 +320,13 @@ def _block(modeling: Any, config: Any, index: int, model: Any) -> nn.Module:
         layer = model.transformer.h[index] if model is not None else modeling.GPT2Block(
             config, layer_idx=index)
         return HFBlock(layer, config, _mask_function(config, index), None)
-    prefix = _LLAMA_SHAPED[config.model_type]
+    family = _LLAMA_SHAPED[config.model_type]
     layer = model.model.layers[index] if model is not None else getattr(
-        modeling, f"{prefix}DecoderLayer")(config, index)
+        modeling, f"{family.prefix}DecoderLayer")(config, index)
     rotary = model.model.rotary_emb if model is not None else getattr(
-        modeling, f"{prefix}RotaryEmbedding")(config=config)
-    return HFBlock(layer, config, _mask_function(config, index), rotary)
+        modeling, f"{family.prefix}RotaryEmbedding")(config=config)
+    layer_type = config.layer_types[index] if family.rotary_per_layer_type else None
+    return HFBlock(layer, config, _mask_function(config, index), rotary, layer_type)
 
 
 def _final_norm(modeling: Any, config: Any, model: Any) -> nn.Module:
@@ -242,16 +335,54 @@ def _final_norm(modeling: Any, config: Any, model: Any) -> nn.Module:
             config.n_embd, eps=config.layer_norm_epsilon)
     else:
         norm = model.model.norm if model is not None else getattr(
-            modeling, f"{_LLAMA_SHAPED[config.model_type]}RMSNorm")(
+            modeling, f"{_LLAMA_SHAPED[config.model_type].prefix}RMSNorm")(
                 config.hidden_size, eps=config.rms_norm_eps)
     return HFFinalNorm(norm)
 
 
 def _lm_head(config: Any, model: Any) -> nn.Module:
-    if model is not None:
-        head: nn.Module = model.lm_head
-        return head
-    return nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    head: nn.Module = model.lm_head if model is not None else nn.Linear(
+        config.hidden_size, config.vocab_size, bias=False)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return head if softcap is None else SoftCappedHead(head, softcap)
+
+
+def _experts(config: Any) -> int:
+    """How many experts a mixture-of-experts config routes between (0 for a dense model)."""
+    counts = [getattr(config, name, None) for name in
+              ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")]
+    return max((c for c in counts if isinstance(c, int)), default=0)
+
+
+def _check_supported(config: Any) -> None:
+    experts = _experts(config)
+    if experts > 1:
+        raise PipelineConfigError(
+            f"layers_from_hf refuses mixture-of-experts model type {config.model_type!r} "
+            f"({experts} experts): HF adds its routers' auxiliary load-balancing loss, "
+            "computed over every layer's router logits at once, to the language-model loss "
+            "(output_router_logits=True), and the pipeline carries no router logits between "
+            "stages, so training would silently differ; covered dense types: "
+            f"{', '.join(SUPPORTED)}")
+    if config.model_type == "gemma3":
+        raise PipelineConfigError(
+            "layers_from_hf covers Gemma 3's text model, not the image-text 'gemma3': pass "
+            "its config.text_config (model type 'gemma3_text', Gemma3ForCausalLM)")
+    if config.model_type not in SUPPORTED:
+        raise PipelineConfigError(
+            f"layers_from_hf covers model types {', '.join(SUPPORTED)}; got "
+            f"{config.model_type!r}: write its layer list by hand (embedding, blocks, norm, "
+            "head) as in pipeline/interop/hf_layers.py")
+
+
+def _default_attention(config: Any) -> str:
+    """HF's own choice for a model built from `config`: sdpa unless the family refuses it
+    (Gemma 2: sdpa cannot soft-cap attention logits), then eager."""
+    if config.model_type == "gpt2":
+        return "sdpa"
+    prefix = _LLAMA_SHAPED[config.model_type].prefix
+    pretrained = getattr(_modeling(config), f"{prefix}PreTrainedModel", None)
+    return "sdpa" if getattr(pretrained, "_supports_sdpa", True) else "eager"
 
 
 def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = None
@@ -263,7 +394,8 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
     the layers are the model's own modules (every rank already holds the whole model). The
     input embedding and lm_head are one `TiedLayerSpec` key when the config ties them.
     Inputs are ``input_ids`` or ``(input_ids, attention_mask)``; targets come from
-    `causal_lm_targets`.
+    `causal_lm_targets`. Mixture-of-experts configs are refused (their router loss spans
+    all layers).
     """
     transformers = _import_transformers()
     model: Any = model_or_config if isinstance(model_or_config, nn.Module) else None
@@ -271,16 +403,11 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
     if not isinstance(config, transformers.PretrainedConfig):
         raise TypeError(f"layers_from_hf needs a transformers model or config, got "
                         f"{type(model_or_config).__name__}")
-    if config.model_type not in SUPPORTED:
-        raise PipelineConfigError(
-            f"layers_from_hf covers model types {', '.join(SUPPORTED)}; got "
-            f"{config.model_type!r}: write its layer list by hand (embedding, blocks, norm, "
-            "head) as in pipeline/interop/hf_layers.py")
+    _check_supported(config)
     if model is None:
         config = copy.deepcopy(config)
         config._attn_implementation = (attn_implementation or config._attn_implementation
-                                       or "sdpa")
+                                       or _default_attention(config))
     layers, names = _layers_for(config, model)
     return HFLayers(layers, causal_lm_loss, tuple(names), config,
                     token_cross_entropy(ignore_index=IGNORE_INDEX, shift=True))
-

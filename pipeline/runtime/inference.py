@@ -13,14 +13,14 @@ comes earlier in that order: no rank can wait on one that waits back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from pipeline.errors import PipelineConfigError
 from pipeline.runtime.engine import PipelineEngine
+from pipeline.runtime.generation import greedy_generate
 from schedules import Instruction, Kind, Schedule, lower
 
 __all__ = ["Inference", "forward_only_schedule", "greedy_generate"]
@@ -76,31 +76,25 @@ class Inference:
         outputs = engine.eval_batch(data_iter=data_iter) if data_iter is not None else \
             engine.eval_batch(inputs, targets)
         self.last_loss = engine.last_loss
-        if not broadcast:
-            return outputs
-        schedule = engine.schedule
-        source = engine.position.pipeline_ranks[schedule.placement[-1]]
-        box = [outputs]
+        return self._broadcast(engine, outputs) if broadcast else outputs
+
+    def eval_reduce(self, inputs: Any, reduce: Callable[[Any], Any], *,
+                    num_microbatches: int | None = None) -> Any:
+        """``reduce(outputs)`` of a forward of `inputs`, computed on the rank holding the last
+        stage and sent to every rank of its pipeline: e.g. the next token of each row
+        instead of the whole logits."""
+        engine = self._engine_for(num_microbatches)
+        outputs = engine.eval_batch(inputs)
+        return self._broadcast(engine, None if outputs is None else reduce(outputs))
+
+    @staticmethod
+    def _broadcast(engine: PipelineEngine, value: Any) -> Any:
+        """`value` of the rank holding the last stage, on every rank of the pipeline."""
+        source = engine.position.pipeline_ranks[engine.schedule.placement[-1]]
+        box = [value]
         group = engine.groups.pp_group if engine.groups is not None else None
         dist.broadcast_object_list(box, src=source, group=group)
         return box[0]
 
     last_loss: float | None = None
     """Mean loss of the last `eval_batch` given targets."""
-
-
-def greedy_generate(inference: Inference, input_ids: torch.Tensor, max_new_tokens: int, *,
-                    num_microbatches: int | None = None) -> torch.Tensor:
-    """Append `max_new_tokens` greedy tokens to `input_ids` (batch, seq) with a pipelined
-    causal LM whose last stage returns logits (batch, seq, vocab); every rank of the
-    pipeline gets the same tokens. Each step re-runs the whole sequence (no KV cache)."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or \
-            max_new_tokens < 0:
-        raise PipelineConfigError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    tokens = input_ids
-    for _ in range(max_new_tokens):
-        logits = inference.eval_batch(tokens, num_microbatches=num_microbatches,
-                                      broadcast=True)
-        next_token = logits[:, -1, :].argmax(dim=-1, keepdim=True)
-        tokens = torch.cat([tokens, next_token.to(tokens.dtype)], dim=1)
-    return tokens
