@@ -26,9 +26,9 @@ from schedules import (
     zb_v,
     zb_v_auto,
 )
-from schedules.cost_search import split_backward
-from schedules.zb_paper_greedy import PaperGreedyKnobs, paper_greedy_order
-from schedules.zbv_greedy import v_greedy_order
+from schedules.search.authors_greedy import PaperGreedyKnobs, paper_greedy_order
+from schedules.search.authors_v_greedy import v_greedy_order
+from schedules.search.candidates import split_backward
 from tests.support.zb_helpers import iteration_cost
 
 times = st.sampled_from([0.5, 1.0, 1.5, 2.0])
