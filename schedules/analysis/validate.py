@@ -1,4 +1,20 @@
-"""Prove a schedule complete, correctly ordered and deadlock-free, or name its first violation."""
+"""Prove a schedule complete, correctly ordered and deadlock-free, or name its first violation.
+
+The promise, exactly. A schedule is accepted if and only if:
+- every op names a stage, microbatch and peer in range, on the rank that owns the stage;
+- every (stage, microbatch) has exactly one F and, in a training schedule, either exactly one
+  B (or OVERLAP_B, right after an F of another microbatch) or exactly one I and one W;
+- compute-only: the streams run to the end under their data dependencies (no deadlock);
+- lowered: run with blocking (rendezvous) send/recv, every rank's compute ops come in a
+  dependency-respecting order (F(s,i) after F(s-1,i) has run and arrived, I/B(s,i) after
+  F(s,i) and after the gradient from s+1 has run and arrived, W(s,i) after I(s,i); the
+  first stage's forwards, and the last's in training, after LOAD), every send pairs with
+  one matching recv in the same order on its peer, no rank is left blocked; and the
+  optimizer part is either absent on every rank (`lower` without `add_optimizer_step`) or
+  complete on every rank: exactly one REDUCE_GRAD per (rank, stage), after that stage's
+  last gradient op, and exactly one STEP per rank, its last instruction, after them.
+  A forward-only schedule has neither.
+"""
 
 from __future__ import annotations
 
@@ -210,6 +226,21 @@ class _Rendezvous:
                               for r in blocked[:8])
             raise _fail(self.schedule, blocked[0], self.positions[blocked[0]],
                         f"deadlock under blocking send/recv: {chain}")
+        self._check_optimizer_on_every_rank()
+
+    def _check_optimizer_on_every_rank(self) -> None:
+        """REDUCE_GRAD and STEP on no rank (not added yet) or on every rank, every stage."""
+        streams = self.schedule.streams
+        stepped = [r for r, stream in enumerate(streams)
+                   if any(op.kind is Kind.STEP for op in stream)]
+        if not stepped and not self.reduced:
+            return
+        for rank, stream in enumerate(streams):
+            if rank not in stepped:
+                raise _fail(self.schedule, rank, len(stream) - 1,
+                            f"rank {rank} has no STEP while rank {stepped[0] if stepped else 0} "
+                            "reduces or steps: it would never update its weights; end every "
+                            "rank with STEP (add_optimizer_step)")
 
     def _advance(self, rank: int) -> int | None:
         """Run `rank` until it blocks; return a partner rank released by a rendezvous."""
@@ -282,6 +313,9 @@ class _Rendezvous:
             if missing:
                 raise _fail(self.schedule, rank, step, f"REDUCE_GRAD of stage {s} before the "
                             f"weight gradients of microbatches {missing[:8]} are complete")
+            if s in self.reduced:
+                raise _fail(self.schedule, rank, step, f"REDUCE_GRAD of stage {s} appears "
+                            "twice; reduce each stage's gradients once")
             self.reduced.add(s)
         elif kind is Kind.STEP:
             if step != len(self.schedule.streams[rank]) - 1:

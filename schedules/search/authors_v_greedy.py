@@ -201,14 +201,18 @@ class _Attempt:
                 idle_turns = idle_turns + 1 if sum(map(sum, self.count_f)) == before else 0
                 if idle_turns > 1:
                     raise _Infeasible  # neither side can add a forward: the fill is stuck
-        # Step 3: steady rounds, one backward then one forward per rank.
-        for _ in range(2 * m):
+        # Step 3: steady rounds, one backward then one forward per rank: 2m rounds when
+        # every input is there in time; an op whose input is not put yet waits a round.
+        placed = -1
+        while placed != (placed := sum(map(len, self.streams))):
             self._backward_round()
             self._forward_round()
         # Step 4: the rest of the W's.
         for r in range(p):
             while self.pending_w[r]:
                 self.put(r, _W, 0)
+        if any(len(stream) != 6 * m for stream in self.streams):
+            raise _Infeasible  # the rounds left some op unplaced
 
     def _backward_round(self) -> None:
         p, m = self.p, self.m
@@ -223,8 +227,10 @@ class _Attempt:
             else:
                 up_first.append(r)
         for r, side in [(r, 1) for r in reversed(down)] + [(r, 0) for r in up_first]:
-            if self.count_i[r][side] >= m:
-                continue
+            i = self.count_i[r][side]
+            if i >= m or self.backward_input(r, side) == _UNKNOWN or \
+                    (self.stage(r, 1 - side), i) not in self.f_end:
+                continue  # its inputs are not put yet: a later round puts this backward
             allowed = side == 1 or self.knobs.fill_before_backward
             self.fill(r, self.backward_input(r, side), allowed)
             self.put(r, _I, side)
@@ -242,8 +248,9 @@ class _Attempt:
                 side = 1
             elif down_done < m and (r == 0 or self.f_end.get((r - 1, down_done), _UNKNOWN) >= 0):
                 side = 0
-            if side is None or (side == 0 and down_done >= m):
-                continue
+            if side is None or (side == 0 and down_done >= m) or \
+                    self.forward_input(r, side) == _UNKNOWN:
+                continue  # its input is not put yet: a later round puts this forward
             while self.memory[r] + 1 > self.limit:
                 self.put(r, _W, 0)
             self.fill(r, self.forward_input(r, side), self.knobs.fill_before_forward)
