@@ -14,10 +14,24 @@ after scaling the costs to a common denominator):
     per stage, F, I and W each run in microbatch order (as every schedule here does),
     per rank, no two ops overlap, and at most K intervals [start F, end W) overlap,
     minimise the makespan. Started from the best heuristic's order as a hint.
+
+Exactness. Costs are read as the decimals they print as (0.9996 is 2499/2500) and scaled
+to integers without loss when the common denominator is small enough (`_EXACT_SCALE`);
+then `proven` means optimal for the given costs. Otherwise they are rounded to a time unit
+of at most 1/10000: the solver's proof holds for the rounded costs only
+(`optimal_for_rounded_costs`), `proven` stays False and `bound` is the rounded bound minus
+the most rounding any chain of ops can accumulate, a bound for the true costs.
+Memory on one axis of 3 ticks per time unit, so a stream order can realise it: a hold of
+a stage with F + I + W > 0 is [3·start F + 2, 3·end W + 1) (freed at an instant before
+anything is taken at it), one of a zero-cost stage [3·start F + 1, 3·end W + 2), which
+counts even when it lasts no time; ties in the order are broken the same way (frees,
+then zero-cost holds, then the rest). The latter is conservative (two zero-cost holds at
+one instant count twice), so with zero-cost stages `bound` is only the simple work bound.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -36,6 +50,7 @@ __all__ = ["MAX_MICROBATCHES", "MAX_RANKS", "OptimalPlan", "solve_zb_optimal", "
 
 MAX_RANKS = 8
 MAX_MICROBATCHES = 16
+_EXACT_SCALE = 10**6  # largest common denominator solved without rounding
 _KINDS = (Kind.F, Kind.I, Kind.W)
 
 
@@ -51,6 +66,10 @@ class OptimalPlan:
     """True when the solver closed the gap: `makespan` is the optimum."""
     heuristic: str
     """The heuristic schedule the solver started from."""
+    optimal_for_rounded_costs: bool = False
+    """True when the costs had to be rounded (see the module) and the solver proved the
+    order optimal for the rounded costs; `proven` is then False and `bound` is for the
+    true costs."""
 
     @property
     def gap(self) -> float:
@@ -152,15 +171,24 @@ def _renamed(schedule: Schedule) -> Schedule:
                     schedule.streams)
 
 
-def _scale(values: list[float]) -> int:
-    """Smallest integer that makes every value (as a fraction of denominator <= 1000) whole."""
+def _scale(values: list[float]) -> tuple[int, list[Fraction]]:
+    """The time unit 1/scale and each value in it: exact (each value as the decimal it
+    prints as) when the common denominator is at most `_EXACT_SCALE`, else each value
+    rounded to a fraction of denominator <= 1000."""
+    exact = [Fraction(repr(float(x))) for x in values]
     scale = 1
-    for x in values:
-        scale = math.lcm(scale, Fraction(x).limit_denominator(1000).denominator)
+    for x in exact:
+        scale = math.lcm(scale, x.denominator)
+    if scale <= _EXACT_SCALE:
+        return scale, exact
+    rounded = [Fraction(x).limit_denominator(1000) for x in values]
+    scale = 1
+    for x in rounded:
+        scale = math.lcm(scale, x.denominator)
     if scale > 10_000:
         raise ScheduleConfigError(f"costs {sorted(set(values))[:6]} need a time unit of "
                                   f"1/{scale}; round them to multiples of 0.01")
-    return scale
+    return scale, rounded
 
 
 class _Model:
@@ -170,20 +198,25 @@ class _Model:
         self.costs = costs
         self.num_stages = len(placement)
         forward, backward, weight, delay, _ = costs.resolve(self.num_stages)
-        self.scale = _scale(forward + backward + weight + delay)
-
-        def whole(values: list[float]) -> list[int]:
-            return [round(Fraction(x).limit_denominator(1000) * self.scale) for x in values]
-
-        self.duration = {Kind.F: whole(forward), Kind.I: whole(backward),
-                         Kind.W: whole(weight)}
-        self.delay = whole(delay)
+        values = forward + backward + weight + delay
+        self.scale, fractions = _scale(values)
+        whole = [round(x * self.scale) for x in fractions]
+        S = self.num_stages
+        self.duration = {Kind.F: whole[:S], Kind.I: whole[S:2 * S], Kind.W: whole[2 * S:3 * S]}
+        self.delay = whole[3 * S:]
+        errors = [abs(float(x) - y) for x, y in zip(fractions, values)]
+        self.exact = all(x == Fraction(repr(float(y))) for x, y in zip(fractions, values))
+        # The most rounding a chain of ops (each op and each delay at most once per op)
+        # can gather: 3Sm ops, each followed by at most one delay.
+        self.slack = 0.0 if self.exact else 3 * S * m * (max(errors[:3 * S]) + max(
+            errors[3 * S:], default=0.0))
+        self.zero_cost = [sum(self.duration[k][s] for k in _KINDS) == 0 for s in range(S)]
 
     def solve(self, hint: Schedule, hint_name: str, hint_makespan: float,
               time_limit: float) -> OptimalPlan:
         cp, S, m, placement = self.cp_model, self.num_stages, self.m, self.placement
         model = cp.CpModel()
-        horizon = math.ceil(hint_makespan * self.scale) + 1
+        horizon = math.ceil((hint_makespan + self.slack) * self.scale) + 1
         start: dict[tuple[Kind, int, int], Any] = {}
         end: dict[tuple[Kind, int, int], Any] = {}
         by_rank: list[list[Any]] = [[] for _ in range(1 + max(placement))]
@@ -209,10 +242,12 @@ class _Model:
         held: list[list[Any]] = [[] for _ in by_rank]
         sizes: dict[tuple[int, int], Any] = {}
         for s in range(S):
+            taken, freed = (1, 2) if self.zero_cost[s] else (2, 1)  # ticks into the unit
             for i in range(m):
-                size = sizes[s, i] = model.NewIntVar(0, horizon, f"held{s}_{i}")
+                size = sizes[s, i] = model.NewIntVar(0, 3 * horizon + 2, f"held{s}_{i}")
                 held[placement[s]].append(model.NewIntervalVar(
-                    start[Kind.F, s, i], size, end[Kind.W, s, i], f"held_{s}_{i}"))
+                    3 * start[Kind.F, s, i] + taken, size, 3 * end[Kind.W, s, i] + freed,
+                    f"held_{s}_{i}"))
         for rank_ops, rank_held in zip(by_rank, held):
             model.AddNoOverlap(rank_ops)
             model.AddCumulative(rank_held, [1] * len(rank_held), self.limit)
@@ -245,17 +280,32 @@ class _Model:
         # p = 4, m = 8) before any search; the bound comes from the search instead.
         solver.parameters.cp_model_probing_level = 0
         status = solver.Solve(model)
-        bound = max(solver.BestObjectiveBound() / self.scale, self.simple_bound)
+        simple = self.simple_bound - self.slack
+        # The solver's bound is one for the true costs only when the model is exact: no
+        # rounding (else less the slack) and no conservative zero-cost holds.
+        solved = -math.inf if any(self.zero_cost) else \
+            solver.BestObjectiveBound() / self.scale - self.slack
+        bound = max(solved, simple)
         if status not in (cp.OPTIMAL, cp.FEASIBLE):
             return OptimalPlan(_renamed(hint), hint_makespan,
                                min(bound, hint_makespan), False, hint_name)
         schedule = self._order(solver, start, end)
-        found = figures(simulate(schedule, self.costs)).makespan
-        if found > hint_makespan:  # re-simulated, the solver's order can only be faster
-            schedule, found = _renamed(hint), hint_makespan
-        proven = status == cp.OPTIMAL
-        return OptimalPlan(schedule, found, found if proven else min(bound, found), proven,
-                           hint_name)
+        found = figures(simulate(schedule, self.costs))
+        if found.makespan > hint_makespan or max(found.peak_activations) > self.limit:
+            # re-simulated, the solver's order can only be faster and within the limit;
+            # keep the heuristic if rounding or a tie says otherwise
+            schedule, makespan = _renamed(hint), hint_makespan
+        else:
+            makespan = found.makespan
+        # A proof covers the order returned only if that order, re-simulated, takes the
+        # solver's optimum: a model that misses a delay or a dependency fails this.
+        optimal = status == cp.OPTIMAL
+        proven = (optimal and self.exact and not any(self.zero_cost) and math.isclose(
+            makespan, solver.ObjectiveValue() / self.scale, rel_tol=1e-9, abs_tol=1e-9)) or \
+            makespan <= max(simple, 0.0) + 1e-12
+        return OptimalPlan(schedule, makespan, makespan if proven else min(bound, makespan),
+                           proven, hint_name,
+                           optimal_for_rounded_costs=optimal and not self.exact)
 
     def _hint(self, model: Any, hint: Schedule, start: dict[tuple[Kind, int, int], Any],
               end: dict[tuple[Kind, int, int], Any], sizes: dict[tuple[int, int], Any],
@@ -270,22 +320,55 @@ class _Model:
             model.AddHint(var, at[key])
             model.AddHint(end[key], at[key] + self.duration[key[0]][key[1]])
         for (s, i), var in sizes.items():
-            model.AddHint(var, at[Kind.W, s, i] + self.duration[Kind.W][s] - at[Kind.F, s, i])
+            held = at[Kind.W, s, i] + self.duration[Kind.W][s] - at[Kind.F, s, i]
+            model.AddHint(var, 3 * held + (1 if self.zero_cost[s] else -1))
         model.AddHint(makespan, max(at[Kind.W, s, i] + self.duration[Kind.W][s]
                                     for s, i in sizes))
 
     def _order(self, solver: Any, start: dict[tuple[Kind, int, int], Any],
                end: dict[tuple[Kind, int, int], Any]) -> Schedule:
-        # Each rank's ops by start time; equal starts (zero-length ops) in dependency
-        # order: F down the stages, then I up the stages, then W.
-        rows: list[list[tuple[int, int, int, int, int, Instruction]]] = [
-            [] for _ in range(1 + max(self.placement))]
-        rank_of = {Kind.F: 0, Kind.I: 1, Kind.W: 2}
-        for (kind, s, i), var in start.items():
-            tie = s if kind is not Kind.I else -s
-            rows[self.placement[s]].append((solver.Value(var), solver.Value(end[kind, s, i]),
-                                            rank_of[kind], tie, i,
-                                            Instruction(kind, s, i, NONE)))
-        streams = tuple(tuple(row[-1] for row in sorted(rank_rows, key=lambda r: r[:5]))
-                        for rank_rows in rows)
-        return Schedule("zb-optimal", self.m, self.placement, streams)
+        """Every op by start time, in one global order the rank streams inherit; ops that
+        start together in dependency order, preferring W (frees), then I, then the F of a
+        zero-cost stage, then any other F (takes memory), then ops that last."""
+        S, m = self.num_stages, self.m
+        at = {key: solver.Value(var) for key, var in start.items()}
+        ends = {key: solver.Value(var) for key, var in end.items()}
+
+        def needs(key: tuple[Kind, int, int]) -> list[tuple[Kind, int, int]]:
+            kind, s, i = key
+            found = [(kind, s, i - 1)] if i else []
+            if kind is Kind.F and s:
+                found.append((Kind.F, s - 1, i))
+            elif kind is Kind.I:
+                found.append((Kind.F, s, i))
+                if s + 1 < S:
+                    found.append((Kind.I, s + 1, i))
+            elif kind is Kind.W:
+                found.append((Kind.I, s, i))
+            return found
+
+        def priority(key: tuple[Kind, int, int]) -> tuple[int, int, int, int]:
+            kind, s, i = key
+            rank = {Kind.W: 0, Kind.I: 1}.get(kind, 2 if self.zero_cost[s] else 3)
+            return (int(ends[key] > at[key]), rank, s if kind is not Kind.I else -s, i)
+
+        groups: dict[int, list[tuple[Kind, int, int]]] = {}
+        for key, value in at.items():
+            groups.setdefault(value, []).append(key)
+        streams: list[list[Instruction]] = [[] for _ in range(1 + max(self.placement))]
+        for time in sorted(groups):
+            group = set(groups[time])
+            waiting = {key: sum(dep in group for dep in needs(key)) for key in group}
+            heap = [(priority(key), key) for key, count in waiting.items() if count == 0]
+            heapq.heapify(heap)
+            while heap:
+                _, key = heapq.heappop(heap)
+                kind, s, i = key
+                streams[self.placement[s]].append(Instruction(kind, s, i, NONE))
+                for other in group:
+                    if key in needs(other):
+                        waiting[other] -= 1
+                        if waiting[other] == 0:
+                            heapq.heappush(heap, (priority(other), other))
+        assert sum(map(len, streams)) == 3 * S * m, "a tie group had a cycle"
+        return Schedule("zb-optimal", m, self.placement, tuple(map(tuple, streams)))
