@@ -14,7 +14,10 @@ The whole is repeated with each rank's bubble as its new allowance while the lar
 bubble shrinks, for each of the 4 settings of "fill waits before I / before F". Memory
 counts chunk activations: +1 at F, -1 at W (the paper's f_mem, w_mem; I frees none).
 Written from the paper and its public scheduler; used by `zb_v_auto` as one candidate
-family and by the benchmark as the reference to beat.
+family and by the benchmark as the reference to beat. Two departures: where the public
+scheduler stops on an assertion (a steady-round op whose input is not put yet), this one
+lets the op wait for a later round; and it returns None, not an error, when the rounds
+cannot be laid out under the memory limit (e.g. a limit of p on uneven costs).
 """
 
 from __future__ import annotations
@@ -184,7 +187,7 @@ class _Attempt:
                 target = self.f_end[(self.stage(r + 1, 1), 0)] + self.delay[self.stage(r, 1) - 1]
                 while (self.memory[r] + 2 + 2 * r <= self.limit
                        and self.clock[r] + self.forward[r] <= target
-                       and self.count_f[r][0] < m):
+                       and self.count_f[r][0] < m - r):
                     for j in range(r + 1):
                         self.put(j, _F, 0)
             self.put(r, _F, 1)
