@@ -15,9 +15,10 @@ bubble shrinks, for each of the 4 settings of "fill waits before I / before F". 
 counts chunk activations: +1 at F, -1 at W (the paper's f_mem, w_mem; I frees none).
 Written from the paper and its public scheduler; used by `zb_v_auto` as one candidate
 family and by the benchmark as the reference to beat. Two departures: where the public
-scheduler stops on an assertion (a steady-round op whose input is not put yet), this one
-lets the op wait for a later round; and it returns None, not an error, when the rounds
-cannot be laid out under the memory limit (e.g. a limit of p on uneven costs).
+scheduler stops on an assertion (a fill or steady-round op whose input is not put yet, or
+a fill forward without memory), this one lets the op wait for a later round; and it
+returns None, not an error, when the rounds still cannot be laid out under the memory
+limit (e.g. a limit of p on uneven costs).
 """
 
 from __future__ import annotations
@@ -198,7 +199,10 @@ class _Attempt:
                    or self.count_f[r][1] <= self.count_f[r - 1][1] < m):
                 before = sum(map(sum, self.count_f))
                 for j in range(p - 1, r - 1, -1):
-                    if self.count_f[j][side] < m:
+                    # (the public scheduler asserts here; uneven costs can leave a rank
+                    # without the input or the memory: it waits for the steady rounds)
+                    if self.count_f[j][side] < m and self.memory[j] < self.limit and \
+                            self.forward_input(j, side) != _UNKNOWN:
                         self.put(j, _F, side)
                 side = 1 - side
                 idle_turns = idle_turns + 1 if sum(map(sum, self.count_f)) == before else 0

@@ -66,6 +66,10 @@ class OptimalPlan:
     """True when the solver closed the gap: `makespan` is the optimum."""
     heuristic: str
     """The heuristic schedule the solver started from."""
+    kept_heuristic: str | None = None
+    """Why the heuristic's order was returned instead of the solver's: "no solution" in
+    the time limit, "slower" once re-simulated, or "over the memory limit" (a tie the
+    stream order could not realise); None when the order is the solver's."""
     optimal_for_rounded_costs: bool = False
     """True when the costs had to be rounded (see the module) and the solver proved the
     order optimal for the rounded costs; `proven` is then False and `bound` is for the
@@ -288,12 +292,15 @@ class _Model:
         bound = max(solved, simple)
         if status not in (cp.OPTIMAL, cp.FEASIBLE):
             return OptimalPlan(_renamed(hint), hint_makespan,
-                               min(bound, hint_makespan), False, hint_name)
+                               min(bound, hint_makespan), False, hint_name,
+                               kept_heuristic="no solution")
         schedule = self._order(solver, start, end)
         found = figures(simulate(schedule, self.costs))
-        if found.makespan > hint_makespan or max(found.peak_activations) > self.limit:
-            # re-simulated, the solver's order can only be faster and within the limit;
-            # keep the heuristic if rounding or a tie says otherwise
+        # Re-simulated, the solver's order can only be faster and within the limit; keep
+        # the heuristic if rounding or a tie says otherwise.
+        kept = "over the memory limit" if max(found.peak_activations) > self.limit else \
+            "slower" if found.makespan > hint_makespan else None
+        if kept:
             schedule, makespan = _renamed(hint), hint_makespan
         else:
             makespan = found.makespan
@@ -304,7 +311,7 @@ class _Model:
             makespan, solver.ObjectiveValue() / self.scale, rel_tol=1e-9, abs_tol=1e-9)) or \
             makespan <= max(simple, 0.0) + 1e-12
         return OptimalPlan(schedule, makespan, makespan if proven else min(bound, makespan),
-                           proven, hint_name,
+                           proven, hint_name, kept_heuristic=kept,
                            optimal_for_rounded_costs=optimal and not self.exact)
 
     def _hint(self, model: Any, hint: Schedule, start: dict[tuple[Kind, int, int], Any],
