@@ -17,7 +17,8 @@ from pipeline.planner.memory import (
     MemoryBreakdown,
     peak_rank_memory,
 )
-from pipeline.planner.profile import ModelProfile, ring_allreduce_seconds
+from pipeline.planner.pricing import allreduce_seconds, layer_times
+from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable
 from schedules import (
     KINDS,
@@ -32,6 +33,9 @@ from schedules import (
 __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_limit",
            "schedule_placement"]
 
+BUCKET_PARAMETERS = 40_000_000
+"""Gradients a data-parallel bucket holds: Megatron's default (`--ddp-bucket-size`, 40M
+elements); the engine's hooks launch one bucket's reduction as soon as it is full."""
 # Adam reads parameter, gradient and both moments and writes parameter and moments: 7 fp32
 # values of memory traffic per parameter (a memory-bound update).
 _ADAM_TRAFFIC = 7 * 4.0
@@ -91,8 +95,9 @@ class Prediction:
     """The rank holding the most."""
     memory_rank: int
     breakdown: dict[str, float]
-    """Seconds of the busiest pipeline rank's step by cause: compute, recomputation,
-    tp_comm, bubble (idle, P2P waits included), dp_comm (exposed), optimizer."""
+    """Seconds of the step by cause on the pipeline rank that finishes last: compute,
+    recomputation, tp_comm, bubble (idle, P2P waits included), dp_comm (exposed),
+    optimizer. They sum to `step_seconds`."""
     boundaries: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,7 +127,8 @@ class PlanContext:
         if key not in self._tables:
             costs = []
             for layer in self.model.layers:
-                forward, backward = layer.times(self.cluster, self.precision, 1, config.tp)
+                forward, backward = layer_times(layer, self.cluster, self.precision, 1,
+                                                config.tp)
                 costs.append(LayerCost(layer.name, forward=forward, backward=backward + (
                     forward if config.recompute else 0.0)))
             cuts = partition_graph(chain_graph(costs), key[0]).boundaries
@@ -201,9 +207,8 @@ class PlanContext:
         if not config.zero_stage:
             return step, np.zeros(config.pp)
         # ZeRO-1: reduce-scatter before the step (overlapped), all-gather after it (exposed)
-        bandwidth, latency = self.cluster.link(config.tp * config.dp)
-        gather = np.array([ring_allreduce_seconds(x * PARAM_BYTES, config.dp, bandwidth,
-                                                  latency) / 2 for x in params])
+        gather = np.array([allreduce_seconds(x * PARAM_BYTES, config.dp, config.tp,
+                                             self.cluster) / 2 for x in params])
         return step, gather
 
     def lower_bound(self, config: PlanConfig) -> float:
@@ -236,51 +241,68 @@ class PlanContext:
             split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
         costs = table.costs(config.microbatch_size, split)
         p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
+        # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
+        # over NVLink (Narayanan et al. 2021, section 4.1)
+        boundary = costs.boundary_bytes / config.tp
         model = CostModel(forward=costs.forward.tolist(), backward=costs.input_grad.tolist(),
                           weight=costs.weight_grad.tolist(), comm=p2p_latency,
-                          activation_bytes=costs.boundary_bytes.tolist(),
-                          bandwidth=p2p_bandwidth)
+                          activation_bytes=boundary.tolist(), bandwidth=p2p_bandwidth)
         schedule = self.schedule(config, model)
         if schedule is None:
             return None
         timeline = simulate(schedule, model)
         placement = np.asarray(_placement(config))
         step, gather = self._update_seconds(config)
-        dp_bandwidth, dp_latency = self.cluster.link(config.tp * config.dp)
         rank_end = np.zeros(config.pp)
         np.maximum.at(rank_end, timeline.rank, timeline.end)
         backward = np.isin(timeline.kind, _BACKWARD_KINDS)
         stage_done = np.zeros(len(placement))
         np.maximum.at(stage_done, timeline.stage[backward], timeline.end[backward])
-        finish = np.empty(config.pp)
-        for rank in range(config.pp):
-            reduce_end = 0.0
-            for s in sorted(np.flatnonzero(placement == rank), key=lambda s: stage_done[s]):
-                seconds = ring_allreduce_seconds(table.params[s] * GRAD_BYTES, config.dp,
-                                                 dp_bandwidth, dp_latency)
-                # ZeRO-1 reduce-scatters: half an all-reduce's traffic
-                reduce_end = max(reduce_end, stage_done[s]) + (
-                    seconds / 2 if config.zero_stage else seconds)
-            finish[rank] = max(rank_end[rank], reduce_end) + step[rank] + gather[rank]
+        last_start = np.zeros(len(placement))
+        np.maximum.at(last_start, timeline.stage[backward], timeline.start[backward])
+        reduce_end = np.array([self._reduction_end(config, table.params, placement == rank,
+                                                   last_start, stage_done)
+                               for rank in range(config.pp)])
+        finish = np.maximum(rank_end, reduce_end) + step + gather
         total = float(finish.max())
+        # the breakdown of the rank that finishes last: its parts sum to the step
+        last = int(np.argmax(finish))
+        mine = placement == last
         m = config.num_microbatches
-        busy_by_rank = m * np.bincount(placement, weights=costs.total, minlength=config.pp)
-        busiest = int(np.argmax(busy_by_rank))
-        mine = placement == busiest
+        busy = m * float(costs.total[mine].sum())
         tp_comm = m * float(costs.tp_comm[mine].sum())
         recompute = m * float(costs.recompute[mine].sum())
-        busy = float(busy_by_rank[busiest])
-        makespan = float(rank_end.max())
-        exposed = max(0.0, total - makespan - float(step[busiest] + gather[busiest]))
         breakdown = {"compute": busy - tp_comm - recompute, "recomputation": recompute,
-                     "tp_comm": tp_comm, "bubble": max(0.0, makespan - busy),
-                     "dp_comm": exposed + float(gather[busiest]),
-                     "optimizer": float(step[busiest])}
+                     "tp_comm": tp_comm, "bubble": float(rank_end[last]) - busy,
+                     "dp_comm": float(max(rank_end[last], reduce_end[last]) - rank_end[last]
+                                      + gather[last]),
+                     "optimizer": float(step[last])}
         tokens = self.global_batch * self.model.seq
         devices = config.pp * config.tp * config.dp
         model_flops = 3 * self.model.flops_per_sample * self.global_batch
         return Prediction(config, total, tokens / total, model_flops / total / devices,
                           memory[0], memory[1], breakdown, table.boundaries)
+
+    def _reduction_end(self, config: PlanConfig, params: np.ndarray, stages: np.ndarray,
+                       last_start: np.ndarray, stage_done: np.ndarray) -> float:
+        """When a rank's data-parallel gradient reduction ends. The engine launches a
+        bucket's reduction from the gradient hooks as soon as the last microbatch's backward
+        has filled it (Megatron's overlap_grad_reduce), one bucket after another on one
+        stream: of a stage's k buckets, ready evenly through its last backward [start, end],
+        each taking R/k, the last ends at max(start + L/k + R, end + R/k), L = end - start;
+        only what cannot hide behind that backward is exposed. ZeRO-1 reduce-scatters: half
+        an all-reduce's traffic."""
+        end = 0.0
+        for s in sorted(np.flatnonzero(stages), key=lambda s: stage_done[s]):
+            seconds = allreduce_seconds(params[s] * GRAD_BYTES, config.dp, config.tp,
+                                        self.cluster)
+            if config.zero_stage:
+                seconds /= 2
+            buckets = max(1, -(-int(params[s]) // BUCKET_PARAMETERS))
+            window = stage_done[s] - last_start[s]
+            end = max(end + seconds, last_start[s] + window / buckets + seconds,
+                      stage_done[s] + seconds / buckets)
+        return end
 
 
 def is_cost_aware(name: str) -> bool:
