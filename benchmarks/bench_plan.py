@@ -18,6 +18,7 @@ transformer's per-layer costs on 4 and 8 ranks whose layers wait their planned F
     python benchmarks/bench_plan.py                    # every part
     python benchmarks/bench_plan.py --part search      # the 64-device search time only
     python benchmarks/bench_plan.py --part emulated --devices 4
+    python benchmarks/bench_plan.py --part published   # Megatron-LM's Table 1 (bench_published.py)
 """
 
 from __future__ import annotations
@@ -213,7 +214,8 @@ def _met(ok: bool) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("search", "local", "emulated", "all"), default="all")
+    parser.add_argument("--part", choices=("search", "local", "emulated", "published", "all"),
+                        default="all")
     parser.add_argument("--devices", type=int, nargs="+", default=[4, 8], choices=(2, 4, 8),
                         help="emulated device counts (--part emulated)")
     parser.add_argument("--rounds", type=int, default=8,
@@ -225,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"search, {SEARCH_SHAPE} on 8 × 8 a100-80g, global batch 512: {what}; "
               f"{wall:.2f} s wall, {cpu:.2f} s CPU (load average {load:.1f} on "
               f"{os.cpu_count()} cores) -> {_met(wall < 10)} (target < 10 s wall)")
+    if args.part in ("published", "all"):
+        from bench_published import published_part
+
+        print("\n".join(published_part()))
     if args.part in ("local", "all"):
         print("\n".join(local_part(args.rounds)))
     if args.part in ("emulated", "all"):

@@ -152,13 +152,13 @@ def _non_negative(value: object) -> bool:
 # - A800 80GB SXM: NVIDIA A800 Tensor Core GPU datasheet (2022): the A100's chip (312 TFLOPS,
 #   2,039 GB/s) with NVLink cut to 400 GB/s (200 one way); 8 × 200 Gb/s NICs assumed as DGX A100.
 # Efficiencies, calibrated once against Narayanan et al. 2021 (Megatron-LM, SC'21, Table 1;
-# benchmarks/bench_plan.py --part published): a full 256 × 128 GEMM tile reaches 0.84 of an
-# SM's peak (large cuBLAS GEMMs run at ~260 of 312 TFLOPS on A100), element-wise kernels
+# benchmarks/bench_plan.py --part published): a full 256 × 128 GEMM tile reaches 0.70 of an
+# SM's peak (the 2021 runs; cuBLAS reaches ~0.8 today), element-wise kernels
 # 0.85 of HBM bandwidth, collectives 0.8 of the link (NCCL's bus bandwidth ~240 GB/s of
 # NVLink's 300 one way), 4 µs a kernel. achieved_fraction prices layers without a shape.
 _A100 = {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}
 _DEVICE_MODEL: dict[str, Any] = {
-    "gemm_efficiency": 0.84, "memory_efficiency": 0.85, "link_efficiency": 0.8,
+    "gemm_efficiency": 0.70, "memory_efficiency": 0.85, "link_efficiency": 0.8,
     "kernel_overhead": 4e-6}
 PRESETS: dict[str, ClusterSpec] = {
     "a100-80g": ClusterSpec(

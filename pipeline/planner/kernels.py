@@ -22,7 +22,8 @@ __all__ = ["KernelTimes", "LayerShape", "gemm_seconds", "layer_kernel_times"]
 # tile's throughput each reaches (smaller tiles reuse less of what they load). A GEMM takes
 # the fastest: a thin or small one runs smaller tiles in fuller waves, as cuBLAS's
 # heuristics do.
-_TILES = ((256, 128, 1.0), (128, 128, 0.93), (128, 64, 0.85), (64, 64, 0.7))
+_TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.93), (256, 64, 0.9), (64, 256, 0.9),
+          (128, 64, 0.85), (64, 128, 0.85), (64, 64, 0.7))
 _FUSED_ATTENTION = 0.75
 """FlashAttention reaches ~3/4 of a plain GEMM's throughput (Dao 2023, FlashAttention-2)."""
 
@@ -118,7 +119,7 @@ def layer_kernel_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterS
     elif shape.role == "head":
         width = math.ceil(shape.vocab / tp)
         norm = _stream_seconds(2 * local * h * e, cluster)
-        parts.append((norm, 2 * norm, 0.0))
+        parts.append((norm, 1.5 * norm, 0.0))
         parts.append(_linear(tokens, h, width, cluster, precision, e))
         # cross entropy on fp32 logits: read them, max/sum/log pass, backward writes the grad
         parts.append((_stream_seconds(2 * tokens * width * 4, cluster, 2),
@@ -136,9 +137,12 @@ def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int
     width = math.ceil(shape.ffn / tp)
     heads = math.ceil(shape.heads / tp)
     head_size = h // shape.heads
+    # LayerNorm reads and writes T·h (backward: reads x and dy, writes dx); Megatron's fused
+    # bias-dropout-add reads x and the residual, writes the sum and a 1-byte mask (backward:
+    # reads dy and the mask, writes dx)
     norm = _stream_seconds(2 * local * h * e, cluster)
-    dropout_add = _stream_seconds(local * h * (5 * e + 1), cluster)
-    parts = [(norm, 2 * norm, 0.0), (dropout_add, 2 * dropout_add, 0.0)] * 2
+    dropout_add = _stream_seconds(local * h * (3 * e + 1), cluster)
+    parts = [(norm, 1.5 * norm, 0.0), (dropout_add, dropout_add, 0.0)] * 2
     parts.append(_linear(tokens, h, math.ceil((h + 2 * k) / tp), cluster, precision, e))
     parts.append(_linear(tokens, math.ceil(h / tp), h, cluster, precision, e))
     parts.append(_linear(tokens, h, width, cluster, precision, e))

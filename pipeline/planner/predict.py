@@ -3,7 +3,7 @@ with tensor-parallel, pipeline and data-parallel communication and the optimizer
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -116,6 +116,14 @@ class PlanContext:
     cluster: ClusterSpec
     global_batch: int
     precision: str
+    extra_parameter_bytes: float = 0.0
+    """Bytes per parameter an engine holds beyond `memory`'s (which prices this engine),
+    counted with the parameters: Megatron-LM keeps an fp16 working copy of its fp32 weights,
+    2 more (18 in all: Megatron's docs, "fp16 params, fp32 main grads, Adam")."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel reduction overlaps the last backward (the engine's gradient hooks,
+    Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
+    drained, as Megatron-LM did in 2021 (Narayanan et al.: all-reduce after the flush)."""
     _tables: dict[tuple[int, int, bool], StageTable] = field(default_factory=dict)
     _schedules: dict[tuple[Any, ...], Schedule | None] = field(default_factory=dict)
     _traces: dict[tuple[str, int, int, int], HeldTrace | None] = field(default_factory=dict)
@@ -191,9 +199,13 @@ class PlanContext:
                                         config.chunks * config.num_microbatches)
         else:
             raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
-        return peak_rank_memory(table.params, activations, table.workspace * b, placement,
-                                dp=config.dp, zero=config.zero_stage,
-                                recompute=config.recompute)
+        held, rank = peak_rank_memory(table.params, activations, table.workspace * b,
+                                      placement, dp=config.dp, zero=config.zero_stage,
+                                      recompute=config.recompute)
+        if self.extra_parameter_bytes:  # another engine's state, on the fullest rank
+            extra = float(self._rank_params(config)[rank]) * self.extra_parameter_bytes
+            held = replace(held, parameters=held.parameters + extra)
+        return held, rank
 
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
         return np.bincount(_placement(config), weights=self.table(config).params,
@@ -260,6 +272,9 @@ class PlanContext:
         np.maximum.at(stage_done, timeline.stage[backward], timeline.end[backward])
         last_start = np.zeros(len(placement))
         np.maximum.at(last_start, timeline.stage[backward], timeline.start[backward])
+        if not self.overlap_grad_reduce:  # nothing starts before the rank's last op
+            last_start = np.maximum(last_start, rank_end[placement])
+            stage_done = np.maximum(stage_done, rank_end[placement])
         reduce_end = np.array([self._reduction_end(config, table.params, placement == rank,
                                                    last_start, stage_done)
                                for rank in range(config.pp)])

@@ -24,6 +24,7 @@ _UNPRICED = ("forward-only", "zb-optimal")
 """Not searched. forward-only trains nothing. zb-optimal proves its order with a solver
 (up to 10 s per configuration, thousands of configurations a search): the searched
 zero-bubble family (zb-auto, zb-v-auto, interleaved-zb) stands for it."""
+_CONTROLLABLE = ("v-half", "v-min")
 _TRAINING_SCHEDULES = tuple(name for name in SCHEDULES if name not in _UNPRICED)
 
 
@@ -48,6 +49,12 @@ class SearchOptions:
     """ZeRO stages to try (0, 1); None: both where dp > 1."""
     recompute_choices: tuple[bool, ...] | None = None
     """Recomputation off (False) and/or full (True); None: both when `recompute`, else off."""
+    extra_parameter_bytes: float = 0.0
+    """Bytes per parameter the training engine holds beyond the planner's memory model
+    (`PlanContext.extra_parameter_bytes`; 2 for Megatron-LM's fp16 weights)."""
+    overlap_grad_reduce: bool = True
+    """Price the data-parallel reduction overlapped with the last backward (the engine's
+    hooks); False: after the pipeline drains (`PlanContext.overlap_grad_reduce`)."""
     top: int = 10
     """Configurations kept exactly ranked (the bound never skips one of them)."""
     zb_auto_max: int = 1024
@@ -58,12 +65,17 @@ class SearchOptions:
     zb-auto's time: 0.2 s at p·m = 128, 0.6 s at 512 here) only where p·m is at most this:
     the 64-device search takes 6 s at 32, 9 s at 64, 15 s at 128."""
 
+    controllable_max: int = 4096
+    """v-half and v-min (built from a block, then squeezed: ~p²·m work, 9 s at p = 64,
+    m = 512 here) only where p·m is at most this; larger pipelines get the other V-shaped
+    schedules (zb-v, dualpipev)."""
+
     def __post_init__(self) -> None:
         unknown = [name for name in self.schedules if name not in _TRAINING_SCHEDULES]
         if unknown or not self.schedules:
             raise PlanError(f"schedules {unknown or '(none)'} are not training schedules; "
                             f"choose from {', '.join(_TRAINING_SCHEDULES)}")
-        for name in ("max_chunks", "top", "zb_auto_max", "searched_max"):
+        for name in ("max_chunks", "top", "zb_auto_max", "searched_max", "controllable_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a whole number >= 1")
@@ -167,6 +179,8 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                                 options.zb_auto_max if name == "zb-auto"
                                 else options.searched_max):
                             continue
+                        if name in _CONTROLLABLE and pp * m > options.controllable_max:
+                            continue
                         for zero in ((0, 1) if dp > 1 else (0,)):
                             if not allowed(zero, options.zero_stages):
                                 continue
@@ -222,7 +236,9 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     started = time.perf_counter()
     options = options or SearchOptions()
     check_request(model, cluster, global_batch, options)
-    context = PlanContext(model, cluster, global_batch, precision or cluster.precision)
+    context = PlanContext(model, cluster, global_batch, precision or cluster.precision,
+                          overlap_grad_reduce=options.overlap_grad_reduce,
+                          extra_parameter_bytes=options.extra_parameter_bytes)
     cluster.flops(context.precision)  # refuses an unknown precision up front
     result = PlanResult([])
     fitting: list[tuple[float, PlanConfig, MemoryBreakdown]] = []
@@ -300,7 +316,7 @@ def _nothing_fits(result: PlanResult, cluster: ClusterSpec, global_batch: int,
 
 
 def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: PlanConfig,
-          *, precision: str | None = None) -> Prediction:
+          *, precision: str | None = None, overlap_grad_reduce: bool = True) -> Prediction:
     """One named configuration priced as the search prices it (its schedule's peak memory,
     the simulated step), whether or not it fits in memory: the caller compares
     `memory.total` with the device's."""
@@ -317,7 +333,8 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
     if config.pp * config.chunks > len(model.layers):
         raise PlanError(f"{config.label()}: {config.pp * config.chunks} stages need as many "
                         f"layers; {model.name} has {len(model.layers)}")
-    context = PlanContext(model, cluster, global_batch, precision or cluster.precision)
+    context = PlanContext(model, cluster, global_batch, precision or cluster.precision,
+                          overlap_grad_reduce=overlap_grad_reduce)
     cluster.flops(context.precision)
     trace = context.held_trace(config)
     if trace is None and not is_cost_aware(config.schedule):
