@@ -39,16 +39,18 @@ def read_device_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     numbers = [document.get("memory_bandwidth")]
     if isinstance(collectives, dict):
         numbers += [collectives.get("latency"), collectives.get("allreduce_bandwidth")]
+    elif collectives is not None:
+        numbers.append(None)
     if isinstance(gemms, list) and gemms:
         numbers += [x for row in gemms if isinstance(row, list) and len(row) == 4 for x in row]
-    good = (isinstance(gemms, list) and gemms and isinstance(collectives, dict)
+    good = (isinstance(gemms, list) and gemms and isinstance(collectives, dict | None)
             and all(isinstance(row, list) and len(row) == 4 for row in gemms)
             and all(not isinstance(x, bool) and isinstance(x, int | float) and 0 < x < 1e300
                     for x in numbers))
     if not good:
         raise PlanError(f"device profile {os.fspath(path)!r}: needs gemms [[m, n, k, "
-                        f"seconds], ...], memory_bandwidth and collectives {{latency, "
-                        f"allreduce_bandwidth}}, all numbers > 0")
+                        f"seconds], ...] and memory_bandwidth (and optionally collectives "
+                        f"{{latency, allreduce_bandwidth}}), all numbers > 0")
     return document
 
 
@@ -58,9 +60,12 @@ def apply_device_profile(cluster: ClusterSpec, path: str | os.PathLike[str]) -> 
     a node at the measured all-reduce bandwidth and latency (the figures are what was
     reached, so the efficiencies become 1)."""
     document = read_device_profile(path)
-    collectives = document["collectives"]
-    return replace(cluster,
-                   gemm_measurements=tuple(tuple(row) for row in document["gemms"]),
-                   memory_bandwidth=float(document["memory_bandwidth"]), memory_efficiency=1.0,
-                   intra_bandwidth=float(collectives["allreduce_bandwidth"]),
+    cluster = replace(cluster,
+                      gemm_measurements=tuple(tuple(row) for row in document["gemms"]),
+                      memory_bandwidth=float(document["memory_bandwidth"]),
+                      memory_efficiency=1.0)
+    collectives = document.get("collectives")
+    if collectives is None:
+        return cluster
+    return replace(cluster, intra_bandwidth=float(collectives["allreduce_bandwidth"]),
                    intra_latency=float(collectives["latency"]), link_efficiency=1.0)
