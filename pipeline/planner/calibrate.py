@@ -222,8 +222,12 @@ def _time_collectives(sizes: Sequence[int], repeats: int) -> dict[str, float]:
     seconds = []
     for size in sizes:
         buffer = torch.zeros(max(1, size // 4), device=device)
-        seconds.append(_least_seconds(
-            lambda: (dist.all_reduce(buffer), synchronize(device)), repeats))
+
+        def reduce(buffer: torch.Tensor = buffer) -> None:
+            dist.all_reduce(buffer)
+            synchronize(device)
+
+        seconds.append(_least_seconds(reduce, repeats))
     latency = seconds[0] / max(1, 2 * (world - 1))
     traffic = 2 * (world - 1) / world * sizes[-1]
     return {"latency": latency,
@@ -252,11 +256,21 @@ def profile_device(*, gemm_sizes: Sequence[int] = (64, 256, 1024), repeats: int 
             for k in gemm_sizes:
                 a = torch.randn(m, k, device=device, dtype=dtype)
                 b = torch.randn(k, n, device=device, dtype=dtype)
-                seconds = _least_seconds(lambda: (a @ b, synchronize(device)), repeats)
+
+                def multiply(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+                    torch.mm(a, b)
+                    synchronize(device)
+
+                seconds = _least_seconds(multiply, repeats)
                 gemms.append([m, n, k, max(seconds, 1e-9)])
     source = torch.zeros(2**22, device=device)
     target = torch.empty_like(source)
-    copy = _least_seconds(lambda: (target.copy_(source), synchronize(device)), repeats)
+
+    def stream() -> None:
+        target.copy_(source)
+        synchronize(device)
+
+    copy = _least_seconds(stream, repeats)
     profile: dict[str, Any] = {
         "device": str(device), "precision": precision, "gemms": gemms,
         "memory_bandwidth": 2 * source.numel() * 4 / max(copy, 1e-9)}
