@@ -39,6 +39,7 @@ elements); the engine's hooks launch one bucket's reduction as soon as it is ful
 # Adam reads parameter, gradient and both moments and writes parameter and moments: 7 fp32
 # values of memory traffic per parameter (a memory-bound update).
 _ADAM_TRAFFIC = 7 * 4.0
+_KEPT_SCHEDULES = 8
 _BACKWARD_KINDS = np.array([KINDS.index(k) for k in (Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)])
 
 
@@ -134,9 +135,13 @@ class PlanContext:
         key = (config.pp * config.chunks, config.tp, config.recompute)
         if key not in self._tables:
             costs = []
+            priced: dict[object, tuple[float, float]] = {}  # identical blocks priced once
             for layer in self.model.layers:
-                forward, backward = layer_times(layer, self.cluster, self.precision, 1,
-                                                config.tp)
+                same = layer.shape if layer.shape is not None else id(layer)
+                if same not in priced:
+                    priced[same] = layer_times(layer, self.cluster, self.precision, 1,
+                                               config.tp)
+                forward, backward = priced[same]
                 costs.append(LayerCost(layer.name, forward=forward, backward=backward + (
                     forward if config.recompute else 0.0)))
             cuts = partition_graph(chain_graph(costs), key[0]).boundaries
@@ -159,6 +164,10 @@ class PlanContext:
             key += tuple(np.round(values / values.max(), 2).tolist())
             limit = memory_limit(config)
         if key not in self._schedules:
+            # the few most recent only: at thousands of devices one schedule holds ~10^5
+            # ops, and the search asks for each one's configurations in a row
+            while len(self._schedules) >= _KEPT_SCHEDULES:
+                del self._schedules[next(iter(self._schedules))]
             try:
                 self._schedules[key] = generate_schedule(
                     config.schedule, config.pp, config.num_microbatches, config.chunks,
@@ -225,7 +234,8 @@ class PlanContext:
 
     def lower_bound(self, config: PlanConfig) -> float:
         """A step time no schedule can beat: per rank, the forwards of the stages before
-        its first one (microbatch 0 must pass them), all its compute, and its update."""
+        its first one (microbatch 0 must pass them), all its compute, and its update; with
+        one stage per rank, also the pipeline's drain (below)."""
         table = self.table(config)
         totals = np.minimum(table.costs(config.microbatch_size).total,
                             table.costs(config.microbatch_size, split=True).total)
@@ -235,7 +245,18 @@ class PlanContext:
         first = np.array([np.flatnonzero(placement == rank)[0] for rank in range(config.pp)])
         fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
         step, gather = self._update_seconds(config)
-        return float((fill + config.num_microbatches * busy + step + gather).max())
+        bound = float((fill + config.num_microbatches * busy + step + gather).max())
+        if list(placement) == list(range(config.pp)) and config.pp > 1:
+            # one stage per rank: the last rank's last input gradient comes after all its
+            # forwards and input gradients (each one's forward precedes it); then that
+            # microbatch's gradient must pass every earlier stage back to rank 0 (as I, or
+            # within a fused B), which then updates: the drain no schedule avoids
+            split = table.costs(config.microbatch_size, split=True)
+            chain = np.minimum(split.input_grad, costs.input_grad)
+            drain = (fill[-1] + config.num_microbatches * (costs.forward[-1] + chain[-1])
+                     + float(chain[:-1].sum()) + step[0] + gather[0])
+            bound = max(bound, float(drain))
+        return bound
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:

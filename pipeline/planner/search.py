@@ -65,9 +65,9 @@ class SearchOptions:
     zb-auto's time: 0.2 s at p·m = 128, 0.6 s at 512 here) only where p·m is at most this:
     the 64-device search takes 6 s at 32, 9 s at 64, 15 s at 128."""
 
-    controllable_max: int = 4096
+    controllable_max: int = 1024
     """v-half and v-min (built from a block, then squeezed: ~p²·m work, 9 s at p = 64,
-    m = 512 here) only where p·m is at most this; larger pipelines get the other V-shaped
+    m = 512 here, 3 s at p·m = 4096) only where p·m is at most this; larger pipelines get the other V-shaped
     schedules (zb-v, dualpipev)."""
 
     def __post_init__(self) -> None:
