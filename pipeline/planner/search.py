@@ -67,8 +67,8 @@ class SearchOptions:
 
     controllable_max: int = 1024
     """v-half and v-min (built from a block, then squeezed: ~p²·m work, 9 s at p = 64,
-    m = 512 here, 3 s at p·m = 4096) only where p·m is at most this; larger pipelines get the other V-shaped
-    schedules (zb-v, dualpipev)."""
+    m = 512 here, 3 s at p·m = 4096) only where p·m is at most this; larger pipelines get
+    the other V-shaped schedules (zb-v, dualpipev)."""
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.schedules if name not in _TRAINING_SCHEDULES]
