@@ -139,7 +139,7 @@ def plot_plan(result: PlanResult, cluster: ClusterSpec, path: str | os.PathLike[
 
     from viz.output import new_figure, save_figure
 
-    figure = new_figure(13, 6)
+    figure = new_figure(11.5, 6)
     axes = figure.add_subplot(1, 1, 1)
     largest = max(p.memory.total for p in result.predictions)
     unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
@@ -180,5 +180,5 @@ def plot_plan(result: PlanResult, cluster: ClusterSpec, path: str | os.PathLike[
              for rank, p in enumerate(best, start=1)]
     axes.text(1.02, 0.62, "\n".join(names), transform=axes.transAxes, fontsize=7,
               va="top", ha="left", family="monospace")
-    figure.subplots_adjust(left=0.08, right=0.58, top=0.88, bottom=0.1)
+    figure.subplots_adjust(left=0.08, right=0.64, top=0.88, bottom=0.1)
     return save_figure(figure, path)
