@@ -18,6 +18,8 @@ transformer's per-layer costs on 4 and 8 ranks whose layers wait their planned F
     python benchmarks/bench_plan.py                    # every part
     python benchmarks/bench_plan.py --part search      # the 64-device search time only
     python benchmarks/bench_plan.py --part emulated --devices 4
+    python benchmarks/bench_plan.py --part published   # Megatron-LM's Table 1 (bench_published.py)
+    python benchmarks/bench_plan.py --part scale       # a 1T shape on 3,072 devices
 """
 
 from __future__ import annotations
@@ -59,6 +61,27 @@ def search_time() -> tuple[float, float, str]:
     result = plan(model, cluster, 512)
     return (time.perf_counter() - wall, time.process_time() - cpu,
             f"{result.considered} configurations, {len(result.predictions)} simulated")
+
+
+SCALE_SHAPE = "layers=128,hidden=25600,heads=160,vocab=51200,seq=2048"
+
+
+def scale_search() -> str:
+    """The full search (every schedule, ZeRO, recomputation) of a 1T shape on 3,072 A100s,
+    global batch 3,072: CPU seconds and the process's peak resident memory."""
+    import resource
+
+    model = transformer_profile(parse_shape(SCALE_SHAPE))
+    cluster = replace(PRESETS["a100-80g"], nodes=384)
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = plan(model, cluster, 3072)
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return (f"search at scale, {SCALE_SHAPE} on 384 × 8 a100-80g, global batch 3072: "
+            f"{result.considered} configurations, {len(result.predictions)} simulated, pick "
+            f"{result.best.config.label()}; {cpu:.1f} s CPU, {wall:.1f} s wall, peak "
+            f"{peak:.0f} MiB -> CPU {_met(cpu <= 10)} (target <= 10 s), memory "
+            f"{_met(peak <= 500)} (target <= 500 MB)")
 
 
 def _state_bytes(module: Any, engine: Any) -> int:
@@ -213,7 +236,9 @@ def _met(ok: bool) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("search", "local", "emulated", "all"), default="all")
+    parser.add_argument("--part", choices=("search", "scale", "local", "emulated", "published",
+                                           "all"),
+                        default="all")
     parser.add_argument("--devices", type=int, nargs="+", default=[4, 8], choices=(2, 4, 8),
                         help="emulated device counts (--part emulated)")
     parser.add_argument("--rounds", type=int, default=8,
@@ -225,6 +250,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"search, {SEARCH_SHAPE} on 8 × 8 a100-80g, global batch 512: {what}; "
               f"{wall:.2f} s wall, {cpu:.2f} s CPU (load average {load:.1f} on "
               f"{os.cpu_count()} cores) -> {_met(wall < 10)} (target < 10 s wall)")
+    if args.part in ("scale", "all"):
+        print(scale_search())
+    if args.part in ("published", "all"):
+        from bench_published import published_part
+
+        print("\n".join(published_part()))
     if args.part in ("local", "all"):
         print("\n".join(local_part(args.rounds)))
     if args.part in ("emulated", "all"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,3 +95,47 @@ def test_public_names_are_not_shadowed_by_rooms() -> None:
     from pipeline import PipelineEngine, launch
     assert launch.__module__ == "pipeline.launcher.processes"
     assert PipelineEngine.__module__ == "pipeline.runtime.engine"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph(package: str) -> nx.DiGraph:
+    """Modules of `package` and which import which (lazy imports inside functions too:
+    they close a circle as surely at run time)."""
+    modules = {_module_name(path): path for path in _sources(package)}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for name, path in modules.items():
+        for imported in _imports(path):
+            # `from a.b import c` names a.b.c: the module c if there is one, else a.b
+            target = imported if imported in modules else imported.rpartition(".")[0]
+            if target in modules and target != name and not name.startswith(target + "."):
+                graph.add_edge(name, target)
+    return graph
+
+
+def _room_cycles(graph: nx.DiGraph) -> list[list[str]]:
+    """Import circles between the files of one room (a package's `__init__` re-exporting
+    its own modules is its facade, not a circle)."""
+    inside = nx.DiGraph()
+    for source, target in graph.edges:
+        facade = source.count(".") < target.count(".") and target.startswith(source + ".")
+        if _room(source) == _room(target) and not facade:
+            inside.add_edge(source, target)
+    return [cycle for cycle in nx.simple_cycles(inside)]
+
+
+def test_files_inside_a_room_import_without_circles() -> None:
+    cycles = _room_cycles(_import_graph("pipeline"))
+    assert not cycles, "\n".join(" -> ".join([*cycle, cycle[0]]) for cycle in cycles)
+
+
+def test_the_circle_check_finds_a_planted_circle() -> None:
+    # the planner's calibrate -> cluster -> calibrate circle (issue 21, defect 6), planted back
+    graph = _import_graph("pipeline")
+    graph.add_edge("pipeline.planner.cluster", "pipeline.planner.calibrate")
+    assert ["pipeline.planner.calibrate", "pipeline.planner.cluster"] in [
+        sorted(cycle) for cycle in _room_cycles(graph)]

@@ -23,6 +23,7 @@ COMMAND_MODULES = {
     "verify-checkpoint": "pipeline.cli.checkpoint_cmd",
     "rehearse": "pipeline.cli.rehearse_cmd",
     "plan": "pipeline.cli.plan_cmd",
+    "profile-device": "pipeline.cli.profile_device_cmd",
 }
 
 

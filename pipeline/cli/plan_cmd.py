@@ -20,14 +20,32 @@ layers with the exact partitioner, simulate each schedule, and rank by predicted
 MODEL: a transformer shape (layers=,hidden=,heads=,vocab=,seq=[,ffn=,kv_heads=]), a JSON
 file with those keys, or a partitioner cost JSON (times per --cost-batch samples).
 CLUSTER: a100-80g, h100-80g, a800-80g (8 devices a node; --nodes sets how many nodes),
-local (this machine, calibrated in a few seconds), or a JSON file (see NOTES / README).
+local (this machine, calibrated in a few seconds), or a JSON file (see CLUSTER FILES below).
+"""
+
+_EPILOG = """\
+CLUSTER FILES
+  A JSON object with the fields of pipeline.planner.ClusterSpec, e.g.
+    {"preset": "a100-80g", "nodes": 16, "nic_bandwidth": 12.5e9}
+  "preset" starts from a preset and overrides the fields given. Without one, give at least
+  nodes, devices_per_node, device_memory (bytes), peak_flops ({"bf16": FLOP/s}),
+  achieved_fraction, intra_bandwidth, intra_latency, inter_bandwidth, inter_latency,
+  memory_bandwidth (bytes/s, seconds). Device model (optional): sm_count, gemm_efficiency,
+  memory_efficiency, kernel_overhead, nics_per_node, nic_bandwidth, link_efficiency; or
+  measure it: pipesched profile-device --output dev.json, then --device-profile dev.json.
+
+PRICING ONE CONFIGURATION
+  --price pp4,tp2,dp8,1f1b,b1 prints one configuration's full breakdown. Items: ppN, tpN,
+  dpN (two of the three are enough), bN (microbatch size, default 1), a schedule name
+  (default 1f1b), vN (chunks per rank), z0/z1 (ZeRO stage), rc (full recomputation).
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "plan", help="find the fastest parallel configuration for a model on a cluster",
-        description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=_DESCRIPTION, epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, metavar="MODEL")
     parser.add_argument("--cluster", required=True, metavar="CLUSTER")
     parser.add_argument("--global-batch", type=positive_int, required=True, metavar="B",
@@ -43,8 +61,30 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--tensor-parallel", default=None, metavar="SIZES",
                         help="comma-separated tp sizes (default: divisors of the devices per "
                              "node that divide the heads)")
+    parser.add_argument("--pp", default=None, metavar="SIZES",
+                        help="comma-separated pipeline sizes to consider")
+    parser.add_argument("--tp", default=None, metavar="SIZES",
+                        help="comma-separated tensor-parallel sizes (= --tensor-parallel)")
+    parser.add_argument("--dp", default=None, metavar="SIZES",
+                        help="comma-separated data-parallel sizes to consider")
+    parser.add_argument("--microbatch-size", default=None, metavar="SIZES",
+                        help="comma-separated microbatch sizes (samples) to consider")
+    parser.add_argument("--zero", default=None, metavar="STAGES",
+                        help="ZeRO stages to consider: 0, 1 or 0,1")
+    parser.add_argument("--recompute", default=None, metavar="MODES",
+                        help="activation recomputation to consider: none, full or none,full")
     parser.add_argument("--no-recompute", action="store_true",
-                        help="never consider activation recomputation")
+                        help="never consider activation recomputation (= --recompute none)")
+    parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
+                        help="attention kernels of a transformer shape: fused (FlashAttention, "
+                             "no s×s scores; default) or eager")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="tensor parallelism with sequence parallelism (norms, dropout and "
+                             "their activations split over tp)")
+    parser.add_argument("--device-profile", default=None, metavar="FILE",
+                        help="price GEMMs and links from `pipesched profile-device` output")
+    parser.add_argument("--price", default=None, metavar="CONFIG",
+                        help="price one configuration, e.g. pp4,tp1,dp16,1f1b,b1 (see below)")
     parser.add_argument("--cost-batch", type=positive_int, default=1, metavar="N",
                         help="samples per microbatch the cost JSON's times were measured at")
     parser.add_argument("--top", type=positive_int, default=10, metavar="K",
@@ -64,40 +104,133 @@ def _names(text: str | None, what: str) -> tuple[str, ...] | None:
     return names
 
 
-def _sizes(text: str | None) -> tuple[int, ...] | None:
-    names = _names(text, "tensor-parallel")
+def _sizes(text: str | None, what: str = "tensor-parallel") -> tuple[int, ...] | None:
+    names = _names(text, what)
     if names is None:
         return None
     try:
         sizes = tuple(int(name) for name in names)
     except ValueError:
-        raise ValueError(f"--tensor-parallel {text!r} must be whole numbers, e.g. 1,2,4") \
-            from None
+        raise ValueError(f"--{what} {text!r} must be whole numbers, e.g. 1,2,4") from None
     if any(size < 1 for size in sizes):
-        raise ValueError(f"--tensor-parallel {text!r} must be whole numbers >= 1")
+        raise ValueError(f"--{what} {text!r} must be whole numbers >= 1")
     return sizes
+
+
+def _zero_stages(text: str | None) -> tuple[int, ...] | None:
+    names = _names(text, "zero")
+    if names is None:
+        return None
+    if any(name not in ("0", "1") for name in names):
+        raise ValueError(f"--zero {text!r}: ZeRO stages 0 and 1 only (2 and 3 would "
+                         f"communicate every microbatch, refused with pipelines)")
+    return tuple(int(name) for name in names)
+
+
+def _recompute(args: argparse.Namespace) -> tuple[bool, ...] | None:
+    names = _names(args.recompute, "recompute")
+    if names is None:
+        return (False,) if args.no_recompute else None
+    modes = {"none": False, "full": True}
+    unknown = [name for name in names if name not in modes]
+    if unknown:
+        raise ValueError(f"--recompute {args.recompute!r}: {', '.join(unknown)} unknown; "
+                         f"use none, full or none,full")
+    if args.no_recompute and "full" in names:
+        raise ValueError("--no-recompute contradicts --recompute full; give one of them")
+    return tuple(dict.fromkeys(modes[name] for name in names))
+
+
+def parse_config(text: str, devices: int, global_batch: int) -> Any:
+    """`pp4,tp1,dp16,1f1b,b1[,v2][,z1][,rc]` as a `PlanConfig`: two of pp, tp, dp fix the
+    third (their product is the devices); b defaults to 1, the schedule to 1f1b; m = global
+    batch / (dp · b)."""
+    from pipeline.planner import PlanConfig
+    from schedules import SCHEDULES
+
+    sizes: dict[str, int] = {}
+    schedule, recompute = "1f1b", False
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        if item in SCHEDULES:
+            schedule = item
+            continue
+        if item in ("rc", "recompute"):
+            recompute = True
+            continue
+        for prefix in ("pp", "tp", "dp", "b", "v", "z"):
+            if item.startswith(prefix) and item[len(prefix):].isdigit() \
+                    and int(item[len(prefix):]) >= (0 if prefix == "z" else 1):
+                sizes[prefix] = int(item[len(prefix):])
+                break
+        else:
+            raise ValueError(f"--price {text!r}: item {item!r} is none of ppN, tpN, dpN, bN, "
+                             f"vN, z0, z1, rc or a schedule ({', '.join(SCHEDULES)})")
+    if len([key for key in ("pp", "tp", "dp") if key in sizes]) < 2:
+        raise ValueError(f"--price {text!r} needs at least two of ppN, tpN, dpN")
+    for key in ("pp", "tp", "dp"):
+        if key not in sizes:
+            first, second = (sizes[k] for k in ("pp", "tp", "dp") if k != key)
+            if devices % (first * second):
+                raise ValueError(f"--price {text!r}: {first} × {second} does not divide the "
+                                 f"{devices} devices")
+            sizes[key] = devices // (first * second)
+    b = sizes.get("b", 1)
+    if global_batch % (sizes["dp"] * b):
+        raise ValueError(f"--price {text!r}: dp {sizes['dp']} × b {b} does not divide the "
+                         f"global batch {global_batch}")
+    if sizes.get("z", 0) > 1:
+        raise ValueError(f"--price {text!r}: ZeRO stages 0 and 1 only")
+    low, high = SCHEDULES[schedule].chunks
+    chunks = sizes.get("v", low if high is not None else max(low, 2))
+    return PlanConfig(pp=sizes["pp"], tp=sizes["tp"], dp=sizes["dp"], schedule=schedule,
+                      chunks=chunks, microbatch_size=b,
+                      num_microbatches=global_batch // (sizes["dp"] * b),
+                      zero_stage=sizes.get("z", 0), recompute=recompute)
 
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.planner import SearchOptions, load_model, plan, resolve_cluster
-    from pipeline.planner.report import format_table, plan_document, plot_plan
+    from pipeline.planner.report import format_breakdown, format_table, plan_document, plot_plan
+    from pipeline.planner.search import price
 
     cluster = resolve_cluster(args.cluster, nodes=args.nodes)
+    if args.device_profile:
+        from pipeline.planner.device_profile import apply_device_profile
+
+        cluster = apply_device_profile(cluster, args.device_profile)
     precision = args.precision or cluster.precision
     model = load_model(args.model, seq=args.seq, precision=precision,
-                       cost_batch=args.cost_batch)
+                       cost_batch=args.cost_batch, attention=args.attention,
+                       sequence_parallel=args.sequence_parallel)
+    header = (f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "
+              f"global batch {args.global_batch}\n")
+    if args.price:
+        config = parse_config(args.price, cluster.num_devices, args.global_batch)
+        prediction = price(model, cluster, args.global_batch, config, precision=precision)
+        if args.json:
+            print(json.dumps(prediction.to_dict()))
+        else:
+            print(header)
+            print(format_breakdown(prediction, cluster, args.global_batch))
+        return 0
+    if args.tp is not None and args.tensor_parallel is not None:
+        raise ValueError("--tp and --tensor-parallel are the same filter; give one")
+    tp_flag = "tp" if args.tp is not None else "tensor-parallel"
     defaults = SearchOptions()
     options = SearchOptions(schedules=_names(args.schedules, "schedules") or defaults.schedules,
-                            recompute=not args.no_recompute,
-                            tensor_parallel=_sizes(args.tensor_parallel), top=args.top)
+                            tensor_parallel=_sizes(args.tp or args.tensor_parallel, tp_flag),
+                            pipeline_parallel=_sizes(args.pp, "pp"),
+                            data_parallel=_sizes(args.dp, "dp"),
+                            microbatch_sizes=_sizes(args.microbatch_size, "microbatch-size"),
+                            zero_stages=_zero_stages(args.zero),
+                            recompute_choices=_recompute(args), top=args.top)
     result = plan(model, cluster, args.global_batch, precision=precision, options=options)
     if args.json:
         print(json.dumps(plan_document(result, cluster, args.global_batch, top=args.top)))
     else:
-        print(f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "
-              f"global batch {args.global_batch}\n")
+        print(header)
         print(format_table(result, cluster, args.global_batch, top=args.top))
     if args.plot:
-        plot_plan(result, cluster, args.plot)
+        plot_plan(result, cluster, args.plot, top=args.top)
         print(f"pipesched plan: wrote {args.plot}", file=sys.stderr)
     return 0

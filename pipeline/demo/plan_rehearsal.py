@@ -17,6 +17,7 @@ from pipeline.demo.rehearse import RehearsalPlan
 from pipeline.model.emulated import BYTES_PER_ELEMENT, EmulatedCost
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.predict import PlanConfig, Prediction, is_cost_aware
+from pipeline.planner.pricing import layer_split_times, layer_times
 from pipeline.planner.profile import ModelProfile
 
 __all__ = ["planned_costs", "rehearsal_plan"]
@@ -50,10 +51,10 @@ def planned_costs(model: ModelProfile, cluster: ClusterSpec, config: PlanConfig,
     `config.microbatch_size` samples (tp = 1), its output bytes for that microbatch and its
     parameters.
 
-    A fused backward (B = I + W) costs the layer's full backward (`LayerProfile.times`),
+    A fused backward (B = I + W) costs the layer's full backward (`pricing.layer_times`),
     divided between I and W in the proportion of its split prices; a split one (`split`, or
     None: whether the configuration's schedule has I ops) costs its own I and W
-    (`LayerProfile.split_times`), as `StageTable.costs` prices them. The planner adds its
+    (`pricing.layer_split_times`), as `StageTable.costs` prices them. The planner adds its
     per-op overhead once per stage op on top: that is the engine's real host work, not
     emulated. The first layer's input is data, so its I never runs: its I seconds go to its
     W (the stage's backward keeps its price).
@@ -64,8 +65,8 @@ def planned_costs(model: ModelProfile, cluster: ClusterSpec, config: PlanConfig,
     splits = _split_backward(config, split)
     costs = []
     for index, layer in enumerate(model.layers):
-        forward, backward = layer.times(cluster, precision, b, 1)
-        input_grad, weight_grad = layer.split_times(cluster, precision, b, 1)
+        forward, backward = layer_times(layer, cluster, precision, b, 1)
+        input_grad, weight_grad = layer_split_times(layer, cluster, precision, b, 1)
         if not splits:
             both = input_grad + weight_grad
             share = input_grad / both if both > 0 else 0.5

@@ -1,12 +1,13 @@
 """The planner: the fastest pp × tp × dp × ZeRO × schedule × microbatching for a model on a
 cluster, predicted with the partitioner, the simulator and a memory model (no torch)."""
 
-from pipeline.planner.cluster import PRESETS, ClusterSpec, cluster_from_json, resolve_cluster
+from pipeline.planner.cluster import PRESETS, ClusterSpec, cluster_from_json
 from pipeline.planner.errors import PlanError
 from pipeline.planner.load import load_model
 from pipeline.planner.memory import HeldTrace, MemoryBreakdown, held_peaks, peak_rank_memory
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction
 from pipeline.planner.profile import LayerProfile, ModelProfile, profile_from_cost_json
+from pipeline.planner.resolve import resolve_cluster
 from pipeline.planner.search import PlanResult, SearchOptions, format_counts, plan
 from pipeline.planner.transformer import TransformerShape, parse_shape, transformer_profile
 

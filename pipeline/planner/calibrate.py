@@ -13,7 +13,7 @@ from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
 from pipeline.planner.profile import LayerProfile, ModelProfile
 
-__all__ = ["calibrate_local", "measure_links", "profile_layers"]
+__all__ = ["calibrate_local", "measure_links", "profile_device", "profile_layers"]
 
 _SMALL, _LARGE = 8, 4 * 2**20  # bytes of the latency and bandwidth probes
 
@@ -206,3 +206,75 @@ def _saved_bytes(modules: Sequence[Any], inputs: Any) -> list[float]:
             value = module(value)
         results.append(float(sum(counted.values())))  # parameters were entered as 0
     return results
+
+
+def _time_collectives(sizes: Sequence[int], repeats: int) -> dict[str, float]:
+    """On every rank of a gloo (or NCCL) job: all-reduce seconds of each size in bytes;
+    latency from the smallest, bandwidth (bus bandwidth, 2(d-1)/d of the bytes per link)
+    from the largest. Returns rank 0's figures."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeline.device import default_device, synchronize
+
+    device = default_device()
+    world = dist.get_world_size()
+    seconds = []
+    for size in sizes:
+        buffer = torch.zeros(max(1, size // 4), device=device)
+
+        def reduce(buffer: torch.Tensor = buffer) -> None:
+            dist.all_reduce(buffer)
+            synchronize(device)
+
+        seconds.append(_least_seconds(reduce, repeats))
+    latency = seconds[0] / max(1, 2 * (world - 1))
+    traffic = 2 * (world - 1) / world * sizes[-1]
+    return {"latency": latency,
+            "allreduce_bandwidth": traffic / max(seconds[-1] - seconds[0], 1e-9),
+            "ranks": float(world)}
+
+
+def profile_device(*, gemm_sizes: Sequence[int] = (64, 256, 1024), repeats: int = 3,
+                   ranks: int = 2, collective_sizes: Sequence[int] = (8, 2**20),
+                   precision: str = "fp32") -> dict[str, Any]:
+    """Time a grid of GEMM shapes (every m, n, k in `gemm_sizes`) and a streaming copy on
+    this process's device, and all-reduces over `ranks` local ranks (none when 1): the
+    content of a device profile (`pipeline.planner.device_profile`)."""
+    import torch
+
+    from pipeline.device import default_device, synchronize
+    from pipeline.launcher.processes import launch
+
+    device = default_device()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as the planner's CPU ranks run
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    gemms = []
+    for m in gemm_sizes:
+        for n in gemm_sizes:
+            for k in gemm_sizes:
+                a = torch.randn(m, k, device=device, dtype=dtype)
+                b = torch.randn(k, n, device=device, dtype=dtype)
+
+                def multiply(a: torch.Tensor = a, b: torch.Tensor = b) -> None:
+                    torch.mm(a, b)
+                    synchronize(device)
+
+                seconds = _least_seconds(multiply, repeats)
+                gemms.append([m, n, k, max(seconds, 1e-9)])
+    source = torch.zeros(2**22, device=device)
+    target = torch.empty_like(source)
+
+    def stream() -> None:
+        target.copy_(source)
+        synchronize(device)
+
+    copy = _least_seconds(stream, repeats)
+    profile: dict[str, Any] = {
+        "device": str(device), "precision": precision, "gemms": gemms,
+        "memory_bandwidth": 2 * source.numel() * 4 / max(copy, 1e-9)}
+    if ranks > 1:
+        profile["collectives"] = launch(_time_collectives, ranks, list(collective_sizes),
+                                        repeats, timeout=120.0)[0]
+    return profile

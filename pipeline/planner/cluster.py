@@ -1,4 +1,5 @@
-"""Clusters the planner plans for: a typed spec, the presets, and a JSON reader."""
+"""Clusters the planner plans for: a typed spec, the presets, and a JSON reader (data only:
+`pipeline.planner.resolve` turns a CLUSTER argument into one, `local` included)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,12 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 from pipeline.planner.errors import PlanError
 
-__all__ = ["PRESETS", "ClusterSpec", "cluster_from_json", "resolve_cluster"]
+__all__ = ["PRESETS", "ClusterSpec", "cluster_from_json"]
 
 GIB = 2**30
 
@@ -45,6 +46,24 @@ class ClusterSpec:
     runtime's dispatch, kernel launches, message headers."""
     precision: str = "bf16"
     """Precision the planner assumes unless told otherwise."""
+    sm_count: int = 0
+    """Streaming multiprocessors: the kernel model's tiles run in waves of this many
+    (`pipeline.planner.kernels`); 0 prices layers at `achieved_fraction` of the peak."""
+    gemm_efficiency: float = 0.85
+    """Share of its peak an SM reaches on a full GEMM tile (cuBLAS on large shapes)."""
+    memory_efficiency: float = 0.85
+    """Share of `memory_bandwidth` that streaming element-wise kernels reach."""
+    kernel_overhead: float = 0.0
+    """Seconds every kernel costs whatever its size (launch, ramp-up, tail)."""
+    nics_per_node: int = 0
+    """Network cards per node for traffic between nodes; 0: `inter_bandwidth` as given."""
+    nic_bandwidth: float = 0.0
+    """Bytes/s one way of each network card."""
+    link_efficiency: float = 1.0
+    """Share of a link's bandwidth a collective reaches (NCCL's bus bandwidth / the link's)."""
+    gemm_measurements: tuple[tuple[int, int, int, float], ...] = ()
+    """Measured (m, n, k, seconds) GEMMs of `pipesched profile-device`: when given, a GEMM
+    is priced at the FLOP/s of the nearest measured shape instead of the tile model."""
 
     def __post_init__(self) -> None:
         problems = [f"{name}={getattr(self, name)!r} must be a whole number >= 1"
@@ -57,6 +76,21 @@ class ClusterSpec:
         for name in ("intra_latency", "inter_latency", "op_overhead"):
             if not _non_negative(getattr(self, name)):
                 problems.append(f"{name}={getattr(self, name)!r} must be a number >= 0")
+        for name in ("sm_count", "nics_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                problems.append(f"{name}={value!r} must be a whole number >= 0")
+        for name in ("kernel_overhead", "nic_bandwidth"):
+            if not _non_negative(getattr(self, name)):
+                problems.append(f"{name}={getattr(self, name)!r} must be a number >= 0")
+        for name in ("gemm_efficiency", "memory_efficiency", "link_efficiency"):
+            value = getattr(self, name)
+            if not _positive(value) or value > 1:
+                problems.append(f"{name}={value!r} must be in (0, 1]")
+        if not isinstance(self.gemm_measurements, tuple) or not all(
+                isinstance(row, tuple) and len(row) == 4 and all(_positive(x) for x in row)
+                for row in self.gemm_measurements):
+            problems.append("gemm_measurements must be (m, n, k, seconds) rows of numbers > 0")
         if not _positive(self.achieved_fraction) or self.achieved_fraction > 1:
             problems.append(f"achieved_fraction={self.achieved_fraction!r} must be in (0, 1]")
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops or not all(
@@ -80,12 +114,21 @@ class ClusterSpec:
                             f"{precision!r}; it has {sorted(self.peak_flops)}")
         return self.peak_flops[precision] * self.achieved_fraction
 
+    @property
+    def device_inter_bandwidth(self) -> float:
+        """Bytes/s one way a device has to other nodes: its share of the node's network
+        cards when they are given, else `inter_bandwidth`."""
+        if self.nics_per_node and self.nic_bandwidth:
+            return self.nics_per_node * self.nic_bandwidth / self.devices_per_node
+        return self.inter_bandwidth
+
     def link(self, group_span: int) -> tuple[float, float]:
         """(bandwidth, latency) of a group whose members lie `group_span` ranks apart in the
-        rank order at most: inside a node when the span fits in one, else between nodes."""
+        rank order at most: inside a node when the span fits in one, else between nodes;
+        bandwidth as a collective reaches it (`link_efficiency`)."""
         if group_span <= self.devices_per_node:
-            return self.intra_bandwidth, self.intra_latency
-        return self.inter_bandwidth, self.inter_latency
+            return self.intra_bandwidth * self.link_efficiency, self.intra_latency
+        return self.device_inter_bandwidth * self.link_efficiency, self.inter_latency
 
 
 def _positive(value: object) -> bool:
@@ -98,28 +141,48 @@ def _non_negative(value: object) -> bool:
             and math.isfinite(value) and value >= 0)
 
 
-# Vendor datasheet figures (dense, no sparsity). NVLink is quoted as a two-way total, so one
-# direction is half; InfiniBand is 200 or 400 Gb/s per NIC with one NIC per GPU (8 per node).
-# achieved_fraction 0.5: Narayanan et al. 2021 (Megatron-LM, SC'21) report 44-52% of peak on
-# A100s for GPT models of 1-1000B parameters.
+# Vendor datasheet figures (dense, no sparsity); NVLink is quoted as a two-way total, so one
+# direction is half. InfiniBand NICs for compute traffic: 8 a node (one per GPU).
+# - A100 80GB SXM: NVIDIA A100 Tensor Core GPU datasheet (2021): BF16/FP16 312 TFLOPS, FP32
+#   19.5, HBM2e 2,039 GB/s, NVLink 600 GB/s; 108 SMs (NVIDIA A100 Tensor Core GPU
+#   Architecture whitepaper, 2020). DGX A100 datasheet: 8 × 200 Gb/s HDR InfiniBand.
+# - H100 80GB SXM5: NVIDIA H100 Tensor Core GPU datasheet (2023): BF16 989 TFLOPS dense, FP32
+#   67, HBM3 3.35 TB/s, NVLink 900 GB/s; 132 SMs (NVIDIA H100 Tensor Core GPU Architecture
+#   whitepaper, 2022). DGX H100 datasheet: 8 × 400 Gb/s ConnectX-7.
+# - A800 80GB SXM: NVIDIA A800 Tensor Core GPU datasheet (2022): the A100's chip (312 TFLOPS,
+#   2,039 GB/s) with NVLink cut to 400 GB/s (200 one way); 8 × 200 Gb/s NICs assumed as DGX A100.
+# Efficiencies, calibrated once against Narayanan et al. 2021 (Megatron-LM, SC'21, Table 1;
+# benchmarks/bench_plan.py --part published): a full 256 × 128 GEMM tile reaches 0.70 of an
+# SM's peak (the 2021 runs; cuBLAS reaches ~0.8 today), element-wise kernels
+# 0.85 of HBM bandwidth, collectives 0.8 of the link (NCCL's bus bandwidth ~240 GB/s of
+# NVLink's 300 one way), 4 µs a kernel. achieved_fraction prices layers without a shape.
+_A100 = {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}
+_DEVICE_MODEL: dict[str, Any] = {
+    "gemm_efficiency": 0.70, "memory_efficiency": 0.85, "link_efficiency": 0.8,
+    "kernel_overhead": 4e-6}
 PRESETS: dict[str, ClusterSpec] = {
     "a100-80g": ClusterSpec(
         name="a100-80g", nodes=1, devices_per_node=8, device_memory=80 * GIB,
-        peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, achieved_fraction=0.5,
-        intra_bandwidth=300e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
-        memory_bandwidth=2.0e12, op_overhead=20e-6),
+        peak_flops=_A100, achieved_fraction=0.5, intra_bandwidth=300e9, intra_latency=5e-6,
+        inter_bandwidth=25e9, inter_latency=10e-6, memory_bandwidth=2.039e12,
+        op_overhead=20e-6, sm_count=108, nics_per_node=8, nic_bandwidth=25e9,
+        **_DEVICE_MODEL),
     "h100-80g": ClusterSpec(
         name="h100-80g", nodes=1, devices_per_node=8, device_memory=80 * GIB,
         peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, achieved_fraction=0.5,
         intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
-        memory_bandwidth=3.35e12, op_overhead=20e-6),
+        memory_bandwidth=3.35e12, op_overhead=20e-6, sm_count=132, nics_per_node=8,
+        nic_bandwidth=50e9, **_DEVICE_MODEL),
     "a800-80g": ClusterSpec(
         name="a800-80g", nodes=1, devices_per_node=8, device_memory=80 * GIB,
-        peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, achieved_fraction=0.5,
-        intra_bandwidth=200e9, intra_latency=5e-6, inter_bandwidth=25e9, inter_latency=10e-6,
-        memory_bandwidth=2.0e12, op_overhead=20e-6),
+        peak_flops=_A100, achieved_fraction=0.5, intra_bandwidth=200e9, intra_latency=5e-6,
+        inter_bandwidth=25e9, inter_latency=10e-6, memory_bandwidth=2.039e12,
+        op_overhead=20e-6, sm_count=108, nics_per_node=8, nic_bandwidth=25e9,
+        **_DEVICE_MODEL),
 }
 _NUMBER_KEYS = {f.name for f in fields(ClusterSpec)} - {"name", "peak_flops", "precision"}
+_OPTIONAL_KEYS = {f.name for f in fields(ClusterSpec) if f.default is not MISSING
+                  or f.default_factory is not MISSING}
 
 
 def cluster_from_json(source: str | os.PathLike[str] | Mapping[str, Any]) -> ClusterSpec:
@@ -145,33 +208,19 @@ def cluster_from_json(source: str | os.PathLike[str] | Mapping[str, Any]) -> Clu
         if base not in PRESETS:
             raise PlanError(f"cluster JSON names unknown preset {base!r}; presets: "
                             f"{', '.join([*PRESETS, 'local'])}")
-        return replace(PRESETS[base], **values)
-    missing = sorted(known - {"op_overhead", "precision", "name"} - set(values))
+        return replace(PRESETS[base], **_tuples(values))
+    missing = sorted(known - _OPTIONAL_KEYS - {"name"} - set(values))
     if missing:
         raise PlanError(f"cluster JSON lacks {missing} (or start from a preset with "
                         f"\"preset\": \"a100-80g\")")
     values.setdefault("name", "custom")
-    return ClusterSpec(**values)
+    return ClusterSpec(**_tuples(values))
 
 
-def resolve_cluster(text: str, *, nodes: int | None = None) -> ClusterSpec:
-    """A preset name, or a JSON file path; `nodes` overrides the node count. `local` is
-    calibrated by `pipeline.planner.calibrate` (imports torch), so it is resolved there."""
-    if text == "local":
-        from pipeline.planner.calibrate import calibrate_local
-
-        spec = calibrate_local()
-    elif text in PRESETS:
-        spec = PRESETS[text]
-    elif text.endswith(".json") or os.path.exists(text):
-        if not os.path.exists(text):
-            raise PlanError(f"cluster file {text!r} does not exist")
-        spec = cluster_from_json(text)
-    else:
-        raise PlanError(f"unknown cluster {text!r}; use a preset ({', '.join(PRESETS)}, "
-                        f"local) or a JSON file")
-    if nodes is not None:
-        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-            raise PlanError(f"nodes={nodes!r} must be a whole number >= 1")
-        spec = replace(spec, nodes=nodes)
-    return spec
+def _tuples(values: dict[str, Any]) -> dict[str, Any]:
+    """JSON lists of `gemm_measurements` rows as the tuples the spec holds."""
+    rows = values.get("gemm_measurements")
+    if isinstance(rows, list):
+        values["gemm_measurements"] = tuple(tuple(row) if isinstance(row, list) else row
+                                            for row in rows)
+    return values

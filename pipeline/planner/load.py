@@ -13,10 +13,12 @@ __all__ = ["load_model"]
 
 
 def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
-               cost_batch: int = 1) -> ModelProfile:
+               cost_batch: int = 1, attention: str = "fused",
+               sequence_parallel: bool = False) -> ModelProfile:
     """`text` is a cost JSON file (a top-level "layers" list, partition/README.md), a JSON
     file of a transformer shape, or a shape written inline
-    (``layers=24,hidden=2048,heads=16,vocab=50257,seq=2048``)."""
+    (``layers=24,hidden=2048,heads=16,vocab=50257,seq=2048``); `attention` and
+    `sequence_parallel` as `transformer_profile` takes them."""
     if os.path.exists(text):
         try:
             with open(text) as handle:
@@ -30,8 +32,10 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
             return profile_from_cost_json(document, cost_batch=cost_batch)
         if not isinstance(document, dict):
             raise PlanError(f"model file {text!r} must hold a JSON object")
-        return transformer_profile(parse_shape(document, seq=seq), precision)
+        return transformer_profile(parse_shape(document, seq=seq), precision, attention=attention,
+                                   sequence_parallel=sequence_parallel)
     if "=" not in text:
         raise PlanError(f"model {text!r} is neither an existing file nor a shape such as "
                         f"layers=24,hidden=2048,heads=16,vocab=50257,seq=2048")
-    return transformer_profile(parse_shape(text, seq=seq), precision)
+    return transformer_profile(parse_shape(text, seq=seq), precision, attention=attention,
+                               sequence_parallel=sequence_parallel)

@@ -3,7 +3,7 @@ with tensor-parallel, pipeline and data-parallel communication and the optimizer
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,8 @@ from pipeline.planner.memory import (
     MemoryBreakdown,
     peak_rank_memory,
 )
-from pipeline.planner.profile import ModelProfile, ring_allreduce_seconds
+from pipeline.planner.pricing import allreduce_seconds, layer_times
+from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable
 from schedules import (
     KINDS,
@@ -32,9 +33,13 @@ from schedules import (
 __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_limit",
            "schedule_placement"]
 
+BUCKET_PARAMETERS = 40_000_000
+"""Gradients a data-parallel bucket holds: Megatron's default (`--ddp-bucket-size`, 40M
+elements); the engine's hooks launch one bucket's reduction as soon as it is full."""
 # Adam reads parameter, gradient and both moments and writes parameter and moments: 7 fp32
 # values of memory traffic per parameter (a memory-bound update).
 _ADAM_TRAFFIC = 7 * 4.0
+_KEPT_SCHEDULES = 8
 _BACKWARD_KINDS = np.array([KINDS.index(k) for k in (Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)])
 
 
@@ -91,8 +96,9 @@ class Prediction:
     """The rank holding the most."""
     memory_rank: int
     breakdown: dict[str, float]
-    """Seconds of the busiest pipeline rank's step by cause: compute, recomputation,
-    tp_comm, bubble (idle, P2P waits included), dp_comm (exposed), optimizer."""
+    """Seconds of the step by cause on the pipeline rank that finishes last: compute,
+    recomputation, tp_comm, bubble (idle, P2P waits included), dp_comm (exposed),
+    optimizer. They sum to `step_seconds`."""
     boundaries: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,6 +117,14 @@ class PlanContext:
     cluster: ClusterSpec
     global_batch: int
     precision: str
+    extra_parameter_bytes: float = 0.0
+    """Bytes per parameter an engine holds beyond `memory`'s (which prices this engine),
+    counted with the parameters: Megatron-LM keeps an fp16 working copy of its fp32 weights,
+    2 more (18 in all: Megatron's docs, "fp16 params, fp32 main grads, Adam")."""
+    overlap_grad_reduce: bool = True
+    """The data-parallel reduction overlaps the last backward (the engine's gradient hooks,
+    Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
+    drained, as Megatron-LM did in 2021 (Narayanan et al.: all-reduce after the flush)."""
     _tables: dict[tuple[int, int, bool], StageTable] = field(default_factory=dict)
     _schedules: dict[tuple[Any, ...], Schedule | None] = field(default_factory=dict)
     _traces: dict[tuple[str, int, int, int], HeldTrace | None] = field(default_factory=dict)
@@ -121,8 +135,13 @@ class PlanContext:
         key = (config.pp * config.chunks, config.tp, config.recompute)
         if key not in self._tables:
             costs = []
+            priced: dict[object, tuple[float, float]] = {}  # identical blocks priced once
             for layer in self.model.layers:
-                forward, backward = layer.times(self.cluster, self.precision, 1, config.tp)
+                same = layer.shape if layer.shape is not None else id(layer)
+                if same not in priced:
+                    priced[same] = layer_times(layer, self.cluster, self.precision, 1,
+                                               config.tp)
+                forward, backward = priced[same]
                 costs.append(LayerCost(layer.name, forward=forward, backward=backward + (
                     forward if config.recompute else 0.0)))
             cuts = partition_graph(chain_graph(costs), key[0]).boundaries
@@ -145,6 +164,10 @@ class PlanContext:
             key += tuple(np.round(values / values.max(), 2).tolist())
             limit = memory_limit(config)
         if key not in self._schedules:
+            # the few most recent only: at thousands of devices one schedule holds ~10^5
+            # ops, and the search asks for each one's configurations in a row
+            while len(self._schedules) >= _KEPT_SCHEDULES:
+                del self._schedules[next(iter(self._schedules))]
             try:
                 self._schedules[key] = generate_schedule(
                     config.schedule, config.pp, config.num_microbatches, config.chunks,
@@ -185,9 +208,13 @@ class PlanContext:
                                         config.chunks * config.num_microbatches)
         else:
             raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
-        return peak_rank_memory(table.params, activations, table.workspace * b, placement,
-                                dp=config.dp, zero=config.zero_stage,
-                                recompute=config.recompute)
+        held, rank = peak_rank_memory(table.params, activations, table.workspace * b,
+                                      placement, dp=config.dp, zero=config.zero_stage,
+                                      recompute=config.recompute)
+        if self.extra_parameter_bytes:  # another engine's state, on the fullest rank
+            extra = float(self._rank_params(config)[rank]) * self.extra_parameter_bytes
+            held = replace(held, parameters=held.parameters + extra)
+        return held, rank
 
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
         return np.bincount(_placement(config), weights=self.table(config).params,
@@ -201,14 +228,14 @@ class PlanContext:
         if not config.zero_stage:
             return step, np.zeros(config.pp)
         # ZeRO-1: reduce-scatter before the step (overlapped), all-gather after it (exposed)
-        bandwidth, latency = self.cluster.link(config.tp * config.dp)
-        gather = np.array([ring_allreduce_seconds(x * PARAM_BYTES, config.dp, bandwidth,
-                                                  latency) / 2 for x in params])
+        gather = np.array([allreduce_seconds(x * PARAM_BYTES, config.dp, config.tp,
+                                             self.cluster) / 2 for x in params])
         return step, gather
 
     def lower_bound(self, config: PlanConfig) -> float:
         """A step time no schedule can beat: per rank, the forwards of the stages before
-        its first one (microbatch 0 must pass them), all its compute, and its update."""
+        its first one (microbatch 0 must pass them), all its compute, and its update; with
+        one stage per rank, also the pipeline's drain (below)."""
         table = self.table(config)
         totals = np.minimum(table.costs(config.microbatch_size).total,
                             table.costs(config.microbatch_size, split=True).total)
@@ -218,7 +245,18 @@ class PlanContext:
         first = np.array([np.flatnonzero(placement == rank)[0] for rank in range(config.pp)])
         fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
         step, gather = self._update_seconds(config)
-        return float((fill + config.num_microbatches * busy + step + gather).max())
+        bound = float((fill + config.num_microbatches * busy + step + gather).max())
+        if list(placement) == list(range(config.pp)) and config.pp > 1:
+            # one stage per rank: the last rank's last input gradient comes after all its
+            # forwards and input gradients (each one's forward precedes it); then that
+            # microbatch's gradient must pass every earlier stage back to rank 0 (as I, or
+            # within a fused B), which then updates: the drain no schedule avoids
+            split = table.costs(config.microbatch_size, split=True)
+            chain = np.minimum(split.input_grad, costs.input_grad)
+            drain = (fill[-1] + config.num_microbatches * (costs.forward[-1] + chain[-1])
+                     + float(chain[:-1].sum()) + step[0] + gather[0])
+            bound = max(bound, float(drain))
+        return bound
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
@@ -236,51 +274,71 @@ class PlanContext:
             split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
         costs = table.costs(config.microbatch_size, split)
         p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
+        # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
+        # over NVLink (Narayanan et al. 2021, section 4.1)
+        boundary = costs.boundary_bytes / config.tp
         model = CostModel(forward=costs.forward.tolist(), backward=costs.input_grad.tolist(),
                           weight=costs.weight_grad.tolist(), comm=p2p_latency,
-                          activation_bytes=costs.boundary_bytes.tolist(),
-                          bandwidth=p2p_bandwidth)
+                          activation_bytes=boundary.tolist(), bandwidth=p2p_bandwidth)
         schedule = self.schedule(config, model)
         if schedule is None:
             return None
         timeline = simulate(schedule, model)
         placement = np.asarray(_placement(config))
         step, gather = self._update_seconds(config)
-        dp_bandwidth, dp_latency = self.cluster.link(config.tp * config.dp)
         rank_end = np.zeros(config.pp)
         np.maximum.at(rank_end, timeline.rank, timeline.end)
         backward = np.isin(timeline.kind, _BACKWARD_KINDS)
         stage_done = np.zeros(len(placement))
         np.maximum.at(stage_done, timeline.stage[backward], timeline.end[backward])
-        finish = np.empty(config.pp)
-        for rank in range(config.pp):
-            reduce_end = 0.0
-            for s in sorted(np.flatnonzero(placement == rank), key=lambda s: stage_done[s]):
-                seconds = ring_allreduce_seconds(table.params[s] * GRAD_BYTES, config.dp,
-                                                 dp_bandwidth, dp_latency)
-                # ZeRO-1 reduce-scatters: half an all-reduce's traffic
-                reduce_end = max(reduce_end, stage_done[s]) + (
-                    seconds / 2 if config.zero_stage else seconds)
-            finish[rank] = max(rank_end[rank], reduce_end) + step[rank] + gather[rank]
+        last_start = np.zeros(len(placement))
+        np.maximum.at(last_start, timeline.stage[backward], timeline.start[backward])
+        if not self.overlap_grad_reduce:  # nothing starts before the rank's last op
+            last_start = np.maximum(last_start, rank_end[placement])
+            stage_done = np.maximum(stage_done, rank_end[placement])
+        reduce_end = np.array([self._reduction_end(config, table.params, placement == rank,
+                                                   last_start, stage_done)
+                               for rank in range(config.pp)])
+        finish = np.maximum(rank_end, reduce_end) + step + gather
         total = float(finish.max())
+        # the breakdown of the rank that finishes last: its parts sum to the step
+        last = int(np.argmax(finish))
+        mine = placement == last
         m = config.num_microbatches
-        busy_by_rank = m * np.bincount(placement, weights=costs.total, minlength=config.pp)
-        busiest = int(np.argmax(busy_by_rank))
-        mine = placement == busiest
+        busy = m * float(costs.total[mine].sum())
         tp_comm = m * float(costs.tp_comm[mine].sum())
         recompute = m * float(costs.recompute[mine].sum())
-        busy = float(busy_by_rank[busiest])
-        makespan = float(rank_end.max())
-        exposed = max(0.0, total - makespan - float(step[busiest] + gather[busiest]))
         breakdown = {"compute": busy - tp_comm - recompute, "recomputation": recompute,
-                     "tp_comm": tp_comm, "bubble": max(0.0, makespan - busy),
-                     "dp_comm": exposed + float(gather[busiest]),
-                     "optimizer": float(step[busiest])}
+                     "tp_comm": tp_comm, "bubble": float(rank_end[last]) - busy,
+                     "dp_comm": float(max(rank_end[last], reduce_end[last]) - rank_end[last]
+                                      + gather[last]),
+                     "optimizer": float(step[last])}
         tokens = self.global_batch * self.model.seq
         devices = config.pp * config.tp * config.dp
         model_flops = 3 * self.model.flops_per_sample * self.global_batch
         return Prediction(config, total, tokens / total, model_flops / total / devices,
                           memory[0], memory[1], breakdown, table.boundaries)
+
+    def _reduction_end(self, config: PlanConfig, params: np.ndarray, stages: np.ndarray,
+                       last_start: np.ndarray, stage_done: np.ndarray) -> float:
+        """When a rank's data-parallel gradient reduction ends. The engine launches a
+        bucket's reduction from the gradient hooks as soon as the last microbatch's backward
+        has filled it (Megatron's overlap_grad_reduce), one bucket after another on one
+        stream: of a stage's k buckets, ready evenly through its last backward [start, end],
+        each taking R/k, the last ends at max(start + L/k + R, end + R/k), L = end - start;
+        only what cannot hide behind that backward is exposed. ZeRO-1 reduce-scatters: half
+        an all-reduce's traffic."""
+        end = 0.0
+        for s in sorted(np.flatnonzero(stages), key=lambda s: stage_done[s]):
+            seconds = allreduce_seconds(params[s] * GRAD_BYTES, config.dp, config.tp,
+                                        self.cluster)
+            if config.zero_stage:
+                seconds /= 2
+            buckets = max(1, -(-int(params[s]) // BUCKET_PARAMETERS))
+            window = stage_done[s] - last_start[s]
+            end = max(end + seconds, last_start[s] + window / buckets + seconds,
+                      stage_done[s] + seconds / buckets)
+        return end
 
 
 def is_cost_aware(name: str) -> bool:

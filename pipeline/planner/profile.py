@@ -1,5 +1,5 @@
-"""What the planner knows of a model: per-layer FLOPs or measured times, parameters and
-activation bytes, all per sample so any microbatch size can be priced."""
+"""What the planner knows of a model: per-layer FLOPs, kernel shapes or measured times,
+parameters and activation bytes (priced on a cluster by `pipeline.planner.pricing`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
+from pipeline.planner.kernels import LayerShape
 
 __all__ = ["LayerProfile", "ModelProfile", "profile_from_cost_json"]
 
@@ -49,9 +49,12 @@ class LayerProfile:
     """Measured seconds per sample of a split backward's input-gradient (I) and weight-
     gradient (W) halves; None: half of the backward each."""
     split_fixed: tuple[float, float] = (0.0, 0.0)
+    shape: LayerShape | None = None
+    """The layer's kernel shapes, for the device model (`pipeline.planner.kernels`); None:
+    priced by its FLOPs or its measured times."""
 
     def __post_init__(self) -> None:
-        values = {**vars(self), "split_fixed": None, "split_seconds": None,
+        values = {**vars(self), "split_fixed": None, "split_seconds": None, "shape": None,
                   "split_0": (self.split_seconds or (0.0, 0.0))[0],
                   "split_1": (self.split_seconds or (0.0, 0.0))[1],
                   "split_fixed_0": self.split_fixed[0], "split_fixed_1": self.split_fixed[1]}
@@ -73,54 +76,6 @@ class LayerProfile:
     def held(self, tp: int) -> float:
         """Activation bytes per sample one tp rank keeps for the backward."""
         return self.held_split / tp + self.held_replicated
-
-    def times(self, cluster: ClusterSpec, precision: str, batch: int, tp: int
-              ) -> tuple[float, float]:
-        """(forward, full backward) seconds of one microbatch of `batch` samples on one tp
-        rank, tensor-parallel all-reduces included.
-
-        FLOP-priced layers: backward = 2 × forward FLOPs (one matmul for the input gradient,
-        one for the weight gradient; Narayanan et al. 2021, section 5.1).
-        """
-        if self.forward_seconds is not None:
-            forward = self.forward_fixed + self.forward_seconds * batch
-            backward = self.backward_fixed + (self.backward_seconds or 0.0) * batch
-        else:
-            rate = cluster.flops(precision)
-            work = (self.flops_split / tp + self.flops_replicated) * batch / rate
-            forward, backward = work, 2 * work
-        comm = self.tp_seconds(cluster, batch, tp)
-        return forward + comm, backward + comm
-
-    def tp_seconds(self, cluster: ClusterSpec, batch: int, tp: int) -> float:
-        """Seconds of one pass's tensor-parallel all-reduces (Megatron: the same count in
-        the forward and in the backward)."""
-        if tp <= 1 or not self.tp_allreduces:
-            return 0.0
-        bandwidth, latency = cluster.link(tp)
-        return self.tp_allreduces * ring_allreduce_seconds(self.tp_allreduce_bytes * batch, tp,
-                                                           bandwidth, latency)
-
-    def split_times(self, cluster: ClusterSpec, precision: str, batch: int, tp: int
-                    ) -> tuple[float, float]:
-        """(I, W) seconds of a split backward of one microbatch: measured when profiled
-        (an engine's W may cost more than half a backward), else half the backward's work
-        each, the tensor-parallel all-reduces in I."""
-        if self.split_seconds is None:
-            _, backward = self.times(cluster, precision, batch, tp)
-            comm = self.tp_seconds(cluster, batch, tp)
-            return comm + (backward - comm) / 2, (backward - comm) / 2
-        return (self.split_fixed[0] + self.split_seconds[0] * batch,
-                self.split_fixed[1] + self.split_seconds[1] * batch)
-
-
-def ring_allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: float
-                           ) -> float:
-    """A ring all-reduce: 2(d-1)/d of the bytes through each link, 2(d-1) latency hops
-    (Patarasuk & Yuan 2009; the same volume as reduce-scatter + all-gather, ZeRO-1's pair)."""
-    if group <= 1:
-        return 0.0
-    return 2 * (group - 1) / group * nbytes / bandwidth + 2 * (group - 1) * latency
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.predict import Prediction
 from pipeline.planner.search import PlanResult, format_counts
 
-__all__ = ["format_table", "loss_reason", "plan_document", "plot_plan"]
+__all__ = ["format_breakdown", "format_table", "gap_parts", "loss_reason", "plan_document",
+           "plot_plan"]
 
 GIB = 2**30
 # cause of a step's time -> the word the table uses for it
@@ -19,18 +20,34 @@ _CAUSES = {"bubble": "bubble", "tp_comm": "communication", "dp_comm": "communica
            "recomputation": "recomputation", "compute": "compute", "optimizer": "optimizer"}
 
 
+def gap_parts(loser: Prediction, pick: Prediction) -> dict[str, float]:
+    """Seconds by which each cause of `loser`'s step exceeds the pick's (negative: it is
+    smaller), causes named as the table names them. The parts sum to the net gap
+    `loser.step_seconds - pick.step_seconds`: both breakdowns sum to their steps."""
+    parts: dict[str, float] = {}
+    for key, word in _CAUSES.items():
+        parts[word] = parts.get(word, 0.0) + loser.breakdown[key] - pick.breakdown[key]
+    return parts
+
+
 def loss_reason(loser: Prediction, pick: Prediction) -> str:
-    """Why `loser` is slower than `pick`: the cause whose seconds grew the most, with its
-    share of the difference ("bubble +0.21 s")."""
+    """Why `loser` is slower than `pick`: the net gap, then its decomposition by cause,
+    largest first ("+21.0 ms: bubble +30.2 ms, communication -9.2 ms"); causes under 1% of
+    the largest are left out of the text."""
     if loser is pick:
         return "pick"
-    grown: dict[str, float] = {}
-    for key, word in _CAUSES.items():
-        grown[word] = grown.get(word, 0.0) + loser.breakdown[key] - pick.breakdown[key]
-    word, seconds = max(grown.items(), key=lambda item: item[1])
-    if seconds <= 0:
+    gap = loser.step_seconds - pick.step_seconds
+    parts = sorted(gap_parts(loser, pick).items(), key=lambda item: -abs(item[1]))
+    largest = abs(parts[0][1])
+    shown = [f"{word} {_signed(value)}" for word, value in parts
+             if largest and abs(value) >= 0.01 * largest]
+    if not shown:
         return "ties the pick"
-    return f"{word} +{_seconds(seconds)}"
+    return f"{_signed(gap)}: {', '.join(shown)}"
+
+
+def _signed(value: float) -> str:
+    return ("+" if value >= 0 else "-") + _seconds(abs(value))
 
 
 def _seconds(value: float) -> str:
@@ -75,7 +92,8 @@ def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *
         "device_memory": cluster.device_memory, "global_batch": global_batch,
         "pick": pick.to_dict() | {"engine_arguments": pick.config.engine_arguments(),
                                   "train_command": pick.config.train_command(global_batch)},
-        "ranked": [p.to_dict() | {"why_slower": loss_reason(p, pick)}
+        "ranked": [p.to_dict() | {"why_slower": loss_reason(p, pick),
+                                  "gap_parts": gap_parts(p, pick)}
                    for p in result.predictions[:top]],
         "pareto": [p.config.label() for p in result.pareto()],
         "counts": {"considered": result.considered, "simulated": len(result.predictions),
@@ -86,12 +104,42 @@ def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *
     }
 
 
-def plot_plan(result: PlanResult, cluster: ClusterSpec, path: str | os.PathLike[str]) -> Path:
+def format_breakdown(prediction: Prediction, cluster: ClusterSpec, global_batch: int) -> str:
+    """One configuration in full: step, throughput, the step by cause (summing to it), the
+    memory of its fullest rank, and its engine arguments."""
+    config = prediction.config
+    fits = prediction.memory.total <= cluster.device_memory
+    lines = [f"{config.label()}: step {_seconds(prediction.step_seconds)}, "
+             f"{prediction.tokens_per_second:,.0f} tokens/s, "
+             f"{prediction.flops_per_device / 1e12:.1f} model TFLOP/s per device", "",
+             "  step by cause (the rank that finishes last):"]
+    for key, value in prediction.breakdown.items():
+        share = value / prediction.step_seconds if prediction.step_seconds else 0.0
+        lines.append(f"    {key:<14} {_seconds(value):>10}  {share:6.1%}")
+    lines.append(f"    {'total':<14} {_seconds(prediction.step_seconds):>10}")
+    lines += ["", f"  memory (rank {prediction.memory_rank} holds the most), GiB:"]
+    for key, value in prediction.memory.to_dict().items():
+        lines.append(f"    {key:<14} {value / GIB:>10.2f}")
+    lines.append(f"    device         {cluster.device_memory / GIB:>10.2f}  "
+                 + ("fits" if fits else "DOES NOT FIT"))
+    arguments = ", ".join(f"{key}={value!r}" for key, value in config.engine_arguments().items())
+    lines += ["", f"  stage boundaries: {list(prediction.boundaries)}",
+              f"  PipelineModule/PipelineEngine: {arguments}",
+              f"  {config.train_command(global_batch)}"]
+    return "\n".join(lines)
+
+
+def plot_plan(result: PlanResult, cluster: ClusterSpec, path: str | os.PathLike[str], *,
+              top: int = 10) -> Path:
     """Predicted step time against memory per rank for every simulated configuration; the
-    Pareto front joined and marked, the pick starred, the device memory as a line."""
+    Pareto front joined and marked, the top `top` numbered and named in the legend, the
+    pick starred, the device memory as a line. The y-axis spans the top configurations
+    (often all within a few percent of each other), not the slowest."""
+    import textwrap
+
     from viz.output import new_figure, save_figure
 
-    figure = new_figure(8, 5)
+    figure = new_figure(11.5, 6)
     axes = figure.add_subplot(1, 1, 1)
     largest = max(p.memory.total for p in result.predictions)
     unit, scale = ("GiB", GIB) if largest >= GIB else ("MiB", 2**20)
@@ -101,10 +149,19 @@ def plot_plan(result: PlanResult, cluster: ClusterSpec, path: str | os.PathLike[
     front = result.pareto()
     axes.plot([p.memory.total / scale for p in front], [p.step_seconds for p in front],
               "o-", color="#d1495b", markersize=5, label="Pareto front")
+    best = result.predictions[:top]
+    for rank, prediction in enumerate(best, start=1):
+        x, y = prediction.memory.total / scale, prediction.step_seconds
+        axes.scatter([x], [y], s=28, color="#00798c", zorder=4)
+        axes.annotate(str(rank), (x, y), textcoords="offset points", xytext=(4, 3),
+                      fontsize=8, color="#00798c")
     pick = result.best
     axes.scatter([pick.memory.total / scale], [pick.step_seconds], marker="*", s=220,
-                 color="#edae49", edgecolors="black", zorder=5,
-                 label=f"pick: {pick.config.label()}")
+                 color="#edae49", edgecolors="black", zorder=5, label="pick (1)")
+    low, high = best[0].step_seconds, best[-1].step_seconds
+    margin = max(high - low, 0.01 * low) * 0.15
+    hidden = sum(1 for p in result.predictions if p.step_seconds > high + margin)
+    axes.set_ylim(low - margin, high + margin)
     device = f"device memory {cluster.device_memory / scale:,.1f} {unit}"
     if cluster.device_memory <= 2 * largest:  # else the line would squash every point
         axes.axvline(cluster.device_memory / scale, color="black", linestyle="--",
@@ -113,9 +170,15 @@ def plot_plan(result: PlanResult, cluster: ClusterSpec, path: str | os.PathLike[
         device += " (off the chart)"
     axes.set_xlabel(f"memory per rank ({unit}, the largest rank); {device}")
     axes.set_ylabel("predicted step time (s)")
-    axes.set_title(f"{len(result.predictions)} simulated configurations on "
-                   f"{cluster.num_devices} × {cluster.name} ({result.skipped_by_bound} more fit "
-                   f"but are beaten in time and memory by a bound)", fontsize=10)
-    axes.legend(loc="upper right", fontsize=8)
-    figure.tight_layout()
+    title = (f"{len(result.predictions)} simulated configurations on {cluster.num_devices} × "
+             f"{cluster.name}; the top {len(best)} numbered"
+             + (f", {hidden} slower ones above the chart" if hidden else "")
+             + f"; {result.skipped_by_bound} more fit but a bound beats them in time and memory")
+    axes.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=10)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
+    names = [f"{rank:>2}  {p.config.label()}  {_seconds(p.step_seconds)}"
+             for rank, p in enumerate(best, start=1)]
+    axes.text(1.02, 0.62, "\n".join(names), transform=axes.transAxes, fontsize=7,
+              va="top", ha="left", family="monospace")
+    figure.subplots_adjust(left=0.08, right=0.64, top=0.88, bottom=0.1)
     return save_figure(figure, path)

@@ -17,13 +17,14 @@ from pipeline.planner.profile import ModelProfile
 from schedules import SCHEDULES
 from schedules.ir.schedule import gc_paused
 
-__all__ = ["PlanResult", "SearchOptions", "format_counts", "plan"]
+__all__ = ["PlanResult", "SearchOptions", "check_request", "format_counts", "plan", "price"]
 
 GIB = 2**30
 _UNPRICED = ("forward-only", "zb-optimal")
 """Not searched. forward-only trains nothing. zb-optimal proves its order with a solver
 (up to 10 s per configuration, thousands of configurations a search): the searched
 zero-bubble family (zb-auto, zb-v-auto, interleaved-zb) stands for it."""
+_CONTROLLABLE = ("v-half", "v-min")
 _TRAINING_SCHEDULES = tuple(name for name in SCHEDULES if name not in _UNPRICED)
 
 
@@ -38,6 +39,22 @@ class SearchOptions:
     """Also try full activation recomputation."""
     tensor_parallel: tuple[int, ...] | None = None
     """tp sizes to try; None: every divisor of the devices per node that divides the heads."""
+    pipeline_parallel: tuple[int, ...] | None = None
+    """pp sizes to try; None: every divisor of the devices."""
+    data_parallel: tuple[int, ...] | None = None
+    """dp sizes to try; None: every size the devices and the global batch allow."""
+    microbatch_sizes: tuple[int, ...] | None = None
+    """Samples per microbatch to try; None: every divisor of a replica's batch."""
+    zero_stages: tuple[int, ...] | None = None
+    """ZeRO stages to try (0, 1); None: both where dp > 1."""
+    recompute_choices: tuple[bool, ...] | None = None
+    """Recomputation off (False) and/or full (True); None: both when `recompute`, else off."""
+    extra_parameter_bytes: float = 0.0
+    """Bytes per parameter the training engine holds beyond the planner's memory model
+    (`PlanContext.extra_parameter_bytes`; 2 for Megatron-LM's fp16 weights)."""
+    overlap_grad_reduce: bool = True
+    """Price the data-parallel reduction overlapped with the last backward (the engine's
+    hooks); False: after the pipeline drains (`PlanContext.overlap_grad_reduce`)."""
     top: int = 10
     """Configurations kept exactly ranked (the bound never skips one of them)."""
     zb_auto_max: int = 1024
@@ -48,15 +65,39 @@ class SearchOptions:
     zb-auto's time: 0.2 s at p·m = 128, 0.6 s at 512 here) only where p·m is at most this:
     the 64-device search takes 6 s at 32, 9 s at 64, 15 s at 128."""
 
+    controllable_max: int = 1024
+    """v-half and v-min (built from a block, then squeezed: ~p²·m work, 9 s at p = 64,
+    m = 512 here, 3 s at p·m = 4096) only where p·m is at most this; larger pipelines get
+    the other V-shaped schedules (zb-v, dualpipev)."""
+
     def __post_init__(self) -> None:
         unknown = [name for name in self.schedules if name not in _TRAINING_SCHEDULES]
         if unknown or not self.schedules:
             raise PlanError(f"schedules {unknown or '(none)'} are not training schedules; "
                             f"choose from {', '.join(_TRAINING_SCHEDULES)}")
-        for name in ("max_chunks", "top", "zb_auto_max", "searched_max"):
+        for name in ("max_chunks", "top", "zb_auto_max", "searched_max", "controllable_max"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a whole number >= 1")
+        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel",
+                     "microbatch_sizes"):
+            sizes = getattr(self, name)
+            if sizes is not None and (not sizes or any(
+                    isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes)):
+                raise PlanError(f"{name}={sizes!r} must be whole numbers >= 1")
+        if self.zero_stages is not None and (not self.zero_stages or any(
+                z not in (0, 1) or isinstance(z, bool) for z in self.zero_stages)):
+            raise PlanError(f"zero_stages={self.zero_stages!r} must be 0 and/or 1 (ZeRO-2/3 "
+                            f"would communicate every microbatch, refused with pipelines)")
+        if self.recompute_choices is not None and (not self.recompute_choices or any(
+                not isinstance(x, bool) for x in self.recompute_choices)):
+            raise PlanError(f"recompute_choices={self.recompute_choices!r} must be False "
+                            f"and/or True")
+
+    def recompute_modes(self) -> tuple[bool, ...]:
+        if self.recompute_choices is not None:
+            return self.recompute_choices
+        return (False, True) if self.recompute else (False,)
 
 
 @dataclass
@@ -103,37 +144,87 @@ def _chunk_options(name: str, pp: int, num_layers: int, max_chunks: int) -> list
     return [low] if low * pp <= num_layers else []
 
 
+def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
+                  options: SearchOptions) -> list[int]:
+    if options.tensor_parallel is not None:
+        return list(options.tensor_parallel)
+    if model.tensor_parallel_ok and model.heads is not None:
+        return [t for t in _divisors(cluster.devices_per_node) if model.heads % t == 0]
+    return [1]
+
+
 def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
              options: SearchOptions) -> Iterator[PlanConfig]:
     devices, n = cluster.num_devices, len(model.layers)
-    if options.tensor_parallel is not None:
-        tps = list(options.tensor_parallel)
-    elif model.tensor_parallel_ok and model.heads is not None:
-        tps = [t for t in _divisors(cluster.devices_per_node) if model.heads % t == 0]
-    else:
-        tps = [1]
-    for tp in tps:
+
+    def allowed(value: int, choices: tuple[int, ...] | None) -> bool:
+        return choices is None or value in choices
+
+    for tp in _tensor_sizes(model, cluster, options):
         if devices % tp:
             continue
         for pp in _divisors(devices // tp):
             dp = devices // (tp * pp)
-            if pp > n or global_batch % dp:
+            if pp > n or global_batch % dp or not allowed(pp, options.pipeline_parallel) \
+                    or not allowed(dp, options.data_parallel):
                 continue
             names = ("1f1b",) if pp == 1 else options.schedules
             for name in names:
                 for chunks in _chunk_options(name, pp, n, options.max_chunks):
                     for b in _divisors(global_batch // dp):
+                        if not allowed(b, options.microbatch_sizes):
+                            continue
                         m = global_batch // dp // b
                         if is_cost_aware(name) and pp * m > (
                                 options.zb_auto_max if name == "zb-auto"
                                 else options.searched_max):
                             continue
+                        if name in _CONTROLLABLE and pp * m > options.controllable_max:
+                            continue
                         for zero in ((0, 1) if dp > 1 else (0,)):
-                            for recompute in ((False, True) if options.recompute else (False,)):
+                            if not allowed(zero, options.zero_stages):
+                                continue
+                            for recompute in options.recompute_modes():
                                 yield PlanConfig(pp=pp, tp=tp, dp=dp, schedule=name,
                                                  chunks=chunks, microbatch_size=b,
                                                  num_microbatches=m,
                                                  zero_stage=zero, recompute=recompute)
+
+
+def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
+                  options: SearchOptions) -> None:
+    """Refuse, before any pricing, a request no configuration can satisfy, naming the cause:
+    a tp that does not divide the heads or the devices, a pp or dp that does not divide the
+    devices, a dp that does not divide the global batch."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global batch {global_batch!r} must be a whole number >= 1")
+    devices = cluster.num_devices
+    problems = []
+    tp_sizes = options.tensor_parallel or ()
+    if any(size > 1 for size in tp_sizes) and not model.tensor_parallel_ok:
+        raise PlanError(f"tensor_parallel {list(tp_sizes)}: {model.name} has measured or "
+                        f"cost-file layers, which cannot be split over tensor-parallel ranks; "
+                        f"give a transformer shape, or tensor_parallel 1")
+    heads = model.heads
+    if heads is not None:
+        bad = [t for t in tp_sizes if heads % t]
+        if bad:
+            problems.append(f"tensor-parallel size {', '.join(map(str, bad))} does not divide "
+                            f"the model's {heads} attention heads (use one of "
+                            f"{', '.join(str(d) for d in _divisors(heads) if devices % d == 0)})")
+    for what, sizes in (("tensor-parallel", tp_sizes),
+                        ("pipeline-parallel", options.pipeline_parallel or ()),
+                        ("data-parallel", options.data_parallel or ())):
+        bad = [size for size in sizes if devices % size]
+        if bad:
+            problems.append(f"{what} size {', '.join(map(str, bad))} does not divide the "
+                            f"{devices} devices (use a divisor of {devices}, or change --nodes)")
+    bad = [size for size in options.data_parallel or () if global_batch % size]
+    if bad:
+        problems.append(f"data-parallel size {', '.join(map(str, bad))} does not divide the "
+                        f"global batch {global_batch}")
+    if problems:
+        raise PlanError("; ".join(problems))
 
 
 @gc_paused  # millions of small tuples and arrays, no cycles: collections find nothing
@@ -144,14 +235,10 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     Raises `PlanError` when nothing fits, naming the leanest configuration's need."""
     started = time.perf_counter()
     options = options or SearchOptions()
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise PlanError(f"global batch {global_batch!r} must be a whole number >= 1")
-    tp_sizes = options.tensor_parallel or ()
-    if any(size > 1 for size in tp_sizes) and not model.tensor_parallel_ok:
-        raise PlanError(f"tensor_parallel {list(tp_sizes)}: {model.name} has measured or "
-                        f"cost-file layers, which cannot be split over tensor-parallel ranks; "
-                        f"give a transformer shape, or tensor_parallel 1")
-    context = PlanContext(model, cluster, global_batch, precision or cluster.precision)
+    check_request(model, cluster, global_batch, options)
+    context = PlanContext(model, cluster, global_batch, precision or cluster.precision,
+                          overlap_grad_reduce=options.overlap_grad_reduce,
+                          extra_parameter_bytes=options.extra_parameter_bytes)
     cluster.flops(context.precision)  # refuses an unknown precision up front
     result = PlanResult([])
     fitting: list[tuple[float, PlanConfig, MemoryBreakdown]] = []
@@ -197,25 +284,66 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         times[count], sizes[count] = prediction.step_seconds, prediction.memory.total
         count += 1
     if not result.predictions:
-        raise _nothing_fits(result, cluster, global_batch, model)
+        raise _nothing_fits(result, cluster, global_batch, model, options)
     result.predictions.sort(key=lambda p: (p.step_seconds, p.memory.total, p.config))
     result.seconds = time.perf_counter() - started
     return result
 
 
 def _nothing_fits(result: PlanResult, cluster: ClusterSpec, global_batch: int,
-                  model: ModelProfile) -> PlanError:
+                  model: ModelProfile, options: SearchOptions) -> PlanError:
     if result.leanest is None:
+        devices = cluster.num_devices
+        filters = [name for name in ("pipeline_parallel", "data_parallel", "microbatch_sizes",
+                                     "zero_stages", "recompute_choices", "tensor_parallel")
+                   if getattr(options, name) is not None]
+        dps = sorted({devices // (t * p) for t in _tensor_sizes(model, cluster, options)
+                      if devices % t == 0 for p in _divisors(devices // t)
+                      if p <= len(model.layers)})
         return PlanError(
-            f"no configuration of {cluster.num_devices} devices splits a global batch of "
-            f"{global_batch} (data-parallel sizes must divide it) into schedules that accept "
-            f"it; use a global batch divisible by {cluster.num_devices}")
+            f"no configuration of {devices} devices splits a global batch of {global_batch} "
+            f"into schedules that accept it: its data-parallel size (devices / (tp · pp), "
+            f"here {', '.join(map(str, dps)) or 'none'}) must divide the global batch"
+            + (f", within the filters {', '.join(filters)}" if filters else "")
+            + f"; use a global batch divisible by {' or '.join(map(str, dps)) or 'one'}"
+            + (", or loosen the filters" if filters else ""))
     config, memory = result.leanest
     return PlanError(
         f"{model.name} does not fit on {cluster.num_devices} × "
         f"{cluster.device_memory / GIB:.1f} GiB devices: the leanest configuration "
         f"({config.label()}) needs at least {memory.total / GIB:.1f} GiB per device; use devices "
         f"with at least that much, more devices (--nodes), or a smaller model")
+
+
+def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: PlanConfig,
+          *, precision: str | None = None, overlap_grad_reduce: bool = True) -> Prediction:
+    """One named configuration priced as the search prices it (its schedule's peak memory,
+    the simulated step), whether or not it fits in memory: the caller compares
+    `memory.total` with the device's."""
+    check_request(model, cluster, global_batch, SearchOptions(
+        tensor_parallel=(config.tp,), pipeline_parallel=(config.pp,),
+        data_parallel=(config.dp,)))
+    if config.pp * config.tp * config.dp != cluster.num_devices:
+        raise PlanError(f"{config.label()} uses {config.pp * config.tp * config.dp} devices; "
+                        f"the cluster has {cluster.num_devices} (pp · tp · dp must equal it)")
+    if config.dp * config.microbatch_size * config.num_microbatches != global_batch:
+        raise PlanError(f"{config.label()}: dp · b · m = "
+                        f"{config.dp * config.microbatch_size * config.num_microbatches}, not "
+                        f"the global batch {global_batch}")
+    if config.pp * config.chunks > len(model.layers):
+        raise PlanError(f"{config.label()}: {config.pp * config.chunks} stages need as many "
+                        f"layers; {model.name} has {len(model.layers)}")
+    context = PlanContext(model, cluster, global_batch, precision or cluster.precision,
+                          overlap_grad_reduce=overlap_grad_reduce)
+    cluster.flops(context.precision)
+    trace = context.held_trace(config)
+    if trace is None and not is_cost_aware(config.schedule):
+        raise PlanError(f"schedule {config.schedule} refuses {config.label()} (pp "
+                        f"{config.pp}, m {config.num_microbatches}, v {config.chunks})")
+    prediction = context.predict(config, context.memory(config, trace))
+    if prediction is None:
+        raise PlanError(f"schedule {config.schedule} refuses {config.label()}")
+    return prediction
 
 
 def format_counts(result: PlanResult) -> str:

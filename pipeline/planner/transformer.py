@@ -7,9 +7,10 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.planner.errors import PlanError
+from pipeline.planner.kernels import LayerShape
 from pipeline.planner.profile import LayerProfile, ModelProfile
 
 __all__ = ["TransformerShape", "parse_shape", "transformer_profile"]
@@ -111,32 +112,55 @@ class TransformerShape:
         return replicated, split
 
 
-def transformer_profile(shape: TransformerShape, precision: str = "bf16") -> ModelProfile:
-    """Embedding, the blocks and the head as pipeline layers, each priced per sample."""
+def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
+                        attention: str = "fused", sequence_parallel: bool = False
+                        ) -> ModelProfile:
+    """Embedding, the blocks and the head as pipeline layers, each priced per sample.
+
+    `attention` "fused" (FlashAttention: the s × s scores are never stored, the backward
+    recomputes them) or "eager" (scores, softmax and its dropout mask saved: Korthikanti's
+    5as²). `sequence_parallel` splits the norms', dropouts' and residuals' activations over
+    t too (Korthikanti et al. 2022, section 4.2.2: sbh(34 + 5as/h)/t)."""
     if precision not in ACTIVATION_BYTES:
         raise PlanError(f"precision {precision!r} is not one of {sorted(ACTIVATION_BYTES)}")
+    if attention not in ("fused", "eager"):
+        raise PlanError(f"attention {attention!r} must be 'fused' or 'eager'")
     element = ACTIVATION_BYTES[precision]
     s, h, vocab = shape.seq, shape.hidden, shape.vocab
     hidden_bytes = s * h * element
     replicated, split = shape.block_activation_bytes(element)
+    if attention == "fused":  # no scores (2 bytes), softmax (2 bytes) or mask (1 byte)
+        a = shape.heads
+        split -= a * s * s * (4 * element / 2 + 1) - 4 * a * s  # fp32 log-sum-exp kept
+    if sequence_parallel:
+        replicated, split = 0.0, replicated + split
+
+    def kernels(role: Literal["embedding", "block", "head"]) -> LayerShape:
+        return LayerShape(role, s, h, shape.heads, shape.kv_width, shape.ffn, vocab, element,
+                          "fused" if attention == "fused" else "eager", sequence_parallel)
+
     embedding = LayerProfile(
         name="embedding", params_split=vocab * h,  # vocab-parallel (Megatron)
         params_replicated=s * h if shape.learned_positions else 0,
-        output_bytes=hidden_bytes, tp_allreduces=1, tp_allreduce_bytes=hidden_bytes)
+        output_bytes=hidden_bytes, tp_allreduces=1, tp_allreduce_bytes=hidden_bytes,
+        shape=kernels("embedding"))
     block_weights = shape.block_parameters() - 4 * h  # all but the norms split over t
+    block = kernels("block")
     blocks = [LayerProfile(
         name=f"block{index}", flops_split=s * shape.block_flops_per_token(),
         params_split=block_weights, params_replicated=4 * h,
         held_split=split, held_replicated=replicated, output_bytes=hidden_bytes,
-        input_bytes=hidden_bytes, tp_allreduces=2, tp_allreduce_bytes=hidden_bytes)
+        input_bytes=hidden_bytes, tp_allreduces=2, tp_allreduce_bytes=hidden_bytes,
+        shape=block)
         for index in range(shape.layers)]
     # Output layer: final norm input (sh) and fp32 logits for the cross entropy, 4sV/t bytes
-    # (Korthikanti et al. 2022, section 4.1, "output layer").
+    # (Korthikanti et al. 2022, section 4.1, "output layer"); its input's gradient is
+    # all-reduced over tp in the backward (a column-parallel layer), priced as one pass.
     head = LayerProfile(
         name="head", flops_split=2 * s * h * vocab,
         params_split=0 if shape.tied_embeddings else vocab * h, params_replicated=2 * h,
         held_split=4 * s * vocab, held_replicated=hidden_bytes, input_bytes=hidden_bytes,
-        output_bytes=4 * s)
+        output_bytes=4 * s, shape=kernels("head"))
     return ModelProfile((embedding, *blocks, head), name=_label(shape), heads=shape.heads,
                         seq=s)
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from pipeline.planner import PRESETS, LayerProfile, PlanError, SearchOptions, plan
 from pipeline.planner.calibrate import calibrate_local, profile_layers
+from pipeline.planner.pricing import layer_split_times, layer_times, layer_tp_seconds
 
 __all__: list[str] = []
 
@@ -38,10 +39,10 @@ def test_profiled_models_plan_without_tensor_parallel() -> None:
 def test_split_times_default_to_half_the_backward_each() -> None:
     layer = LayerProfile(name="x", flops_split=1e12, tp_allreduces=2, tp_allreduce_bytes=1e6)
     cluster = PRESETS["a100-80g"]
-    _, backward = layer.times(cluster, "bf16", 2, 4)
-    input_grad, weight_grad = layer.split_times(cluster, "bf16", 2, 4)
+    _, backward = layer_times(layer, cluster, "bf16", 2, 4)
+    input_grad, weight_grad = layer_split_times(layer, cluster, "bf16", 2, 4)
     assert input_grad + weight_grad == pytest.approx(backward)
-    assert input_grad - weight_grad == pytest.approx(layer.tp_seconds(cluster, 2, 4))
+    assert input_grad - weight_grad == pytest.approx(layer_tp_seconds(layer, cluster, 2, 4))
 
 
 def test_profile_needs_two_batch_sizes() -> None:

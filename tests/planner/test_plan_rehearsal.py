@@ -14,6 +14,7 @@ from pipeline.demo.plan_rehearsal import planned_costs, rehearsal_plan
 from pipeline.model.emulated import EmulatedCost
 from pipeline.planner import PRESETS, LayerProfile, ModelProfile, PlanConfig, SearchOptions, plan
 from pipeline.planner.predict import PlanContext
+from pipeline.planner.pricing import layer_split_times, layer_times
 
 __all__: list[str] = []
 
@@ -74,7 +75,7 @@ def test_the_first_layer_has_no_input_gradient_its_price_goes_to_w() -> None:
     model = _model()
     config = _config("zb-h1", 2, 4, 4)
     first = planned_costs(model, CLUSTER, config)[0]
-    input_grad, weight_grad = model.layers[0].split_times(CLUSTER, "fp32", 4, 1)
+    input_grad, weight_grad = layer_split_times(model.layers[0], CLUSTER, "fp32", 4, 1)
     assert first.input_grad == 0.0
     assert first.weight_grad == pytest.approx(input_grad + weight_grad)
 
@@ -83,8 +84,8 @@ def test_a_fused_backward_costs_the_full_backward_in_the_split_proportion() -> N
     model = _model()
     b = 3
     layer = planned_costs(model, CLUSTER, _config("1f1b", 2, b, 4))[1]
-    _, backward = model.layers[1].times(CLUSTER, "fp32", b, 1)
-    input_grad, weight_grad = model.layers[1].split_times(CLUSTER, "fp32", b, 1)
+    _, backward = layer_times(model.layers[1], CLUSTER, "fp32", b, 1)
+    input_grad, weight_grad = layer_split_times(model.layers[1], CLUSTER, "fp32", b, 1)
     assert layer.input_grad + layer.weight_grad == pytest.approx(backward)
     assert layer.input_grad / layer.weight_grad == pytest.approx(input_grad / weight_grad)
 

@@ -1,0 +1,177 @@
+"""The device model: a transformer layer's kernels priced from their shapes. GEMMs by a
+roofline with tile and wave quantization, element-wise work by bytes over HBM bandwidth,
+attention eager (s × s scores in memory) or fused (FlashAttention: none), every kernel
+paying a fixed launch cost.
+
+Notation (Narayanan et al. 2021; Korthikanti et al. 2022): b microbatch, s sequence, h
+hidden, a heads, k key/value width, f MLP width, V vocabulary, t tensor parallel, e bytes of
+an activation element, T = b·s tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from pipeline.planner.cluster import ClusterSpec
+
+__all__ = ["KernelTimes", "LayerShape", "gemm_seconds", "layer_kernel_times"]
+
+# CUTLASS/cuBLAS tile shapes for 16-bit GEMMs on Ampere/Hopper and the share of a full
+# tile's throughput each reaches (smaller tiles reuse less of what they load). A GEMM takes
+# the fastest: a thin or small one runs smaller tiles in fuller waves, as cuBLAS's
+# heuristics do.
+_TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.93), (256, 64, 0.9), (64, 256, 0.9),
+          (128, 64, 0.85), (64, 128, 0.85), (64, 64, 0.7))
+_FUSED_ATTENTION = 0.75
+"""FlashAttention reaches ~3/4 of a plain GEMM's throughput (Dao 2023, FlashAttention-2)."""
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the kernel model needs of one pipeline layer of a transformer."""
+
+    role: Literal["embedding", "block", "head"]
+    seq: int
+    hidden: int
+    heads: int
+    kv_width: int
+    ffn: int
+    vocab: int
+    element: int
+    """Bytes of one activation element."""
+    attention: Literal["fused", "eager"] = "fused"
+    sequence_parallel: bool = False
+    """Norms, dropout and residuals run on s/t tokens per tp rank (Korthikanti et al. 2022)."""
+
+
+@dataclass(frozen=True)
+class KernelTimes:
+    """Seconds of one microbatch through a layer on one tp rank, compute only (the tensor-
+    parallel collectives are the network model's): forward, and the backward's two halves,
+    the input gradient (I: data gradients, element-wise and attention backward) and the
+    weight gradient (W: the weight GEMMs)."""
+
+    forward: float
+    input_grad: float
+    weight_grad: float
+
+
+def gemm_seconds(m: int, n: int, k: int, cluster: ClusterSpec, precision: str, *,
+                 batch: int = 1, efficiency: float = 1.0, element: int = 2) -> float:
+    """A (batched) GEMM C[m×n] = A[m×k]·B[k×n]: the slower of its tiles' compute, run in
+    waves of `sm_count` tiles, and its bytes through memory; plus one launch."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    traffic = batch * (m * k + k * n + m * n) * element
+    memory = traffic / (cluster.memory_bandwidth * cluster.memory_efficiency)
+    if cluster.gemm_measurements:
+        return _measured_gemm(m, n, k, cluster) * batch + cluster.kernel_overhead
+    per_sm = cluster.peak_flops[precision] / cluster.sm_count * cluster.gemm_efficiency \
+        * efficiency
+    best = math.inf
+    for rows, cols, share in _TILES:
+        tiles = batch * math.ceil(m / rows) * math.ceil(n / cols)
+        waves = math.ceil(tiles / cluster.sm_count)
+        best = min(best, waves * 2 * rows * cols * k / (per_sm * share))
+    return max(best, memory) + cluster.kernel_overhead
+
+
+def _measured_gemm(m: int, n: int, k: int, cluster: ClusterSpec) -> float:
+    """Seconds of an m × n × k GEMM at the FLOP/s of the nearest measured shape (distance in
+    log space, so 4096 is as far from 2048 as 2048 from 1024)."""
+    def distance(row: tuple[int, int, int, float]) -> float:
+        return sum((math.log(a) - math.log(b)) ** 2 for a, b in zip((m, n, k), row[:3]))
+
+    rm, rn, rk, seconds = min(cluster.gemm_measurements, key=distance)
+    return 2 * m * n * k / (2 * rm * rn * rk / seconds)
+
+
+def _stream_seconds(nbytes: float, cluster: ClusterSpec, kernels: int = 1) -> float:
+    """Memory-bound element-wise kernels moving `nbytes` in all."""
+    return nbytes / (cluster.memory_bandwidth * cluster.memory_efficiency) \
+        + kernels * cluster.kernel_overhead
+
+
+def _linear(tokens: int, inputs: int, outputs: int, cluster: ClusterSpec, precision: str,
+            element: int) -> tuple[float, float, float]:
+    """(forward, input gradient, weight gradient) seconds of Y = X·W, X tokens × inputs."""
+    def gemm(m: int, n: int, k: int) -> float:
+        return gemm_seconds(m, n, k, cluster, precision, element=element)
+
+    return (gemm(tokens, outputs, inputs), gemm(tokens, inputs, outputs),
+            gemm(inputs, outputs, tokens))
+
+
+def layer_kernel_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,
+                       precision: str) -> KernelTimes:
+    """One microbatch of `batch` samples through `shape` on one of `tp` ranks."""
+    e, s, h = shape.element, shape.seq, shape.hidden
+    tokens = batch * s
+    # tokens the replicated element-wise kernels (norms, dropout, residual) run on
+    local = math.ceil(tokens / tp) if shape.sequence_parallel else tokens
+    parts = [(0.0, 0.0, 0.0)]
+    if shape.role == "embedding":
+        # gather rows of the table (+ positions): write T·h, read as much; backward scatters
+        parts.append((_stream_seconds(3 * tokens * h * e, cluster, 2),
+                      0.0, _stream_seconds(3 * tokens * h * e, cluster, 2)))
+    elif shape.role == "head":
+        width = math.ceil(shape.vocab / tp)
+        norm = _stream_seconds(2 * local * h * e, cluster)
+        parts.append((norm, 1.5 * norm, 0.0))
+        parts.append(_linear(tokens, h, width, cluster, precision, e))
+        # cross entropy on fp32 logits: read them, max/sum/log pass, backward writes the grad
+        parts.append((_stream_seconds(2 * tokens * width * 4, cluster, 2),
+                      _stream_seconds(2 * tokens * width * 4, cluster, 1), 0.0))
+    else:
+        parts += _block_parts(shape, batch, tp, tokens, local, cluster, precision)
+    return KernelTimes(*(sum(part[i] for part in parts) for i in range(3)))
+
+
+def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int,
+                 cluster: ClusterSpec, precision: str) -> list[tuple[float, float, float]]:
+    """A pre-norm block: LN, QKV, attention core, projection, dropout + residual, LN, FC1,
+    bias-GeLU, FC2, dropout + residual (Megatron's kernels, biases fused)."""
+    e, s, h, k = shape.element, shape.seq, shape.hidden, shape.kv_width
+    width = math.ceil(shape.ffn / tp)
+    heads = math.ceil(shape.heads / tp)
+    head_size = h // shape.heads
+    # LayerNorm reads and writes T·h (backward: reads x and dy, writes dx); Megatron's fused
+    # bias-dropout-add reads x and the residual, writes the sum and a 1-byte mask (backward:
+    # reads dy and the mask, writes dx)
+    norm = _stream_seconds(2 * local * h * e, cluster)
+    dropout_add = _stream_seconds(local * h * (3 * e + 1), cluster)
+    parts = [(norm, 1.5 * norm, 0.0), (dropout_add, dropout_add, 0.0)] * 2
+    parts.append(_linear(tokens, h, math.ceil((h + 2 * k) / tp), cluster, precision, e))
+    parts.append(_linear(tokens, math.ceil(h / tp), h, cluster, precision, e))
+    parts.append(_linear(tokens, h, width, cluster, precision, e))
+    parts.append(_linear(tokens, width, h, cluster, precision, e))
+    gelu = _stream_seconds(2 * tokens * width * e, cluster)
+    parts.append((gelu, 1.5 * gelu, 0.0))
+    parts.append(_attention(shape.attention, batch * heads, s, head_size, e, cluster,
+                            precision))
+    return parts
+
+
+def _attention(kind: str, batch: int, s: int, d: int, e: int, cluster: ClusterSpec,
+               precision: str) -> tuple[float, float, float]:
+    """softmax(QKᵀ/√d)·V for `batch` = b·a/t heads of s tokens, head size d.
+
+    eager: QKᵀ and PV as batched GEMMs, the s × s scores through memory: a fused scale-mask-
+    softmax (read, write) and dropout (read, write, 1-byte mask); backward twice the GEMMs
+    and three passes over the scores each. fused: FlashAttention, no scores in memory: its
+    GEMM work at `_FUSED_ATTENTION` of a GEMM's rate; backward 2.5× (it recomputes QKᵀ)."""
+    def bmm(m: int, n: int, k: int, efficiency: float = 1.0) -> float:
+        return gemm_seconds(m, n, k, cluster, precision, batch=batch, efficiency=efficiency,
+                            element=e)
+
+    if kind == "fused":
+        forward = bmm(s, s, d, _FUSED_ATTENTION) + bmm(s, d, s, _FUSED_ATTENTION) \
+            - cluster.kernel_overhead
+        return forward, 2.5 * forward, 0.0
+    scores = batch * s * s
+    forward = bmm(s, s, d) + bmm(s, d, s) + _stream_seconds(scores * (4 * e + 1), cluster, 2)
+    backward = 2 * (bmm(s, s, d) + bmm(s, d, s)) + _stream_seconds(scores * (5 * e + 1),
+                                                                     cluster, 2)
+    return forward, backward, 0.0

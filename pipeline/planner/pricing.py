@@ -1,0 +1,117 @@
+"""Price a layer on a cluster: its kernels (`kernels`), measured times, or FLOPs at a share
+of the peak; and the network model every collective is priced by: α–β per hop, ring or tree,
+NVLink inside a node, the network cards between nodes."""
+
+from __future__ import annotations
+
+import math
+
+from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.kernels import layer_kernel_times
+from pipeline.planner.profile import LayerProfile
+
+__all__ = ["allreduce_seconds", "layer_split_times", "layer_times", "layer_tp_seconds",
+           "p2p_seconds", "ring_allreduce_seconds", "tree_allreduce_seconds"]
+
+
+def ring_allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: float
+                           ) -> float:
+    """A ring all-reduce: 2(d-1)/d of the bytes through each link, 2(d-1) latency hops
+    (Patarasuk & Yuan 2009; the same volume as reduce-scatter + all-gather, ZeRO-1's pair)."""
+    if group <= 1:
+        return 0.0
+    return 2 * (group - 1) / group * nbytes / bandwidth + 2 * (group - 1) * latency
+
+
+def tree_allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: float
+                           ) -> float:
+    """A pipelined (double binary) tree all-reduce, as NCCL runs it between nodes: reduce
+    up and broadcast down, 2·log2(d) latency hops, every byte once each way (Sanders et al.
+    2009, "Two-tree algorithms for full bandwidth broadcast, reduction and scan")."""
+    if group <= 1:
+        return 0.0
+    return 2 * nbytes / bandwidth + 2 * math.ceil(math.log2(group)) * latency
+
+
+def allreduce_seconds(nbytes: float, group: int, stride: int, cluster: ClusterSpec) -> float:
+    """An all-reduce of `nbytes` over `group` ranks `stride` apart in the rank order.
+
+    Inside a node: the faster of ring and tree over NVLink. Across nodes, hierarchically
+    (NCCL's ring/tree over nodes, each rank a channel on its own network card): reduce-
+    scatter among the g members a node holds, all-reduce 1/g of the bytes between the
+    nodes (ring or tree, whichever is faster at this size), all-gather inside again."""
+    if group <= 1:
+        return 0.0
+    if group * stride <= cluster.devices_per_node:
+        bandwidth, latency = cluster.link(group * stride)
+        return min(ring_allreduce_seconds(nbytes, group, bandwidth, latency),
+                   tree_allreduce_seconds(nbytes, group, bandwidth, latency))
+    local = max(1, min(group, cluster.devices_per_node // stride))
+    nodes = math.ceil(group / local)
+    intra_bw, intra_lat = cluster.link(1)
+    inter_bw, inter_lat = cluster.link(cluster.devices_per_node + 1)
+    inside = ring_allreduce_seconds(nbytes, local, intra_bw, intra_lat)
+    between = min(ring_allreduce_seconds(nbytes / local, nodes, inter_bw, inter_lat),
+                  tree_allreduce_seconds(nbytes / local, nodes, inter_bw, inter_lat))
+    return inside + between
+
+
+def p2p_seconds(nbytes: float, span: int, cluster: ClusterSpec) -> float:
+    """One message between ranks `span` apart: α + n/β."""
+    bandwidth, latency = cluster.link(span)
+    return latency + nbytes / bandwidth
+
+
+def _kernel_model(layer: LayerProfile, cluster: ClusterSpec) -> bool:
+    return layer.shape is not None and (cluster.sm_count > 0 or bool(cluster.gemm_measurements))
+
+
+def layer_tp_seconds(layer: LayerProfile, cluster: ClusterSpec, batch: int, tp: int
+                     ) -> float:
+    """Seconds of one pass's tensor-parallel collectives (Megatron: as many in the forward
+    as in the backward). With sequence parallelism each all-reduce is a reduce-scatter and
+    an all-gather: the same bytes on the wire (Korthikanti et al. 2022, section 4.2.2)."""
+    if tp <= 1 or not layer.tp_allreduces:
+        return 0.0
+    return layer.tp_allreduces * allreduce_seconds(layer.tp_allreduce_bytes * batch, tp, 1,
+                                                   cluster)
+
+
+def layer_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch: int,
+                tp: int) -> tuple[float, float]:
+    """(forward, full backward) seconds of one microbatch of `batch` samples on one tp
+    rank, tensor-parallel collectives included.
+
+    A layer with a shape, on a cluster with a device model: its kernels. Measured layers:
+    their fixed + per-sample times. Otherwise its FLOPs at `achieved_fraction` of the peak,
+    backward = 2 × forward (Narayanan et al. 2021, section 5.1)."""
+    comm = layer_tp_seconds(layer, cluster, batch, tp)
+    if _kernel_model(layer, cluster):
+        assert layer.shape is not None
+        kernels = layer_kernel_times(layer.shape, batch, tp, cluster, precision)
+        return kernels.forward + comm, kernels.input_grad + kernels.weight_grad + comm
+    if layer.forward_seconds is not None:
+        forward = layer.forward_fixed + layer.forward_seconds * batch
+        backward = layer.backward_fixed + (layer.backward_seconds or 0.0) * batch
+    else:
+        rate = cluster.flops(precision)
+        work = (layer.flops_split / tp + layer.flops_replicated) * batch / rate
+        forward, backward = work, 2 * work
+    return forward + comm, backward + comm
+
+
+def layer_split_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch: int,
+                      tp: int) -> tuple[float, float]:
+    """(I, W) seconds of a split backward of one microbatch, the tensor-parallel collectives
+    in I: the kernel model's own halves; measured ones when profiled (an engine's W may cost
+    more than half a backward); else half the backward's work each."""
+    comm = layer_tp_seconds(layer, cluster, batch, tp)
+    if _kernel_model(layer, cluster):
+        assert layer.shape is not None
+        kernels = layer_kernel_times(layer.shape, batch, tp, cluster, precision)
+        return kernels.input_grad + comm, kernels.weight_grad
+    if layer.split_seconds is None:
+        _, backward = layer_times(layer, cluster, precision, batch, tp)
+        return comm + (backward - comm) / 2, (backward - comm) / 2
+    return (layer.split_fixed[0] + layer.split_seconds[0] * batch,
+            layer.split_fixed[1] + layer.split_seconds[1] * batch)
