@@ -19,7 +19,8 @@ import torch.distributed as dist
 from pipeline import PipelineEngine, PipelineModule, launch
 from pipeline.interop.hf_layers import layers_from_hf
 from pipeline.interop.hf_weights import load_hf_weights
-from pipeline.runtime.inference import Inference, greedy_generate
+from pipeline.runtime.generation import greedy_generate
+from pipeline.runtime.inference import Inference
 
 __all__: list[str] = []
 

@@ -20,10 +20,9 @@ import torch.distributed as dist
 
 from pipeline.errors import PipelineConfigError
 from pipeline.runtime.engine import PipelineEngine
-from pipeline.runtime.generation import greedy_generate
 from schedules import Instruction, Kind, Schedule, lower
 
-__all__ = ["Inference", "forward_only_schedule", "greedy_generate"]
+__all__ = ["Inference", "forward_only_schedule"]
 
 
 def forward_only_schedule(placement: tuple[int, ...], num_microbatches: int,

@@ -20,7 +20,8 @@ from pipeline.interop.hf_weights import (
     read_hf_tensors,
 )
 from pipeline.model.reference import reference_forward
-from pipeline.runtime.inference import Inference, greedy_generate
+from pipeline.runtime.generation import greedy_generate
+from pipeline.runtime.inference import Inference
 from pipeline.runtime.loss_normalization import normalized_train_batch
 from schedules import SCHEDULES
 from tests.support.hf_equivalence import step_differences

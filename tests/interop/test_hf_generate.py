@@ -13,7 +13,8 @@ from pipeline import PipelineEngine, PipelineModule
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_layers import HFBlock, layers_from_hf
 from pipeline.interop.hf_weights import load_hf_weights
-from pipeline.runtime.inference import Inference, greedy_generate
+from pipeline.runtime.generation import greedy_generate
+from pipeline.runtime.inference import Inference
 from tests.support.hf_models import FAMILIES, tiny_config, tiny_model
 from tests.support.rank_harness import run_ranks
 
