@@ -149,8 +149,9 @@ class DeepSpeedPipelineEngine:
     def bfloat16_enabled(self) -> bool:
         return self.config.precision == "bf16"
 
-    def gradient_clipping(self) -> float | None:
-        return self.config.gradient_clipping
+    def gradient_clipping(self) -> float:
+        """The clipping norm, 0.0 when off (DeepSpeed's answer)."""
+        return self.config.gradient_clipping or 0.0
 
     def steps_per_print(self) -> int | None:
         return self.config.steps_per_print
