@@ -44,7 +44,9 @@ Step = Callable[[list[tuple[torch.Tensor, torch.Tensor]]], None]
 
 def _config(batch: int, micro: int, torch_adam: bool) -> dict[str, Any]:
     """The example's ds_config with the batch sizes given. With `torch_adam` DeepSpeed steps
-    torch's AdamW, as ours does; without, its own compiled CPU Adam."""
+    torch's AdamW, as ours does; without, its own compiled CPU Adam. weight_decay 0 is
+    spelled out: it is FusedAdam's default (the example's), but torch_adam takes torch's
+    AdamW default, 0.01."""
     return {"train_batch_size": batch, "train_micro_batch_size_per_gpu": micro,
             "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.9, 0.999],
                                                      "eps": 1e-8, "weight_decay": 0,

@@ -76,13 +76,15 @@ def _check_args(args: argparse.Namespace) -> int:
             f"{args.data_parallel} replicas of --microbatches {args.microbatches} equal "
             f"microbatches; use a multiple of {args.data_parallel * args.microbatches}")
     if args.model is not None:
-        from pipeline.demo.user_model import load_recipe
+        from pipeline.demo.user_model import check_recipe, load_recipe
 
         args.recipe = load_recipe(args.model)
         layers = len(args.recipe.layers)
         if layers < args.stages * chunks:
             raise ValueError(f"--model {args.model} has {layers} layers, too few for "
                              f"{args.stages} stages × {chunks} chunks; use fewer --stages")
+        check_recipe(args.model, args.recipe, stages=args.stages, chunks=chunks,
+                     batch_size=args.batch_size)
     layers = args.blocks + 2
     if args.model is None:  # a user's model (--model) has no size flags to estimate from
         check_footprint(TinyLMConfig(width=args.width, blocks=args.blocks, seq_len=args.seq_len,

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.demo.language_model import TinyLMConfig, lm_layers, lm_loss, synthetic_batch
-from pipeline.demo.user_model import load_recipe
+from pipeline.demo.user_model import load_recipe, rows_of
 from pipeline.model.module import PipelineModule
 from pipeline.runtime.engine import PipelineEngine
 from schedules import Timeline
@@ -116,7 +116,7 @@ def train_rank(config: TrainConfig) -> TrainReport | None:
         inputs, targets = make_batch(step, config.batch_size)
         rows = slice(replica * per_replica, (replica + 1) * per_replica)
         start = time.perf_counter()
-        loss = engine.train_batch(inputs[rows], targets[rows])
+        loss = engine.train_batch(rows_of(inputs, rows), rows_of(targets, rows))
         seconds.append(time.perf_counter() - start)
         losses.append(loss)
         if progress is not None:

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelRecipe", "load_recipe"]
+from pipeline.model.module import PipelineModule
+
+__all__ = ["ModelRecipe", "check_recipe", "load_recipe", "rows_of"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +90,48 @@ def load_recipe(spec: str) -> ModelRecipe:
     if not callable(recipe.loss_fn) or not callable(recipe.batch):
         raise ValueError(f"--model: {spec}: loss_fn and batch must be callables")
     return recipe
+
+
+def rows_of(value: Any, rows: slice) -> Any:
+    """The rows `rows` (along dim 0) of a batch part: a tensor, or a tuple / list of them
+    (each sliced, e.g. ``(ids, mask)``)."""
+    if isinstance(value, torch.Tensor):
+        return value[rows]
+    if isinstance(value, tuple | list):
+        return type(value)(rows_of(part, rows) for part in value)
+    raise TypeError(f"a batch part must be a tensor or a tuple of tensors, got "
+                    f"{type(value).__name__}")
+
+
+def _batch_problems(name: str, value: Any, batch_size: int) -> list[str]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] != batch_size:
+            return [f"{name} has shape {tuple(value.shape)}, not {batch_size} rows"]
+        return []
+    if isinstance(value, tuple | list) and value:
+        return [problem for k, part in enumerate(value)
+                for problem in _batch_problems(f"{name}[{k}]", part, batch_size)]
+    return [f"{name} is {type(value).__name__}, not a tensor or a tuple of tensors"]
+
+
+def check_recipe(spec: str, recipe: ModelRecipe, *, stages: int, chunks: int,
+                 batch_size: int) -> None:
+    """Before any rank starts: the layers pass `PipelineModule`'s build check (no weight
+    hidden from training), and ``batch(0, batch_size)`` gives (inputs, targets) made of
+    tensors of `batch_size` rows (so they split into replicas and microbatches). Every
+    problem is a one-line ValueError naming `spec`."""
+    try:
+        PipelineModule(list(recipe.layers), num_stages=stages, chunks=chunks,
+                       loss_fn=recipe.loss_fn)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"--model {spec}: {error}") from error
+    batch = recipe.batch(0, batch_size)
+    if not (isinstance(batch, tuple | list) and len(batch) == 2):
+        raise ValueError(f"--model {spec}: batch(step, size) must return (inputs, targets), "
+                         f"got {type(batch).__name__}")
+    problems = _batch_problems("inputs", batch[0], batch_size) + _batch_problems(
+        "targets", batch[1], batch_size)
+    if problems:
+        raise ValueError(f"--model {spec}: batch(0, {batch_size}): {'; '.join(problems)}; "
+                         "return tensors (or tuples of tensors) whose first dimension is the "
+                         "batch size")

@@ -42,11 +42,7 @@ from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.engine import PipelineEngine
 from pipeline.runtime.inference import Inference
-from pipeline.runtime.loss_normalization import (
-    is_summed,
-    normalized_eval_batch,
-    normalized_train_batch,
-)
+from pipeline.runtime.loss_normalization import is_summed
 
 __all__ = ["DeepSpeedPipelineEngine", "LayerSpec", "PipelineModule", "RepeatingLoader",
            "TiedLayerSpec", "add_config_arguments", "init_distributed", "initialize", "runtime"]
@@ -153,10 +149,11 @@ class DeepSpeedPipelineEngine:
     def bfloat16_enabled(self) -> bool:
         return self.config.precision == "bf16"
 
-    def gradient_clipping(self) -> float | None:
-        return self.config.gradient_clipping
+    def gradient_clipping(self) -> float:
+        """The clipping norm, 0.0 when off (DeepSpeed's answer)."""
+        return self.config.gradient_clipping or 0.0
 
-    def steps_per_print(self) -> int:
+    def steps_per_print(self) -> int | None:
         return self.config.steps_per_print
 
     def is_first_stage(self) -> bool:
@@ -183,15 +180,16 @@ class DeepSpeedPipelineEngine:
 
     def deepspeed_io(self, dataset: Dataset[Any], *, collate_fn: Any = None
                      ) -> DataLoader[Any]:
-        """A loader of microbatches for this rank's data-parallel replica (every rank of a
-        pipeline draws the same samples, so the first stage's inputs meet the last stage's
-        labels)."""
+        """A loader of microbatches for this rank's data-parallel replica, as DeepSpeed's
+        pipeline engine builds it: samples in order (no shuffle), replica r taking every
+        dp-th one from r, and the last short microbatch kept unless the config says
+        ``dataloader_drop_last``. Every rank of a pipeline draws the same samples, so the
+        first stage's inputs meet the last stage's labels."""
         position = self.engine.position
         sampler: DistributedSampler[Any] = DistributedSampler(
-            dataset, num_replicas=self.engine.topology.dp, rank=position.dp_rank, shuffle=True,
-            seed=0)
+            dataset, num_replicas=self.engine.topology.dp, rank=position.dp_rank, shuffle=False)
         return DataLoader(dataset, batch_size=self.config.micro_batch_size, sampler=sampler,
-                          collate_fn=collate_fn, drop_last=True)
+                          collate_fn=collate_fn, drop_last=self.config.dataloader_drop_last)
 
     def set_dataiterator(self, iterator: Iterator[Any]) -> None:
         self.data_iterator = iterator
@@ -210,12 +208,10 @@ class DeepSpeedPipelineEngine:
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """One optimizer step over gradient_accumulation_steps microbatches drawn from
         `data_iter` (or the training data's loader); the mean loss on every rank. A loss
-        with ``reduction == "sum"`` and ``count`` is weighted by its count instead."""
+        with ``reduction == "sum"`` and ``count`` is weighted by its count instead (the
+        engine's `train_batch` does it)."""
         iterator = self._iterator(data_iter)
-        if is_summed(self.module.loss_fn):
-            loss = normalized_train_batch(self.engine, data_iter=iterator)
-        else:
-            loss = self.engine.train_batch(data_iter=iterator)
+        loss = self.engine.train_batch(data_iter=iterator)
         if self.lr_scheduler is not None and not self.engine.last_step_skipped:
             self.lr_scheduler.step()
         self.global_steps += 1
@@ -235,7 +231,7 @@ class DeepSpeedPipelineEngine:
         outputs = None
         if is_summed(self.module.loss_fn) and compute_loss and not return_logits and \
                 m == self.config.gradient_accumulation_steps:
-            normalized_eval_batch(self.engine, data_iter=iterator)
+            self.engine.eval_batch(data_iter=iterator)
             value = self.engine.last_loss
         else:
             if self._inference is None:
@@ -247,10 +243,11 @@ class DeepSpeedPipelineEngine:
         return (loss, outputs) if return_logits else loss
 
     def _report(self, loss: float) -> None:
-        if self.global_steps % self.config.steps_per_print or self.global_rank != 0:
+        every = self.config.steps_per_print
+        if every is None or self.global_steps % every or self.global_rank != 0:
             return
         now = time.perf_counter()
-        elapsed = (now - self._step_start) / self.config.steps_per_print
+        elapsed = (now - self._step_start) / every
         self._step_start = now
         print(f"steps: {self.global_steps} loss: {loss:0.4f} iter time (s): {elapsed:0.3f} "
               f"samples/sec: {self.config.train_batch_size / elapsed:0.3f}", flush=True)
@@ -339,9 +336,9 @@ def initialize(args: Any = None, model: PipelineModule | None = None,
                                   f"{model.num_stages}")
     ds = read_ds_config(_config_source(args, config, config_params),
                         data_parallel=world // model.num_stages)
-    if ds.ignored and dist.get_rank() == 0:
-        print(f"[pipesched] ds_config keys not used by a pipeline job: {list(ds.ignored)}",
-              file=sys.stderr)
+    if ds.no_effect and dist.get_rank() == 0:
+        print(f"[pipesched] ds_config keys that only tune DeepSpeed's communication (nothing "
+              f"computed changes): {list(ds.no_effect)}", file=sys.stderr)
     if optimizer is not None and ds.optimizer is not None:
         raise PipelineConfigError("an optimizer is both in the config and passed to "
                                   "initialize(optimizer=); keep one")

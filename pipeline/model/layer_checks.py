@@ -1,129 +1,104 @@
 """Build-time checks that no parameter escapes training: hidden in callables, or shared by layers.
 
 A pipeline builds each stage on its own rank, so two facts a single process gets for free
-are lost without a word: a module a plain callable closes over is never handed to an
-optimizer, and a module (or a parameter) listed at two positions becomes two independent
-copies. Both are found here, from the layer list alone, before any rank builds anything.
+are lost without a word: a weight a layer uses without registering it (closed over by a
+callable, held as a class attribute, ...: `pipeline.model.hidden_weights`) is never handed to
+an optimizer, and a module (or a parameter) listed at two positions — directly, or returned
+by a `LayerSpec` factory such as ``LayerSpec(lambda: shared)`` — becomes two independent
+copies. Both are found here, from the layer list, before any rank builds its stages.
 """
 
 from __future__ import annotations
 
 import functools
-import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
+from pipeline.model.hidden_weights import (
+    Hidden,
+    WalkTooLarge,
+    find_hidden_in_class,
+    find_hidden_in_module,
+    find_hidden_in_values,
+    find_hidden_modules,
+)
 from pipeline.model.layers import LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 
 __all__ = ["SharedGroup", "find_hidden_modules", "find_shared_groups", "hidden_module_problems",
-           "shared_layer_problems", "starts_in_place", "tie_shared_groups"]
+           "reaches_existing_weights", "shared_layer_problems", "starts_in_place",
+           "tie_shared_groups"]
 
-_MAX_DEPTH = 3
-"""How far to follow callables into callables (a partial of a bound method of an object...)."""
-
-
-def _code_names(code: types.CodeType) -> Iterator[str]:
-    """Global names a function's code (and the code of functions defined inside it) reads."""
-    yield from code.co_names
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from _code_names(const)
-
-
-def _references(fn: Any) -> Iterator[tuple[str, Any]]:
-    """(how it is reached, object) for everything a callable can use besides its arguments."""
-    if isinstance(fn, functools.partial):
-        yield "the partial's function", fn.func
-        for k, arg in enumerate(fn.args):
-            yield f"partial argument {k}", arg
-        for name, arg in fn.keywords.items():
-            yield f"partial keyword {name!r}", arg
-        return
-    if isinstance(fn, types.MethodType):
-        yield "the bound method's self", fn.__self__
-        fn = fn.__func__
-    if isinstance(fn, types.FunctionType):
-        names = fn.__code__.co_freevars
-        for name, cell in zip(names, fn.__closure__ or ()):
-            try:
-                yield f"closure variable {name!r}", cell.cell_contents
-            except ValueError:  # an empty cell: the variable was never assigned
-                continue
-        for k, default in enumerate(fn.__defaults__ or ()):
-            yield f"default argument {k}", default
-        for name, default in (fn.__kwdefaults__ or {}).items():
-            yield f"keyword default {name!r}", default
-        for name in dict.fromkeys(_code_names(fn.__code__)):
-            if name in fn.__globals__:
-                yield f"global {name!r}", fn.__globals__[name]
-        return
-    if not isinstance(fn, type | types.BuiltinFunctionType | types.ModuleType) and hasattr(
-            fn, "__dict__"):  # a callable object: its attributes
-        for name, value in vars(fn).items():
-            yield f"attribute {name!r}", value
-
-
-def find_hidden_modules(fn: Callable[..., Any]) -> list[tuple[str, nn.Module | nn.Parameter]]:
-    """Modules and parameters with trainable weights that a plain (non-module) callable can
-    reach through closures, defaults, globals it names, bound ``self``, partials and the
-    attributes of callable objects: (path, object) each, e.g. ``("closure variable 'norm'",
-    LayerNorm(...))``."""
-    found: list[tuple[str, nn.Module | nn.Parameter]] = []
-    seen: set[int] = set()
-
-    def visit(obj: Any, path: str, depth: int) -> None:
-        if id(obj) in seen or depth > _MAX_DEPTH:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, nn.Parameter):
-            if obj.requires_grad:
-                found.append((path, obj))
-        elif isinstance(obj, nn.Module):
-            if any(p.requires_grad for p in obj.parameters()):
-                found.append((path, obj))
-        elif isinstance(obj, list | tuple | set | frozenset):
-            for k, item in enumerate(obj):
-                visit(item, f"{path}[{k}]", depth + 1)
-        elif isinstance(obj, dict):
-            for key, item in obj.items():
-                visit(item, f"{path}[{key!r}]", depth + 1)
-        elif callable(obj) and not isinstance(obj, type):
-            for how, ref in _references(obj):
-                visit(ref, f"{path} -> {how}" if path else how, depth + 1)
-        elif not isinstance(obj, type | types.ModuleType) and hasattr(obj, "__dict__"):
-            for name, value in vars(obj).items():  # e.g. `self` of the method that built it
-                visit(value, f"{path}.{name}", depth + 1)
-
-    for how, ref in _references(fn):
-        visit(ref, how, 1)
-    return found
-
-
-def _describe(obj: nn.Module | nn.Parameter) -> str:
+def _describe(obj: Hidden) -> str:
     if isinstance(obj, nn.Parameter):
         return f"a Parameter of shape {tuple(obj.shape)}"
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor with requires_grad=True of shape {tuple(obj.shape)}"
     count = sum(p.numel() for p in obj.parameters() if p.requires_grad)
     return f"{type(obj).__name__} with {count} trainable parameters"
 
 
+_CALLABLE_FIX = ("a callable's parameters are never given to the optimizer (and get no "
+                 "gradient under zero-bubble schedules); make that module the layer itself, "
+                 "e.g. replace `lambda x: norm(x[0])` by a nn.Module whose __init__ holds "
+                 "`norm` (or LayerSpec(ThatModule, ...))")
+_MODULE_FIX = ("weights a module holds without registering them (a class attribute, a plain "
+               "list or dict, a tensor that is not an nn.Parameter) are never given to the "
+               "optimizer; make them attributes of the instance (self.x = module), "
+               "nn.ModuleList / nn.ModuleDict, or nn.Parameter")
+_FACTORY_FIX = ("its factory returns (or builds from) a module that already exists; list that "
+                "module itself, or build a new one in the factory")
+
+
+def _name(layer: Any) -> str:
+    if isinstance(layer, LayerSpec):
+        return repr(layer)
+    return getattr(layer, "__qualname__", type(layer).__name__)
+
+
+def _found_in(layer: Any) -> tuple[list[tuple[str, Hidden]], str]:
+    """What `layer` hides, and the fix."""
+    if isinstance(layer, nn.Module):
+        return find_hidden_in_module(layer), _MODULE_FIX
+    if isinstance(layer, LayerSpec | TiedLayerSpec):
+        factory = layer.typename if isinstance(layer, LayerSpec) else layer.cls
+        if isinstance(factory, type):
+            return find_hidden_in_class(factory), _MODULE_FIX
+        return [], _FACTORY_FIX  # a factory reaching modules: `reaches_existing_weights`
+    return find_hidden_modules(layer), _CALLABLE_FIX
+
+
 def hidden_module_problems(layers: Sequence[Any]) -> list[str]:
-    """One line per plain callable whose weights would never be trained."""
+    """One line per layer holding weights that would never be trained."""
     problems = []
     for index, layer in enumerate(layers):
-        if isinstance(layer, nn.Module | LayerSpec | TiedLayerSpec) or not callable(layer):
+        if not callable(layer) and not isinstance(layer, LayerSpec | TiedLayerSpec):
             continue
-        for path, obj in find_hidden_modules(layer):
-            name = getattr(layer, "__qualname__", type(layer).__name__)
-            problems.append(
-                f"layer {index} ({name}) reaches {_describe(obj)} through its {path}: a "
-                "callable's parameters are never given to the optimizer (and get no gradient "
-                "under zero-bubble schedules); make that module the layer itself, e.g. "
-                "replace `lambda x: norm(x[0])` by a nn.Module whose __init__ holds `norm` "
-                "(or LayerSpec(ThatModule, ...))")
+        try:
+            found, fix = _found_in(layer)
+        except WalkTooLarge as error:
+            problems.append(f"layer {index} ({_name(layer)}) {error}: it cannot be checked for "
+                            "hidden weights; hold fewer objects in it, or make it a module")
+            continue
+        for path, obj in found:
+            problems.append(f"layer {index} ({_name(layer)}) reaches {_describe(obj)} through "
+                            f"its {path}: {fix}")
     return problems
+
+
+def reaches_existing_weights(layer: Any) -> bool:
+    """Whether a `LayerSpec`'s factory or arguments reach a module (or trainable tensor) that
+    already exists: built at two positions it would be one module split in two copies."""
+    if not isinstance(layer, LayerSpec):
+        return False
+    if not isinstance(layer.typename, type) and find_hidden_modules(layer.typename):
+        return True
+    arguments = [(f"argument {k}", arg) for k, arg in enumerate(layer.args)] + [
+        (f"keyword {name!r}", arg) for name, arg in layer.kwargs.items()]
+    return bool(find_hidden_in_values(arguments))
 
 
 class SharedGroup:

@@ -15,6 +15,7 @@ from pipeline.model.build_context import building_with
 from pipeline.model.layer_checks import (
     find_shared_groups,
     hidden_module_problems,
+    reaches_existing_weights,
     shared_layer_problems,
     starts_in_place,
     tie_shared_groups,
@@ -156,7 +157,7 @@ class PipelineModule(nn.Module):
                                                           clone_stage_inputs)):
             if not isinstance(flag, bool) and not (flag is None and name != "tie_shared"):
                 raise PipelineConfigError(f"{name} must be True or False, got {flag!r}")
-        items = _checked_layers(normalize_layers(layers), tie_shared)
+        items = _checked_layers(normalize_layers(layers), tie_shared, base_seed)
         self.clone_stage_inputs = clone_stage_inputs
         """Clone received stage inputs: True always, False never, None (default) only where
         the stage's first layer works in place (e.g. ``ReLU(inplace=True)``)."""
@@ -308,12 +309,27 @@ class PipelineModule(nn.Module):
                 f"chunks={self.chunks}, boundaries={self.boundaries}")
 
 
-def _checked_layers(items: list[Layer], tie_shared: bool) -> list[Layer]:
-    """Refuse layers whose weights a pipeline would not train; tie shared ones when asked."""
-    groups = find_shared_groups(items)
+def _checked_layers(items: list[Layer], tie_shared: bool, base_seed: int | None) -> list[Layer]:
+    """Refuse layers whose weights a pipeline would not train; tie shared ones when asked.
+
+    A `LayerSpec` whose factory reaches an existing module (``LayerSpec(lambda: shared)``) is
+    built here, as its owning rank would build it (same seed), so that sharing through it
+    is found like sharing between listed modules."""
+    probe = list(items)
+    for index, layer in enumerate(items):
+        if reaches_existing_weights(layer):
+            with torch.random.fork_rng(devices=[]):
+                if base_seed is not None:
+                    torch.manual_seed(base_seed + index)
+                probe[index] = build_layer(layer, index, base_seed=None)
+    groups = find_shared_groups(probe)
     problems = hidden_module_problems(items)
     if not tie_shared:
         problems += shared_layer_problems(groups)
     if problems:
         raise PipelineConfigError("PipelineModule: " + "; ".join(problems))
-    return tie_shared_groups(items, groups) if tie_shared else items
+    if not tie_shared:
+        return items
+    tied = tie_shared_groups(probe, groups)
+    grouped = {index for group in groups for index in group.positions}
+    return [tied[k] if k in grouped else layer for k, layer in enumerate(items)]

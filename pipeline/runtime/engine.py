@@ -36,6 +36,7 @@ from pipeline.runtime.comm import Comm
 from pipeline.runtime.config import EngineConfig
 from pipeline.runtime.finite import FiniteFlag, first_nonfinite, nonfinite_error
 from pipeline.runtime.interpreter import InstructionFailed, Interpreter, StepState
+from pipeline.runtime.loss_normalization import is_summed, plain_sum_problem, run_normalized
 from pipeline.runtime.parallel_setup import (
     needs_process_groups,
     optimizer_state_bytes,
@@ -225,11 +226,30 @@ class PipelineEngine:
         `data_iter` yields them as (inputs, targets) pairs); gradients accumulate as a single
         process would for the mean loss over the full batch. Only the ranks holding the
         first stage need inputs, the last stage targets.
+
+        A loss that sums over items and counts them (`loss_normalization.SummedLoss`, e.g.
+        ``token_cross_entropy()``) is normalised by the step's total item count, so loss and
+        gradients are the single-process mean over every item; one that sums without a
+        count is refused.
         """
         if self.module.loss_fn is None:  # known on every rank: all refuse before any message
             raise PipelineConfigError("train_batch needs a loss: build the module with "
                                       "PipelineModule(layers, num_stages, loss_fn=...) "
                                       "(eval_batch runs without one)")
+        self._check_reduction()
+        if is_summed(self.module.loss_fn):
+            loss: float = run_normalized(self, self._train_step, inputs, targets, data_iter)
+            return loss
+        return self._train_step(inputs, targets, data_iter=data_iter)
+
+    def _check_reduction(self) -> None:
+        problem = plain_sum_problem(self.module.loss_fn)  # same on every rank: all refuse
+        if problem is not None:
+            raise PipelineConfigError(problem)
+
+    def _train_step(self, inputs: Any = None, targets: Any = None, *,
+                    data_iter: Iterator[tuple[Any, Any]] | None = None) -> float:
+        """`train_batch` with the loss as the module gives it (no normalisation)."""
         self.module.train()
         self.module.zero_grad(set_to_none=True)
         loss, _ = self._run(self.schedule, inputs, targets, data_iter, training=True)
@@ -244,8 +264,18 @@ class PipelineEngine:
         """Forward the full batch with the forward-only schedule (no gradients).
 
         Returns the last stage's outputs, joined over microbatches, on the rank that holds
-        the last stage (None elsewhere); with targets, the mean loss is in `last_loss`.
+        the last stage (None elsewhere); with targets, the mean loss is in `last_loss` (item
+        weighted for a summed loss, as in `train_batch`).
         """
+        if targets is not None or data_iter is not None:
+            self._check_reduction()
+            if is_summed(self.module.loss_fn):
+                return run_normalized(self, self._eval_step, inputs, targets, data_iter)
+        return self._eval_step(inputs, targets, data_iter=data_iter)
+
+    def _eval_step(self, inputs: Any = None, targets: Any = None, *,
+                   data_iter: Iterator[tuple[Any, Any]] | None = None) -> Any:
+        """`eval_batch` with the loss as the module gives it (no normalisation)."""
         was_training = self.module.training
         self.module.eval()
         try:

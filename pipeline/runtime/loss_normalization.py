@@ -8,16 +8,20 @@ real tokens weighs as much as one of 300. A loss that declares ``reduction = "su
 
     loss = Σ_replicas Σ_microbatches sum_loss(i) / N,   N = Σ_replicas Σ_microbatches count(i)
 
-which is what the single-process model computes on the whole batch. How it is done without
-touching the engine: before each step every rank learns N (one small all-reduce) and the
-last stage multiplies the summed loss by ``m · dp / N``; the engine's own
-``/ m`` and the gradient reducer's ``/ dp`` then leave exactly ``1 / N``.
+which is what the single-process model computes on the whole batch. `PipelineEngine`'s
+``train_batch`` / ``eval_batch`` do this by themselves for such a loss (`run_normalized`):
+before each step every rank learns N (one small all-reduce) and the last stage multiplies
+the summed loss by ``m · dp / N``; the engine's own ``/ m`` and the gradient reducer's
+``/ dp`` then leave exactly ``1 / N``. A loss that sums but cannot count
+(``reduction="sum"`` without ``count``) is refused (`plain_sum_problem`): averaging its
+microbatch sums gives neither the single-process sum nor the mean.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -25,10 +29,13 @@ import torch.nn.functional as F
 
 from pipeline.errors import PipelineConfigError
 from pipeline.runtime.batch import split_microbatches
-from pipeline.runtime.engine import PipelineEngine
+
+if TYPE_CHECKING:  # the engine imports this module to normalise its own steps
+    from pipeline.runtime.engine import PipelineEngine
 
 __all__ = ["IGNORE_INDEX", "SummedLoss", "is_summed", "normalized_eval_batch",
-           "normalized_train_batch", "token_cross_entropy"]
+           "normalized_train_batch", "plain_sum_problem", "run_normalized",
+           "token_cross_entropy"]
 
 IGNORE_INDEX = -100
 
@@ -84,6 +91,21 @@ def is_summed(loss_fn: object) -> bool:
         getattr(loss_fn, "count", None)) and hasattr(loss_fn, "scale")
 
 
+def plain_sum_problem(loss_fn: object) -> str | None:
+    """Why `loss_fn` cannot train in a pipeline, when it sums over items (``reduction ==
+    "sum"``, also through a partial) without the ``count`` that would normalise it."""
+    reduction = getattr(loss_fn, "reduction", None)
+    if isinstance(loss_fn, functools.partial):
+        reduction = loss_fn.keywords.get("reduction", reduction)
+    if reduction != "sum" or is_summed(loss_fn):
+        return None
+    return (f"loss_fn {loss_fn!r} sums over items (reduction='sum') but has no count(targets): "
+            "the engine averages the m microbatch losses, which for sums is neither the "
+            "single-process sum nor the mean; use reduction='mean', or a "
+            "pipeline.runtime.loss_normalization.SummedLoss(loss_sum, count) (e.g. "
+            "token_cross_entropy()) which the engine normalises by the step's item count")
+
+
 def _summed(engine: PipelineEngine) -> SummedLoss:
     loss_fn = engine.module.loss_fn
     if not is_summed(loss_fn):
@@ -128,20 +150,22 @@ def _take(engine: PipelineEngine, targets: Any, data_iter: Iterator[Any] | None
 def normalized_train_batch(engine: PipelineEngine, inputs: Any = None, targets: Any = None, *,
                            data_iter: Iterator[Any] | None = None) -> float:
     """`PipelineEngine.train_batch` with the loss and gradients normalised by the total item
-    count of the step (over microbatches and data-parallel replicas); returns that loss."""
-    result: float = _normalized(engine, engine.train_batch, inputs, targets, data_iter)
-    return result
+    count of the step (over microbatches and data-parallel replicas); returns that loss.
+    (The engine normalises a summed loss by itself: this also refuses a mean loss.)"""
+    _summed(engine)
+    return engine.train_batch(inputs, targets, data_iter=data_iter)
 
 
 def normalized_eval_batch(engine: PipelineEngine, inputs: Any = None, targets: Any = None, *,
                           data_iter: Iterator[Any] | None = None) -> Any:
     """`PipelineEngine.eval_batch` whose `last_loss` is the item-weighted mean."""
-    return _normalized(engine, engine.eval_batch, inputs, targets, data_iter)
+    _summed(engine)
+    return engine.eval_batch(inputs, targets, data_iter=data_iter)
 
 
-def _normalized(engine: PipelineEngine, step: Callable[..., Any], inputs: Any, targets: Any,
-                data_iter: Iterator[Any] | None) -> Any:
-    """Run `step` (the engine's train or eval batch) with the summed loss scaled by the
+def run_normalized(engine: PipelineEngine, step: Callable[..., Any], inputs: Any, targets: Any,
+                   data_iter: Iterator[Any] | None) -> Any:
+    """Run `step` (the engine's plain train or eval step) with the summed loss scaled by the
     step's total item count, then put the scale back."""
     loss_fn = _summed(engine)
     parts, replay = _take(engine, targets, data_iter)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,43 @@ def build():
 
 def not_a_recipe():
     return [1, 2]
+
+
+class Masked(nn.Module):
+    """Takes (x, mask): a tuple input, as a HF model's (ids, attention_mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(12, 24)
+
+    def forward(self, pair):
+        x, mask = pair
+        return self.proj(x * mask)
+
+
+def tuple_batch(step, size):
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(size, 12, generator=generator)
+    mask = (torch.rand(size, 12, generator=generator) > 0.2).float()
+    return (x, mask), (x * mask).sum(dim=1, keepdim=True)
+
+
+def build_tuple():
+    layers = [LayerSpec(Masked), torch.tanh, LayerSpec(nn.Linear, 24, 24), torch.tanh,
+              LayerSpec(nn.Linear, 24, 1)]
+    return ModelRecipe(layers=layers, loss_fn=F.mse_loss, batch=tuple_batch)
+
+
+def build_hidden():
+    norm = nn.LayerNorm(24)
+    layers = [LayerSpec(nn.Linear, 12, 24), lambda x: norm(x), LayerSpec(nn.Linear, 24, 1)]
+    return ModelRecipe(layers=layers, loss_fn=F.mse_loss, batch=batch)
+
+
+def build_short_batch():
+    layers = [LayerSpec(nn.Linear, 12, 24), torch.tanh, LayerSpec(nn.Linear, 24, 1)]
+    return ModelRecipe(layers=layers, loss_fn=F.mse_loss,
+                       batch=lambda step, size: batch(step, size - 1))
 '''
 
 
@@ -49,7 +87,8 @@ def test_recipe_loads_from_a_file_path(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("suffix", "message"), [
     ("", "must be module:function"),
-    (":missing", "no function 'missing'; callables there: batch, build, not_a_recipe"),
+    (":missing", "no function 'missing'; callables there: Masked, batch, build, build_hidden, "
+                 "build_short_batch, build_tuple, not_a_recipe, tuple_batch"),
     (":not_a_recipe", "returned list; return"),
 ])
 def test_bad_model_specs_name_the_fix(tmp_path: Path, suffix: str, message: str) -> None:
@@ -80,3 +119,34 @@ def test_train_refuses_a_model_with_too_few_layers(tmp_path: Path) -> None:
                    "--out", str(tmp_path / "out"), timeout=120)
     assert done.returncode == 2
     assert "has 5 layers, too few for 8 stages" in done.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_tuple_inputs_split_over_data_parallel_replicas(tmp_path: Path) -> None:
+    """Regression: with --data-parallel 2 the job sliced the (x, mask) tuple itself, not its
+    tensors, and the ranks crashed."""
+    out = tmp_path / "out"
+    done = run_cli("train", "--model", f"{_write(tmp_path)}:build_tuple", "--stages", "2",
+                   "--data-parallel", "2", "--microbatches", "2", "--steps", "2",
+                   "--batch-size", "8", "--out", str(out), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(json.loads((out / "summary.json").read_text())["losses"]) == 2
+
+
+@pytest.mark.parametrize(("function", "message"), [
+    ("build_hidden", r"--model .*:build_hidden: PipelineModule: layer 1 \(.*lambda.*\) reaches "
+                     r"LayerNorm.*make that module the layer itself"),
+    ("build_short_batch", r"--model .*:build_short_batch: batch\(0, 8\): inputs has shape "
+                          r"\(7, 12\), not 8 rows"),
+])
+def test_refused_recipe_fails_in_one_line_before_any_rank(tmp_path: Path, function: str,
+                                                          message: str) -> None:
+    """Regression: the build check refused the recipe inside every rank: tracebacks, exit 1."""
+    done = run_cli("train", "--model", f"{_write(tmp_path)}:{function}", "--stages", "2",
+                   "--microbatches", "2", "--batch-size", "8", "--out", str(tmp_path / "out"),
+                   timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "training" not in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(r"pipesched train: error: " + message, lines[0]), lines

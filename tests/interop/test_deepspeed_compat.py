@@ -56,7 +56,9 @@ def _check_initialize(rank: int, world_size: int, directory: str) -> None:
         assert torch.isfinite(engine.train_batch())
         lrs.append(engine.get_lr()[0])
     assert engine.global_steps == 4
-    assert lrs == pytest.approx([0.1 * 0.6309298, 0.1, 0.1, 0.1])  # log warm-up over 3 steps
+    # DeepSpeed's log warm-up over 3 steps: its iteration starts at -1, so steps 1 and 2 run
+    # at warmup_min_lr (0): the lr after step k (the lr of step k + 1) is iteration k - 1's
+    assert lrs == pytest.approx([0.0, 0.1 * 0.6309298, 0.1, 0.1])
     pairs = iter([(inputs[k * 4:(k + 1) * 4], labels[k * 4:(k + 1) * 4]) for k in range(2)])
     loss, logits = engine.eval_batch(pairs, return_logits=True, num_micro_batches=2)
     trained = build_reference(_layers())

@@ -15,6 +15,13 @@ from pipeline import LayerSpec, PipelineModule, TiedLayerSpec
 from pipeline.errors import PipelineConfigError, PipelineLayerError
 from pipeline.model.layer_checks import find_hidden_modules
 from pipeline.runtime.batch import split_microbatches
+from tests.runtime import hidden_weight_helpers
+from tests.runtime.hidden_weight_helpers import (
+    ClassAttributeBlock,
+    ClassAttributeCallable,
+    SlotsCallable,
+    TensorAttributeBlock,
+)
 
 _GLOBAL_NORM = nn.LayerNorm(4)
 
@@ -61,6 +68,69 @@ def test_callable_hiding_parameters_is_refused_naming_layer_and_fix(path: str) -
     message = str(info.value)
     assert "layer 1" in message and path in message
     assert "make that module the layer itself" in message
+
+
+def _deeply_nested(norm: nn.Module) -> Any:
+    config = {"blocks": [{"parts": ({"norm": [norm]},)}]}  # five containers deep
+    return lambda x: config["blocks"][0]["parts"][0]["norm"][0](x)
+
+
+def _hiding_layers() -> dict[str, tuple[Any, str]]:
+    """Each second hiding place the build check missed: (layer, the path it must name)."""
+    scale = torch.ones(4, requires_grad=True)
+    return {
+        "class attribute of a module": (ClassAttributeBlock(),
+                                        "class attribute ClassAttributeBlock.proj"),
+        "class attribute of a LayerSpec's class": (LayerSpec(ClassAttributeBlock),
+                                                   "class attribute ClassAttributeBlock.proj"),
+        "class attribute of a callable": (ClassAttributeCallable(),
+                                          "class attribute ClassAttributeCallable.norm"),
+        "__slots__": (SlotsCallable(), "slot 'proj'"),
+        "nested five deep": (_deeply_nested(nn.LayerNorm(4)),
+                             "closure variable 'config'['blocks'][0]['parts'][0]['norm'][0]"),
+        "imported module's attribute": (lambda x: hidden_weight_helpers.NORM(x),
+                                        "global 'hidden_weight_helpers'.NORM"),
+        "plain tensor requiring grad": (lambda x: x * scale, "closure variable 'scale'"),
+        "plain tensor attribute of a module": (TensorAttributeBlock(), "attribute scale"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_hiding_layers()))
+def test_weights_hidden_elsewhere_are_refused_naming_layer_and_fix(case: str) -> None:
+    """Regression: each of these trained nothing of the hidden weight, without a word."""
+    layer, path = _hiding_layers()[case]
+    with pytest.raises(PipelineConfigError) as info:
+        PipelineModule([nn.Linear(4, 4), layer, nn.Linear(4, 4)], num_stages=2)
+    message = str(info.value)
+    assert "layer 1 (" in message and f"through its {path}:" in message, message
+    assert "make that module the layer itself" in message or "nn.Parameter" in message
+
+
+def test_a_module_layer_referencing_its_own_modules_is_accepted() -> None:
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+            self.alias = [self.inner]  # a plain list, but of a registered module
+            self.cache = torch.zeros(4)  # a tensor without requires_grad: not a weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.alias[0](x) + self.cache
+
+    PipelineModule([Wrapper(), nn.Linear(4, 4)], num_stages=2)
+
+
+def test_layer_spec_returning_one_module_at_two_positions_is_refused() -> None:
+    """Regression: `LayerSpec(lambda: shared)` twice built two untied copies (loss 5.6e-4 off
+    the single process)."""
+    shared = nn.Linear(4, 4)
+    spec = LayerSpec(lambda: shared)
+    with pytest.raises(PipelineConfigError, match=r"layers \[0, 2\] share weights.*"
+                                                  r"tie_shared=True"):
+        PipelineModule([spec, torch.tanh, spec], num_stages=2)
+    PipelineModule([spec, torch.tanh, nn.Linear(4, 4)], num_stages=2)  # once: a plain layer
+    module = PipelineModule([spec, torch.tanh, spec], num_stages=2, tie_shared=True)
+    assert module.tied_keys == {0: "shared-layers-0", 2: "shared-layers-0"}
 
 
 def test_parameter_free_callables_are_accepted() -> None:

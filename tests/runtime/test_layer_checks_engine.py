@@ -30,6 +30,14 @@ def _tied_layers() -> list[nn.Module]:
     return [embed, nn.Linear(6, 6), nn.Tanh(), head]
 
 
+def _factory_tied_layers() -> list[object]:
+    """`LayerSpec(lambda: shared)` at two positions, on two stages (the tie was lost)."""
+    torch.manual_seed(4)
+    shared = nn.Linear(6, 6)
+    spec = LayerSpec(lambda: shared)
+    return [spec, nn.Tanh(), spec, nn.Tanh(), LayerSpec(nn.Linear, 6, 3)]
+
+
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -39,11 +47,13 @@ def _check(rank: int, world_size: int) -> None:
         cases = (("in-place", _in_place_layers(), [0, 1, 5], F.cross_entropy,
                   torch.randn(8, 6), torch.randint(0, 3, (8,))),
                  ("tied", _tied_layers(), [0, 2, 4], _lm_loss,
-                  torch.randint(0, 10, (8, 5)), torch.randint(0, 10, (8, 5))))
+                  torch.randint(0, 10, (8, 5)), torch.randint(0, 10, (8, 5))),
+                 ("factory-tied", _factory_tied_layers(), [0, 2, 5], F.cross_entropy,
+                  torch.randn(8, 6), torch.randint(0, 3, (8,))))
         for label, layers, cuts, loss_fn, inputs, targets in cases:
             reference = build_reference(layers)
             module = PipelineModule(layers, num_stages=2, partition_method=cuts,
-                                    loss_fn=loss_fn, tie_shared=label == "tied")
+                                    loss_fn=loss_fn, tie_shared=label != "in-place")
             engine = PipelineEngine(module, schedule=schedule, num_microbatches=4, timeout=30)
             loss = engine.train_batch(inputs, targets)
             expected = loss_fn(reference_forward(reference, inputs), targets)

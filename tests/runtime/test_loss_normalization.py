@@ -20,6 +20,7 @@ from pipeline.runtime.loss_normalization import (
     normalized_train_batch,
     token_cross_entropy,
 )
+from tests.support.equivalence import gathered_weights
 from tests.support.rank_harness import run_ranks
 
 VOCAB, WIDTH = 13, 8
@@ -100,3 +101,42 @@ def _check_dp(rank: int, world_size: int) -> None:
 def test_padded_batches_over_microbatches_and_replicas_equal_the_reference() -> None:
     """Regression: the loss was a mean of per-microbatch means, off by 1e-2 on padding."""
     run_ranks(_check_dp, 4)
+
+
+def _check_plain_train_batch(rank: int, world_size: int) -> None:
+    ids, labels = _padded_batch()
+    reference = build_reference(_layers())
+    logits = reference_forward(reference, ids)
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    expected.backward()
+    module = PipelineModule(_layers(), num_stages=2, loss_fn=token_cross_entropy())
+    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=4, timeout=30)
+    loss = engine.train_batch(ids, labels)  # not normalized_train_batch: the engine does it
+    assert abs(loss - float(expected)) < 1e-5, (loss, float(expected))
+    for (layer, param_name), grad in engine.reduced_gradients().items():
+        ref = dict(reference[layer].named_parameters())[param_name].grad
+        torch.testing.assert_close(grad, ref, msg=f"layer {layer} {param_name}")
+    assert module.loss_fn.scale == 1.0  # put back after the step
+    engine.eval_batch(ids, labels)
+    trained = build_reference(_layers())
+    with torch.no_grad():
+        for (layer, name), param in gathered_weights(engine).items():
+            dict(trained[layer].named_parameters())[name].copy_(param)
+        after = F.cross_entropy(reference_forward(trained, ids).flatten(0, 1), labels.flatten(),
+                                ignore_index=IGNORE_INDEX)
+    assert engine.last_loss is not None and abs(engine.last_loss - float(after)) < 1e-5
+    summed = PipelineModule(_layers(), num_stages=2,
+                            loss_fn=nn.CrossEntropyLoss(reduction="sum"))
+    plain = PipelineEngine(summed, schedule="1f1b", num_microbatches=4, timeout=30)
+    with pytest.raises(PipelineConfigError, match=r"reduction='sum'.*SummedLoss"):
+        plain.train_batch(ids[:, 0], labels[:, 0])  # on every rank, before any message
+    with pytest.raises(PipelineConfigError, match=r"reduction='sum'"):
+        plain.eval_batch(ids[:, 0], labels[:, 0])
+
+
+@pytest.mark.multiprocess
+def test_summed_loss_with_plain_train_batch_equals_the_reference() -> None:
+    """Regression: a reduction="sum" loss through engine.train_batch gave the mean of the
+    microbatch sums (138.40 against the model's 4.6134); a summed loss with a count is now
+    normalised by the engine itself, one without a count refused."""
+    run_ranks(_check_plain_train_batch, 2)
