@@ -95,14 +95,14 @@ def _class_attributes(cls: type) -> Iterator[tuple[str, Any]]:
 def _references(fn: Any) -> Iterator[tuple[str, Any]]:
     """(how it is reached, object) for everything a callable can use besides its arguments."""
     if isinstance(fn, functools.partial):
-        yield "the partial's function", fn.func
+        yield "partial's function", fn.func
         for k, arg in enumerate(fn.args):
             yield f"partial argument {k}", arg
         for name, arg in fn.keywords.items():
             yield f"partial keyword {name!r}", arg
         return
     if isinstance(fn, types.MethodType):
-        yield "the bound method's self", fn.__self__
+        yield "bound method's self", fn.__self__
         fn = fn.__func__
     if isinstance(fn, types.FunctionType):
         names = fn.__code__.co_freevars

@@ -68,6 +68,7 @@ def test_callable_hiding_parameters_is_refused_naming_layer_and_fix(path: str) -
     message = str(info.value)
     assert "layer 1" in message and path in message
     assert "make that module the layer itself" in message
+    assert "its the " not in message  # regression: "through its the bound method's self"
 
 
 def _deeply_nested(norm: nn.Module) -> Any:
