@@ -1,6 +1,6 @@
 """Emulated devices: our engine against the simulator and against torch.distributed.pipelining.
 
-Layers wait their F, I and W times (`pipeline.model.emulated`), so four ranks on two cores
+Layers wait their F, I and W times (`pipeline.rehearsal.emulated`), so four ranks on two cores
 behave like four accelerators and a bubble is real idle time. For p in {4, 8}, m in
 {p, 2p, 4p}, every schedule and three cost cases (F=I=W; F<I with a light W; an uneven
 partition), ours and torch (every schedule torch has a class for) run in the same processes,
@@ -32,11 +32,11 @@ import torch.distributed as dist
 from bench_runtime import TORCH_CLASSES
 
 from pipeline import launch, torch_stages
-from pipeline.demo.rehearse import RehearsalPlan, build_engine, metered_step
-from pipeline.model.emulated import EmulatedCost, emulated_layers, emulated_loss
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.local_p2p import open_local_link
-from pipeline.runtime.pingpong import ping_pong
+from pipeline.parallel.pingpong import ping_pong
+from pipeline.rehearsal.emulated import EmulatedCost, emulated_layers, emulated_loss
+from pipeline.rehearsal.rehearse import RehearsalSpec, build_engine, metered_step
 from schedules import SCHEDULES, build_schedule, figures, simulate
 from schedules.analysis.host import measure_host_costs, with_host_costs
 from schedules.analysis.memory import predict_memory
@@ -49,7 +49,7 @@ LAYERS_PER_RANK = 4
 ELEMENTS = 1024  # 4 KiB activations, 16 KiB of weights per layer
 
 
-def _plan(case: str, schedule: str, p: int, m: int, layer_ms: float) -> RehearsalPlan:
+def _spec(case: str, schedule: str, p: int, m: int, layer_ms: float) -> RehearsalSpec:
     """4 layers per rank; a case sets each layer's F/I/W and where the stages cut."""
     v = SCHEDULES[schedule].default_chunks
     n, t = LAYERS_PER_RANK * p, layer_ms / 1e3
@@ -64,32 +64,32 @@ def _plan(case: str, schedule: str, p: int, m: int, layer_ms: float) -> Rehearsa
     boundaries = [0]
     for count in sizes:
         boundaries.append(boundaries[-1] + count)
-    return RehearsalPlan(layers=layers, boundaries=tuple(boundaries), schedule=schedule,
+    return RehearsalSpec(layers=layers, boundaries=tuple(boundaries), schedule=schedule,
                          stages=p, chunks=v, microbatches=m)
 
 
-def _torch_step(plan: RehearsalPlan, scratch: str) -> Any:
+def _torch_step(spec: RehearsalSpec, scratch: str) -> Any:
     """torch's step over the same emulated layers, or None (no torch class, or refused)."""
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    class_name = TORCH_CLASSES.get(plan.schedule)
+    class_name = TORCH_CLASSES.get(spec.schedule)
     if class_name is None:
         return None
-    module = PipelineModule(emulated_layers(plan.layers), num_stages=plan.stages,
-                            chunks=plan.chunks, loss_fn=emulated_loss,
-                            partition_method=list(plan.boundaries), base_seed=None)
-    placed = build_schedule(plan.schedule, plan.stages, plan.microbatches, plan.chunks)
+    module = PipelineModule(emulated_layers(spec.layers), num_stages=spec.stages,
+                            chunks=spec.chunks, loss_fn=emulated_loss,
+                            partition_method=list(spec.boundaries), base_seed=None)
+    placed = build_schedule(spec.schedule, spec.stages, spec.microbatches, spec.chunks)
     try:
         stages = torch_stages(module, placed)
         cls = getattr(torch_schedules, class_name)
         single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
-        runner = cls(stages[0] if single else stages, n_microbatches=plan.microbatches,
+        runner = cls(stages[0] if single else stages, n_microbatches=spec.microbatches,
                      loss_fn=emulated_loss)
     except (ValueError, RuntimeError, NotImplementedError):
         return None
     optimizer = torch.optim.Adam([q for s in stages for q in s.submod.parameters()], lr=1e-3)
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    x = torch.zeros(plan.microbatches, 1)
+    x = torch.zeros(spec.microbatches, 1)
 
     def step() -> None:
         optimizer.zero_grad()
@@ -110,16 +110,16 @@ def _timed(step: Any) -> float:
     return time.perf_counter() - start
 
 
-def _run_case(plan: RehearsalPlan, steps: int, warmup: int, link: Any,
+def _run_case(spec: RehearsalSpec, steps: int, warmup: int, link: Any,
               scratch: str) -> dict[str, Any]:
-    engine = build_engine(plan)
-    x = torch.zeros(plan.microbatches, 1)
+    engine = build_engine(spec)
+    x = torch.zeros(spec.microbatches, 1)
     mine = metered_step(engine, x)  # memory on an untimed step: the meters cost host time
 
     def ours() -> None:
         engine.train_batch(x, x)
 
-    theirs = _torch_step(plan, scratch)
+    theirs = _torch_step(spec, scratch)
     times: dict[str, list[float]] = {"ours": [], "torch": []}
     timelines = []
     for round_index in range(warmup + steps):
@@ -135,7 +135,7 @@ def _run_case(plan: RehearsalPlan, steps: int, warmup: int, link: Any,
     memory: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(memory, mine)
     schedule = engine.schedule
-    nominal = plan.cost_model()
+    nominal = spec.cost_model()
     measured, simulated, machine = [], [], []
     for timeline in timelines:
         host = measure_host_costs(timeline, nominal)
@@ -143,9 +143,9 @@ def _run_case(plan: RehearsalPlan, steps: int, warmup: int, link: Any,
         simulated.append(figures(simulate(schedule, nominal)).makespan)
         machine.append(figures(simulate(schedule, with_host_costs(nominal, host, schedule,
                                                                   link))).makespan)
-    predicted = predict_memory(schedule, plan.memory_model())
+    predicted = predict_memory(schedule, spec.memory_model())
     errors = [abs(m.total / pr.total - 1) for m, pr in zip(memory, predicted)]
-    return {"schedule": plan.schedule, "p": plan.stages, "m": plan.microbatches,
+    return {"schedule": spec.schedule, "p": spec.stages, "m": spec.microbatches,
             "ours": statistics.median(times["ours"]),
             "torch": statistics.median(times["torch"]) if times["torch"] else None,
             "measured": statistics.median(measured), "nominal": statistics.median(simulated),
@@ -154,7 +154,7 @@ def _run_case(plan: RehearsalPlan, steps: int, warmup: int, link: Any,
 
 def _host_overhead(p: int, m: int, steps: int) -> dict[str, Any]:
     """Zero-cost layers: step time per instruction of our lowered stream, ours and torch."""
-    zero = RehearsalPlan(layers=tuple(EmulatedCost(forward=0.0, input_grad=0.0,
+    zero = RehearsalSpec(layers=tuple(EmulatedCost(forward=0.0, input_grad=0.0,
                                                    weight_grad=0.0) for _ in range(p)),
                          boundaries=tuple(range(p + 1)), schedule="1f1b", stages=p, chunks=1,
                          microbatches=m)
@@ -190,8 +190,8 @@ def _bench_rank(schedules: list[str], microbatches: list[int] | None, cases: lis
                         build_schedule(schedule, p, m)
                     except ValueError:
                         continue  # e.g. dualpipev needs m >= 2p
-                    plan = _plan(case, schedule, p, m, layer_ms)
-                    rows.append({"case": case, **_run_case(plan, steps, warmup, link,
+                    spec = _spec(case, schedule, p, m, layer_ms)
+                    rows.append({"case": case, **_run_case(spec, steps, warmup, link,
                                                              scratch)})
     return {"rows": rows, "host": _host_overhead(p, 2 * p, steps), "link": link}
 

@@ -31,7 +31,7 @@ from schedules import (
     figures,
     generate_schedule,
     loop_placement,
-    plan_zb_auto,
+    search_zb_auto,
     simulate,
     solve_zb_optimal,
     v_placement,
@@ -138,7 +138,7 @@ def reference_table(seconds: float) -> None:
     for p, m, limit in ((8, 16, 16), (4, 12, 4), (6, 12, 8)):
         def auto(p: int = p, m: int = m, limit: int = limit) -> tuple[
                 Schedule, int, CostModel, str, float]:
-            ours = plan_zb_auto(p, m, memory_limit=limit, costs=comm).schedule
+            ours = search_zb_auto(p, m, memory_limit=limit, costs=comm).schedule
             ref = paper_greedy(p, m, limit, comm)
             return ours, limit, comm, "authors' greedy", makespan(ref, comm) if ref else INF
         rows.append(("zb-auto", f"p={p} m={m} comm 0.2, K={limit}", auto))
@@ -184,7 +184,7 @@ def sweep(quick: bool) -> None:
                     better += a < r - 1e-9
             for limit in (p, 2 * p):
                 ref = paper_greedy(p, m, limit, costs)
-                ours = plan_zb_auto(p, m, memory_limit=limit, costs=costs).schedule
+                ours = search_zb_auto(p, m, memory_limit=limit, costs=costs).schedule
                 cases += 1
                 if ref is not None:
                     a, r = span(ours, costs), span(ref, costs)

@@ -20,7 +20,7 @@ have no tensor-parallel split; no recomputation: emulated layers are not rehears
 ZeRO 0/1, the schedules 1f1b, gpipe, interleaved (v = 2), zb-h1 and zb-v, and every
 microbatch count. The configurations run are those with m in `MICROBATCHES` times the
 pipeline depth (plus the planner's pick, always). Each runs with the planner's partition and
-`pipeline.demo.plan_rehearsal`'s costs for its microbatch size: one warm-up step, one
+`pipeline.rehearsal.planned`'s costs for its microbatch size: one warm-up step, one
 metered step (memory), then one timed step of every configuration per round for `rounds`
 rounds (barrier before and after each), the fastest kept (the median is printed too).
 Every engine's failure watchdog is stopped once it is built: a hundred engines polling the
@@ -47,7 +47,7 @@ from pipeline.planner import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.demo.rehearse import RehearsalPlan
+    from pipeline.rehearsal.rehearse import RehearsalSpec
 
 __all__ = ["emulated_model", "emulated_part", "run_plans"]
 
@@ -90,15 +90,15 @@ def emulated_model() -> ModelProfile:
     return ModelProfile(tuple(layers), name=f"emulated {base.name}", seq=shape.seq)
 
 
-def run_plans(plans: list[RehearsalPlan], rounds: int) -> list[dict[str, Any]]:
+def run_plans(plans: list[RehearsalSpec], rounds: int) -> list[dict[str, Any]]:
     """On every rank: build every plan's engine (process groups shared per dp size), one
     warm-up and one metered step each, then `rounds` rounds of one timed step of each."""
     import torch
     import torch.distributed as dist
 
-    from pipeline.demo.rehearse import build_engine, metered_step
     from pipeline.parallel.groups import create_process_groups
     from pipeline.parallel.topology import Topology
+    from pipeline.rehearsal.rehearse import build_engine, metered_step
 
     torch.set_num_threads(1)
     world = dist.get_world_size()
@@ -154,8 +154,8 @@ def emulated_part(devices: int, rounds: int, cluster: ClusterSpec | None = None
     from dataclasses import replace
 
     from pipeline import launch
-    from pipeline.demo.plan_rehearsal import rehearsal_plan
     from pipeline.planner.calibrate import calibrate_local
+    from pipeline.rehearsal.planned import planned_rehearsal
 
     model = emulated_model()
     cluster = replace(cluster or calibrate_local(ranks=devices), devices_per_node=devices)
@@ -163,7 +163,7 @@ def emulated_part(devices: int, rounds: int, cluster: ClusterSpec | None = None
     result = plan(model, cluster, GLOBAL_BATCH, options=SearchOptions(
         schedules=SCHEDULES, max_chunks=2, recompute=False, tensor_parallel=(1,), top=10_000))
     chosen = _chosen(result.predictions, result.best)
-    plans = [rehearsal_plan(p, model, cluster) for p in chosen]
+    plans = [planned_rehearsal(p, model, cluster) for p in chosen]
     ranks = launch(run_plans, devices, plans, rounds, timeout=900.0, threads_per_rank=1)
     measured = [max(rank[i]["fastest"] for rank in ranks) for i in range(len(chosen))]
     medians = [max(rank[i]["median"] for rank in ranks) for i in range(len(chosen))]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from pipeline import PipelineEngine, PipelineModule, launch
-from pipeline.runtime.schedule_plan import resolve_schedule
+from pipeline.runtime.schedule_setup import resolve_schedule
 from tests.checkpoint.test_root_lock import test_a_second_job_cannot_sweep_away_a_save_in_progress
 from tests.runtime.test_silent_steps import _module, _scenarios
 from tests.support.cli_helpers import REPO

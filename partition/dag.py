@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partition.linear import LinearPrefix
 from partition.parametric import choose_cut
+from partition.prefix_sums import LinearPrefix
 
 __all__ = ["DagCosts", "solve_dag"]
 

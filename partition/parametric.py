@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partition.linear import LinearPrefix
+from partition.prefix_sums import LinearPrefix
 
 __all__ = ["ChainCosts", "choose_cut", "solve_chain", "window_max"]
 

@@ -9,8 +9,8 @@ import numpy as np
 
 from partition.errors import InvalidCostError
 from partition.graph import ModelGraph
-from partition.linear import LinearPrefix
 from partition.methods import ScheduleMemory
+from partition.prefix_sums import LinearPrefix
 
 __all__ = ["StageCosts", "inflight_microbatches"]
 

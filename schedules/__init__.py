@@ -38,18 +38,17 @@ from schedules.passes.lowering import add_optimizer_step, lower
 from schedules.registry import SCHEDULES, ScheduleSpec, build_schedule, generate_schedule
 from schedules.search.authors_greedy import PaperGreedyKnobs
 from schedules.search.authors_v_greedy import VGreedyKnobs
-from schedules.search.interleaved_zb import interleaved_zb, plan_interleaved_zb
+from schedules.search.interleaved_zb import interleaved_zb, search_interleaved_zb
 from schedules.search.list_scheduler import ListKnobs
 from schedules.search.paper_greedy import GreedyKnobs
-from schedules.search.zb_auto import AutoPlan, Candidate, plan_zb_auto, zb_auto
-from schedules.search.zb_optimal import OptimalPlan, solve_zb_optimal, zb_optimal
-from schedules.search.zb_v_auto import plan_zb_v_auto, zb_v_auto
+from schedules.search.zb_auto import Candidate, ScheduleSearch, search_zb_auto, zb_auto
+from schedules.search.zb_optimal import SolvedSchedule, solve_zb_optimal, zb_optimal
+from schedules.search.zb_v_auto import search_zb_v_auto, zb_v_auto
 
 __all__ = [
     "KINDS",
     "NONE",
     "SCHEDULES",
-    "AutoPlan",
     "Candidate",
     "CostModel",
     "Figures",
@@ -57,14 +56,15 @@ __all__ = [
     "Instruction",
     "Kind",
     "ListKnobs",
-    "OptimalPlan",
     "PaperGreedyKnobs",
     "Schedule",
     "ScheduleConfigError",
     "ScheduleError",
     "ScheduleParseError",
+    "ScheduleSearch",
     "ScheduleSpec",
     "ScheduleValidationError",
+    "SolvedSchedule",
     "Span",
     "Timeline",
     "VGreedyKnobs",
@@ -89,9 +89,9 @@ __all__ = [
     "parse_instruction",
     "parse_stream",
     "parse_torch_csv",
-    "plan_interleaved_zb",
-    "plan_zb_auto",
-    "plan_zb_v_auto",
+    "search_interleaved_zb",
+    "search_zb_auto",
+    "search_zb_v_auto",
     "simulate",
     "solve_zb_optimal",
     "to_torch_rows",

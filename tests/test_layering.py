@@ -18,10 +18,11 @@ TOP_LEVEL: dict[str, frozenset[str]] = {
     "viz": frozenset({"schedules", "partition"}),
     "pipeline": frozenset({"schedules", "partition", "viz"}),
 }
-# pipeline's rooms, lowest first: cli -> demo -> planner -> interop -> runtime -> checkpoint ->
-# model -> parallel -> launcher -> the shared leaves (pipeline/errors.py, pipeline/device.py).
-ROOMS = ("", "launcher", "parallel", "model", "checkpoint", "runtime", "interop", "planner", "demo",
-         "cli")
+# pipeline's rooms, lowest first: cli -> demo -> rehearsal -> planner -> interop -> runtime ->
+# checkpoint -> model -> parallel -> launcher -> the shared leaves (pipeline/errors.py,
+# pipeline/device.py).
+ROOMS = ("", "launcher", "parallel", "model", "checkpoint", "runtime", "interop", "planner",
+         "rehearsal", "demo", "cli")
 
 
 def _imports(path: Path) -> list[str]:

@@ -14,8 +14,8 @@ from schedules import (
     SCHEDULES,
     CostModel,
     Figures,
-    OptimalPlan,
     Schedule,
+    SolvedSchedule,
     Timeline,
     build_schedule,
     figures,
@@ -100,13 +100,13 @@ def format_table(rows: list[tuple[str, ...]],
 
 
 def optimality_gaps(schedules: list[Schedule], results: list[Figures],
-                    costs: list[CostModel], time_limit: float) -> list[OptimalPlan | None]:
+                    costs: list[CostModel], time_limit: float) -> list[SolvedSchedule | None]:
     """The proven optimum for each schedule's placement, costs and own peak memory (None for
     a forward-only schedule); one solve per distinct (placement, peak, costs)."""
-    solved: dict[tuple[object, ...], OptimalPlan] = {}
+    solved: dict[tuple[object, ...], SolvedSchedule] = {}
     # Each solve starts from the first schedule of its problem; a later, faster one with
     # the same placement and memory gets its own solve, so no row shows a negative gap.
-    plans: list[OptimalPlan | None] = []
+    plans: list[SolvedSchedule | None] = []
     for schedule, result, cost in zip(schedules, results, costs):
         if not schedule.has_backward:
             plans.append(None)
@@ -124,7 +124,7 @@ def optimality_gaps(schedules: list[Schedule], results: list[Figures],
     return plans
 
 
-def _gap_text(makespan: float, plan: OptimalPlan | None) -> str:
+def _gap_text(makespan: float, plan: SolvedSchedule | None) -> str:
     if plan is None:
         return "-"
     low = max(0.0, makespan / plan.makespan - 1.0)
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         all_costs.append(costs)
         timelines.append(simulate(schedule, costs))
     results = [figures(t) for t in timelines]
-    plans: list[OptimalPlan | None] = []
+    plans: list[SolvedSchedule | None] = []
     if args.optimality_gap is not None:
         plans = optimality_gaps(schedules, results, all_costs, args.optimality_gap)
     gaps = [_gap_text(r.makespan, plan) for r, plan in zip(results, plans)]

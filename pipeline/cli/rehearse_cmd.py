@@ -80,10 +80,10 @@ def format_memory(predicted: list[RankMemory], measured: list[RankMemory]) -> st
     return "\n".join(lines)
 
 
-def _plan(args: argparse.Namespace) -> Any:
+def _spec(args: argparse.Namespace) -> Any:
     """Read and check everything (costs, schedule, partition) before any process starts."""
     from partition import graph_from_json, parse_method, partition_graph
-    from pipeline.demo.rehearse import RehearsalPlan, emulation_costs
+    from pipeline.rehearsal.rehearse import RehearsalSpec, emulation_costs
     from viz import FIGURE_FORMATS, TRACE_FORMATS, check_output_path
 
     chunks = args.chunks if args.chunks is not None else SCHEDULES[args.schedule].default_chunks
@@ -100,7 +100,7 @@ def _plan(args: argparse.Namespace) -> Any:
     args.out.mkdir(parents=True, exist_ok=True)
     check_output_path(args.out / "rehearsal.png", FIGURE_FORMATS)
     check_output_path(args.out / "trace.json", TRACE_FORMATS)
-    return RehearsalPlan(layers=tuple(layers), boundaries=tuple(part.boundaries),
+    return RehearsalSpec(layers=tuple(layers), boundaries=tuple(part.boundaries),
                          schedule=args.schedule, stages=args.stages, chunks=chunks,
                          microbatches=args.microbatches, data_parallel=args.data_parallel,
                          zero_stage=args.zero_stage, steps=args.steps)
@@ -113,22 +113,22 @@ def _for_plot(timeline: Timeline, name: str, saved: tuple[float, ...]) -> Timeli
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.demo.rehearse import RehearsalReport, rehearse_rank
     from pipeline.launcher.processes import launch
+    from pipeline.rehearsal.rehearse import RehearsalReport, rehearse_rank
     from schedules.analysis.host import measure_host_costs, with_host_costs
     from schedules.analysis.memory import predict_memory
     from viz import comparison_table, plot_comparison, write_trace
 
-    plan = _plan(args)
-    world = plan.stages * plan.data_parallel
-    print(f"rehearsing {plan.schedule} on {world} local ranks (p={plan.stages}, "
-          f"dp={plan.data_parallel}, v={plan.chunks}, m={plan.microbatches}), boundaries "
-          f"{list(plan.boundaries)}", file=sys.stderr)
-    schedule = build_schedule(plan.schedule, plan.stages, plan.microbatches, plan.chunks)
-    nominal = plan.cost_model()
+    spec = _spec(args)
+    world = spec.stages * spec.data_parallel
+    print(f"rehearsing {spec.schedule} on {world} local ranks (p={spec.stages}, "
+          f"dp={spec.data_parallel}, v={spec.chunks}, m={spec.microbatches}), boundaries "
+          f"{list(spec.boundaries)}", file=sys.stderr)
+    schedule = build_schedule(spec.schedule, spec.stages, spec.microbatches, spec.chunks)
+    nominal = spec.cost_model()
     # a wait inside a step may last a whole nominal step (and more on a loaded host)
     step = figures(simulate(schedule, nominal)).makespan
-    report: RehearsalReport | None = launch(rehearse_rank, world, plan,
+    report: RehearsalReport | None = launch(rehearse_rank, world, spec,
                                             timeout=max(120.0, 20 * step))[0]
     if report is None:
         raise RuntimeError("rank 0 returned no report")
@@ -136,22 +136,22 @@ def run(args: argparse.Namespace) -> int:
     # this run measured.
     host = measure_host_costs(report.timeline, nominal)
     machine = with_host_costs(nominal, host, schedule, report.link)
-    saved = plan.memory_model().saved
+    saved = spec.memory_model().saved
     saved_bytes = tuple(saved) if not isinstance(saved, float | int) else ()
     timelines = [_for_plot(simulate(schedule, nominal), "simulated", saved_bytes),
                  _for_plot(simulate(schedule, machine), "simulated + machine", saved_bytes),
                  _for_plot(report.timeline, "measured", saved_bytes)]
     results = [figures(t) for t in timelines]
-    predicted = list(predict_memory(schedule, plan.memory_model()))
+    predicted = list(predict_memory(schedule, spec.memory_model()))
     out: Path = args.out
     plot_comparison(timelines, out / "rehearsal.png",
-                    title=f"rehearsal of {plan.schedule}   p={plan.stages}  m={plan.microbatches}"
-                          f"  v={plan.chunks}   measured vs simulated (red dashes: makespan)")
+                    title=f"rehearsal of {spec.schedule}   p={spec.stages}  m={spec.microbatches}"
+                          f"  v={spec.chunks}   measured vs simulated (red dashes: makespan)")
     write_trace(report.timeline, out / "trace.json")
     summary = {
-        "schedule": plan.schedule, "stages": plan.stages, "chunks": plan.chunks,
-        "microbatches": plan.microbatches, "data_parallel": plan.data_parallel,
-        "boundaries": list(plan.boundaries), "step_seconds": report.step_seconds,
+        "schedule": spec.schedule, "stages": spec.stages, "chunks": spec.chunks,
+        "microbatches": spec.microbatches, "data_parallel": spec.data_parallel,
+        "boundaries": list(spec.boundaries), "step_seconds": report.step_seconds,
         "link": {"latency": report.link.latency, "bandwidth": report.link.bandwidth},
         "host_seconds_per_op": {f"{s}{k.value}": v for (k, s), v in host.per_op.items()},
         "timelines": [{"name": t.name, **r.to_dict()} for t, r in zip(timelines, results)],

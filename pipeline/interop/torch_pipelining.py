@@ -25,7 +25,7 @@ from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 from pipeline.device import default_device
 from pipeline.errors import PipelineConfigError
 from pipeline.model.module import LossFn, PipelineModule, Stage
-from pipeline.runtime.schedule_plan import resolve_schedule
+from pipeline.runtime.schedule_setup import resolve_schedule
 from schedules import Schedule, format_torch_csv
 
 __all__ = ["TorchCsvFormat", "torch_csv_format", "torch_runtime", "torch_stages"]

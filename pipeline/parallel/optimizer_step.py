@@ -1,11 +1,12 @@
-"""What the STEP instruction does once gradients are reduced: overflow vote, clipping, step.
+"""What the STEP instruction does once gradients are reduced: the vote, clipping, step.
 
 The order is Megatron's `optimizer.step`:
 
     reducer.wait()          (the interpreter, before this) dp reduction and tied sums done
-    1. fp16 only: every rank votes on inf/NaN in its gradients (MAX all-reduce over the
-       world), so pipeline stages, replicas and tp shards all skip the same step
-    2. unscale by the loss scale
+    1. `vote`: every rank votes on inf/NaN in its gradients (a sum over the world), so
+       pipeline stages, replicas and tp shards all skip the same step (fp16: an overflow,
+       which the loss scaler answers by lowering the scale)
+    2. `__call__`, on the vote: fp16 unscales by the loss scale
     3. clip by the global norm over every rank
     4. optimizer step (ZeRO-1: step this rank's shard, all-gather the parameters)
     5. clear gradients: always under ZeRO-1, whose per-region "reduced" marks must be reset
@@ -31,12 +32,10 @@ from pipeline.parallel.precision import (
     clip_grad_norm_global,
     global_grad_norm,
 )
+from pipeline.parallel.rank_optimizer import RankOptimizer
 from pipeline.parallel.zero import ShardedOptimizer
 
-__all__ = ["GradientView", "OptimizerStep", "ReplicatedGrads", "ShardedGrads", "StepOptimizer"]
-
-StepOptimizer = torch.optim.Optimizer | ShardedOptimizer
-"""What STEP steps: a torch optimizer over this rank's parameters, or ZeRO-1's shards."""
+__all__ = ["GradientView", "OptimizerStep", "ReplicatedGrads", "ShardedGrads"]
 
 
 class GradientView(Protocol):
@@ -108,48 +107,57 @@ class ShardedGrads:
 
 
 class OptimizerStep:
-    """The STEP instruction after `GradReducer.wait`: a callable the interpreter runs once
-    per training batch. `skipped` and `grad_norm` describe the last call."""
+    """The STEP instruction after `GradReducer.wait`, run once per training batch: `vote`
+    (a collective every rank takes), then call it to step or skip on the vote's answer.
+    `skipped` and `grad_norm` describe the last call."""
 
-    def __init__(self, optimizer: Callable[[], StepOptimizer | None], view: GradientView, *,
+    def __init__(self, optimizer: Callable[[], RankOptimizer | None], view: GradientView, *,
                  scaler: DynamicLossScaler | None = None,
                  max_grad_norm: float | None = None,
-                 finite_group: ProcessGroup | None = None) -> None:
+                 finite_group: ProcessGroup | None = None,
+                 link: LocalLink | None = None) -> None:
         self.optimizer = optimizer
         """Returns the optimizer at call time (a getter: it may be replaced, e.g. on load)."""
         self.view = view
         self.scaler = scaler
         self.max_grad_norm = max_grad_norm
         self.finite_group = finite_group
-        """Every rank: without fp16's scaler, the non-finite vote spans it."""
-        self.link: LocalLink | None = None
+        """Every rank: the vote spans it."""
+        self.link = link
         """The engine's datagram link (`pipeline.parallel.local_p2p`): the vote takes it
         when it spans `finite_group`."""
+        self.overflow = False
+        """The last vote's answer: inf or NaN in some rank's gradients."""
         self.skipped = False
         """Whether the last step was skipped (the same on every rank): fp16 overflow, or
         non-finite gradients on some rank."""
         self.nonfinite = False
-        """Whether the last step's gradients held inf or NaN on some rank (fp32 / bf16)."""
+        """Whether the last step's gradients held inf or NaN on some rank (fp32 / bf16; under
+        fp16 that is an overflow the scaler handles, not an error)."""
         self.grad_norm: float | None = None
         """Global gradient norm before clipping at the last step (None without clipping)."""
 
-    def __call__(self, riders: torch.Tensor | None = None) -> bool:
-        """Step (or skip, on every rank alike); returns whether `riders` were summed over
-        the world in the step's vote (`any_nonfinite`): fp32 and bf16, not fp16."""
-        shared = False
+    def vote(self, riders: torch.Tensor | None = None) -> bool:
+        """Collective over `finite_group`: whether some rank's gradients hold inf or NaN (the
+        same answer on every rank). `riders` (float64, CPU) are summed over the group in the
+        same message, in place (`any_nonfinite`): the caller's values cost no collective of
+        their own."""
+        self.overflow = any_nonfinite(self.view.grads(), self.finite_group, riders, self.link)
+        return self.overflow
+
+    def __call__(self) -> None:
+        """Step, or skip on every rank alike, on the last `vote`."""
         if self.scaler is None:
-            # the vote every rank takes alike: a NaN/inf gradient anywhere skips the update
-            # everywhere, so no weight is corrupted and the engine can say where it began
-            self.nonfinite = any_nonfinite(self.view.grads(), self.finite_group, riders,
-                                           self.link)
-            shared = riders is not None
+            # a NaN/inf gradient anywhere skips the update everywhere, so no weight is
+            # corrupted and the engine can say where it began
+            self.nonfinite = self.overflow
             if not self.nonfinite:
                 self._apply()
             self.skipped = self.nonfinite
         else:
-            self.skipped = not self.scaler.step(self.view.grads(), self._apply)
+            self.skipped = not self.scaler.step(self.view.grads(), self._apply,
+                                                overflow=self.overflow)
         self.view.clear()
-        return shared
 
     def _apply(self) -> None:
         if self.max_grad_norm is not None:

@@ -188,10 +188,13 @@ class DynamicLossScaler:
         self.clean_steps = int(state["clean_steps"])
         self.skipped_steps = int(state["skipped_steps"])
 
-    def step(self, grads: Sequence[torch.Tensor], optimizer_step: Callable[[], None]) -> bool:
-        """Vote on overflow; if clean, unscale `grads` and run `optimizer_step`. Returns
-        whether the step was taken (the same answer on every rank)."""
-        overflow = self.found_overflow(grads)
+    def step(self, grads: Sequence[torch.Tensor], optimizer_step: Callable[[], None], *,
+             overflow: bool | None = None) -> bool:
+        """Vote on overflow (unless `overflow` gives the vote's answer, taken over the same
+        group); if clean, unscale `grads` and run `optimizer_step`. Returns whether the step
+        was taken (the same answer on every rank)."""
+        if overflow is None:
+            overflow = self.found_overflow(grads)
         if not overflow:
             self.unscale_(grads)
             optimizer_step()

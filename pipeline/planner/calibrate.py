@@ -42,8 +42,8 @@ def measure_links(repeats: int = 10) -> dict[str, float]:
     from pipeline.model.layers import LayerSpec
     from pipeline.model.module import PipelineModule
     from pipeline.parallel.local_p2p import open_local_link
+    from pipeline.parallel.pingpong import round_trip
     from pipeline.runtime.engine import PipelineEngine
-    from pipeline.runtime.pingpong import round_trip
 
     rank = dist.get_rank()
     local = open_local_link(None, 60.0)  # small messages take the engine's own transport

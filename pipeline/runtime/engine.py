@@ -24,7 +24,8 @@ from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
 from pipeline.parallel.local_p2p import open_local_link
 from pipeline.parallel.optimizer import OptimizerFactory
-from pipeline.parallel.optimizer_step import StepOptimizer
+from pipeline.parallel.rank_optimizer import RankOptimizer
+from pipeline.parallel.small_reduce import small_all_reduce
 from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.batch import (
@@ -45,7 +46,7 @@ from pipeline.runtime.parallel_setup import (
     setup_training,
     zero_regions,
 )
-from pipeline.runtime.schedule_plan import (
+from pipeline.runtime.schedule_setup import (
     check_agreement,
     fingerprint,
     forward_schedule,
@@ -128,15 +129,14 @@ class PipelineEngine:
         self.groups = groups
         """pp/dp/tp process groups (None for a pure pipeline: the world is the pipeline)."""
         module.materialize(self.schedule.stages_of(self.pp_rank), self.device, groups=groups)
-        self.training = setup_training(module, self.schedule.placement, topology, groups,
-                                       parallel, optimizer, gradient_reducer)
-        """Reducer, optimizer, tied-weight sync, loss scaler and STEP of this rank."""
-        pipeline_group = groups.pp_group if groups is not None else None
-        self.gradient_reducer = self.training.reducer
         # over the world (not the pipeline group): STEP's vote spans every rank
         local = open_local_link(None, self.config.timeout) \
             if self.config.local_p2p and self.device.type == "cpu" else None
-        self.training.step.link = local
+        self.training = setup_training(module, self.schedule.placement, topology, groups,
+                                       parallel, optimizer, gradient_reducer, link=local)
+        """Reducer, optimizer, tied-weight sync, loss scaler and STEP of this rank."""
+        pipeline_group = groups.pp_group if groups is not None else None
+        self.gradient_reducer = self.training.reducer
         self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group,
                          self.config.timeout, local=local)
         self._shapes = ShapeBook(always_dynamic=self.config.dynamic_shapes)
@@ -188,13 +188,13 @@ class PipelineEngine:
     # -- 3D parallelism --------------------------------------------------------------------
 
     @property
-    def optimizer(self) -> StepOptimizer | None:
+    def optimizer(self) -> RankOptimizer | None:
         """A torch optimizer, or the `ShardedOptimizer` under ZeRO-1 (None: nothing to step);
         STEP steps whatever is set here."""
         return self.training.optimizer
 
     @optimizer.setter
-    def optimizer(self, optimizer: StepOptimizer | None) -> None:
+    def optimizer(self, optimizer: RankOptimizer | None) -> None:
         self.training.optimizer = optimizer
 
     @property
@@ -338,15 +338,11 @@ class PipelineEngine:
         self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
                                     self._trace.spans,
                                     exposed_reduction=state.exposed_reduction)
-        if state.shared_loss is not None:  # STEP's vote summed it over the replicas
-            loss = state.shared_loss / self.topology.dp
-        else:
-            total = torch.stack(state.losses).sum().double().cpu() if state.losses else \
-                torch.zeros((), dtype=torch.float64)
-            loss = self.comm.broadcast_tensor(total.reshape(1) / m, schedule.placement[-1])
-            if self.groups is not None and self.topology.dp > 1:  # mean over the replicas
-                dist.all_reduce(loss, group=self.groups.dp_group)
-                loss /= self.topology.dp
+        if state.loss_sum is None:  # no STEP carried it: the loss is summed alone
+            state.loss_sum = self._interpreter.loss_share(state)
+            small_all_reduce(state.loss_sum, link=self.comm.local,
+                             group=None if self.groups is None else self.groups.world_group)
+        loss = state.loss_sum / self.topology.dp  # the mean over the replicas
         self.progress.enter(f"between steps, after step {self.global_step + training}")
         return float(loss[0]), state.outputs
 

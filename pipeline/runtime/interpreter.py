@@ -20,6 +20,7 @@ from pipeline.launcher.progress import ProgressRecord, StallError, explain_stall
 from pipeline.model.layer_rng import forward_key
 from pipeline.model.module import LossFn, PipelineModule, Stage
 from pipeline.parallel.data_parallel import GradReducer, OverlappingReducer
+from pipeline.parallel.optimizer_step import OptimizerStep
 from pipeline.parallel.precision import Precision, autocast
 from pipeline.runtime.batch import Batch, Layout, as_tensors
 from pipeline.runtime.comm import Comm, PendingRecv
@@ -91,8 +92,9 @@ class StepState:
     finite: list[FiniteFlag] = field(default_factory=list)
     """Whether each forward output and loss was finite, read only if the step's loss or
     gradients are not (`first_nonfinite`)."""
-    shared_loss: torch.Tensor | None = None
-    """The step's mean loss summed over data-parallel replicas, when STEP's vote carried it."""
+    loss_sum: torch.Tensor | None = None
+    """The step's mean loss summed over the world (each data-parallel replica's once), once
+    summed: at STEP, riding its vote's message; without STEP, by the engine after the run."""
 
     def leftovers(self) -> dict[str, int]:
         """Per-step entries still held (all empty after a complete step)."""
@@ -127,7 +129,7 @@ class Interpreter:
     def __init__(self, *, module: PipelineModule, pp_rank: int, placement: Sequence[int],
                  num_microbatches: int, comm: Comm, shapes: ShapeBook, trace: Trace,
                  reducer: GradReducer, loss_fn: LossFn | None,
-                 optimizer_step: Callable[[torch.Tensor], bool],
+                 optimizer_step: OptimizerStep,
                  device: torch.device, split_stages: frozenset[int] = frozenset(),
                  precision: Precision = "fp32",
                  loss_scale: Callable[[], float] = lambda: 1.0,
@@ -144,10 +146,10 @@ class Interpreter:
         self.reducer = reducer
         self.loss_fn = loss_fn
         self.optimizer_step = optimizer_step
-        """STEP after the reducer's wait (`pipeline.parallel.optimizer_step.OptimizerStep`);
-        its vote also sums the step's loss (True when it did)."""
+        """STEP after the reducer's wait: its vote, then the step."""
         self.shares_loss = shares_loss
-        """Whether this rank's losses count in that sum (one tensor-parallel rank each)."""
+        """Whether this rank's losses count in the step's loss sum (one tensor-parallel rank
+        each)."""
         self.device = device
         self.precision = precision
         """Stages run under this autocast; the loss is computed in fp32 from their output."""
@@ -429,11 +431,19 @@ class Interpreter:
     def step(self, op: Instruction) -> None:
         self.reducer.wait()
         self.state.exposed_reduction += _now() - self.op_start
-        state = self.state  # the last stage has every loss by now: the vote carries them
+        # the last stage has every loss by now: their sum rides the vote's message, so the
+        # loss costs no collective of its own
+        self.state.loss_sum = self.loss_share(self.state)
+        self.optimizer_step.vote(self.state.loss_sum)
+        self.optimizer_step()
+
+    def loss_share(self, state: StepState) -> torch.Tensor:
+        """This rank's part of the step's loss sum over the world (float64, CPU, shape (1,)):
+        the mean of its losses, or zero off the last stage and tensor-parallel rank 0."""
         share = torch.zeros(1, dtype=torch.float64)
         if state.losses and self.shares_loss:
             share += torch.stack(state.losses).sum().double().cpu() / self.m
-        state.shared_loss = share if self.optimizer_step(share) else None
+        return share
 
 
 def last_backwards(stream: Sequence[Instruction]) -> dict[int, int]:

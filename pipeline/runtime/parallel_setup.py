@@ -35,15 +35,16 @@ from pipeline.parallel.data_parallel import (
     make_grad_reducer,
 )
 from pipeline.parallel.groups import ProcessGroups, check_world_size
+from pipeline.parallel.local_p2p import LocalLink
 from pipeline.parallel.optimizer import OptimizerFactory, make_optimizer
 from pipeline.parallel.optimizer_step import (
     GradientView,
     OptimizerStep,
     ReplicatedGrads,
     ShardedGrads,
-    StepOptimizer,
 )
 from pipeline.parallel.precision import DynamicLossScaler, half_dtype
+from pipeline.parallel.rank_optimizer import RankOptimizer
 from pipeline.parallel.tied_sync import (
     TiedGradReducer,
     TiedWeightSynchronizer,
@@ -107,7 +108,7 @@ class TrainingRuntime:
 
     reducer: GradReducer
     """Called at REDUCE_GRAD (per stage) and waited at STEP."""
-    optimizer: StepOptimizer | None
+    optimizer: RankOptimizer | None
     """The torch optimizer, or the `ShardedOptimizer` under ZeRO-1 (None: nothing to step)."""
     tied: TiedWeightSynchronizer | None
     """Keeps tied copies identical (None without `TiedLayerSpec`s on this rank)."""
@@ -124,8 +125,10 @@ class TrainingRuntime:
 def setup_training(module: PipelineModule, placement: Sequence[int], topology: Topology,
                    groups: ProcessGroups | None, config: ParallelConfig,
                    optimizer: OptimizerFactory | torch.optim.Optimizer | None,
-                   gradient_reducer: GradReducer | None = None) -> TrainingRuntime:
-    """Build this rank's reducer, optimizer and STEP for a materialized `module`."""
+                   gradient_reducer: GradReducer | None = None,
+                   link: LocalLink | None = None) -> TrainingRuntime:
+    """Build this rank's reducer, optimizer and STEP for a materialized `module` (STEP's
+    vote goes through `link`, the engine's datagram link over the world, when given)."""
     if config.half_parameters:  # Megatron's Float16Module: the stages hold half parameters
         module.to(half_dtype(config.precision))
     params = list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
@@ -144,7 +147,7 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
         tied.broadcast_initial()
     # 3. Reducer and optimizer (ZeRO-1's sharded optimizer is both).
     view: GradientView
-    built: StepOptimizer | None
+    built: RankOptimizer | None
     if config.zero_stage is ZeroStage.OPTIMIZER_STATE:
         if gradient_reducer is not None:
             raise PipelineConfigError("zero_stage=1 reduces gradients itself (reduce-scatter "
@@ -181,7 +184,7 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
     runtime = TrainingRuntime(reducer, built, tied, scaler, OptimizerStep(
         lambda: runtime.optimizer, view, scaler=scaler,
         max_grad_norm=config.gradient_clipping,
-        finite_group=None if groups is None else groups.world_group))
+        finite_group=None if groups is None else groups.world_group, link=link))
     return runtime
 
 
@@ -215,7 +218,7 @@ def zero_regions(module: PipelineModule, tied: TiedWeightSynchronizer | None
     return split_tied(by_stage, tied.params) if tied is not None else by_stage
 
 
-def reduced_gradients(module: PipelineModule, optimizer: StepOptimizer | None
+def reduced_gradients(module: PipelineModule, optimizer: RankOptimizer | None
                       ) -> dict[tuple[int, str], torch.Tensor]:
     """(global layer index, parameter name) -> the gradient the last step used, after the
     dp reduction (and tied sum, clipping, unscaling). Under ZeRO-1 the shards are
@@ -228,7 +231,7 @@ def reduced_gradients(module: PipelineModule, optimizer: StepOptimizer | None
             if param.grad is not None}
 
 
-def optimizer_state_bytes(optimizer: StepOptimizer | None) -> int:
+def optimizer_state_bytes(optimizer: RankOptimizer | None) -> int:
     """Bytes of this rank's optimizer-state tensors (moments, step counts)."""
     if optimizer is None:
         return 0

@@ -10,7 +10,7 @@ from schedules.analysis.simulate import CostModel
 from schedules.ir.errors import ScheduleConfigError
 from schedules.ir.instructions import Instruction, Kind
 from schedules.ir.schedule import Schedule, check_count
-from schedules.search.zb_auto import AutoPlan, Candidate, peak_in_flight
+from schedules.search.zb_auto import Candidate, ScheduleSearch, peak_in_flight
 
 __all__ = ["Orders", "check_memory_limit", "defer_weights", "pick_fastest", "runs",
            "split_backward"]
@@ -65,7 +65,7 @@ def runs(streams: Sequence[Sequence[Instruction]], placement: Sequence[int], m: 
 
 
 def pick_fastest(name: str, num_microbatches: int, placement: tuple[int, ...], orders: Orders,
-                 costs: CostModel) -> AutoPlan:
+                 costs: CostModel) -> ScheduleSearch:
     """Simulate every candidate and keep the shortest makespan (then the shorter longest
     rank span, then less memory, then the earlier candidate)."""
     m = num_microbatches
@@ -80,6 +80,6 @@ def pick_fastest(name: str, num_microbatches: int, placement: tuple[int, ...], o
         makespan = max((ends[-1] for ends in run.ends if ends), default=0.0)
         scored.append((makespan, cost, peak_in_flight(streams), index, label, streams))
     scored.sort(key=lambda row: row[:4])
-    return AutoPlan(Schedule(name, m, placement, scored[0][5]),
+    return ScheduleSearch(Schedule(name, m, placement, scored[0][5]),
                     tuple(Candidate(label, cost, makespan, peak)
                           for makespan, cost, peak, _, label, _ in scored))

@@ -16,9 +16,9 @@ from schedules.search.candidates import (
     split_backward,
 )
 from schedules.search.list_scheduler import knob_grid, list_order
-from schedules.search.zb_auto import AutoPlan, peak_in_flight
+from schedules.search.zb_auto import ScheduleSearch, peak_in_flight
 
-__all__ = ["interleaved_zb", "plan_interleaved_zb"]
+__all__ = ["interleaved_zb", "search_interleaved_zb"]
 
 
 def interleaved_zb(num_ranks: int, num_microbatches: int, chunks: int = 2, *,
@@ -34,14 +34,14 @@ def interleaved_zb(num_ranks: int, num_microbatches: int, chunks: int = 2, *,
     and W's held back on later ranks is kept; with a limit that interleaved 1F1B fits in,
     it is never slower.
     """
-    return plan_interleaved_zb(num_ranks, num_microbatches, chunks, memory_limit=memory_limit,
+    return search_interleaved_zb(num_ranks, num_microbatches, chunks, memory_limit=memory_limit,
                                costs=costs).schedule
 
 
 @gc_paused
-def plan_interleaved_zb(num_ranks: int, num_microbatches: int, chunks: int = 2, *,
+def search_interleaved_zb(num_ranks: int, num_microbatches: int, chunks: int = 2, *,
                         memory_limit: int | None = None,
-                        costs: CostModel | None = None) -> AutoPlan:
+                        costs: CostModel | None = None) -> ScheduleSearch:
     """`interleaved_zb` with every candidate it compared, fastest first."""
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)

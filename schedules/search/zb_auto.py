@@ -16,7 +16,7 @@ from schedules.search.authors_greedy import PaperGreedyKnobs, paper_greedy_order
 from schedules.search.list_scheduler import LIST_KNOB_GRID, list_order
 from schedules.search.paper_greedy import GreedyKnobs, greedy_order
 
-__all__ = ["AutoPlan", "Candidate", "peak_in_flight", "plan_zb_auto", "zb_auto"]
+__all__ = ["Candidate", "ScheduleSearch", "peak_in_flight", "search_zb_auto", "zb_auto"]
 
 KNOB_GRID: tuple[GreedyKnobs, ...] = tuple(
     GreedyKnobs(input_grad_first=first, min_gap_for_w=gap, lookahead=look)
@@ -38,7 +38,7 @@ class Candidate:
 
 
 @dataclass(frozen=True)
-class AutoPlan:
+class ScheduleSearch:
     """The chosen schedule and every candidate tried, best first."""
 
     schedule: Schedule
@@ -58,13 +58,13 @@ def zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None =
     for `simulate` (default: all 1, no comm). Never worse than ZB-H1 when K >= min(p, m),
     nor than ZB-H2 when K >= min(2p - 1, m): both are candidates.
     """
-    return plan_zb_auto(num_ranks, num_microbatches, memory_limit=memory_limit,
+    return search_zb_auto(num_ranks, num_microbatches, memory_limit=memory_limit,
                         costs=costs).schedule
 
 
 @gc_paused
-def plan_zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None = None,
-                 costs: CostModel | None = None) -> AutoPlan:
+def search_zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None = None,
+                 costs: CostModel | None = None) -> ScheduleSearch:
     """`zb_auto` with the candidates it compared (for reports and benchmarks)."""
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)
@@ -102,7 +102,7 @@ def plan_zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | N
         scored.append((cost, makespan, peak_in_flight(streams), index, label, streams))
     scored.sort(key=lambda row: row[:4])
     best = scored[0]
-    return AutoPlan(Schedule("zb-auto", m, placement, best[5]),
+    return ScheduleSearch(Schedule("zb-auto", m, placement, best[5]),
                     tuple(Candidate(label, cost, makespan, peak)
                           for cost, makespan, peak, _, label, _ in scored))
 

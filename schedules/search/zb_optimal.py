@@ -46,7 +46,7 @@ from schedules.search.interleaved_zb import interleaved_zb
 from schedules.search.zb_auto import zb_auto
 from schedules.search.zb_v_auto import zb_v_auto
 
-__all__ = ["MAX_MICROBATCHES", "MAX_RANKS", "OptimalPlan", "solve_zb_optimal", "zb_optimal"]
+__all__ = ["MAX_MICROBATCHES", "MAX_RANKS", "SolvedSchedule", "solve_zb_optimal", "zb_optimal"]
 
 MAX_RANKS = 8
 MAX_MICROBATCHES = 16
@@ -55,7 +55,7 @@ _KINDS = (Kind.F, Kind.I, Kind.W)
 
 
 @dataclass(frozen=True)
-class OptimalPlan:
+class SolvedSchedule:
     """The solver's schedule, its simulated makespan and the proven lower bound."""
 
     schedule: Schedule
@@ -98,7 +98,7 @@ def solve_zb_optimal(num_ranks: int, num_microbatches: int, chunks: int = 1, *,
                      memory_limit: int | None = None, costs: CostModel | None = None,
                      time_limit: float = 10.0,
                      placement: tuple[int, ...] | None = None,
-                     start_from: Schedule | None = None) -> OptimalPlan:
+                     start_from: Schedule | None = None) -> SolvedSchedule:
     """Minimum makespan for p <= 8 ranks and m <= 16 microbatches with split backwards.
 
     Placement: one stage per rank (v = 1), the V of ZB-V (v = 2) or a loop (v >= 3), or
@@ -217,7 +217,7 @@ class _Model:
         self.zero_cost = [sum(self.duration[k][s] for k in _KINDS) == 0 for s in range(S)]
 
     def solve(self, hint: Schedule, hint_name: str, hint_makespan: float,
-              time_limit: float) -> OptimalPlan:
+              time_limit: float) -> SolvedSchedule:
         cp, S, m, placement = self.cp_model, self.num_stages, self.m, self.placement
         model = cp.CpModel()
         horizon = math.ceil((hint_makespan + self.slack) * self.scale) + 1
@@ -291,7 +291,7 @@ class _Model:
             solver.BestObjectiveBound() / self.scale - self.slack
         bound = max(solved, simple)
         if status not in (cp.OPTIMAL, cp.FEASIBLE):
-            return OptimalPlan(_renamed(hint), hint_makespan,
+            return SolvedSchedule(_renamed(hint), hint_makespan,
                                min(bound, hint_makespan), False, hint_name,
                                kept_heuristic="no solution")
         schedule = self._order(solver, start, end)
@@ -310,7 +310,7 @@ class _Model:
         proven = (optimal and self.exact and not any(self.zero_cost) and math.isclose(
             makespan, solver.ObjectiveValue() / self.scale, rel_tol=1e-9, abs_tol=1e-9)) or \
             makespan <= max(simple, 0.0) + 1e-12
-        return OptimalPlan(schedule, makespan, makespan if proven else min(bound, makespan),
+        return SolvedSchedule(schedule, makespan, makespan if proven else min(bound, makespan),
                            proven, hint_name, kept_heuristic=kept,
                            optimal_for_rounded_costs=optimal and not self.exact)
 

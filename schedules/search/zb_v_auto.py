@@ -10,9 +10,9 @@ from schedules.ir.schedule import Schedule, check_count, gc_paused, v_placement
 from schedules.search.authors_v_greedy import VGreedyKnobs, v_greedy_order
 from schedules.search.candidates import Orders, check_memory_limit, pick_fastest
 from schedules.search.list_scheduler import knob_grid, list_order
-from schedules.search.zb_auto import AutoPlan, peak_in_flight
+from schedules.search.zb_auto import ScheduleSearch, peak_in_flight
 
-__all__ = ["plan_zb_v_auto", "zb_v_auto"]
+__all__ = ["search_zb_v_auto", "zb_v_auto"]
 
 def zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None = None,
               costs: CostModel | None = None) -> Schedule:
@@ -24,13 +24,13 @@ def zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None
     the shortest simulated makespan wins. So it is never slower than the V greedy nor than
     the table under the same memory; at unit costs with m = p it halves the table's bubble.
     """
-    return plan_zb_v_auto(num_ranks, num_microbatches, memory_limit=memory_limit,
+    return search_zb_v_auto(num_ranks, num_microbatches, memory_limit=memory_limit,
                           costs=costs).schedule
 
 
 @gc_paused
-def plan_zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None = None,
-                   costs: CostModel | None = None) -> AutoPlan:
+def search_zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None = None,
+                   costs: CostModel | None = None) -> ScheduleSearch:
     """`zb_v_auto` with every candidate it compared, fastest first."""
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)

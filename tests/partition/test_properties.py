@@ -21,8 +21,8 @@ from partition import (
 )
 from partition.bisection import solve_monotone
 from partition.dag import DagCosts, solve_dag
-from partition.linear import LinearPrefix
 from partition.parametric import ChainCosts, solve_chain
+from partition.prefix_sums import LinearPrefix
 
 __all__: list[str] = []
 

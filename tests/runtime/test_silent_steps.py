@@ -115,7 +115,7 @@ def test_cuda_device_without_cuda_is_refused_before_anything_runs() -> None:
 
 def test_a_million_microbatches_is_refused_before_anything_is_built() -> None:
     # regression: num_microbatches=10**6 killed a rank with no message
-    from pipeline.runtime.schedule_plan import resolve_schedule
+    from pipeline.runtime.schedule_setup import resolve_schedule
 
     with pytest.raises(PipelineConfigError, match=r"cannot build schedule '1f1b'.*limit"):
         resolve_schedule("1f1b", _module(), 10**6)

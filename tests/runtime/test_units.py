@@ -21,7 +21,7 @@ from pipeline.runtime.batch import (
     take_microbatches,
 )
 from pipeline.runtime.comm import HEADER_LENGTH, decode_header, encode_header
-from pipeline.runtime.schedule_plan import check_agreement, forward_schedule, resolve_schedule
+from pipeline.runtime.schedule_setup import check_agreement, forward_schedule, resolve_schedule
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.trace import measured_costs
 from schedules import SCHEDULES, Kind, Schedule, Span, build_schedule, simulate, validate

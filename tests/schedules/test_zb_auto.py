@@ -12,7 +12,7 @@ from schedules import (
     build_schedule,
     figures,
     generate_schedule,
-    plan_zb_auto,
+    search_zb_auto,
     simulate,
     validate,
     zb_auto,
@@ -58,7 +58,7 @@ def test_reaches_zero_bubble_at_unit_costs_with_2p_memory(p: int, extra: int) ->
 def test_beats_the_handcrafted_schedules_on_realistic_costs() -> None:
     # F ≈ B ≈ 2W with a small comm delay: the greedy search wins over ZB-H1 and ZB-H2.
     costs = CostModel(forward=1.0, backward=1.0, weight=0.5, comm=0.05)
-    plan = plan_zb_auto(8, 24, memory_limit=16, costs=costs)
+    plan = search_zb_auto(8, 24, memory_limit=16, costs=costs)
     by_label = {candidate.label: candidate for candidate in plan.candidates}
     best = plan.candidates[0]
     assert best.label.startswith("greedy")
@@ -68,9 +68,9 @@ def test_beats_the_handcrafted_schedules_on_realistic_costs() -> None:
 
 
 def test_handcrafted_candidates_only_within_the_limit() -> None:
-    labels = {c.label for c in plan_zb_auto(4, 12, memory_limit=4).candidates}
+    labels = {c.label for c in search_zb_auto(4, 12, memory_limit=4).candidates}
     assert "zb-h1" in labels and "zb-h2" not in labels
-    labels = {c.label for c in plan_zb_auto(4, 12, memory_limit=3).candidates}
+    labels = {c.label for c in search_zb_auto(4, 12, memory_limit=3).candidates}
     assert not labels & {"zb-h1", "zb-h2"}
 
 

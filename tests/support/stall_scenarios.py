@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,14 +45,14 @@ def _train(where: str, workdir: str) -> None:
         time.sleep(_SLOW)
     engine = _engine()
     if where == "step" and rank == STALLED:
-        interpreter = engine._interpreter  # the test reaches in: stop at an exact moment
-        step_optimizer = interpreter.optimizer_step
+        step = engine.training.step  # the test reaches in: stop at an exact moment
+        vote = step.vote
 
-        def stop_at_third_step() -> None:
+        def stop_at_third_step(riders: Any = None) -> bool:
             if engine.global_step == 2:
                 os.kill(os.getpid(), signal.SIGSTOP)
-            step_optimizer()
-        interpreter.optimizer_step = stop_at_third_step
+            return vote(riders)
+        step.vote = stop_at_third_step  # type: ignore[method-assign]
     for step in range(400):
         engine.train_batch(*MODELS["mlp"].batch(seed=step))
         if step == 1:

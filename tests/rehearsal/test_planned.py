@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.demo.plan_rehearsal import planned_costs, rehearsal_plan
-from pipeline.model.emulated import EmulatedCost
 from pipeline.planner import PRESETS, LayerProfile, ModelProfile, PlanConfig, SearchOptions, plan
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.pricing import layer_split_times, layer_times
+from pipeline.rehearsal.emulated import EmulatedCost
+from pipeline.rehearsal.planned import planned_costs, planned_rehearsal
 
 __all__: list[str] = []
 
@@ -104,7 +104,7 @@ def test_the_rehearsal_plan_runs_the_planners_configuration() -> None:
                                         tensor_parallel=(1,), max_chunks=2))
     prediction = next(p for p in result.predictions if p.config.dp > 1 and p.config.pp > 1)
     config = prediction.config
-    rehearsal = rehearsal_plan(prediction, model, CLUSTER, steps=3)
+    rehearsal = planned_rehearsal(prediction, model, CLUSTER, steps=3)
     assert (rehearsal.stages, rehearsal.chunks, rehearsal.microbatches) == (
         config.pp, config.chunks, config.num_microbatches)
     assert (rehearsal.data_parallel, rehearsal.zero_stage, rehearsal.schedule) == (
@@ -127,4 +127,4 @@ def test_a_prediction_for_another_model_is_refused() -> None:
                   options=SearchOptions(schedules=("1f1b",), recompute=False,
                                         tensor_parallel=(1,)))
     with pytest.raises(ValueError, match="boundaries"):
-        rehearsal_plan(result.best, _model(6), CLUSTER)
+        planned_rehearsal(result.best, _model(6), CLUSTER)

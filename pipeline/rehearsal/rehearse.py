@@ -3,7 +3,7 @@
 The costs (the partitioner's JSON, e.g. profiled on a GPU cluster) become `EmulatedLayer`s:
 each F, I and W waits its time, each output has its bytes (divided by `bytes_scale`), so the
 run exercises the schedule, the P2P and the host work of the engine as the cluster would,
-on a CPU. `rehearse_rank` runs on every rank; the plan is built and checked before launch.
+on a CPU. `rehearse_rank` runs on every rank; the spec is built and checked before launch.
 """
 
 from __future__ import annotations
@@ -18,19 +18,27 @@ import torch
 import torch.distributed as dist
 
 from partition import ModelGraph
-from pipeline.model.emulated import EmulatedCost, emulated_layers, emulated_loss
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.groups import ProcessGroups
+from pipeline.parallel.pingpong import ping_pong
 from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.rehearsal.emulated import EmulatedCost, emulated_layers, emulated_loss
 from pipeline.runtime.engine import PipelineEngine
-from pipeline.runtime.pingpong import ping_pong
 from pipeline.runtime.saved_memory import SavedTensorMeter
 from schedules import CostModel, Schedule, Timeline, figures
 from schedules.analysis.host import Link
 from schedules.analysis.memory import MemoryModel, RankMemory
 
-__all__ = ["GradientPeak", "RehearsalPlan", "RehearsalReport", "build_engine", "emulation_costs",
-           "measured_memory", "metered_step", "rehearse_rank"]
+__all__ = [
+    "GradientPeak",
+    "RehearsalReport",
+    "RehearsalSpec",
+    "build_engine",
+    "emulation_costs",
+    "measured_memory",
+    "metered_step",
+    "rehearse_rank",
+]
 
 BYTES = 4  # float32
 
@@ -63,7 +71,7 @@ def emulation_costs(graph: ModelGraph, *, weight_fraction: float = 0.5,
 
 
 @dataclass(frozen=True, kw_only=True)
-class RehearsalPlan:
+class RehearsalSpec:
     """Everything a rank needs; made and checked by the CLI before any process starts."""
 
     layers: tuple[EmulatedCost, ...]
@@ -123,17 +131,17 @@ def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
-def build_engine(plan: RehearsalPlan, schedule: str | Schedule | None = None,
+def build_engine(spec: RehearsalSpec, schedule: str | Schedule | None = None,
                  groups: ProcessGroups | None = None) -> PipelineEngine:
-    """This rank's engine over emulated layers (Adam, the plan's dp and ZeRO stage); `groups`
-    (made for the plan's topology) lets many engines share their process groups."""
-    module = PipelineModule(emulated_layers(plan.layers), num_stages=plan.stages,
-                            chunks=plan.chunks, loss_fn=emulated_loss,
-                            partition_method=list(plan.boundaries), base_seed=None)
-    return PipelineEngine(module, schedule=schedule or plan.schedule,
-                          num_microbatches=plan.microbatches,
+    """This rank's engine over emulated layers (Adam, the spec's dp and ZeRO stage); `groups`
+    (made for the spec's topology) lets many engines share their process groups."""
+    module = PipelineModule(emulated_layers(spec.layers), num_stages=spec.stages,
+                            chunks=spec.chunks, loss_fn=emulated_loss,
+                            partition_method=list(spec.boundaries), base_seed=None)
+    return PipelineEngine(module, schedule=schedule or spec.schedule,
+                          num_microbatches=spec.microbatches,
                           optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
-                          data_parallel=plan.data_parallel, zero_stage=plan.zero_stage,
+                          data_parallel=spec.data_parallel, zero_stage=spec.zero_stage,
                           groups=groups)
 
 
@@ -190,26 +198,26 @@ def metered_step(engine: PipelineEngine, inputs: torch.Tensor) -> RankMemory:
     return measured_memory(engine, meter.peak, gradients.peak)
 
 
-def rehearse_rank(plan: RehearsalPlan) -> RehearsalReport | None:
-    """Run the plan on this rank; the report on global rank 0, None elsewhere."""
+def rehearse_rank(spec: RehearsalSpec) -> RehearsalReport | None:
+    """Run the spec on this rank; the report on global rank 0, None elsewhere."""
     torch.set_num_threads(1)
-    engine = build_engine(plan)
-    biggest = max(c.output_elements for c in plan.layers) * BYTES
+    engine = build_engine(spec)
+    biggest = max(c.output_elements for c in spec.layers) * BYTES
     link = Link(0.0)
-    if plan.stages > 1:  # replica 0's first link, measured before any step
+    if spec.stages > 1:  # replica 0's first link, measured before any step
         link = ping_pong(engine.topology.rank_of(0), engine.topology.rank_of(1), biggest,
                          link=engine.comm.local)
-    inputs = torch.zeros(plan.microbatches, 1)
+    inputs = torch.zeros(spec.microbatches, 1)
     mine = metered_step(engine, inputs)  # memory on its own step: the meters cost time
     timelines: list[Timeline] = []
     seconds: list[float] = []
-    for step in range(plan.warmup + plan.steps):
+    for step in range(spec.warmup + spec.steps):
         dist.barrier()
         start = time.perf_counter()
         engine.train_batch(inputs, inputs)
         elapsed = time.perf_counter() - start
         timeline = engine.last_timeline()  # a collective: every rank calls it
-        if step >= plan.warmup:
+        if step >= spec.warmup:
             seconds.append(elapsed)
             timelines.append(timeline)
     gathered: list[Any] = [None] * dist.get_world_size()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline import PipelineConfigError
-from pipeline.model.emulated import (
+from pipeline.rehearsal.emulated import (
     EmulatedCost,
     EmulatedLayer,
     WallClock,

@@ -1,10 +1,10 @@
 """A planner configuration rehearsed on emulated devices: the planner's per-layer prices at
-the configuration's microbatch size as `EmulatedCost`s, and the `RehearsalPlan` that runs them.
+the configuration's microbatch size as `EmulatedCost`s, and the `RehearsalSpec` that runs them.
 
 The emulated layers then wait exactly what the planner charged for each layer's F, I and W,
 so a measured step differs from the prediction only by what the planner models of the
 runtime (its per-op overhead, P2P, the data-parallel reduction, the optimizer step) and by
-the schedule's real timing. One microbatch is one input row (`pipeline.demo.rehearse` feeds
+the schedule's real timing. One microbatch is one input row (`pipeline.rehearsal.rehearse` feeds
 `torch.zeros(m, 1)`): a layer's output per row is its output bytes for `microbatch_size`
 samples, so both the P2P message and the activation it holds for the backward have the
 planner's size. An emulated layer holds its output, so activation memory matches the
@@ -13,14 +13,14 @@ planner's only for profiles whose layers hold what they output (`held == output_
 
 from __future__ import annotations
 
-from pipeline.demo.rehearse import RehearsalPlan
-from pipeline.model.emulated import BYTES_PER_ELEMENT, EmulatedCost
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.predict import PlanConfig, Prediction, is_cost_aware
 from pipeline.planner.pricing import layer_split_times, layer_times
 from pipeline.planner.profile import ModelProfile
+from pipeline.rehearsal.emulated import BYTES_PER_ELEMENT, EmulatedCost
+from pipeline.rehearsal.rehearse import RehearsalSpec
 
-__all__ = ["planned_costs", "rehearsal_plan"]
+__all__ = ["planned_costs", "planned_rehearsal"]
 
 
 def _check_emulable(config: PlanConfig) -> None:
@@ -80,10 +80,10 @@ def planned_costs(model: ModelProfile, cluster: ClusterSpec, config: PlanConfig,
     return tuple(costs)
 
 
-def rehearsal_plan(prediction: Prediction, model: ModelProfile, cluster: ClusterSpec, *,
+def planned_rehearsal(prediction: Prediction, model: ModelProfile, cluster: ClusterSpec, *,
                    precision: str | None = None, steps: int = 5, warmup: int = 1
-                   ) -> RehearsalPlan:
-    """The plan that runs `prediction`'s configuration over emulated layers priced as the
+                   ) -> RehearsalSpec:
+    """The rehearsal that runs `prediction`'s configuration over emulated layers priced as the
     planner priced them, cut where the planner cut (`prediction.boundaries`)."""
     config = prediction.config
     _check_emulable(config)
@@ -92,7 +92,7 @@ def rehearsal_plan(prediction: Prediction, model: ModelProfile, cluster: Cluster
         raise ValueError(f"{config.label()}: boundaries {prediction.boundaries} do not cut "
                          f"{len(model.layers)} layers into {config.pp * config.chunks} stages; "
                          f"give the prediction the planner made for this model")
-    return RehearsalPlan(layers=planned_costs(model, cluster, config, precision=precision),
+    return RehearsalSpec(layers=planned_costs(model, cluster, config, precision=precision),
                          boundaries=tuple(prediction.boundaries), schedule=config.schedule,
                          stages=config.pp, chunks=config.chunks,
                          microbatches=config.num_microbatches, data_parallel=config.dp,

@@ -186,7 +186,7 @@ class EmulatedLayer(nn.Module):
     Its output is saved for the backward (one output's bytes of activation memory per
     microbatch in flight until W, or B, frees it), as a real layer saves what its backward
     reads. The model's first layer gets data as input, so its I never runs (no
-    input gradient is needed): give it input_grad 0 (`pipeline.demo.rehearse` does).
+    input gradient is needed): give it input_grad 0 (`pipeline.rehearsal.rehearse` does).
     """
 
     def __init__(self, cost: EmulatedCost, clock: Clock | None = None) -> None:
