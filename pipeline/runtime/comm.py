@@ -174,11 +174,6 @@ class Comm:
 
     # -- collectives over the pipeline ---------------------------------------------------
 
-    def broadcast_tensor(self, value: torch.Tensor, src_peer: int) -> torch.Tensor:
-        """`value` from pipeline rank `src_peer` on every rank (in place)."""
-        dist.broadcast(value, self.pipeline_ranks[src_peer], group=self.group)
-        return value
-
     def agree(self, values: Sequence[int], *, failed: bool,
               pp_rank: int) -> tuple[list[int], list[int]]:
         """One all-reduce: the element-wise sum of every rank's `values` (each entry has one

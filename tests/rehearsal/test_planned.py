@@ -97,7 +97,7 @@ def test_outputs_carry_the_microbatch_bytes_and_weights_the_parameters() -> None
     assert [c.param_elements for c in costs] == [1000 + 10 * k for k in range(4)]
 
 
-def test_the_rehearsal_plan_runs_the_planners_configuration() -> None:
+def test_the_planned_rehearsal_runs_the_planners_configuration() -> None:
     model = _model()
     result = plan(model, replace(CLUSTER, devices_per_node=4), 16, precision="fp32",
                   options=SearchOptions(schedules=("1f1b", "zb-v"), recompute=False,
