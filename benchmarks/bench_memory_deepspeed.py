@@ -9,7 +9,11 @@ engine has it: bf16 parameters, fp32 main gradients and master shard; otherwise 
 fp32 parameters); DeepSpeed with ``bf16.enabled`` and fp32 gradient accumulation
 (``data_types.grad_accum_dtype='fp32'``: its `BF16_Optimizer`, the same numerics), and, as a
 third row, DeepSpeed's default bf16 gradient accumulation (its ZeRO-1 optimizer on bf16
-gradients). Each engine runs in its own launch (so nothing of one is alive beside the other).
+gradients). DeepSpeed's ZeRO-1 optimizer (fp32, and bf16 accumulation) allocates two
+reduction buckets of ``reduce_bucket_size`` elements per step whatever the model: they are
+set to the stage's parameter count here (its default, 5e8, adds GiBs:
+``--deepspeed-default-buckets``). Each engine runs in its own launch (so nothing of one is
+alive beside the other).
 
 How peak memory is measured, identically for both engines (`LiveTensorMeter`,
 pipeline/runtime/live_memory.py): a `TorchDispatchMode` entered on every rank before the
@@ -58,6 +62,7 @@ from bench_3d import DEPTH, DP, PP, WIDTH, _adam, _layers
 
 from pipeline import LayerSpec, PipelineEngine, PipelineModule, launch
 from pipeline.parallel.config import ParallelConfig
+from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
 from pipeline.runtime.live_memory import LiveSplit, LiveTensorMeter
 
 __all__ = ["ENGINES", "GOAL", "RankPeak", "format_table", "main", "measure_peaks", "memory_rows"]
@@ -98,7 +103,8 @@ def _ours(precision: str, m: int) -> tuple[Step, int]:
             sum(p.numel() for p in module.parameters()))
 
 
-def _deepspeed(precision: str, m: int, batch: int, accumulate_in_fp32: bool) -> tuple[Step, int]:
+def _deepspeed(precision: str, m: int, batch: int, accumulate_in_fp32: bool,
+               default_buckets: bool) -> tuple[Step, int]:
     import deepspeed
     from deepspeed.pipe import LayerSpec as DSLayerSpec
     from deepspeed.pipe import PipelineModule as DSPipelineModule
@@ -110,6 +116,15 @@ def _deepspeed(precision: str, m: int, batch: int, accumulate_in_fp32: bool) -> 
         "train_batch_size": batch, "train_micro_batch_size_per_gpu": batch // (DP * m),
         "gradient_accumulation_steps": m, "steps_per_print": 10**9,
         "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+    if not default_buckets:
+        # In a pipeline its ZeRO-1 optimizer allocates two reduction buckets of this many
+        # elements per step, whatever the stage holds; ours are at most DEFAULT_BUCKET_MB of
+        # the stage's gradients. Smallest bucket that still reduces the stage in one piece,
+        # the choice kindest to DeepSpeed (its default: 5e8 elements).
+        elements = min(int(DEFAULT_BUCKET_MB * 2**20) // 4,
+                       sum(p.numel() for p in module.parameters()))
+        config["zero_optimization"].update(reduce_bucket_size=elements,
+                                           allgather_bucket_size=elements)
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
         if accumulate_in_fp32:
@@ -127,8 +142,8 @@ def _deepspeed(precision: str, m: int, batch: int, accumulate_in_fp32: bool) -> 
     return step, sum(p.numel() for p in module.parameters())
 
 
-def _rank_peak(engine_name: str, precision: str, m: int, batch: int,
-               labels: bool) -> RankPeak:
+def _rank_peak(engine_name: str, precision: str, m: int, batch: int, labels: bool,
+               default_buckets: bool) -> RankPeak:
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(dist.get_rank() % DP)  # one half per replica
 
@@ -141,8 +156,8 @@ def _rank_peak(engine_name: str, precision: str, m: int, batch: int,
         if engine_name == "ours":
             step, parameters = _ours(precision, m)
         else:
-            step, parameters = _deepspeed(precision, m, batch,
-                                          engine_name == "deepspeed")
+            step, parameters = _deepspeed(precision, m, batch, engine_name == "deepspeed",
+                                          default_buckets)
         torch.set_num_threads(1)  # in case a framework changed it
         step(*data())  # warm-up: Adam's state and the engines' lazy buffers appear here
         dist.barrier()
@@ -153,11 +168,14 @@ def _rank_peak(engine_name: str, precision: str, m: int, batch: int,
 
 
 def measure_peaks(engine_name: str, precision: str, *, m: int = 8, batch: int = 4096,
-                  labels: bool = False) -> list[RankPeak]:
+                  labels: bool = False, default_buckets: bool = False) -> list[RankPeak]:
     """Peak live tensor bytes of every rank (index = rank) in one measured step of
     `engine_name` (one of `ENGINES`) at `precision` ('fp32' or 'bf16'), pp 2 × dp 2, ZeRO-1,
     1F1B with `m` microbatches of ``batch // (2 · m)`` rows each; DeepSpeed must be
-    importable for the DeepSpeed engines."""
+    importable for the DeepSpeed engines. DeepSpeed's ZeRO buckets hold the stage's
+    parameters (at most our `DEFAULT_BUCKET_MB` of fp32 elements) unless `default_buckets`
+    (5e8 elements): in a pipeline its ZeRO-1 optimizer allocates two reduction buckets of
+    that many elements in every step."""
     if engine_name not in ENGINES:
         raise ValueError(f"engine_name must be one of {ENGINES}, got {engine_name!r}")
     if precision not in ("fp32", "bf16"):
@@ -165,11 +183,12 @@ def measure_peaks(engine_name: str, precision: str, *, m: int = 8, batch: int = 
     if batch % (DP * m):
         raise ValueError(f"batch {batch} must be a multiple of dp · m = {DP * m}")
     return launch(_rank_peak, PP * DP, engine_name, precision, m, batch, labels,
-                  timeout=600, threads_per_rank=1)
+                  default_buckets, timeout=600, threads_per_rank=1)
 
 
 def memory_rows(precisions: tuple[str, ...] = ("bf16", "fp32"), *, m: int = 8,
-                batch: int = 4096, labels: bool = False) -> list[dict[str, Any]]:
+                batch: int = 4096, labels: bool = False,
+                default_buckets: bool = False) -> list[dict[str, Any]]:
     """One row per (precision, engine): the largest peak over the ranks, its split, and
     for DeepSpeed rows ours / it. Returns [] when DeepSpeed is not importable."""
     if importlib.util.find_spec("deepspeed") is None:
@@ -177,8 +196,8 @@ def memory_rows(precisions: tuple[str, ...] = ("bf16", "fp32"), *, m: int = 8,
     rows: list[dict[str, Any]] = []
     for precision in precisions:
         engines = ENGINES if precision == "bf16" else ENGINES[:2]
-        peaks = {name: measure_peaks(name, precision, m=m, batch=batch, labels=labels)
-                 for name in engines}
+        peaks = {name: measure_peaks(name, precision, m=m, batch=batch, labels=labels,
+                                     default_buckets=default_buckets) for name in engines}
         ours = max(rank.peak.total for rank in peaks["ours"])
         for name, ranks in peaks.items():
             worst = max(ranks, key=lambda rank: rank.peak.total)
@@ -234,10 +253,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="repeatable; default: bf16 and fp32")
     parser.add_argument("--labels", action="store_true",
                         help="also list what each engine's peak is made of")
+    parser.add_argument("--deepspeed-default-buckets", action="store_true",
+                        help="leave DeepSpeed's ZeRO bucket sizes at its default (5e8 elements)")
     args = parser.parse_args(argv)
     started = time.time()
     rows = memory_rows(tuple(args.precision or ("bf16", "fp32")), m=args.microbatches,
-                       batch=args.batch, labels=args.labels)
+                       batch=args.batch, labels=args.labels,
+                       default_buckets=args.deepspeed_default_buckets)
     if not rows:
         print("DeepSpeed not installed: skipped (install it in its own venv: python -m venv "
               "--system-site-packages /work/venvs/dsmem && /work/venvs/dsmem/bin/pip install "
