@@ -3,6 +3,12 @@ split into states / saved activations / other, and remembers the split at the pe
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from pipeline.runtime.live_memory import LiveSplit, LiveTensorMeter
@@ -74,3 +80,12 @@ def test_labels_name_what_the_peak_is_made_of() -> None:
         torch.ones(8)
     assert meter.peak_labels == {"other torch.float32 aten.zeros.default": _nbytes(kept),
                                  "other torch.bfloat16 aten.ones.default": 128}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None,
+                    reason="DeepSpeed is installed: the benchmark would run it")
+def test_deepspeed_memory_benchmark_says_it_skipped_without_deepspeed() -> None:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_memory_deepspeed.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert "DeepSpeed not installed: skipped" in done.stdout
