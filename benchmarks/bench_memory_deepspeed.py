@@ -20,8 +20,10 @@ pipeline/runtime/live_memory.py): a `TorchDispatchMode` entered on every rank be
 engine, its model and its optimizer are built sees every tensor a torch op returns; each new
 storage is counted once (views share it) with its full size until a weak reference to it
 reports it freed. Saved-tensor hooks mark the storages autograd holds for backward. After a
-warm-up step (Adam's state is made in the first step), ``begin_step`` makes everything alive
-then "states" and the peak of the next step is recorded with its split:
+warm-up step (Adam's state is made in the first step) and a `gc.collect()` (tensors only
+reference cycles hold would otherwise count, as many as the collector's timing leaves),
+``begin_step`` makes everything alive then "states" and the peak of the next step is
+recorded with its split:
 
 - states: alive between steps — parameters, gradients kept between steps, optimizer state,
   masters, and any buffers the engine keeps (DeepSpeed keeps its receive buffers);
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import importlib.util
 import os
 import sys
@@ -161,6 +164,7 @@ def _rank_peak(engine_name: str, precision: str, m: int, batch: int, labels: boo
         torch.set_num_threads(1)  # in case a framework changed it
         step(*data())  # warm-up: Adam's state and the engines' lazy buffers appear here
         dist.barrier()
+        gc.collect()  # what only reference cycles still hold is not state
         meter.begin_step()
         step(*data())
         dist.barrier()
