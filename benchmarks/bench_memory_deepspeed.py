@@ -30,7 +30,8 @@ recorded with its split:
 - activations: made in the step and held by autograd for a backward at the peak;
 - other: made in the step, not saved for backward — gradients made in the step, stage inputs
   and outputs the engine holds, communication buffers, temporaries, the step's input batch
-  (made fresh in the step, the same bytes for both engines).
+  (made fresh in the step, the same bytes for both engines; ours is given the rank's batch,
+  DeepSpeed an iterator yielding each microbatch as its own tensors, as a DataLoader would).
 
 This is what a non-caching allocator would hold for tensors (on CPU there is no
 `torch.cuda.max_memory_allocated`); Python objects, gloo's own buffers and datagrams our
@@ -139,9 +140,12 @@ def _deepspeed(precision: str, m: int, batch: int, accumulate_in_fp32: bool,
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # its stages' dtype
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        x = x.to(dtype)
-        engine.train_batch(data_iter=iter([(x[k * size:(k + 1) * size],
-                                            y[k * size:(k + 1) * size]) for k in range(m)]))
+        # one microbatch at a time, each its own tensors, as a DataLoader yields them (its
+        # label buffers keep the last ones until the next step: views would pin all of y)
+        microbatches = ((x[k * size:(k + 1) * size].to(dtype, copy=True),
+                         y[k * size:(k + 1) * size].clone()) for k in range(m))
+        engine.train_batch(data_iter=microbatches)
+        next(microbatches, None)  # it keeps the iterator: let it drop x and y
     return step, sum(p.numel() for p in module.parameters())
 
 
