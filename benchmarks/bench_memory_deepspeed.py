@@ -26,7 +26,8 @@ reference cycles hold would otherwise count, as many as the collector's timing l
 recorded with its split:
 
 - states: alive between steps — parameters, gradients kept between steps, optimizer state,
-  masters, and any buffers the engine keeps (DeepSpeed keeps its receive buffers);
+  masters, and what an engine keeps between steps (DeepSpeed: its last step's losses and
+  the labels in its pipe buffers, until its next step starts);
 - activations: made in the step and held by autograd for a backward at the peak;
 - other: made in the step, not saved for backward — gradients made in the step, stage inputs
   and outputs the engine holds, communication buffers, temporaries, the step's input batch
@@ -39,7 +40,7 @@ one-host link queued before their receive was posted are not tensors and are not
 Counted bytes are deterministic: one measured step is enough.
 
     /work/venvs/dsmem/bin/python benchmarks/bench_memory_deepspeed.py          # m = 8
-    /work/venvs/dsmem/bin/python benchmarks/bench_memory_deepspeed.py --batch 1024 --labels
+    /work/venvs/dsmem/bin/python benchmarks/bench_memory_deepspeed.py --batch 16384 --labels
     python benchmarks/bench_memory_deepspeed.py       # no DeepSpeed: says so, measures nothing
 """
 
