@@ -148,7 +148,8 @@ class PipelineEngine:
             split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
                                    if op.kind is Kind.I),
             precision=parallel.precision, loss_scale=self.training.loss_scale,
-            progress=self.progress, shares_loss=self.position.tp_rank == 0)
+            progress=self.progress, shares_loss=self.position.tp_rank == 0,
+            free_sent_outputs=self.config.free_sent_outputs)
         self._last_schedule: Schedule = self.schedule
         self._finite_flags: list[FiniteFlag] = []
         self.last_stats: StepStats | None = None
