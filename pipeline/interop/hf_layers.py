@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import PipelineConfigError
+from pipeline.interop.hf_recompute import mark_attention_cores
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.runtime.loss_normalization import SummedLoss, token_cross_entropy
@@ -280,6 +281,7 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
         config = copy.deepcopy(config)
         config._attn_implementation = (attn_implementation or config._attn_implementation
                                        or "sdpa")
+    mark_attention_cores()  # attention's core is the blocks' selective-recompute region
     layers, names = _layers_for(config, model)
     return HFLayers(layers, causal_lm_loss, tuple(names), config,
                     token_cross_entropy(ignore_index=IGNORE_INDEX, shift=True))

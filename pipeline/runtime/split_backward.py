@@ -75,7 +75,8 @@ def _store(grads: list[torch.Tensor | None], k: int) -> Callable[[torch.Tensor],
 
 def forward_capturing(stage: Stage, x: Any) -> tuple[Any, LayerGrads | None]:
     """Run `stage` layer by layer, hooking outputs for a split backward; with activation
-    checkpointing the layer outputs do not exist outside the checkpoints, so plain forward."""
+    checkpointing (whole layers) the layer outputs do not exist outside the checkpoints, so
+    plain forward."""
     if stage.checkpoint_interval > 0:
         return stage(x), None
     captured = LayerGrads()
