@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from schedules.accounting import stream_peak
 from schedules.errors import ScheduleConfigError
 from schedules.instructions import Kind
 from schedules.schedule import Schedule
@@ -96,17 +97,8 @@ class RankMemory:
 def _activation_peak(stream: Sequence[tuple[Kind, int, int]],
                      saved: Sequence[float]) -> tuple[float, int]:
     """(peak bytes, microbatches held then) of one rank's compute stream."""
-    held, count, peak, peak_count = 0.0, 0, 0.0, 0
-    for kind, stage, _ in stream:
-        if kind is Kind.F:
-            held += saved[stage]
-            count += 1
-            if held > peak or (held == peak and count > peak_count):
-                peak, peak_count = held, count
-        elif kind is Kind.B or kind is Kind.OVERLAP_B or kind is Kind.W:
-            held -= saved[stage]
-            count -= 1
-    return peak, peak_count
+    peak = stream_peak(stream, saved)
+    return peak.bytes, peak.count
 
 
 def predict_memory(schedule: Schedule, model: MemoryModel) -> tuple[RankMemory, ...]:

@@ -1,0 +1,165 @@
+"""One memory accounting: model-state bytes per parameter, a transformer layer's activation bytes
+per recompute mode, and the activations a rank holds at its peak under a schedule's order.
+
+Pure (no torch, nothing of ours but instruction kinds): the schedule search, the simulator,
+`rehearse` and the planner all count with these functions.
+
+Legend: s sequence length, b microbatch size, h hidden size, a attention heads, t tensor-
+parallel size, d data-parallel replicas, L layers of a stage, k layers of it recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from schedules.errors import ScheduleConfigError
+from schedules.instructions import Kind
+
+__all__ = ["AttentionKind", "ModelStateBytes", "Precision", "RecomputeKind", "StreamPeak",
+           "layer_activation_bytes", "model_state_bytes", "stage_activation_bytes",
+           "stream_peak"]
+
+Precision = Literal["fp32", "bf16", "fp16"]
+RecomputeKind = Literal["none", "selective", "full"]
+AttentionKind = Literal["eager", "fused"]
+"""eager keeps the s × s softmax scores for the backward; fused (FlashAttention-style,
+every current stack's default) keeps none."""
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes per parameter at the optimizer step, by part (Megatron-Core's distributed
+    optimizer; Adam: two fp32 moments)."""
+
+    parameters: float
+    """The model's own weights (fp32: 4; bf16/fp16: 2)."""
+    gradients: float
+    """Gradients the backward accumulates into (fp32 main grads: 4; fp16 keeps fp16 grads
+    here and its fp32 copy with the optimizer's shard)."""
+    optimizer: float
+    """fp32 master weights where the parameters are half precision, Adam's moments and (fp16)
+    the fp32 gradient copy: all of it sharded over d under ZeRO-1."""
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+
+# (parameters, gradients, unsharded optimizer part) per precision, without ZeRO; ZeRO-1
+# shards the last part over d: fp32 16 -> 8 + 8/d, bf16 18 -> 6 + 12/d, fp16 20 -> 4 + 16/d
+# (Megatron-Core's distributed-optimizer docs; Rajbhandari et al. 2020, section 3.1)
+_STATES: dict[str, tuple[float, float, float]] = {
+    "fp32": (4.0, 4.0, 8.0), "bf16": (2.0, 4.0, 12.0), "fp16": (2.0, 2.0, 16.0)}
+
+
+def model_state_bytes(precision: Precision = "fp32", *, zero_stage: int = 0,
+                      data_parallel: int = 1, optimizer_factor: float = 2.0
+                      ) -> ModelStateBytes:
+    """Bytes per parameter of `precision` training under ZeRO `zero_stage` (0 or 1) over
+    `data_parallel` replicas. `optimizer_factor`: fp32 optimizer-state words per parameter
+    (Adam 2, SGD with momentum 1, plain SGD 0)."""
+    if precision not in _STATES:
+        raise ScheduleConfigError(f"precision must be one of {sorted(_STATES)}, got "
+                                  f"{precision!r}")
+    if zero_stage not in (0, 1):
+        raise ScheduleConfigError(f"zero_stage must be 0 or 1, got {zero_stage!r}")
+    if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) \
+            or data_parallel < 1:
+        raise ScheduleConfigError(f"data_parallel must be an int >= 1, got {data_parallel!r}")
+    if isinstance(optimizer_factor, bool) or not isinstance(optimizer_factor, int | float) \
+            or optimizer_factor < 0:
+        raise ScheduleConfigError(f"optimizer_factor must be a number >= 0, got "
+                                  f"{optimizer_factor!r}")
+    parameters, gradients, sharded = _STATES[precision]
+    sharded += 4.0 * (optimizer_factor - 2.0)  # the table's Adam moments are 8 of it
+    return ModelStateBytes(parameters, gradients,
+                           sharded / data_parallel if zero_stage == 1 else sharded)
+
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, *,
+                           attention: AttentionKind = "eager",
+                           recompute: RecomputeKind = "none", t: int = 1,
+                           sequence_parallel: bool = False) -> float:
+    """Activation bytes one transformer layer keeps for its backward, 16-bit activations
+    with dropout (Korthikanti et al. 2022, section 4, table 2):
+
+    - none, eager attention: sbh(34 + 5as/h); with a fused attention the 5as²b of softmax
+      scores, their dropout mask and output are never stored: 34sbh;
+    - selective (attention's core recomputed): 34sbh;
+    - full: the layer's input only, 2sbh.
+
+    Tensor parallelism over t splits the attention and MLP inside (sbh(10 + 24/t + 5as/(ht)));
+    sequence parallelism also splits the layer norms and dropouts: everything / t.
+    """
+    for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleConfigError(f"{name} must be an int >= 1, got {value!r}")
+    if attention not in get_args(AttentionKind):
+        raise ScheduleConfigError(f"attention must be one of {get_args(AttentionKind)}, got "
+                                  f"{attention!r}")
+    if recompute not in get_args(RecomputeKind):
+        raise ScheduleConfigError(f"recompute must be one of {get_args(RecomputeKind)}, got "
+                                  f"{recompute!r}")
+    sbh = float(s * b * h)
+    if recompute == "full":
+        return 2 * sbh / (t if sequence_parallel else 1)
+    scores = 5 * a * s / h if attention == "eager" and recompute == "none" else 0.0
+    if sequence_parallel:
+        return sbh * (34 + scores) / t
+    return sbh * (10 + 24 / t + scores / t)
+
+
+def stage_activation_bytes(layer_bytes: Sequence[float], recomputed_bytes: Sequence[float],
+                           recomputed: int) -> float:
+    """One microbatch's activation bytes on a stage whose first `recomputed` layers
+    (partial recomputation, k of L) keep `recomputed_bytes[i]` and the rest `layer_bytes[i]`."""
+    if len(layer_bytes) != len(recomputed_bytes):
+        raise ScheduleConfigError(f"{len(layer_bytes)} layer sizes but "
+                                  f"{len(recomputed_bytes)} recomputed sizes; give one each")
+    k = max(0, min(recomputed, len(layer_bytes)))
+    return float(sum(recomputed_bytes[:k]) + sum(layer_bytes[k:]))
+
+
+@dataclass(frozen=True)
+class StreamPeak:
+    """The activations one rank holds at its peak."""
+
+    bytes: float
+    count: int
+    """(stage, microbatch) pairs held then."""
+
+
+_RELEASES = (Kind.B, Kind.OVERLAP_B, Kind.W)
+
+
+def stream_peak(stream: Iterable[tuple[Kind, int, int]], saved: Sequence[float],
+                output: Sequence[float] | None = None, *, sends: Sequence[bool] | None = None,
+                free_sent_outputs: bool = True) -> StreamPeak:
+    """Peak of one rank's compute stream (kind, stage, microbatch), the canonical count.
+
+    A stage's microbatch is allocated at its F (`saved[stage]` bytes, plus `output[stage]`,
+    the stage output kept as the backward's root) and freed by its last backward op (B, or W
+    when split: I leaves what W reads). A rank runs one op at a time, so the peak depends on
+    the order only. With `free_sent_outputs`, an output the stage sends (`sends[stage]`) is
+    freed as soon as it is sent, right after its F: at most the newest one is held.
+    """
+    stages = len(saved)
+    out = [0.0] * stages if output is None else [float(x) for x in output]
+    sent = [False] * stages if sends is None else list(sends)
+    kept = [float(saved[st]) + (0.0 if free_sent_outputs and sent[st] else out[st])
+            for st in range(stages)]
+    transient = [out[st] if free_sent_outputs and sent[st] else 0.0 for st in range(stages)]
+    held, count, peak, peak_count = 0.0, 0, 0.0, 0
+    for kind, stage, _ in stream:
+        if kind is Kind.F:
+            held += kept[stage]
+            count += 1
+            now = held + transient[stage]  # the newest output, until its send
+            if now > peak or (now == peak and count > peak_count):
+                peak, peak_count = now, count
+        elif kind in _RELEASES:
+            held -= kept[stage]
+            count -= 1
+    return StreamPeak(peak, peak_count)
