@@ -81,17 +81,23 @@ def model_state_bytes(precision: Precision = "fp32", *, zero_stage: int = 0,
 def layer_activation_bytes(s: int, b: int, h: int, a: int, *,
                            attention: AttentionKind = "eager",
                            recompute: RecomputeKind = "none", t: int = 1,
-                           sequence_parallel: bool = False) -> float:
+                           sequence_parallel: bool = False,
+                           dropout_mask_bytes: float = 1.0) -> float:
     """Activation bytes one transformer layer keeps for its backward, 16-bit activations
     with dropout (Korthikanti et al. 2022, section 4, table 2):
 
     - none, eager attention: sbh(34 + 5as/h); with a fused attention the 5as²b of softmax
-      scores, their dropout mask and output are never stored: 34sbh;
+      scores, their dropout mask and output are never stored: 34sbh, plus the kernel's fp32
+      log-sum-exp per row and head (4asb, a share 4a/(34h) of it: counted here);
     - selective (attention's core recomputed): 34sbh;
     - full: the layer's input only, 2sbh.
 
     Tensor parallelism over t splits the attention and MLP inside (sbh(10 + 24/t + 5as/(ht)));
     sequence parallelism also splits the layer norms and dropouts: everything / t.
+
+    `dropout_mask_bytes`: bytes of one dropout-mask element, 1 in the paper (CUDA keeps bool
+    masks); torch's CPU dropout keeps the mask in the activation dtype (2); 0 without
+    dropout. The paper's 34 is 32 + 2 masks of sbh, its 5as/h is 4as/h + one mask of as²b.
     """
     for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -102,13 +108,23 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, *,
     if recompute not in get_args(RecomputeKind):
         raise ScheduleConfigError(f"recompute must be one of {get_args(RecomputeKind)}, got "
                                   f"{recompute!r}")
-    sbh = float(s * b * h)
+    if isinstance(dropout_mask_bytes, bool) or not isinstance(dropout_mask_bytes, int | float) \
+            or dropout_mask_bytes < 0:
+        raise ScheduleConfigError(f"dropout_mask_bytes must be a number >= 0, got "
+                                  f"{dropout_mask_bytes!r}")
+    sbh, mask = float(s * b * h), float(dropout_mask_bytes)
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
-    scores = 5 * a * s / h if attention == "eager" and recompute == "none" else 0.0
+    # the paper's split: layer norms and the two dropouts after the attention and the MLP
+    # (10 = 2·2 + 2·2 + 2·1 bytes per sbh at 16 bits) are replicated over t without sequence
+    # parallelism, the rest (24) is split
+    replicated, split = 8 + 2 * mask, 24.0
+    scores = (4 + mask) * a * s / h if attention == "eager" and recompute == "none" else 0.0
+    log_sum_exp = 4 * a / h if attention == "fused" and recompute == "none" else 0.0
+    inside = split + scores + log_sum_exp
     if sequence_parallel:
-        return sbh * (34 + scores) / t
-    return sbh * (10 + 24 / t + scores / t)
+        return sbh * (replicated + inside) / t
+    return sbh * (replicated + inside / t)
 
 
 def stage_activation_bytes(layer_bytes: Sequence[float], recomputed_bytes: Sequence[float],

@@ -33,7 +33,11 @@ def test_layer_activations_are_korthikantis_table() -> None:
     s, b, h, a, t = 128, 2, 64, 4, 2
     sbh = s * b * h
     assert layer_activation_bytes(s, b, h, a) == sbh * (34 + 5 * a * s / h)
-    assert layer_activation_bytes(s, b, h, a, attention="fused") == 34 * sbh
+    # fused: no s × s scores; the kernel's fp32 log-sum-exp per row and head instead
+    assert layer_activation_bytes(s, b, h, a, attention="fused") == 34 * sbh + 4 * a * s * b
+    # no dropout: two sbh masks and one as²b mask fewer
+    assert layer_activation_bytes(s, b, h, a, dropout_mask_bytes=0) == \
+        sbh * (32 + 4 * a * s / h)
     assert layer_activation_bytes(s, b, h, a, recompute="selective") == 34 * sbh
     assert layer_activation_bytes(s, b, h, a, recompute="full") == 2 * sbh
     assert layer_activation_bytes(s, b, h, a, t=t) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
