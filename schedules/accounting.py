@@ -17,7 +17,7 @@ from typing import Literal, get_args
 from schedules.errors import ScheduleConfigError
 from schedules.instructions import Kind
 
-__all__ = ["AttentionKind", "ModelStateBytes", "Precision", "RecomputeKind", "StreamPeak",
+__all__ = ["AttentionKind", "ParameterBytes", "Precision", "RecomputeKind", "StreamPeak",
            "layer_activation_bytes", "model_state_bytes", "stage_activation_bytes",
            "stream_peak"]
 
@@ -29,7 +29,7 @@ every current stack's default) keeps none."""
 
 
 @dataclass(frozen=True)
-class ModelStateBytes:
+class ParameterBytes:
     """Bytes per parameter at the optimizer step, by part (Megatron-Core's distributed
     optimizer; Adam: two fp32 moments)."""
 
@@ -56,10 +56,13 @@ _STATES: dict[str, tuple[float, float, float]] = {
 
 def model_state_bytes(precision: Precision = "fp32", *, zero_stage: int = 0,
                       data_parallel: int = 1, optimizer_factor: float = 2.0
-                      ) -> ModelStateBytes:
+                      ) -> ParameterBytes:
     """Bytes per parameter of `precision` training under ZeRO `zero_stage` (0 or 1) over
     `data_parallel` replicas. `optimizer_factor`: fp32 optimizer-state words per parameter
-    (Adam 2, SGD with momentum 1, plain SGD 0)."""
+    (Adam 2, SGD with momentum 1, plain SGD 0).
+
+    "bf16" / "fp16" mean half-precision parameters with fp32 masters (the engine's
+    ``half_parameters=True``); autocast over fp32 parameters is priced as "fp32"."""
     if precision not in _STATES:
         raise ScheduleConfigError(f"precision must be one of {sorted(_STATES)}, got "
                                   f"{precision!r}")
@@ -74,7 +77,7 @@ def model_state_bytes(precision: Precision = "fp32", *, zero_stage: int = 0,
                                   f"{optimizer_factor!r}")
     parameters, gradients, sharded = _STATES[precision]
     sharded += 4.0 * (optimizer_factor - 2.0)  # the table's Adam moments are 8 of it
-    return ModelStateBytes(parameters, gradients,
+    return ParameterBytes(parameters, gradients,
                            sharded / data_parallel if zero_stage == 1 else sharded)
 
 

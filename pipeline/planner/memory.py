@@ -1,10 +1,11 @@
 """Memory per rank: parameters, gradients, optimizer state (ZeRO-1 sharded), and the
 activations held at the schedule's peak, with or without recomputation.
 
-The bytes per parameter follow the engine, which keeps fp32 parameters and gradients even
-under bf16/fp16 autocast (master weights) and Adam's two fp32 moments: 4 + 4 + 8 = 16 bytes,
-the "16Ψ" of Rajbhandari et al. 2020 (ZeRO, section 3.1). ZeRO-1 shards the optimizer state
-over dp, priced as the engine holds it (see `peak_rank_memory`).
+The bytes per parameter are `schedules.accounting.model_state_bytes` (the one accounting the
+simulator and `rehearse` use too): fp32 parameters and gradients, even under bf16/fp16
+autocast, and Adam's two fp32 moments, 4 + 4 + 8 = 16 bytes, the "16Ψ" of Rajbhandari et al.
+2020 (ZeRO, section 3.1); ZeRO-1 shards the optimizer state over dp (8 + 8/dp, Megatron's
+distributed optimizer).
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from numpy.typing import ArrayLike
 
 from pipeline.planner.profile import LayerProfile
 from schedules import Kind, Schedule
+from schedules.accounting import model_state_bytes
 
 __all__ = ["PARAM_BYTES", "HeldTrace", "MemoryBreakdown", "held_peaks", "peak_rank_memory",
            "recompute_workspace", "stage_activation_bytes"]
 
-PARAM_BYTES = 4.0
+PARAM_BYTES = model_state_bytes("fp32").parameters
 """fp32 weights."""
-GRAD_BYTES = 4.0
+GRAD_BYTES = model_state_bytes("fp32").gradients
 """fp32 gradients, accumulated over the step's microbatches."""
-ADAM_BYTES = 8.0
+ADAM_BYTES = model_state_bytes("fp32").optimizer
 """Adam's exp_avg and exp_avg_sq in fp32."""
 
 
@@ -134,11 +136,9 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     `stage_workspace`: the recomputation workspace per stage (`recompute_workspace`); rank
     r holds the stages `placement` puts on it.
 
-    ZeRO-1 as the engine's ShardedOptimizer runs it (pipeline/parallel/zero.py), at the
-    optimizer step: the parameters' own gradients (4), the flat gradient buffer they are
-    copied into and reduce-scattered from (4) and the rank's gradient shard (4/dp); an fp32
-    master copy of the parameter shard (4/dp) and Adam's moments on it (8/dp). So 12 + 16/dp
-    bytes per parameter against 16 without ZeRO: it saves memory only from dp = 5 on.
+    Model states per parameter from `schedules.accounting.model_state_bytes`: 16 bytes
+    without ZeRO, 8 + 8/dp with ZeRO-1 (Megatron's distributed optimizer: gradients in one
+    buffer, Adam's moments on a 1/dp shard that is a view of the fp32 parameters).
     """
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
@@ -147,10 +147,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                          minlength=ranks)
     workspace = np.zeros(ranks)
     np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
-    if zero >= 1:
-        gradients, optimizer = GRAD_BYTES * (2 + 1 / dp), (PARAM_BYTES + ADAM_BYTES) / dp
-    else:
-        gradients, optimizer = GRAD_BYTES, ADAM_BYTES
+    states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
+    gradients, optimizer = states.gradients, states.optimizer
     held = activations + (workspace if recompute else 0.0)
     rank = int(np.argmax(params * (PARAM_BYTES + gradients + optimizer) + held))
     return MemoryBreakdown(float(params[rank] * PARAM_BYTES), float(params[rank] * gradients),
