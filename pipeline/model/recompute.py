@@ -107,4 +107,4 @@ def recompute_region(fn: Callable[..., _T], *args: Any) -> _T:
         return fn(*args)
     # the recompute runs outside this context: nested regions inside fn run plainly then
     with selective_recompute(False):
-        return checkpoint(fn, *args, use_reentrant=False)  # type: ignore[no-any-return]
+        return checkpoint(fn, *args, use_reentrant=False)
