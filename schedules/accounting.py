@@ -85,7 +85,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, *,
                            attention: AttentionKind = "eager",
                            recompute: RecomputeKind = "none", t: int = 1,
                            sequence_parallel: bool = False,
-                           dropout_mask_bytes: float = 1.0) -> float:
+                           dropout_mask_bytes: float = 1.0, ffn: int | None = None,
+                           kv_width: int | None = None) -> float:
     """Activation bytes one transformer layer keeps for its backward, 16-bit activations
     with dropout (Korthikanti et al. 2022, section 4, table 2):
 
@@ -101,8 +102,13 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, *,
     `dropout_mask_bytes`: bytes of one dropout-mask element, 1 in the paper (CUDA keeps bool
     masks); torch's CPU dropout keeps the mask in the activation dtype (2); 0 without
     dropout. The paper's 34 is 32 + 2 masks of sbh, its 5as/h is 4as/h + one mask of as²b.
+
+    `ffn` (f, default 4h) and `kv_width` (k, default h: grouped-query attention has less)
+    generalise the split part: 4sbh + 4sbk + 4sbf (24sbh at f = 4h, k = h).
     """
-    for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
+    f, k = 4 * h if ffn is None else ffn, h if kv_width is None else kv_width
+    for name, value in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t), ("ffn", f),
+                        ("kv_width", k)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleConfigError(f"{name} must be an int >= 1, got {value!r}")
     if attention not in get_args(AttentionKind):
@@ -121,7 +127,7 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, *,
     # the paper's split: layer norms and the two dropouts after the attention and the MLP
     # (10 = 2·2 + 2·2 + 2·1 bytes per sbh at 16 bits) are replicated over t without sequence
     # parallelism, the rest (24) is split
-    replicated, split = 8 + 2 * mask, 24.0
+    replicated, split = 8 + 2 * mask, 4 + 4 * k / h + 4 * f / h
     scores = (4 + mask) * a * s / h if attention == "eager" and recompute == "none" else 0.0
     log_sum_exp = 4 * a / h if attention == "fused" and recompute == "none" else 0.0
     inside = split + scores + log_sum_exp

@@ -45,6 +45,10 @@ def test_layer_activations_are_korthikantis_table() -> None:
         sbh * (34 + 5 * a * s / h) / t
     assert layer_activation_bytes(s, b, h, a, recompute="full", t=t,
                                   sequence_parallel=True) == sbh
+    # ffn f and K/V width k: attention 7sh + 4sk, MLP 3sh + 4sf, norms 4sh (+ scores)
+    f, k = 3 * h, h // 2
+    assert layer_activation_bytes(s, b, h, a, ffn=f, kv_width=k, attention="fused") == \
+        b * (14 * s * h + 4 * s * k + 4 * s * f) + 4 * a * s * b
     assert stage_activation_bytes([5.0] * 4, [1.0] * 4, 3) == 3 * 1 + 5
     for bad in ({"attention": "flash"}, {"recompute": "partial"}, {"t": 0}):
         with pytest.raises(ScheduleConfigError):
