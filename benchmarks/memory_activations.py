@@ -46,27 +46,29 @@ def _freeing_layers() -> list[Any]:
     return layers
 
 
-def _freeing_rank(_: int) -> dict[bool, tuple[int, float]]:
+def _freeing_rank(_: int, rounds: int = 8) -> dict[bool, tuple[int, float]]:
     torch.set_num_threads(1)
-    result = {}
     inputs = torch.randn(M * ROWS, WIDTH)
+    engines, peaks = {}, {}
     for free in (False, True):
         module = PipelineModule(_freeing_layers(), num_stages=P, partition_method="uniform",
                                 loss_fn=lambda out, target: ((out - target) ** 2).mean())
-        engine = PipelineEngine(module, schedule="1f1b", num_microbatches=M,
-                                free_sent_outputs=free,
-                                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
+        engines[free] = PipelineEngine(module, schedule="1f1b", num_microbatches=M,
+                                       free_sent_outputs=free,
+                                       optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
         meter = SavedTensorMeter(ignore=[*module.parameters(), inputs])
         with meter:
-            engine.train_batch(inputs, inputs)
-        times = []
-        for _ in range(5):
+            engines[free].train_batch(inputs, inputs)
+        peaks[free] = meter.peak
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for round_index in range(rounds):  # alternate which goes first: noise hits both
+        for free in ((False, True) if round_index % 2 == 0 else (True, False)):
             start = time.perf_counter()
-            engine.train_batch(inputs, inputs)
-            times.append(time.perf_counter() - start)
-        result[free] = (meter.peak, statistics.median(times))
+            engines[free].train_batch(inputs, inputs)
+            times[free].append(time.perf_counter() - start)
+    for engine in engines.values():
         engine.stop_watchdog()
-    return result
+    return {free: (peaks[free], statistics.median(times[free])) for free in (False, True)}
 
 
 def freeing_section() -> None:
@@ -108,15 +110,16 @@ def _stage(mode: str, layers: int | None, attention: str) -> PipelineModule:
     return module
 
 
-def _measure(module: PipelineModule, x: torch.Tensor) -> tuple[int, float]:
+def _peak(module: PipelineModule, x: torch.Tensor) -> int:
     with SavedTensorMeter(ignore=[*module.parameters(), x]) as meter:
         module(x).square().mean().backward()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        module(x).square().mean().backward()
-        times.append(time.perf_counter() - start)
-    return meter.peak, statistics.median(times)
+    return meter.peak
+
+
+def _seconds(module: PipelineModule, x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    module(x).square().mean().backward()
+    return time.perf_counter() - start
 
 
 def recompute_section() -> None:
@@ -134,12 +137,17 @@ def recompute_section() -> None:
         ("partial full k=2", "full", 2), ("partial full k=4", "full", 4),
         ("full", "full", None)]
     for attention in ("eager", "fused"):
-        base: tuple[int, float] | None = None
-        for label, mode, layers in modes:
-            peak, seconds = _measure(_stage(mode, layers, attention), x)
-            base = base or (peak, seconds)
-            print(f"{attention:<10}{label:<22}{peak / 2**20:>11.2f}{peak / base[0]:>9.2f}"
-                  f"{1e3 * seconds:>12.1f}{seconds / base[1]:>9.2f}")
+        stages = [_stage(mode, layers, attention) for _, mode, layers in modes]
+        peaks = [_peak(stage, x) for stage in stages]
+        times: list[list[float]] = [[] for _ in stages]
+        for round_index in range(5):  # every mode once per round, in turns: noise hits all
+            order = range(len(stages)) if round_index % 2 == 0 else reversed(range(len(stages)))
+            for k in order:
+                times[k].append(_seconds(stages[k], x))
+        medians = [statistics.median(t) for t in times]
+        for (label, _, _), peak, seconds in zip(modes, peaks, medians):
+            print(f"{attention:<10}{label:<22}{peak / 2**20:>11.2f}{peak / peaks[0]:>9.2f}"
+                  f"{1e3 * seconds:>12.1f}{seconds / medians[0]:>9.2f}")
 
 
 # -- predicted vs measured: a Korthikanti-shaped layer ---------------------------------------
