@@ -128,3 +128,53 @@ def test_hf_blocks_mark_their_attention_core(family: str) -> None:
     # what the core saves beyond its inputs is no longer kept (exact bytes: the demo
     # model's test; HF's cores differ per family and version)
     assert selective < none
+
+
+def _pipelined_rank(p: int) -> tuple[dict[str, float], dict[str, int]]:
+    """Selective and partial recomputation under 1F1B and under a split backward (zb-h1: I
+    then W, the layers' outputs hooked), against the single process; and the saved peak of
+    zb-h1 with and without selective recomputation."""
+    from pipeline import PipelineEngine
+    from pipeline.model.reference import build_reference, reference_step
+    from tests.support.equivalence import new_errors, record_step
+
+    torch.set_num_threads(1)
+    layers = [LayerSpec(DecoderBlock, WIDTH, HEADS, "eager") for _ in range(BLOCKS)]
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out - target) ** 2).mean()
+
+    errors = new_errors()
+    peaks: dict[str, int] = {}
+    for schedule, options in (("1f1b", {"recompute": "selective", "recompute_layers": 1}),
+                              ("zb-h1", {"recompute": "selective"}),
+                              ("zb-h1", {"recompute": "none"}),
+                              ("zb-h1", {"recompute": "full", "recompute_layers": 1})):
+        module = PipelineModule(layers, num_stages=p, loss_fn=loss_fn, **options)
+        engine = PipelineEngine(module, schedule=schedule, num_microbatches=4,
+                                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), timeout=60)
+        reference = build_reference(layers)
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(8, LENGTH, WIDTH, generator=generator)
+        y = torch.randn(8, LENGTH, WIDTH, generator=generator)
+        with SavedTensorMeter(ignore=[*module.parameters(), x]) as meter:
+            loss = engine.train_batch(x, y)
+        peaks[f"{schedule} {options['recompute']}"] = meter.peak
+        expected = reference_step(reference, x, y, loss_fn=loss_fn,
+                                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        record_step(errors, module.named_layer_parameters(), loss, expected, options)
+        engine.stop_watchdog()
+    return errors, peaks
+
+
+@pytest.mark.multiprocess
+def test_recompute_in_a_pipeline_equals_one_process_and_split_backward_recomputes() -> None:
+    from pipeline import launch
+    from tests.support.equivalence import TOLERANCE, describe_errors
+
+    per_rank = launch(_pipelined_rank, 2, 2, timeout=60, join_timeout=240)
+    problems = [line for rank, (errors, _) in enumerate(per_rank)
+                for line in describe_errors(rank, "recompute", errors, TOLERANCE)]
+    assert not problems, "\n".join(problems)
+    for _, peaks in per_rank:  # the split backward's forward honours the selective marks
+        assert peaks["zb-h1 selective"] < peaks["zb-h1 none"]
