@@ -14,12 +14,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+import numpy as np
+from numpy.typing import ArrayLike
+
 from schedules.errors import ScheduleConfigError
 from schedules.instructions import Kind
+from schedules.schedule import Schedule
 
-__all__ = ["AttentionKind", "ParameterBytes", "Precision", "RecomputeKind", "StreamPeak",
-           "layer_activation_bytes", "model_state_bytes", "stage_activation_bytes",
-           "stream_peak"]
+__all__ = ["AttentionKind", "HeldTrace", "ParameterBytes", "Precision", "RecomputeKind",
+           "StreamPeak", "held_peaks", "layer_activation_bytes", "model_state_bytes",
+           "stage_activation_bytes", "stream_peak"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 RecomputeKind = Literal["none", "selective", "full"]
@@ -169,6 +173,8 @@ def stream_peak(stream: Iterable[tuple[Kind, int, int]], saved: Sequence[float],
     when split: I leaves what W reads). A rank runs one op at a time, so the peak depends on
     the order only. With `free_sent_outputs`, an output the stage sends (`sends[stage]`) is
     freed as soon as it is sent, right after its F: at most the newest one is held.
+    An I whose W never comes frees like a B. `HeldTrace` is the same count, vectorised over
+    every rank for the planner's search.
     """
     stages = len(saved)
     out = [0.0] * stages if output is None else [float(x) for x in output]
@@ -176,15 +182,77 @@ def stream_peak(stream: Iterable[tuple[Kind, int, int]], saved: Sequence[float],
     kept = [float(saved[st]) + (0.0 if free_sent_outputs and sent[st] else out[st])
             for st in range(stages)]
     transient = [out[st] if free_sent_outputs and sent[st] else 0.0 for st in range(stages)]
+    ops = list(stream)
+    split = {(stage, i) for kind, stage, i in ops if kind is Kind.W}  # I then W: W frees
     held, count, peak, peak_count = 0.0, 0, 0.0, 0
-    for kind, stage, _ in stream:
+    for kind, stage, i in ops:
         if kind is Kind.F:
             held += kept[stage]
             count += 1
             now = held + transient[stage]  # the newest output, until its send
             if now > peak or (now == peak and count > peak_count):
                 peak, peak_count = now, count
-        elif kind in _RELEASES:
+        elif kind in _RELEASES or (kind is Kind.I and (stage, i) not in split):
             held -= kept[stage]
             count -= 1
     return StreamPeak(peak, peak_count)
+
+
+@dataclass(frozen=True)
+class HeldTrace:
+    """Every rank's ops in the rank's own order as +1 (F: a microbatch's activations of a
+    stage arrive) or -1 (its last backward op, B, or W when the backward is split: they
+    leave), so the activations held are a running sum under any costs, as
+    `schedules.figures` counts them."""
+
+    stage: np.ndarray
+    delta: np.ndarray
+    lengths: np.ndarray
+    """Ops per rank (the arrays hold rank 0's, then rank 1's, ...)."""
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> HeldTrace:
+        lengths = np.array([len(stream) for stream in schedule.streams], dtype=np.int64)
+        ops = [op for stream in schedule.streams for op in stream]
+        if not ops:
+            return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), lengths)
+        columns = list(zip(*ops))  # kind, stage, microbatch columns, transposed in C
+        # enum members are singletons: their ids are the fastest exact codes (no hashing)
+        kind = np.fromiter(map(id, columns[0]), dtype=np.int64, count=len(ops))
+        stage = np.asarray(columns[1], dtype=np.int64)
+        rank = np.repeat(np.arange(len(lengths)), lengths)
+        key = (rank * schedule.num_stages + stage) * schedule.num_microbatches \
+            + np.asarray(columns[2])
+        is_w = kind == id(Kind.W)
+        release = (kind == id(Kind.B)) | (kind == id(Kind.OVERLAP_B)) | is_w | (
+            (kind == id(Kind.I)) & ~np.isin(key, key[is_w]))
+        return cls(stage, (kind == id(Kind.F)).astype(np.int64) - release, lengths)
+
+    def _peaks(self, steps: np.ndarray) -> np.ndarray:
+        """Per rank, the largest running sum of `steps` (one value per op)."""
+        peaks = np.zeros(len(self.lengths))
+        busy = self.lengths > 0
+        if not busy.any():
+            return peaks
+        ends = np.cumsum(self.lengths)
+        running = np.cumsum(steps)
+        # every rank's running sum restarts at 0: subtract where the ranks before it ended
+        before = np.concatenate([[0.0], running[ends[:-1] - 1]]) if len(ends) > 1 else \
+            np.zeros(1)
+        peaks[busy] = np.maximum.reduceat(running - np.repeat(before, self.lengths),
+                                          (ends - self.lengths)[busy])
+        return peaks
+
+    def peaks(self) -> tuple[int, ...]:
+        """Most (stage, microbatch) activations each rank holds at once."""
+        return tuple(int(x) for x in self._peaks(self.delta.astype(float)))
+
+    def peak_bytes(self, stage_bytes: ArrayLike) -> np.ndarray:
+        """Most activation bytes each rank holds at once, one microbatch of stage s being
+        `stage_bytes[s]`: exact with several chunks per rank too."""
+        return self._peaks(self.delta * np.asarray(stage_bytes, dtype=float)[self.stage])
+
+
+def held_peaks(schedule: Schedule) -> tuple[int, ...]:
+    """Most (stage, microbatch) activations each rank of `schedule` holds at once."""
+    return HeldTrace.of(schedule).peaks()

@@ -17,8 +17,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from pipeline.planner.profile import LayerProfile
-from schedules import Kind, Schedule
-from schedules.accounting import model_state_bytes
+from schedules.accounting import HeldTrace, held_peaks, model_state_bytes
 
 __all__ = ["PARAM_BYTES", "HeldTrace", "MemoryBreakdown", "held_peaks", "peak_rank_memory",
            "recompute_workspace", "stage_activation_bytes"]
@@ -64,66 +63,6 @@ def recompute_workspace(layers: Sequence[LayerProfile], tp: int, batch: int) -> 
     """While a recomputed layer runs its backward, its full activations are alive again: the
     largest layer's, once per rank."""
     return batch * max((layer.held(tp) for layer in layers), default=0.0)
-
-
-@dataclass(frozen=True)
-class HeldTrace:
-    """Every rank's ops in the rank's own order as +1 (F: a microbatch's activations of a
-    stage arrive) or -1 (its last backward op, B, or W when the backward is split: they
-    leave), so the activations held are a running sum under any costs, as
-    `schedules.figures` counts them."""
-
-    stage: np.ndarray
-    delta: np.ndarray
-    lengths: np.ndarray
-    """Ops per rank (the arrays hold rank 0's, then rank 1's, ...)."""
-
-    @classmethod
-    def of(cls, schedule: Schedule) -> HeldTrace:
-        lengths = np.array([len(stream) for stream in schedule.streams], dtype=np.int64)
-        ops = [op for stream in schedule.streams for op in stream]
-        if not ops:
-            return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), lengths)
-        columns = list(zip(*ops))  # kind, stage, microbatch columns, transposed in C
-        # enum members are singletons: their ids are the fastest exact codes (no hashing)
-        kind = np.fromiter(map(id, columns[0]), dtype=np.int64, count=len(ops))
-        stage = np.asarray(columns[1], dtype=np.int64)
-        rank = np.repeat(np.arange(len(lengths)), lengths)
-        key = (rank * schedule.num_stages + stage) * schedule.num_microbatches \
-            + np.asarray(columns[2])
-        is_w = kind == id(Kind.W)
-        release = (kind == id(Kind.B)) | (kind == id(Kind.OVERLAP_B)) | is_w | (
-            (kind == id(Kind.I)) & ~np.isin(key, key[is_w]))
-        return cls(stage, (kind == id(Kind.F)).astype(np.int64) - release, lengths)
-
-    def _peaks(self, steps: np.ndarray) -> np.ndarray:
-        """Per rank, the largest running sum of `steps` (one value per op)."""
-        peaks = np.zeros(len(self.lengths))
-        busy = self.lengths > 0
-        if not busy.any():
-            return peaks
-        ends = np.cumsum(self.lengths)
-        running = np.cumsum(steps)
-        # every rank's running sum restarts at 0: subtract where the ranks before it ended
-        before = np.concatenate([[0.0], running[ends[:-1] - 1]]) if len(ends) > 1 else \
-            np.zeros(1)
-        peaks[busy] = np.maximum.reduceat(running - np.repeat(before, self.lengths),
-                                          (ends - self.lengths)[busy])
-        return peaks
-
-    def peaks(self) -> tuple[int, ...]:
-        """Most (stage, microbatch) activations each rank holds at once."""
-        return tuple(int(x) for x in self._peaks(self.delta.astype(float)))
-
-    def peak_bytes(self, stage_bytes: ArrayLike) -> np.ndarray:
-        """Most activation bytes each rank holds at once, one microbatch of stage s being
-        `stage_bytes[s]`: exact with several chunks per rank too."""
-        return self._peaks(self.delta * np.asarray(stage_bytes, dtype=float)[self.stage])
-
-
-def held_peaks(schedule: Schedule) -> tuple[int, ...]:
-    """Most (stage, microbatch) activations each rank of `schedule` holds at once."""
-    return HeldTrace.of(schedule).peaks()
 
 
 def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,

@@ -8,6 +8,7 @@ import pytest
 
 from schedules import build_schedule, figures, simulate
 from schedules.accounting import (
+    HeldTrace,
     layer_activation_bytes,
     model_state_bytes,
     stage_activation_bytes,
@@ -88,4 +89,8 @@ def test_stream_peak_equals_the_brute_force_count(name: str) -> None:
             assert got.bytes == _brute_force(ops, saved, output, sends, free)
         counts.append(stream_peak(ops, [1.0] * stages).count)
     assert tuple(counts) == figures(simulate(schedule)).peak_activations
+    # the planner's vectorised trace is the same count
+    assert HeldTrace.of(schedule).peak_bytes(saved).tolist() == [
+        stream_peak([(op.kind, op.stage, op.microbatch) for op in stream], saved).bytes
+        for stream in schedule.streams]
     assert peak_in_flight(schedule.streams) == max(counts)
