@@ -28,7 +28,7 @@ from pipeline.demo.language_model import DecoderBlock
 from pipeline.model.recompute import recompute_region, selective_recompute
 from pipeline.runtime.saved_memory import SavedTensorMeter
 from schedules import build_schedule
-from schedules.accounting import layer_activation_bytes, stream_peak
+from schedules.analysis.accounting import layer_activation_bytes, stream_peak
 
 __all__ = ["ACTIVATION_SECTIONS", "KorthikantiLayer", "freeing_section", "predicted_section",
            "recompute_section"]
@@ -200,7 +200,7 @@ def predicted_section() -> None:
     """Korthikanti's per-layer bytes (`layer_activation_bytes`) against the counted bytes."""
     torch.manual_seed(0)
     print("\nactivation bytes per transformer layer (bf16, dropout 0.1, CPU: 2-byte dropout "
-          "masks): predicted (schedules.accounting) vs counted")
+          "masks): predicted (schedules.analysis.accounting) vs counted")
     print(f"{'s':>5}{'b':>3}{'h':>5}{'a':>3} {'attention':<10}{'mode':<11}{'predicted':>12}"
           f"{'measured':>12}{'error':>8}")
     for s, b, h, a in ((128, 2, 256, 8), (256, 1, 512, 8)):

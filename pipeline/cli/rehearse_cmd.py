@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeline.cli.options import add_schedule_arguments, positive_float, positive_int
 from schedules import SCHEDULES, Timeline, build_schedule, figures, simulate
-from schedules.memory import RankMemory
+from schedules.analysis.memory import RankMemory
 
 __all__ = ["format_memory", "register", "run"]
 
@@ -115,8 +115,8 @@ def _for_plot(timeline: Timeline, name: str, saved: tuple[float, ...]) -> Timeli
 def run(args: argparse.Namespace) -> int:
     from pipeline.demo.rehearse import RehearsalReport, rehearse_rank
     from pipeline.launcher.processes import launch
-    from schedules.host import measure_host_costs, with_host_costs
-    from schedules.memory import predict_memory
+    from schedules.analysis.host import measure_host_costs, with_host_costs
+    from schedules.analysis.memory import predict_memory
     from viz import comparison_table, plot_comparison, write_trace
 
     plan = _plan(args)

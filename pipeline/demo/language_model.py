@@ -16,7 +16,7 @@ from torch import nn
 
 from pipeline.model.layers import LayerSpec
 from pipeline.model.recompute import recompute_region
-from schedules.schedule import count_problem
+from schedules.ir.schedule import count_problem
 
 __all__ = ["Attention", "DecoderBlock", "LMHead", "TinyLMConfig", "TokenEmbedding", "lm_layers",
            "lm_loss", "synthetic_batch"]

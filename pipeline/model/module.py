@@ -30,7 +30,7 @@ from pipeline.model.partitioning import PartitionMethod, stage_boundaries
 from pipeline.model.recompute import RecomputeMode, RecomputePolicy, selective_recompute
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.groups import ProcessGroups
-from schedules.schedule import count_problem
+from schedules.ir.schedule import count_problem
 
 __all__ = ["LossFn", "PipelineModule", "Stage", "run_layer"]
 

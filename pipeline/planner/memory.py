@@ -1,11 +1,11 @@
 """Memory per rank: parameters, gradients, optimizer state (ZeRO-1 sharded), and the
 activations held at the schedule's peak, with or without recomputation.
 
-The bytes per parameter are `schedules.accounting.model_state_bytes` (the one accounting the
-simulator and `rehearse` use too): fp32 parameters and gradients, even under bf16/fp16
-autocast, and Adam's two fp32 moments, 4 + 4 + 8 = 16 bytes, the "16Ψ" of Rajbhandari et al.
-2020 (ZeRO, section 3.1); ZeRO-1 shards the optimizer state over dp (8 + 8/dp, Megatron's
-distributed optimizer).
+The bytes per parameter are `schedules.analysis.accounting.model_state_bytes` (the one
+accounting the simulator and `rehearse` use too): fp32 parameters and gradients, even
+under bf16/fp16 autocast, and Adam's two fp32 moments, 4 + 4 + 8 = 16 bytes, the "16Ψ"
+of Rajbhandari et al. 2020 (ZeRO, section 3.1); ZeRO-1 shards the optimizer state over dp
+(8 + 8/dp, Megatron's distributed optimizer).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from pipeline.planner.profile import LayerProfile
-from schedules.accounting import HeldTrace, held_peaks, model_state_bytes
+from schedules.analysis.accounting import HeldTrace, held_peaks, model_state_bytes
 
 __all__ = ["PARAM_BYTES", "HeldTrace", "MemoryBreakdown", "held_peaks", "peak_rank_memory",
            "recompute_workspace", "stage_activation_bytes"]
@@ -75,7 +75,7 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     `stage_workspace`: the recomputation workspace per stage (`recompute_workspace`); rank
     r holds the stages `placement` puts on it.
 
-    Model states per parameter from `schedules.accounting.model_state_bytes`: 16 bytes
+    Model states per parameter from `schedules.analysis.accounting.model_state_bytes`: 16 bytes
     without ZeRO, 8 + 8/dp with ZeRO-1 (Megatron's distributed optimizer: gradients in one
     buffer, Adam's moments on a 1/dp shard that is a view of the fp32 parameters).
     """

@@ -1,22 +1,22 @@
-"""The one memory accounting (`schedules.accounting`) against its definitions: Megatron-Core's
-bytes per parameter, Korthikanti et al.'s activation bytes per layer, and a brute-force count
-of what a rank holds under a schedule."""
+"""The one memory accounting (`schedules.analysis.accounting`) against its definitions:
+Megatron-Core's bytes per parameter, Korthikanti et al.'s activation bytes per layer, and a
+brute-force count of what a rank holds under a schedule."""
 
 from __future__ import annotations
 
 import pytest
 
 from schedules import build_schedule, figures, simulate
-from schedules.accounting import (
+from schedules.analysis.accounting import (
     HeldTrace,
     layer_activation_bytes,
     model_state_bytes,
     stage_activation_bytes,
     stream_peak,
 )
-from schedules.errors import ScheduleConfigError
-from schedules.instructions import Kind
-from schedules.zb_auto import peak_in_flight
+from schedules.ir.errors import ScheduleConfigError
+from schedules.ir.instructions import Kind
+from schedules.search.zb_auto import peak_in_flight
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])
