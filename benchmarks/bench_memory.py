@@ -17,6 +17,12 @@ Section "bf16-curve": the demo language model (pp 2 × dp 2, ZeRO-1, 1F1B, Adam)
 steps in fp32 and in bf16 with half parameters, same processes, same data; the largest
 relative gap between the two loss curves.
 
+Sections "freeing", "recompute", "predicted" (activation memory; `memory_activations.py`):
+rank 0's peak with and without stage-output freeing, recomputation modes (memory and time), and
+the one accounting's predicted activation bytes against counted ones. Section "deepspeed"
+(`bench_memory_deepspeed.py`): peak per rank against DeepSpeed's pipeline engine, where
+DeepSpeed is installed.
+
     PYTHONPATH=$PWD python benchmarks/bench_memory.py [--section states|overlap|bf16-curve]
 
 Counted bytes are exact and repeatable; times are medians on a shared CPU and noisy: compare
@@ -33,10 +39,12 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from memory_activations import ACTIVATION_SECTIONS
 from torch import nn
 
 from pipeline import PipelineEngine, PipelineModule, launch
@@ -191,8 +199,14 @@ def bf16_curve_section(steps: int = 100) -> None:
           f"mean {statistics.mean(gaps):.2%}", flush=True)
 
 
+def deepspeed_section() -> None:
+    from bench_memory_deepspeed import main as deepspeed_main
+    deepspeed_main([])
+
+
 SECTIONS: dict[str, Callable[[], None]] = {
-    "states": states_section, "overlap": overlap_section, "bf16-curve": bf16_curve_section}
+    "states": states_section, "overlap": overlap_section, "bf16-curve": bf16_curve_section,
+    **ACTIVATION_SECTIONS, "deepspeed": deepspeed_section}
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ from torch import nn
 
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_decoding import LayerCache, cache_argument, decoding_mask
+from pipeline.interop.hf_recompute import mark_attention_cores
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.runtime.loss_normalization import SummedLoss, token_cross_entropy
@@ -408,6 +409,7 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
         config = copy.deepcopy(config)
         config._attn_implementation = (attn_implementation or config._attn_implementation
                                        or _default_attention(config))
+    mark_attention_cores()  # attention's core is the blocks' selective-recompute region
     layers, names = _layers_for(config, model)
     return HFLayers(layers, causal_lm_loss, tuple(names), config,
                     token_cross_entropy(ignore_index=IGNORE_INDEX, shift=True))

@@ -28,6 +28,7 @@ from pipeline.model.layer_rng import (
 )
 from pipeline.model.layers import Layer, build_layer, check_tied_specs, normalize_layers
 from pipeline.model.partitioning import PartitionMethod, stage_boundaries
+from pipeline.model.recompute import RecomputeMode, RecomputePolicy, selective_recompute
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.groups import ProcessGroups
 from schedules.ir.schedule import count_problem
@@ -43,7 +44,9 @@ class Stage(nn.Module):
     (a tensor or a tuple of tensors), as in DeepSpeed's `PipelineModule`.
 
     With ``checkpoint_interval = k > 0`` every run of k layers is an activation checkpoint:
-    only its input is kept, and its forward is recomputed during the backward. With a
+    only its input is kept, and its forward is recomputed during the backward; a
+    `RecomputePolicy` (`recompute`, which then replaces the interval) also offers selective
+    recomputation and limiting either to the first layers of the stage. With a
     `base_seed`, inside the engine's `forward_key` each layer draws from its own seeded
     stream (`pipeline.model.layer_rng`), the recompute included. With `clone_input`, a
     received input (a leaf that requires grad) is cloned first, so a first layer that writes
@@ -52,13 +55,18 @@ class Stage(nn.Module):
 
     def __init__(self, index: int, first_layer: int, layers: Sequence[nn.Module],
                  checkpoint_interval: int = 0, base_seed: int | None = None,
-                 clone_input: bool = False) -> None:
+                 clone_input: bool = False, *, recompute: RecomputePolicy | None = None
+                 ) -> None:
         super().__init__()
         self.index = index
         self.first_layer = first_layer
         # keyed by global layer index, so parameter names do not depend on the partition
         self.layers = nn.ModuleDict({str(first_layer + k): layer for k, layer in enumerate(layers)})
-        self.checkpoint_interval = checkpoint_interval
+        self.recompute = recompute or RecomputePolicy.of("none", None, checkpoint_interval)
+        """What this stage recomputes in its backward."""
+        self.checkpoint_interval = self.recompute.interval if self.recompute.mode == "full" \
+            else 0
+        """Layers per checkpoint segment when whole layers are recomputed, else 0."""
         self.base_seed = base_seed
         self.clone_input = clone_input
 
@@ -72,13 +80,21 @@ class Stage(nn.Module):
         # during the backward (outside this forward's key) reseeds exactly as the forward did
         key = current_forward_key()
         layers = [(int(name), layer) for name, layer in self.layers.items()]
-        k = self.checkpoint_interval
-        if k <= 0 or not torch.is_grad_enabled():
+        policy = self.recompute
+        if policy.mode == "none" or not torch.is_grad_enabled():
             return self._run(layers, x, key)
-        for start in range(0, len(layers), k):
-            segment = layers[start:start + k]
+        # partial recomputation: the policy covers the first `count` layers, the rest keep
+        # everything (the last layers' activations are the first the backward needs)
+        count = policy.recomputed(len(layers))
+        head, tail = layers[:count], layers[count:]
+        if policy.mode == "selective":
+            with selective_recompute(True):
+                x = self._run(head, x, key)
+            return self._run(tail, x, key)
+        for start in range(0, count, policy.interval):
+            segment = head[start:start + policy.interval]
             x = checkpoint(self._run, segment, x, key, use_reentrant=False)
-        return x
+        return self._run(tail, x, key)
 
     def _run(self, layers: Sequence[tuple[int, nn.Module]], x: Any, key: ForwardKey | None
              ) -> Any:
@@ -140,7 +156,9 @@ class PipelineModule(nn.Module):
                  chunks: int = 1, loss_fn: LossFn | None = None,
                  partition_method: PartitionMethod = "parameters",
                  activation_checkpoint_interval: int = 0, base_seed: int | None = 1234,
-                 tie_shared: bool = False, clone_stage_inputs: bool | None = None) -> None:
+                 tie_shared: bool = False, clone_stage_inputs: bool | None = None,
+                 recompute: RecomputeMode = "none", recompute_layers: int | None = None
+                 ) -> None:
         super().__init__()
         for name, value, minimum in (("num_stages", num_stages, 1), ("chunks", chunks, 1),
                                      ("activation_checkpoint_interval",
@@ -176,6 +194,12 @@ class PipelineModule(nn.Module):
         """Stages per pipeline rank (v); the model is cut into num_stages · chunks stages."""
         self.loss_fn = loss_fn
         self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.recompute = RecomputePolicy.of(recompute, recompute_layers,
+                                            activation_checkpoint_interval)
+        """What each stage recomputes: `recompute` ('none', 'selective': the parts layers
+        mark with `pipeline.model.recompute.recompute_region`, e.g. attention's core;
+        'full': whole layers, in segments of activation_checkpoint_interval), for the first
+        `recompute_layers` layers of each stage (None: all of them)."""
         self.base_seed = base_seed
         self.partition_method = partition_method
         total = num_stages * chunks
@@ -229,7 +253,8 @@ class PipelineModule(nn.Module):
                     clone = stage > 0 and starts_in_place(modules[0])
                 self.stages[str(stage)] = Stage(stage, span.start, modules,
                                                 self.activation_checkpoint_interval,
-                                                self.base_seed, clone)
+                                                self.base_seed, clone,
+                                                recompute=self.recompute)
         self._layer_list = [None if not any(k in self.layers_of(s) for s in stages) else layer
                             for k, layer in enumerate(self._layer_list)]
         hooks, self._build_hooks = self._build_hooks, []

@@ -1,10 +1,11 @@
 """Memory per rank: parameters, gradients, optimizer state (ZeRO-1 sharded), and the
 activations held at the schedule's peak, with or without recomputation.
 
-The bytes per parameter follow the engine, which keeps fp32 parameters and gradients even
-under bf16/fp16 autocast (master weights) and Adam's two fp32 moments: 4 + 4 + 8 = 16 bytes,
-the "16Ψ" of Rajbhandari et al. 2020 (ZeRO, section 3.1). ZeRO-1 shards the optimizer state
-over dp, priced as the engine holds it (see `peak_rank_memory`).
+The bytes per parameter are `schedules.analysis.accounting.model_state_bytes` (the one
+accounting the simulator and `rehearse` use too): fp32 parameters and gradients, even
+under bf16/fp16 autocast, and Adam's two fp32 moments, 4 + 4 + 8 = 16 bytes, the "16Ψ"
+of Rajbhandari et al. 2020 (ZeRO, section 3.1); ZeRO-1 shards the optimizer state over dp
+(8 + 8/dp, Megatron's distributed optimizer).
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from pipeline.planner.profile import LayerProfile
-from schedules import Kind, Schedule
+from schedules.analysis.accounting import HeldTrace, held_peaks, model_state_bytes
 
 __all__ = ["PARAM_BYTES", "HeldTrace", "MemoryBreakdown", "held_peaks", "peak_rank_memory",
            "recompute_workspace", "stage_activation_bytes"]
 
-PARAM_BYTES = 4.0
+PARAM_BYTES = model_state_bytes("fp32").parameters
 """fp32 weights."""
-GRAD_BYTES = 4.0
+GRAD_BYTES = model_state_bytes("fp32").gradients
 """fp32 gradients, accumulated over the step's microbatches."""
-ADAM_BYTES = 8.0
+ADAM_BYTES = model_state_bytes("fp32").optimizer
 """Adam's exp_avg and exp_avg_sq in fp32."""
 
 
@@ -64,66 +65,6 @@ def recompute_workspace(layers: Sequence[LayerProfile], tp: int, batch: int) -> 
     return batch * max((layer.held(tp) for layer in layers), default=0.0)
 
 
-@dataclass(frozen=True)
-class HeldTrace:
-    """Every rank's ops in the rank's own order as +1 (F: a microbatch's activations of a
-    stage arrive) or -1 (its last backward op, B, or W when the backward is split: they
-    leave), so the activations held are a running sum under any costs, as
-    `schedules.figures` counts them."""
-
-    stage: np.ndarray
-    delta: np.ndarray
-    lengths: np.ndarray
-    """Ops per rank (the arrays hold rank 0's, then rank 1's, ...)."""
-
-    @classmethod
-    def of(cls, schedule: Schedule) -> HeldTrace:
-        lengths = np.array([len(stream) for stream in schedule.streams], dtype=np.int64)
-        ops = [op for stream in schedule.streams for op in stream]
-        if not ops:
-            return cls(np.zeros(0, np.int64), np.zeros(0, np.int64), lengths)
-        columns = list(zip(*ops))  # kind, stage, microbatch columns, transposed in C
-        # enum members are singletons: their ids are the fastest exact codes (no hashing)
-        kind = np.fromiter(map(id, columns[0]), dtype=np.int64, count=len(ops))
-        stage = np.asarray(columns[1], dtype=np.int64)
-        rank = np.repeat(np.arange(len(lengths)), lengths)
-        key = (rank * schedule.num_stages + stage) * schedule.num_microbatches \
-            + np.asarray(columns[2])
-        is_w = kind == id(Kind.W)
-        release = (kind == id(Kind.B)) | (kind == id(Kind.OVERLAP_B)) | is_w | (
-            (kind == id(Kind.I)) & ~np.isin(key, key[is_w]))
-        return cls(stage, (kind == id(Kind.F)).astype(np.int64) - release, lengths)
-
-    def _peaks(self, steps: np.ndarray) -> np.ndarray:
-        """Per rank, the largest running sum of `steps` (one value per op)."""
-        peaks = np.zeros(len(self.lengths))
-        busy = self.lengths > 0
-        if not busy.any():
-            return peaks
-        ends = np.cumsum(self.lengths)
-        running = np.cumsum(steps)
-        # every rank's running sum restarts at 0: subtract where the ranks before it ended
-        before = np.concatenate([[0.0], running[ends[:-1] - 1]]) if len(ends) > 1 else \
-            np.zeros(1)
-        peaks[busy] = np.maximum.reduceat(running - np.repeat(before, self.lengths),
-                                          (ends - self.lengths)[busy])
-        return peaks
-
-    def peaks(self) -> tuple[int, ...]:
-        """Most (stage, microbatch) activations each rank holds at once."""
-        return tuple(int(x) for x in self._peaks(self.delta.astype(float)))
-
-    def peak_bytes(self, stage_bytes: ArrayLike) -> np.ndarray:
-        """Most activation bytes each rank holds at once, one microbatch of stage s being
-        `stage_bytes[s]`: exact with several chunks per rank too."""
-        return self._peaks(self.delta * np.asarray(stage_bytes, dtype=float)[self.stage])
-
-
-def held_peaks(schedule: Schedule) -> tuple[int, ...]:
-    """Most (stage, microbatch) activations each rank of `schedule` holds at once."""
-    return HeldTrace.of(schedule).peaks()
-
-
 def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                      stage_workspace: ArrayLike, placement: Sequence[int], *, dp: int,
                      zero: int, recompute: bool) -> tuple[MemoryBreakdown, int]:
@@ -134,11 +75,9 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     `stage_workspace`: the recomputation workspace per stage (`recompute_workspace`); rank
     r holds the stages `placement` puts on it.
 
-    ZeRO-1 as the engine's ShardedOptimizer runs it (pipeline/parallel/zero.py), at the
-    optimizer step, fp32: the parameters (4), the main-gradient buffer their gradients
-    accumulate into (4; no `.grad` copy), Adam's moments on the rank's shard (8/dp); the
-    fp32 master shard is a view of the parameters. So 8 + 8/dp bytes per parameter against 16
-    without ZeRO (Megatron's distributed-optimizer table).
+    Model states per parameter from `schedules.analysis.accounting.model_state_bytes`: 16 bytes
+    without ZeRO, 8 + 8/dp with ZeRO-1 (Megatron's distributed optimizer: gradients in one
+    buffer, Adam's moments on a 1/dp shard that is a view of the fp32 parameters).
     """
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
@@ -147,10 +86,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                          minlength=ranks)
     workspace = np.zeros(ranks)
     np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
-    if zero >= 1:
-        gradients, optimizer = GRAD_BYTES, ADAM_BYTES / dp
-    else:
-        gradients, optimizer = GRAD_BYTES, ADAM_BYTES
+    states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
+    gradients, optimizer = states.gradients, states.optimizer
     held = activations + (workspace if recompute else 0.0)
     rank = int(np.argmax(params * (PARAM_BYTES + gradients + optimizer) + held))
     return MemoryBreakdown(float(params[rank] * PARAM_BYTES), float(params[rank] * gradients),

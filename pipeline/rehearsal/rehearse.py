@@ -110,6 +110,7 @@ class RehearsalSpec:
         return MemoryModel(
             params=[sum(c.param_elements for c in layers) * BYTES for layers in stages],
             saved=[sum(c.output_elements for c in layers) * BYTES for layers in stages],
+            output=[layers[-1].output_elements * BYTES for layers in stages],
             data_parallel=self.data_parallel, zero_stage=self.zero_stage, optimizer_factor=2.0)
 
 

@@ -41,6 +41,10 @@ class EngineConfig:
     """Gloo on one host: send point-to-point messages of up to 64 KiB between the pipeline's
     ranks as Unix datagrams (`pipeline.parallel.local_p2p`), not through gloo's TCP. Used only
     when every pipeline rank is on this host; False keeps every message on gloo."""
+    free_sent_outputs: bool = True
+    """Free a stage output's data as soon as it is sent, keeping only its autograd node for
+    the backward (Megatron's `deallocate_output_tensor`): a rank holding k microbatches in
+    flight keeps k - 1 fewer stage outputs. False keeps them until their backward."""
     on_nonfinite: NonFinitePolicy = "raise"
     """A step whose loss or gradients hold inf/NaN never updates the weights (a vote over
     every rank, as fp16's overflow vote); 'raise' then stops with `NonFiniteError` naming the
@@ -62,6 +66,9 @@ class EngineConfig:
                             f"{self.timeout!r}")
         if not isinstance(self.dynamic_shapes, bool):
             problems.append(f"dynamic_shapes must be True or False, got {self.dynamic_shapes!r}")
+        if not isinstance(self.free_sent_outputs, bool):
+            problems.append(f"free_sent_outputs must be True or False, got "
+                            f"{self.free_sent_outputs!r}")
         if not isinstance(self.local_p2p, bool):
             problems.append(f"local_p2p must be True or False, got {self.local_p2p!r}")
         if self.on_nonfinite not in get_args(NonFinitePolicy):

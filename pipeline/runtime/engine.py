@@ -150,7 +150,8 @@ class PipelineEngine:
                                    if op.kind is Kind.I),
             precision=parallel.precision, loss_scale=self.training.loss_scale,
             progress=self.progress, shares_loss=self.position.tp_rank == 0,
-            overlap_grad_reduce=parallel.overlap_grad_reduce)
+            overlap_grad_reduce=parallel.overlap_grad_reduce,
+            free_sent_outputs=self.config.free_sent_outputs)
         self._last_schedule: Schedule = self.schedule
         self._finite_flags: list[FiniteFlag] = []
         self.last_stats: StepStats | None = None

@@ -26,12 +26,13 @@ from pipeline.runtime.batch import Batch, Layout, as_tensors
 from pipeline.runtime.comm import Comm, PendingRecv
 from pipeline.runtime.finite import FiniteFlag, all_finite
 from pipeline.runtime.lookahead import early_receives
+from pipeline.runtime.saved_memory import hold_outputs
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.split_backward import LayerGrads, forward_capturing
 from pipeline.runtime.trace import Trace
 from schedules import Instruction, Kind
 
-__all__ = ["InstructionFailed", "Interpreter", "StepState", "last_backwards"]
+__all__ = ["InstructionFailed", "Interpreter", "StepState", "free_output_data", "last_backwards"]
 
 Key = tuple[int, int]  # (stage, microbatch)
 _T = TypeVar("_T")
@@ -62,6 +63,8 @@ class _Saved:
     """Kept from I for W."""
     layer_grads: LayerGrads | None = None
     """Per-layer output gradients I leaves for W (split backward only)."""
+    held_outputs: list[Any] = field(default_factory=list)
+    """The roots as an active `SavedTensorMeter` counts them (`hold_outputs`)."""
 
 
 @dataclass
@@ -115,6 +118,20 @@ def _detach(value: Batch) -> Batch:
     return tuple(t.detach() for t in value)
 
 
+def free_output_data(tensor: torch.Tensor) -> bool:
+    """Swap a sent stage output's data for a one-element placeholder of the same shape (a
+    stride-0 view), keeping its autograd node: the backward needs only the node and the
+    incoming gradient (Megatron's `deallocate_output_tensor`). The bytes go once the send
+    holding the data completes. A view or a leaf keeps its data (freeing it would free
+    nothing, or would break the leaf's own gradient); returns whether the data was swapped.
+    """
+    if tensor._base is not None or tensor.grad_fn is None or tensor.numel() <= 1:
+        return False
+    tensor.data = torch.empty((), dtype=tensor.dtype, device=tensor.device).expand(
+        tensor.shape)
+    return True
+
+
 def _make_leaves(value: Batch) -> tuple[Batch, list[torch.Tensor]]:
     """Detached copy of `value` whose floating tensors require grad, and those tensors."""
     tensors = [t.detach().requires_grad_(True) if t.is_floating_point() else t
@@ -134,7 +151,7 @@ class Interpreter:
                  precision: Precision = "fp32",
                  loss_scale: Callable[[], float] = lambda: 1.0,
                  progress: ProgressRecord | None = None, shares_loss: bool = True,
-                 overlap_grad_reduce: bool = False) -> None:
+                 overlap_grad_reduce: bool = False, free_sent_outputs: bool = True) -> None:
         self.module = module
         self.pp_rank = pp_rank
         self.placement = tuple(placement)
@@ -156,6 +173,8 @@ class Interpreter:
         self.loss_scale = loss_scale
         """fp16's current loss scale (1 otherwise): backward starts from loss · scale."""
         self.split_stages = split_stages
+        self.free_sent_outputs = free_sent_outputs
+        """Free a stage output's data once it is sent (`free_output_data`)."""
         """Stages whose backward runs as I then W: their forwards hook layer outputs."""
         self.stages: dict[int, Stage] = {int(k): module.stage(int(k)) for k in module.stages}
         self.stage_params: dict[int, list[nn.Parameter]] = {
@@ -316,6 +335,7 @@ class Interpreter:
             floats = _floats(out)
             index = [k for k, t in enumerate(floats) if t.requires_grad]
             saved = _Saved(leaves, [floats[k] for k in index], index, Layout.of(tuple(floats)))
+            saved.held_outputs = hold_outputs(saved.roots)
             self._forward_done(s, i, out)
         saved.layer_grads = layer_grads
         state.saved[(s, i)] = saved
@@ -403,6 +423,12 @@ class Interpreter:
         tensors = as_tensors(out, "a stage's output")
         header = self.shapes.sending(op.stage + 1, Layout.of(out))
         self.comm.send(tensors, op.peer, header=header)
+        saved = self.state.saved.get((op.stage, op.microbatch))
+        if self.free_sent_outputs and saved is not None:
+            # the send holds the data until it completes; the roots keep only their nodes
+            kept = [not free_output_data(root) for root in saved.roots]
+            saved.held_outputs = [held for held, keep in zip(saved.held_outputs, kept)
+                                  if keep]
 
     def recv_forward(self, op: Instruction) -> None:
         s = op.stage

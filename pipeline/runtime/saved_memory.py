@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import Any
 
 import torch
 
-__all__ = ["SavedTensorMeter"]
+__all__ = ["SavedTensorMeter", "hold_outputs"]
+
+# The meter whose `with` block this thread is in: the interpreter tells it which stage
+# outputs it keeps (`hold_outputs`), which autograd's saved-tensor hooks cannot see.
+_ACTIVE: ContextVar[SavedTensorMeter | None] = ContextVar("pipesched_saved_meter",
+                                                          default=None)
 
 
 class _Saved:
@@ -17,7 +23,9 @@ class _Saved:
     __slots__ = ("key", "meter", "tensor")
 
     def __init__(self, meter: SavedTensorMeter, key: int, tensor: torch.Tensor) -> None:
-        self.meter, self.key, self.tensor = meter, key, tensor
+        # a detached alias (same storage, own TensorImpl): autograd hands the hook a node's
+        # output itself, and the engine later swaps a sent output's data for a placeholder
+        self.meter, self.key, self.tensor = meter, key, tensor.detach()
 
     def __del__(self) -> None:
         self.meter._release(self.key)
@@ -30,6 +38,8 @@ class SavedTensorMeter:
     is freed (after the backward that frees the graph, or when the graph is dropped).
     Parameters (`ignore`) are not activations and are not counted. The hooks are
     `torch.autograd.graph.saved_tensors_hooks`, so only this thread's forwards are seen.
+    Stage outputs the engine keeps as backward roots count too (`hold_outputs`), until it
+    frees a sent one's data or runs its backward; bytes of sends still in flight do not.
     """
 
     def __init__(self, ignore: Iterable[torch.Tensor] = ()) -> None:
@@ -40,6 +50,7 @@ class SavedTensorMeter:
         self.peak = 0
         """Most bytes held at once since the last `reset_peak`."""
         self._hooks: Any = None
+        self._token: Token[SavedTensorMeter | None] | None = None
 
     def reset_peak(self) -> None:
         """Start a new peak from what is held now."""
@@ -72,9 +83,20 @@ class SavedTensorMeter:
     def __enter__(self) -> SavedTensorMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        self._token = _ACTIVE.set(self)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
         self._hooks.__exit__(kind, error, trace)
         self._hooks = None
+        if self._token is not None:
+            _ACTIVE.reset(self._token)
+            self._token = None
+
+
+def hold_outputs(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    """Count `tensors` in the active meter for as long as the returned handles live (one
+    reference each, a storage once with what autograd saved); nothing without a meter."""
+    meter = _ACTIVE.get()
+    return [] if meter is None else [meter._pack(t) for t in tensors]

@@ -18,6 +18,7 @@ from torch import nn
 
 from pipeline.model.layer_rng import current_forward_key
 from pipeline.model.module import Stage
+from pipeline.model.recompute import selective_recompute
 from pipeline.runtime.batch import as_tensors
 
 __all__ = ["LayerGrads", "forward_capturing"]
@@ -75,13 +76,17 @@ def _store(grads: list[torch.Tensor | None], k: int) -> Callable[[torch.Tensor],
 
 def forward_capturing(stage: Stage, x: Any) -> tuple[Any, LayerGrads | None]:
     """Run `stage` layer by layer, hooking outputs for a split backward; with activation
-    checkpointing the layer outputs do not exist outside the checkpoints, so plain forward."""
+    checkpointing (whole layers) the layer outputs do not exist outside the checkpoints, so
+    plain forward."""
     if stage.checkpoint_interval > 0:
         return stage(x), None
     captured = LayerGrads()
     x = stage.prepare_input(x)
     key = current_forward_key()
-    for index, layer in stage.layers.items():
-        x = stage.call_layer(int(index), layer, x, key)  # seeded as `Stage.forward` does
+    policy = stage.recompute  # selective recomputation of the first layers, as in forward
+    selected = policy.recomputed(len(stage.layers)) if policy.mode == "selective" else 0
+    for position, (index, layer) in enumerate(stage.layers.items()):
+        with selective_recompute(position < selected):
+            x = stage.call_layer(int(index), layer, x, key)  # seeded as `Stage.forward` does
         captured.watch(layer, x)
     return x, captured

@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from schedules.analysis.accounting import model_state_bytes, stream_peak
 from schedules.ir.errors import ScheduleConfigError
 from schedules.ir.instructions import Kind
 from schedules.ir.schedule import Schedule
@@ -42,13 +43,20 @@ class MemoryModel:
     """Parameter bytes of a stage (a number for every stage, or one per stage)."""
     saved: PerStage = 0.0
     """Activation bytes one microbatch leaves saved on a stage until its backward ends."""
+    output: PerStage = 0.0
+    """Bytes of a stage's output, which the engine keeps as the backward's root besides
+    `saved` (the last stage's is not kept: its root is the loss)."""
+    free_sent_outputs: bool = True
+    """The engine's option of that name: an output sent to another rank is freed right
+    after its send (only the newest is held at a rank's peak); one passed to a stage on the
+    same rank is kept until its backward."""
     data_parallel: int = 1
     """Replicas dp; under ZeRO-1 each holds 1/dp of the optimizer state."""
     zero_stage: int = 0
-    """0: every replica keeps the whole optimizer state. 1: sharded over dp, as pipesched's
-    ZeRO-1 holds it (fp32): the gradients once, in one main-gradient buffer; the optimizer
-    state of the 1/dp shard, whose fp32 master is a view of the parameters (8 + 8/dp bytes
-    per parameter with Adam)."""
+    """0: every replica keeps the whole optimizer state. 1: sharded over dp as Megatron's
+    distributed optimizer holds it (`schedules.analysis.accounting.model_state_bytes`, fp32:
+    the gradients accumulate in one buffer, the optimizer steps a 1/dp shard that is a view
+    of the parameters: 8 + 8/dp bytes per parameter with Adam)."""
     optimizer_factor: float = 2.0
     """Optimizer-state bytes per parameter byte (Adam: two moments = 2; SGD: 0)."""
     gradient_factor: float = 1.0
@@ -59,6 +67,9 @@ class MemoryModel:
                 or self.data_parallel < 1:
             raise ScheduleConfigError(f"data_parallel must be an int >= 1, got "
                                       f"{self.data_parallel!r}")
+        if not isinstance(self.free_sent_outputs, bool):
+            raise ScheduleConfigError(f"free_sent_outputs must be True or False, got "
+                                      f"{self.free_sent_outputs!r}")
         if self.zero_stage not in (0, 1):
             raise ScheduleConfigError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
         for name in ("optimizer_factor", "gradient_factor"):
@@ -93,20 +104,12 @@ class RankMemory:
                 "peak_in_flight": self.peak_in_flight, "total": self.total}
 
 
-def _activation_peak(stream: Sequence[tuple[Kind, int, int]],
-                     saved: Sequence[float]) -> tuple[float, int]:
+def _activation_peak(stream: Sequence[tuple[Kind, int, int]], saved: Sequence[float],
+                     output: Sequence[float], sends: Sequence[bool],
+                     free_sent_outputs: bool) -> tuple[float, int]:
     """(peak bytes, microbatches held then) of one rank's compute stream."""
-    held, count, peak, peak_count = 0.0, 0, 0.0, 0
-    for kind, stage, _ in stream:
-        if kind is Kind.F:
-            held += saved[stage]
-            count += 1
-            if held > peak or (held == peak and count > peak_count):
-                peak, peak_count = held, count
-        elif kind is Kind.B or kind is Kind.OVERLAP_B or kind is Kind.W:
-            held -= saved[stage]
-            count -= 1
-    return peak, peak_count
+    peak = stream_peak(stream, saved, output, sends=sends, free_sent_outputs=free_sent_outputs)
+    return peak.bytes, peak.count
 
 
 def predict_memory(schedule: Schedule, model: MemoryModel) -> tuple[RankMemory, ...]:
@@ -118,19 +121,23 @@ def predict_memory(schedule: Schedule, model: MemoryModel) -> tuple[RankMemory, 
     num_stages = schedule.num_stages
     params = _per_stage("params", model.params, num_stages)
     saved = _per_stage("saved", model.saved, num_stages)
+    output = [*_per_stage("output", model.output, num_stages)[:-1], 0.0]
+    placement = schedule.placement
+    sends = [s + 1 < num_stages and placement[s + 1] != placement[s]
+             for s in range(num_stages)]
     streams = schedule.compute_streams() if schedule.lowered else schedule.streams
-    dp, zero = model.data_parallel, model.zero_stage == 1
+    # per fp32 parameter byte: the accounting's bytes per parameter over 4
+    states = model_state_bytes("fp32", zero_stage=model.zero_stage,
+                               data_parallel=model.data_parallel,
+                               optimizer_factor=model.optimizer_factor)
     result = []
     for rank, stream in enumerate(streams):
         stage_params = sum(params[s] for s in schedule.stages_of(rank))
-        grads = stage_params * model.gradient_factor
-        peak, count = _activation_peak([(op[0], op[1], op[2]) for op in stream], saved)
+        peak, count = _activation_peak([(op[0], op[1], op[2]) for op in stream], saved,
+                                       output, sends, model.free_sent_outputs)
         result.append(RankMemory(
             rank=rank, params=stage_params,
-            # ZeRO-1 as the engine holds it: one main-gradient buffer, the optimizer state
-            # of the 1/dp shard (its fp32 master is a view of the fp32 parameters)
-            gradients=grads,
-            optimizer=stage_params * model.optimizer_factor / dp if zero
-            else stage_params * model.optimizer_factor,
+            gradients=stage_params * model.gradient_factor * states.gradients / 4,
+            optimizer=stage_params * states.optimizer / 4,
             activations=peak, peak_in_flight=count))
     return tuple(result)

@@ -6,11 +6,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from schedules.analysis.accounting import stream_peak
 from schedules.analysis.dataflow import execute
 from schedules.analysis.simulate import CostModel
 from schedules.generators.zb_h1_h2 import zb_h1, zb_h2
 from schedules.ir.errors import ScheduleConfigError
-from schedules.ir.instructions import Instruction, Kind
+from schedules.ir.instructions import Instruction
 from schedules.ir.schedule import Schedule, check_count, gc_paused, loop_placement
 from schedules.search.authors_greedy import PaperGreedyKnobs, paper_greedy_order
 from schedules.search.list_scheduler import LIST_KNOB_GRID, list_order
@@ -111,13 +112,6 @@ def peak_in_flight(streams: Sequence[Sequence[Instruction]]) -> int:
     """Most (stage, microbatch) activations any rank holds, read off the order alone: +1 at
     F, -1 at its last backward op (B, or W when split). Equals `figures().peak_activations`
     because a rank runs its ops one at a time."""
-    peak = 0
-    for stream in streams:
-        held = 0
-        for op in stream:
-            if op.kind is Kind.F:
-                held += 1
-                peak = max(peak, held)
-            elif op.kind is Kind.B or op.kind is Kind.W or op.kind is Kind.OVERLAP_B:
-                held -= 1
-    return peak
+    return max((stream_peak(((op.kind, op.stage, op.microbatch) for op in stream),
+                            [1.0] * (1 + max((op.stage for op in stream), default=0))).count
+                for stream in streams), default=0)

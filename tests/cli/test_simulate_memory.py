@@ -18,9 +18,10 @@ def test_json_carries_memory_per_rank(capsys: pytest.CaptureFixture[str]) -> Non
     assert main([*ARGS, "--data-parallel", "2", "--zero-stage", "1", "--json"]) == 0
     memory = json.loads(capsys.readouterr().out)["memory"]
     assert [r["activations"] for r in memory] == [4000.0, 3000.0, 2000.0, 1000.0]
-    # ZeRO-1 over 2: grads + flat buffer + half shard; Adam's moments + master, halved
+    # ZeRO-1 over 2 (Megatron's distributed optimizer): one gradient buffer; Adam's
+    # moments of half the parameters (the fp32 master is a view of them)
     assert {(r["params"], r["gradients"], r["optimizer"]) for r in memory} == \
-        {(4000.0, 10000.0, 6000.0)}
+        {(4000.0, 4000.0, 4000.0)}
 
 
 def test_table_only_when_asked(capsys: pytest.CaptureFixture[str]) -> None:

@@ -46,12 +46,12 @@ def test_one_f_one_b_rank_k_holds_p_minus_k_microbatches() -> None:
     assert [r.activations for r in predicted] == [40.0, 30.0, 20.0, 10.0]
 
 
-def test_zero_one_shards_the_optimizer_state_with_one_gradient_buffer() -> None:
+def test_zero_one_shards_the_optimizer_state_as_megatrons_distributed_optimizer() -> None:
     schedule = build_schedule("interleaved", 2, 4, 2)  # stages 0, 2 on rank 0; 1, 3 on rank 1
     model = MemoryModel(params=[100.0, 200.0, 300.0, 400.0], data_parallel=4, zero_stage=1)
     rank0, rank1 = predict_memory(schedule, model)
-    # grads: one main-gradient buffer; optimizer: Adam's two moments of the 1/4 shard (the
-    # fp32 master is a view of the parameters)
+    # grads: one accumulation buffer; optimizer: Adam's two moments of the 1/4 shard (the
+    # fp32 master is a view of the parameters): 8 + 8/4 bytes per 4-byte parameter
     assert (rank0.params, rank0.gradients, rank0.optimizer) == (400.0, 400.0, 200.0)
     assert (rank1.params, rank1.gradients, rank1.optimizer) == (600.0, 600.0, 300.0)
     plain = predict_memory(schedule, MemoryModel(params=[100.0, 200.0, 300.0, 400.0],
