@@ -4,8 +4,8 @@ Spawned ranks rendezvous through a file in a fresh temporary directory, so nothi
 port. When a rank fails, its watchdog peers end within a poll interval; the launcher kills
 any rank still alive after a short grace, then raises one `RankFailedError` naming the rank
 that failed first and the instruction it failed at (or, after a timeout, the rank that
-stopped progressing). When the launcher itself dies, every rank ends and removes the
-launcher's temporary directories (`pipeline.launcher.orphans`).
+stopped progressing). When the launcher itself dies, at any moment from start-up on, every
+rank ends and the launcher's temporary directories go (`pipeline.launcher.orphans`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ import multiprocessing.util
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
@@ -31,8 +35,12 @@ from pipeline.device import default_backend, process_group_timeout
 from pipeline.errors import PipelineConfigError
 from pipeline.launcher.failure import EXIT_PEER_FAILED, FailureRecord, Watchdog, report_failure
 from pipeline.launcher.orphans import (
+    EXIT_LAUNCHER_GONE,
     ProcessIdentity,
+    Reaper,
+    die_with_parent,
     identity_of,
+    is_running,
     remove_on_sigterm,
     watch_launcher,
 )
@@ -197,13 +205,16 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
     workdir = tempfile.mkdtemp(prefix="pipesched-")
     launcher = identity_of(os.getpid())
     cleanup = [workdir, *_owned_directories(context)]
+    reaper = Reaper(cleanup)  # before any rank: from now on nothing outlives this process
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
     processes = [context.Process(target=_worker, name=f"pipesched-rank-{rank}", args=(
         rank, world_size, init_method, backend or default_backend(), timeout, threads, fn,
         args, workdir, launcher, cleanup)) for rank in range(world_size)]
     try:
-        for process in processes:
-            process.start()
+        with _signals_deferred():  # a rank started but not yet known could not be stopped
+            for process in processes:
+                process.start()
+                reaper.watch(process.pid)
         still_running, first_failed = _supervise(processes, grace, join_timeout)
         for process in processes:
             process.join(timeout=5)  # killed ranks: read their real exit codes
@@ -222,6 +233,31 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
                 process.kill()
             process.join(timeout=5)
         shutil.rmtree(workdir, ignore_errors=True)
+        reaper.close()
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM (on the main thread; elsewhere they cannot be caught) while
+    ranks start, then deliver them: `Process.start` interrupted after the fork but before it
+    learnt the pid would leave a running rank the launcher cannot name."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def hold(number: int, frame: FrameType | None) -> None:
+        received.append(number)
+
+    previous = {number: signal.signal(number, hold) for number in (signal.SIGINT,
+                                                                    signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for held in dict.fromkeys(received):
+            signal.raise_signal(held)
 
 
 def _supervise(processes: list[Any], grace: float, join_timeout: float | None
@@ -258,7 +294,7 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None
 def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
             threads: int | None, fn: Callable[..., Any], args: tuple[Any, ...],
             workdir: str, launcher: ProcessIdentity, cleanup: list[str]) -> None:
-    # No parent-death signal: it would kill this rank before the watch removes `cleanup`.
+    die_with_parent(launcher)  # even while blocked in C holding the GIL
     watch_launcher(launcher, cleanup)
     if threads:
         torch.set_num_threads(threads)
@@ -266,6 +302,7 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     payload: Result
     watchdog: Watchdog | None = None
     try:
+        _check_rendezvous(init_method, launcher)
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=process_group_timeout(timeout))
         watchdog = Watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record))
@@ -294,6 +331,14 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
         dist.destroy_process_group()
     if payload[0] != "ok":
         sys.exit(1)
+
+
+def _check_rendezvous(init_method: str, launcher: ProcessIdentity) -> None:
+    """End now if the launcher is gone or removed the rendezvous directory: torch's
+    `FileStore` would otherwise retry the missing file for 300 s holding the GIL."""
+    if not os.path.isdir(os.path.dirname(init_method.removeprefix("file://"))) or \
+            not is_running(launcher):
+        os._exit(EXIT_LAUNCHER_GONE)
 
 
 def _all_started(world_size: int, timeout: float) -> None:
