@@ -113,7 +113,9 @@ def _for_plot(timeline: Timeline, name: str, saved: tuple[float, ...]) -> Timeli
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeline.cli import report_run_failure
     from pipeline.demo.rehearse import RehearsalReport, rehearse_rank
+    from pipeline.errors import RankFailedError
     from pipeline.launcher.processes import launch
     from schedules.host import measure_host_costs, with_host_costs
     from schedules.memory import predict_memory
@@ -128,8 +130,12 @@ def run(args: argparse.Namespace) -> int:
     nominal = plan.cost_model()
     # a wait inside a step may last a whole nominal step (and more on a loaded host)
     step = figures(simulate(schedule, nominal)).makespan
-    report: RehearsalReport | None = launch(rehearse_rank, world, plan,
-                                            timeout=max(120.0, 20 * step))[0]
+    try:
+        report: RehearsalReport | None = launch(rehearse_rank, world, plan,
+                                                timeout=max(120.0, 20 * step),
+                                                quiet=True)[0]
+    except RankFailedError as error:
+        return report_run_failure("rehearse", error, args.out)
     if report is None:
         raise RuntimeError("rank 0 returned no report")
     # Simulate the same schedule: nominal costs, then with the host work and the link

@@ -131,8 +131,10 @@ def _summary_line(label: str, result: Figures) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeline.cli import report_run_failure
     from pipeline.demo.language_model import TinyLMConfig
     from pipeline.demo.train_job import TrainConfig, TrainReport, train_rank
+    from pipeline.errors import RankFailedError
     from pipeline.launcher.processes import launch
     from pipeline.runtime.trace import measured_costs
     from viz import plot_timeline, plot_training, write_trace
@@ -153,7 +155,11 @@ def run(args: argparse.Namespace) -> int:
     world = args.stages * args.data_parallel
     print(f"training {args.schedule} on {world} CPU ranks (p={args.stages}, "
           f"dp={args.data_parallel}, v={chunks}, m={args.microbatches}), {args.steps} steps")
-    report: TrainReport | None = launch(train_rank, world, config, timeout=args.timeout)[0]
+    try:
+        report: TrainReport | None = launch(train_rank, world, config,
+                                            timeout=args.timeout, quiet=True)[0]
+    except RankFailedError as error:
+        return report_run_failure("train", error, args.out)
     if report is None:
         raise RuntimeError("rank 0 returned no report")
     # 3. Measured last step against the simulator fed with the measured op costs.

@@ -70,7 +70,7 @@ _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim",
 def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 300.0,
            backend: str | None = None, join_timeout: float | None = None,
            threads_per_rank: int | None = 1, start_method: str | None = None,
-           grace: float | None = None) -> list[T]:
+           grace: float | None = None, quiet: bool = False) -> list[T]:
     """Run ``fn(*args)`` on `world_size` ranks with a process group set up; return the
     per-rank results (index = rank).
 
@@ -80,7 +80,9 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
     rank that stopped progressing. `join_timeout` (None: unbounded) bounds the whole run,
     start-up included, after which every rank is killed. Once a rank fails, the others get
     `grace` seconds (default min(5, timeout)) to stop by themselves and report, then are
-    killed: a failed job ends within about that long. If this process dies, every rank ends
+    killed: a failed job ends within about that long. `quiet` ranks print nothing of their
+    own or their peers' failures (the raised error carries them: for a command line that
+    says one line). If this process dies, every rank ends
     at once and removes the run's temporary directories.
     `fn` and `args` must be picklable (a module-level function) for spawned ranks; every
     rank must return a picklable value.
@@ -101,7 +103,7 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
             "pass a module-level function and plain arguments, not a lambda or closure"
         ) from None
     return _spawn(fn, world_size, args, timeout, backend, join_timeout, threads_per_rank,
-                  start_method, min(_GRACE, timeout) if grace is None else grace)
+                  start_method, min(_GRACE, timeout) if grace is None else grace, quiet)
 
 
 def _check_arguments(fn: object, world_size: object, timeout: object, backend: object,
@@ -200,7 +202,7 @@ def _owned_directories(context: Any) -> list[str]:
 
 def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout: float,
            backend: str | None, join_timeout: float | None, threads: int | None,
-           start_method: str | None, grace: float) -> list[T]:
+           start_method: str | None, grace: float, quiet: bool) -> list[T]:
     context = _context(start_method)
     workdir = tempfile.mkdtemp(prefix="pipesched-")
     launcher = identity_of(os.getpid())
@@ -209,7 +211,7 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
     processes = [context.Process(target=_worker, name=f"pipesched-rank-{rank}", args=(
         rank, world_size, init_method, backend or default_backend(), timeout, threads, fn,
-        args, workdir, launcher, cleanup)) for rank in range(world_size)]
+        args, workdir, launcher, cleanup, quiet)) for rank in range(world_size)]
     try:
         with _signals_deferred():  # a rank started but not yet known could not be stopped
             for process in processes:
@@ -220,6 +222,8 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
             process.join(timeout=5)  # killed ranks: read their real exit codes
         results = [read_result(workdir, rank) for rank in range(world_size)]
         codes = tuple(process.exitcode for process in processes)
+        if _interrupted(results):
+            raise KeyboardInterrupt("the ranks were interrupted")
         error = failure_error(results, codes, first_failed, still_running, join_timeout)
         if error is not None:
             raise error
@@ -293,7 +297,7 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None
 
 def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
             threads: int | None, fn: Callable[..., Any], args: tuple[Any, ...],
-            workdir: str, launcher: ProcessIdentity, cleanup: list[str]) -> None:
+            workdir: str, launcher: ProcessIdentity, cleanup: list[str], quiet: bool) -> None:
     die_with_parent(launcher)  # even while blocked in C holding the GIL
     watch_launcher(launcher, cleanup)
     if threads:
@@ -305,7 +309,8 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
         _check_rendezvous(init_method, launcher)
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=process_group_timeout(timeout))
-        watchdog = Watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record))
+        watchdog = Watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record,
+                                                                   quiet))
         watchdog.start()
         _all_started(world_size, timeout)
         value = fn(*args)
@@ -320,9 +325,12 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     except BaseException as error:  # report everything, including KeyboardInterrupt
         payload = ("error", _report(rank, world_size, error))
     write_result(workdir, rank, payload)  # first: the launcher may kill this rank soon
+    # Ctrl-C reaches every rank of the terminal's process group: each ends quietly, and the
+    # launcher, interrupted too, says so once.
+    interrupted = payload[0] == "error" and payload[1].kind == "interrupted"
     if payload[0] == "error" and payload[1].kind in ("error", "exit"):
         report_failure(rank, payload[1].instruction, payload[1].message)  # stops the others
-    if payload[0] == "error":
+    if payload[0] == "error" and not interrupted and not quiet:
         print(f"[pipesched] rank {rank}: {payload[1].traceback or payload[1].message}",
               file=sys.stderr, flush=True)
     if watchdog is not None:
@@ -331,6 +339,13 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
         dist.destroy_process_group()
     if payload[0] != "ok":
         sys.exit(1)
+
+
+def _interrupted(results: list[Result | None]) -> bool:
+    """Whether a rank was interrupted (Ctrl-C) and none failed by itself."""
+    kinds = {result[1].kind for result in results if result is not None and
+             result[0] == "error"}
+    return "interrupted" in kinds and not kinds & {"error", "exit"}
 
 
 def _check_rendezvous(init_method: str, launcher: ProcessIdentity) -> None:
@@ -365,6 +380,8 @@ def _report(rank: int, world_size: int, error: BaseException) -> RankReport:
     now, trace = time.time(), traceback.format_exc()
     instruction = getattr(error, "instruction", None)
     message = f"{type(error).__name__}: {error}"
+    if isinstance(error, KeyboardInterrupt):
+        return RankReport("interrupted", f"rank {rank} was interrupted (SIGINT)", now)
     if isinstance(error, SystemExit):
         return RankReport("exit", f"fn called sys.exit({error.code!r}) on rank {rank} instead "
                           "of returning a value", now, traceback=trace)
@@ -383,10 +400,12 @@ def _report(rank: int, world_size: int, error: BaseException) -> RankReport:
     return RankReport("error", message, now, instruction, None, trace)
 
 
-def _stopped(workdir: str, rank: int, record: FailureRecord) -> None:
+def _stopped(workdir: str, rank: int, record: FailureRecord, quiet: bool) -> None:
     """This rank's watchdog saw another rank's failure: leave a report and end at once."""
     write_result(workdir, rank, ("error", RankReport(
         "stopped", f"stopped because {record.describe()}", time.time(),
         caused_by=record.rank)))
-    print(f"[pipesched] rank {rank} stopping: {record.describe()}", file=sys.stderr, flush=True)
+    if not quiet:
+        print(f"[pipesched] rank {rank} stopping: {record.describe()}", file=sys.stderr,
+              flush=True)
     os._exit(EXIT_PEER_FAILED)  # the main thread may be blocked in a receive forever
