@@ -25,6 +25,7 @@ from typing import Any
 
 from pipeline.checkpoint.atomic_files import read_pointer, sha256_bytes, sha256_file
 from pipeline.errors import CheckpointError
+from pipeline.files import UnreadableInputError, read_regular_file
 
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "VERSION", "FileEntry", "Manifest", "dump_manifest",
            "parse_manifest", "read_manifest", "resolve_checkpoint", "step_name", "verify_files"]
@@ -208,17 +209,15 @@ def read_manifest(step_dir: str) -> Manifest:
     """The manifest of a step directory; `CheckpointError` if absent (an incomplete save)."""
     path = os.path.join(step_dir, MANIFEST)
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(_MAX_MANIFEST_BYTES + 1)
+        raw = read_regular_file(path, _MAX_MANIFEST_BYTES)
+    except UnreadableInputError as error:
+        raise CheckpointError(f"{error}; not a manifest", path=path) from None
     except FileNotFoundError:
         raise CheckpointError(f"{step_dir} has no {MANIFEST}: the save did not complete (a "
                               "crash or kill while writing); load the root to follow "
                               f"'{LATEST}', or an earlier step directory", path=path) from None
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error.strerror}", path=path) from None
-    if len(raw) > _MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{path} is over {_MAX_MANIFEST_BYTES >> 20} MiB; not a manifest",
-                              path=path)
     return parse_manifest(raw, where=path)
 
 
@@ -260,7 +259,7 @@ def resolve_checkpoint(path: str) -> str:
                               f"'{LATEST}'{hint}", path=path)
     try:
         name = read_pointer(pointer)
-    except (OSError, UnicodeDecodeError) as error:
+    except (OSError, ValueError) as error:  # UnicodeDecodeError, a FIFO, a huge file
         raise CheckpointError(f"cannot read {pointer}: {error}", path=pointer) from None
     if not _STEP_NAME.fullmatch(name):
         raise CheckpointError(f"{pointer} holds {_short(name)}, not a step directory name "

@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
-import json
 import os
+from typing import Any
 
+from pipeline.files import UnreadableInputError, read_json_file
 from pipeline.planner.errors import PlanError
 from pipeline.planner.profile import ModelProfile, profile_from_cost_json
 from pipeline.planner.transformer import parse_shape, transformer_profile
 
-__all__ = ["load_model"]
+__all__ = ["MAX_INPUT_BYTES", "load_model", "read_input_json"]
+
+MAX_INPUT_BYTES = 64 << 20
+"""The largest model or cluster JSON file the planner reads (a cost file of 200,000 layers
+is about 15 MB)."""
+
+
+def read_input_json(path: str | os.PathLike[str], what: str) -> Any:
+    """The JSON document of an input file, as a `PlanError` naming `what` if it cannot be
+    read: refused without blocking or filling memory (a FIFO, /dev/zero, a huge file)."""
+    try:
+        return read_json_file(path, MAX_INPUT_BYTES)
+    except UnreadableInputError as error:
+        raise PlanError(f"{what} {error}") from None
+    except OSError as error:
+        raise PlanError(f"{what} {os.fspath(path)!r}: {error.strerror or error}") from None
 
 
 def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
@@ -18,11 +34,7 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
     file of a transformer shape, or a shape written inline
     (``layers=24,hidden=2048,heads=16,vocab=50257,seq=2048``)."""
     if os.path.exists(text):
-        try:
-            with open(text) as handle:
-                document = json.load(handle)
-        except (OSError, json.JSONDecodeError) as error:
-            raise PlanError(f"model file {text!r}: {error}") from None
+        document = read_input_json(text, "model file")
         if isinstance(document, dict) and isinstance(document.get("layers"), list):
             if seq is not None:
                 raise PlanError(f"--seq {seq} does not apply to a cost file ({text}); its "

@@ -3,7 +3,6 @@ bytes from the standard formulas (cited at each one)."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -156,11 +155,9 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
     if isinstance(source, Mapping):
         values = dict(source)
     elif source.endswith(".json") or os.path.exists(source):
-        try:
-            with open(source) as handle:
-                values = json.load(handle)
-        except (OSError, json.JSONDecodeError) as error:
-            raise PlanError(f"model file {source!r}: {error}") from None
+        from pipeline.planner.load import read_input_json  # load imports this module
+
+        values = read_input_json(source, "model file")
         if not isinstance(values, dict):
             raise PlanError(f"model file {source!r} must hold a JSON object")
     else:
