@@ -49,19 +49,36 @@ def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
     return data
 
 
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's default keeps the last of two equal keys: a silent wrong value."""
+    document: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in document:
+            raise _DuplicateKeyError(repr(key))
+        document[key] = value
+    return document
+
+
 def read_json_file(path: str | os.PathLike[str], limit: int) -> Any:
     """The JSON document in `path` (read as `read_regular_file` does); `UnreadableInputError`
     for text that is not UTF-8 JSON or is nested too deeply to parse."""
     shown = os.fspath(path)
     data = read_regular_file(path, limit)
     try:
-        return json.loads(data.decode("utf-8"))
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
     except UnicodeDecodeError as error:
         raise UnreadableInputError(f"{shown} is not UTF-8 text (byte {error.start}); save it "
                                    "as UTF-8 JSON") from None
     except json.JSONDecodeError as error:
         raise UnreadableInputError(f"{shown} is not valid JSON at line {error.lineno} column "
                                    f"{error.colno}: {error.msg}") from None
+    except _DuplicateKeyError as error:
+        raise UnreadableInputError(f"{shown} gives the key {error} twice in one object; "
+                                   "give each key once") from None
     except RecursionError:
         raise UnreadableInputError(f"{shown} is nested too deeply to be read as JSON") from None
     except ValueError as error:  # e.g. an integer over 4,300 digits (int_max_str_digits)

@@ -80,8 +80,17 @@ def _sizes(text: str | None) -> tuple[int, ...] | None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.planner import SearchOptions, load_model, plan, resolve_cluster
+    from pipeline.planner.limits import (
+        MAX_DEVICES,
+        MAX_GLOBAL_BATCH,
+        check_plan_work,
+        divisors,
+    )
     from pipeline.planner.report import format_table, plan_document, plot_plan
 
+    if (args.nodes is not None and args.nodes > MAX_DEVICES) or \
+            args.global_batch > MAX_GLOBAL_BATCH:  # before a cluster is calibrated
+        check_plan_work(1, args.nodes or 1, 1, (1,), args.global_batch, (), 1)
     cluster = resolve_cluster(args.cluster, nodes=args.nodes)
     precision = args.precision or cluster.precision
     model = load_model(args.model, seq=args.seq, precision=precision,
@@ -90,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
     options = SearchOptions(schedules=_names(args.schedules, "schedules") or defaults.schedules,
                             recompute=not args.no_recompute,
                             tensor_parallel=_sizes(args.tensor_parallel), top=args.top)
+    tensor_parallel = options.tensor_parallel or (
+        divisors(cluster.devices_per_node) if model.tensor_parallel_ok else (1,))
+    check_plan_work(len(model.layers), cluster.nodes, cluster.devices_per_node, tensor_parallel,
+                    args.global_batch, options.schedules, options.max_chunks)
     result = plan(model, cluster, args.global_batch, precision=precision, options=options)
     if args.json:
         print(json.dumps(plan_document(result, cluster, args.global_batch, top=args.top)))

@@ -7,6 +7,7 @@ from typing import Any
 
 from pipeline.files import UnreadableInputError, read_json_file
 from pipeline.planner.errors import PlanError
+from pipeline.planner.limits import MAX_LAYERS
 from pipeline.planner.profile import ModelProfile, profile_from_cost_json
 from pipeline.planner.transformer import parse_shape, transformer_profile
 
@@ -39,11 +40,21 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
             if seq is not None:
                 raise PlanError(f"--seq {seq} does not apply to a cost file ({text}); its "
                                 f"times already fix the sequence length")
+            _check_layers(len(document["layers"]), text)
             return profile_from_cost_json(document, cost_batch=cost_batch)
         if not isinstance(document, dict):
             raise PlanError(f"model file {text!r} must hold a JSON object")
-        return transformer_profile(parse_shape(document, seq=seq), precision)
-    if "=" not in text:
+        shape = parse_shape(document, seq=seq)
+    elif "=" not in text:
         raise PlanError(f"model {text!r} is neither an existing file nor a shape such as "
                         f"layers=24,hidden=2048,heads=16,vocab=50257,seq=2048")
-    return transformer_profile(parse_shape(text, seq=seq), precision)
+    else:
+        shape = parse_shape(text, seq=seq)
+    _check_layers(shape.layers, text)  # before a profile of that many layers is built
+    return transformer_profile(shape, precision)
+
+
+def _check_layers(count: int, text: str) -> None:
+    if count > MAX_LAYERS:
+        raise PlanError(f"model {text[:80]!r} has {count:,} layers, over the planner's limit "
+                        f"of {MAX_LAYERS:,}; plan a model with fewer layers")

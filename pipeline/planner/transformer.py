@@ -168,6 +168,9 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
                 raise PlanError(f"model shape item {item!r} is not key=value; e.g. "
                                 f"layers=24,hidden=2048,heads=16,vocab=50257,seq=2048")
             key = key.strip()
+            if key in values:
+                raise PlanError(f"model shape gives {key}= twice ({source[:120]!r}); give "
+                                "each key once")
             if key in _BOOL_KEYS:
                 values[key] = text.strip().lower() in ("1", "true", "yes")
                 continue
@@ -177,6 +180,11 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
                 raise PlanError(f"model shape {key}={text!r} must be a whole number") from None
     if seq is not None:
         values["seq"] = seq
+    explicit_zero = [key for key in ("ffn", "kv_heads") if values.get(key) == 0]
+    if explicit_zero:  # 0 is the dataclass's "use the default", not a size anyone means
+        raise PlanError(f"model shape {', '.join(f'{key}=0' for key in explicit_zero)}: "
+                        "must be >= 1; omit the key for the default (ffn 4 × hidden, "
+                        "kv_heads = heads)")
     unknown = sorted(set(values) - _INT_KEYS - _BOOL_KEYS)
     if unknown:
         raise PlanError(f"model shape has unknown keys {unknown}; the keys are "
