@@ -68,6 +68,25 @@ def parse_cuts(text: str) -> list[int]:
     return [int(number) for number in numbers]
 
 
+_MAX_SOLVER_STEPS = 10**9
+"""Bound on the exact solvers' work: p·n for a chain (a probe of the chain solvers), p·n²
+for a DAG with skip edges (its dynamic program, partition/dag.py); 4,000 DAG nodes into
+2,000 stages (3·10^10) ran for over a minute."""
+
+
+def _check_work(num_layers: int, stages: object, chain: bool) -> None:
+    """Refuse, before solving, a request whose solver work is over `_MAX_SOLVER_STEPS`."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        return  # partition_graph names a bad stage count itself
+    work = stages * num_layers * (1 if chain else num_layers)
+    if work > _MAX_SOLVER_STEPS:
+        formula = "p·n" if chain else "p·n² (a DAG with skip edges)"
+        raise InvalidOptionError(
+            f"--stages {stages:,} over {num_layers:,} layers is {work:.2g} solver steps "
+            f"({formula}), over the limit of {_MAX_SOLVER_STEPS:.0e}; use fewer --stages or "
+            "group layers into blocks in the cost file")
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``partition`` subcommand to the CLI's subparsers."""
     parser = subparsers.add_parser(
@@ -119,6 +138,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     """Partition the cost file as the arguments ask and print the table (or JSON)."""
     graph = graph_from_json(args.costs)
+    _check_work(graph.num_layers, args.stages, graph.is_chain)
     method, type_pattern = parse_method(args.method)
     result = partition_graph(
         graph,

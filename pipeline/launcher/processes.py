@@ -57,6 +57,7 @@ from pipeline.launcher.results import (
     read_result,
     write_result,
 )
+from pipeline.limits import MAX_TIMEOUT, check_local_ranks
 
 __all__ = ["launch"]
 
@@ -95,6 +96,7 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
                                   f">= 0, got {grace!r}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return [_run_in_place(fn, world_size, args, timeout, backend, threads_per_rank)]
+    check_local_ranks(world_size)
     try:  # fails at process start otherwise, with an error about pickling internals
         pickle.dumps((fn, args))
     except Exception as error:  # pickling raises many types; all mean the same here
@@ -121,11 +123,13 @@ def _check_arguments(fn: object, world_size: object, timeout: object, backend: o
         problems.append(f"fn must be callable, got {fn!r}")
     if not count(world_size):
         problems.append(f"world_size must be an int >= 1, got {world_size!r}")
-    if not positive(timeout):
-        problems.append(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    if join_timeout is not None and not positive(join_timeout):
-        problems.append(f"join_timeout must be None or a finite number of seconds > 0, got "
-                        f"{join_timeout!r}")
+    if not positive(timeout) or timeout > MAX_TIMEOUT:  # type: ignore[operator]
+        problems.append(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got "
+                        f"{timeout!r}")
+    if join_timeout is not None and (not positive(join_timeout) or
+                                     join_timeout > MAX_TIMEOUT):  # type: ignore[operator]
+        problems.append(f"join_timeout must be None or a number of seconds in (0, "
+                        f"{MAX_TIMEOUT:g}], got {join_timeout!r}")
     if threads is not None and not count(threads):
         problems.append(f"threads_per_rank must be None or an int >= 1, got {threads!r}")
     methods = multiprocessing.get_all_start_methods()
