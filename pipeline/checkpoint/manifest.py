@@ -36,7 +36,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 ROLES = ("layer", "optimizer", "rng")
 _STEP_NAME = re.compile(r"step_\d{6,}")
-_STEP_PREFIX = re.compile(r"step_\d{6,}(\.|$)")
+_STEP_PREFIX = re.compile(r"step_(\d{6,})(\.|$)")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ROLE = re.compile("|".join(ROLES))
@@ -218,7 +218,15 @@ def read_manifest(step_dir: str) -> Manifest:
                               f"'{LATEST}', or an earlier step directory", path=path) from None
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error.strerror}", path=path) from None
-    return parse_manifest(raw, where=path)
+    manifest = parse_manifest(raw, where=path)
+    named = _STEP_PREFIX.match(os.path.basename(os.path.normpath(step_dir)))
+    if named is not None and int(named.group(1)) != manifest.step:
+        raise CheckpointError(
+            f"{step_dir} is named for step {int(named.group(1))} but its {MANIFEST} records "
+            f"step {manifest.step}: the directories were renamed or swapped; rename it "
+            f"{step_name(manifest.step)} or load a step directory whose name agrees",
+            path=path)
+    return manifest
 
 
 def verify_files(step_dir: str, entries: tuple[FileEntry, ...], *,
