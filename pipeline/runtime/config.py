@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 
 from pipeline.errors import PipelineConfigError
 from pipeline.parallel.config import ParallelConfig
-from schedules import Schedule
+from schedules import SCHEDULES, Schedule
 from schedules.schedule import count_problem
 
 __all__ = ["EngineConfig", "NonFinitePolicy"]
@@ -48,10 +48,15 @@ class EngineConfig:
     counted in `last_step_skipped`). fp16 overflows are the loss scaler's and never raise."""
 
     def __post_init__(self) -> None:
-        problems = []
+        problems: list[str | None] = []
         if not isinstance(self.schedule, str | Schedule):
             problems.append(f"schedule must be a schedule name such as '1f1b' or a Schedule, "
                             f"got {self.schedule!r}")
+        elif isinstance(self.schedule, str) and self.schedule not in SCHEDULES:
+            close = difflib.get_close_matches(self.schedule, SCHEDULES, 1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"schedule {self.schedule!r} is not a registered schedule{hint}; "
+                            f"choose one of {', '.join(SCHEDULES)}")
         if self.num_microbatches is not None:
             problems.append(count_problem("num_microbatches", self.num_microbatches))
         if not isinstance(self.parallel, ParallelConfig):

@@ -172,8 +172,8 @@ def test_swapped_step_directories_are_refused(tmp_path: Path) -> None:
     os.rename(str(tmp_path / "swap"), second)
     fresh = Job(base_seed=5)
     untouched = fresh.weights()
-    with pytest.raises(CheckpointError, match="named for step 2 but its manifest.json records "
-                                              "step 1: the directories were renamed"):
+    with pytest.raises(CheckpointError, match=r"named for step 2 but its manifest\.json records "
+                                              r"step 1: the directories were renamed"):
         load_checkpoint(str(tmp_path), fresh.parts())  # `latest` names step_000002
     with pytest.raises(CheckpointError, match="named for step 1 but"):
         load_checkpoint(first, fresh.parts())

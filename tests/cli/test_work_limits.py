@@ -111,3 +111,13 @@ def test_train_refuses_a_run_of_a_trillion_steps(tmp_path: Path) -> None:
     done = run_cli("train", "--steps", str(10**12), "--out", str(tmp_path), timeout=300)
     assert done.returncode == 2, done.stderr
     assert "lower --steps 1,000,000,000,000" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_partition_refuses_speeds_a_million_times_apart(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    # regression: --speeds 1e-308,1,1,1 printed a stage time of 300 digits
+    assert main(["partition", "--costs", _COSTS, "--stages", "4", "--speeds",
+                 "1e-308,1,1,1"]) == 2
+    assert "the fastest stage is 1e+308 times the slowest" in capsys.readouterr().err
+    assert main(["partition", "--costs", _COSTS, "--stages", "4", "--speeds",
+                 "1e-6,1,1,1"]) == 0
