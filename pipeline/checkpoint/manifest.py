@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.checkpoint.atomic_files import read_pointer, sha256_bytes, sha256_file
+from pipeline.checkpoint.signing import sign, signing_key, verify_signature
 from pipeline.errors import CheckpointError
 from pipeline.files import UnreadableInputError, read_regular_file
 
@@ -89,6 +90,9 @@ def dump_manifest(manifest: Manifest) -> bytes:
     body = {"format": FORMAT, "version": VERSION, **asdict(manifest)}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     body["checksum"] = sha256_bytes(text.encode())
+    key = signing_key()
+    if key is not None:  # the manifest holds every file's sha256: this signs them all
+        body["signature"] = sign(text.encode(), key)
     return json.dumps(body, sort_keys=True, indent=1).encode()
 
 
@@ -145,10 +149,15 @@ def parse_manifest(raw: bytes | str, *, where: str = MANIFEST) -> Manifest:
                               f"{_short(doc.get('version'))}; this pipesched reads {FORMAT!r} "
                               f"version {VERSION}", path=where)
     claimed = doc.pop("checksum", None)
+    signature = doc.pop("signature", None)
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     if claimed != sha256_bytes(canonical.encode()):
         raise CheckpointError(f"{where}: checksum mismatch (the manifest was edited or is "
                               "corrupt); load an earlier step directory", path=where)
+    key = signing_key()
+    refusal = None if key is None else verify_signature(canonical.encode(), signature, key)
+    if refusal is not None:
+        raise CheckpointError(f"{where}: {refusal}", path=where)
     read = _Reader(where)
     topology = read.integers(doc, "topology")
     if len(topology) != 3 or 0 in topology:
