@@ -5,8 +5,8 @@ behave like four accelerators and a bubble is real idle time. For p in {4, 8}, m
 {p, 2p, 4p}, every schedule and three cost cases (F=I=W; F<I with a light W; an uneven
 partition), ours and torch (every schedule torch has a class for) run in the same processes,
 one timed step each per round. Per row: our measured makespan over the simulated one (nominal
-costs, and with this run's host work and ping-pong link: `schedules.host`), ours over torch,
-and memory per rank predicted (`schedules.memory`) against measured (saved-tensor
+costs, and with this run's host work and ping-pong link: `schedules.analysis.host`), ours over
+torch, and memory per rank predicted (`schedules.analysis.memory`) against measured (saved-tensor
 accounting). A last section runs zero-cost layers to get the host overhead per instruction.
 Prints markdown tables and the issue's targets as met / not met.
 
@@ -38,8 +38,8 @@ from pipeline.model.module import PipelineModule
 from pipeline.parallel.local_p2p import open_local_link
 from pipeline.runtime.pingpong import ping_pong
 from schedules import SCHEDULES, build_schedule, figures, simulate
-from schedules.host import measure_host_costs, with_host_costs
-from schedules.memory import predict_memory
+from schedules.analysis.host import measure_host_costs, with_host_costs
+from schedules.analysis.memory import predict_memory
 
 __all__ = ["main"]
 

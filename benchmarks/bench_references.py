@@ -3,8 +3,8 @@
     python benchmarks/bench_references.py [--time-limit S] [--sweep] [--quick]
 
 Table: for each case, our makespan, the reference's (the Zero Bubble authors' V greedy
-and one-chunk greedy, written from the paper in `schedules.zbv_greedy` /
-`schedules.zb_paper_greedy`; torch's ScheduleInterleavedZeroBubble order, read from torch;
+and one-chunk greedy, written from the paper in `schedules.search.authors_v_greedy` /
+`schedules.search.authors_greedy`; torch's ScheduleInterleavedZeroBubble order, read from torch;
 DeepSeek's DualPipe bubble formula) and the optimum under the same placement and memory
 (`zb-optimal`, CP-SAT; "≥ x" when the time limit stopped it first), with our gap in %.
 
@@ -36,8 +36,8 @@ from schedules import (
     solve_zb_optimal,
     v_placement,
 )
-from schedules.zb_paper_greedy import PaperGreedyKnobs, paper_greedy_order
-from schedules.zbv_greedy import VGreedyKnobs, v_greedy_order
+from schedules.search.authors_greedy import PaperGreedyKnobs, paper_greedy_order
+from schedules.search.authors_v_greedy import VGreedyKnobs, v_greedy_order
 
 __all__: list[str] = []
 

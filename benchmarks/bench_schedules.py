@@ -12,7 +12,7 @@ generate + `lower` + `add_optimizer_step`. Torch 2.13: constructing the schedule
 stand-in stages, which builds and lowers every rank's order (`_add_unshard_reshard`,
 `_add_reduce_grad`, `_add_send_recv`) — the work each rank's process does at start-up.
 For interleaved zero bubble ours lowers torch's own ZB1P compute order, converted with
-`schedules.torch_format` (our `interleaved-zb` searches under costs, which takes minutes at
+`schedules.formats.torch_csv` (our `interleaved-zb` searches under costs, which takes minutes at
 this size; at p=4 m=8 it finds torch's 51 units at peak 8, see table 3).
 
 Table 3 (`bench_references.reference_table`): each cost-aware schedule against the

@@ -3,17 +3,28 @@
 Pure Python and numpy: integers and costs in, instruction streams and timelines out.
 """
 
-from schedules.controllable_memory import v_half, v_min
-from schedules.dualpipe import dualpipev
-from schedules.errors import (
+from schedules.analysis.simulate import CostModel, simulate
+from schedules.analysis.timeline import KINDS, Figures, Span, Timeline, figures
+from schedules.analysis.validate import validate
+from schedules.formats.torch_csv import (
+    format_torch_csv,
+    from_torch_rows,
+    parse_torch_csv,
+    to_torch_rows,
+)
+from schedules.generators.classic import forward_only, gpipe, interleaved_1f1b, one_f_one_b
+from schedules.generators.controllable_memory import v_half, v_min
+from schedules.generators.dualpipe import dualpipev
+from schedules.generators.looped_bfs import looped_bfs
+from schedules.generators.zb_h1_h2 import zb_h1, zb_h2
+from schedules.generators.zb_v import zb_v
+from schedules.ir.errors import (
     ScheduleConfigError,
     ScheduleError,
     ScheduleParseError,
     ScheduleValidationError,
 )
-from schedules.fuse import fuse_backward
-from schedules.generators import forward_only, gpipe, interleaved_1f1b, one_f_one_b
-from schedules.instructions import (
+from schedules.ir.instructions import (
     NONE,
     Instruction,
     Kind,
@@ -21,29 +32,18 @@ from schedules.instructions import (
     parse_instruction,
     parse_stream,
 )
-from schedules.interleaved_zb import interleaved_zb, plan_interleaved_zb
-from schedules.list_scheduler import ListKnobs
-from schedules.looped_bfs import looped_bfs
-from schedules.lowering import add_optimizer_step, lower
+from schedules.ir.schedule import Schedule, check_count, loop_placement, v_placement
+from schedules.passes.fuse import fuse_backward
+from schedules.passes.lowering import add_optimizer_step, lower
 from schedules.registry import SCHEDULES, ScheduleSpec, build_schedule, generate_schedule
-from schedules.schedule import Schedule, check_count, loop_placement, v_placement
-from schedules.simulate import CostModel, simulate
-from schedules.timeline import KINDS, Figures, Span, Timeline, figures
-from schedules.torch_format import (
-    format_torch_csv,
-    from_torch_rows,
-    parse_torch_csv,
-    to_torch_rows,
-)
-from schedules.validate import validate
-from schedules.zb_auto import AutoPlan, Candidate, plan_zb_auto, zb_auto
-from schedules.zb_greedy import GreedyKnobs
-from schedules.zb_optimal import OptimalPlan, solve_zb_optimal, zb_optimal
-from schedules.zb_paper_greedy import PaperGreedyKnobs
-from schedules.zbv import zb_v
-from schedules.zbv_auto import plan_zb_v_auto, zb_v_auto
-from schedules.zbv_greedy import VGreedyKnobs
-from schedules.zero_bubble import zb_h1, zb_h2
+from schedules.search.authors_greedy import PaperGreedyKnobs
+from schedules.search.authors_v_greedy import VGreedyKnobs
+from schedules.search.interleaved_zb import interleaved_zb, plan_interleaved_zb
+from schedules.search.list_scheduler import ListKnobs
+from schedules.search.paper_greedy import GreedyKnobs
+from schedules.search.zb_auto import AutoPlan, Candidate, plan_zb_auto, zb_auto
+from schedules.search.zb_optimal import OptimalPlan, solve_zb_optimal, zb_optimal
+from schedules.search.zb_v_auto import plan_zb_v_auto, zb_v_auto
 
 __all__ = [
     "KINDS",

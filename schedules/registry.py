@@ -5,21 +5,21 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from schedules.controllable_memory import v_half, v_min
-from schedules.dualpipe import dualpipev
-from schedules.errors import ScheduleConfigError
-from schedules.generators import forward_only, gpipe, interleaved_1f1b, one_f_one_b
-from schedules.interleaved_zb import interleaved_zb
-from schedules.limits import check_schedule_size
-from schedules.looped_bfs import looped_bfs
-from schedules.lowering import add_optimizer_step, lower
-from schedules.schedule import Schedule, check_count, gc_paused, loop_placement, v_placement
-from schedules.simulate import CostModel
-from schedules.zb_auto import zb_auto
-from schedules.zb_optimal import zb_optimal
-from schedules.zbv import zb_v
-from schedules.zbv_auto import zb_v_auto
-from schedules.zero_bubble import zb_h1, zb_h2
+from schedules.analysis.simulate import CostModel
+from schedules.generators.classic import forward_only, gpipe, interleaved_1f1b, one_f_one_b
+from schedules.generators.controllable_memory import v_half, v_min
+from schedules.generators.dualpipe import dualpipev
+from schedules.generators.looped_bfs import looped_bfs
+from schedules.generators.zb_h1_h2 import zb_h1, zb_h2
+from schedules.generators.zb_v import zb_v
+from schedules.ir.errors import ScheduleConfigError
+from schedules.ir.limits import check_schedule_size
+from schedules.ir.schedule import Schedule, check_count, gc_paused, loop_placement, v_placement
+from schedules.passes.lowering import add_optimizer_step, lower
+from schedules.search.interleaved_zb import interleaved_zb
+from schedules.search.zb_auto import zb_auto
+from schedules.search.zb_optimal import zb_optimal
+from schedules.search.zb_v_auto import zb_v_auto
 
 __all__ = ["SCHEDULES", "ScheduleSpec", "build_schedule", "generate_schedule"]
 

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from schedules import KINDS, Figures, Kind, Timeline, figures
-from schedules.instructions import COMM_KINDS, COMPUTE_KINDS
-from schedules.timeline import KIND_CODES
+from schedules.analysis.timeline import KIND_CODES
+from schedules.ir.instructions import COMM_KINDS, COMPUTE_KINDS
 from viz.bars import add_bars
 from viz.output import new_figure, save_figure
 from viz.style import (

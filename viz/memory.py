@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from schedules import Kind, Timeline
-from schedules.timeline import KIND_CODES
+from schedules.analysis.timeline import KIND_CODES
 from viz.gantt import Margins
 from viz.output import new_figure, save_figure
 from viz.style import (

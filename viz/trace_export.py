@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from schedules import KINDS, Instruction, Timeline
-from schedules.instructions import COMPUTE_KINDS
+from schedules.ir.instructions import COMPUTE_KINDS
 from viz.output import TRACE_FORMATS, check_output_path
 
 __all__ = ["COMM_THREAD", "COMPUTE_THREAD", "trace_events", "write_trace"]

@@ -22,7 +22,7 @@ from schedules import (
     simulate,
     solve_zb_optimal,
 )
-from schedules.zb_optimal import MAX_MICROBATCHES, MAX_RANKS
+from schedules.search.zb_optimal import MAX_MICROBATCHES, MAX_RANKS
 from viz import TABLE_COLUMNS, comparison_table, plot_comparison
 
 __all__ = ["DEFAULT_SCHEDULES", "GAP_COLUMN", "format_table", "optimality_gaps", "register", "run",

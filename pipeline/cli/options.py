@@ -6,7 +6,7 @@ import argparse
 import math
 
 from schedules import SCHEDULES, CostModel
-from schedules.limits import MAX_COST, check_schedule_size
+from schedules.ir.limits import MAX_COST, check_schedule_size
 
 __all__ = ["MAX_SEARCHED_WORK", "add_cost_arguments", "add_schedule_arguments", "check_size",
            "chunks_of", "cost_model", "cost_number", "non_negative_float", "positive_float",
@@ -61,7 +61,7 @@ def cost_number(text: str) -> float:
     if value > MAX_COST:
         raise argparse.ArgumentTypeError(
             f"{text!r} is over the largest cost we simulate, {MAX_COST:g} "
-            "(schedules.limits.MAX_COST); express the costs in a larger unit (e.g. ms "
+            "(schedules.ir.limits.MAX_COST); express the costs in a larger unit (e.g. ms "
             "instead of ns, MB instead of bytes)")
     return value
 
@@ -125,7 +125,7 @@ search simulates up to about 40 candidate orders, so interleaved-zb at p=64, m=5
 def check_size(name: str, args: argparse.Namespace, chunks: int | None, *,
                lowered: bool = True) -> None:
     """Refuse, before building, a schedule of `args.stages` × `args.microbatches` × `chunks`
-    (the schedule's default when None) too large to build (see `schedules.limits`)."""
+    (the schedule's default when None) too large to build (see `schedules.ir.limits`)."""
     v = chunks if chunks is not None else SCHEDULES[name].default_chunks
     check_schedule_size(args.stages, args.microbatches, v, lowered=lowered,
                         names=("--stages", "--microbatches", "--chunks"))

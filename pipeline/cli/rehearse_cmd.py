@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeline.cli.options import add_schedule_arguments, positive_float, positive_int
 from schedules import SCHEDULES, Timeline, build_schedule, figures, simulate
-from schedules.memory import RankMemory
+from schedules.analysis.memory import RankMemory
 
 _MAX_REHEARSAL_SECONDS = 3600.0  # a rehearsal previews a run: an hour of emulated steps at most
 __all__ = ["format_memory", "register", "run"]
@@ -136,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.errors import RankFailedError
     from pipeline.launcher.processes import launch
     from pipeline.limits import check_run_seconds
-    from schedules.host import measure_host_costs, with_host_costs
-    from schedules.memory import predict_memory
+    from schedules.analysis.host import measure_host_costs, with_host_costs
+    from schedules.analysis.memory import predict_memory
     from viz import comparison_table, plot_comparison, write_trace
 
     plan = _plan(args)

@@ -19,7 +19,7 @@ from pipeline.cli.options import (
 )
 from pipeline.cli.output_paths import figure_path, trace_path
 from schedules import Figures, Timeline, build_schedule, figures, simulate
-from schedules.memory import MemoryModel, RankMemory, predict_memory
+from schedules.analysis.memory import MemoryModel, RankMemory, predict_memory
 from viz import plot_memory, plot_timeline, write_trace  # matplotlib loads only when plotting
 
 __all__ = ["add_memory_arguments", "add_output_arguments", "format_figures", "format_memory",
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
-    """--params-bytes and the training setup: predict memory per rank (schedules.memory)."""
+    """Predict memory per rank from --params-bytes and the setup (schedules.analysis.memory)."""
     group = parser.add_argument_group(
         "memory per rank (printed when --params-bytes is given; activations are "
         "--activation-bytes per microbatch held)")

@@ -11,8 +11,8 @@ from typing import Any
 
 from pipeline.cli.options import positive_int
 from schedules import Schedule, add_optimizer_step, lower, parse_torch_csv, validate
-from schedules.errors import ScheduleParseError
-from schedules.limits import check_schedule_size
+from schedules.ir.errors import ScheduleParseError
+from schedules.ir.limits import check_schedule_size
 from viz.output import file_kind
 
 __all__ = ["read_schedule_file", "register", "run"]

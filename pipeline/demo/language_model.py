@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.model.layers import LayerSpec
-from schedules.schedule import count_problem
+from schedules.ir.schedule import count_problem
 
 __all__ = ["DecoderBlock", "LMHead", "TinyLMConfig", "TokenEmbedding", "lm_layers", "lm_loss",
            "synthetic_batch"]

@@ -26,8 +26,8 @@ from pipeline.runtime.engine import PipelineEngine
 from pipeline.runtime.pingpong import ping_pong
 from pipeline.runtime.saved_memory import SavedTensorMeter
 from schedules import CostModel, Schedule, Timeline, figures
-from schedules.host import Link
-from schedules.memory import MemoryModel, RankMemory
+from schedules.analysis.host import Link
+from schedules.analysis.memory import MemoryModel, RankMemory
 
 __all__ = ["GradientPeak", "RehearsalPlan", "RehearsalReport", "build_engine", "emulation_costs",
            "measured_memory", "metered_step", "rehearse_rank"]

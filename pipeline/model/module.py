@@ -29,7 +29,7 @@ from pipeline.model.layers import Layer, build_layer, check_tied_specs, normaliz
 from pipeline.model.partitioning import PartitionMethod, stage_boundaries
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.groups import ProcessGroups
-from schedules.schedule import count_problem
+from schedules.ir.schedule import count_problem
 
 __all__ = ["LossFn", "PipelineModule", "Stage", "run_layer"]
 

@@ -10,7 +10,7 @@ from typing import get_args
 from pipeline.errors import PipelineConfigError
 from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
 from pipeline.parallel.precision import Precision
-from schedules.schedule import count_problem
+from schedules.ir.schedule import count_problem
 
 __all__ = ["ParallelConfig", "ZeroStage", "ZeroStageError"]
 

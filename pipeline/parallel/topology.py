@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schedules.schedule import count_problem
+from schedules.ir.schedule import count_problem
 
 __all__ = ["RankPosition", "Topology", "TopologyError"]
 

@@ -15,7 +15,7 @@ from pipeline.planner.memory import MemoryBreakdown
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction, is_cost_aware
 from pipeline.planner.profile import ModelProfile
 from schedules import SCHEDULES
-from schedules.schedule import gc_paused
+from schedules.ir.schedule import gc_paused
 
 __all__ = ["PlanResult", "SearchOptions", "format_counts", "plan"]
 

@@ -11,7 +11,7 @@ from typing import Any, Literal, get_args
 from pipeline.errors import PipelineConfigError
 from pipeline.parallel.config import ParallelConfig
 from schedules import SCHEDULES, Schedule
-from schedules.schedule import count_problem
+from schedules.ir.schedule import count_problem
 
 __all__ = ["EngineConfig", "NonFinitePolicy"]
 

@@ -53,7 +53,7 @@ from pipeline.runtime.schedule_plan import (
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.trace import StepStats, Trace, merge_rank_spans
 from schedules import Instruction, Kind, Schedule, Timeline
-from schedules.grid import format_grid
+from schedules.ir.grid import format_grid
 
 __all__ = ["PipelineEngine"]
 

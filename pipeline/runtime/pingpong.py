@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.parallel.local_p2p import LocalLink
-from schedules.host import Link
+from schedules.analysis.host import Link
 
 __all__ = ["ping_pong", "round_trip"]
 

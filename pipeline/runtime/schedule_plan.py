@@ -40,7 +40,8 @@ def resolve_schedule(schedule: str | Schedule, module: PipelineModule,
             if not schedule.lowered:
                 validate(schedule)  # names a skipped microbatch before lowering trips on it
             built = schedule if schedule.lowered else lower(schedule)
-            if built.has_backward and not any(op.kind is Kind.STEP for op in built.streams[0]):
+            if built.has_backward and not any(op.kind is Kind.STEP for stream in built.streams
+                                              for op in stream):
                 built = add_optimizer_step(built)
         except ScheduleError as error:
             raise PipelineConfigError(f"schedule {schedule.name!r} is refused: {error}") \

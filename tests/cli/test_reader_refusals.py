@@ -200,7 +200,7 @@ def test_validate_refuses_a_file_too_large_to_lower(capsys: pytest.CaptureFixtur
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     # The limit that guards the generators guards lowering a user's compute-only file too
     # (at the real limit, such a file takes minutes; a small limit shows the wiring).
-    monkeypatch.setattr("schedules.limits.MAX_INSTRUCTIONS", 20)
+    monkeypatch.setattr("schedules.ir.limits.MAX_INSTRUCTIONS", 20)
     path = tmp_path / "gpipe.txt"
     path.write_text("0F0 0F1 0F2 0B0 0B1 0B2\n1F0 1F1 1F2 1B0 1B1 1B2\n")
     err = refused(capsys, "validate", str(path))

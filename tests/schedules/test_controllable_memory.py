@@ -20,7 +20,7 @@ from schedules import (
     validate,
     zb_v,
 )
-from schedules.controllable_memory import building_block
+from schedules.generators.controllable_memory import building_block
 
 
 @settings(max_examples=40, deadline=None)

@@ -26,9 +26,9 @@ from schedules import (
     zb_v,
     zb_v_auto,
 )
-from schedules.cost_search import split_backward
-from schedules.zb_paper_greedy import PaperGreedyKnobs, paper_greedy_order
-from schedules.zbv_greedy import v_greedy_order
+from schedules.search.authors_greedy import PaperGreedyKnobs, paper_greedy_order
+from schedules.search.authors_v_greedy import v_greedy_order
+from schedules.search.candidates import split_backward
 from tests.support.zb_helpers import iteration_cost
 
 times = st.sampled_from([0.5, 1.0, 1.5, 2.0])
@@ -157,3 +157,21 @@ def test_zb_auto_matches_the_authors_greedy_at_p8_m16_comm_0_2() -> None:
     costs = CostModel(comm=0.2)
     ours = simulate(zb_auto(8, 16, memory_limit=16, costs=costs), costs)
     assert iteration_cost(ours) == pytest.approx(49.8)
+
+
+def test_v_greedy_waits_for_an_input_instead_of_giving_up() -> None:
+    # Issue 22's reproducer: uneven per-chunk costs at p = 3, m = 4. The V greedy gave up
+    # (None) when a steady-round op's input was not put yet, and its warm-up put more than
+    # m forwards on rank 0; zb-v-auto then had no greedy to stay ahead of.
+    p, m, limit = 3, 4, 6
+    costs = CostModel(forward=[2, 4, 2, 3, 4, 4], backward=[5, 5, 6, 5, 6, 5],
+                      weight=[2, 1, 3, 1, 1, 2])
+    forward, backward, weight, delay, _ = costs.resolve(2 * p)
+    streams = v_greedy_order(p, m, limit, forward, backward, weight, delay)
+    assert streams is not None
+    greedy = Schedule("v-greedy", m, v_placement(p), streams)
+    validate(greedy)
+    found = figures(simulate(greedy, costs))
+    assert max(found.peak_activations) <= limit
+    ours = figures(simulate(zb_v_auto(p, m, memory_limit=limit, costs=costs), costs))
+    assert ours.makespan <= found.makespan

@@ -16,7 +16,7 @@ from schedules import (
     figures,
     simulate,
 )
-from schedules.host import HostCosts, Link, measure_host_costs, with_host_costs
+from schedules.analysis.host import HostCosts, Link, measure_host_costs, with_host_costs
 
 __all__: list[str] = []
 

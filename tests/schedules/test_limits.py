@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedules import SCHEDULES, ScheduleConfigError, build_schedule, generate_schedule
-from schedules.limits import (
+from schedules.ir.limits import (
     MAX_INSTRUCTIONS,
     ScheduleTooLargeError,
     check_schedule_size,

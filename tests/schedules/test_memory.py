@@ -7,7 +7,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from schedules import SCHEDULES, CostModel, ScheduleConfigError, build_schedule, figures, simulate
-from schedules.memory import MemoryModel, predict_memory
+from schedules.analysis.memory import MemoryModel, predict_memory
 
 __all__: list[str] = []
 

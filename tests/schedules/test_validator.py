@@ -38,7 +38,28 @@ CASES = {
     "reduce before last backward": (edited(ONE_F_ONE_B, 1, "1B1 1SEND_B1@0 1REDUCE_GRAD",
                                            "1REDUCE_GRAD 1B1 1SEND_B1@0"),
                                     "REDUCE_GRAD of stage 1 before"),
+    # Regressions (issue 22): each was accepted before.
+    "rank with no step": (edited(ONE_F_ONE_B, 1, " STEP", ""), "has no STEP"),
+    "rank 0 with no step": (edited(ONE_F_ONE_B, 0, " STEP", ""), "has no STEP"),
+    "duplicated reduce_grad": (edited(ONE_F_ONE_B, 0, "0REDUCE_GRAD", "0REDUCE_GRAD 0REDUCE_GRAD"),
+                               "REDUCE_GRAD of stage 0 appears twice"),
+    "reduce_grad on one rank only": (edited(edited(ONE_F_ONE_B, 0, " STEP", "").format(), 1,
+                                            " 1REDUCE_GRAD STEP", ""), "has no STEP"),
 }
+ZB_H1 = build_schedule("zb-h1", 2, 2).format()
+
+
+def _unstepped(text: str) -> str:
+    return "\n".join(line.replace(" 0REDUCE_GRAD STEP", "").replace(" 1REDUCE_GRAD STEP", "")
+                      for line in text.splitlines())
+
+
+# A W before its I, in a lowered stream without the optimizer part (which would otherwise
+# notice the incomplete weight gradient at REDUCE_GRAD) and with it.
+CASES["w before its i, not stepped"] = (edited(_unstepped(ZB_H1), 0, "0I0 0W0", "0W0 0I0"),
+                                        "W\\(0,0\\) runs before I\\(0,0\\)")
+CASES["w before its i"] = (edited(ZB_H1, 0, "0I0 0W0", "0W0 0I0"),
+                           "W\\(0,0\\) runs before I\\(0,0\\)")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -92,3 +92,49 @@ def test_every_rank_building_zb_optimal_gets_the_same_order() -> None:
     first, second = (solve_zb_optimal(4, 8, 2, time_limit=0.5) for _ in range(2))
     assert first.schedule.format() == second.schedule.format()
     assert (first.makespan, first.bound) == (second.makespan, second.bound)
+
+
+def test_zb_optimal_rounding_never_claims_a_false_proof() -> None:
+    # Issue 22: the costs were rounded to 1/1000 and 25.0009 reported as proven optimal,
+    # while an order of 24.9996 exists. Decimal costs are now solved exactly.
+    costs = CostModel(forward=[0.9996, 1.0004, 2], backward=[1.0003, 1.9996, 1.0003],
+                      weight=[2, 2, 2])
+    plan = solve_zb_optimal(3, 4, memory_limit=2, costs=costs, time_limit=20)
+    assert plan.makespan == pytest.approx(24.9996, abs=1e-9)
+    assert plan.proven and not plan.optimal_for_rounded_costs
+
+
+def test_zb_optimal_with_costs_it_must_round_proves_only_an_interval() -> None:
+    # 8 decimals: no exact time unit within reach, so the costs are rounded and the
+    # solver's proof holds for the rounded costs only; the bound is one for the true costs.
+    costs = CostModel(forward=[0.12345678, 1.0], backward=[2.0000001, 1.0], weight=[0.5, 1.0],
+                      comm=0.3)
+    plan = solve_zb_optimal(2, 3, memory_limit=2, costs=costs, time_limit=20)
+    assert not plan.proven and plan.optimal_for_rounded_costs
+    assert plan.bound < plan.makespan
+    heuristic = figures(simulate(generate_schedule("zb-auto", 2, 3, memory_limit=2,
+                                                   costs=costs), costs)).makespan
+    assert plan.bound <= heuristic
+
+
+@pytest.mark.parametrize(("forward", "backward", "weight", "m"), [
+    ([0, 0], [0, 3], [0, 2], 4),  # issue 22's case: peak 3 under a limit of 2
+    ([0, 0], [0, 0], [0, 0], 4),
+    ([0, 1], [0, 0], [0, 1], 5),
+    ([1, 0], [1, 0], [0, 0], 4),
+])
+def test_zb_optimal_with_zero_cost_ops_stays_within_the_memory_limit(
+        forward: list[float], backward: list[float], weight: list[float], m: int) -> None:
+    costs = CostModel(forward=forward, backward=backward, weight=weight)
+    plan = solve_zb_optimal(2, m, memory_limit=2, costs=costs, time_limit=10)
+    validate(plan.schedule)
+    found = figures(simulate(plan.schedule, costs))
+    assert max(found.peak_activations) <= 2
+    assert plan.bound <= plan.makespan == pytest.approx(found.makespan)
+
+
+def test_zb_optimal_charges_the_cross_stage_delay() -> None:
+    # Issue 22: with the delay between stages on two ranks dropped from the model the
+    # solver "proved" 31 here; 30 is the optimum (an exhaustive search agrees).
+    plan = solve_zb_optimal(3, 3, memory_limit=2, costs=CostModel(comm=2), time_limit=20)
+    assert plan.proven and plan.makespan == 30.0 and plan.bound == 30.0

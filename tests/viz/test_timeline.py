@@ -10,7 +10,7 @@ import pytest
 from matplotlib.axes import Axes
 
 from schedules import KINDS, Kind, Timeline, figures
-from schedules.instructions import COMPUTE_KINDS
+from schedules.ir.instructions import COMPUTE_KINDS
 from tests.support.viz_helpers import measured_timeline, png_size, simulated, svg_size_points
 from viz import IDLE_LABEL, OutputPathError, bar_extents, bars_labelled, plot_timeline
 

@@ -1,0 +1,166 @@
+"""Run compute streams against their data dependencies: the one core under lowering and simulation.
+
+Semantics (the simulator's and the lowering's): each rank runs its stream strictly in order;
+an op starts at max(rank free, end of each dependency + delay if the dependency ran on
+another rank). Dependencies of stage s, microbatch i (S stages):
+    F(s,i)      <- F(s-1,i)                  (none for s = 0)
+    B|I(s,i)    <- F(s,i), B|I(s+1,i)        (the latter absent for s = S-1)
+    W(s,i)      <- I(s,i)
+An F followed on its rank by an OVERLAP_B (DualPipe's overlapped F&B pair) starts when the
+inputs of both are there and lasts `overlap` × (F + B); both outputs leave at its end.
+Written as an event loop (a rank runs until it blocks, then waits on the op it needs)
+rather than with networkx because it must execute ~1M ops a second for the planner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from schedules.ir.instructions import Instruction, Kind
+
+__all__ = ["Execution", "execute"]
+
+
+class Execution(NamedTuple):
+    """Start and end time of every op, per rank in stream order; `stuck` maps a rank that
+    could not finish to the index of the op it waits on forever (empty when all finished)."""
+
+    starts: list[list[float]]
+    ends: list[list[float]]
+    stuck: dict[int, int]
+
+
+def execute(
+    streams: Sequence[Sequence[Instruction]],
+    placement: Sequence[int],
+    num_microbatches: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight: Sequence[float],
+    delay: Sequence[float],
+    overlap: float = 1.0,
+) -> Execution:
+    """Execute compute-only `streams`; per-stage costs, `delay[s]` on the s ↔ s+1 edge.
+
+    A fused B costs backward[s] + weight[s]; I costs backward[s]; W costs weight[s]; a pair
+    F(s) + OVERLAP_B(s') costs overlap × (forward[s] + backward[s'] + weight[s']), shown as
+    two spans in that proportion.
+    Ops must reference stages in range(len(placement)) and microbatches in range(m);
+    the validator checks that before calling this.
+    """
+    kind_f, kind_w, kind_i, kind_ob = Kind.F, Kind.W, Kind.I, Kind.OVERLAP_B
+    num_ranks = len(streams)
+    m = num_microbatches
+    num_stages = len(placement)
+    grad_base = num_stages * m  # keys >= grad_base name B|I(s,i); below, F(s,i)
+    f_end = [-1.0] * grad_base
+    g_end = [-1.0] * grad_base
+    fused = [b + w for b, w in zip(backward, weight)]
+    positions = [0] * num_ranks
+    clocks = [0.0] * num_ranks
+    starts: list[list[float]] = [[] for _ in range(num_ranks)]
+    ends: list[list[float]] = [[] for _ in range(num_ranks)]
+    waiting: dict[int, list[int]] = {}
+    runnable = list(range(num_ranks - 1, -1, -1))
+    while runnable:
+        rank = runnable.pop()
+        stream = streams[rank]
+        k, clock, n = positions[rank], clocks[rank], len(stream)
+        rank_starts, rank_ends = starts[rank], ends[rank]
+        while k < n:
+            kind, s, i, _ = stream[k]
+            index = s * m + i
+            ready = clock
+            if kind is kind_f and k + 1 < n and stream[k + 1][0] is kind_ob:
+                # The overlapped pair: wait for the inputs of both, then run as one op.
+                if s:
+                    dep = f_end[index - m]
+                    if dep < 0.0:
+                        waiting.setdefault(index - m, []).append(rank)
+                        break
+                    if placement[s - 1] != rank:
+                        dep += delay[s - 1]
+                    if dep > ready:
+                        ready = dep
+                s2 = stream[k + 1][1]
+                index2 = s2 * m + stream[k + 1][2]
+                dep = f_end[index2]
+                if dep < 0.0:
+                    waiting.setdefault(index2, []).append(rank)
+                    break
+                if dep > ready:
+                    ready = dep
+                if s2 + 1 < num_stages:
+                    dep = g_end[index2 + m]
+                    if dep < 0.0:
+                        waiting.setdefault(grad_base + index2 + m, []).append(rank)
+                        break
+                    if placement[s2 + 1] != rank:
+                        dep += delay[s2]
+                    if dep > ready:
+                        ready = dep
+                split = ready + overlap * forward[s]
+                end = split + overlap * fused[s2]
+                f_end[index] = end
+                g_end[index2] = end
+                rank_starts.append(ready)
+                rank_ends.append(split)
+                rank_starts.append(split)
+                rank_ends.append(end)
+                clock = end
+                k += 2
+                for key in (index, grad_base + index2):
+                    if key in waiting:
+                        runnable.extend(waiting.pop(key))
+                continue
+            if kind is kind_f:
+                if s:
+                    dep = f_end[index - m]
+                    if dep < 0.0:
+                        waiting.setdefault(index - m, []).append(rank)
+                        break
+                    if placement[s - 1] != rank:
+                        dep += delay[s - 1]
+                    if dep > ready:
+                        ready = dep
+                end = ready + forward[s]
+                f_end[index] = end
+                done_key = index
+            elif kind is kind_w:
+                dep = g_end[index]
+                if dep < 0.0:
+                    waiting.setdefault(grad_base + index, []).append(rank)
+                    break
+                if dep > ready:
+                    ready = dep
+                end = ready + weight[s]
+                done_key = -1
+            else:  # B or I
+                dep = f_end[index]
+                if dep < 0.0:
+                    waiting.setdefault(index, []).append(rank)
+                    break
+                if dep > ready:
+                    ready = dep
+                if s + 1 < num_stages:
+                    dep = g_end[index + m]
+                    if dep < 0.0:
+                        waiting.setdefault(grad_base + index + m, []).append(rank)
+                        break
+                    if placement[s + 1] != rank:
+                        dep += delay[s]
+                    if dep > ready:
+                        ready = dep
+                end = ready + (backward[s] if kind is kind_i else fused[s])
+                g_end[index] = end
+                done_key = grad_base + index
+            rank_starts.append(ready)
+            rank_ends.append(end)
+            clock = end
+            k += 1
+            if done_key >= 0 and done_key in waiting:
+                runnable.extend(waiting.pop(done_key))
+        positions[rank], clocks[rank] = k, clock
+    stuck = {r: positions[r] for r in range(num_ranks) if positions[r] < len(streams[r])}
+    return Execution(starts, ends, stuck)

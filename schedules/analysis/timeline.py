@@ -1,0 +1,179 @@
+"""Timelines of executed ops (simulated or measured) and the figures read off them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from schedules.ir.instructions import Kind
+
+__all__ = ["KINDS", "KIND_CODES", "Figures", "Span", "Timeline", "figures"]
+
+KINDS: tuple[Kind, ...] = tuple(Kind)
+"""Kind of code n in `Timeline.kind` is KINDS[n]."""
+KIND_CODES: dict[Kind, int] = {kind: code for code, kind in enumerate(KINDS)}
+_COMPUTE_CODES = np.array([KIND_CODES[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W,
+                                                    Kind.OVERLAP_B)])
+_F, _B, _I, _W = (KIND_CODES[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+
+
+class Span(NamedTuple):
+    """One executed op: where, what, and when."""
+
+    rank: int
+    kind: Kind
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+def _column(values: Any, dtype: Any) -> np.ndarray:
+    array = np.asarray(values, dtype=dtype)
+    array.setflags(write=False)
+    return array
+
+
+@dataclass(frozen=True, eq=False)
+class Timeline:
+    """Executed ops as columns (one row an op), so a million of them stay cheap.
+
+    `kind` holds codes into `KINDS`. Compute ops (F, B, I, W) carry the figures; a measured
+    run may add communication rows too. `unit` is "units" for cost-model time, "s" for
+    seconds of a measured run.
+    """
+
+    num_ranks: int
+    rank: np.ndarray
+    kind: np.ndarray
+    stage: np.ndarray
+    microbatch: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    name: str = ""
+    num_microbatches: int = 0
+    chunks: int = 1
+    unit: str = "units"
+    activation_bytes: tuple[float, ...] = field(default=())
+    """Bytes of one microbatch's activations, per stage (empty when unknown)."""
+
+    def __post_init__(self) -> None:
+        for name, dtype in (("rank", np.int32), ("kind", np.int8), ("stage", np.int32),
+                            ("microbatch", np.int32), ("start", np.float64), ("end", np.float64)):
+            object.__setattr__(self, name, _column(getattr(self, name), dtype))
+        lengths = {len(getattr(self, n)) for n in ("rank", "kind", "stage", "microbatch",
+                                                    "start", "end")}
+        if len(lengths) != 1:
+            raise ValueError(f"timeline columns differ in length: {sorted(lengths)}")
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def spans(self) -> Iterator[Span]:
+        """Rows as `Span` values (for tests and small timelines)."""
+        for row in zip(self.rank.tolist(), self.kind.tolist(), self.stage.tolist(),
+                       self.microbatch.tolist(), self.start.tolist(), self.end.tolist()):
+            yield Span(row[0], KINDS[row[1]], row[2], row[3], row[4], row[5])
+
+    @classmethod
+    def from_spans(cls, spans: Sequence[Span], num_ranks: int, **meta: Any) -> Timeline:
+        """Build from rows, e.g. the spans a measured run recorded."""
+        rows: list[tuple[Any, ...]] = list(zip(*spans)) if spans else [()] * 6
+        kinds = np.asarray([KIND_CODES[k] for k in rows[1]], dtype=np.int8)
+        rank, stage, microbatch, start, end = (np.asarray(rows[n]) for n in (0, 2, 3, 4, 5))
+        return cls(num_ranks, rank, kinds, stage, microbatch, start, end, **meta)
+
+    def compute_mask(self) -> np.ndarray:
+        """True on rows that are F, B, I or W."""
+        return np.isin(self.kind, _COMPUTE_CODES)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What a timeline costs. Definitions follow the Zero Bubble paper (Qi et al. 2024):
+    a rank's span runs from its first op's start to its last op's end; cost is the longest
+    span; bubble_rate = 1 - max per-rank busy compute / cost."""
+
+    makespan: float
+    bubble_rate: float
+    idle_fraction: float
+    """1 - all busy compute / (ranks × makespan): the whole pipeline's idle share."""
+    busy: tuple[float, ...]
+    peak_activations: tuple[int, ...]
+    """Most (stage, microbatch) activations a rank holds at once: from the start of F to
+    the end of the last backward op (B, or W when the backward is split)."""
+    peak_activation_bytes: tuple[float, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "makespan": self.makespan, "bubble_rate": self.bubble_rate,
+            "idle_fraction": self.idle_fraction,
+            "ranks": [{"rank": r, "busy": b, "peak_activations": a, "peak_activation_bytes": y}
+                      for r, (b, a, y) in enumerate(zip(self.busy, self.peak_activations,
+                                                        self.peak_activation_bytes))],
+        }
+
+
+def figures(timeline: Timeline) -> Figures:
+    """Makespan, bubble rate, idle fraction, per-rank busy time and peak activations."""
+    p = timeline.num_ranks
+    mask = timeline.compute_mask()
+    rank, kind = timeline.rank[mask], timeline.kind[mask]
+    start, end = timeline.start[mask], timeline.end[mask]
+    if len(start) == 0:
+        zeros = (0.0,) * p
+        return Figures(0.0, 0.0, 0.0, zeros, (0,) * p, zeros)
+    busy = np.bincount(rank, weights=end - start, minlength=p)
+    first = np.full(p, np.inf)
+    last = np.full(p, -np.inf)
+    np.minimum.at(first, rank, start)
+    np.maximum.at(last, rank, end)
+    active = np.isfinite(first)
+    cost = float((last - first)[active].max())
+    makespan = float(end.max() - start.min())
+    bubble_rate = 1.0 - float(busy.max()) / cost if cost > 0 else 0.0
+    idle = 1.0 - float(busy.sum()) / (p * makespan) if makespan > 0 else 0.0
+    counts, byte_peaks = _peak_activations(timeline, rank, kind, timeline.stage[mask],
+                                           timeline.microbatch[mask], start, end)
+    return Figures(makespan, bubble_rate, idle, tuple(busy.tolist()), counts, byte_peaks)
+
+
+def _peak_activations(timeline: Timeline, rank: np.ndarray, kind: np.ndarray,
+                      stage: np.ndarray, microbatch: np.ndarray, start: np.ndarray,
+                      end: np.ndarray) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    p = timeline.num_ranks
+    width = int(microbatch.max()) + 1
+    key = stage.astype(np.int64) * width + microbatch
+    size = int(key.max()) + 1
+    is_forward = kind == _F
+    release = np.full(size, -np.inf)
+    np.maximum.at(release, key[~is_forward], end[~is_forward])
+    forward_key = key[is_forward]
+    release_time = release[forward_key]
+    no_backward = ~np.isfinite(release_time)  # forward-only: freed when the F ends
+    release_time[no_backward] = end[is_forward][no_backward]
+    event_rank = np.concatenate([rank[is_forward], rank[is_forward]])
+    event_time = np.concatenate([start[is_forward], release_time])
+    delta = np.concatenate([np.ones(len(forward_key)), -np.ones(len(forward_key))])
+    per_stage = np.asarray(timeline.activation_bytes or (0.0,), dtype=np.float64)
+    stage_bytes = (per_stage[stage[is_forward]] if timeline.activation_bytes
+                   else np.zeros(len(forward_key)))
+    weight = np.concatenate([stage_bytes, -stage_bytes])
+    # Sort by rank, then time, frees before allocations at equal times (memory reused).
+    order = np.lexsort((delta, event_time, event_rank))
+    event_rank = event_rank[order]
+    counts, byte_peaks = [0] * p, [0.0] * p
+    bounds = np.searchsorted(event_rank, np.arange(p + 1))
+    running = np.cumsum(delta[order])
+    running_bytes = np.cumsum(weight[order])
+    for r in range(p):
+        lo, hi = int(bounds[r]), int(bounds[r + 1])
+        if hi > lo:
+            base = running[lo - 1] if lo else 0.0
+            base_bytes = running_bytes[lo - 1] if lo else 0.0
+            counts[r] = round(float(running[lo:hi].max() - base))
+            byte_peaks[r] = float(running_bytes[lo:hi].max() - base_bytes)
+    return tuple(counts), tuple(byte_peaks)

@@ -1,0 +1,3 @@
+"""Schedule text formats of other projects: torch.distributed.pipelining's CSV."""
+
+__all__: list[str] = []

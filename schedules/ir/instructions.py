@@ -1,0 +1,142 @@
+"""Pipeline instructions: small frozen values with a compact text form that parses back."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from enum import Enum
+from functools import partial
+from typing import NamedTuple
+
+from schedules.ir.errors import ScheduleParseError
+
+__all__ = [
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "NONE",
+    "Instruction",
+    "Kind",
+    "format_stream",
+    "instruction_from",
+    "parse_instruction",
+    "parse_stream",
+]
+
+NONE = -1
+"""Value of `stage`, `microbatch` or `peer` when an instruction has none."""
+
+
+class Kind(Enum):
+    """What an instruction does. The value is its text in the compact form."""
+
+    F = "F"  # forward of one stage for one microbatch
+    B = "B"  # full backward: input and weight gradients together
+    I = "I"  # noqa: E741  (the zero-bubble papers' name) backward for the input grad only
+    W = "W"  # backward for the weight gradients only, after I
+    SEND_F = "SEND_F"  # send this stage's output activation to the next stage's rank
+    RECV_F = "RECV_F"  # receive this stage's input activation from the previous rank
+    SEND_B = "SEND_B"  # send the gradient of this stage's input to the previous rank
+    RECV_B = "RECV_B"  # receive the gradient of this stage's output from the next rank
+    LOAD = "LOAD"  # load a microbatch: inputs on the first stage, targets on the last
+    REDUCE_GRAD = "REDUCE_GRAD"  # reduce a stage's gradients (data parallel), once a step
+    STEP = "STEP"  # optimizer step of everything on the rank
+    # A full backward (like B) overlapped with the F just before it on the rank (DualPipe's
+    # F&B pair, torch's OVERLAP_F_B): the pair costs one overlapped time, both outputs leave
+    # when it ends. The two must be of different microbatches; an engine may run F then B.
+    OVERLAP_B = "OVERLAP_B"
+
+
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP_B})
+COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+_BY_TEXT = {kind.value: kind for kind in Kind}
+_PATTERN = re.compile(r"(\d*)([A-Z_]+?)(\d*)(?:@(\d+))?")
+
+
+class Instruction(NamedTuple):
+    """One step of a rank's stream.
+
+    Text form: ``{stage}{kind}{microbatch}`` with ``@{peer rank}`` on communication,
+    e.g. ``2F0``, ``1B3``, ``1SEND_F0@2``, ``0LOAD3``, ``1REDUCE_GRAD``, ``STEP``; an
+    overlapped pair is two words, ``0F3 3OVERLAP_B1`` (torch: ``(0F3;3B1)OVERLAP_F_B``).
+    Fields that an instruction does not use hold `NONE` (-1).
+    """
+
+    kind: Kind
+    stage: int = NONE
+    microbatch: int = NONE
+    peer: int = NONE
+
+    def __str__(self) -> str:
+        kind, stage, microbatch, peer = self
+        text = kind.value
+        if stage != NONE:
+            text = f"{stage}{text}"
+        if microbatch != NONE:
+            text = f"{text}{microbatch}"
+        if peer != NONE:
+            text = f"{text}@{peer}"
+        return text
+
+    def __repr__(self) -> str:
+        return f"Instruction({self})"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+
+_NEEDS = {  # which fields each kind carries: (stage, microbatch, peer)
+    Kind.F: (True, True, False), Kind.B: (True, True, False),
+    Kind.I: (True, True, False), Kind.W: (True, True, False),
+    Kind.SEND_F: (True, True, True), Kind.RECV_F: (True, True, True),
+    Kind.SEND_B: (True, True, True), Kind.RECV_B: (True, True, True),
+    Kind.LOAD: (True, True, False), Kind.REDUCE_GRAD: (True, False, False),
+    Kind.STEP: (False, False, False), Kind.OVERLAP_B: (True, True, False),
+}
+
+
+instruction_from: Callable[[tuple[Kind, int, int, int]], Instruction] = partial(
+    tuple.__new__, Instruction)
+"""Build an `Instruction` from a ``(kind, stage, microbatch, peer)`` tuple without checks.
+
+`tuple.__new__` skips NamedTuple's argument handling and, bound by a C `partial`, costs no
+Python frame: generators and `lower` build ~1M instructions, where that is most of the time.
+"""
+
+
+def parse_instruction(text: str) -> Instruction:
+    """Parse one instruction from its text form (the inverse of `str`)."""
+    match = _PATTERN.fullmatch(text.strip())
+    kind = _BY_TEXT.get(match.group(2)) if match else None
+    if match is None or kind is None:
+        raise ScheduleParseError(
+            f"cannot parse instruction {text!r}: expected e.g. '2F0', '1B3', '1SEND_F0@2', "
+            f"'0LOAD3', '1REDUCE_GRAD' or 'STEP' (kinds: {', '.join(_BY_TEXT)})"
+        )
+    stage_text, _, microbatch_text, peer_text = match.groups()
+    needs_stage, needs_microbatch, needs_peer = _NEEDS[kind]
+    present = (bool(stage_text), bool(microbatch_text), peer_text is not None)
+    if present != (needs_stage, needs_microbatch, needs_peer):
+        form = ("{stage}" if needs_stage else "") + kind.value
+        form += ("{microbatch}" if needs_microbatch else "") + ("@{peer}" if needs_peer else "")
+        raise ScheduleParseError(f"instruction {text!r} does not have the form {form!r}")
+    return Instruction(
+        kind,
+        int(stage_text) if stage_text else NONE,
+        int(microbatch_text) if microbatch_text else NONE,
+        int(peer_text) if peer_text is not None else NONE,
+    )
+
+
+def format_stream(stream: Iterable[Instruction]) -> str:
+    """One rank's stream on one line, instructions separated by spaces."""
+    return " ".join(map(str, stream))
+
+
+def parse_stream(text: str) -> tuple[Instruction, ...]:
+    """Parse a line written by `format_stream` (commas are accepted as separators too)."""
+    return tuple(parse_instruction(word) for word in text.replace(",", " ").split())

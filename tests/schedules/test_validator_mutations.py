@@ -1,0 +1,355 @@
+"""The validator's verdict equals an independent checker's on seeded mutations of every schedule.
+
+The checker below is written from the validator's promise (the top of
+`schedules/analysis/validate.py`), not from its code, and imports nothing of it: it runs the
+ranks one head op at a time with rendezvous send/recv and checks each definition as the op
+runs. Mutations: swap two ops of a rank, drop one, duplicate one, retarget a microbatch,
+move a send/recv within its rank, move an op to another rank. Each generator's lowered
+(with and without the optimizer part) and compute-only schedules are mutated.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from schedules import (
+    NONE,
+    SCHEDULES,
+    Instruction,
+    Kind,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+    validate,
+)
+
+Streams = list[list[Instruction]]
+COMPUTE = {Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP_B}
+SENDS = {Kind.SEND_F, Kind.SEND_B}
+RECVS = {Kind.RECV_F, Kind.RECV_B}
+
+
+class Refused(Exception):
+    """The independent checker's rejection."""
+
+
+def _structure(streams: Sequence[Sequence[Instruction]], placement: Sequence[int], m: int,
+               trains: bool) -> None:
+    stages = len(placement)
+    seen: dict[tuple[Kind, int, int], int] = {}
+    for rank, stream in enumerate(streams):
+        for k, op in enumerate(stream):
+            if op.kind is Kind.STEP:
+                continue
+            if not 0 <= op.stage < stages or placement[op.stage] != rank:
+                raise Refused(f"{op} not on its stage's rank")
+            if op.kind is Kind.REDUCE_GRAD:
+                continue
+            if not 0 <= op.microbatch < m:
+                raise Refused(f"{op} microbatch out of range")
+            if op.kind in (Kind.SEND_F, Kind.RECV_B, Kind.RECV_F, Kind.SEND_B):
+                other = op.stage + (1 if op.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
+                if not 0 <= other < stages or placement[other] != op.peer:
+                    raise Refused(f"{op} wrong peer")
+            if op.kind is Kind.OVERLAP_B:
+                before = [x for x in stream[:k] if x.kind in COMPUTE]
+                if not before or before[-1].kind is not Kind.F or \
+                        before[-1].microbatch == op.microbatch:
+                    raise Refused(f"{op} not right after an F of another microbatch")
+            if op.kind in COMPUTE:
+                key = (Kind.B if op.kind is Kind.OVERLAP_B else op.kind, op.stage, op.microbatch)
+                seen[key] = seen.get(key, 0) + 1
+    for s in range(stages):
+        for i in range(m):
+            have = {kind: seen.get((kind, s, i), 0) for kind in (Kind.F, Kind.B, Kind.I, Kind.W)}
+            if any(count > 1 for count in have.values()) or have[Kind.F] != 1:
+                raise Refused(f"({s},{i}) ops {have}")
+            fused, split = have[Kind.B] == 1, have[Kind.I] == 1 and have[Kind.W] == 1
+            if trains and not (fused and not have[Kind.I] and not have[Kind.W]) and \
+                    not (split and not have[Kind.B]):
+                raise Refused(f"({s},{i}) backward ops {have}")
+            if not trains and (have[Kind.B] or have[Kind.I] or have[Kind.W]):
+                raise Refused("backward op in a forward-only schedule")
+
+
+class _Run:
+    """Execute streams head by head: compute when its inputs are there, else refuse."""
+
+    def __init__(self, streams: Sequence[Sequence[Instruction]], placement: Sequence[int],
+                 m: int, trains: bool) -> None:
+        self.streams, self.placement, self.m, self.trains = streams, placement, m, trains
+        self.done: set[tuple[str, int, int]] = set()  # ("F"|"G"|"W"|"LOAD"|"GOT_F"|"GOT_B")
+        self.reduced: list[set[int]] = [set() for _ in streams]
+        self.heads = [0] * len(streams)
+
+    def needs(self, rank: int, op: Instruction) -> list[tuple[str, int, int]]:
+        kind, s, i = op.kind, op.stage, op.microbatch
+        last = len(self.placement) - 1
+        if kind is Kind.F:
+            wanted = []
+            if s > 0:
+                wanted.append(("F", s - 1, i) if self.placement[s - 1] == rank
+                              else ("GOT_F", s, i))
+            if s == 0 or (s == last and self.trains):
+                wanted.append(("LOAD", s, i))
+            return wanted
+        if kind in (Kind.B, Kind.I, Kind.OVERLAP_B):
+            wanted = [("F", s, i)]
+            if s < last:
+                wanted.append(("G", s + 1, i) if self.placement[s + 1] == rank
+                              else ("GOT_B", s, i))
+            return wanted
+        if kind is Kind.W:
+            return [("G", s, i)]
+        if kind is Kind.SEND_F:
+            return [("F", s, i)]
+        if kind is Kind.SEND_B:
+            return [("G", s, i)]
+        return []
+
+    def run_local(self, rank: int, op: Instruction) -> None:
+        missing = [need for need in self.needs(rank, op) if need not in self.done]
+        if missing:
+            raise Refused(f"{op} on rank {rank} before {missing}")
+        kind, s, i = op.kind, op.stage, op.microbatch
+        if kind is Kind.F:
+            self.done.add(("F", s, i))
+        elif kind in (Kind.B, Kind.OVERLAP_B):
+            self.done |= {("G", s, i), ("W", s, i)}
+        elif kind is Kind.I:
+            self.done.add(("G", s, i))
+        elif kind is Kind.W:
+            self.done.add(("W", s, i))
+        elif kind is Kind.LOAD:
+            self.done.add(("LOAD", s, i))
+        elif kind is Kind.REDUCE_GRAD:
+            if s in self.reduced[rank] or any(("W", s, j) not in self.done for j in range(self.m)):
+                raise Refused(f"REDUCE_GRAD {s} twice or early")
+            self.reduced[rank].add(s)
+        elif kind is Kind.STEP:
+            own = {t for t, r in enumerate(self.placement) if r == rank}
+            if self.heads[rank] != len(self.streams[rank]) - 1 or self.reduced[rank] != own:
+                raise Refused("STEP not last or before every REDUCE_GRAD")
+
+    def rendezvous(self, rank: int, op: Instruction) -> bool:
+        peer = op.peer
+        if self.heads[peer] >= len(self.streams[peer]):
+            return False
+        other = self.streams[peer][self.heads[peer]]
+        if op.kind in SENDS:
+            send, recv, sender = op, other, rank
+        else:
+            send, recv, sender = other, op, peer
+        if send.kind not in SENDS or recv.kind not in RECVS or other.peer != rank:
+            return False
+        expected = (Kind.RECV_F, send.stage + 1) if send.kind is Kind.SEND_F else \
+            (Kind.RECV_B, send.stage - 1)
+        if (recv.kind, recv.stage, recv.microbatch, recv.peer) != (*expected, send.microbatch,
+                                                                  sender):
+            return False
+        self.run_local(sender, send)
+        self.done.add(("GOT_F" if recv.kind is Kind.RECV_F else "GOT_B", recv.stage,
+                       recv.microbatch))
+        self.heads[rank] += 1
+        self.heads[peer] += 1
+        return True
+
+    def run(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for rank, stream in enumerate(self.streams):
+                while self.heads[rank] < len(stream):
+                    op = stream[self.heads[rank]]
+                    if op.kind in SENDS or op.kind in RECVS:
+                        if not self.rendezvous(rank, op):
+                            break
+                    else:
+                        self.run_local(rank, op)
+                        self.heads[rank] += 1
+                    moved = True
+        if any(head < len(stream) for head, stream in zip(self.heads, self.streams)):
+            raise Refused("deadlock")
+        stepped = [any(op.kind is Kind.STEP for op in stream) for stream in self.streams]
+        if (any(stepped) or any(self.reduced)) and not all(stepped):
+            raise Refused("a rank without STEP")
+
+
+def _compute_runs(streams: Sequence[Sequence[Instruction]], placement: Sequence[int]) -> None:
+    """Compute-only: some rank can always run its head op once its inputs ran anywhere."""
+    done: set[tuple[str, int, int]] = set()
+    heads = [0] * len(streams)
+    last = len(placement) - 1
+    moved = True
+    while moved:
+        moved = False
+        for rank, stream in enumerate(streams):
+            while heads[rank] < len(stream):
+                op = stream[heads[rank]]
+                s, i = op.stage, op.microbatch
+                if op.kind is Kind.F:
+                    ready, made = s == 0 or ("F", s - 1, i) in done, [("F", s, i)]
+                elif op.kind is Kind.W:
+                    ready, made = ("G", s, i) in done, []
+                else:
+                    ready = ("F", s, i) in done and (s == last or ("G", s + 1, i) in done)
+                    made = [("G", s, i)]
+                if not ready:
+                    break
+                done.update(made)
+                heads[rank] += 1
+                moved = True
+    if any(head < len(stream) for head, stream in zip(heads, streams)):
+        raise Refused("compute order deadlocks")
+
+
+def independent_verdict(streams: Sequence[Sequence[Instruction]], placement: Sequence[int],
+                        m: int) -> bool:
+    """True if the streams satisfy the validator's promise, checked from its definitions."""
+    trains = any(op.kind in COMPUTE and op.kind is not Kind.F for s in streams for op in s)
+    lowered = any(op.kind not in COMPUTE for s in streams for op in s)
+    try:
+        _structure(streams, placement, m, trains)
+        if lowered:
+            _Run(streams, placement, m, trains).run()
+        else:
+            _compute_runs(streams, placement)
+    except Refused:
+        return False
+    return True
+
+
+def validator_verdict(streams: Sequence[Sequence[Instruction]], placement: tuple[int, ...],
+                      m: int) -> bool:
+    lowered = any(op.kind not in COMPUTE for s in streams for op in s)
+    try:
+        validate(Schedule("mutant", m, placement, tuple(map(tuple, streams)), lowered))
+    except ScheduleError:
+        return False
+    return True
+
+
+# --- mutations: each returns new streams or None when it does not apply -------------------
+
+def _swap(streams: Streams, rng: random.Random) -> Streams | None:
+    rank = rng.randrange(len(streams))
+    if len(streams[rank]) < 2:
+        return None
+    a, b = rng.sample(range(len(streams[rank])), 2)
+    streams[rank][a], streams[rank][b] = streams[rank][b], streams[rank][a]
+    return streams
+
+
+def _drop(streams: Streams, rng: random.Random) -> Streams | None:
+    rank = rng.randrange(len(streams))
+    if len(streams[rank]) < 2:
+        return None
+    del streams[rank][rng.randrange(len(streams[rank]))]
+    return streams
+
+
+def _duplicate(streams: Streams, rng: random.Random) -> Streams | None:
+    rank = rng.randrange(len(streams))
+    op = rng.choice(streams[rank])
+    streams[rank].insert(rng.randrange(len(streams[rank]) + 1), op)
+    return streams
+
+
+def _retarget(streams: Streams, rng: random.Random, m: int) -> Streams | None:
+    rank = rng.randrange(len(streams))
+    k = rng.randrange(len(streams[rank]))
+    op = streams[rank][k]
+    if op.microbatch == NONE or m < 2:
+        return None
+    other = rng.choice([i for i in range(m) if i != op.microbatch])
+    streams[rank][k] = op._replace(microbatch=other)
+    return streams
+
+
+def _move_comm(streams: Streams, rng: random.Random) -> Streams | None:
+    where = [(r, k) for r, s in enumerate(streams) for k, op in enumerate(s)
+             if op.kind in SENDS or op.kind in RECVS]
+    if not where:
+        return None
+    rank, k = rng.choice(where)
+    op = streams[rank].pop(k)
+    streams[rank].insert(rng.randrange(len(streams[rank]) + 1), op)
+    return streams
+
+
+def _cross_rank(streams: Streams, rng: random.Random) -> Streams | None:
+    if len(streams) < 2:
+        return None
+    a, b = rng.sample(range(len(streams)), 2)
+    if len(streams[a]) < 2:
+        return None
+    op = streams[a].pop(rng.randrange(len(streams[a])))
+    streams[b].insert(rng.randrange(len(streams[b]) + 1), op)
+    return streams
+
+
+MUTATIONS: dict[str, Callable[[Streams, random.Random, int], Streams | None]] = {
+    "swap": lambda s, rng, m: _swap(s, rng),
+    "drop": lambda s, rng, m: _drop(s, rng),
+    "duplicate": lambda s, rng, m: _duplicate(s, rng),
+    "retarget microbatch": _retarget,
+    "move send/recv": lambda s, rng, m: _move_comm(s, rng),
+    "cross-rank reorder": lambda s, rng, m: _cross_rank(s, rng),
+}
+
+
+def _bases(name: str) -> list[Schedule]:
+    spec = SCHEDULES[name]
+    p, m = (2, 3) if name == "zb-optimal" else (2, 4) if name.startswith("dualpipev") else (3, 4)
+    chunks = None if spec.chunks[1] == 1 else 2
+    lowered = build_schedule(name, p, m, chunks)
+    unstepped = lowered.replace_streams(tuple(
+        tuple(op for op in stream if op.kind not in (Kind.STEP, Kind.REDUCE_GRAD))
+        for stream in lowered.streams))
+    compute = lowered.replace_streams(lowered.compute_streams(), lowered=False)
+    return [lowered, unstepped, compute]
+
+
+PER_BASE = 25  # mutants per mutation, per base schedule
+
+
+def test_validator_agrees_with_an_independent_checker_on_mutants() -> None:
+    rng = random.Random(22)
+    tally = {"mutants": 0, "refused by both": 0, "accepted by both": 0}
+    disagreements: list[str] = []
+    for name in sorted(SCHEDULES):
+        for base in _bases(name):
+            placement, m = base.placement, base.num_microbatches
+            assert validator_verdict(base.streams, placement, m)
+            assert independent_verdict(base.streams, placement, m), name
+            for label, mutate in MUTATIONS.items():
+                for _ in range(PER_BASE):
+                    mutant = mutate([list(s) for s in base.streams], rng, m)
+                    if mutant is None:
+                        continue
+                    ours = validator_verdict(mutant, placement, m)
+                    theirs = independent_verdict(mutant, placement, m)
+                    tally["mutants"] += 1
+                    tally["accepted by both" if ours and theirs else "refused by both"] += \
+                        ours == theirs
+                    if ours != theirs:
+                        disagreements.append(
+                            f"{name} ({'lowered' if base.lowered else 'compute'}) {label}: "
+                            f"validator {'accepts' if ours else 'refuses'}, checker "
+                            f"{'accepts' if theirs else 'refuses'}")
+    print(tally)
+    assert not disagreements, f"{len(disagreements)} of {tally['mutants']}:\n" + "\n".join(
+        disagreements[:20])
+    assert tally["refused by both"] > tally["mutants"] // 2  # the mutations do break things
+
+
+@pytest.mark.parametrize("check", ["validator", "checker"])
+def test_both_refuse_a_rank_without_step(check: str) -> None:
+    base = build_schedule("1f1b", 2, 2)
+    streams = [list(s) for s in base.streams]
+    streams[1] = [op for op in streams[1] if op.kind is not Kind.STEP]
+    verdict = validator_verdict if check == "validator" else independent_verdict
+    assert not verdict(streams, base.placement, 2)

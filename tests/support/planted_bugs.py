@@ -1,0 +1,155 @@
+"""Plant known bugs in `schedules/` one at a time, on a copy of the tree; report which tests catch.
+
+A check of the test suite itself (issue 22): a test that passes with the check it guards
+disabled proves nothing. Each bug below is a small textual edit of one source line; the
+script copies the packages and tests to a temporary directory, applies one edit there
+(never to the working tree), runs the tests that guard that behaviour and counts the bug
+as caught when they fail. Every bug must be caught.
+
+    PYTHONPATH=$PWD python tests/support/planted_bugs.py [--only NAME] [--list]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BUGS", "PlantedBug", "main", "plant_and_test"]
+
+ROOT = Path(__file__).resolve().parents[2]
+COPIED = ("schedules", "partition", "viz", "pipeline", "tests", "pyproject.toml")
+
+
+@dataclass(frozen=True)
+class PlantedBug:
+    """One edit: in `path`, replace the single occurrence of `old` by `new`; `tests` guard it."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+_SCHEDULE_TESTS = ("tests/schedules/test_golden.py", "tests/schedules/test_properties.py",
+                   "tests/schedules/test_zero_bubble_properties.py",
+                   "tests/schedules/test_zb_golden.py")
+_VALIDATOR_TESTS = ("tests/schedules/test_validator.py",
+                    "tests/schedules/test_validator_mutations.py")
+
+BUGS: tuple[PlantedBug, ...] = (
+    PlantedBug("1F1B warm-up count one too many", "schedules/generators/classic.py",
+               "        num_warmup_microbatches = min(p - r - 1, m)\n        num_steady",
+               "        num_warmup_microbatches = min(p - r, m)\n        num_steady",
+               _SCHEDULE_TESTS),
+    PlantedBug("GPipe backwards in reverse microbatch order", "schedules/generators/classic.py",
+               "tuple(_op(_B, r, i) for i in range(m))",
+               "tuple(_op(_B, r, i) for i in reversed(range(m)))", _SCHEDULE_TESTS),
+    PlantedBug("ZB-H1/H2 drop each rank's last W", "schedules/generators/zb_h1_h2.py",
+               "ops.extend(_op(_W, i, k) for k in range(next_w, m))",
+               "ops.extend(_op(_W, i, k) for k in range(next_w, m - 1))", _SCHEDULE_TESTS),
+    PlantedBug("simulator ignores the comm delay of forwards", "schedules/analysis/dataflow.py",
+               "                if s:\n                    dep = f_end[index - m]\n"
+               "                    if dep < 0.0:\n"
+               "                        waiting.setdefault(index - m, []).append(rank)\n"
+               "                        break\n                    if placement[s - 1] != rank:\n"
+               "                        dep += delay[s - 1]\n                    if dep > ready:\n"
+               "                        ready = dep\n                end = ready + forward[s]",
+               "                if s:\n                    dep = f_end[index - m]\n"
+               "                    if dep < 0.0:\n"
+               "                        waiting.setdefault(index - m, []).append(rank)\n"
+               "                        break\n                    if placement[s - 1] != rank:\n"
+               "                        dep += 0.0\n                    if dep > ready:\n"
+               "                        ready = dep\n                end = ready + forward[s]",
+               ("tests/schedules/test_properties.py", "tests/schedules/test_overlap.py",
+                "tests/schedules/test_zb_golden.py", "tests/schedules/test_zb_optimal.py")),
+    PlantedBug("validator skips the rendezvous deadlock check", "schedules/analysis/validate.py",
+               "        if blocked:\n            chain", "        if False:\n            chain",
+               _VALIDATOR_TESTS),
+    PlantedBug("peak activations off by one", "schedules/search/zb_auto.py",
+               "                peak = max(peak, held)",
+               "                peak = max(peak, held - 1)",
+               ("tests/schedules/test_zb_auto.py", "tests/schedules/test_cost_aware.py")),
+    PlantedBug("zb-optimal drops the cross-stage delay", "schedules/search/zb_optimal.py",
+               "cross = self.delay[s] if s + 1 < S and placement[s + 1] != placement[s] else 0",
+               "cross = 0", ("tests/schedules/test_zb_optimal.py",)),
+    PlantedBug("validator's W-before-I check disabled", "schedules/analysis/validate.py",
+               "            if not self.g_done[index]:\n                raise _fail(self.schedule, "
+               "rank, step, f\"W(",
+               "            if False:\n                raise _fail(self.schedule, "
+               "rank, step, f\"W(",
+               _VALIDATOR_TESTS),
+    PlantedBug("validator accepts a rank without STEP", "schedules/analysis/validate.py",
+               "        if not stepped and not self.reduced:\n            return",
+               "        if True:\n            return", _VALIDATOR_TESTS),
+    PlantedBug("validator accepts a duplicated REDUCE_GRAD", "schedules/analysis/validate.py",
+               "            if s in self.reduced:", "            if False:", _VALIDATOR_TESTS),
+    PlantedBug("zb-optimal rounds costs to 1/1000 again", "schedules/search/zb_optimal.py",
+               "    if scale <= _EXACT_SCALE:\n        return scale, exact",
+               "    if False:\n        return scale, exact",
+               ("tests/schedules/test_zb_optimal.py",)),
+    PlantedBug("zb-optimal orders tied zero-cost ops F first", "schedules/search/zb_optimal.py",
+               "rank = {Kind.W: 0, Kind.I: 1}.get(kind, 2 if self.zero_cost[s] else 3)",
+               "rank = {Kind.W: 3, Kind.I: 2}.get(kind, 0 if self.zero_cost[s] else 1)",
+               ("tests/schedules/test_zb_optimal.py",)),
+)
+
+
+def plant_and_test(bug: PlantedBug, workdir: Path) -> str:
+    """'caught', 'MISSED', or 'ERROR: ...' (the edit did not apply or pytest could not run)."""
+    target = workdir / bug.path
+    text = target.read_text()
+    if text.count(bug.old) != 1:
+        return f"ERROR: the text to replace occurs {text.count(bug.old)} times in {bug.path}"
+    target.write_text(text.replace(bug.old, bug.new))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *bug.tests],
+            cwd=workdir, env={"PYTHONPATH": str(workdir), "PATH": "/usr/bin:/bin",
+                              "HOME": str(workdir)},
+            capture_output=True, text=True, timeout=1800, check=False)
+    finally:
+        target.write_text(text)
+    if done.returncode == 1:
+        return "caught"
+    if done.returncode == 0:
+        return "MISSED"
+    return f"ERROR: pytest exit {done.returncode}: {done.stdout[-300:]}{done.stderr[-300:]}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="run the bugs whose name contains this text")
+    parser.add_argument("--list", action="store_true", help="list the bugs and exit")
+    args = parser.parse_args()
+    bugs = [bug for bug in BUGS if not args.only or args.only in bug.name]
+    if args.list:
+        for bug in bugs:
+            print(f"{bug.name}  ({bug.path}; tests: {' '.join(bug.tests)})")
+        return
+    results = []
+    with tempfile.TemporaryDirectory(prefix="planted-") as tmp:
+        workdir = Path(tmp)
+        for name in COPIED:
+            source = ROOT / name
+            if source.is_dir():
+                shutil.copytree(source, workdir / name,
+                                ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            else:
+                shutil.copy2(source, workdir / name)
+        for bug in bugs:
+            verdict = plant_and_test(bug, workdir)
+            results.append((bug.name, verdict))
+            print(f"{verdict:8} {bug.name}", flush=True)
+    caught = sum(verdict == "caught" for _, verdict in results)
+    print(f"\ncaught {caught}/{len(results)}")
+    sys.exit(0 if caught == len(results) else 1)
+
+
+if __name__ == "__main__":
+    main()
