@@ -193,7 +193,25 @@ def _context(start_method: str | None) -> Any:
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         context.set_forkserver_preload(list(_PRELOAD))  # ranks fork with torch already imported
+        _start_fork_server_deaf_to_ctrl_c()
     return context
+
+
+def _start_fork_server_deaf_to_ctrl_c() -> None:
+    """Start the fork server (and resource tracker) with SIGINT ignored, as they inherit it
+    across exec: a Ctrl-C on the terminal reaches the whole process group, and the fork
+    server, still importing torch, printed a KeyboardInterrupt traceback; its ranks inherit
+    the same, so the launcher alone answers Ctrl-C (one line) and ends them."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _owned_directories(context: Any) -> list[str]:

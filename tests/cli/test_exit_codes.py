@@ -5,6 +5,11 @@ its traceback instead of passing for invalid input."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,7 @@ from pipeline.cli import (
     partition_cmd,
 )
 from pipeline.launcher.faults import FaultPoints
-from tests.support.cli_helpers import run_cli
+from tests.support.cli_helpers import REPO, run_cli
 
 _FAILING_MODEL = '''
 import torch
@@ -105,3 +110,29 @@ def test_train_failure_after_launch_is_one_line_naming_the_rank(tmp_path: Path) 
     assert f"full report: {out / 'failure.txt'}" in errors[0]
     report = (out / "failure.txt").read_text()
     assert "planted failure on the last stage" in report and "Traceback" in report
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_on_a_training_run_is_one_line(tmp_path: Path) -> None:
+    # regression: Ctrl-C printed every rank's traceback; the terminal sends SIGINT to the
+    # whole foreground process group, ranks included
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "train", "--stages", "2", "--microbatches", "2",
+         "--batch-size", "4", "--blocks", "2", "--steps", "3000", "--out", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert process.stdout is not None
+    for line in process.stdout:  # "training 1f1b on 2 CPU ranks ..." then the progress
+        if line.startswith("training"):
+            break
+    time.sleep(3.0)  # the ranks are up and stepping
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == EXIT_INTERRUPTED, stderr
+    assert "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == "pipesched train: interrupted", stderr
+    assert len([line for line in stderr.splitlines() if "rank" in line]) == 0, stderr
