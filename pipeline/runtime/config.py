@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from pipeline.errors import PipelineConfigError
+from pipeline.limits import MAX_TIMEOUT
 from pipeline.parallel.config import ParallelConfig
 from schedules import SCHEDULES, Schedule
 from schedules.ir.schedule import count_problem
@@ -62,9 +63,9 @@ class EngineConfig:
         if not isinstance(self.parallel, ParallelConfig):
             problems.append(f"parallel must be a ParallelConfig, got {self.parallel!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or not (
-                math.isfinite(self.timeout) and self.timeout > 0):
-            problems.append(f"timeout must be a finite number of seconds > 0, got "
-                            f"{self.timeout!r}")
+                math.isfinite(self.timeout) and 0 < self.timeout <= MAX_TIMEOUT):
+            problems.append(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}] "
+                            f"(30 days), got {self.timeout!r}")
         if not isinstance(self.dynamic_shapes, bool):
             problems.append(f"dynamic_shapes must be True or False, got {self.dynamic_shapes!r}")
         if not isinstance(self.local_p2p, bool):

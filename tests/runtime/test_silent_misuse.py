@@ -67,6 +67,8 @@ def test_an_unknown_schedule_is_refused_when_the_config_is_built() -> None:
                                                   r"schedule \(did you mean '1f1b'\?\)"):
         EngineConfig(schedule="1fb1")
     assert EngineConfig(schedule="interleaved").schedule == "interleaved"
+    with pytest.raises(PipelineConfigError, match=r"timeout must be a number of seconds in"):
+        EngineConfig(timeout=1e300)  # would overflow torch's millisecond count later
 
 
 def test_a_model_function_calling_sys_exit_is_refused(tmp_path: Path) -> None:
