@@ -4,6 +4,9 @@ and stalled ranks named, crashes during a save and corrupt checkpoints refused, 
     python benchmarks/reliability_report.py            # everything (~8 min on 2 cores)
     python benchmarks/reliability_report.py --quick    # no launched jobs (~1 min)
     python benchmarks/reliability_report.py --repeats 3   # each launcher kill / stall 3 times
+    python benchmarks/reliability_report.py --only kills --repeats 3   # 60 launcher kills
+    python benchmarks/reliability_report.py --only inputs   # 800+ bad CLI inputs (~? min)
+    python benchmarks/reliability_report.py --only api      # API misuse
 
 A killed launcher ends "clean" when every rank, the fork server and the resource tracker end
 within 30 s and nothing is left in TMPDIR; "hang" when a process outlives that, "traceback"
@@ -34,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from benchmarks.reliability_api import api_misuse
+from benchmarks.reliability_cli import cli_inputs
 from benchmarks.reliability_inputs import concurrent_writers, huge_inputs, silent_steps
 from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.save import save_checkpoint
@@ -44,7 +49,7 @@ from tests.schedules import test_fuzz_readers
 from tests.support.checkpoint_cases import Job, corruption_cases
 from tests.support.fault_scenarios import SCENARIOS, run_scenario
 from tests.support.fuzz_counts import COUNTS
-from tests.support.orphan_job import kill_launcher
+from tests.support.orphan_job import KILL_POINTS, kill_launcher
 from tests.support.stall_scenarios import STALLS, run_stall
 
 Tally = tuple[int, int, int, int, int]
@@ -65,23 +70,30 @@ def _faults(workdir: str) -> tuple[int, int]:
 
 
 def _launcher_kills(workdir: str, repeats: int) -> Tally:
-    print("| launcher killed | start method | clean | hang | traceback | all gone after (s) | "
-          "problems |\n|---|---|---|---|---|---|---|")
+    """Kill the launcher at every start-up point (forkserver) with SIGINT, SIGTERM and
+    SIGKILL, and while it trains and saves under every start method."""
+    print("| launcher killed | start method | at | clean | hang | traceback | "
+          "all gone after (s) | problems |\n|---|---|---|---|---|---|---|---|")
+    trials = [(method, sig, "training") for method, sig in _KILLS] + [
+        ("forkserver", sig, point) for point in KILL_POINTS if point != "training"
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)]
     tried = clean = hang = traceback = silent = 0
     for trial in range(repeats):
-        for index, (method, sig) in enumerate(_KILLS):
-            outcome = kill_launcher(os.path.join(workdir, f"kill{trial}-{index}"), method, sig)
+        for index, (method, sig, point) in enumerate(trials):
+            outcome = kill_launcher(os.path.join(workdir, f"kill{trial}-{index}"), method, sig,
+                                    point)
             if not outcome.started:
-                print(f"| {sig.name} | {method} | (did not start) | | | | |", flush=True)
+                print(f"| {sig.name} | {method} | {point} | (did not start) | | | | |",
+                      flush=True)
                 continue
             tried += 1
             clean += outcome.clean and not outcome.traceback
             hang += outcome.hung
             traceback += outcome.traceback
             silent += not outcome.clean and not outcome.hung and not outcome.traceback
-            print(f"| {sig.name} | {method} | {outcome.clean} | {outcome.hung} | "
-                  f"{outcome.traceback} | {outcome.seconds:.1f} | {'; '.join(outcome.problems)} |",
-                  flush=True)
+            print(f"| {sig.name} | {method} | {point} | {outcome.clean} | {outcome.hung} | "
+                  f"{outcome.traceback} | {outcome.seconds:.1f} | "
+                  f"{'; '.join(outcome.problems)} |", flush=True)
     return tried, clean, hang, traceback, silent
 
 
@@ -182,9 +194,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the launched fault jobs")
     parser.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="run each launcher kill and each stall N times (default 1)")
+    parser.add_argument("--only", choices=("kills", "inputs", "api"), default=None,
+                        help="run one class of trials only (launcher kills, CLI inputs, API "
+                             "misuse)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.only is not None:
+        _only(args.only, args.repeats)
+        return
     workdir = tempfile.mkdtemp(prefix="pipesched-reliability-")
     start = time.monotonic()
     try:
@@ -194,6 +212,8 @@ def main() -> None:
         writers = (0,) * 5 if args.quick else concurrent_writers(args.repeats)
         steps = (0,) * 5 if args.quick else silent_steps()
         huge = huge_inputs()
+        inputs = cli_inputs()
+        misuse = api_misuse()
         crashes = _crashes_during_save(workdir)
         corrupt = _corruptions(workdir)
         fuzz_cases = _fuzz()
@@ -205,13 +225,44 @@ def main() -> None:
           f"{crashes[0]} / {crashes[1]} |\n"
           f"| corrupt-checkpoint cases refused, naming the file | {corrupt[0]} / {corrupt[1]} |\n"
           f"| fuzz cases run, nothing but our typed errors escaped | {fuzz_cases} |\n"
+          f"{_inputs_row(inputs)}\n"
           f"\n| trials | tried | clean | hang | traceback | silent |\n|---|---|---|---|---|---|\n"
-          f"{_tally_row('launcher SIGKILLed / SIGTERMed (4 start methods)', kills)}\n"
+          f"{_tally_row(_KILL_LABEL, kills)}\n"
           f"{_tally_row('stalled rank named (SIGSTOP, slow set-up, slow save)', stalls)}\n"
           f"{_tally_row('two jobs saving into one checkpoint root', writers)}\n"
           f"{_tally_row('steps that trained silently wrong (2 ranks and API)', steps)}\n"
           f"{_tally_row('huge sizes on the command line (exit 2, one line)', huge)}\n"
+          f"{_tally_row(_MISUSE_LABEL, misuse)}\n"
           f"\n({time.monotonic() - start:.0f} s)")
+
+
+_KILL_LABEL = ("launcher killed: 4 start-up points × SIGINT/SIGTERM/SIGKILL, training and "
+               "saving × 4 start methods (traceback = a Python traceback after the kill; "
+               "not clean = an orphan or a stray temporary directory)")
+_MISUSE_LABEL = "API misuse (traceback = a bare AttributeError or an unexpected type)"
+
+
+def _inputs_row(inputs: tuple[int, int, int, int, int, int]) -> str:
+    tried, clean, hang, traceback, memory, silent = inputs
+    return (f"| bad CLI inputs on every subcommand: tried / clean / hang / traceback / out of "
+            f"memory / silent | {tried} / {clean} / {hang} / {traceback} / {memory} / "
+            f"{silent} |")
+
+
+def _only(which: str, repeats: int) -> None:
+    start = time.monotonic()
+    if which == "inputs":
+        print(f"\n| figure | value |\n|---|---|\n{_inputs_row(cli_inputs())}")
+    else:
+        workdir = tempfile.mkdtemp(prefix="pipesched-reliability-")
+        try:
+            label, tally = (_KILL_LABEL, _launcher_kills(workdir, repeats)) \
+                if which == "kills" else (_MISUSE_LABEL, api_misuse())
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(f"\n| trials | tried | clean | hang | traceback | silent |\n"
+              f"|---|---|---|---|---|---|\n{_tally_row(label, tally)}")
+    print(f"\n({time.monotonic() - start:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ def default_backend() -> str:
 
 def process_group_timeout(seconds: float) -> datetime.timedelta:
     """The timeout every blocking collective and wait of this run honours."""
-    return datetime.timedelta(seconds=seconds)
+    from pipeline.limits import check_timeout
+
+    return datetime.timedelta(seconds=check_timeout(seconds))
 
 
 def default_device(local_rank: int | None = None) -> torch.device:

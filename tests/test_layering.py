@@ -103,14 +103,39 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _runtime_imports(path: Path) -> list[str]:
+    """`_imports` less those under `if TYPE_CHECKING:`, which never run: naming a type there
+    is how a module refers to its caller's type without a circle."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    hidden = {id(inner) for node in ast.walk(tree) if _is_type_checking_block(node)
+              for stmt in node.body for inner in ast.walk(stmt)}
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names.extend(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
 def _import_graph(package: str) -> nx.DiGraph:
-    """Modules of `package` and which import which (lazy imports inside functions too:
-    they close a circle as surely at run time)."""
+    """Modules of `package` and which import which at run time (lazy imports inside
+    functions too: they close a circle as surely at run time)."""
     modules = {_module_name(path): path for path in _sources(package)}
     graph = nx.DiGraph()
     graph.add_nodes_from(modules)
     for name, path in modules.items():
-        for imported in _imports(path):
+        for imported in _runtime_imports(path):
             # `from a.b import c` names a.b.c: the module c if there is one, else a.b
             target = imported if imported in modules else imported.rpartition(".")[0]
             if target in modules and target != name and not name.startswith(target + "."):
@@ -132,6 +157,13 @@ def _room_cycles(graph: nx.DiGraph) -> list[list[str]]:
 def test_files_inside_a_room_import_without_circles() -> None:
     cycles = _room_cycles(_import_graph("pipeline"))
     assert not cycles, "\n".join(" -> ".join([*cycle, cycle[0]]) for cycle in cycles)
+
+
+def test_typing_only_imports_close_no_circle(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("from typing import TYPE_CHECKING\nimport a.b\nif TYPE_CHECKING:\n"
+                      "    from a.c import D\n")
+    assert _runtime_imports(source) == ["typing", "typing.TYPE_CHECKING", "a.b"]
 
 
 def test_the_circle_check_finds_a_planted_circle() -> None:

@@ -12,6 +12,8 @@ import hashlib
 import os
 from collections.abc import Callable
 
+from pipeline.files import read_regular_file
+
 __all__ = ["atomic_write", "fsync_directory", "read_pointer", "remove_quietly", "sha256_bytes",
            "sha256_file", "write_pointer"]
 
@@ -88,6 +90,6 @@ def write_pointer(path: str, target: str) -> None:
 
 
 def read_pointer(path: str) -> str:
-    """The name a pointer file holds (stripped); OSError/UnicodeError if unreadable."""
-    with open(path, "rb") as handle:
-        return handle.read(4096).decode("utf-8").strip()
+    """The name a pointer file holds (stripped); OSError/UnicodeError if unreadable, and
+    `UnreadableInputError` (a ValueError) if not a small regular file (a FIFO would block)."""
+    return read_regular_file(path, 4096).decode("utf-8").strip()

@@ -33,7 +33,7 @@ def latest_name(root: str) -> str | None:
     """What `root/latest` names now (None if absent or unreadable)."""
     try:
         return read_pointer(os.path.join(root, LATEST))
-    except (OSError, UnicodeDecodeError):
+    except (OSError, ValueError):  # UnicodeDecodeError, or not a small regular file
         return None
 
 

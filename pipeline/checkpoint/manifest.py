@@ -24,7 +24,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.checkpoint.atomic_files import read_pointer, sha256_bytes, sha256_file
+from pipeline.checkpoint.signing import sign, signing_key, verify_signature
 from pipeline.errors import CheckpointError
+from pipeline.files import UnreadableInputError, read_regular_file
 
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "VERSION", "FileEntry", "Manifest", "dump_manifest",
            "parse_manifest", "read_manifest", "resolve_checkpoint", "step_name", "verify_files"]
@@ -35,7 +37,7 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 ROLES = ("layer", "optimizer", "rng")
 _STEP_NAME = re.compile(r"step_\d{6,}")
-_STEP_PREFIX = re.compile(r"step_\d{6,}(\.|$)")
+_STEP_PREFIX = re.compile(r"step_(\d{6,})(\.|$)")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ROLE = re.compile("|".join(ROLES))
@@ -88,6 +90,9 @@ def dump_manifest(manifest: Manifest) -> bytes:
     body = {"format": FORMAT, "version": VERSION, **asdict(manifest)}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     body["checksum"] = sha256_bytes(text.encode())
+    key = signing_key()
+    if key is not None:  # the manifest holds every file's sha256: this signs them all
+        body["signature"] = sign(text.encode(), key)
     return json.dumps(body, sort_keys=True, indent=1).encode()
 
 
@@ -144,10 +149,15 @@ def parse_manifest(raw: bytes | str, *, where: str = MANIFEST) -> Manifest:
                               f"{_short(doc.get('version'))}; this pipesched reads {FORMAT!r} "
                               f"version {VERSION}", path=where)
     claimed = doc.pop("checksum", None)
+    signature = doc.pop("signature", None)
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     if claimed != sha256_bytes(canonical.encode()):
         raise CheckpointError(f"{where}: checksum mismatch (the manifest was edited or is "
                               "corrupt); load an earlier step directory", path=where)
+    key = signing_key()
+    refusal = None if key is None else verify_signature(canonical.encode(), signature, key)
+    if refusal is not None:
+        raise CheckpointError(f"{where}: {refusal}", path=where)
     read = _Reader(where)
     topology = read.integers(doc, "topology")
     if len(topology) != 3 or 0 in topology:
@@ -208,18 +218,24 @@ def read_manifest(step_dir: str) -> Manifest:
     """The manifest of a step directory; `CheckpointError` if absent (an incomplete save)."""
     path = os.path.join(step_dir, MANIFEST)
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(_MAX_MANIFEST_BYTES + 1)
+        raw = read_regular_file(path, _MAX_MANIFEST_BYTES)
+    except UnreadableInputError as error:
+        raise CheckpointError(f"{error}; not a manifest", path=path) from None
     except FileNotFoundError:
         raise CheckpointError(f"{step_dir} has no {MANIFEST}: the save did not complete (a "
                               "crash or kill while writing); load the root to follow "
                               f"'{LATEST}', or an earlier step directory", path=path) from None
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error.strerror}", path=path) from None
-    if len(raw) > _MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{path} is over {_MAX_MANIFEST_BYTES >> 20} MiB; not a manifest",
-                              path=path)
-    return parse_manifest(raw, where=path)
+    manifest = parse_manifest(raw, where=path)
+    named = _STEP_PREFIX.match(os.path.basename(os.path.normpath(step_dir)))
+    if named is not None and int(named.group(1)) != manifest.step:
+        raise CheckpointError(
+            f"{step_dir} is named for step {int(named.group(1))} but its {MANIFEST} records "
+            f"step {manifest.step}: the directories were renamed or swapped; rename it "
+            f"{step_name(manifest.step)} or load a step directory whose name agrees",
+            path=path)
+    return manifest
 
 
 def verify_files(step_dir: str, entries: tuple[FileEntry, ...], *,
@@ -260,7 +276,7 @@ def resolve_checkpoint(path: str) -> str:
                               f"'{LATEST}'{hint}", path=path)
     try:
         name = read_pointer(pointer)
-    except (OSError, UnicodeDecodeError) as error:
+    except (OSError, ValueError) as error:  # UnicodeDecodeError, a FIFO, a huge file
         raise CheckpointError(f"cannot read {pointer}: {error}", path=pointer) from None
     if not _STEP_NAME.fullmatch(name):
         raise CheckpointError(f"{pointer} holds {_short(name)}, not a step directory name "

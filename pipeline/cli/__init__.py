@@ -1,14 +1,35 @@
-"""The `pipesched` command line: one subcommand per module, errors as one line and exit 2."""
+"""The `pipesched` command line: one subcommand per module, every failure as one line with a
+documented exit code (`EXIT_CODES`)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import linecache
+import os
 import sys
+import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["COMMAND_MODULES", "ArgumentParser", "UsageError", "build_parser", "main"]
+__all__ = ["COMMAND_MODULES", "EXIT_CODES", "EXIT_INPUT", "EXIT_INTERRUPTED", "EXIT_RUN_FAILED",
+           "ArgumentParser", "UsageError", "build_parser", "main", "report_run_failure"]
+
+EXIT_INPUT = 2
+"""A command-line value or an input file is invalid (the message names it and the fix)."""
+EXIT_RUN_FAILED = 3
+"""A launched job failed: one line names the rank and the cause (the full report is in the
+command's output folder where it has one)."""
+EXIT_INTERRUPTED = 130
+"""Interrupted (Ctrl-C)."""
+EXIT_CODES = {0: "success", 1: "an internal error (a bug: its traceback is printed)",
+              EXIT_INPUT: "invalid input: a value, a file or a combination the command refuses",
+              EXIT_RUN_FAILED: "a launched job failed (a rank's error, a stall, a non-finite "
+                               "loss); the full report is in the output folder",
+              EXIT_INTERRUPTED: "interrupted (Ctrl-C)"}
+_OURS = tuple(str(Path(__file__).resolve().parents[2] / package) + os.sep
+              for package in ("schedules", "partition", "pipeline", "viz"))
 
 # Each module defines register(subparsers) adding a parser whose `func(args) -> int` runs it.
 # By command name, so that a run imports only its own command's module (the partition
@@ -43,6 +64,8 @@ def build_parser(command: str | None = None) -> ArgumentParser:
     parser = ArgumentParser(
         prog="pipesched",
         description="Pipeline-parallel training: partition, schedule, simulate, plot, train.",
+        epilog="exit codes: " + "; ".join(f"{code} {meaning}"
+                                          for code, meaning in EXIT_CODES.items()),
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        parser_class=ArgumentParser)
@@ -52,22 +75,64 @@ def build_parser(command: str | None = None) -> ArgumentParser:
     return parser
 
 
+def _deliberate(error: TypeError) -> bool:
+    """Whether our own code raised `error` on purpose (a ``raise`` statement in our packages,
+    refusing a value of the wrong type), not a bug that tripped over a wrong type."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return False
+    last = frames[-1]
+    line = last.line or linecache.getline(last.filename, last.lineno or 0)
+    return os.path.realpath(last.filename).startswith(_OURS) and \
+        line.strip().startswith("raise ")
+
+
+def _one_line(command: str, error: BaseException) -> None:
+    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    print(f"pipesched {command}: error: {first_line}", file=sys.stderr)
+
+
+def report_run_failure(command: str, error: BaseException, out: Path | None) -> int:
+    """Print a launched job's failure as one line (the full report, tracebacks included, in
+    ``out/failure.txt`` when `out` is given) and return `EXIT_RUN_FAILED`."""
+    where = ""
+    if out is not None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "failure.txt").write_text(f"{type(error).__name__}: {error}\n")
+            where = f" (full report: {out / 'failure.txt'})"
+        except OSError:
+            pass
+    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    print(f"pipesched {command}: error: {first_line}{where}", file=sys.stderr)
+    return EXIT_RUN_FAILED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pipesched` console script."""
+    from pipeline.errors import RankFailedError
+
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(arguments[0] if arguments else None)
     args = parser.parse_args(arguments)
     try:
         code: int = args.func(args)
-    except (ValueError, TypeError, OSError) as error:
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        print(f"pipesched {args.command}: error: {first_line}", file=sys.stderr)
+    except RankFailedError as error:
+        return report_run_failure(args.command, error, None)
+    except (ValueError, OSError) as error:
+        _one_line(args.command, error)
         rest = str(error).splitlines()[1:]
         if rest:
             print("\n".join(rest), file=sys.stderr)
-        return 2
+        return EXIT_INPUT
+    except TypeError as error:
+        if not _deliberate(error):
+            raise  # a bug: keep its traceback (exit 1)
+        _one_line(args.command, error)
+        return EXIT_INPUT
     except KeyboardInterrupt:
-        return 130
+        print(f"pipesched {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return code
 
 

@@ -8,8 +8,9 @@ import math
 from schedules import SCHEDULES, CostModel
 from schedules.ir.limits import MAX_COST, check_schedule_size
 
-__all__ = ["add_cost_arguments", "add_schedule_arguments", "check_size", "chunks_of",
-           "cost_model", "cost_number", "non_negative_float", "positive_float", "positive_int"]
+__all__ = ["MAX_SEARCHED_WORK", "add_cost_arguments", "add_schedule_arguments", "check_size",
+           "chunks_of", "cost_model", "cost_number", "non_negative_float", "positive_float",
+           "positive_int", "timeout_seconds"]
 
 
 def positive_int(text: str) -> int:
@@ -39,6 +40,17 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def timeout_seconds(text: str) -> float:
+    """argparse type of a timeout: a number of seconds in (0, 30 days]."""
+    from pipeline.limits import MAX_TIMEOUT
+
+    value = positive_float(text)
+    if value > MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT:g} seconds (30 days), "
+                                         f"got {text!r}")
     return value
 
 
@@ -104,6 +116,12 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
                             "of F + B back to back (default 1: no gain)")
 
 
+MAX_SEARCHED_WORK = 16_384
+"""Most p·m·v a cost-aware (searched) schedule is built for from the command line: their
+search simulates up to about 40 candidate orders, so interleaved-zb at p=64, m=512, v=2
+(65,536) took over a minute where the fixed schedules take a second."""
+
+
 def check_size(name: str, args: argparse.Namespace, chunks: int | None, *,
                lowered: bool = True) -> None:
     """Refuse, before building, a schedule of `args.stages` × `args.microbatches` × `chunks`
@@ -111,6 +129,14 @@ def check_size(name: str, args: argparse.Namespace, chunks: int | None, *,
     v = chunks if chunks is not None else SCHEDULES[name].default_chunks
     check_schedule_size(args.stages, args.microbatches, v, lowered=lowered,
                         names=("--stages", "--microbatches", "--chunks"))
+    work = args.stages * args.microbatches * v
+    if SCHEDULES[name].plan is not None and work > MAX_SEARCHED_WORK:  # a searched one
+        raise ValueError(
+            f"--schedule {name} searches dozens of candidate orders, each simulated: --stages "
+            f"{args.stages:,} × --microbatches {args.microbatches:,} × {v} chunks is "
+            f"{work:,} stage-microbatches, over the limit of {MAX_SEARCHED_WORK:,} for a "
+            "searched schedule (about 20 s here); lower --stages or --microbatches, or use a "
+            "fixed schedule (1f1b, interleaved, zb-h1)")
 
 
 def chunks_of(args: argparse.Namespace) -> int:

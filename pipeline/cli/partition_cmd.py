@@ -68,6 +68,40 @@ def parse_cuts(text: str) -> list[int]:
     return [int(number) for number in numbers]
 
 
+_SPEED_RANGE = 1e6
+
+
+def _speeds(text: str) -> list[float]:
+    """--speeds, refused when one stage is over a million times faster than another: such
+    a ratio is a typo (1e-308), and its times print as numbers of hundreds of digits."""
+    speeds = parse_numbers(text, "speeds")
+    positive = [speed for speed in speeds if speed > 0]
+    if positive and max(positive) > _SPEED_RANGE * min(positive):
+        raise InvalidOptionError(f"--speeds {text!r}: the fastest stage is "
+                                 f"{max(positive) / min(positive):.3g} times the slowest, over "
+                                 f"{_SPEED_RANGE:g}; give relative speeds such as 1,1,0.5,2")
+    return speeds
+
+
+_MAX_SOLVER_STEPS = 10**9
+"""Bound on the exact solvers' work: p·n for a chain (a probe of the chain solvers), p·n²
+for a DAG with skip edges (its dynamic program, partition/dag.py); 4,000 DAG nodes into
+2,000 stages (3·10^10) ran for over a minute."""
+
+
+def _check_work(num_layers: int, stages: object, chain: bool) -> None:
+    """Refuse, before solving, a request whose solver work is over `_MAX_SOLVER_STEPS`."""
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        return  # partition_graph names a bad stage count itself
+    work = stages * num_layers * (1 if chain else num_layers)
+    if work > _MAX_SOLVER_STEPS:
+        formula = "p·n" if chain else "p·n² (a DAG with skip edges)"
+        raise InvalidOptionError(
+            f"--stages {stages:,} over {num_layers:,} layers is {work:.2g} solver steps "
+            f"({formula}), over the limit of {_MAX_SOLVER_STEPS:.0e}; use fewer --stages or "
+            "group layers into blocks in the cost file")
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``partition`` subcommand to the CLI's subparsers."""
     parser = subparsers.add_parser(
@@ -119,6 +153,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     """Partition the cost file as the arguments ask and print the table (or JSON)."""
     graph = graph_from_json(args.costs)
+    _check_work(graph.num_layers, args.stages, graph.is_chain)
     method, type_pattern = parse_method(args.method)
     result = partition_graph(
         graph,
@@ -127,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         type_pattern=type_pattern,
         boundaries=parse_cuts(args.boundaries) if args.boundaries is not None else None,
         memory_cap=parse_bytes(args.memory_cap) if args.memory_cap is not None else None,
-        speeds=parse_numbers(args.speeds, "speeds") if args.speeds is not None else None,
+        speeds=_speeds(args.speeds) if args.speeds is not None else None,
         num_microbatches=args.microbatches,
         schedule_memory=parse_schedule_memory(args.schedule),
         bandwidth=parse_bytes(args.bandwidth) if args.bandwidth is not None else None,

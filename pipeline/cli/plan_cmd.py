@@ -190,9 +190,18 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.planner import SearchOptions, load_model, plan, resolve_cluster
+    from pipeline.planner.limits import (
+        MAX_DEVICES,
+        MAX_GLOBAL_BATCH,
+        check_plan_work,
+        divisors,
+    )
     from pipeline.planner.report import format_breakdown, format_table, plan_document, plot_plan
     from pipeline.planner.search import price
 
+    if (args.nodes is not None and args.nodes > MAX_DEVICES) or \
+            args.global_batch > MAX_GLOBAL_BATCH:  # before a cluster is calibrated
+        check_plan_work(1, args.nodes or 1, 1, (1,), args.global_batch, (), 1)
     cluster = resolve_cluster(args.cluster, nodes=args.nodes)
     if args.device_profile:
         from pipeline.planner.device_profile import apply_device_profile
@@ -224,6 +233,10 @@ def run(args: argparse.Namespace) -> int:
                             microbatch_sizes=_sizes(args.microbatch_size, "microbatch-size"),
                             zero_stages=_zero_stages(args.zero),
                             recompute_choices=_recompute(args), top=args.top)
+    tensor_parallel = options.tensor_parallel or (
+        divisors(cluster.devices_per_node) if model.tensor_parallel_ok else (1,))
+    check_plan_work(len(model.layers), cluster.nodes, cluster.devices_per_node, tensor_parallel,
+                    args.global_batch, options.schedules, options.max_chunks)
     result = plan(model, cluster, args.global_batch, precision=precision, options=options)
     if args.json:
         print(json.dumps(plan_document(result, cluster, args.global_batch, top=args.top)))

@@ -14,6 +14,7 @@ from pipeline.cli.options import add_schedule_arguments, positive_float, positiv
 from schedules import SCHEDULES, Timeline, build_schedule, figures, simulate
 from schedules.analysis.memory import RankMemory
 
+_MAX_REHEARSAL_SECONDS = 3600.0  # a rehearsal previews a run: an hour of emulated steps at most
 __all__ = ["format_memory", "register", "run"]
 
 
@@ -80,14 +81,30 @@ def format_memory(predicted: list[RankMemory], measured: list[RankMemory]) -> st
     return "\n".join(lines)
 
 
+def _check_emulated_memory(layers: list[Any], microbatches: int) -> None:
+    """Refuse, before any rank starts, emulated weights and activations this host cannot
+    hold (costs of 1e300 bytes ended in a C++ allocation failure on the ranks)."""
+    from pipeline.limits import RANK_BYTES, max_local_ranks
+
+    needed = 4 * sum(layer.param_elements + microbatches * layer.output_elements
+                     for layer in layers)
+    memory = max_local_ranks() * RANK_BYTES
+    if needed > memory:
+        raise ValueError(f"the costs file's params and activations would take about "
+                         f"{needed:.3g} bytes once emulated, over this host's {memory:.3g}; "
+                         "raise --bytes-scale or give costs in bytes")
+
+
 def _spec(args: argparse.Namespace) -> Any:
     """Read and check everything (costs, schedule, partition) before any process starts."""
     from partition import graph_from_json, parse_method, partition_graph
+    from pipeline.limits import check_local_ranks
     from pipeline.rehearsal.rehearse import RehearsalSpec, emulation_costs
     from viz import FIGURE_FORMATS, TRACE_FORMATS, check_output_path
 
     chunks = args.chunks if args.chunks is not None else SCHEDULES[args.schedule].default_chunks
     build_schedule(args.schedule, args.stages, args.microbatches, chunks)  # refuses bad p/m/v
+    check_local_ranks(args.stages * args.data_parallel, "--stages × --data-parallel")
     if args.stages < 2:
         raise ValueError(f"--stages {args.stages}: a rehearsal needs at least 2 pipeline ranks")
     if args.zero_stage and args.data_parallel < 2:
@@ -97,6 +114,7 @@ def _spec(args: argparse.Namespace) -> Any:
     part = partition_graph(graph, args.stages * chunks, method=method, type_pattern=pattern)
     layers = emulation_costs(graph, weight_fraction=args.weight_fraction,
                              bytes_scale=args.bytes_scale, time_scale=args.time_scale)
+    _check_emulated_memory(layers, args.microbatches)
     args.out.mkdir(parents=True, exist_ok=True)
     check_output_path(args.out / "rehearsal.png", FIGURE_FORMATS)
     check_output_path(args.out / "trace.json", TRACE_FORMATS)
@@ -113,7 +131,10 @@ def _for_plot(timeline: Timeline, name: str, saved: tuple[float, ...]) -> Timeli
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeline.cli import report_run_failure
+    from pipeline.errors import RankFailedError
     from pipeline.launcher.processes import launch
+    from pipeline.limits import check_run_seconds
     from pipeline.rehearsal.rehearse import RehearsalReport, rehearse_rank
     from schedules.analysis.host import measure_host_costs, with_host_costs
     from schedules.analysis.memory import predict_memory
@@ -128,8 +149,14 @@ def run(args: argparse.Namespace) -> int:
     nominal = spec.cost_model()
     # a wait inside a step may last a whole nominal step (and more on a loaded host)
     step = figures(simulate(schedule, nominal)).makespan
-    report: RehearsalReport | None = launch(rehearse_rank, world, spec,
-                                            timeout=max(120.0, 20 * step))[0]
+    check_run_seconds(spec.steps * step, f"--steps {spec.steps:,} or --time-scale",
+                      limit=_MAX_REHEARSAL_SECONDS)
+    try:
+        report: RehearsalReport | None = launch(rehearse_rank, world, spec,
+                                                timeout=max(120.0, 20 * step),
+                                                quiet=True)[0]
+    except RankFailedError as error:
+        return report_run_failure("rehearse", error, args.out)
     if report is None:
         raise RuntimeError("rank 0 returned no report")
     # Simulate the same schedule: nominal costs, then with the host work and the link

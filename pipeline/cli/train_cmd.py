@@ -13,8 +13,8 @@ from typing import Any
 from pipeline.cli.options import (
     add_schedule_arguments,
     non_negative_float,
-    positive_float,
     positive_int,
+    timeout_seconds,
 )
 from schedules import Figures, figures, generate_schedule, simulate
 
@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "batch); MODULE is a module name or a .py path (--blocks, "
                              "--width, --seq-len are then unused)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed")
-    parser.add_argument("--timeout", type=positive_float, default=120.0, metavar="SECONDS",
+    parser.add_argument("--timeout", type=timeout_seconds, default=120.0, metavar="SECONDS",
                         help="how long any wait between ranks may take before the run fails "
                              "naming the rank that stopped progressing (default 120)")
     parser.add_argument("--out", type=Path, default=Path("pipesched-out"), metavar="DIR",
@@ -69,6 +69,9 @@ def _check_args(args: argparse.Namespace) -> int:
 
     schedule = generate_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
     chunks = schedule.chunks
+    from pipeline.limits import check_local_ranks
+
+    check_local_ranks(args.stages * args.data_parallel, "--stages × --data-parallel")
     per_replica, left = divmod(args.batch_size, args.data_parallel)
     if left or per_replica % args.microbatches:
         raise ValueError(
@@ -133,9 +136,12 @@ def _summary_line(label: str, result: Figures) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeline.cli import report_run_failure
     from pipeline.demo.language_model import TinyLMConfig
     from pipeline.demo.train_job import TrainConfig, TrainReport, train_rank
+    from pipeline.errors import RankFailedError
     from pipeline.launcher.processes import launch
+    from pipeline.limits import check_run_seconds
     from pipeline.runtime.trace import measured_costs
     from viz import plot_timeline, plot_training, write_trace
 
@@ -144,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
                          heads=_heads(args.width))
     # 1. Partition on measured per-layer costs (one process, before any rank starts).
     part = _partition(args, model, args.stages * chunks)
+    # Every step runs each stage's work for every microbatch: the slowest stage bounds it.
+    check_run_seconds(args.steps * args.microbatches * max(part.compute),
+                      f"--steps {args.steps:,}")
     print(part.format_table(), end="\n\n")
     # 2. Train on P × D local processes.
     config = TrainConfig(stages=args.stages, schedule=args.schedule,
@@ -155,7 +164,11 @@ def run(args: argparse.Namespace) -> int:
     world = args.stages * args.data_parallel
     print(f"training {args.schedule} on {world} CPU ranks (p={args.stages}, "
           f"dp={args.data_parallel}, v={chunks}, m={args.microbatches}), {args.steps} steps")
-    report: TrainReport | None = launch(train_rank, world, config, timeout=args.timeout)[0]
+    try:
+        report: TrainReport | None = launch(train_rank, world, config,
+                                            timeout=args.timeout, quiet=True)[0]
+    except RankFailedError as error:
+        return report_run_failure("train", error, args.out)
     if report is None:
         raise RuntimeError("rank 0 returned no report")
     # 3. Measured last step against the simulator fed with the measured op costs.

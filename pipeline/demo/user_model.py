@@ -68,7 +68,12 @@ def load_recipe(spec: str) -> ModelRecipe:
     if not colon or not module_name or not function_name:
         raise ValueError(f"--model must be module:function (e.g. my_model.py:build), got "
                          f"{spec!r}")
-    module = _import(module_name)
+    try:
+        module = _import(module_name)
+    except SystemExit as stop:
+        raise ValueError(f"--model: importing {module_name} called sys.exit({stop.code!r}); "
+                         "a model module must define functions, not run a program "
+                         "(guard it with `if __name__ == '__main__':`)") from None
     function = getattr(module, function_name, None)
     if not callable(function):
         found = sorted(name for name, value in vars(module).items()
@@ -76,7 +81,12 @@ def load_recipe(spec: str) -> ModelRecipe:
                        and getattr(value, "__module__", None) == module.__name__)
         raise ValueError(f"--model: {module_name} has no function {function_name!r}; "
                          f"callables there: {', '.join(found) or 'none'}")
-    recipe = function()
+    try:
+        recipe = function()
+    except SystemExit as stop:  # would end `pipesched train` with its code and no output
+        raise ValueError(f"--model: {spec} called sys.exit({stop.code!r}) instead of returning "
+                         "a ModelRecipe; return ModelRecipe(layers=..., loss_fn=..., "
+                         "batch=...)") from None
     if isinstance(recipe, Mapping):
         missing = sorted({"layers", "loss_fn", "batch"} - set(recipe))
         if missing:

@@ -4,8 +4,8 @@ Spawned ranks rendezvous through a file in a fresh temporary directory, so nothi
 port. When a rank fails, its watchdog peers end within a poll interval; the launcher kills
 any rank still alive after a short grace, then raises one `RankFailedError` naming the rank
 that failed first and the instruction it failed at (or, after a timeout, the rank that
-stopped progressing). When the launcher itself dies, every rank ends and removes the
-launcher's temporary directories (`pipeline.launcher.orphans`).
+stopped progressing). When the launcher itself dies, at any moment from start-up on, every
+rank ends and the launcher's temporary directories go (`pipeline.launcher.orphans`).
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ import multiprocessing.util
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
@@ -31,8 +35,12 @@ from pipeline.device import default_backend, process_group_timeout
 from pipeline.errors import PipelineConfigError
 from pipeline.launcher.failure import EXIT_PEER_FAILED, FailureRecord, Watchdog, report_failure
 from pipeline.launcher.orphans import (
+    EXIT_LAUNCHER_GONE,
     ProcessIdentity,
+    Reaper,
+    die_with_parent,
     identity_of,
+    is_running,
     remove_on_sigterm,
     watch_launcher,
 )
@@ -49,6 +57,7 @@ from pipeline.launcher.results import (
     read_result,
     write_result,
 )
+from pipeline.limits import MAX_TIMEOUT, check_local_ranks
 
 __all__ = ["launch"]
 
@@ -62,7 +71,7 @@ _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim",
 def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 300.0,
            backend: str | None = None, join_timeout: float | None = None,
            threads_per_rank: int | None = 1, start_method: str | None = None,
-           grace: float | None = None) -> list[T]:
+           grace: float | None = None, quiet: bool = False) -> list[T]:
     """Run ``fn(*args)`` on `world_size` ranks with a process group set up; return the
     per-rank results (index = rank).
 
@@ -72,7 +81,9 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
     rank that stopped progressing. `join_timeout` (None: unbounded) bounds the whole run,
     start-up included, after which every rank is killed. Once a rank fails, the others get
     `grace` seconds (default min(5, timeout)) to stop by themselves and report, then are
-    killed: a failed job ends within about that long. If this process dies, every rank ends
+    killed: a failed job ends within about that long. `quiet` ranks print nothing of their
+    own or their peers' failures (the raised error carries them: for a command line that
+    says one line). If this process dies, every rank ends
     at once and removes the run's temporary directories.
     `fn` and `args` must be picklable (a module-level function) for spawned ranks; every
     rank must return a picklable value.
@@ -85,6 +96,7 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
                                   f">= 0, got {grace!r}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return [_run_in_place(fn, world_size, args, timeout, backend, threads_per_rank)]
+    check_local_ranks(world_size)
     try:  # fails at process start otherwise, with an error about pickling internals
         pickle.dumps((fn, args))
     except Exception as error:  # pickling raises many types; all mean the same here
@@ -93,7 +105,7 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
             "pass a module-level function and plain arguments, not a lambda or closure"
         ) from None
     return _spawn(fn, world_size, args, timeout, backend, join_timeout, threads_per_rank,
-                  start_method, min(_GRACE, timeout) if grace is None else grace)
+                  start_method, min(_GRACE, timeout) if grace is None else grace, quiet)
 
 
 def _check_arguments(fn: object, world_size: object, timeout: object, backend: object,
@@ -111,11 +123,13 @@ def _check_arguments(fn: object, world_size: object, timeout: object, backend: o
         problems.append(f"fn must be callable, got {fn!r}")
     if not count(world_size):
         problems.append(f"world_size must be an int >= 1, got {world_size!r}")
-    if not positive(timeout):
-        problems.append(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    if join_timeout is not None and not positive(join_timeout):
-        problems.append(f"join_timeout must be None or a finite number of seconds > 0, got "
-                        f"{join_timeout!r}")
+    if not positive(timeout) or timeout > MAX_TIMEOUT:  # type: ignore[operator]
+        problems.append(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}], got "
+                        f"{timeout!r}")
+    if join_timeout is not None and (not positive(join_timeout) or
+                                     join_timeout > MAX_TIMEOUT):  # type: ignore[operator]
+        problems.append(f"join_timeout must be None or a number of seconds in (0, "
+                        f"{MAX_TIMEOUT:g}], got {join_timeout!r}")
     if threads is not None and not count(threads):
         problems.append(f"threads_per_rank must be None or an int >= 1, got {threads!r}")
     methods = multiprocessing.get_all_start_methods()
@@ -179,7 +193,25 @@ def _context(start_method: str | None) -> Any:
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         context.set_forkserver_preload(list(_PRELOAD))  # ranks fork with torch already imported
+        _start_fork_server_deaf_to_ctrl_c()
     return context
+
+
+def _start_fork_server_deaf_to_ctrl_c() -> None:
+    """Start the fork server (and resource tracker) with SIGINT ignored, as they inherit it
+    across exec: a Ctrl-C on the terminal reaches the whole process group, and the fork
+    server, still importing torch, printed a KeyboardInterrupt traceback; its ranks inherit
+    the same, so the launcher alone answers Ctrl-C (one line) and ends them."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _owned_directories(context: Any) -> list[str]:
@@ -192,23 +224,28 @@ def _owned_directories(context: Any) -> list[str]:
 
 def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout: float,
            backend: str | None, join_timeout: float | None, threads: int | None,
-           start_method: str | None, grace: float) -> list[T]:
+           start_method: str | None, grace: float, quiet: bool) -> list[T]:
     context = _context(start_method)
     workdir = tempfile.mkdtemp(prefix="pipesched-")
     launcher = identity_of(os.getpid())
     cleanup = [workdir, *_owned_directories(context)]
+    reaper = Reaper(cleanup)  # before any rank: from now on nothing outlives this process
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
     processes = [context.Process(target=_worker, name=f"pipesched-rank-{rank}", args=(
         rank, world_size, init_method, backend or default_backend(), timeout, threads, fn,
-        args, workdir, launcher, cleanup)) for rank in range(world_size)]
+        args, workdir, launcher, cleanup, quiet)) for rank in range(world_size)]
     try:
-        for process in processes:
-            process.start()
+        with _signals_deferred():  # a rank started but not yet known could not be stopped
+            for process in processes:
+                process.start()
+                reaper.watch(process.pid)
         still_running, first_failed = _supervise(processes, grace, join_timeout)
         for process in processes:
             process.join(timeout=5)  # killed ranks: read their real exit codes
         results = [read_result(workdir, rank) for rank in range(world_size)]
         codes = tuple(process.exitcode for process in processes)
+        if _interrupted(results):
+            raise KeyboardInterrupt("the ranks were interrupted")
         error = failure_error(results, codes, first_failed, still_running, join_timeout)
         if error is not None:
             raise error
@@ -222,6 +259,31 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
                 process.kill()
             process.join(timeout=5)
         shutil.rmtree(workdir, ignore_errors=True)
+        reaper.close()
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM (on the main thread; elsewhere they cannot be caught) while
+    ranks start, then deliver them: `Process.start` interrupted after the fork but before it
+    learnt the pid would leave a running rank the launcher cannot name."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def hold(number: int, frame: FrameType | None) -> None:
+        received.append(number)
+
+    previous = {number: signal.signal(number, hold) for number in (signal.SIGINT,
+                                                                    signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for held in dict.fromkeys(received):
+            signal.raise_signal(held)
 
 
 def _supervise(processes: list[Any], grace: float, join_timeout: float | None
@@ -257,8 +319,8 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None
 
 def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
             threads: int | None, fn: Callable[..., Any], args: tuple[Any, ...],
-            workdir: str, launcher: ProcessIdentity, cleanup: list[str]) -> None:
-    # No parent-death signal: it would kill this rank before the watch removes `cleanup`.
+            workdir: str, launcher: ProcessIdentity, cleanup: list[str], quiet: bool) -> None:
+    die_with_parent(launcher)  # even while blocked in C holding the GIL
     watch_launcher(launcher, cleanup)
     if threads:
         torch.set_num_threads(threads)
@@ -266,9 +328,11 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     payload: Result
     watchdog: Watchdog | None = None
     try:
+        _check_rendezvous(init_method, launcher)
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=process_group_timeout(timeout))
-        watchdog = Watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record))
+        watchdog = Watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record,
+                                                                   quiet))
         watchdog.start()
         _all_started(world_size, timeout)
         value = fn(*args)
@@ -283,9 +347,12 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     except BaseException as error:  # report everything, including KeyboardInterrupt
         payload = ("error", _report(rank, world_size, error))
     write_result(workdir, rank, payload)  # first: the launcher may kill this rank soon
+    # Ctrl-C reaches every rank of the terminal's process group: each ends quietly, and the
+    # launcher, interrupted too, says so once.
+    interrupted = payload[0] == "error" and payload[1].kind == "interrupted"
     if payload[0] == "error" and payload[1].kind in ("error", "exit"):
         report_failure(rank, payload[1].instruction, payload[1].message)  # stops the others
-    if payload[0] == "error":
+    if payload[0] == "error" and not interrupted and not quiet:
         print(f"[pipesched] rank {rank}: {payload[1].traceback or payload[1].message}",
               file=sys.stderr, flush=True)
     if watchdog is not None:
@@ -294,6 +361,21 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
         dist.destroy_process_group()
     if payload[0] != "ok":
         sys.exit(1)
+
+
+def _interrupted(results: list[Result | None]) -> bool:
+    """Whether a rank was interrupted (Ctrl-C) and none failed by itself."""
+    kinds = {result[1].kind for result in results if result is not None and
+             result[0] == "error"}
+    return "interrupted" in kinds and not kinds & {"error", "exit"}
+
+
+def _check_rendezvous(init_method: str, launcher: ProcessIdentity) -> None:
+    """End now if the launcher is gone or removed the rendezvous directory: torch's
+    `FileStore` would otherwise retry the missing file for 300 s holding the GIL."""
+    if not os.path.isdir(os.path.dirname(init_method.removeprefix("file://"))) or \
+            not is_running(launcher):
+        os._exit(EXIT_LAUNCHER_GONE)
 
 
 def _all_started(world_size: int, timeout: float) -> None:
@@ -320,6 +402,8 @@ def _report(rank: int, world_size: int, error: BaseException) -> RankReport:
     now, trace = time.time(), traceback.format_exc()
     instruction = getattr(error, "instruction", None)
     message = f"{type(error).__name__}: {error}"
+    if isinstance(error, KeyboardInterrupt):
+        return RankReport("interrupted", f"rank {rank} was interrupted (SIGINT)", now)
     if isinstance(error, SystemExit):
         return RankReport("exit", f"fn called sys.exit({error.code!r}) on rank {rank} instead "
                           "of returning a value", now, traceback=trace)
@@ -338,10 +422,12 @@ def _report(rank: int, world_size: int, error: BaseException) -> RankReport:
     return RankReport("error", message, now, instruction, None, trace)
 
 
-def _stopped(workdir: str, rank: int, record: FailureRecord) -> None:
+def _stopped(workdir: str, rank: int, record: FailureRecord, quiet: bool) -> None:
     """This rank's watchdog saw another rank's failure: leave a report and end at once."""
     write_result(workdir, rank, ("error", RankReport(
         "stopped", f"stopped because {record.describe()}", time.time(),
         caused_by=record.rank)))
-    print(f"[pipesched] rank {rank} stopping: {record.describe()}", file=sys.stderr, flush=True)
+    if not quiet:
+        print(f"[pipesched] rank {rank} stopping: {record.describe()}", file=sys.stderr,
+              flush=True)
     os._exit(EXIT_PEER_FAILED)  # the main thread may be blocked in a receive forever

@@ -4,7 +4,8 @@
 A rank writes ``rank<r>.result`` in the launcher's directory: ``("ok", value)`` or
 ``("error", RankReport)``. A report's `kind` says whose fault it is: ``"error"`` the rank's
 own exception, ``"exit"`` it called sys.exit, ``"stall"`` it timed out and names the rank
-that stopped progressing, ``"stopped"`` another rank's failure stopped it.
+that stopped progressing, ``"stopped"`` another rank's failure stopped it, ``"interrupted"``
+a SIGINT (Ctrl-C) ended it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pipeline.errors import RankFailedError
 
 __all__ = ["RankReport", "Result", "failure_error", "read_result", "write_result"]
 
-Kind = Literal["error", "exit", "stall", "stopped"]
+Kind = Literal["error", "exit", "stall", "stopped", "interrupted"]
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -191,11 +190,9 @@ def cluster_from_json(source: str | os.PathLike[str] | Mapping[str, Any]) -> Clu
     if isinstance(source, Mapping):
         document: Any = source
     else:
-        try:
-            with open(source) as handle:
-                document = json.load(handle)
-        except json.JSONDecodeError as error:
-            raise PlanError(f"cluster file {source}: not JSON ({error})") from None
+        from pipeline.planner.load import read_input_json  # load imports this module
+
+        document = read_input_json(source, "cluster file")
     if not isinstance(document, Mapping):
         raise PlanError(f"cluster JSON must be an object, got {type(document).__name__}")
     values = dict(document)

@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
-import json
 import os
+from typing import Any
 
+from pipeline.files import UnreadableInputError, read_json_file
 from pipeline.planner.errors import PlanError
+from pipeline.planner.limits import MAX_LAYERS
 from pipeline.planner.profile import ModelProfile, profile_from_cost_json
 from pipeline.planner.transformer import parse_shape, transformer_profile
 
-__all__ = ["load_model"]
+__all__ = ["MAX_INPUT_BYTES", "load_model", "read_input_json"]
+
+MAX_INPUT_BYTES = 64 << 20
+"""The largest model or cluster JSON file the planner reads (a cost file of 200,000 layers
+is about 15 MB)."""
+
+
+def read_input_json(path: str | os.PathLike[str], what: str) -> Any:
+    """The JSON document of an input file, as a `PlanError` naming `what` if it cannot be
+    read: refused without blocking or filling memory (a FIFO, /dev/zero, a huge file)."""
+    try:
+        return read_json_file(path, MAX_INPUT_BYTES)
+    except UnreadableInputError as error:
+        raise PlanError(f"{what} {error}") from None
+    except OSError as error:
+        raise PlanError(f"{what} {os.fspath(path)!r}: {error.strerror or error}") from None
 
 
 def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
@@ -20,22 +37,27 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
     (``layers=24,hidden=2048,heads=16,vocab=50257,seq=2048``); `attention` and
     `sequence_parallel` as `transformer_profile` takes them."""
     if os.path.exists(text):
-        try:
-            with open(text) as handle:
-                document = json.load(handle)
-        except (OSError, json.JSONDecodeError) as error:
-            raise PlanError(f"model file {text!r}: {error}") from None
+        document = read_input_json(text, "model file")
         if isinstance(document, dict) and isinstance(document.get("layers"), list):
             if seq is not None:
                 raise PlanError(f"--seq {seq} does not apply to a cost file ({text}); its "
                                 f"times already fix the sequence length")
+            _check_layers(len(document["layers"]), text)
             return profile_from_cost_json(document, cost_batch=cost_batch)
         if not isinstance(document, dict):
             raise PlanError(f"model file {text!r} must hold a JSON object")
-        return transformer_profile(parse_shape(document, seq=seq), precision, attention=attention,
-                                   sequence_parallel=sequence_parallel)
-    if "=" not in text:
+        shape = parse_shape(document, seq=seq)
+    elif "=" not in text:
         raise PlanError(f"model {text!r} is neither an existing file nor a shape such as "
                         f"layers=24,hidden=2048,heads=16,vocab=50257,seq=2048")
-    return transformer_profile(parse_shape(text, seq=seq), precision, attention=attention,
+    else:
+        shape = parse_shape(text, seq=seq)
+    _check_layers(shape.layers, text)  # before a profile of that many layers is built
+    return transformer_profile(shape, precision, attention=attention,
                                sequence_parallel=sequence_parallel)
+
+
+def _check_layers(count: int, text: str) -> None:
+    if count > MAX_LAYERS:
+        raise PlanError(f"model {text[:80]!r} has {count:,} layers, over the planner's limit "
+                        f"of {MAX_LAYERS:,}; plan a model with fewer layers")

@@ -3,7 +3,6 @@ bytes from the standard formulas (cited at each one)."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -180,11 +179,9 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
     if isinstance(source, Mapping):
         values = dict(source)
     elif source.endswith(".json") or os.path.exists(source):
-        try:
-            with open(source) as handle:
-                values = json.load(handle)
-        except (OSError, json.JSONDecodeError) as error:
-            raise PlanError(f"model file {source!r}: {error}") from None
+        from pipeline.planner.load import read_input_json  # load imports this module
+
+        values = read_input_json(source, "model file")
         if not isinstance(values, dict):
             raise PlanError(f"model file {source!r} must hold a JSON object")
     else:
@@ -195,6 +192,9 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
                 raise PlanError(f"model shape item {item!r} is not key=value; e.g. "
                                 f"layers=24,hidden=2048,heads=16,vocab=50257,seq=2048")
             key = key.strip()
+            if key in values:
+                raise PlanError(f"model shape gives {key}= twice ({source[:120]!r}); give "
+                                "each key once")
             if key in _BOOL_KEYS:
                 values[key] = text.strip().lower() in ("1", "true", "yes")
                 continue
@@ -204,6 +204,11 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
                 raise PlanError(f"model shape {key}={text!r} must be a whole number") from None
     if seq is not None:
         values["seq"] = seq
+    explicit_zero = [key for key in ("ffn", "kv_heads") if values.get(key) == 0]
+    if explicit_zero:  # 0 is the dataclass's "use the default", not a size anyone means
+        raise PlanError(f"model shape {', '.join(f'{key}=0' for key in explicit_zero)}: "
+                        "must be >= 1; omit the key for the default (ffn 4 × hidden, "
+                        "kv_heads = heads)")
     unknown = sorted(set(values) - _INT_KEYS - _BOOL_KEYS)
     if unknown:
         raise PlanError(f"model shape has unknown keys {unknown}; the keys are "

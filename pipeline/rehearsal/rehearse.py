@@ -65,9 +65,19 @@ def emulation_costs(graph: ModelGraph, *, weight_fraction: float = 0.5,
             forward=layer.forward * time_scale,
             input_grad=0.0 if index == 0 else backward * (1.0 - weight_fraction),
             weight_grad=backward * weight_fraction,
-            output_elements=max(1, round(layer.activation / bytes_scale / BYTES)),
-            param_elements=max(1, round(layer.params / bytes_scale / BYTES))))
+            output_elements=_elements(layer.activation, bytes_scale, index, "activation"),
+            param_elements=_elements(layer.params, bytes_scale, index, "params")))
     return costs
+
+
+def _elements(nbytes: float, bytes_scale: float, index: int, what: str) -> int:
+    """float32 elements standing for `nbytes` / `bytes_scale` (at least one)."""
+    elements = nbytes / bytes_scale / BYTES
+    if not elements <= 2**53:  # also inf and NaN: a tensor that size cannot exist
+        raise ValueError(f"layer {index}'s {what} of {nbytes:g} bytes / bytes_scale "
+                         f"{bytes_scale:g} is {elements:g} float32 elements, more than any "
+                         "host holds; raise bytes_scale (--bytes-scale)")
+    return max(1, round(elements))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from pipeline.errors import PipelineConfigError
+from pipeline.limits import MAX_TIMEOUT
 from pipeline.parallel.config import ParallelConfig
-from schedules import Schedule
+from schedules import SCHEDULES, Schedule
 from schedules.ir.schedule import count_problem
 
 __all__ = ["EngineConfig", "NonFinitePolicy"]
@@ -52,18 +53,23 @@ class EngineConfig:
     counted in `last_step_skipped`). fp16 overflows are the loss scaler's and never raise."""
 
     def __post_init__(self) -> None:
-        problems = []
+        problems: list[str | None] = []
         if not isinstance(self.schedule, str | Schedule):
             problems.append(f"schedule must be a schedule name such as '1f1b' or a Schedule, "
                             f"got {self.schedule!r}")
+        elif isinstance(self.schedule, str) and self.schedule not in SCHEDULES:
+            close = difflib.get_close_matches(self.schedule, SCHEDULES, 1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"schedule {self.schedule!r} is not a registered schedule{hint}; "
+                            f"choose one of {', '.join(SCHEDULES)}")
         if self.num_microbatches is not None:
             problems.append(count_problem("num_microbatches", self.num_microbatches))
         if not isinstance(self.parallel, ParallelConfig):
             problems.append(f"parallel must be a ParallelConfig, got {self.parallel!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float) or not (
-                math.isfinite(self.timeout) and self.timeout > 0):
-            problems.append(f"timeout must be a finite number of seconds > 0, got "
-                            f"{self.timeout!r}")
+                math.isfinite(self.timeout) and 0 < self.timeout <= MAX_TIMEOUT):
+            problems.append(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:g}] "
+                            f"(30 days), got {self.timeout!r}")
         if not isinstance(self.dynamic_shapes, bool):
             problems.append(f"dynamic_shapes must be True or False, got {self.dynamic_shapes!r}")
         if not isinstance(self.free_sent_outputs, bool):

@@ -9,6 +9,7 @@ another rank (SEND/RECV in the stream), through `StepState` when it lives on thi
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -138,6 +139,21 @@ def _make_leaves(value: Batch) -> tuple[Batch, list[torch.Tensor]]:
                for t in as_tensors(value, "a stage's input")]
     leaves = [t for t in tensors if t.requires_grad]
     return (tensors[0] if isinstance(value, torch.Tensor) else tuple(tensors)), leaves
+
+
+_BROADCAST_WARNING = r"Using a target size .* that is different to the input size"
+
+
+def _name(function: Any) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__name__
+
+
+def _shape(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return str(tuple(value.shape))
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(_shape(item) for item in value) + ")"
+    return type(value).__name__
 
 
 class Interpreter:
@@ -308,8 +324,8 @@ class Interpreter:
             with torch.no_grad():
                 out = self._run_stage(s, x)
                 if s == self.last_stage and state.targets is not None and self.loss_fn:
-                    state.losses.append(self.loss_fn(self._loss_input(out),
-                                                     _to(state.targets[i], self.device)))
+                    state.losses.append(self._loss(self._loss_input(out),
+                                                   _to(state.targets[i], self.device)))
             self._forward_done(s, i, out)
             return
         leaves: list[torch.Tensor] = []
@@ -357,7 +373,24 @@ class Interpreter:
     def _loss(self, out: Any, target: Any) -> torch.Tensor:
         if self.loss_fn is None:
             raise ValueError("training needs a loss: PipelineModule(..., loss_fn=...)")
-        return self.loss_fn(out, target)
+        with warnings.catch_warnings():
+            # torch's regression losses warn, then broadcast outputs (8, 4) against targets
+            # (8, 1) into a loss of the wrong meaning: refuse instead
+            warnings.filterwarnings("error", message=_BROADCAST_WARNING, category=UserWarning)
+            try:
+                loss = self.loss_fn(out, target)
+            except UserWarning as warning:
+                raise ValueError(
+                    f"loss_fn {_name(self.loss_fn)} got outputs of shape {_shape(out)} and "
+                    f"targets of shape {_shape(target)}, which torch would broadcast ({warning}); "
+                    "give targets of the outputs' shape") from None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = f"a tensor of shape {_shape(loss)}" if isinstance(loss, torch.Tensor) \
+                else f"{type(loss).__name__} {loss!r:.60}"
+            raise TypeError(f"loss_fn {_name(self.loss_fn)} must return a one-element tensor "
+                            f"(the microbatch's loss, to backpropagate), got {got}; return "
+                            "e.g. F.mse_loss(outputs, targets), not loss.item()")
+        return loss
 
     def _forward_done(self, s: int, i: int, out: Batch) -> None:
         state = self.state

@@ -136,9 +136,15 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
         return np.concatenate([np.asarray(x, dtype=dtype) for x in parts]) if parts else \
             np.zeros(0, dtype=dtype)
 
+    ends = joined(run.ends, np.float64)
+    if not np.isfinite(ends).all():  # each cost is finite, their sum overflowed
+        raise ScheduleConfigError(
+            f"{schedule.name}: the costs sum past the largest float (an op of "
+            f"{max(max(forward), max(backward), max(weight), max(delay)):.3g} time units): the "
+            "makespan would be inf; express the costs in a larger unit (e.g. ms instead of ns)")
     return Timeline(
         schedule.num_ranks, joined(ranks, np.int32), joined(kinds, np.int8),
         joined(stages, np.int32), joined(microbatches, np.int32),
-        joined(run.starts, np.float64), joined(run.ends, np.float64),
+        joined(run.starts, np.float64), ends,
         name=schedule.name, num_microbatches=schedule.num_microbatches, chunks=schedule.chunks,
         activation_bytes=tuple(act))

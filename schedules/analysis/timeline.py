@@ -119,6 +119,9 @@ class Figures:
 
 def figures(timeline: Timeline) -> Figures:
     """Makespan, bubble rate, idle fraction, per-rank busy time and peak activations."""
+    if not isinstance(timeline, Timeline):
+        raise TypeError(f"figures needs a schedules.Timeline (from simulate, or a measured "
+                        f"run's), got {timeline!r:.80}")
     p = timeline.num_ranks
     mask = timeline.compute_mask()
     rank, kind = timeline.rank[mask], timeline.kind[mask]

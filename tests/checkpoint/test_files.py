@@ -157,3 +157,27 @@ def test_a_checkpoint_refuses_another_model_or_optimizer(tmp_path: Path) -> None
     shorter.optimizer = torch.optim.Adam(shorter.module.parameters())
     with pytest.raises(CheckpointError, match="holds 16 layers, the module has 14"):
         load_checkpoint(str(tmp_path), shorter.parts())
+
+
+def test_swapped_step_directories_are_refused(tmp_path: Path) -> None:
+    # regression: after swapping step_000004 and step_000006, verify printed "step_000006:
+    # complete — step 4" and a load resumed at step 4
+    job = Job()
+    job.train(1)
+    first = save_checkpoint(str(tmp_path), job.parts()).directory
+    job.train(1)
+    second = save_checkpoint(str(tmp_path), job.parts()).directory
+    os.rename(first, str(tmp_path / "swap"))
+    os.rename(second, first)
+    os.rename(str(tmp_path / "swap"), second)
+    fresh = Job(base_seed=5)
+    untouched = fresh.weights()
+    with pytest.raises(CheckpointError, match=r"named for step 2 but its manifest\.json records "
+                                              r"step 1: the directories were renamed"):
+        load_checkpoint(str(tmp_path), fresh.parts())  # `latest` names step_000002
+    with pytest.raises(CheckpointError, match="named for step 1 but"):
+        load_checkpoint(first, fresh.parts())
+    assert all(torch.equal(fresh.weights()[key], value) for key, value in untouched.items())
+    renamed = tmp_path / "best"  # a directory renamed to something else is the user's choice
+    os.rename(second, renamed)
+    assert load_checkpoint(str(renamed), fresh.parts()).step == 1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.orphan_job import kill_launcher
+from tests.support.orphan_job import KILL_POINTS, kill_launcher
 
 pytestmark = pytest.mark.multiprocess
 
@@ -34,6 +34,26 @@ def test_killing_the_launcher_orphans_nothing(start_method: str, signal_number: 
     written = _checkpoints(tmp_path)
     time.sleep(1.0)
     assert _checkpoints(tmp_path) == written  # nobody saves any more
+
+
+_SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM, "SIGKILL": signal.SIGKILL}
+_CHEAP = {("starting", "SIGINT"), ("unpickling", "SIGKILL"), ("rendezvous", "SIGTERM"),
+          ("first-step", "SIGKILL")}  # each point and each signal once; the rest are slow
+
+
+@pytest.mark.parametrize(("point", "signal_number"), [
+    pytest.param(point, number, id=f"{point}-{name}",
+                 marks=() if (point, name) in _CHEAP else pytest.mark.slow)
+    for point in KILL_POINTS if point != "training" for name, number in _SIGNALS.items()])
+def test_killing_the_launcher_during_start_up_orphans_nothing(point: str, signal_number: int,
+                                                              tmp_path: Path) -> None:
+    # regression: 13/57 start-up kills left a rank (blocked in torch's FileStore holding the
+    # GIL, so its watch thread never ran), the fork server and the resource tracker for ~5
+    # minutes, and stray pipesched-*/pymp-* directories
+    outcome = kill_launcher(str(tmp_path), "forkserver", signal_number, point)
+    assert outcome.started, outcome.problems
+    assert outcome.clean, outcome.problems
+    assert not outcome.traceback, (tmp_path / "stderr.txt").read_text()[-3000:]
 
 
 @pytest.mark.slow
