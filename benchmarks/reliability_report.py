@@ -43,7 +43,7 @@ from benchmarks.reliability_inputs import concurrent_writers, huge_inputs, silen
 from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.save import save_checkpoint
 from pipeline.errors import CheckpointError
-from pipeline.launcher import faults
+from pipeline.supervision import faults
 from tests.partition import test_fuzz_files
 from tests.schedules import test_fuzz_readers
 from tests.support.checkpoint_cases import Job, corruption_cases

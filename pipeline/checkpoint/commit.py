@@ -50,7 +50,7 @@ def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str
            reach: Callable[[str], None]) -> CheckpointError | None:
     """Write the manifest, rename `staging` to `root/final_name`, point `latest` at it, sweep.
     None on success; otherwise the error to report, with the disk already cleaned up.
-    `reach` fires the owner's armed fault points (`pipeline.launcher.faults`)."""
+    `reach` fires the owner's armed fault points (`pipeline.supervision.faults`)."""
     previous = latest_name(root)
     final = os.path.join(root, final_name)
     try:

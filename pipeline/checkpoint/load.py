@@ -47,7 +47,7 @@ __all__ = ["load_checkpoint"]
 
 
 @dataclass
-class _Plan:
+class _Prepared:
     """Everything read and checked, nothing applied yet."""
 
     step_dir: str
@@ -66,21 +66,22 @@ def load_checkpoint(path: str, parts: CheckpointParts, *,
     torn, corrupt or mismatched checkpoint with `CheckpointError` before changing anything.
     The caller takes the step counter from the returned info."""
     path = os.fspath(path)
-    plan: _Plan | None = None
+    prepared: _Prepared | None = None
     problem: CheckpointError | None = None
     try:
-        plan = _prepare(path, parts, load_optimizer)
+        prepared = _prepare(path, parts, load_optimizer)
     except CheckpointError as error:
         problem = error
     agree(problem, "loading the checkpoint")
-    assert plan is not None  # agree raised otherwise
+    assert prepared is not None  # agree raised otherwise
     try:
-        _apply(plan, parts)
+        _apply(prepared, parts)
     except (CheckpointError, RuntimeError, ValueError, KeyError) as error:
         problem = CheckpointError(f"{type(error).__name__}: {error}; the state is now partly "
-                                  "loaded: load the checkpoint again", path=plan.step_dir)
+                                  "loaded: load the checkpoint again", path=prepared.step_dir)
     agree(problem, "applying the checkpoint")
-    return CheckpointInfo(plan.step_dir, plan.manifest.step, rng_restored=plan.rng is not None)
+    return CheckpointInfo(prepared.step_dir, prepared.manifest.step,
+                          rng_restored=prepared.rng is not None)
 
 
 def _read(step_dir: str, entry: FileEntry) -> Any:
@@ -102,7 +103,7 @@ def _read(step_dir: str, entry: FileEntry) -> Any:
                               f"({type(error).__name__}: {error})", path=path) from None
 
 
-def _prepare(path: str, parts: CheckpointParts, load_optimizer: bool) -> _Plan:
+def _prepare(path: str, parts: CheckpointParts, load_optimizer: bool) -> _Prepared:
     step_dir = resolve_checkpoint(path)
     manifest = read_manifest(step_dir)
     _check_fits(manifest, parts, step_dir, load_optimizer)
@@ -127,7 +128,7 @@ def _prepare(path: str, parts: CheckpointParts, load_optimizer: bool) -> _Plan:
         raise CheckpointError(f"{step_dir}: a file passes its checksum but is not laid out as "
                               f"pipesched writes it ({type(error).__name__}: {error})",
                               path=step_dir) from error
-    return _Plan(step_dir, manifest, weights, state, hyper, regions, rng)
+    return _Prepared(step_dir, manifest, weights, state, hyper, regions, rng)
 
 
 def _check_fits(manifest: Manifest, parts: CheckpointParts, step_dir: str,
@@ -234,22 +235,22 @@ def _read_optimizer(step_dir: str, manifest: Manifest, parts: CheckpointParts
     return state, hyper, regions
 
 
-def _apply(plan: _Plan, parts: CheckpointParts) -> None:
+def _apply(prepared: _Prepared, parts: CheckpointParts) -> None:
     layers = parts.layers
     with torch.no_grad():
-        for index, state in plan.weights.items():
+        for index, state in prepared.weights.items():
             layers[index].load_state_dict(state)
     optimizer = parts.optimizer
-    if plan.optimizer_state is not None:
+    if prepared.optimizer_state is not None:
         if isinstance(optimizer, ShardedOptimizer):
-            assert plan.regions is not None
-            import_zero(optimizer, plan.regions, plan.optimizer_state, plan.hyper,
-                        where=plan.step_dir)
+            assert prepared.regions is not None
+            import_zero(optimizer, prepared.regions, prepared.optimizer_state, prepared.hyper,
+                        where=prepared.step_dir)
         elif optimizer is not None:
             keys = param_keys(parts.module.named_layer_parameters())
-            import_torch_optimizer(optimizer, keys, plan.optimizer_state, plan.hyper,
-                                   where=plan.step_dir)
-    if plan.manifest.loss_scaler is not None and parts.loss_scaler is not None:
-        parts.loss_scaler.load_state_dict(plan.manifest.loss_scaler)
-    if plan.rng is not None:
-        restore_rng(plan.rng)
+            import_torch_optimizer(optimizer, keys, prepared.optimizer_state, prepared.hyper,
+                                   where=prepared.step_dir)
+    if prepared.manifest.loss_scaler is not None and parts.loss_scaler is not None:
+        parts.loss_scaler.load_state_dict(prepared.manifest.loss_scaler)
+    if prepared.rng is not None:
+        restore_rng(prepared.rng)

@@ -46,10 +46,10 @@ from pipeline.checkpoint.rng_state import capture_rng
 from pipeline.checkpoint.root_lock import CheckpointRootLockedError, lock_root
 from pipeline.checkpoint.zero_state import export_zero, zero_layout
 from pipeline.errors import CheckpointError
-from pipeline.launcher.faults import FaultPoints
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.supervision.faults import FaultPoints
 
 __all__ = ["CheckpointInfo", "CheckpointParts", "Stateful", "agree", "layer_file",
            "optimizer_file", "rng_file", "save_checkpoint"]
@@ -84,7 +84,7 @@ class CheckpointParts:
     """Fault points a test armed for this save (the engine passes its `faults`)."""
 
     def reach(self, point: str) -> None:
-        """Fire `point` if a test armed it (see `pipeline.launcher.faults`)."""
+        """Fire `point` if a test armed it (see `pipeline.supervision.faults`)."""
         if self.faults is not None:
             self.faults.reach(point)
 

@@ -5,7 +5,7 @@ port. When a rank fails, its watchdog peers end within a poll interval; the laun
 any rank still alive after a short grace, then raises one `RankFailedError` naming the rank
 that failed first and the instruction it failed at (or, after a timeout, the rank that
 stopped progressing). When the launcher itself dies, at any moment from start-up on, every
-rank ends and the launcher's temporary directories go (`pipeline.launcher.orphans`).
+rank ends and the launcher's temporary directories go (`pipeline.supervision.orphans`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,16 @@ import torch.distributed as dist
 
 from pipeline.device import default_backend, process_group_timeout
 from pipeline.errors import PipelineConfigError
-from pipeline.launcher.failure import EXIT_PEER_FAILED, FailureRecord, Watchdog, report_failure
-from pipeline.launcher.orphans import (
+from pipeline.launcher.results import (
+    RankReport,
+    Result,
+    failure_error,
+    read_result,
+    write_result,
+)
+from pipeline.limits import MAX_TIMEOUT, check_local_ranks
+from pipeline.supervision.failure import EXIT_PEER_FAILED, FailureRecord, Watchdog, report_failure
+from pipeline.supervision.orphans import (
     EXIT_LAUNCHER_GONE,
     ProcessIdentity,
     Reaper,
@@ -44,20 +52,12 @@ from pipeline.launcher.orphans import (
     remove_on_sigterm,
     watch_launcher,
 )
-from pipeline.launcher.progress import (
+from pipeline.supervision.progress import (
     StallError,
     default_store,
     explain_stall,
     looks_like_timeout,
 )
-from pipeline.launcher.results import (
-    RankReport,
-    Result,
-    failure_error,
-    read_result,
-    write_result,
-)
-from pipeline.limits import MAX_TIMEOUT, check_local_ranks
 
 __all__ = ["launch"]
 

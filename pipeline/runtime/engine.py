@@ -16,9 +16,6 @@ from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, save_checkpoint
 from pipeline.device import default_device, synchronize
 from pipeline.errors import NonFiniteError, PipelineConfigError, PipelineStepError
-from pipeline.launcher.failure import Watchdog, read_failure, report_failure
-from pipeline.launcher.faults import FaultPoints
-from pipeline.launcher.progress import ProgressRecord, StallError, explain_timeout
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
@@ -54,6 +51,9 @@ from pipeline.runtime.schedule_setup import (
 )
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.trace import StepStats, Trace, merge_rank_spans
+from pipeline.supervision.failure import Watchdog, read_failure, report_failure
+from pipeline.supervision.faults import FaultPoints
+from pipeline.supervision.progress import ProgressRecord, StallError, explain_timeout
 from schedules import Instruction, Kind, Schedule, Timeline
 from schedules.ir.grid import format_grid
 

@@ -17,7 +17,6 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from pipeline.launcher.progress import ProgressRecord, StallError, explain_stall
 from pipeline.model.layer_rng import forward_key
 from pipeline.model.module import LossFn, PipelineModule, Stage
 from pipeline.parallel.data_parallel import GradReducer, OverlappingReducer
@@ -31,6 +30,7 @@ from pipeline.runtime.saved_memory import hold_outputs
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.split_backward import LayerGrads, forward_capturing
 from pipeline.runtime.trace import Trace
+from pipeline.supervision.progress import ProgressRecord, StallError, explain_stall
 from schedules import Instruction, Kind
 
 __all__ = ["InstructionFailed", "Interpreter", "StepState", "free_output_data", "last_backwards"]

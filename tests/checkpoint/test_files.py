@@ -15,8 +15,8 @@ from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.manifest import LATEST, read_manifest, resolve_checkpoint, verify_files
 from pipeline.checkpoint.save import save_checkpoint
 from pipeline.errors import CheckpointError
-from pipeline.launcher import faults
 from pipeline.parallel.precision import DynamicLossScaler
+from pipeline.supervision import faults
 from tests.support.checkpoint_cases import Job, corruption_cases
 
 

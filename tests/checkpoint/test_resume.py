@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from pipeline import PipelineEngine, PipelineModule, RankFailedError, launch
 from pipeline.checkpoint.manifest import LATEST, read_manifest
-from pipeline.launcher import faults
+from pipeline.supervision import faults
 from tests.support.equivalence import gathered_weights
 from tests.support.fault_helpers import record_pid, surviving_ranks
 from tests.support.pipeline_models import MODELS

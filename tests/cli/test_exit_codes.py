@@ -23,7 +23,7 @@ from pipeline.cli import (
     main,
     partition_cmd,
 )
-from pipeline.launcher.faults import FaultPoints
+from pipeline.supervision.faults import FaultPoints
 from tests.support.cli_helpers import REPO, run_cli
 
 _FAILING_MODEL = '''

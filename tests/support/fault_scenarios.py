@@ -1,7 +1,7 @@
 """Faults injected into launched jobs, and the check that the job ended cleanly: the launcher
 raised `RankFailedError` naming the right rank, within a bound, every rank exited non-zero,
 no process survived; after a kill during a save, a new job resumes from the last complete
-checkpoint. Shared by `tests/launch/test_faults.py` and `benchmarks/reliability_report.py`.
+checkpoint. Shared by `tests/supervision/test_faults.py` and `benchmarks/reliability_report.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline import PipelineEngine, PipelineModule, RankFailedError, launch
-from pipeline.launcher import faults
+from pipeline.supervision import faults
 from tests.support.fault_helpers import record_pid, surviving_ranks
 from tests.support.pipeline_models import MODELS, Boom, Stall, mlp_layers
 

@@ -10,7 +10,7 @@ place), or that stop at a start-up POINT (`KILL_POINTS`) until killed:
   it in the first step's receive;
 - ``training``: both ranks train and save (the default).
 
-Shared by `tests/launch/test_orphans.py` and `benchmarks/reliability_report.py`, which kill
+Shared by `tests/supervision/test_orphans.py` and `benchmarks/reliability_report.py`, which kill
 this process and check that no rank, fork server or temporary directory outlives it.
 """
 

@@ -1,6 +1,6 @@
 """Stalled ranks (SIGSTOPped mid-step, slow in engine set-up, slow before a checkpoint save)
 and the check that the job fails naming the stalled rank. Shared by
-`tests/launch/test_stalls.py` and `benchmarks/reliability_report.py`.
+`tests/supervision/test_stalls.py` and `benchmarks/reliability_report.py`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The launcher room holds no mutable module state; its pieces (fault points, progress records,
-stall naming, the launcher watch) work per object and as pure functions."""
+"""The supervision and launcher rooms hold no mutable module state; their pieces (fault
+points, progress records, stall naming, the launcher watch) work per object and as pure
+functions."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.launcher.faults import FAULT_POINTS, FaultPoints
-from pipeline.launcher.orphans import EXIT_LAUNCHER_GONE, identity_of
-from pipeline.launcher.progress import (
+from pipeline.supervision.faults import FAULT_POINTS, FaultPoints
+from pipeline.supervision.orphans import EXIT_LAUNCHER_GONE, identity_of
+from pipeline.supervision.progress import (
     EVERY_RANK,
     ProgressRecord,
     RankState,
@@ -25,17 +26,18 @@ from pipeline.launcher.progress import (
     name_culprit,
 )
 
-_MODULES = ["failure", "faults", "orphans", "processes", "progress", "results"]
+_MODULES = ["supervision.failure", "supervision.faults", "supervision.orphans",
+            "supervision.progress", "launcher.processes", "launcher.results"]
 
 
 @pytest.mark.parametrize("name", _MODULES)
 def test_no_mutable_state_at_module_level(name: str) -> None:
     # Issue 11: the progress record, the watchdog and the armed fault points were globals
-    module = importlib.import_module(f"pipeline.launcher.{name}")
+    module = importlib.import_module(f"pipeline.{name}")
     shared = {key: type(value).__name__ for key, value in vars(module).items()
               if not key.startswith("__") and key != "__all__"
               and isinstance(value, list | dict | set | bytearray | FaultPoints | ProgressRecord)}
-    assert not shared, f"pipeline.launcher.{name} holds mutable state: {shared}"
+    assert not shared, f"pipeline.{name} holds mutable state: {shared}"
 
 
 def test_fault_points_of_two_owners_are_independent() -> None:
@@ -137,7 +139,7 @@ def test_a_rank_ends_and_removes_the_launchers_directories_when_the_launcher_die
     (owned / "inside").mkdir(parents=True)
     rank_code = textwrap.dedent(f"""
         import time
-        from pipeline.launcher.orphans import identity_of, watch_launcher
+        from pipeline.supervision.orphans import identity_of, watch_launcher
         watch_launcher(identity_of({launcher.pid}), [{str(owned)!r}])
         print("watching", flush=True)
         time.sleep(600)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.launcher.progress import (
+from pipeline.supervision.progress import (
     ProgressRecord,
     answer_probes,
     bounded,
