@@ -10,6 +10,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 from pipeline.planner.errors import PlanError
+from pipeline.planner.input_files import read_input_json
 
 __all__ = ["PRESETS", "ClusterSpec", "cluster_from_json"]
 
@@ -190,7 +191,6 @@ def cluster_from_json(source: str | os.PathLike[str] | Mapping[str, Any]) -> Clu
     if isinstance(source, Mapping):
         document: Any = source
     else:
-        from pipeline.planner.load import read_input_json  # load imports this module
 
         document = read_input_json(source, "cluster file")
     if not isinstance(document, Mapping):

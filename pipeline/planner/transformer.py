@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from pipeline.planner.errors import PlanError
+from pipeline.planner.input_files import read_input_json
 from pipeline.planner.kernels import LayerShape
 from pipeline.planner.profile import LayerProfile, ModelProfile
 
@@ -179,7 +180,6 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
     if isinstance(source, Mapping):
         values = dict(source)
     elif source.endswith(".json") or os.path.exists(source):
-        from pipeline.planner.load import read_input_json  # load imports this module
 
         values = read_input_json(source, "model file")
         if not isinstance(values, dict):

@@ -26,7 +26,7 @@ def _limited() -> None:
     ("--batch-size", "8000000000000"),  # regression: an allocator traceback
     ("--width", "1000000"),  # regression: an allocator traceback
     ("--blocks", "100000"),  # regression: ran until killed
-    ("--stages", "5000", "--blocks", "20000"),  # regression: ran until killed
+    ("--stages", "100", "--blocks", "20000"),  # regression: ran until killed (at 5,000 stages)
 ])
 def test_huge_train_sizes_are_refused_from_the_estimate(arguments: tuple[str, ...],
                                                         tmp_path: object) -> None:
@@ -38,6 +38,17 @@ def test_huge_train_sizes_are_refused_from_the_estimate(arguments: tuple[str, ..
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "more than the limit of" in lines[0] and "GiB" in lines[0], \
         lines
+
+
+@pytest.mark.slow
+def test_more_ranks_than_the_host_holds_are_refused_before_the_estimate(tmp_path: object) -> None:
+    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "--stages", "5000",
+                             "--blocks", "20000", "--steps", "1", "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+                            preexec_fn=_limited)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "would start 5,000 local processes" in lines[0], lines
 
 
 def test_the_demo_defaults_fit_with_room_to_spare() -> None:
