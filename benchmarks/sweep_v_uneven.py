@@ -48,9 +48,9 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     rows: dict[int, list[int]] = {}
-    worst, best_gain, no_greedy, behind = 0.0, 0.0, 0, []
+    worst, best_gain, no_greedy, no_greedy_at_p, behind = 0.0, 0.0, 0, 0, []
     for p in range(2, args.max_ranks + 1):
-        counts = rows.setdefault(p, [0, 0, 0, 0])
+        counts = rows.setdefault(p, [0, 0, 0, 0, 0])
         for m in range(p, 3 * p + 1):
             for limit in sorted({max(2, p), 2 * p}):
                 forward, backward, weight = ([float(rng.randint(1, 6)) for _ in range(2 * p)]
@@ -62,19 +62,22 @@ def main() -> None:
                 counts[3] += 1
                 if theirs is None:
                     no_greedy += 1
+                    no_greedy_at_p += limit == p
+                    counts[4] += 1
                     continue
                 difference = (ours - theirs) / theirs
                 counts[0 if difference > 1e-9 else 1 if difference >= -1e-9 else 2] += 1
                 worst, best_gain = max(worst, difference), min(best_gain, difference)
                 if difference > 1e-9:
                     behind.append(f"p={p} m={m} limit={limit}: {ours:g} vs {theirs:g}")
-    print("| p | cases | behind | level | ahead |")
-    print("|---|---|---|---|---|")
-    for p, (worse, level, ahead, total) in rows.items():
-        print(f"| {p} | {total} | {worse} | {level} | {ahead} |")
+    print("| p | cases | behind | level | ahead | no greedy order |")
+    print("|---|---|---|---|---|---|")
+    for p, (worse, level, ahead, total, missing) in rows.items():
+        print(f"| {p} | {total} | {worse} | {level} | {ahead} | {missing} |")
     total = sum(row[3] for row in rows.values())
     print(f"\n{total} cases; behind the V greedy: {len(behind)}; worst {100 * worst:+.1f}%, "
-          f"best {100 * best_gain:+.1f}%; greedy found no order within the limit: {no_greedy}")
+          f"best {100 * best_gain:+.1f}%; greedy found no order within the limit: {no_greedy} "
+          f"({no_greedy_at_p} of them at limit p)")
     for line in behind:
         print("behind:", line)
 
