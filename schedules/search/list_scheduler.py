@@ -83,7 +83,8 @@ LARGE_PROBLEM = 5_000
 CRITICAL_PATH_GRID: tuple[ListKnobs, ...] = tuple(
     ListKnobs(critical_path=True, min_gap_for_w=gap, lookahead=look, reserve=reserve)
     for gap, look, reserve in itertools.product((0.0, 1.0), (False, True), (True, False)))
-"""The critical-path variants (8) that `zb_v_auto` tries besides `knob_grid`'s."""
+"""The critical-path variants (8) that `zb_v_auto` tries besides `knob_grid`'s (the first
+2, w_gap 0 without lookahead, on large problems)."""
 
 
 def knob_grid(num_stages: int, num_microbatches: int) -> tuple[ListKnobs, ...]:
