@@ -25,7 +25,7 @@ def zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None
 
     Candidates: the fixed ZB-V table (torch's order) when it fits, the paper's V greedy in
     its four fill settings each with 0, 1 or 2 extra warm-up rounds (`V_GREEDY_GRID`; on
-    large problems the extra rounds with both fills only), the list scheduler in 32
+    large problems 0 only), the list scheduler in 32
     settings (8 on large problems) and in its 8 critical-path settings
     (`CRITICAL_PATH_GRID`; 2 on large problems); the shortest simulated makespan wins.
     So it is never slower than those V greedies nor than the table under the same memory;
@@ -52,8 +52,7 @@ def plan_zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int |
         orders.append(("zb-v table", table))
     large = 3 * len(placement) * m > LARGE_PROBLEM  # there, fewer of the extra settings
     for knobs in V_GREEDY_GRID:
-        if large and knobs.extra_warmup and not (knobs.fill_before_backward and
-                                                 knobs.fill_before_forward):
+        if large and knobs.extra_warmup:
             continue
         streams = v_greedy_order(p, m, limit, forward, backward, weight, delay, knobs)
         if streams is not None:
