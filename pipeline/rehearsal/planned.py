@@ -81,8 +81,8 @@ def planned_costs(model: ModelProfile, cluster: ClusterSpec, config: PlanConfig,
 
 
 def planned_rehearsal(prediction: Prediction, model: ModelProfile, cluster: ClusterSpec, *,
-                   precision: str | None = None, steps: int = 5, warmup: int = 1
-                   ) -> RehearsalSpec:
+                      precision: str | None = None, steps: int = 5, warmup: int = 1
+                      ) -> RehearsalSpec:
     """The rehearsal that runs `prediction`'s configuration over emulated layers priced as the
     planner priced them, cut where the planner cut (`prediction.boundaries`)."""
     config = prediction.config

@@ -23,13 +23,14 @@ limit (e.g. a limit of p on uneven costs).
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from schedules.ir.instructions import NONE, Instruction, Kind, instruction_from
 
-__all__ = ["VGreedyKnobs", "v_greedy_order"]
+__all__ = ["V_GREEDY_GRID", "VGreedyKnobs", "v_greedy_order"]
 
 _F, _I, _W = Kind.F, Kind.I, Kind.W
 _UNKNOWN = -1.0
@@ -45,10 +46,21 @@ class VGreedyKnobs:
 
     fill_before_backward: bool = True
     fill_before_forward: bool = True
+    extra_warmup: int = 0
+    """Warm-up rounds of down forwards past the time rule, per rank, still within memory
+    and m - r (the authors' scheduler: 0)."""
 
     def label(self) -> str:
+        extra = f", warmup{self.extra_warmup:+d}" if self.extra_warmup else ""
         return (f"v-greedy(fill_i={int(self.fill_before_backward)}, "
-                f"fill_f={int(self.fill_before_forward)})")
+                f"fill_f={int(self.fill_before_forward)}{extra})")
+
+
+V_GREEDY_GRID: tuple[VGreedyKnobs, ...] = tuple(
+    VGreedyKnobs(fill_i, fill_f, extra)
+    for extra, fill_i, fill_f in itertools.product((0, 1, 2), (True, False), (True, False)))
+"""The settings `zb_v_auto` tries: the authors' four fill settings, each with 0, 1 and 2
+warm-up rounds past the time rule (uneven costs: the rule can stop a round too early)."""
 
 
 def v_greedy_order(num_ranks: int, num_microbatches: int, memory_limit: int,
@@ -186,9 +198,13 @@ class _Attempt:
         for r in range(p - 1, -1, -1):
             if r < p - 1:
                 target = self.f_end[(self.stage(r + 1, 1), 0)] + self.delay[self.stage(r, 1) - 1]
+                extra = self.knobs.extra_warmup
                 while (self.memory[r] + 2 + 2 * r <= self.limit
-                       and self.clock[r] + self.forward[r] <= target
                        and self.count_f[r][0] < m - r):
+                    if self.clock[r] + self.forward[r] > target:
+                        if extra <= 0:
+                            break
+                        extra -= 1  # a round beyond the time rule
                     for j in range(r + 1):
                         self.put(j, _F, 0)
             self.put(r, _F, 1)

@@ -81,5 +81,5 @@ def pick_fastest(name: str, num_microbatches: int, placement: tuple[int, ...], o
         scored.append((makespan, cost, peak_in_flight(streams), index, label, streams))
     scored.sort(key=lambda row: row[:4])
     return ScheduleSearch(Schedule(name, m, placement, scored[0][5]),
-                    tuple(Candidate(label, cost, makespan, peak)
-                          for makespan, cost, peak, _, label, _ in scored))
+                          tuple(Candidate(label, cost, makespan, peak)
+                                for makespan, cost, peak, _, label, _ in scored))

@@ -35,13 +35,13 @@ def interleaved_zb(num_ranks: int, num_microbatches: int, chunks: int = 2, *,
     it is never slower.
     """
     return search_interleaved_zb(num_ranks, num_microbatches, chunks, memory_limit=memory_limit,
-                               costs=costs).schedule
+                                 costs=costs).schedule
 
 
 @gc_paused
 def search_interleaved_zb(num_ranks: int, num_microbatches: int, chunks: int = 2, *,
-                        memory_limit: int | None = None,
-                        costs: CostModel | None = None) -> ScheduleSearch:
+                          memory_limit: int | None = None,
+                          costs: CostModel | None = None) -> ScheduleSearch:
     """`interleaved_zb` with every candidate it compared, fastest first."""
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)

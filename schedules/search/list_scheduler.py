@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from schedules.ir.instructions import NONE, Instruction, Kind, instruction_from
 
-__all__ = ["LARGE_PROBLEM", "LIST_KNOB_GRID", "SMALL_KNOB_GRID", "ListKnobs", "knob_grid",
-           "list_order"]
+__all__ = ["CRITICAL_PATH_GRID", "LARGE_PROBLEM", "LIST_KNOB_GRID", "SMALL_KNOB_GRID",
+           "ListKnobs", "knob_grid", "list_order", "try_list_order"]
 
 _F, _I, _W = Kind.F, Kind.I, Kind.W
 _UNKNOWN = -1.0  # end time of an op not scheduled yet
@@ -47,8 +47,19 @@ class ListKnobs:
     """Fill a wait with W only if it lasts at least this many W times (0: any wait)."""
     lookahead: bool = False
     """Do not start an F when an I arrives before that F could end."""
+    critical_path: bool = False
+    """Among all ready F and I, run the one with the longest path of true costs to the
+    end of the step (then the older microbatch, then the I); the three knobs above that
+    order F and I are then unused."""
+    reserve: bool = True
+    """Admit a microbatch only when all its stages on the rank fit in memory (True: never
+    deadlocks), or start any F that fits (False: holds more at once; an order that would
+    deadlock is dropped, see `list_order`)."""
 
     def label(self) -> str:
+        if self.critical_path:
+            return (f"list(critical_path, w_gap={self.min_gap_for_w:g}, "
+                    f"lookahead={int(self.lookahead)}, reserve={int(self.reserve)})")
         return (f"list(i_first={int(self.backward_first)}, "
                 f"deep_f={int(self.deepest_forward)}, deep_i={int(self.deepest_backward)}, "
                 f"w_gap={self.min_gap_for_w:g}, lookahead={int(self.lookahead)})")
@@ -69,6 +80,12 @@ of the list scheduler costs seconds."""
 
 LARGE_PROBLEM = 5_000
 
+CRITICAL_PATH_GRID: tuple[ListKnobs, ...] = tuple(
+    ListKnobs(critical_path=True, min_gap_for_w=gap, lookahead=look, reserve=reserve)
+    for gap, look, reserve in itertools.product((0.0, 1.0), (False, True), (True, False)))
+"""The critical-path variants (8) that `zb_v_auto` tries besides `knob_grid`'s (the first
+2, w_gap 0 without lookahead, on large problems)."""
+
 
 def knob_grid(num_stages: int, num_microbatches: int) -> tuple[ListKnobs, ...]:
     """`LIST_KNOB_GRID`, or `SMALL_KNOB_GRID` above `LARGE_PROBLEM` compute ops."""
@@ -86,6 +103,19 @@ def list_order(placement: Sequence[int], num_microbatches: int, memory_limit: in
     ranks. No rank holds more than `memory_limit` (stage, microbatch) activations (F
     started, W not run); the caller checks memory_limit >= the most stages on one rank.
     """
+    streams = _ListScheduler(placement, num_microbatches, memory_limit, forward, backward,
+                             weight, delay, knobs).run()
+    if streams is None:  # cannot happen when knobs.reserve; keep it visible
+        raise RuntimeError(f"list scheduler stuck with {knobs.label()}")
+    return streams
+
+
+def try_list_order(placement: Sequence[int], num_microbatches: int, memory_limit: int,
+                   forward: Sequence[float], backward: Sequence[float],
+                   weight: Sequence[float], delay: Sequence[float],
+                   knobs: ListKnobs) -> tuple[tuple[Instruction, ...], ...] | None:
+    """`list_order`, or None when the order cannot finish (only without `knobs.reserve`:
+    every rank's memory full of forwards whose backwards wait on another full rank)."""
     return _ListScheduler(placement, num_microbatches, memory_limit, forward, backward,
                           weight, delay, knobs).run()
 
@@ -118,14 +148,15 @@ class _ListScheduler:
         self.streams: list[list[Instruction]] = [[] for _ in range(p)]
         self.queue: list[tuple[float, int]] = [(0.0, r) for r in range(p)]
         self.blocked: dict[int, float] = {}  # rank -> time it waits from, for an unknown op
+        self.held = [0] * p  # activations a rank holds: F started, W not run
+        self.f_tail, self.i_tail = _tails(placement, forward, backward, weight, delay)
 
-    def run(self) -> tuple[tuple[Instruction, ...], ...]:
+    def run(self) -> tuple[tuple[Instruction, ...], ...] | None:
         while self.queue:
             time, rank = heapq.heappop(self.queue)
             self._decide(rank, max(time, self.clock[rank]))
-        stuck = [r for r, left in enumerate(self.ops_left) if left]
-        if stuck:  # cannot happen when the limit fits one microbatch; keep it visible
-            raise RuntimeError(f"list scheduler stuck on ranks {stuck}")
+        if any(self.ops_left):
+            return None
         return tuple(tuple(stream) for stream in self.streams)
 
     def _f_arrival(self, r: int, s: int) -> float:
@@ -154,6 +185,8 @@ class _ListScheduler:
         return max(own, grad + (self.delay[s] if self.placement[s + 1] != r else 0.0))
 
     def _memory_allows(self, r: int, s: int) -> bool:
+        if not self.knobs.reserve:
+            return self.held[r] < self.limit
         if s != self.first_stage[r]:
             return True  # reserved when the microbatch was admitted
         admitted = self.next_f[s]
@@ -182,6 +215,8 @@ class _ListScheduler:
             else:
                 known.append(at)
         known.extend(i_times)
+        if knobs.critical_path:
+            ready_i, ready_f = self._most_critical(r, t, i_at, ready_f is not None)
         if ready_i is not None and (knobs.backward_first or ready_f is None):
             return self._run(r, t, _I, ready_i)
         if ready_f is not None and not (
@@ -200,8 +235,26 @@ class _ListScheduler:
             heapq.heappush(self.queue, (min(known), r))
         self.blocked[r] = t
 
+    def _most_critical(self, r: int, t: float, i_at: list[tuple[int, float]],
+                       any_f: bool) -> tuple[int | None, int | None]:
+        """The ready I or F (the other None) with the longest tail, then the older
+        microbatch, then the I."""
+        best: tuple[float, int, int, int] | None = None
+        for s, at in i_at:
+            if 0.0 <= at <= t:
+                best = max(best or (-1.0, 0, 0, 0), (self.i_tail[s], -self.next_i[s], 1, s))
+        if any_f:
+            for s in self.forward_order[r]:
+                at = self._f_arrival(r, s)
+                if 0.0 <= at <= t and self._memory_allows(r, s):
+                    best = max(best or (-1.0, 0, 0, 0), (self.f_tail[s], -self.next_f[s], 0, s))
+        if best is None:
+            return None, None
+        return (best[3], None) if best[2] else (None, best[3])
+
     def _run(self, r: int, t: float, kind: Kind, s: int) -> None:
         if kind is _F:
+            self.held[r] += 1
             i = self.next_f[s]
             self.next_f[s] += 1
             end = self.f_end[s][i] = t + self.forward[s]
@@ -215,6 +268,7 @@ class _ListScheduler:
         else:
             s, i = self.pending_w[r].popleft()
             self.w_done[r] += 1
+            self.held[r] -= 1
             end = t + self.weight[s]
             neighbour = -1
         self.ops_left[r] -= 1
@@ -225,3 +279,20 @@ class _ListScheduler:
             other = self.placement[neighbour]
             if other != r and other in self.blocked:
                 heapq.heappush(self.queue, (self.blocked.pop(other), other))
+
+
+def _tails(placement: Sequence[int], forward: Sequence[float], backward: Sequence[float],
+           weight: Sequence[float], delay: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per stage, the longest chain of true costs (and cross-rank delays) from the start of
+    an F, and of an I, to the end of its microbatch's last op: the list scheduler's
+    critical-path priorities."""
+    last = len(placement) - 1
+    hop = [delay[s] if s < last and placement[s] != placement[s + 1] else 0.0
+           for s in range(last + 1)]
+    i_tail = [0.0] * (last + 1)
+    for s in range(last + 1):
+        i_tail[s] = backward[s] + max(weight[s], i_tail[s - 1] + hop[s - 1] if s else 0.0)
+    f_tail = [0.0] * (last + 1)
+    for s in range(last, -1, -1):
+        f_tail[s] = forward[s] + max(i_tail[s], f_tail[s + 1] + hop[s] if s < last else 0.0)
+    return f_tail, i_tail

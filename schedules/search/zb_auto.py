@@ -60,12 +60,12 @@ def zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None =
     nor than ZB-H2 when K >= min(2p - 1, m): both are candidates.
     """
     return search_zb_auto(num_ranks, num_microbatches, memory_limit=memory_limit,
-                        costs=costs).schedule
+                          costs=costs).schedule
 
 
 @gc_paused
 def search_zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None = None,
-                 costs: CostModel | None = None) -> ScheduleSearch:
+                   costs: CostModel | None = None) -> ScheduleSearch:
     """`zb_auto` with the candidates it compared (for reports and benchmarks)."""
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)
@@ -104,8 +104,8 @@ def search_zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int |
     scored.sort(key=lambda row: row[:4])
     best = scored[0]
     return ScheduleSearch(Schedule("zb-auto", m, placement, best[5]),
-                    tuple(Candidate(label, cost, makespan, peak)
-                          for cost, makespan, peak, _, label, _ in scored))
+                          tuple(Candidate(label, cost, makespan, peak)
+                                for cost, makespan, peak, _, label, _ in scored))
 
 
 def peak_in_flight(streams: Sequence[Sequence[Instruction]]) -> int:

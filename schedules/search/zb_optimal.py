@@ -292,8 +292,8 @@ class _Model:
         bound = max(solved, simple)
         if status not in (cp.OPTIMAL, cp.FEASIBLE):
             return SolvedSchedule(_renamed(hint), hint_makespan,
-                               min(bound, hint_makespan), False, hint_name,
-                               kept_heuristic="no solution")
+                                  min(bound, hint_makespan), False, hint_name,
+                                  kept_heuristic="no solution")
         schedule = self._order(solver, start, end)
         found = figures(simulate(schedule, self.costs))
         # Re-simulated, the solver's order can only be faster and within the limit; keep
@@ -311,8 +311,8 @@ class _Model:
             makespan, solver.ObjectiveValue() / self.scale, rel_tol=1e-9, abs_tol=1e-9)) or \
             makespan <= max(simple, 0.0) + 1e-12
         return SolvedSchedule(schedule, makespan, makespan if proven else min(bound, makespan),
-                           proven, hint_name, kept_heuristic=kept,
-                           optimal_for_rounded_costs=optimal and not self.exact)
+                              proven, hint_name, kept_heuristic=kept,
+                              optimal_for_rounded_costs=optimal and not self.exact)
 
     def _hint(self, model: Any, hint: Schedule, start: dict[tuple[Kind, int, int], Any],
               end: dict[tuple[Kind, int, int], Any], sizes: dict[tuple[int, int], Any],

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-import itertools
-
 from schedules.analysis.simulate import CostModel
 from schedules.generators.zb_v import zb_v
 from schedules.ir.schedule import Schedule, check_count, gc_paused, v_placement
-from schedules.search.authors_v_greedy import VGreedyKnobs, v_greedy_order
+from schedules.search.authors_v_greedy import V_GREEDY_GRID, v_greedy_order
 from schedules.search.candidates import Orders, check_memory_limit, pick_fastest
-from schedules.search.list_scheduler import knob_grid, list_order
+from schedules.search.list_scheduler import (
+    CRITICAL_PATH_GRID,
+    LARGE_PROBLEM,
+    knob_grid,
+    list_order,
+    try_list_order,
+)
 from schedules.search.zb_auto import ScheduleSearch, peak_in_flight
 
 __all__ = ["search_zb_v_auto", "zb_v_auto"]
@@ -20,17 +24,20 @@ def zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None
     per rank, default 2p: 1F1B's p microbatches; at least 2, one microbatch in both chunks).
 
     Candidates: the fixed ZB-V table (torch's order) when it fits, the paper's V greedy in
-    its four fill settings, and the list scheduler in 32 settings (8 on large problems);
-    the shortest simulated makespan wins. So it is never slower than the V greedy nor than
-    the table under the same memory; at unit costs with m = p it halves the table's bubble.
+    its four fill settings each with 0, 1 or 2 extra warm-up rounds (`V_GREEDY_GRID`; on
+    large problems 0 only), the list scheduler in 32
+    settings (8 on large problems) and in its 8 critical-path settings
+    (`CRITICAL_PATH_GRID`; 2 on large problems); the shortest simulated makespan wins.
+    So it is never slower than those V greedies nor than the table under the same memory;
+    at unit costs with m = p it halves the table's bubble.
     """
     return search_zb_v_auto(num_ranks, num_microbatches, memory_limit=memory_limit,
-                          costs=costs).schedule
+                            costs=costs).schedule
 
 
 @gc_paused
 def search_zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None = None,
-                   costs: CostModel | None = None) -> ScheduleSearch:
+                     costs: CostModel | None = None) -> ScheduleSearch:
     """`zb_v_auto` with every candidate it compared, fastest first."""
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)
@@ -43,12 +50,19 @@ def search_zb_v_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int
     table = zb_v(p, m).streams
     if peak_in_flight(table) <= limit:
         orders.append(("zb-v table", table))
-    for fill_i, fill_f in itertools.product((True, False), repeat=2):
-        knobs = VGreedyKnobs(fill_i, fill_f)
+    large = 3 * len(placement) * m > LARGE_PROBLEM  # there, fewer of the extra settings
+    for knobs in V_GREEDY_GRID:
+        if large and knobs.extra_warmup:
+            continue
         streams = v_greedy_order(p, m, limit, forward, backward, weight, delay, knobs)
         if streams is not None:
             orders.append((knobs.label(), streams))
     orders.extend((knobs.label(), list_order(placement, m, limit, forward, backward, weight,
                                              delay, knobs))
                   for knobs in knob_grid(len(placement), m))
+    for list_knobs in CRITICAL_PATH_GRID[:2] if large else CRITICAL_PATH_GRID:
+        found = try_list_order(placement, m, limit, forward, backward, weight, delay,
+                               list_knobs)
+        if found is not None:
+            orders.append((list_knobs.label(), found))
     return pick_fastest("zb-v-auto", m, placement, orders, costs)

@@ -96,6 +96,13 @@ BUGS: tuple[PlantedBug, ...] = (
     PlantedBug("lowering loads no targets on the last stage", "schedules/passes/lowering.py",
                "if kind is kind_f and (s == 0 or (loads_targets and s == last_stage)):",
                "if kind is kind_f and s == 0:", _SCHEDULE_TESTS),
+    PlantedBug("V greedy ignores its extra warm-up rounds", "schedules/search/authors_v_greedy.py",
+               "                        extra -= 1  # a round beyond the time rule",
+               "                        break", ("tests/schedules/test_cost_aware.py",)),
+    PlantedBug("critical-path priorities ignore cross-rank delays",
+               "schedules/search/list_scheduler.py",
+               "    hop = [delay[s] if s < last", "    hop = [0.0 if s < last",
+               ("tests/schedules/test_list_scheduler.py",)),
 )
 
 
