@@ -8,15 +8,16 @@ from schedules.analysis.simulate import CostModel
 from schedules.generators.classic import interleaved_order
 from schedules.ir.schedule import Schedule, check_count, gc_paused, loop_placement
 from schedules.search.candidates import (
+    AutoPlan,
     Orders,
     check_memory_limit,
     defer_weights,
+    peak_in_flight,
     pick_fastest,
     runs,
     split_backward,
 )
 from schedules.search.list_scheduler import knob_grid, list_order
-from schedules.search.zb_auto import AutoPlan, peak_in_flight
 
 __all__ = ["interleaved_zb", "plan_interleaved_zb"]
 
