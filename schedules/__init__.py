@@ -38,10 +38,11 @@ from schedules.passes.lowering import add_optimizer_step, lower
 from schedules.registry import SCHEDULES, ScheduleSpec, build_schedule, generate_schedule
 from schedules.search.authors_greedy import PaperGreedyKnobs
 from schedules.search.authors_v_greedy import VGreedyKnobs
+from schedules.search.candidates import Candidate, ScheduleSearch
 from schedules.search.interleaved_zb import interleaved_zb, search_interleaved_zb
 from schedules.search.list_scheduler import ListKnobs
 from schedules.search.paper_greedy import GreedyKnobs
-from schedules.search.zb_auto import Candidate, ScheduleSearch, search_zb_auto, zb_auto
+from schedules.search.zb_auto import search_zb_auto, zb_auto
 from schedules.search.zb_optimal import SolvedSchedule, solve_zb_optimal, zb_optimal
 from schedules.search.zb_v_auto import search_zb_v_auto, zb_v_auto
 

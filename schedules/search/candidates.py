@@ -4,19 +4,42 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
+from schedules.analysis.accounting import stream_peak
 from schedules.analysis.dataflow import execute
 from schedules.analysis.simulate import CostModel
 from schedules.ir.errors import ScheduleConfigError
 from schedules.ir.instructions import Instruction, Kind
 from schedules.ir.schedule import Schedule, check_count
-from schedules.search.zb_auto import Candidate, ScheduleSearch, peak_in_flight
 
-__all__ = ["Orders", "check_memory_limit", "defer_weights", "pick_fastest", "runs",
-           "split_backward"]
+__all__ = ["Candidate", "Orders", "ScheduleSearch", "check_memory_limit", "defer_weights",
+           "peak_in_flight", "pick_fastest", "runs", "split_backward"]
 
 Orders = list[tuple[str, tuple[tuple[Instruction, ...], ...]]]
 """(label, per-rank compute streams) candidates."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One order `zb_auto` tried, and what it costs."""
+
+    label: str
+    cost: float
+    """Longest rank span (first start to last end): the paper's iteration time, which
+    `figures().bubble_rate` also uses. The search minimises it."""
+    makespan: float
+    peak: int
+    """Most microbatches in flight (F started, W not run) on any rank."""
+
+
+@dataclass(frozen=True)
+class ScheduleSearch:
+    """The chosen schedule and every candidate tried, best first."""
+
+    schedule: Schedule
+    candidates: tuple[Candidate, ...]
 
 
 def check_memory_limit(memory_limit: int | None, *, default: int, minimum: int,
@@ -65,9 +88,12 @@ def runs(streams: Sequence[Sequence[Instruction]], placement: Sequence[int], m: 
 
 
 def pick_fastest(name: str, num_microbatches: int, placement: tuple[int, ...], orders: Orders,
-                 costs: CostModel) -> ScheduleSearch:
-    """Simulate every candidate and keep the shortest makespan (then the shorter longest
-    rank span, then less memory, then the earlier candidate)."""
+                 costs: CostModel, *,
+                 objective: Literal["makespan", "span"] = "makespan") -> ScheduleSearch:
+    """Simulate every candidate and keep the best under `objective`: "makespan" first (then
+    the shorter longest rank span), or "span", the longest rank span first (then the shorter
+    makespan: the zero-bubble paper's iteration time, for one-stage-per-rank orders); ties
+    go to less memory, then to the earlier candidate."""
     m = num_microbatches
     forward, backward, weight, delay, _ = costs.resolve(len(placement))
     scored = []
@@ -75,11 +101,22 @@ def pick_fastest(name: str, num_microbatches: int, placement: tuple[int, ...], o
         run = execute(streams, placement, m, forward, backward, weight, delay)
         if run.stuck:  # every candidate maker emits runnable orders; keep that visible
             raise ScheduleConfigError(f"{name} candidate {label} cannot run; this is a bug")
-        cost = max((ends[-1] - starts[0] for starts, ends in zip(run.starts, run.ends)
+        span = max((ends[-1] - starts[0] for starts, ends in zip(run.starts, run.ends)
                     if ends), default=0.0)
         makespan = max((ends[-1] for ends in run.ends if ends), default=0.0)
-        scored.append((makespan, cost, peak_in_flight(streams), index, label, streams))
+        first, second = (makespan, span) if objective == "makespan" else (span, makespan)
+        scored.append((first, second, peak_in_flight(streams), index, label, streams,
+                       span, makespan))
     scored.sort(key=lambda row: row[:4])
     return ScheduleSearch(Schedule(name, m, placement, scored[0][5]),
-                          tuple(Candidate(label, cost, makespan, peak)
-                                for makespan, cost, peak, _, label, _ in scored))
+                          tuple(Candidate(label, span, makespan, peak)
+                                for _, _, peak, _, label, _, span, makespan in scored))
+
+
+def peak_in_flight(streams: Sequence[Sequence[Instruction]]) -> int:
+    """Most (stage, microbatch) activations any rank holds, read off the order alone: +1 at
+    F, -1 at its last backward op (B, or W when split). Equals `figures().peak_activations`
+    because a rank runs its ops one at a time."""
+    return max((stream_peak(((op.kind, op.stage, op.microbatch) for op in stream),
+                            [1.0] * (1 + max((op.stage for op in stream), default=0))).count
+                for stream in streams), default=0)

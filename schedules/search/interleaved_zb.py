@@ -9,14 +9,15 @@ from schedules.generators.classic import interleaved_order
 from schedules.ir.schedule import Schedule, check_count, gc_paused, loop_placement
 from schedules.search.candidates import (
     Orders,
+    ScheduleSearch,
     check_memory_limit,
     defer_weights,
+    peak_in_flight,
     pick_fastest,
     runs,
     split_backward,
 )
 from schedules.search.list_scheduler import knob_grid, list_order
-from schedules.search.zb_auto import ScheduleSearch, peak_in_flight
 
 __all__ = ["interleaved_zb", "search_interleaved_zb"]
 

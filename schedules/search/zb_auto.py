@@ -3,47 +3,22 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from dataclasses import dataclass
 
-from schedules.analysis.accounting import stream_peak
-from schedules.analysis.dataflow import execute
 from schedules.analysis.simulate import CostModel
 from schedules.generators.zb_h1_h2 import zb_h1, zb_h2
-from schedules.ir.errors import ScheduleConfigError
 from schedules.ir.instructions import Instruction
 from schedules.ir.schedule import Schedule, check_count, gc_paused, loop_placement
 from schedules.search.authors_greedy import PaperGreedyKnobs, paper_greedy_order
+from schedules.search.candidates import ScheduleSearch, peak_in_flight, pick_fastest
 from schedules.search.list_scheduler import LIST_KNOB_GRID, list_order
 from schedules.search.paper_greedy import GreedyKnobs, greedy_order
 
-__all__ = ["Candidate", "ScheduleSearch", "peak_in_flight", "search_zb_auto", "zb_auto"]
+__all__ = ["search_zb_auto", "zb_auto"]
 
 KNOB_GRID: tuple[GreedyKnobs, ...] = tuple(
     GreedyKnobs(input_grad_first=first, min_gap_for_w=gap, lookahead=look)
     for first, gap, look in itertools.product((True, False), (0.0, 1.0), (False, True)))
 """The heuristic's variants tried by `zb_auto` (2 × 2 × 2)."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One order `zb_auto` tried, and what it costs."""
-
-    label: str
-    cost: float
-    """Longest rank span (first start to last end): the paper's iteration time, which
-    `figures().bubble_rate` also uses. The search minimises it."""
-    makespan: float
-    peak: int
-    """Most microbatches in flight (F started, W not run) on any rank."""
-
-
-@dataclass(frozen=True)
-class ScheduleSearch:
-    """The chosen schedule and every candidate tried, best first."""
-
-    schedule: Schedule
-    candidates: tuple[Candidate, ...]
 
 
 def zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int | None = None,
@@ -92,26 +67,4 @@ def search_zb_auto(num_ranks: int, num_microbatches: int, *, memory_limit: int |
         streams = baseline(p, m).streams
         if peak_in_flight(streams) <= limit:
             orders.append((baseline.__name__.replace("_", "-"), streams))
-    scored = []
-    for index, (label, streams) in enumerate(orders):
-        run = execute(streams, placement, m, forward, backward, weight, delay)
-        if run.stuck:  # the greedy only emits runnable orders; keep the guarantee visible
-            raise ScheduleConfigError(f"zb-auto candidate {label} cannot run; this is a bug")
-        cost = max((ends[-1] - starts[0] for starts, ends in zip(run.starts, run.ends)
-                    if ends), default=0.0)
-        makespan = max((ends[-1] for ends in run.ends if ends), default=0.0)
-        scored.append((cost, makespan, peak_in_flight(streams), index, label, streams))
-    scored.sort(key=lambda row: row[:4])
-    best = scored[0]
-    return ScheduleSearch(Schedule("zb-auto", m, placement, best[5]),
-                          tuple(Candidate(label, cost, makespan, peak)
-                                for cost, makespan, peak, _, label, _ in scored))
-
-
-def peak_in_flight(streams: Sequence[Sequence[Instruction]]) -> int:
-    """Most (stage, microbatch) activations any rank holds, read off the order alone: +1 at
-    F, -1 at its last backward op (B, or W when split). Equals `figures().peak_activations`
-    because a rank runs its ops one at a time."""
-    return max((stream_peak(((op.kind, op.stage, op.microbatch) for op in stream),
-                            [1.0] * (1 + max((op.stage for op in stream), default=0))).count
-                for stream in streams), default=0)
+    return pick_fastest("zb-auto", m, placement, orders, costs, objective="span")

@@ -6,7 +6,13 @@ from schedules.analysis.simulate import CostModel
 from schedules.generators.zb_v import zb_v
 from schedules.ir.schedule import Schedule, check_count, gc_paused, v_placement
 from schedules.search.authors_v_greedy import V_GREEDY_GRID, v_greedy_order
-from schedules.search.candidates import Orders, check_memory_limit, pick_fastest
+from schedules.search.candidates import (
+    Orders,
+    ScheduleSearch,
+    check_memory_limit,
+    peak_in_flight,
+    pick_fastest,
+)
 from schedules.search.list_scheduler import (
     CRITICAL_PATH_GRID,
     LARGE_PROBLEM,
@@ -14,7 +20,6 @@ from schedules.search.list_scheduler import (
     list_order,
     try_list_order,
 )
-from schedules.search.zb_auto import ScheduleSearch, peak_in_flight
 
 __all__ = ["search_zb_v_auto", "zb_v_auto"]
 

@@ -16,7 +16,7 @@ from schedules.analysis.accounting import (
 )
 from schedules.ir.errors import ScheduleConfigError
 from schedules.ir.instructions import Kind
-from schedules.search.zb_auto import peak_in_flight
+from schedules.search.candidates import peak_in_flight
 
 
 @pytest.mark.parametrize("d", [1, 2, 4])
