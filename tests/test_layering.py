@@ -25,16 +25,30 @@ ROOMS = ("", "supervision", "launcher", "parallel", "model", "checkpoint", "runt
          "planner", "rehearsal", "demo", "cli")
 
 
-def _imports(path: Path) -> list[str]:
+def _imports(path: Path, *, runtime_only: bool = False) -> list[str]:
+    """Every module `path` imports; with `runtime_only`, less those under
+    `if TYPE_CHECKING:`, which never run (naming a type there is how a module refers to its
+    caller's type without a circle)."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    hidden = {id(inner) for node in ast.walk(tree) if _is_type_checking_block(node)
+              for stmt in node.body for inner in ast.walk(stmt)} if runtime_only else set()
     names: list[str] = []
     for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
         if isinstance(node, ast.Import):
             names.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
             names.extend(f"{node.module}.{alias.name}" for alias in node.names)
     return names
+
+
+def _is_type_checking_block(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
 def _room(module: str) -> str:
@@ -103,31 +117,6 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking_block(node: ast.AST) -> bool:
-    test = getattr(node, "test", None)
-    return isinstance(node, ast.If) and (
-        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
-        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
-
-
-def _runtime_imports(path: Path) -> list[str]:
-    """`_imports` less those under `if TYPE_CHECKING:`, which never run: naming a type there
-    is how a module refers to its caller's type without a circle."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    hidden = {id(inner) for node in ast.walk(tree) if _is_type_checking_block(node)
-              for stmt in node.body for inner in ast.walk(stmt)}
-    names: list[str] = []
-    for node in ast.walk(tree):
-        if id(node) in hidden:
-            continue
-        if isinstance(node, ast.Import):
-            names.extend(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
-            names.extend(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
-
-
 def _import_graph(package: str) -> nx.DiGraph:
     """Modules of `package` and which import which at run time (lazy imports inside
     functions too: they close a circle as surely at run time)."""
@@ -135,7 +124,7 @@ def _import_graph(package: str) -> nx.DiGraph:
     graph = nx.DiGraph()
     graph.add_nodes_from(modules)
     for name, path in modules.items():
-        for imported in _runtime_imports(path):
+        for imported in _imports(path, runtime_only=True):
             # `from a.b import c` names a.b.c: the module c if there is one, else a.b
             target = imported if imported in modules else imported.rpartition(".")[0]
             if target in modules and target != name and not name.startswith(target + "."):
@@ -163,7 +152,7 @@ def test_typing_only_imports_close_no_circle(tmp_path: Path) -> None:
     source = tmp_path / "m.py"
     source.write_text("from typing import TYPE_CHECKING\nimport a.b\nif TYPE_CHECKING:\n"
                       "    from a.c import D\n")
-    assert _runtime_imports(source) == ["typing", "typing.TYPE_CHECKING", "a.b"]
+    assert _imports(source, runtime_only=True) == ["typing", "typing.TYPE_CHECKING", "a.b"]
 
 
 def test_the_circle_check_finds_a_planted_circle() -> None:
