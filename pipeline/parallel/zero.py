@@ -125,11 +125,11 @@ class ShardedOptimizer:
         if collective == "auto" and dist.get_backend(group) == "gloo":
             # gloo's reduce_scatter is a full all-reduce underneath: measured on torch 2.13,
             # each rank sends N bytes for an N-byte buffer instead of the ring's (d-1)/d · N.
-            # Exchanging the pieces with all_to_all and summing locally sends (d-1)/d · N but
-            # needs a copy of the pieces and a d-piece receive buffer per bucket in flight
-            # (2 · N transient when the whole buffer is in flight); one in-place reduce per
-            # shard allocates nothing (DeepSpeed's ZeRO-1 on gloo reduces per rank too).
-            collective = "reduce"
+            # Exchanging the pieces with all_to_all and summing locally sends (d-1)/d · N, but
+            # holds a copy of the pieces and a d-piece receive buffer per bucket in flight (up
+            # to 2 · N when the whole buffer is). collective="reduce" (one in-place reduce per
+            # shard) allocates nothing but sends 1.4-1.6x the bytes (bench_3d, d = 2).
+            collective = "all_to_all"
         if collective == "auto":
             collective = "reduce_scatter" if detect_reduce_scatter(group) else "all_reduce"
             if collective == "all_reduce":
