@@ -2,8 +2,9 @@
 pipeline-wide agreements (batch vote, loss broadcast); data/tensor-parallel collectives live in
 `pipeline.parallel`, checkpoint collectives in `pipeline.checkpoint`.
 
-Sends are posted as soon as a tensor exists and waited only at the end of the step (the
-tensors are kept alive until then); receives are posted at the RECV instruction and waited
+Sends are posted as soon as a tensor exists and waited once a later message proves the peer
+took them (`release`, `pipeline.runtime.send_release`) or at the end of the step (the tensors
+are kept alive until then); receives are posted at the RECV instruction and waited
 when the compute op needs them. Messages between one pair of ranks match in posting order,
 which the lowered schedule guarantees is the same on both sides (the validator checks it).
 """
@@ -24,7 +25,8 @@ from pipeline.parallel.local_p2p import LocalLink
 from pipeline.parallel.small_reduce import small_all_reduce
 from pipeline.runtime.batch import Layout
 
-__all__ = ["HEADER_LENGTH", "Comm", "PendingRecv", "decode_header", "encode_header"]
+__all__ = ["HEADER_LENGTH", "Comm", "PendingRecv", "PostedSend", "decode_header",
+           "encode_header"]
 
 HEADER_LENGTH = 64
 """int64 words in a shape header: [is_tuple, count, (dtype, ndim, *shape) per tensor]."""
@@ -82,6 +84,20 @@ class PendingRecv:
         return self.buffers
 
 
+@dataclass
+class PostedSend:
+    """One message's posted sends and the tensors they read (kept alive until waited)."""
+
+    works: list[Any]
+    payload: list[torch.Tensor]
+    peer: int
+    tag: object
+    """What `release` names it by (the interpreter: the SEND's kind, stage, microbatch)."""
+    local: bool
+    """Whether a tensor went through the datagram link: its queued sends complete only as
+    the peer reads, so `release` never blocks on them."""
+
+
 class Comm:
     """Point-to-point and collectives over one pipeline's ranks.
 
@@ -96,7 +112,7 @@ class Comm:
         self.timeout = process_group_timeout(timeout)
         self.device = device
         self.group = group
-        self._sends: list[tuple[Any, Any]] = []  # (works, tensors kept alive until done)
+        self._sends: list[PostedSend] = []  # in posting order
         self._batched = dist.get_backend(group) == "nccl"
         self._process_group: Any = group if group is not None else dist.group.WORLD
         self._group_ranks = [rank if group is None else dist.get_group_rank(group, rank)
@@ -131,14 +147,38 @@ class Comm:
     def _wait(self, work: Any) -> None:
         work.wait(self.timeout)
 
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, *, header: Layout | None) -> None:
+    def send(self, tensors: Sequence[torch.Tensor], peer: int, *, header: Layout | None,
+             tag: object = None) -> None:
         """Post isends of `tensors` to pipeline rank `peer`, preceded by a shape header when
-        `header` is given; return at once."""
+        `header` is given; return at once. `tag` names the message for `release`."""
         payload = [t.detach().contiguous() for t in tensors]
         if header is not None:
             payload.insert(0, encode_header(header).to(self.device))
         self._prune()  # drop finished sends so their tensors (activations) can be freed
-        self._sends.append(([self._send(t, peer) for t in payload], payload))
+        local = self.local is not None and any(self.local.carries(t) for t in payload)
+        self._sends.append(PostedSend([self._send(t, peer) for t in payload], payload, peer,
+                                      tag, local))
+
+    def release(self, tags: Sequence[object]) -> None:
+        """Wait the sends named by `tags`, and every earlier send to the same peers, and drop
+        their tensors. The caller knows the peers have posted the matching receives (a later
+        message from them proves it): the wait is only the transfer, never a wait on another
+        rank's progress. Sends through the datagram link are dropped only once complete."""
+        peers = {entry.peer: k for k, entry in enumerate(self._sends) if entry.tag in tags}
+        if not peers:
+            return
+        kept: list[PostedSend] = []
+        for k, entry in enumerate(self._sends):
+            last = peers.get(entry.peer, -1)
+            if k > last:
+                kept.append(entry)
+            elif entry.local:
+                if not all(work.is_completed() for work in entry.works):
+                    kept.append(entry)
+            else:
+                for work in entry.works:
+                    self._wait(work)
+        self._sends = kept
 
     def recv_header(self, peer: int) -> Layout:
         """Block until the next shape header from `peer` arrives; return its layout."""
@@ -157,13 +197,13 @@ class Comm:
         # a message's tensors go to one peer, whose sends complete in posting order: the
         # last one done means the message is done
         self._sends = [entry for entry in self._sends
-                       if entry[0] and not entry[0][-1].is_completed()]
+                       if entry.works and not entry.works[-1].is_completed()]
 
     def wait_sends(self) -> None:
         """Wait until every posted send has completed (the step's end)."""
         sends, self._sends = self._sends, []
-        for works, _ in sends:
-            for work in works:
+        for entry in sends:
+            for work in entry.works:
                 self._wait(work)
 
     def drop_pending(self) -> None:

@@ -317,7 +317,7 @@ class PipelineEngine:
         self._trace.restart()
         stream = schedule.streams[self.pp_rank]
         try:
-            self._interpreter.run(stream, state)
+            self._interpreter.run(stream, state, streams=schedule.streams)
         except InstructionFailed as failed:
             cause = failed.__cause__ if isinstance(failed.__cause__, Exception) else failed
             if read_failure() is None:  # a collective that timed out: who stopped?

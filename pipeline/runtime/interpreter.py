@@ -27,6 +27,7 @@ from pipeline.runtime.comm import Comm, PendingRecv
 from pipeline.runtime.finite import FiniteFlag, all_finite
 from pipeline.runtime.lookahead import early_receives
 from pipeline.runtime.saved_memory import hold_outputs
+from pipeline.runtime.send_release import MessageKey, send_witnesses
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.split_backward import LayerGrads, forward_capturing
 from pipeline.runtime.trace import Trace
@@ -202,6 +203,7 @@ class Interpreter:
         """Whether each stage's last B tells the reducer to launch buckets from its hooks."""
         self.op_start = 0.0
         self._early: tuple[Sequence[Instruction], dict[int, list[int]]] = ((), {})
+        self._witnesses: tuple[object, dict[MessageKey, list[MessageKey]]] = ((), {})
         self._last: tuple[Sequence[Instruction], dict[int, int]] = ((), {})
         self.handlers: dict[Kind, Callable[[Instruction], None]] = {
             Kind.LOAD: self.load, Kind.F: self.forward, Kind.B: self.backward,
@@ -213,10 +215,17 @@ class Interpreter:
             Kind.REDUCE_GRAD: self.reduce_grad, Kind.STEP: self.step,
         }
 
-    def run(self, stream: Sequence[Instruction], state: StepState) -> None:
+    def run(self, stream: Sequence[Instruction], state: StepState, *,
+            streams: Sequence[Sequence[Instruction]] | None = None) -> None:
         """Run one step's `stream` on `state` (this rank's microbatches and what the step
-        holds); an instruction that raises is reported as `InstructionFailed`."""
+        holds); an instruction that raises is reported as `InstructionFailed`. Given every
+        rank's `streams`, sends are waited (their tensors dropped) as soon as a received
+        message proves them taken (`send_witnesses`), not only at the step's end."""
         self.state = state
+        if streams is None:
+            self._witnesses = ((), {})
+        elif self._witnesses[0] is not streams:
+            self._witnesses = (streams, send_witnesses(streams, self.pp_rank))
         if self._early[0] is not stream:
             self._early = (stream, early_receives(stream))
         early = self._early[1]
@@ -286,6 +295,9 @@ class Interpreter:
               microbatch: int) -> list[torch.Tensor]:
         start = _now()
         tensors = self._blocked(pending.peer, f"{stage}{kind.value}{microbatch}", pending.wait)
+        proven = self._witnesses[1].get((kind, stage, microbatch))
+        if proven:  # the peer posted the receives of these sends: they are taken
+            self.comm.release(proven)
         end = _now()
         self.trace.record(kind, stage, microbatch, start, end)
         self.state.recv_wait += end - start
@@ -340,7 +352,8 @@ class Interpreter:
         state.finite.append((s, i, "output", all_finite(out)))
         if s == self.last_stage:
             loss = self._loss(self._loss_input(out), state.loaded_targets.pop(i))
-            state.losses.append(loss.detach())
+            # a copy: on CPU a 0-d loss can be a view keeping its elementwise buffer alive
+            state.losses.append(loss.detach().clone())
             state.finite.append((s, i, "loss", torch.isfinite(loss.detach()).all()))
             # mean over the full batch = mean of the m equal microbatches' means; fp16
             # scales it so small gradients survive the half-precision backward
@@ -455,7 +468,7 @@ class Interpreter:
         out = self.state.send_f.pop((op.stage, op.microbatch))
         tensors = as_tensors(out, "a stage's output")
         header = self.shapes.sending(op.stage + 1, Layout.of(out))
-        self.comm.send(tensors, op.peer, header=header)
+        self.comm.send(tensors, op.peer, header=header, tag=(op.kind, op.stage, op.microbatch))
         saved = self.state.saved.get((op.stage, op.microbatch))
         if self.free_sent_outputs and saved is not None:
             # the send holds the data until it completes; the roots keep only their nodes
@@ -472,7 +485,7 @@ class Interpreter:
 
     def send_backward(self, op: Instruction) -> None:
         grads = self.state.send_b.pop((op.stage, op.microbatch))
-        self.comm.send(grads, op.peer, header=None)
+        self.comm.send(grads, op.peer, header=None, tag=(op.kind, op.stage, op.microbatch))
 
     def recv_backward(self, op: Instruction) -> None:
         key = (op.stage, op.microbatch)

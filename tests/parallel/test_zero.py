@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.runtime.live_memory import LiveTensorMeter
 from tests.support.rank_harness import run_ranks
 
 OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
@@ -41,7 +42,7 @@ def _check_zero(rank: int, world_size: int) -> None:
             nn.functional.mse_loss(reference(x), y).backward()
             torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05)
             plain.step()
-        for collective in ("auto", "reduce_scatter", "all_reduce", "all_to_all"):
+        for collective in ("auto", "reduce_scatter", "reduce", "all_reduce", "all_to_all"):
             model = _model()
             stages = {0: list(model[0].parameters()), 1: list(model[2].parameters())}
             zero = ShardedOptimizer(stages, factory, None, bucket_mb=BUCKET_MB,
@@ -72,3 +73,33 @@ def _check_zero(rank: int, world_size: int) -> None:
 @pytest.mark.multiprocess
 def test_zero1_matches_plain_optimizer_after_two_steps() -> None:
     run_ranks(_check_zero, 2)
+
+
+def _check_reduction_transient(rank: int, world_size: int) -> None:
+    # one region of 64 × 64 + 64 fp32 = 16.6 KB in 16 buckets of 1 KiB, all in flight at
+    # once (launched by wait()): reduce allocates no more than one bucket
+    torch.manual_seed(0)
+    bucket = 1024
+    for collective, allowed in (("reduce", bucket), ("all_to_all", None)):
+        with LiveTensorMeter() as meter:  # sees every storage made, the buffers' too
+            model = nn.Linear(64, 64)
+            zero = ShardedOptimizer({0: list(model.parameters())}, _sgd, None,
+                                    bucket_mb=bucket / 2**20,
+                                    collective=collective)  # type: ignore[arg-type]
+            model(torch.randn(4, 64)).square().mean().backward()
+            meter.begin_step()
+            zero.wait()
+        grown = meter.peak.total - meter.peak.states
+        if allowed is not None:
+            assert grown <= allowed, (collective, grown)
+        else:  # the planted contrast: all_to_all copies and receives every bucket
+            assert grown >= 2 * 64 * 65 * 4, (collective, grown)
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.multiprocess
+def test_zero1_reduce_collective_allocates_at_most_one_bucket() -> None:
+    run_ranks(_check_reduction_transient, 2)
