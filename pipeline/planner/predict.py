@@ -3,6 +3,7 @@ with tensor-parallel, pipeline and data-parallel communication and the optimizer
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,6 +42,8 @@ elements); the engine's hooks launch one bucket's reduction as soon as it is ful
 # values of memory traffic per parameter (a memory-bound update).
 _ADAM_TRAFFIC = 7 * 4.0
 _KEPT_SCHEDULES = 8
+_KEPT_OPS = 400_000
+"""Instructions of the schedules a search keeps beyond the last `_KEPT_SCHEDULES`."""
 RECOMPUTE_MODES = ("none", "selective", "full")
 _RECOMPUTE_TAGS = {"none": "", "selective": " rs", "full": " rc"}
 _BACKWARD_KINDS = np.array([KINDS.index(k) for k in (Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)])
@@ -158,7 +161,9 @@ class PlanContext:
     Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
     drained, as Megatron-LM did in 2021 (Narayanan et al.: all-reduce after the flush)."""
     _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
-    _schedules: dict[tuple[Any, ...], Schedule | None] = field(default_factory=dict)
+    _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
+        default_factory=OrderedDict)
+    _schedule_ops: int = 0
     _traces: dict[tuple[str, int, int, int], HeldTrace | None] = field(default_factory=dict)
 
     def table(self, config: PlanConfig) -> StageTable:
@@ -200,18 +205,22 @@ class PlanContext:
             values = np.concatenate([np.asarray(costs.resolve(stages)[i]) for i in range(3)])
             key += tuple(np.round(values / values.max(), 2).tolist())
             limit = memory_limit(config)
-        if key not in self._schedules:
-            # the few most recent only: at thousands of devices one schedule holds ~10^5
-            # ops, and the search asks for each one's configurations in a row
-            while len(self._schedules) >= _KEPT_SCHEDULES:
-                del self._schedules[next(iter(self._schedules))]
-            try:
-                self._schedules[key] = generate_schedule(
-                    config.schedule, config.pp, config.num_microbatches, config.chunks,
-                    costs=costs, memory_limit=limit)
-            except ValueError:
-                self._schedules[key] = None
-        return self._schedules[key]
+        if key in self._schedules:
+            self._schedules.move_to_end(key)  # least recently used first
+            return self._schedules[key]
+        try:
+            made: Schedule | None = generate_schedule(
+                config.schedule, config.pp, config.num_microbatches, config.chunks,
+                costs=costs, memory_limit=limit)
+        except ValueError:
+            made = None
+        # least recently used out beyond a budget of instructions: at thousands of devices
+        # one schedule holds ~10^5; at tens all of them fit, and each is made once
+        self._schedules[key] = made
+        self._schedule_ops += _ops(made)
+        while self._schedule_ops > _KEPT_OPS and len(self._schedules) > _KEPT_SCHEDULES:
+            self._schedule_ops -= _ops(self._schedules.popitem(last=False)[1])
+        return made
 
     def held_trace(self, config: PlanConfig) -> HeldTrace | None:
         """When each rank's activations arrive and leave (None: the schedule refuses these
@@ -402,3 +411,7 @@ def schedule_placement(name: str, pp: int, chunks: int) -> tuple[int, ...]:
     registry states it (`ScheduleSpec.placement`; a list of V-shaped names kept here once
     went stale: dualpipev-overlap, V-Min and V-Half were priced on a loop)."""
     return SCHEDULES[name].placement(pp, chunks)
+
+
+def _ops(schedule: Schedule | None) -> int:
+    return 0 if schedule is None else sum(len(stream) for stream in schedule.streams)
