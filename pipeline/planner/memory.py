@@ -69,7 +69,7 @@ def stage_activation_bytes(layers: Sequence[LayerProfile], tp: int, batch: int,
     but attention's core (34sbh), the rest everything. A bool is "full" / "none"."""
     mode = _mode(recompute)
     kept = [layer.held(tp) for layer in layers]
-    recomputed = ([layer.input_bytes for layer in layers] if mode == "full" else
+    recomputed = ([layer.kept_input(tp) for layer in layers] if mode == "full" else
                   [layer.held_selective(tp) for layer in layers])
     return batch * accounting_stage_bytes(kept, recomputed,
                                           _recomputed(layers, mode, recompute_layers))

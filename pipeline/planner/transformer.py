@@ -153,7 +153,8 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
         name=f"block{index}", flops_split=s * shape.block_flops_per_token(),
         params_split=block_weights, params_replicated=4 * h,
         held_split=split, held_replicated=replicated, output_bytes=hidden_bytes,
-        input_bytes=hidden_bytes, selective_held_split=selective - replicated,
+        input_bytes=hidden_bytes, input_split=sequence_parallel,
+        selective_held_split=selective - replicated,
         selective_flops_split=4 * s * s * h, tp_allreduces=2, tp_allreduce_bytes=hidden_bytes,
         shape=block)
         for index in range(shape.layers)]

@@ -36,8 +36,8 @@ def test_block_memory_of_each_mode_equals_the_accounting(attention: str, t: int,
 
     assert block.held(t) == pytest.approx(accounting("none"), rel=1e-12)
     assert block.held_selective(t) == pytest.approx(accounting("selective"), rel=1e-12)
-    if not sequence_parallel:  # the layer's input, whole on every tp rank
-        assert block.input_bytes == accounting("full")
+    # the layer's input: whole on every tp rank, or its 1/t under sequence parallelism
+    assert block.kept_input(t) == pytest.approx(accounting("full"), rel=1e-12)
 
 
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
