@@ -135,7 +135,8 @@ def run_configs(configs: list[dict[str, Any]], model_config: Any, rounds: int
         module = PipelineModule(lm_layers(model_config), num_stages=config.pp,
                                 chunks=config.chunks, loss_fn=lm_loss,
                                 partition_method=list(item["boundaries"]),
-                                activation_checkpoint_interval=int(config.recompute))
+                                recompute=config.recompute,
+                                recompute_layers=config.recompute_layers or None)
         engine = PipelineEngine(module, schedule=config.schedule,
                                 num_microbatches=config.num_microbatches,
                                 data_parallel=config.dp, zero_stage=config.zero_stage,
@@ -193,7 +194,7 @@ def local_part(rounds: int) -> list[str]:
     result = plan(model, cluster, BATCH, options=SearchOptions(
         schedules=BENCH_SCHEDULES, max_chunks=2, top=10_000))
     chosen = [p for p in result.predictions if p.config.num_microbatches in (2, 4, 8)
-              and (not p.config.recompute or (p.config.schedule, p.config.num_microbatches)
+              and (not p.config.recomputes or (p.config.schedule, p.config.num_microbatches)
                    == ("1f1b", 8))]
     if result.best not in chosen:  # the planner's overall pick always runs
         chosen.insert(0, result.best)
@@ -210,9 +211,9 @@ def local_part(rounds: int) -> list[str]:
     errors = []
     for prediction, seconds, nbytes in zip(chosen, measured, memory):
         error = prediction.memory.total / nbytes - 1
-        if not prediction.config.recompute:
+        if not prediction.config.recomputes:
             errors.append(abs(error))
-        note = " (recompute: checkpointed tensors unseen)" if prediction.config.recompute else ""
+        note = " (recompute: checkpointed tensors unseen)" if prediction.config.recomputes else ""
         lines.append(f"| {prediction.config.label()} | {prediction.step_seconds * 1e3:.0f} | "
                      f"{seconds * 1e3:.0f} | {prediction.memory.total / MIB:.1f} | "
                      f"{nbytes / MIB:.1f} | {error:+.1%}{note} |")

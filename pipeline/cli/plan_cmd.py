@@ -72,7 +72,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--zero", default=None, metavar="STAGES",
                         help="ZeRO stages to consider: 0, 1 or 0,1")
     parser.add_argument("--recompute", default=None, metavar="MODES",
-                        help="activation recomputation to consider: none, full or none,full")
+                        help="activation recomputation to consider, comma-separated: none, "
+                             "selective (attention's core), full (whole layers), partial "
+                             "(full on the first k layers of each stage); default all four")
     parser.add_argument("--no-recompute", action="store_true",
                         help="never consider activation recomputation (= --recompute none)")
     parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
@@ -127,35 +129,41 @@ def _zero_stages(text: str | None) -> tuple[int, ...] | None:
     return tuple(int(name) for name in names)
 
 
-def _recompute(args: argparse.Namespace) -> tuple[bool, ...] | None:
+def _recompute(args: argparse.Namespace) -> tuple[str, ...] | None:
+    from pipeline.planner.search import RECOMPUTE_CHOICES
+
     names = _names(args.recompute, "recompute")
     if names is None:
-        return (False,) if args.no_recompute else None
-    modes = {"none": False, "full": True}
-    unknown = [name for name in names if name not in modes]
+        return ("none",) if args.no_recompute else None
+    unknown = [name for name in names if name not in RECOMPUTE_CHOICES]
     if unknown:
         raise ValueError(f"--recompute {args.recompute!r}: {', '.join(unknown)} unknown; "
-                         f"use none, full or none,full")
-    if args.no_recompute and "full" in names:
-        raise ValueError("--no-recompute contradicts --recompute full; give one of them")
-    return tuple(dict.fromkeys(modes[name] for name in names))
+                         f"use some of {','.join(RECOMPUTE_CHOICES)}")
+    if args.no_recompute and set(names) - {"none"}:
+        raise ValueError(f"--no-recompute contradicts --recompute {args.recompute}; give one "
+                         f"of them")
+    return tuple(dict.fromkeys(names))
 
 
 def parse_config(text: str, devices: int, global_batch: int) -> Any:
-    """`pp4,tp1,dp16,1f1b,b1[,v2][,z1][,rc]` as a `PlanConfig`: two of pp, tp, dp fix the
-    third (their product is the devices); b defaults to 1, the schedule to 1f1b; m = global
-    batch / (dp · b)."""
+    """`pp4,tp1,dp16,1f1b,b1[,v2][,z1][,rc|rs|rcK]` as a `PlanConfig`: two of pp, tp, dp fix
+    the third (their product is the devices); b defaults to 1, the schedule to 1f1b; m =
+    global batch / (dp · b); rc full recomputation, rs selective, rcK full on the first K
+    layers of each stage (partial)."""
     from pipeline.planner import PlanConfig
     from schedules import SCHEDULES
 
     sizes: dict[str, int] = {}
-    schedule, recompute = "1f1b", False
+    schedule, recompute, recompute_layers = "1f1b", "none", 0
     for item in (part.strip() for part in text.split(",") if part.strip()):
         if item in SCHEDULES:
             schedule = item
             continue
-        if item in ("rc", "recompute"):
-            recompute = True
+        if item in ("rc", "recompute", "rs", "selective"):
+            recompute = "full" if item in ("rc", "recompute") else "selective"
+            continue
+        if item.startswith("rc") and item[2:].isdigit() and int(item[2:]) >= 1:
+            recompute, recompute_layers = "full", int(item[2:])
             continue
         for prefix in ("pp", "tp", "dp", "b", "v", "z"):
             if item.startswith(prefix) and item[len(prefix):].isdigit() \
@@ -164,7 +172,7 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
                 break
         else:
             raise ValueError(f"--price {text!r}: item {item!r} is none of ppN, tpN, dpN, bN, "
-                             f"vN, z0, z1, rc or a schedule ({', '.join(SCHEDULES)})")
+                             f"vN, z0, z1, rc, rs, rcK or a schedule ({', '.join(SCHEDULES)})")
     if len([key for key in ("pp", "tp", "dp") if key in sizes]) < 2:
         raise ValueError(f"--price {text!r} needs at least two of ppN, tpN, dpN")
     for key in ("pp", "tp", "dp"):
@@ -185,7 +193,8 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
     return PlanConfig(pp=sizes["pp"], tp=sizes["tp"], dp=sizes["dp"], schedule=schedule,
                       chunks=chunks, microbatch_size=b,
                       num_microbatches=global_batch // (sizes["dp"] * b),
-                      zero_stage=sizes.get("z", 0), recompute=recompute)
+                      zero_stage=sizes.get("z", 0), recompute=recompute,
+                      recompute_layers=recompute_layers)
 
 
 def run(args: argparse.Namespace) -> int:

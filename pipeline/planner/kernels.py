@@ -16,7 +16,8 @@ from typing import Literal
 
 from pipeline.planner.cluster import ClusterSpec
 
-__all__ = ["KernelTimes", "LayerShape", "gemm_seconds", "layer_kernel_times"]
+__all__ = ["KernelTimes", "LayerShape", "attention_core_seconds", "gemm_seconds",
+           "layer_kernel_times"]
 
 # CUTLASS/cuBLAS tile shapes for 16-bit GEMMs on Ampere/Hopper and the share of a full
 # tile's throughput each reaches (smaller tiles reuse less of what they load). A GEMM takes
@@ -127,6 +128,17 @@ def layer_kernel_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterS
     else:
         parts += _block_parts(shape, batch, tp, tokens, local, cluster, precision)
     return KernelTimes(*(sum(part[i] for part in parts) for i in range(3)))
+
+
+def attention_core_seconds(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,
+                           precision: str) -> float:
+    """Forward seconds of a block's attention core (softmax(QKᵀ)·V) on one of `tp` ranks:
+    what selective recomputation redoes; 0 for embeddings and heads."""
+    if shape.role != "block":
+        return 0.0
+    heads = math.ceil(shape.heads / tp)
+    return _attention(shape.attention, batch * heads, shape.seq, shape.hidden // shape.heads,
+                      shape.element, cluster, precision)[0]
 
 
 def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int,

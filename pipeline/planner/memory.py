@@ -1,5 +1,6 @@
 """Memory per rank: parameters, gradients, optimizer state (ZeRO-1 sharded), and the
-activations held at the schedule's peak, with or without recomputation.
+activations held at the schedule's peak under each recomputation mode (none, selective,
+full, or full on the first k layers of each stage).
 
 The bytes per parameter are `schedules.analysis.accounting.model_state_bytes` (the one
 accounting the simulator and `rehearse` use too): fp32 parameters and gradients, even
@@ -18,6 +19,7 @@ from numpy.typing import ArrayLike
 
 from pipeline.planner.profile import LayerProfile
 from schedules.analysis.accounting import HeldTrace, held_peaks, model_state_bytes
+from schedules.analysis.accounting import stage_activation_bytes as accounting_stage_bytes
 
 __all__ = ["PARAM_BYTES", "HeldTrace", "MemoryBreakdown", "held_peaks", "peak_rank_memory",
            "recompute_workspace", "stage_activation_bytes"]
@@ -49,20 +51,47 @@ class MemoryBreakdown:
                 "total": self.total}
 
 
+def _recomputed(layers: Sequence[LayerProfile], recompute: str, recompute_layers: int
+                ) -> int:
+    """How many of a stage's first layers `recompute` applies to (0 for none; k for
+    partial recomputation, every layer when k is 0)."""
+    if recompute == "none":
+        return 0
+    return len(layers) if recompute_layers <= 0 else min(recompute_layers, len(layers))
+
+
 def stage_activation_bytes(layers: Sequence[LayerProfile], tp: int, batch: int,
-                           recompute: bool) -> float:
+                           recompute: str | bool, recompute_layers: int = 0) -> float:
     """Bytes one microbatch of `batch` samples leaves on a stage between its forward and its
-    backward. Recomputation (the engine's activation_checkpoint_interval=1) keeps each
-    layer's input only (Korthikanti et al. 2022, section 4.3: 2sbh per layer at 16 bits)."""
-    if recompute:
-        return batch * sum(layer.input_bytes for layer in layers)
-    return batch * sum(layer.held(tp) for layer in layers)
+    backward, `schedules.analysis.accounting.stage_activation_bytes` of the per-layer sizes:
+    the first `recompute_layers` layers (0: all) recomputed "full" keep their input only
+    (Korthikanti et al. 2022, section 4.3: 2sbh per layer at 16 bits), "selective" keep all
+    but attention's core (34sbh), the rest everything. A bool is "full" / "none"."""
+    mode = _mode(recompute)
+    kept = [layer.held(tp) for layer in layers]
+    recomputed = ([layer.kept_input(tp) for layer in layers] if mode == "full" else
+                  [layer.held_selective(tp) for layer in layers])
+    return batch * accounting_stage_bytes(kept, recomputed,
+                                          _recomputed(layers, mode, recompute_layers))
 
 
-def recompute_workspace(layers: Sequence[LayerProfile], tp: int, batch: int) -> float:
-    """While a recomputed layer runs its backward, its full activations are alive again: the
-    largest layer's, once per rank."""
-    return batch * max((layer.held(tp) for layer in layers), default=0.0)
+def recompute_workspace(layers: Sequence[LayerProfile], tp: int, batch: int,
+                        recompute: str | bool = "full", recompute_layers: int = 0) -> float:
+    """While a recomputed layer runs its backward, what it dropped is alive again, once per
+    rank: the largest recomputed layer's activations (full), or its attention core's
+    (selective)."""
+    mode = _mode(recompute)
+    k = _recomputed(layers, mode, recompute_layers)
+    if mode == "selective":
+        return batch * max((layer.held(tp) - layer.held_selective(tp)
+                            for layer in layers[:k]), default=0.0)
+    return batch * max((layer.held(tp) for layer in layers[:k]), default=0.0)
+
+
+def _mode(recompute: str | bool) -> str:
+    if isinstance(recompute, bool):
+        return "full" if recompute else "none"
+    return recompute
 
 
 def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
@@ -72,7 +101,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
 
     `stage_params`: parameters one tp rank holds, per stage; `rank_activations`: the
     activation bytes each rank holds at its peak (`HeldTrace.peak_bytes`);
-    `stage_workspace`: the recomputation workspace per stage (`recompute_workspace`); rank
+    `stage_workspace`: the recomputation workspace per stage (`recompute_workspace`, added
+    when `recompute`); rank
     r holds the stages `placement` puts on it.
 
     Model states per parameter from `schedules.analysis.accounting.model_state_bytes`: 16 bytes

@@ -3,6 +3,7 @@ with tensor-parallel, pipeline and data-parallel communication and the optimizer
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from partition import LayerCost, chain_graph, partition_graph
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import (
     GRAD_BYTES,
     PARAM_BYTES,
@@ -40,6 +42,10 @@ elements); the engine's hooks launch one bucket's reduction as soon as it is ful
 # values of memory traffic per parameter (a memory-bound update).
 _ADAM_TRAFFIC = 7 * 4.0
 _KEPT_SCHEDULES = 8
+_KEPT_OPS = 400_000
+"""Instructions of the schedules a search keeps beyond the last `_KEPT_SCHEDULES`."""
+RECOMPUTE_MODES = ("none", "selective", "full")
+_RECOMPUTE_TAGS = {"none": "", "selective": " rs", "full": " rc"}
 _BACKWARD_KINDS = np.array([KINDS.index(k) for k in (Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)])
 
 
@@ -55,13 +61,40 @@ class PlanConfig:
     microbatch_size: int
     num_microbatches: int
     zero_stage: int
-    recompute: bool
+    recompute: str
+    """none, selective (attention's core) or full (whole layers); True / False are read as
+    full / none."""
+    recompute_layers: int = 0
+    """Partial recomputation: only the first k layers of each stage; 0: all of them."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, bool):
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise PlanError(f"recompute={self.recompute!r} must be one of "
+                            f"{', '.join(RECOMPUTE_MODES)}")
+        if isinstance(self.recompute_layers, bool) or not isinstance(self.recompute_layers, int) \
+                or self.recompute_layers < 0 or (self.recompute_layers and
+                                                 self.recompute == "none"):
+            raise PlanError(f"recompute_layers={self.recompute_layers!r} must be 0 (all) or the "
+                            f"k >= 1 first layers of each stage, with recompute selective or full")
+
+    @property
+    def recomputes(self) -> bool:
+        return self.recompute != "none"
+
+    def recompute_label(self) -> str:
+        """none, selective, full or partial-k (full on the first k layers of each stage)."""
+        if self.recompute_layers:
+            return f"{'partial' if self.recompute == 'full' else 'selective'}-" \
+                   f"{self.recompute_layers}"
+        return self.recompute
 
     def engine_arguments(self) -> dict[str, Any]:
-        """Keyword arguments of `PipelineModule` (num_stages, chunks,
-        activation_checkpoint_interval) and `PipelineEngine`."""
-        return {"num_stages": self.pp, "chunks": self.chunks,
-                "activation_checkpoint_interval": int(self.recompute),
+        """Keyword arguments of `PipelineModule` (num_stages, chunks, recompute,
+        recompute_layers) and `PipelineEngine`."""
+        return {"num_stages": self.pp, "chunks": self.chunks, "recompute": self.recompute,
+                "recompute_layers": self.recompute_layers or None,
                 "schedule": self.schedule, "num_microbatches": self.num_microbatches,
                 "data_parallel": self.dp, "tensor_parallel": self.tp,
                 "zero_stage": self.zero_stage}
@@ -74,13 +107,15 @@ class PlanConfig:
                 f"--data-parallel {self.dp} --batch-size {global_batch}")
         extra = [name for name, on in (("tensor_parallel", self.tp > 1),
                                        ("zero_stage", self.zero_stage > 0),
-                                       ("activation_checkpoint_interval", self.recompute)) if on]
+                                       (f"recompute={self.recompute_label()}",
+                                        self.recomputes)) if on]
         return text + (f"   # plus {', '.join(extra)}: PipelineEngine only" if extra else "")
 
     def label(self) -> str:
         v = f" v{self.chunks}" if self.chunks > 1 else ""
         return (f"pp{self.pp} tp{self.tp} dp{self.dp} {self.schedule}{v} b{self.microbatch_size}"
-                f" m{self.num_microbatches} z{self.zero_stage}{' rc' if self.recompute else ''}")
+                f" m{self.num_microbatches} z{self.zero_stage}{_RECOMPUTE_TAGS[self.recompute]}"
+                f"{self.recompute_layers or ''}")
 
 
 @dataclass(frozen=True)
@@ -125,14 +160,16 @@ class PlanContext:
     """The data-parallel reduction overlaps the last backward (the engine's gradient hooks,
     Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
     drained, as Megatron-LM did in 2021 (Narayanan et al.: all-reduce after the flush)."""
-    _tables: dict[tuple[int, int, bool], StageTable] = field(default_factory=dict)
-    _schedules: dict[tuple[Any, ...], Schedule | None] = field(default_factory=dict)
+    _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
+    _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
+        default_factory=OrderedDict)
+    _schedule_ops: int = 0
     _traces: dict[tuple[str, int, int, int], HeldTrace | None] = field(default_factory=dict)
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
         (compute only: every cut carries the same hidden-state bytes) into p·v stages."""
-        key = (config.pp * config.chunks, config.tp, config.recompute)
+        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers)
         if key not in self._tables:
             costs = []
             priced: dict[object, tuple[float, float]] = {}  # identical blocks priced once
@@ -142,11 +179,16 @@ class PlanContext:
                     priced[same] = layer_times(layer, self.cluster, self.precision, 1,
                                                config.tp)
                 forward, backward = priced[same]
-                costs.append(LayerCost(layer.name, forward=forward, backward=backward + (
-                    forward if config.recompute else 0.0)))
+                # the cuts see full recomputation of every layer; selective and partial
+                # recomputation are not priced per layer here (a partial one depends on
+                # the cuts themselves)
+                again = config.recompute == "full" and not config.recompute_layers
+                costs.append(LayerCost(layer.name, forward=forward,
+                                       backward=backward + (forward if again else 0.0)))
             cuts = partition_graph(chain_graph(costs), key[0]).boundaries
             self._tables[key] = StageTable.build(self.model.layers, cuts, self.cluster,
-                                                 self.precision, config.tp, config.recompute)
+                                                 self.precision, config.tp, config.recompute,
+                                                 config.recompute_layers)
         return self._tables[key]
 
     def schedule(self, config: PlanConfig, costs: CostModel | None = None) -> Schedule | None:
@@ -163,18 +205,22 @@ class PlanContext:
             values = np.concatenate([np.asarray(costs.resolve(stages)[i]) for i in range(3)])
             key += tuple(np.round(values / values.max(), 2).tolist())
             limit = memory_limit(config)
-        if key not in self._schedules:
-            # the few most recent only: at thousands of devices one schedule holds ~10^5
-            # ops, and the search asks for each one's configurations in a row
-            while len(self._schedules) >= _KEPT_SCHEDULES:
-                del self._schedules[next(iter(self._schedules))]
-            try:
-                self._schedules[key] = generate_schedule(
-                    config.schedule, config.pp, config.num_microbatches, config.chunks,
-                    costs=costs, memory_limit=limit)
-            except ValueError:
-                self._schedules[key] = None
-        return self._schedules[key]
+        if key in self._schedules:
+            self._schedules.move_to_end(key)  # least recently used first
+            return self._schedules[key]
+        try:
+            made: Schedule | None = generate_schedule(
+                config.schedule, config.pp, config.num_microbatches, config.chunks,
+                costs=costs, memory_limit=limit)
+        except ValueError:
+            made = None
+        # least recently used out beyond a budget of instructions: at thousands of devices
+        # one schedule holds ~10^5; at tens all of them fit, and each is made once
+        self._schedules[key] = made
+        self._schedule_ops += _ops(made)
+        while self._schedule_ops > _KEPT_OPS and len(self._schedules) > _KEPT_SCHEDULES:
+            self._schedule_ops -= _ops(self._schedules.popitem(last=False)[1])
+        return made
 
     def held_trace(self, config: PlanConfig) -> HeldTrace | None:
         """When each rank's activations arrive and leave (None: the schedule refuses these
@@ -210,7 +256,7 @@ class PlanContext:
             raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
         held, rank = peak_rank_memory(table.params, activations, table.workspace * b,
                                       placement, dp=config.dp, zero=config.zero_stage,
-                                      recompute=config.recompute)
+                                      recompute=config.recomputes)
         if self.extra_parameter_bytes:  # another engine's state, on the fullest rank
             extra = float(self._rank_params(config)[rank]) * self.extra_parameter_bytes
             held = replace(held, parameters=held.parameters + extra)
@@ -365,3 +411,7 @@ def schedule_placement(name: str, pp: int, chunks: int) -> tuple[int, ...]:
     registry states it (`ScheduleSpec.placement`; a list of V-shaped names kept here once
     went stale: dualpipev-overlap, V-Min and V-Half were priced on a loop)."""
     return SCHEDULES[name].placement(pp, chunks)
+
+
+def _ops(schedule: Schedule | None) -> int:
+    return 0 if schedule is None else sum(len(stream) for stream in schedule.streams)

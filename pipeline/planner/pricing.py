@@ -7,10 +7,11 @@ from __future__ import annotations
 import math
 
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.kernels import layer_kernel_times
+from pipeline.planner.kernels import attention_core_seconds, layer_kernel_times
 from pipeline.planner.profile import LayerProfile
 
-__all__ = ["allreduce_seconds", "layer_split_times", "layer_times", "layer_tp_seconds",
+__all__ = ["allreduce_seconds", "layer_selective_seconds", "layer_split_times", "layer_times",
+           "layer_tp_seconds",
            "p2p_seconds", "ring_allreduce_seconds", "tree_allreduce_seconds"]
 
 
@@ -115,3 +116,20 @@ def layer_split_times(layer: LayerProfile, cluster: ClusterSpec, precision: str,
         return comm + (backward - comm) / 2, (backward - comm) / 2
     return (layer.split_fixed[0] + layer.split_seconds[0] * batch,
             layer.split_fixed[1] + layer.split_seconds[1] * batch)
+
+
+def layer_selective_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: str,
+                            batch: int, tp: int) -> float:
+    """Seconds selective recomputation adds to one microbatch's backward: attention's core
+    forward again (Korthikanti et al. 2022, section 4.1). The kernel model's attention
+    kernels; otherwise `selective_flops_split` as a share of the layer's forward."""
+    if not layer.selective_flops_split:
+        return 0.0
+    if _kernel_model(layer, cluster):
+        assert layer.shape is not None
+        return attention_core_seconds(layer.shape, batch, tp, cluster, precision)
+    forward, _ = layer_times(layer, cluster, precision, batch, tp)
+    forward -= layer_tp_seconds(layer, cluster, batch, tp)
+    share = layer.selective_flops_split / tp / max(
+        layer.flops_split / tp + layer.flops_replicated, layer.selective_flops_split / tp)
+    return forward * share

@@ -34,6 +34,14 @@ class LayerProfile:
     """Bytes per sample of the layer's output (what crosses a stage boundary)."""
     input_bytes: float = 0.0
     """Bytes per sample of the layer's input: all a recomputed layer keeps."""
+    input_split: bool = False
+    """The input is split over tp (sequence parallelism): a recomputed layer keeps 1/t."""
+    selective_held_split: float | None = None
+    """Bytes per sample (split over tp) kept under selective recomputation, which redoes
+    attention's core in the backward (replicated bytes unchanged); None: the layer has no
+    such part, selective recomputation keeps all it holds."""
+    selective_flops_split: float = 0.0
+    """Forward FLOPs per sample (split over tp) selective recomputation redoes."""
     tp_allreduces: int = 0
     """All-reduces per pass (forward, and again backward) over the tp group (Megatron: 2)."""
     tp_allreduce_bytes: float = 0.0
@@ -55,6 +63,8 @@ class LayerProfile:
 
     def __post_init__(self) -> None:
         values = {**vars(self), "split_fixed": None, "split_seconds": None, "shape": None,
+                  "selective_held_split": self.selective_held_split or 0.0,
+                  "input_split": None,
                   "split_0": (self.split_seconds or (0.0, 0.0))[0],
                   "split_1": (self.split_seconds or (0.0, 0.0))[1],
                   "split_fixed_0": self.split_fixed[0], "split_fixed_1": self.split_fixed[1]}
@@ -76,6 +86,16 @@ class LayerProfile:
     def held(self, tp: int) -> float:
         """Activation bytes per sample one tp rank keeps for the backward."""
         return self.held_split / tp + self.held_replicated
+
+    def kept_input(self, tp: int) -> float:
+        """Bytes per sample one tp rank keeps of a fully recomputed layer: its input."""
+        return self.input_bytes / tp if self.input_split else self.input_bytes
+
+    def held_selective(self, tp: int) -> float:
+        """Activation bytes per sample one tp rank keeps under selective recomputation."""
+        if self.selective_held_split is None:
+            return self.held(tp)
+        return self.selective_held_split / tp + self.held_replicated
 
 
 @dataclass(frozen=True)

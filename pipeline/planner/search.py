@@ -17,7 +17,8 @@ from pipeline.planner.profile import ModelProfile
 from schedules import SCHEDULES
 from schedules.ir.schedule import gc_paused
 
-__all__ = ["PlanResult", "SearchOptions", "check_request", "format_counts", "plan", "price"]
+__all__ = ["RECOMPUTE_CHOICES", "PlanResult", "SearchOptions", "check_request", "format_counts",
+           "plan", "price"]
 
 GIB = 2**30
 _UNPRICED = ("forward-only", "zb-optimal")
@@ -36,7 +37,7 @@ class SearchOptions:
     max_chunks: int = 4
     """Largest v tried for schedules with a free chunk count (interleaved, looped-bfs)."""
     recompute: bool = True
-    """Also try full activation recomputation."""
+    """Also try activation recomputation (selective, full, partial)."""
     tensor_parallel: tuple[int, ...] | None = None
     """tp sizes to try; None: every divisor of the devices per node that divides the heads."""
     pipeline_parallel: tuple[int, ...] | None = None
@@ -47,8 +48,11 @@ class SearchOptions:
     """Samples per microbatch to try; None: every divisor of a replica's batch."""
     zero_stages: tuple[int, ...] | None = None
     """ZeRO stages to try (0, 1); None: both where dp > 1."""
-    recompute_choices: tuple[bool, ...] | None = None
-    """Recomputation off (False) and/or full (True); None: both when `recompute`, else off."""
+    recompute_choices: tuple[str | bool, ...] | None = None
+    """Recomputation modes to try: none, selective (attention's core), full (every layer),
+    partial (full on the first k layers of each stage, k a quarter, half and three quarters
+    of a stage's layers); False / True are none / full. None: all four when `recompute`,
+    else none."""
     extra_parameter_bytes: float = 0.0
     """Bytes per parameter the training engine holds beyond the planner's memory model
     (`PlanContext.extra_parameter_bytes`; 2 for Megatron-LM's fp16 weights)."""
@@ -90,14 +94,31 @@ class SearchOptions:
             raise PlanError(f"zero_stages={self.zero_stages!r} must be 0 and/or 1 (ZeRO-2/3 "
                             f"would communicate every microbatch, refused with pipelines)")
         if self.recompute_choices is not None and (not self.recompute_choices or any(
-                not isinstance(x, bool) for x in self.recompute_choices)):
-            raise PlanError(f"recompute_choices={self.recompute_choices!r} must be False "
-                            f"and/or True")
+                not isinstance(x, bool) and x not in RECOMPUTE_CHOICES
+                for x in self.recompute_choices)):
+            raise PlanError(f"recompute_choices={self.recompute_choices!r} must be some of "
+                            f"{', '.join(RECOMPUTE_CHOICES)} (or False / True)")
 
-    def recompute_modes(self) -> tuple[bool, ...]:
+    def recompute_modes(self) -> tuple[str, ...]:
+        """The recomputation modes searched, by name (`RECOMPUTE_CHOICES`)."""
         if self.recompute_choices is not None:
-            return self.recompute_choices
-        return (False, True) if self.recompute else (False,)
+            return tuple(dict.fromkeys(
+                ("full" if x else "none") if isinstance(x, bool) else x
+                for x in self.recompute_choices))
+        return RECOMPUTE_CHOICES if self.recompute else ("none",)
+
+
+RECOMPUTE_CHOICES = ("none", "selective", "full", "partial")
+"""The recomputation modes the search knows (`SearchOptions.recompute_choices`)."""
+
+
+def _recompute_options(mode: str, stage_layers: int) -> list[tuple[str, int]]:
+    """(recompute, recompute_layers) of one searched mode; partial: k = ¼, ½, ¾ of a
+    stage's layers (at least 1, fewer than all; none when a stage has one layer)."""
+    if mode != "partial":
+        return [(mode, 0)]
+    ks = sorted({max(1, round(stage_layers * share)) for share in (0.25, 0.5, 0.75)})
+    return [("full", k) for k in ks if k < stage_layers]
 
 
 @dataclass
@@ -184,11 +205,13 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                         for zero in ((0, 1) if dp > 1 else (0,)):
                             if not allowed(zero, options.zero_stages):
                                 continue
-                            for recompute in options.recompute_modes():
-                                yield PlanConfig(pp=pp, tp=tp, dp=dp, schedule=name,
-                                                 chunks=chunks, microbatch_size=b,
-                                                 num_microbatches=m,
-                                                 zero_stage=zero, recompute=recompute)
+                            for mode in options.recompute_modes():
+                                for recompute, k in _recompute_options(
+                                        mode, -(-n // (pp * chunks))):
+                                    yield PlanConfig(pp=pp, tp=tp, dp=dp, schedule=name,
+                                                     chunks=chunks, microbatch_size=b,
+                                                     num_microbatches=m, zero_stage=zero,
+                                                     recompute=recompute, recompute_layers=k)
 
 
 def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,

@@ -11,7 +11,12 @@ import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.memory import recompute_workspace, stage_activation_bytes
-from pipeline.planner.pricing import layer_split_times, layer_times, layer_tp_seconds
+from pipeline.planner.pricing import (
+    layer_selective_seconds,
+    layer_split_times,
+    layer_times,
+    layer_tp_seconds,
+)
 from pipeline.planner.profile import LayerProfile
 
 __all__ = ["StageCosts", "StageTable"]
@@ -36,7 +41,7 @@ class StageCosts:
 
 @dataclass(frozen=True)
 class StageTable:
-    """One partition's stages at one tp size, with or without recomputation.
+    """One partition's stages at one tp size and recomputation mode.
 
     Memory is linear in the microbatch size b (per-sample bytes); times are not (kernels
     run in tile waves, every kernel and message has a fixed cost), so each b's stage times
@@ -52,7 +57,10 @@ class StageTable:
     """Recomputation workspace per sample (the stage's largest layer's activations)."""
     boundary: np.ndarray
     """Bytes per sample of each stage's output."""
-    recompute: bool
+    recompute: str
+    """none, selective or full (`pipeline.model.recompute.RecomputeMode`)."""
+    recompute_layers: int
+    """The first k layers of each stage are recomputed (partial); 0: all of them."""
     stages: tuple[tuple[LayerProfile, ...], ...]
     cluster: ClusterSpec
     precision: str
@@ -61,20 +69,24 @@ class StageTable:
 
     @classmethod
     def build(cls, layers: Sequence[LayerProfile], boundaries: Sequence[int],
-              cluster: ClusterSpec, precision: str, tp: int, recompute: bool) -> StageTable:
+              cluster: ClusterSpec, precision: str, tp: int, recompute: str,
+              recompute_layers: int = 0) -> StageTable:
         stages = tuple(tuple(layers[a:b]) for a, b in pairwise(boundaries))
+        mode = (recompute, recompute_layers)
         return cls(
             boundaries=tuple(boundaries),
             params=np.array([sum(layer.params(tp) for layer in stage) for stage in stages]),
-            held=np.array([stage_activation_bytes(stage, tp, 1, recompute) for stage in stages]),
-            workspace=np.array([recompute_workspace(stage, tp, 1) for stage in stages]),
+            held=np.array([stage_activation_bytes(stage, tp, 1, *mode) for stage in stages]),
+            workspace=np.array([recompute_workspace(stage, tp, 1, *mode) for stage in stages]),
             boundary=np.array([stage[-1].output_bytes for stage in stages]),
-            recompute=recompute, stages=stages, cluster=cluster, precision=precision, tp=tp)
+            recompute=recompute, recompute_layers=recompute_layers, stages=stages,
+            cluster=cluster, precision=precision, tp=tp)
 
     def _price(self, batch: int) -> tuple[np.ndarray, ...]:
         """Per stage at `batch` samples: forward, backward, I, W, tp collectives (both
-        passes), each F, B, I or W paying the runtime's fixed cost once. Layers of one
-        shape (a model's identical blocks) are priced once."""
+        passes), each F, B, I or W paying the runtime's fixed cost once, and the seconds
+        recomputation adds (the recomputed layers' forwards, or their attention cores).
+        Layers of one shape (a model's identical blocks) are priced once."""
         if batch not in self._priced:
             cache: dict[object, tuple[float, ...]] = {}
 
@@ -82,15 +94,24 @@ class StageTable:
                 key = layer.shape if layer.shape is not None else id(layer)
                 if key not in cache:
                     args = (self.cluster, self.precision, batch, self.tp)
-                    cache[key] = (*layer_times(layer, *args), *layer_split_times(layer, *args),
-                                  2 * layer_tp_seconds(layer, self.cluster, batch, self.tp))
+                    times = layer_times(layer, *args)
+                    again = {"none": 0.0, "full": times[0],
+                             "selective": layer_selective_seconds(layer, *args)}
+                    cache[key] = (*times, *layer_split_times(layer, *args),
+                                  2 * layer_tp_seconds(layer, self.cluster, batch, self.tp),
+                                  again[self.recompute])
                 return cache[key]
 
             overhead = self.cluster.op_overhead  # the runtime's fixed cost, once per op
-            sums = np.array([np.sum([price(layer) for layer in stage], axis=0)
+            k = self.recompute_layers
+            sums = np.array([np.sum([price(layer)[:5] for layer in stage], axis=0)
                              for stage in self.stages])
+            again = np.array([sum(price(layer)[5] for layer in stage[:k or len(stage)])
+                              for stage in self.stages])
             sums[:, :4] += overhead
-            self._priced[batch] = tuple(sums.T)
+            if self.recompute != "none":  # the recomputation is one more forward op
+                again += overhead
+            self._priced[batch] = (*sums.T, again)
         return self._priced[batch]
 
     def costs(self, batch: int, split: bool = False) -> StageCosts:
@@ -98,9 +119,8 @@ class StageTable:
         given as two halves (the simulator adds them for B); a `split` one as its own I and
         W (profiled layers measure them: the runtime's W may cost more than half a
         backward). Recomputation runs the forward again before the input gradient."""
-        forward, backward, input_grad, weight_grad, comm = self._price(batch)
+        forward, backward, input_grad, weight_grad, comm, recompute = self._price(batch)
         if not split:
             input_grad, weight_grad = backward / 2, backward / 2
-        recompute = forward if self.recompute else np.zeros_like(forward)
         return StageCosts(forward, input_grad + recompute, weight_grad, comm, recompute,
                           self.boundary * batch)

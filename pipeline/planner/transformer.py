@@ -12,6 +12,7 @@ from pipeline.planner.errors import PlanError
 from pipeline.planner.input_files import read_input_json
 from pipeline.planner.kernels import LayerShape
 from pipeline.planner.profile import LayerProfile, ModelProfile
+from schedules.analysis.accounting import AttentionKind, RecomputeKind, layer_activation_bytes
 
 __all__ = ["TransformerShape", "parse_shape", "transformer_profile"]
 
@@ -92,24 +93,27 @@ class TransformerShape:
         costs 3× this (backward = 2× forward), 4× with full recomputation."""
         return self.layers * self.block_flops_per_token() + 2 * self.hidden * self.vocab
 
-    def block_activation_bytes(self, element: int) -> tuple[float, float]:
+    def block_activation_bytes(self, element: int, *, attention: AttentionKind = "eager",
+                               recompute: RecomputeKind = "none",
+                               sequence_parallel: bool = False) -> tuple[float, float]:
         """(replicated, tp-split) bytes one sample's pass through a block saves for the
-        backward. Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-        Transformer Models", eq. (1)-(2): sbh(34 + 5as/h) bytes for 16-bit activations,
-        of which sbh·10 stays whole on every tp rank (norm inputs, the inputs of the two
-        parallel regions, dropout masks) and the rest divides by t.
+        backward: `schedules.analysis.accounting.layer_activation_bytes` (Korthikanti et al.
+        2022, eq. (1)-(2): sbh(34 + 5as/h) for 16-bit activations, eager attention, no
+        recomputation, of which sbh·10 stays whole on every tp rank), split into its part
+        replicated over t and its part divided by t (from its values at t = 1 and t = 2).
 
-        Generalised to ffn f and K/V width k: attention 7sh + 4sk + 5as², MLP 3sh + 4sf,
-        norms 4sh (f = 4h, k = h gives 34sh + 5as²). Elements of `element` bytes scale
-        the 2-byte terms; masks stay one byte per element."""
-        s, h, f, k, a = self.seq, self.hidden, self.ffn, self.kv_width, self.heads
+        Elements of `element` bytes scale the 2-byte terms; masks stay one byte per element
+        (the accounting at (element/2)× with masks of 2/element bytes)."""
         scale = element / 2
-        total16 = 14 * s * h + 4 * s * k + 4 * s * f + 5 * a * s * s
-        replicated16 = 10 * s * h
-        # the masks (2sh in the replicated part, as² in the split one) stay 1 byte/element
-        replicated = (replicated16 - 2 * s * h) * scale + 2 * s * h
-        split = (total16 - replicated16 - a * s * s) * scale + a * s * s
-        return replicated, split
+
+        def at(t: int) -> float:
+            return scale * layer_activation_bytes(
+                self.seq, 1, self.hidden, self.heads, attention=attention,
+                recompute=recompute, t=t, sequence_parallel=sequence_parallel,
+                dropout_mask_bytes=1 / scale, ffn=self.ffn, kv_width=self.kv_width)
+
+        one, two = at(1), at(2)
+        return 2 * two - one, 2 * (one - two)
 
 
 def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
@@ -128,12 +132,11 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
     element = ACTIVATION_BYTES[precision]
     s, h, vocab = shape.seq, shape.hidden, shape.vocab
     hidden_bytes = s * h * element
-    replicated, split = shape.block_activation_bytes(element)
-    if attention == "fused":  # no scores (2 bytes), softmax (2 bytes) or mask (1 byte)
-        a = shape.heads
-        split -= a * s * s * (4 * element / 2 + 1) - 4 * a * s  # fp32 log-sum-exp kept
-    if sequence_parallel:
-        replicated, split = 0.0, replicated + split
+    kind: AttentionKind = "fused" if attention == "fused" else "eager"
+    replicated, split = shape.block_activation_bytes(element, attention=kind,
+                                                     sequence_parallel=sequence_parallel)
+    selective = sum(shape.block_activation_bytes(element, recompute="selective",
+                                                 sequence_parallel=sequence_parallel))
 
     def kernels(role: Literal["embedding", "block", "head"]) -> LayerShape:
         return LayerShape(role, s, h, shape.heads, shape.kv_width, shape.ffn, vocab, element,
@@ -150,7 +153,9 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
         name=f"block{index}", flops_split=s * shape.block_flops_per_token(),
         params_split=block_weights, params_replicated=4 * h,
         held_split=split, held_replicated=replicated, output_bytes=hidden_bytes,
-        input_bytes=hidden_bytes, tp_allreduces=2, tp_allreduce_bytes=hidden_bytes,
+        input_bytes=hidden_bytes, input_split=sequence_parallel,
+        selective_held_split=selective - replicated,
+        selective_flops_split=4 * s * s * h, tp_allreduces=2, tp_allreduce_bytes=hidden_bytes,
         shape=block)
         for index in range(shape.layers)]
     # Output layer: final norm input (sh) and fp32 logits for the cross entropy, 4sV/t bytes

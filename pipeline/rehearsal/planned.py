@@ -27,7 +27,7 @@ def _check_emulable(config: PlanConfig) -> None:
     if config.tp != 1:
         raise ValueError(f"{config.label()}: emulated layers have no tensor-parallel split; "
                          f"plan with SearchOptions(tensor_parallel=(1,))")
-    if config.recompute:
+    if config.recomputes:
         raise ValueError(f"{config.label()}: emulated layers are not rehearsed with "
                          f"recomputation; plan with SearchOptions(recompute=False)")
 

@@ -82,7 +82,7 @@ def test_search_filters_restrict_every_configuration() -> None:
         config = prediction.config
         assert (config.pp in (2, 4) and config.tp == 2 and config.dp in (2, 4)
                 and config.microbatch_size == 2 and config.zero_stage == 1
-                and config.recompute)
+                and config.recompute == "full")
     with pytest.raises(PlanError, match="pipeline-parallel size 3 does not divide"):
         plan(model, cluster, 64, options=SearchOptions(pipeline_parallel=(3,)))
 
