@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pipeline.planner.errors import PlanError
 from schedules import SCHEDULES
 
-__all__ = ["MAX_DEVICES", "MAX_GLOBAL_BATCH", "MAX_LAYERS", "MAX_PLAN_INSTRUCTIONS",
+__all__ = ["MAX_DEVICES", "MAX_GLOBAL_BATCH", "MAX_LAYERS", "MAX_PLAN_INSTRUCTIONS", "VARIANTS",
            "check_plan_work", "divisors", "estimate_plan_work"]
 
 MAX_LAYERS = 100_000
@@ -24,9 +24,11 @@ MAX_DEVICES = 1 << 20
 """Most devices (nodes × devices per node) a plan may spread over."""
 MAX_GLOBAL_BATCH = 1 << 30
 """Largest global batch, in samples, a plan may be asked for."""
-MAX_PLAN_INSTRUCTIONS = 200_000_000
+MAX_PLAN_INSTRUCTIONS = 2_000_000_000
 """Bound on the instructions the search may simulate, summed over every configuration it
-enumerates: a 24-layer model on 8 devices with a global batch of 4,096 is about 10^8."""
+enumerates (most are pruned before they are simulated): the Megatron-LM paper's largest
+runs (1T on 3,072 devices, a global batch of 3,072) are about 8·10^8 and search in well under
+a minute; a global batch of 720,720 on 8 devices is 8·10^10."""
 
 
 def divisors(n: int) -> list[int]:
@@ -42,11 +44,16 @@ def divisors(n: int) -> list[int]:
     return small + large[::-1]
 
 
+VARIANTS = 2 * 6
+"""ZeRO 0 and 1 × the searched recomputation settings: none, selective, full and partial with
+up to three layer counts (a quarter, half and three quarters of a stage: `search.py`)."""
+
+
 def estimate_plan_work(num_layers: int, devices: int, tensor_parallel: Sequence[int],
                        global_batch: int, schedules: Sequence[str], max_chunks: int) -> int:
     """An upper bound on the instructions the search would simulate: for every grid point
-    it enumerates, 3·p·v·m (F, B and W per stage and microbatch), times 4 for the ZeRO and
-    recompute variants."""
+    it enumerates, 3·p·v·m (F, B and W per stage and microbatch), times `VARIANTS` for the
+    ZeRO and recomputation variants."""
     total = 0
     for tp in tensor_parallel:
         if tp < 1 or devices % tp:
@@ -61,7 +68,7 @@ def estimate_plan_work(num_layers: int, devices: int, tensor_parallel: Sequence[
                 low, high = SCHEDULES[name].chunks if name in SCHEDULES else (1, 1)
                 top = min(max_chunks, num_layers // pp) if high is None else low
                 chunk_total = sum(range(max(low, 2) if high is None else low, top + 1))
-                total += 3 * pp * chunk_total * microbatch_total * 4
+                total += 3 * pp * chunk_total * microbatch_total * VARIANTS
     return total
 
 

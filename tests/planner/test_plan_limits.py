@@ -85,3 +85,14 @@ def test_plan_refuses_a_duplicate_json_key(tmp_path: Path) -> None:
     done = run_cli("plan", "--model", str(path), "--cluster", "a100-80g", "--global-batch",
                    "8", timeout=60)
     assert done.returncode == 2 and "gives the key 'layers' twice" in done.stderr
+
+
+def test_the_papers_largest_run_is_not_refused_by_the_work_limit() -> None:
+    # regression: the 1T shape on 3,072 A100s (Megatron-LM's Table 1) was refused by the CLI
+    model = load_model("layers=128,hidden=25600,heads=160,vocab=51200,seq=2048")
+    cluster = PRESETS["a100-80g"]
+    options = SearchOptions()
+    work = check_plan_work(len(model.layers), 384, cluster.devices_per_node,
+                           divisors(cluster.devices_per_node), 3072, options.schedules,
+                           options.max_chunks)
+    assert work <= MAX_PLAN_INSTRUCTIONS
