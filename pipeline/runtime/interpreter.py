@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import torch
@@ -24,19 +23,26 @@ from pipeline.parallel.optimizer_step import OptimizerStep
 from pipeline.parallel.precision import Precision, autocast
 from pipeline.runtime.batch import Batch, Layout, as_tensors
 from pipeline.runtime.comm import Comm, PendingRecv
-from pipeline.runtime.finite import FiniteFlag, all_finite
+from pipeline.runtime.finite import all_finite
 from pipeline.runtime.lookahead import early_receives
 from pipeline.runtime.saved_memory import hold_outputs
 from pipeline.runtime.send_release import MessageKey, send_witnesses
 from pipeline.runtime.shapes import ShapeBook
-from pipeline.runtime.split_backward import LayerGrads, forward_capturing
+from pipeline.runtime.split_backward import forward_capturing
+from pipeline.runtime.stage_tensors import (
+    batch_to,
+    detach_batch,
+    float_tensors,
+    free_output_data,
+    make_leaves,
+)
+from pipeline.runtime.step_state import SavedForward, StepState
 from pipeline.runtime.trace import Trace
 from pipeline.supervision.progress import ProgressRecord, StallError, explain_stall
 from schedules import Instruction, Kind
 
 __all__ = ["InstructionFailed", "Interpreter", "StepState", "free_output_data", "last_backwards"]
 
-Key = tuple[int, int]  # (stage, microbatch)
 _T = TypeVar("_T")
 _now = time.perf_counter
 
@@ -47,99 +53,6 @@ class InstructionFailed(Exception):
     def __init__(self, step: int, op: Instruction) -> None:
         super().__init__(f"instruction {op} (step {step}) failed")
         self.step, self.op = step, op
-
-
-@dataclass
-class _Saved:
-    """What a backward needs from its forward: autograd roots and the leaves to read."""
-
-    leaves: list[torch.Tensor]
-    """The stage input's floating tensors (leaves requiring grad); empty on stage 0."""
-    roots: list[torch.Tensor]
-    """Tensors to differentiate: the scaled loss, or the output tensors requiring grad."""
-    root_index: list[int]
-    """Position of each root among the output's floating tensors (grads arrive for all)."""
-    grad_layout: Layout
-    """Every floating output tensor's shape and dtype: the incoming gradient's layout."""
-    root_grads: list[torch.Tensor] | None = None
-    """Kept from I for W."""
-    layer_grads: LayerGrads | None = None
-    """Per-layer output gradients I leaves for W (split backward only)."""
-    held_outputs: list[Any] = field(default_factory=list)
-    """The roots as an active `SavedTensorMeter` counts them (`hold_outputs`)."""
-
-
-@dataclass
-class StepState:
-    """Everything one step holds between instructions; empty again when the step ends."""
-
-    microbatches: Sequence[Batch] | None
-    targets: Sequence[Any] | None
-    training: bool
-    step: int = 0
-    """The engine's `global_step`: with the microbatch, the key of layers' random streams."""
-    first_microbatch: int = 0
-    """Global index of this rank's microbatch 0 (dp_rank · m): replicas draw other masks."""
-    inputs: dict[Key, Batch] = field(default_factory=dict)
-    loaded_targets: dict[int, Any] = field(default_factory=dict)
-    saved: dict[Key, _Saved] = field(default_factory=dict)
-    recv_f: dict[Key, tuple[PendingRecv, bool]] = field(default_factory=dict)
-    recv_b: dict[Key, PendingRecv] = field(default_factory=dict)
-    out_grads: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
-    send_f: dict[Key, Batch] = field(default_factory=dict)
-    send_b: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
-    losses: list[torch.Tensor] = field(default_factory=list)
-    outputs: dict[int, Batch] = field(default_factory=dict)
-    peak_activations: int = 0
-    recv_wait: float = 0.0
-    exposed_reduction: float = 0.0
-    """Seconds spent in REDUCE_GRAD and in STEP's wait for the gradient reductions."""
-    finite: list[FiniteFlag] = field(default_factory=list)
-    """Whether each forward output and loss was finite, read only if the step's loss or
-    gradients are not (`first_nonfinite`)."""
-    loss_sum: torch.Tensor | None = None
-    """The step's mean loss summed over the world (each data-parallel replica's once), once
-    summed: at STEP, riding its vote's message; without STEP, by the engine after the run."""
-
-    def leftovers(self) -> dict[str, int]:
-        """Per-step entries still held (all empty after a complete step)."""
-        held: dict[str, dict[Any, Any]] = {
-            "inputs": self.inputs, "targets": self.loaded_targets, "saved": self.saved,
-            "recv_f": self.recv_f, "recv_b": self.recv_b, "out_grads": self.out_grads,
-            "send_f": self.send_f, "send_b": self.send_b}
-        return {name: len(entries) for name, entries in held.items() if entries}
-
-
-def _floats(value: Batch) -> list[torch.Tensor]:
-    return [t for t in as_tensors(value, "a stage's output") if t.is_floating_point()]
-
-
-def _detach(value: Batch) -> Batch:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    return tuple(t.detach() for t in value)
-
-
-def free_output_data(tensor: torch.Tensor) -> bool:
-    """Swap a sent stage output's data for a one-element placeholder of the same shape (a
-    stride-0 view), keeping its autograd node: the backward needs only the node and the
-    incoming gradient (Megatron's `deallocate_output_tensor`). The bytes go once the send
-    holding the data completes. A view or a leaf keeps its data (freeing it would free
-    nothing, or would break the leaf's own gradient); returns whether the data was swapped.
-    """
-    if tensor._base is not None or tensor.grad_fn is None or tensor.numel() <= 1:
-        return False
-    tensor.data = torch.empty((), dtype=tensor.dtype, device=tensor.device).expand(
-        tensor.shape)
-    return True
-
-
-def _make_leaves(value: Batch) -> tuple[Batch, list[torch.Tensor]]:
-    """Detached copy of `value` whose floating tensors require grad, and those tensors."""
-    tensors = [t.detach().requires_grad_(True) if t.is_floating_point() else t
-               for t in as_tensors(value, "a stage's input")]
-    leaves = [t for t in tensors if t.requires_grad]
-    return (tensors[0] if isinstance(value, torch.Tensor) else tuple(tensors)), leaves
 
 
 _BROADCAST_WARNING = r"Using a target size .* that is different to the input size"
@@ -312,12 +225,12 @@ class Interpreter:
             if state.microbatches is None:
                 raise ValueError("this rank holds the first stage: pass the inputs to "
                                  "train_batch / eval_batch on it")
-            state.inputs[(0, i)] = _to(state.microbatches[i], self.device)
+            state.inputs[(0, i)] = batch_to(state.microbatches[i], self.device)
         if op.stage == self.last_stage and state.training:
             if state.targets is None:
                 raise ValueError("this rank holds the last stage: pass the targets to "
                                  "train_batch on it")
-            state.loaded_targets[i] = _to(state.targets[i], self.device)
+            state.loaded_targets[i] = batch_to(state.targets[i], self.device)
 
     # -- compute ---------------------------------------------------------------------------
 
@@ -337,12 +250,12 @@ class Interpreter:
                 out = self._run_stage(s, x)
                 if s == self.last_stage and state.targets is not None and self.loss_fn:
                     state.losses.append(self._loss(self._loss_input(out),
-                                                   _to(state.targets[i], self.device)))
+                                                  batch_to(state.targets[i], self.device)))
             self._forward_done(s, i, out)
             return
         leaves: list[torch.Tensor] = []
         if s > 0:
-            x, leaves = _make_leaves(x)
+            x, leaves = make_leaves(x)
         layer_grads = None
         if s in self.split_stages:
             with autocast(self.precision, self.device.type):
@@ -359,11 +272,12 @@ class Interpreter:
             # scales it so small gradients survive the half-precision backward
             scale = self.loss_scale()
             root = loss / self.m if scale == 1.0 else loss * (scale / self.m)
-            saved = _Saved(leaves, [root], [], Layout(True, ()))
+            saved = SavedForward(leaves, [root], [], Layout(True, ()))
         else:
-            floats = _floats(out)
+            floats = float_tensors(out)
             index = [k for k, t in enumerate(floats) if t.requires_grad]
-            saved = _Saved(leaves, [floats[k] for k in index], index, Layout.of(tuple(floats)))
+            saved = SavedForward(leaves, [floats[k] for k in index], index,
+                                 Layout.of(tuple(floats)))
             saved.held_outputs = hold_outputs(saved.roots)
             self._forward_done(s, i, out)
         saved.layer_grads = layer_grads
@@ -408,13 +322,13 @@ class Interpreter:
     def _forward_done(self, s: int, i: int, out: Batch) -> None:
         state = self.state
         if s == self.last_stage:
-            state.outputs[i] = _detach(out)
+            state.outputs[i] = detach_batch(out)
         elif self._local(s + 1):
-            state.inputs[(s + 1, i)] = _detach(out)
+            state.inputs[(s + 1, i)] = detach_batch(out)
         else:
             state.send_f[(s, i)] = out
 
-    def _root_grads(self, s: int, i: int, saved: _Saved) -> list[torch.Tensor] | None:
+    def _root_grads(self, s: int, i: int, saved: SavedForward) -> list[torch.Tensor] | None:
         if s == self.last_stage:
             return None  # the loss is a scalar: d loss / d loss = 1
         if self._local(s + 1):
@@ -533,9 +447,3 @@ def last_backwards(stream: Sequence[Instruction]) -> dict[int, int]:
             if kind is not Kind.I and kind is not Kind.W:
                 found[index] = op.stage
     return found
-
-
-def _to(value: Batch, device: torch.device) -> Batch:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    return tuple(t.to(device, non_blocking=True) for t in value)
