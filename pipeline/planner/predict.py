@@ -21,7 +21,7 @@ from pipeline.planner.memory import (
 )
 from pipeline.planner.pricing import allreduce_seconds, layer_times
 from pipeline.planner.profile import ModelProfile
-from pipeline.planner.stages import StageTable
+from pipeline.planner.stages import StageTable, uniform_boundaries
 from schedules import (
     KINDS,
     SCHEDULES,
@@ -160,6 +160,25 @@ class PlanContext:
     """The data-parallel reduction overlaps the last backward (the engine's gradient hooks,
     Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
     drained, as Megatron-LM did in 2021 (Narayanan et al.: all-reduce after the flush)."""
+    overlap_grad_reduce_unpipelined: bool = False
+    """With `overlap_grad_reduce` False, still overlap the reduction where pp = 1: Megatron-LM
+    2021 ran torch's DistributedDataParallel without a pipeline (its hooks reduce buckets
+    during the last microbatch's backward) and its own reduction after the flush with one
+    (the SC'21 scripts: `--DDP-impl torch` at p = 1, `local` above)."""
+    uniform_layers: bool = False
+    """Stages split as Megatron-LM splits them (`stages.uniform_boundaries`: the blocks
+    evenly, the embedding on the first stage, the head and loss on the last) instead of by
+    the exact partitioner's balance of their costs."""
+    blocking_p2p: bool = False
+    """Point-to-point messages hold both ranks: each F (B) that sends its output (input
+    gradient) to another rank lasts until the message is through, and the receiver's op
+    first all-gathers the 1/t pieces over NVLink. Megatron-LM 2021 waits on every
+    `batch_isend_irecv` and then calls `torch.cuda.synchronize()` (`p2p_communication.py`);
+    False: messages overlap compute, only delaying their receiver."""
+    grad_reduce_bytes: float = GRAD_BYTES
+    """Bytes per gradient element in the data-parallel reduction: 4 (fp32, this engine's
+    gradients); 2 for Megatron-LM 2021's fp16 runs, which all-reduce the fp16 gradients
+    (its default, without --accumulate-allreduce-grads-in-fp32)."""
     _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
         default_factory=OrderedDict)
@@ -185,7 +204,14 @@ class PlanContext:
                 again = config.recompute == "full" and not config.recompute_layers
                 costs.append(LayerCost(layer.name, forward=forward,
                                        backward=backward + (forward if again else 0.0)))
-            cuts = partition_graph(chain_graph(costs), key[0]).boundaries
+            if self.uniform_layers:
+                uniform = uniform_boundaries(self.model.layers, key[0])
+                if uniform is None:
+                    raise PlanError(f"{config.label()}: {key[0]} stages do not divide the "
+                                    f"model's blocks evenly (uniform_layers)")
+                cuts: tuple[int, ...] = uniform
+            else:
+                cuts = tuple(partition_graph(chain_graph(costs), key[0]).boundaries)
             self._tables[key] = StageTable.build(self.model.layers, cuts, self.cluster,
                                                  self.precision, config.tp, config.recompute,
                                                  config.recompute_layers)
@@ -323,9 +349,16 @@ class PlanContext:
         # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
         # over NVLink (Narayanan et al. 2021, section 4.1)
         boundary = costs.boundary_bytes / config.tp
-        model = CostModel(forward=costs.forward.tolist(), backward=costs.input_grad.tolist(),
-                          weight=costs.weight_grad.tolist(), comm=p2p_latency,
-                          activation_bytes=boundary.tolist(), bandwidth=p2p_bandwidth)
+        if self.blocking_p2p:
+            forward, input_grad = self._blocking_p2p(config, costs.forward, costs.input_grad,
+                                                     costs.boundary_bytes)
+            model = CostModel(forward=forward.tolist(), backward=input_grad.tolist(),
+                              weight=costs.weight_grad.tolist())
+        else:
+            model = CostModel(forward=costs.forward.tolist(),
+                              backward=costs.input_grad.tolist(),
+                              weight=costs.weight_grad.tolist(), comm=p2p_latency,
+                              activation_bytes=boundary.tolist(), bandwidth=p2p_bandwidth)
         schedule = self.schedule(config, model)
         if schedule is None:
             return None
@@ -339,7 +372,9 @@ class PlanContext:
         np.maximum.at(stage_done, timeline.stage[backward], timeline.end[backward])
         last_start = np.zeros(len(placement))
         np.maximum.at(last_start, timeline.stage[backward], timeline.start[backward])
-        if not self.overlap_grad_reduce:  # nothing starts before the rank's last op
+        overlap = self.overlap_grad_reduce or (self.overlap_grad_reduce_unpipelined
+                                               and config.pp == 1)
+        if not overlap:  # nothing starts before the rank's last op
             last_start = np.maximum(last_start, rank_end[placement])
             stage_done = np.maximum(stage_done, rank_end[placement])
         reduce_end = np.array([self._reduction_end(config, table.params, placement == rank,
@@ -365,6 +400,31 @@ class PlanContext:
         return Prediction(config, total, tokens / total, model_flops / total / devices,
                           memory[0], memory[1], breakdown, table.boundaries)
 
+    def _blocking_p2p(self, config: PlanConfig, forward: np.ndarray, input_grad: np.ndarray,
+                      boundary_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and input-gradient seconds per stage with blocking messages in them.
+
+        Legend: stage s sends its output to s + 1 after F and receives the gradient of that
+        output before B; a message crosses ranks where the two stages' ranks differ. Each
+        of the t tensor-parallel ranks sends 1/t of the bytes over its own link (scatter),
+        the receivers all-gather the pieces over NVLink (gather). Blocking: the sender's op
+        ends when its message is through (α + n/(tβ)); the receiver's op begins with the
+        all-gather. The dependency itself then adds no delay: its cost is in the ops."""
+        placement = np.asarray(_placement(config))
+        crosses = placement[:-1] != placement[1:]  # between stage s and s + 1
+        bandwidth, latency = self.cluster.link(config.pp * config.dp * config.tp)
+        message = np.where(crosses, latency + boundary_bytes[:-1] / config.tp / bandwidth, 0.0)
+        intra_bandwidth, intra_latency = self.cluster.link(config.tp)
+        t = config.tp  # a ring all-gather: (t-1)/t of the bytes in, t-1 hops
+        gather = np.where(crosses, (t - 1) / t * boundary_bytes[:-1] / intra_bandwidth
+                          + (t - 1) * intra_latency, 0.0)
+        forward, input_grad = forward.copy(), input_grad.copy()
+        forward[:-1] += message  # F of s sends its output to s + 1
+        forward[1:] += gather  # F of s + 1 gathers its input
+        input_grad[1:] += message  # B of s + 1 sends its input's gradient to s
+        input_grad[:-1] += gather  # B of s gathers its output's gradient
+        return forward, input_grad
+
     def _reduction_end(self, config: PlanConfig, params: np.ndarray, stages: np.ndarray,
                        last_start: np.ndarray, stage_done: np.ndarray) -> float:
         """When a rank's data-parallel gradient reduction ends. The engine launches a
@@ -376,8 +436,8 @@ class PlanContext:
         an all-reduce's traffic."""
         end = 0.0
         for s in sorted(np.flatnonzero(stages), key=lambda s: stage_done[s]):
-            seconds = allreduce_seconds(params[s] * GRAD_BYTES, config.dp, config.tp,
-                                        self.cluster)
+            seconds = allreduce_seconds(params[s] * self.grad_reduce_bytes, config.dp,
+                                        config.tp, self.cluster)
             if config.zero_stage:
                 seconds /= 2
             buckets = max(1, -(-int(params[s]) // BUCKET_PARAMETERS))
