@@ -254,9 +254,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.part in ("scale", "all"):
         print(scale_search())
     if args.part in ("published", "all"):
-        from bench_published import published_part
+        from bench_published import published_part, sweeps_part
 
         print("\n".join(published_part()))
+        print("\n".join(["", *sweeps_part()]))
     if args.part in ("local", "all"):
         print("\n".join(local_part(args.rounds)))
     if args.part in ("emulated", "all"):

@@ -46,7 +46,7 @@ from pipeline.planner import (
 )
 from pipeline.planner.search import price
 
-__all__ = ["ROWS", "PublishedRow", "paper_flops", "published_part", "run_row"]
+__all__ = ["ROWS", "PublishedRow", "paper_flops", "published_part", "run_row", "sweeps_part"]
 
 SEQ, VOCAB = 2048, 51200
 
@@ -117,6 +117,39 @@ def paper_flops(row: PublishedRow) -> float:
     """Model FLOPs of one iteration, the paper's count with full recomputation."""
     s, layers, h = SEQ, row.layers, row.hidden
     return 96 * row.batch * s * layers * h * h * (1 + s / (6 * h) + VOCAB / (16 * layers * h))
+
+
+def _priced_tflops(row: PublishedRow, **engine: Any) -> float:
+    shape = parse_shape({"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
+                         "vocab": VOCAB, "seq": SEQ})
+    model = transformer_profile(shape, "fp16", attention="eager")
+    cluster = replace(PRESETS["a100-80g"], nodes=row.gpus // 8)
+    found = price(model, cluster, row.batch, row.config(), precision="fp16",
+                  options=SearchOptions(**(MEGATRON_2021 | engine)))
+    return paper_flops(row) / found.step_seconds / row.gpus / 1e12
+
+
+def sweeps_part() -> list[str]:
+    """The planner on two of the paper's parallelism sweeps, 64 GPUs, microbatch 1, 1F1B,
+    configurations from `examples/sc21/run_figure_13.sh` (162.2B: l 32, h 20480, a 128;
+    t·p = 64) and `run_figure_15.sh` (5.9B: l 32, h 3840, a 32; p = 1, t·d = 64): predicted
+    TFLOP/s per GPU, fastest marked (the paper's measured values are not recorded here).
+    Both scripts run `--DDP-impl local`: the reduction after the flush, at p = 1 too."""
+    lines = ["The paper's sweeps on 64 GPUs (b 1, 1F1B), planner's TFLOP/s per GPU", ""]
+    sweeps = (("Figure 13, 162.2B, t·p = 64", 128, 20480, 32,
+               [(64 // pp, pp) for pp in (2, 4, 8, 16, 32)]),
+              ("Figure 15, 5.9B, p = 1", 32, 3840, 32, [(t, 1) for t in (2, 4, 8, 16, 32)]))
+    for title, heads, hidden, layers, splits in sweeps:
+        for batch in (32, 128):
+            values = {(t, p): _priced_tflops(PublishedRow(0, heads, hidden, layers, t, p, 64,
+                                                          batch, 0, 1, 1),
+                                              overlap_grad_reduce_unpipelined=False)
+                      for t, p in splits}
+            best = max(values, key=values.__getitem__)
+            lines.append(f"{title}, batch {batch}: " + ", ".join(
+                f"{'*' if split == best else ''}t{split[0]} p{split[1]} {value:.1f}"
+                for split, value in values.items()))
+    return lines
 
 
 def run_row(row: PublishedRow, *, search: bool = True) -> dict[str, object]:
