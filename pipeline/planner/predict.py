@@ -132,8 +132,8 @@ class Prediction:
     memory_rank: int
     breakdown: dict[str, float]
     """Seconds of the step by cause on the pipeline rank that finishes last: compute,
-    recomputation, tp_comm, bubble (idle, P2P waits included), dp_comm (exposed),
-    optimizer. They sum to `step_seconds`."""
+    recomputation, tp_comm, bubble (idle and P2P waits; with `blocking_p2p` also the
+    blocking messages), dp_comm (exposed), optimizer. They sum to `step_seconds`."""
     boundaries: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
