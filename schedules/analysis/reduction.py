@@ -139,7 +139,10 @@ def reduce_rank(rank: int, launches: Sequence[StageLaunch], seconds: Sequence[fl
         if start == "after_flush":
             times = np.full(k, compute_end)
         elif start == "overlap" and launch.hooked:
-            times = bucket_ready(launch.backward_start, launch.backward_end, k, shards)
+            # strictly in bucket order, so that every replica issues the same collectives in
+            # the same order: a final bucket waits for the ones before it
+            times = np.maximum.accumulate(
+                bucket_ready(launch.backward_start, launch.backward_end, k, shards))
         else:
             times = np.full(k, launch.reduce_grad)
         ready.append(times)
