@@ -133,20 +133,22 @@ def _bucket_seconds(zero: int, numel: int, bucket_mb: float, repeats: int = 5) -
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        pending = []
+        pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         for bucket in buckets:
             if zero:
                 sent = bucket.view(world, -1).contiguous().div_(world)
                 received = torch.empty_like(sent)
-                pending.append((dist.all_to_all_single(received, sent, async_op=True),
-                                lambda r=received: torch.sum(r, dim=0)))
+                work = dist.all_to_all_single(received, sent, async_op=True)
             else:
-                copy = bucket.clone().div_(world)
-                pending.append((dist.all_reduce(copy, async_op=True),
-                                lambda c=copy, b=bucket: b.copy_(c)))
-        for work, finish in pending:
+                received = bucket.clone().div_(world)
+                work = dist.all_reduce(received, async_op=True)
+            pending.append((work, received, bucket))
+        for work, received, bucket in pending:
             work.wait()
-            finish()
+            if zero:
+                torch.sum(received, dim=0)
+            else:
+                bucket.copy_(received)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -40,8 +40,8 @@ import numpy as np
 
 from schedules.ir.instructions import COMPUTE_KINDS, Instruction, Kind
 
-__all__ = ["REDUCTION_STARTS", "BucketSpan", "ReductionStart", "StageLaunch", "bucket_ready",
-           "reduce_rank", "ring_reduction_time", "stage_launches"]
+__all__ = ["REDUCTION_STARTS", "BucketSpan", "Lane", "ReductionStart", "StageLaunch",
+           "bucket_ready", "reduce_rank", "ring_reduction_time", "stage_launches"]
 
 ReductionStart = Literal["overlap", "after_backward", "after_flush"]
 REDUCTION_STARTS: tuple[ReductionStart, ...] = ("overlap", "after_backward", "after_flush")
@@ -74,6 +74,29 @@ class BucketSpan(NamedTuple):
     launch: float
     start: float
     end: float
+
+
+class Lane(NamedTuple):
+    """A rank's buckets on its communication lane, in the order they run, as columns (the
+    planner reduces thousands of buckets per configuration)."""
+
+    rank: int
+    stage: np.ndarray
+    bucket: np.ndarray
+    launch: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+    @property
+    def finish(self) -> float:
+        """When the lane's last bucket ends (0 when it has none)."""
+        return float(self.end[-1]) if len(self.end) else 0.0
+
+    def spans(self) -> list[BucketSpan]:
+        """The buckets as `BucketSpan` rows."""
+        return [BucketSpan(self.rank, *row) for row in zip(
+            self.stage.tolist(), self.bucket.tolist(), self.launch.tolist(),
+            self.start.tolist(), self.end.tolist())]
 
 
 def bucket_ready(start: float, end: float, buckets: int, shards: int = 1) -> np.ndarray:
@@ -123,7 +146,7 @@ def stage_launches(stream: Sequence[Instruction], starts: Sequence[float],
 
 def reduce_rank(rank: int, launches: Sequence[StageLaunch], seconds: Sequence[float],
                 buckets: Sequence[int], *, start: ReductionStart, shards: int = 1,
-                compute_end: float = 0.0) -> list[BucketSpan]:
+                compute_end: float = 0.0) -> Lane:
     """The rank's buckets on its communication lane, in launch order (module docstring).
 
     `seconds[s]` is stage s's whole reduction, `buckets[s]` its bucket count; `shards` is d
@@ -132,7 +155,8 @@ def reduce_rank(rank: int, launches: Sequence[StageLaunch], seconds: Sequence[fl
     if start not in REDUCTION_STARTS:
         raise ValueError(f"start must be one of {', '.join(REDUCTION_STARTS)}, got {start!r}")
     if not launches:
-        return []
+        empty = np.zeros(0)
+        return Lane(rank, empty.astype(np.int64), empty.astype(np.int64), empty, empty, empty)
     ready, order, bucket, stage, length = [], [], [], [], []
     for launch in launches:
         s, k = launch.stage, buckets[launch.stage]
@@ -160,9 +184,7 @@ def reduce_rank(rank: int, launches: Sequence[StageLaunch], seconds: Sequence[fl
     # D_{i-1}) with D the running sum of durations (no Python loop over thousands of buckets)
     total = np.cumsum(duration)
     end = total + np.maximum.accumulate(launch_at - (total - duration))
-    begin = np.maximum(end - duration, launch_at)
-    return [BucketSpan(rank, int(s), int(j), float(t), float(a), float(b))
-            for s, j, t, a, b in zip(stage_of, index, launch_at, begin, end)]
+    return Lane(rank, stage_of, index, launch_at, np.maximum(end - duration, launch_at), end)
 
 
 def ring_reduction_time(nbytes: float, data_parallel: int, bandwidth: float, *,

@@ -12,7 +12,7 @@ import numpy as np
 from schedules.analysis.dataflow import Execution, execute
 from schedules.analysis.reduction import (
     REDUCTION_STARTS,
-    BucketSpan,
+    Lane,
     ReductionStart,
     reduce_rank,
     stage_launches,
@@ -223,7 +223,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
 
 
 def reduce_gradients(schedule: Schedule, run: Execution, reduction: GradReduction
-                     ) -> list[list[BucketSpan]]:
+                     ) -> list[Lane]:
     """Per rank, its buckets on its communication lane, given the executed compute `run`."""
     times, buckets = reduction.resolve(schedule.num_stages)
     spans = []
@@ -236,20 +236,21 @@ def reduce_gradients(schedule: Schedule, run: Execution, reduction: GradReductio
     return spans
 
 
-def _with_reduction(timeline: Timeline, spans: list[list[BucketSpan]]) -> Timeline:
+def _with_reduction(timeline: Timeline, lanes: list[Lane]) -> Timeline:
     """`timeline` with a REDUCE_GRAD row per bucket that takes time, and each rank's end of
     the reduction (0 where it has none)."""
-    rows = [span for rank_spans in spans for span in rank_spans if span.end > span.start]
-    ends = tuple(max((span.end for span in rank_spans), default=0.0) for rank_spans in spans)
+    kept = [lane.end > lane.start for lane in lanes]
 
-    def column(values: list[float] | list[int], base: np.ndarray) -> np.ndarray:
-        return np.concatenate([base, np.asarray(values, dtype=base.dtype)])
+    def column(base: np.ndarray, parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate([base, *(part.astype(base.dtype) for part in parts)])
 
-    code = KIND_CODES[Kind.REDUCE_GRAD]
+    rows = [int(keep.sum()) for keep in kept]
     return replace(
-        timeline, rank=column([s.rank for s in rows], timeline.rank),
-        kind=column([code] * len(rows), timeline.kind),
-        stage=column([s.stage for s in rows], timeline.stage),
-        microbatch=column([NONE] * len(rows), timeline.microbatch),
-        start=column([s.start for s in rows], timeline.start),
-        end=column([s.end for s in rows], timeline.end), reduction_ends=ends)
+        timeline,
+        rank=column(timeline.rank, [np.full(n, lane.rank) for n, lane in zip(rows, lanes)]),
+        kind=column(timeline.kind, [np.full(sum(rows), KIND_CODES[Kind.REDUCE_GRAD])]),
+        stage=column(timeline.stage, [lane.stage[k] for lane, k in zip(lanes, kept)]),
+        microbatch=column(timeline.microbatch, [np.full(sum(rows), NONE)]),
+        start=column(timeline.start, [lane.start[k] for lane, k in zip(lanes, kept)]),
+        end=column(timeline.end, [lane.end[k] for lane, k in zip(lanes, kept)]),
+        reduction_ends=tuple(lane.finish for lane in lanes))

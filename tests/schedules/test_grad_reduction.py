@@ -22,7 +22,7 @@ from schedules import (
     figures,
     simulate,
 )
-from schedules.analysis.reduction import BucketSpan, StageLaunch, ring_reduction_time
+from schedules.analysis.reduction import Lane, StageLaunch, ring_reduction_time
 
 # F = 1, B = 1, W = 1: a fused B costs 2 (the simulator's convention: backward + weight)
 UNIT = CostModel(forward=1.0, backward=1.0, weight=1.0)
@@ -117,10 +117,10 @@ def _shards_ignored(start: float, end: float, buckets: int, shards: int = 1) -> 
 
 
 def _no_lane(rank: int, launches: Any, seconds: Any, buckets: Any, **kwargs: Any
-             ) -> list[BucketSpan]:
-    spans = reduction_module.reduce_rank(rank, launches, seconds, buckets, **kwargs)
-    return [span._replace(start=span.launch, end=span.launch + span.end - span.start)
-            for span in spans]  # every bucket at once: no single lane
+             ) -> Lane:
+    lane = reduction_module.reduce_rank(rank, launches, seconds, buckets, **kwargs)
+    # every bucket as soon as it is launched: no single lane
+    return lane._replace(start=lane.launch, end=lane.launch + lane.end - lane.start)
 
 
 def _every_backward_hooked(*args: Any) -> list[StageLaunch]:
@@ -227,7 +227,7 @@ def test_zero_reduction_time_leaves_the_timeline_as_today(case: dict[str, Any],
 def test_lane_runs_buckets_in_launch_order() -> None:
     spans = reduction_module.reduce_rank(
         0, [StageLaunch(1, 2.0, 4.0, True, 4.0, 5), StageLaunch(0, 4.0, 6.0, True, 6.0, 9)],
-        [3.0, 3.0], [2, 2], start="overlap")
+        [3.0, 3.0], [2, 2], start="overlap").spans()
     assert [(s.stage, s.bucket) for s in spans] == [(1, 0), (1, 1), (0, 0), (0, 1)]
     assert [(s.start, s.end) for s in spans] == pytest.approx(
         [(3.0, 4.5), (4.5, 6.0), (6.0, 7.5), (7.5, 9.0)])
