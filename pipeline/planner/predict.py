@@ -23,9 +23,9 @@ from pipeline.planner.pricing import allreduce_seconds, layer_times
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable, uniform_boundaries
 from schedules import (
-    KINDS,
     SCHEDULES,
     CostModel,
+    GradReduction,
     Kind,
     Schedule,
     generate_schedule,
@@ -46,7 +46,6 @@ _KEPT_OPS = 400_000
 """Instructions of the schedules a search keeps beyond the last `_KEPT_SCHEDULES`."""
 RECOMPUTE_MODES = ("none", "selective", "full")
 _RECOMPUTE_TAGS = {"none": "", "selective": " rs", "full": " rc"}
-_BACKWARD_KINDS = np.array([KINDS.index(k) for k in (Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)])
 
 
 @dataclass(frozen=True, order=True, kw_only=True)
@@ -332,9 +331,8 @@ class PlanContext:
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
-        """Simulate the schedule on the stage costs, then add the data-parallel reduction
-        (per stage, from its last backward on, serial on the rank: the engine's
-        REDUCE_GRAD overlaps the rank's remaining compute) and the optimizer step.
+        """Simulate the schedule on the stage costs with the data-parallel reduction on each
+        rank's communication lane (`_reduction`), then add the optimizer step.
         None when the schedule refuses the configuration."""
         table = self.table(config)
         if is_cost_aware(config.schedule):
@@ -362,24 +360,15 @@ class PlanContext:
         schedule = self.schedule(config, model)
         if schedule is None:
             return None
-        timeline = simulate(schedule, model)
+        timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table)))
         placement = np.asarray(_placement(config))
         step, gather = self._update_seconds(config)
+        compute = timeline.compute_mask()
         rank_end = np.zeros(config.pp)
-        np.maximum.at(rank_end, timeline.rank, timeline.end)
-        backward = np.isin(timeline.kind, _BACKWARD_KINDS)
-        stage_done = np.zeros(len(placement))
-        np.maximum.at(stage_done, timeline.stage[backward], timeline.end[backward])
-        last_start = np.zeros(len(placement))
-        np.maximum.at(last_start, timeline.stage[backward], timeline.start[backward])
-        overlap = self.overlap_grad_reduce or (self.overlap_grad_reduce_unpipelined
-                                               and config.pp == 1)
-        if not overlap:  # nothing starts before the rank's last op
-            last_start = np.maximum(last_start, rank_end[placement])
-            stage_done = np.maximum(stage_done, rank_end[placement])
-        reduce_end = np.array([self._reduction_end(config, table.params, placement == rank,
-                                                   last_start, stage_done)
-                               for rank in range(config.pp)])
+        np.maximum.at(rank_end, timeline.rank[compute], timeline.end[compute])
+        reduce_end = np.zeros(config.pp)
+        if timeline.reduction_ends:
+            reduce_end = np.asarray(timeline.reduction_ends, dtype=np.float64)
         finish = np.maximum(rank_end, reduce_end) + step + gather
         total = float(finish.max())
         # the breakdown of the rank that finishes last: its parts sum to the step
@@ -425,26 +414,24 @@ class PlanContext:
         input_grad[:-1] += gather  # B of s gathers its output's gradient
         return forward, input_grad
 
-    def _reduction_end(self, config: PlanConfig, params: np.ndarray, stages: np.ndarray,
-                       last_start: np.ndarray, stage_done: np.ndarray) -> float:
-        """When a rank's data-parallel gradient reduction ends. The engine launches a
-        bucket's reduction from the gradient hooks as soon as the last microbatch's backward
-        has filled it (Megatron's overlap_grad_reduce), one bucket after another on one
-        stream: of a stage's k buckets, ready evenly through its last backward [start, end],
-        each taking R/k, the last ends at max(start + L/k + R, end + R/k), L = end - start;
-        only what cannot hide behind that backward is exposed. ZeRO-1 reduce-scatters: half
-        an all-reduce's traffic."""
-        end = 0.0
-        for s in sorted(np.flatnonzero(stages), key=lambda s: stage_done[s]):
-            seconds = allreduce_seconds(params[s] * self.grad_reduce_bytes, config.dp,
-                                        config.tp, self.cluster)
-            if config.zero_stage:
-                seconds /= 2
-            buckets = max(1, -(-int(params[s]) // BUCKET_PARAMETERS))
-            window = stage_done[s] - last_start[s]
-            end = max(end + seconds, last_start[s] + window / buckets + seconds,
-                      stage_done[s] + seconds / buckets)
-        return end
+    def _reduction(self, config: PlanConfig, table: StageTable) -> GradReduction | None:
+        """Each stage's data-parallel reduction for the simulator, which places it on the
+        rank's timeline by the engine's rule (`schedules.analysis.reduction`: buckets launched
+        from the hooks of the stage's last fused backward as they become final, one after
+        another on one stream; only what cannot hide behind that backward is exposed).
+        ZeRO-1 reduce-scatters: half an all-reduce's traffic. Without overlap, everything
+        starts once the rank's pipeline has drained (Narayanan et al. 2021)."""
+        if config.dp == 1:
+            return None
+        seconds = [allreduce_seconds(float(params) * self.grad_reduce_bytes, config.dp, config.tp,
+                                     self.cluster) / (2 if config.zero_stage else 1)
+                   for params in table.params]
+        buckets = [max(1, -(-int(params) // BUCKET_PARAMETERS)) for params in table.params]
+        overlap = self.overlap_grad_reduce or (self.overlap_grad_reduce_unpipelined
+                                               and config.pp == 1)
+        return GradReduction(time=seconds, buckets=buckets,
+                             start="overlap" if overlap else "after_flush",
+                             zero_stage=config.zero_stage, data_parallel=config.dp)
 
 
 def is_cost_aware(name: str) -> bool:
