@@ -138,4 +138,5 @@ def with_host_costs(costs: CostModel, host: HostCosts, schedule: Schedule,
         comm=costs.comm if link is None else link.latency,
         activation_bytes=act,
         bandwidth=costs.bandwidth if link is None else link.bandwidth,
+        overlap=costs.overlap,
         reduction=costs.reduction)
