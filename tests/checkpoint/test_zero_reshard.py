@@ -35,12 +35,14 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 class _Replica:
     """This rank's copy of the model and its ZeRO-1 shard of the Adam state."""
 
-    def __init__(self, base_seed: int) -> None:
+    def __init__(self, base_seed: int, bucket_mb: float) -> None:
         self.module = PipelineModule(mlp_layers(), num_stages=1, loss_fn=F.mse_loss,
                                      base_seed=base_seed)
         self.module.materialize([0])
         self.regions = {0: self.module.stage_parameters(0)}
-        self.optimizer = ShardedOptimizer(self.regions, _adam, None)
+        # small buckets: each rank owns a piece of every bucket, so a parameter is saved in
+        # several pieces per rank (Megatron's per-bucket shards)
+        self.optimizer = ShardedOptimizer(self.regions, _adam, None, bucket_mb=bucket_mb)
         self.step = 0
 
     def train(self, steps: int) -> None:
@@ -65,7 +67,7 @@ def _weights(module: PipelineModule) -> dict[tuple[int, str], torch.Tensor]:
 
 
 def _save_then_continue(root: str) -> dict[tuple[int, str], torch.Tensor]:
-    replica = _Replica(base_seed=1)
+    replica = _Replica(base_seed=1, bucket_mb=2**-14)
     replica.train(2)
     save_checkpoint(root, replica.parts())
     replica.train(1)
@@ -73,7 +75,7 @@ def _save_then_continue(root: str) -> dict[tuple[int, str], torch.Tensor]:
 
 
 def _load_and_step(root: str) -> dict[tuple[int, str], torch.Tensor]:
-    replica = _Replica(base_seed=2)
+    replica = _Replica(base_seed=2, bucket_mb=2**-13)  # other buckets when loading
     replica.step = load_checkpoint(root, replica.parts()).step
     replica.train(1)
     return _weights(replica.module)
@@ -86,6 +88,10 @@ def test_zero1_state_reshards_to_another_data_parallel_size(tmp_path: Path) -> N
     assert manifest.optimizer == "zero" and manifest.topology == (1, 2, 1)
     assert [f.path for f in manifest.files if f.role == "optimizer"] == [
         "optim_rank_0000.pt", "optim_rank_0001.pt"]  # one shard per dp rank
+    saved = torch.load(tmp_path / "ckpt" / "step_000002" / "optim_rank_0000.pt",
+                       weights_only=True)
+    params = {(piece["layer"], piece["name"]) for piece in saved["pieces"]}
+    assert len(saved["pieces"]) > 2 * len(params)  # a parameter in a piece of every bucket
     # dp = 3: each rank assembles its new shard from pieces of both saved shards
     for rank, weights in enumerate(launch(_load_and_step, 3, root, timeout=20,
                                           join_timeout=120)):
