@@ -52,9 +52,9 @@ class ParamGather:
         self._pending: dict[BucketKey, tuple[dist.Work, torch.Tensor]] = {}
 
     @property
-    def pending(self) -> int:
-        """Gathers launched and not waited for yet."""
-        return len(self._pending)
+    def in_flight(self) -> frozenset[BucketKey]:
+        """The buckets whose gathers were launched and not waited for yet."""
+        return frozenset(self._pending)
 
     def launch(self, regions: Sequence[tuple[int, torch.Tensor, ShardLayout]]) -> None:
         """All-gather each (key, flat parameters, layout) region's buckets, in the order given

@@ -246,6 +246,10 @@ class ShardedOptimizer:
         overlaps the gathers of the buckets it does not need yet."""
         self.param_gather.watch(modules, self._buckets_of)
 
+    def buckets_of(self, param: torch.nn.Parameter) -> list[BucketKey]:
+        """The (region key, bucket index) pairs holding `param`'s elements."""
+        return list(self._buckets_of.get(id(param), []))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Ready for the next step's backward passes: the gradient buffers empty themselves
         when its first gradient arrives, so the reduced shards stay readable until then
