@@ -10,8 +10,9 @@ leaner than Megatron's 18 / 20) and with `half_parameters` under ZeRO-1.
 
 Section "overlap": seconds per step spent in REDUCE_GRAD and in STEP's wait for the
 reductions (`StepStats.exposed_reduction`), plain dp and ZeRO-1, with and without
-`overlap_grad_reduce`, p = 1 (the whole reduction follows the last backward), same processes,
-steps in turn.
+`overlap_grad_reduce`, p = 1 (the whole reduction follows the last backward), and blocked on
+ZeRO-1's parameter all-gathers (`StepStats.exposed_gather`: at STEP, or with
+`overlap_param_gather` in the next step's forwards), same processes, steps in turn.
 
 Section "bf16-curve": the demo language model (pp 2 × dp 2, ZeRO-1, 1F1B, Adam) for 100
 steps in fp32 and in bf16 with half parameters, same processes, same data; the largest
@@ -73,12 +74,13 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 
 
 def _engine(precision: str, zero: int, *, overlap: bool = True, bucket_mb: float = 25.0,
-            num_microbatches: int = 2) -> PipelineEngine:
+            num_microbatches: int = 2, overlap_gather: bool = False) -> PipelineEngine:
     module = PipelineModule(_layers(), num_stages=1, loss_fn=F.mse_loss)
     return PipelineEngine(module, optimizer=_adam, num_microbatches=num_microbatches,
                           zero_stage=zero, precision=precision,
                           half_parameters=zero == 1 and precision != "fp32",
-                          overlap_grad_reduce=overlap, bucket_mb=bucket_mb)
+                          overlap_grad_reduce=overlap, bucket_mb=bucket_mb,
+                          overlap_param_gather=overlap_gather)
 
 
 # -- section: model states ------------------------------------------------------------------
@@ -114,26 +116,33 @@ def model_state_rows(ranks: tuple[int, ...] = (1, 2, 4)) -> list[str]:
 
 # -- section: exposed reduction -------------------------------------------------------------
 
-def _measure_overlap(steps: int) -> list[list[float]]:
-    """Per (ZeRO stage, overlap): [exposed, step] seconds, median over steps, mean over
-    ranks; every configuration steps in turn in the same processes."""
+OVERLAP_CONFIGS = [(0, False, False), (0, True, False), (1, False, False), (1, True, False),
+                   (1, True, True)]
+"""(ZeRO stage, overlap_grad_reduce, overlap_param_gather) per row of the overlap section."""
+
+
+def _measure_overlap(steps: int, rounds: int = 2) -> list[list[float]]:
+    """Per configuration: [exposed reduction, exposed gather, step] seconds, median over
+    steps, mean over ranks; the configurations take turns in the same processes, `steps`
+    consecutive steps each per round (consecutive: an overlapped gather must be waited for
+    by the same engine's next forward, not hidden behind another engine's step)."""
     world = dist.get_world_size()
-    configs = [(zero, overlap) for zero in (0, 1) for overlap in (False, True)]
-    engines = [_engine("fp32", zero, overlap=overlap, bucket_mb=1.0, num_microbatches=4)
-               for zero, overlap in configs]
+    engines = [_engine("fp32", zero, overlap=overlap, bucket_mb=1.0, num_microbatches=4,
+                       overlap_gather=gather) for zero, overlap, gather in OVERLAP_CONFIGS]
     torch.manual_seed(2)
     x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
-    exposed: list[list[float]] = [[] for _ in configs]
-    step: list[list[float]] = [[] for _ in configs]
-    for k in range(steps + 1):
+    measured: list[list[list[float]]] = [[[], [], []] for _ in OVERLAP_CONFIGS]
+    for _ in range(rounds):
         for index, engine in enumerate(engines):
-            engine.train_batch(x, y)
-            stats = engine.last_stats
-            if k and stats is not None:  # the first step warms up
-                exposed[index].append(stats.exposed_reduction)
-                step[index].append(stats.step_time)
-    mine = torch.tensor([[statistics.median(exposed[i]), statistics.median(step[i])]
-                         for i in range(len(configs))], dtype=torch.float64)
+            for k in range(steps // rounds + 1):
+                engine.train_batch(x, y)
+                stats = engine.last_stats
+                if k and stats is not None:  # the first step of a turn warms up
+                    for column, value in enumerate((stats.exposed_reduction,
+                                                    stats.exposed_gather, stats.step_time)):
+                        measured[index][column].append(value)
+    mine = torch.tensor([[statistics.median(column) for column in row] for row in measured],
+                        dtype=torch.float64)
     dist.all_reduce(mine)  # the mean over ranks
     for engine in engines:
         engine.stop_watchdog()
@@ -145,11 +154,12 @@ def overlap_rows(world: int = 2, steps: int = 10) -> list[str]:
     rows = launch(_measure_overlap, world, steps, join_timeout=1800)[0]
     lines = [f"fp32, p = 1, dp = {world}, m = 4, 1 MiB buckets, {LAYERS} × Linear({WIDTH}), "
              f"Adam; median over {steps} steps, mean over ranks",
-             "| ZeRO | overlap_grad_reduce | exposed reduction (ms/step) | step (ms) |",
-             "|---|---|---|---|"]
-    configs = [(zero, overlap) for zero in (0, 1) for overlap in (False, True)]
-    for (zero, overlap), (exposed, step) in zip(configs, rows):
-        lines.append(f"| {zero} | {overlap} | {exposed * 1e3:.1f} | {step * 1e3:.1f} |")
+             "| ZeRO | overlap_grad_reduce | overlap_param_gather | exposed reduction (ms/step) "
+             "| exposed gather (ms/step) | step (ms) |",
+             "|---|---|---|---|---|---|"]
+    for (zero, overlap, gather), (exposed, gathered, step) in zip(OVERLAP_CONFIGS, rows):
+        lines.append(f"| {zero} | {overlap} | {gather if zero else '-'} | {exposed * 1e3:.1f} "
+                     f"| {gathered * 1e3:.1f} | {step * 1e3:.1f} |")
     return lines
 
 
