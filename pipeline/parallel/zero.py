@@ -274,7 +274,7 @@ class ShardedOptimizer:
         step saw it). For checks and debugging: it materialises what ZeRO-1 avoids holding."""
         full: dict[int, torch.Tensor] = {}
         for region in self._regions.values():
-            shard = self._step_grad(region).contiguous().clone()
+            shard = self._step_grad(region).clone(memory_format=torch.contiguous_format)
             parts = [torch.empty_like(shard) for _ in range(self.dp_size)]
             dist.all_gather(parts, shard, group=self.group)
             flat = torch.stack(parts, dim=1).reshape(-1)  # (k, d, s): the buffer's order

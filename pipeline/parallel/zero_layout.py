@@ -45,12 +45,13 @@ class ShardLayout:
     def plan(cls, numel: int, dp_size: int, bucket_elements: int) -> ShardLayout:
         """The layout of `numel` elements over `dp_size` ranks in buckets of at most
         `bucket_elements` (rounded up to a multiple of d) each."""
-        if numel < 1 or dp_size < 1 or bucket_elements < 1:
-            raise ValueError(f"a ZeRO region needs numel, dp_size and bucket_elements >= 1, got "
-                             f"{numel}, {dp_size}, {bucket_elements}")
+        if numel < 0 or dp_size < 1 or bucket_elements < 1:
+            raise ValueError(f"a ZeRO region needs numel >= 0, dp_size and bucket_elements "
+                             f">= 1, got {numel}, {dp_size}, {bucket_elements}")
         per_rank = max(1, bucket_elements // dp_size)
-        num_buckets = math.ceil(numel / (per_rank * dp_size))
-        return cls(numel, dp_size, num_buckets, math.ceil(numel / (num_buckets * dp_size)))
+        filled = max(1, numel)  # empty parameters still get one (padding) element per rank
+        num_buckets = math.ceil(filled / (per_rank * dp_size))
+        return cls(numel, dp_size, num_buckets, math.ceil(filled / (num_buckets * dp_size)))
 
     @property
     def size(self) -> int:
@@ -77,8 +78,10 @@ class ShardLayout:
         return flat.view(self.num_buckets, self.dp_size, self.piece)[:, rank, :]
 
     def buckets_of(self, offset: int, numel: int) -> range:
-        """The buckets that elements [offset, offset + numel) meet."""
+        """The buckets that elements [offset, offset + numel) meet (none when empty)."""
         width = self.dp_size * self.piece
+        if numel < 1:
+            return range(0)
         return range(offset // width, (offset + numel - 1) // width + 1)
 
     def overlaps(self, offset: int, numel: int, rank: int
