@@ -94,7 +94,9 @@ def _state_bytes(module: Any, engine: Any) -> int:
     tensors += [p.grad for p in module.parameters() if p.grad is not None]
     optimizer = engine.optimizer
     for region in getattr(optimizer, "_regions", {}).values():
-        tensors += [region.flat_param, region.flat_grad, region.grad_shard, region.master]
+        tensors += [region.flat_param, region.flat_grad, region.master]
+        if region.master.grad is not None:  # the shard's gradient: a view of flat_grad in fp32
+            tensors.append(region.master.grad)
     inner = getattr(optimizer, "optimizer", optimizer)
     for state in getattr(inner, "state", {}).values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]

@@ -162,8 +162,7 @@ def grad_reduction(args: argparse.Namespace, chunks: int = 1) -> GradReduction |
     buckets = args.reduce_buckets or (max(1, math.ceil(params / BUCKET_BYTES))
                                       if params else 1)
     return GradReduction(time=time, buckets=buckets,
-                         start="overlap" if args.overlap_grad_reduce else "after_backward",
-                         zero_stage=args.zero_stage, data_parallel=args.data_parallel)
+                         start="overlap" if args.overlap_grad_reduce else "after_backward")
 
 
 MAX_SEARCHED_WORK = 16_384

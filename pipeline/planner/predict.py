@@ -430,8 +430,7 @@ class PlanContext:
         overlap = self.overlap_grad_reduce or (self.overlap_grad_reduce_unpipelined
                                                and config.pp == 1)
         return GradReduction(time=seconds, buckets=buckets,
-                             start="overlap" if overlap else "after_flush",
-                             zero_stage=config.zero_stage, data_parallel=config.dp)
+                             start="overlap" if overlap else "after_flush")
 
 
 def is_cost_aware(name: str) -> bool:

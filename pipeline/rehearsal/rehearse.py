@@ -127,8 +127,7 @@ class RehearsalSpec:
                   for s in range(self.total_stages)]
         return GradReduction(
             time=[seconds.get(s, 0.0) for s in range(self.total_stages)],
-            buckets=[max(1, math.ceil(n / (DEFAULT_BUCKET_MB * 2**20))) for n in nbytes],
-            zero_stage=self.zero_stage, data_parallel=self.data_parallel)
+            buckets=[max(1, math.ceil(n / (DEFAULT_BUCKET_MB * 2**20))) for n in nbytes])
 
     def memory_model(self) -> MemoryModel:
         """Parameter and saved-activation bytes per stage (one row per microbatch), Adam."""

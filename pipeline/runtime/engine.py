@@ -196,7 +196,16 @@ class PipelineEngine:
 
     @optimizer.setter
     def optimizer(self, optimizer: RankOptimizer | None) -> None:
+        self.finish_param_gather()  # the replaced one's gathers write the parameters
         self.training.optimizer = optimizer
+
+    def finish_param_gather(self) -> None:
+        """Complete ZeRO-1's parameter all-gathers left in flight by the last step
+        (`overlap_param_gather`); afterwards every parameter holds its updated value. The
+        engine's forwards and checkpoints do this themselves; call it before reading the
+        module's parameters any other way (a no-op otherwise)."""
+        if isinstance(self.training.optimizer, ShardedOptimizer):
+            self.training.optimizer.finish_param_gather()
 
     @property
     def last_step_skipped(self) -> bool:
@@ -315,6 +324,7 @@ class PipelineEngine:
         state = StepState(microbatches, split_targets, training, step=self.global_step,
                           first_microbatch=self.position.dp_rank * m)
         self._trace.restart()
+        gathered_before = self._gather_seconds()
         stream = schedule.streams[self.pp_rank]
         try:
             self._interpreter.run(stream, state, streams=schedule.streams)
@@ -338,7 +348,8 @@ class PipelineEngine:
         self._last_schedule = schedule
         self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
                                     self._trace.spans,
-                                    exposed_reduction=state.exposed_reduction)
+                                    exposed_reduction=state.exposed_reduction,
+                                    exposed_gather=self._gather_seconds() - gathered_before)
         if state.loss_sum is None:  # no STEP carried it: the loss is summed alone
             state.loss_sum = self._interpreter.loss_share(state)
             small_all_reduce(state.loss_sum, link=self.comm.local,
@@ -346,6 +357,12 @@ class PipelineEngine:
         loss = state.loss_sum / self.topology.dp  # the mean over the replicas
         self.progress.enter(f"between steps, after step {self.global_step + training}")
         return float(loss[0]), state.outputs
+
+    def _gather_seconds(self) -> float:
+        """Seconds blocked on ZeRO-1's parameter all-gathers so far (0 without ZeRO-1)."""
+        optimizer = self.training.optimizer
+        return optimizer.param_gather.wait_seconds \
+            if isinstance(optimizer, ShardedOptimizer) else 0.0
 
     def _nonfinite(self, loss: float) -> NonFiniteError:
         """Where the step's inf/NaN first appeared, agreed over the pipeline (a collective)."""

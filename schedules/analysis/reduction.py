@@ -12,11 +12,12 @@ is the engine's (`pipeline.parallel.data_parallel`, `pipeline.parallel.zero`):
   buckets launch from that op's gradient hooks as each becomes final; the parameters are
   taken to become final at an even pace through the op:
 
-      plain data parallel    bucket j of k final at  a + (j + 1)/k · L
-      ZeRO-1 over d shards   bucket j of k final at  a + (1 - 1/d + (j + 1)/(k·d)) · L
+      bucket j of k final at  a + (j + 1)/k · L
 
-  (a ZeRO-1 bucket is the same slice of every shard, final once its slice of shard 0, the
-  buffer's head, is: all k hide behind the last 1/d of the backward). A stage whose last
+  for a plain all-reduce and for ZeRO-1 alike: the engine shards each bucket d ways
+  (Megatron's distributed optimizer, `pipeline.parallel.zero_layout`), so a bucket's
+  reduce-scatter needs only that bucket final; ZeRO-1 differs in the time only (a
+  reduce-scatter, half an all-reduce's traffic: `ring_reduction_time`). A stage whose last
   backward op is a split I or W launches everything at its REDUCE_GRAD: the engine's hooks
   skip those (`pipeline.runtime.interpreter.last_backwards`).
 - "after_backward" (`overlap_grad_reduce=False`): all k buckets at the stage's REDUCE_GRAD,
@@ -99,13 +100,12 @@ class Lane(NamedTuple):
             self.start.tolist(), self.end.tolist())]
 
 
-def bucket_ready(start: float, end: float, buckets: int, shards: int = 1) -> np.ndarray:
+def bucket_ready(start: float, end: float, buckets: int) -> np.ndarray:
     """When each of a stage's `buckets` (in launch order) is final inside a backward op
-    spanning [start, end]: plain (`shards` 1) at the (j + 1)/k points of the op; ZeRO-1 over
-    `shards` = d in its last 1/d (module docstring)."""
-    if buckets < 1 or shards < 1:
-        raise ValueError(f"buckets and shards must be >= 1, got {buckets} and {shards}")
-    done = 1.0 - 1.0 / shards + np.arange(1, buckets + 1) / (buckets * shards)
+    spanning [start, end]: at the (j + 1)/k points of the op (module docstring)."""
+    if buckets < 1:
+        raise ValueError(f"buckets must be >= 1, got {buckets}")
+    done = np.arange(1, buckets + 1) / buckets
     return start + done * (end - start)
 
 
@@ -145,12 +145,12 @@ def stage_launches(stream: Sequence[Instruction], starts: Sequence[float],
 
 
 def reduce_rank(rank: int, launches: Sequence[StageLaunch], seconds: Sequence[float],
-                buckets: Sequence[int], *, start: ReductionStart, shards: int = 1,
+                buckets: Sequence[int], *, start: ReductionStart,
                 compute_end: float = 0.0) -> Lane:
     """The rank's buckets on its communication lane, in launch order (module docstring).
 
-    `seconds[s]` is stage s's whole reduction, `buckets[s]` its bucket count; `shards` is d
-    under ZeRO-1 (1: plain all-reduce); `compute_end` the end of the rank's compute.
+    `seconds[s]` is stage s's whole reduction, `buckets[s]` its bucket count; `compute_end`
+    the end of the rank's compute.
     """
     if start not in REDUCTION_STARTS:
         raise ValueError(f"start must be one of {', '.join(REDUCTION_STARTS)}, got {start!r}")
@@ -166,7 +166,7 @@ def reduce_rank(rank: int, launches: Sequence[StageLaunch], seconds: Sequence[fl
             # strictly in bucket order, so that every replica issues the same collectives in
             # the same order: a final bucket waits for the ones before it
             times = np.maximum.accumulate(
-                bucket_ready(launch.backward_start, launch.backward_end, k, shards))
+                bucket_ready(launch.backward_start, launch.backward_end, k))
         else:
             times = np.full(k, launch.reduce_grad)
         ready.append(times)

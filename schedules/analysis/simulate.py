@@ -75,11 +75,6 @@ class GradReduction:
     """overlap: buckets launch from the hooks of the stage's last fused backward as they
     become final (`overlap_grad_reduce=True`); after_backward: at the stage's REDUCE_GRAD
     (`overlap_grad_reduce=False`); after_flush: when the rank's compute ends."""
-    zero_stage: int = 0
-    """1: ZeRO-1's reduce-scatter, whose buckets are final only in the last 1/d of the
-    backward (d = `data_parallel`)."""
-    data_parallel: int = 1
-    """d, the replicas the gradients are reduced over."""
 
     def __post_init__(self) -> None:
         _check_per_stage("reduction time", self.time)
@@ -91,12 +86,6 @@ class GradReduction:
         if self.start not in REDUCTION_STARTS:
             raise ScheduleConfigError(f"start must be one of {', '.join(REDUCTION_STARTS)}, "
                                       f"got {self.start!r}")
-        if self.zero_stage not in (0, 1) or isinstance(self.zero_stage, bool):
-            raise ScheduleConfigError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
-        if isinstance(self.data_parallel, bool) or not isinstance(self.data_parallel, int) \
-                or self.data_parallel < 1:
-            raise ScheduleConfigError(f"data_parallel must be a whole number >= 1, got "
-                                      f"{self.data_parallel!r}")
 
     def resolve(self, num_stages: int) -> tuple[list[float], list[int]]:
         """Reduction time and bucket count, one per stage."""
@@ -107,11 +96,6 @@ class GradReduction:
             raise ScheduleConfigError(f"buckets has {len(counts)} values but the schedule has "
                                       f"{num_stages} stages; give one number, or one per stage")
         return times, counts
-
-    @property
-    def shards(self) -> int:
-        """d under ZeRO-1, else 1: how the buckets are laid over the backward."""
-        return self.data_parallel if self.zero_stage else 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,7 +215,6 @@ def reduce_gradients(schedule: Schedule, run: Execution, reduction: GradReductio
         starts, ends = run.starts[rank], run.ends[rank]
         launches = stage_launches(stream, starts, ends, schedule.stages_of(rank))
         spans.append(reduce_rank(rank, launches, times, buckets, start=reduction.start,
-                                 shards=reduction.shards,
                                  compute_end=float(max(ends, default=0.0))))
     return spans
 

@@ -29,11 +29,10 @@ UNIT = CostModel(forward=1.0, backward=1.0, weight=1.0)
 
 
 def _exposed(schedule: Schedule, time: float, buckets: int, start: str = "overlap",
-             zero_stage: int = 0, data_parallel: int = 1) -> tuple[float, ...]:
+             ) -> tuple[float, ...]:
     """The step and each rank's exposed reduction."""
     costs = CostModel(forward=1.0, backward=1.0, weight=1.0, reduction=GradReduction(
-        time=time, buckets=buckets, start=start,  # type: ignore[arg-type]
-        zero_stage=zero_stage, data_parallel=data_parallel))
+        time=time, buckets=buckets, start=start))  # type: ignore[arg-type]
     result = figures(simulate(schedule, costs))
     assert result.step is not None
     return (result.step, *result.exposed_reduction)
@@ -49,12 +48,6 @@ def check_one_rank_oracle() -> None:
     assert _exposed(schedule, 4.0, 4, "after_backward") == pytest.approx((10.0, 4.0))
     # plain overlap: final at 4.5, 5, 5.5, 6 -> [4.5,5.5] [5.5,6.5] [6.5,7.5] [7.5,8.5]
     assert _exposed(schedule, 4.0, 4) == pytest.approx((8.5, 2.5))
-    # ZeRO-1, d = 2: final in the last half of B1, at 4 + 2·(1/2 + j/8): 5.25 first -> 9.25
-    assert _exposed(schedule, 4.0, 4, zero_stage=1, data_parallel=2) == pytest.approx(
-        (9.25, 3.25))
-    # ZeRO-1, d = 4: the last quarter, 4 + 2·(3/4 + 1/16) = 5.625 first -> 9.625
-    assert _exposed(schedule, 4.0, 4, zero_stage=1, data_parallel=4) == pytest.approx(
-        (9.625, 3.625))
     # one bucket: final only when B1 ends, whatever the overlap
     assert _exposed(schedule, 4.0, 1) == pytest.approx((10.0, 4.0))
 
@@ -65,9 +58,6 @@ def check_four_rank_oracle() -> None:
     schedule = build_schedule("1f1b", 4, 4)
     # plain: final at e - 4/3, e - 2/3, e: the first ends e - 1/3, the last e + 5/3
     assert _exposed(schedule, 3.0, 3) == pytest.approx((21 + 5 / 3, *(5 / 3,) * 4))
-    # ZeRO-1, d = 2: final at e - 2 + 2·(1/2 + j/6) = e - 2/3, e - 1/3, e -> e + 7/3
-    assert _exposed(schedule, 3.0, 3, zero_stage=1, data_parallel=2) == pytest.approx(
-        (21 + 7 / 3, *(7 / 3,) * 4))
     assert _exposed(schedule, 3.0, 3, "after_backward") == pytest.approx((24.0, *(3.0,) * 4))
 
 
@@ -107,13 +97,14 @@ def test_simulated_reduction_matches_the_hand_computed_one(oracle: Callable[[], 
 
 # -- planted bugs: each breaks one part of the rule, and an oracle must notice ---------------
 
-def _first_layers_first(start: float, end: float, buckets: int, shards: int = 1) -> np.ndarray:
-    done = 1.0 - 1.0 / shards + np.arange(buckets, 0, -1) / (buckets * shards)
-    return start + done * (end - start)
+def _first_layers_first(start: float, end: float, buckets: int) -> np.ndarray:
+    return start + np.arange(buckets, 0, -1) / buckets * (end - start)
 
 
-def _shards_ignored(start: float, end: float, buckets: int, shards: int = 1) -> np.ndarray:
-    return start + np.arange(1, buckets + 1) / buckets * (end - start)
+def _final_at_the_end(start: float, end: float, buckets: int) -> np.ndarray:
+    # every bucket waits for the whole backward (the one-range-per-rank ZeRO-1 layout's
+    # worst case): nothing hides
+    return np.full(buckets, end)
 
 
 def _no_lane(rank: int, launches: Any, seconds: Any, buckets: Any, **kwargs: Any
@@ -130,10 +121,10 @@ def _every_backward_hooked(*args: Any) -> list[StageLaunch]:
 
 @pytest.mark.parametrize(("target", "mutant", "caught_by"), [
     (reduction_module, ("bucket_ready", _first_layers_first), check_one_rank_oracle),
-    (reduction_module, ("bucket_ready", _shards_ignored), check_four_rank_oracle),
+    (reduction_module, ("bucket_ready", _final_at_the_end), check_four_rank_oracle),
     (simulate_module, ("reduce_rank", _no_lane), check_chunk_oracle),
     (simulate_module, ("stage_launches", _every_backward_hooked), check_split_backward_oracle),
-], ids=["bucket-order-ignored", "zero-shards-ignored", "no-single-lane", "split-w-hooked"])
+], ids=["bucket-order-ignored", "final-only-at-the-end", "no-single-lane", "split-w-hooked"])
 def test_planted_bug_is_caught(monkeypatch: pytest.MonkeyPatch, target: Any,
                                mutant: tuple[str, Any], caught_by: Callable[[], None]) -> None:
     caught_by()  # the oracle holds on the real rule ...
@@ -150,8 +141,7 @@ cases = st.fixed_dictionaries({
     "forward": st.floats(0.1, 3.0), "backward": st.floats(0.1, 3.0),
     "weight": st.floats(0.0, 3.0), "comm": st.floats(0.0, 1.0),
     "time": st.lists(st.floats(0.0, 20.0), min_size=8, max_size=8),
-    "buckets": st.lists(st.integers(1, 6), min_size=8, max_size=8),
-    "zero_stage": st.integers(0, 1), "data_parallel": st.integers(1, 8)})
+    "buckets": st.lists(st.integers(1, 6), min_size=8, max_size=8)})
 
 
 def _simulate(case: dict[str, Any], start: str | None) -> Any:
@@ -161,8 +151,7 @@ def _simulate(case: dict[str, Any], start: str | None) -> Any:
     stages = schedule.num_stages
     reduction = None if start is None else GradReduction(
         time=case["time"][:stages], buckets=case["buckets"][:stages],
-        start=start,  # type: ignore[arg-type]
-        zero_stage=case["zero_stage"], data_parallel=case["data_parallel"])
+        start=start)  # type: ignore[arg-type]
     costs = CostModel(forward=case["forward"], backward=case["backward"],
                       weight=case["weight"], comm=case["comm"], reduction=reduction)
     return schedule, simulate(schedule, costs)
@@ -243,8 +232,7 @@ def test_ring_time_is_the_textbook_one() -> None:
 @pytest.mark.parametrize(("fields", "match"), [
     ({"time": -1.0}, "reduction time"), ({"time": 1.0, "buckets": 0}, "buckets"),
     ({"time": 1.0, "start": "later"}, "start must be"),
-    ({"time": 1.0, "zero_stage": 2}, "zero_stage"),
-    ({"time": 1.0, "data_parallel": 0}, "data_parallel"),
+    ({"time": 1.0, "buckets": [1, 0]}, "buckets"),
 ])
 def test_bad_reduction_is_refused_where_it_is_written(fields: dict[str, Any],
                                                       match: str) -> None:
