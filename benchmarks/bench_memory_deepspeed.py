@@ -122,6 +122,7 @@ def _ours(precision: str, m: int) -> tuple[Step, int]:
             engine.train_batch(*data)
         else:
             engine.train_batch(data_iter=data)
+        next(data, None)  # it keeps the iterator: let a generator drop what it holds
     return step, sum(p.numel() for p in module.parameters())
 
 
@@ -162,9 +163,13 @@ def _deepspeed(precision: str, m: int, batch: int, accumulate_in_fp32: bool,
             # copies of the full batch's microbatches, each its own tensors (its label
             # buffers keep the last ones until the next step: views would pin all of y)
             x, y = data
-            data = ((x[k * size:(k + 1) * size].to(dtype, copy=True),
-                     y[k * size:(k + 1) * size].clone()) for k in range(m))
-        engine.train_batch(data_iter=data)
+            pairs: Iterator[tuple[torch.Tensor, torch.Tensor]] = (
+                (x[k * size:(k + 1) * size].to(dtype, copy=True),
+                 y[k * size:(k + 1) * size].clone()) for k in range(m))
+        else:
+            pairs = data
+        engine.train_batch(data_iter=pairs)
+        next(pairs, None)  # it keeps the iterator: let a generator drop what it holds
     return step, sum(p.numel() for p in module.parameters())
 
 
@@ -187,9 +192,7 @@ def _rank_peak(engine_name: str, precision: str, m: int, batch: int, labels: boo
             step((torch.randn(batch // DP, WIDTH, generator=generator),
                   torch.randn(batch // DP, WIDTH, generator=generator)))
             return
-        data = microbatches()
-        step(data)
-        next(data, None)  # DeepSpeed keeps its iterator: let the generator drop its last pair
+        step(microbatches())
 
     meter = LiveTensorMeter(labels=labels)
     with meter:
