@@ -122,7 +122,6 @@ def _ours(precision: str, m: int) -> tuple[Step, int]:
             engine.train_batch(*data)
         else:
             engine.train_batch(data_iter=data)
-        next(data, None)  # it keeps the iterator: let a generator drop what it holds
     return step, sum(p.numel() for p in module.parameters())
 
 
