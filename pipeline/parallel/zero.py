@@ -399,14 +399,36 @@ class ShardedOptimizer:
         return works
 
     def _exchange(self, region: _Region, lo: int, hi: int) -> tuple[dist.Work, _Finish | None]:
-        """Send rank r the bucket of its shard, receive every rank's bucket of ours, sum."""
-        pieces = region.flat_grad.view(self.dp_size, region.shard_size)[:, lo:hi].contiguous()
+        """Send rank r the bucket of its shard, receive the other ranks' bucket of ours, add
+        them to our own piece in place."""
+        d, me = self.dp_size, self.dp_rank
+        rows = region.flat_grad.view(d, region.shard_size)[:, lo:hi]
+        # Our own piece need not travel: sent to ourselves it would cost a piece in the
+        # receive buffer (a whole region's worth for d = 2 and one bucket). Without it the
+        # rest must be one tensor in rank order: a view when ours is the first or last row
+        # of contiguous rows; a copy of the others where the rows are copied anyway.
+        if d == 1 or (rows.is_contiguous() and 0 < me < d - 1):
+            pieces = rows  # ours alone or in the middle: sent to ourselves, summed with all
+        elif rows.is_contiguous():
+            pieces = rows[1:] if me == 0 else rows[:-1]
+        else:
+            pieces = rows[[r for r in range(d) if r != me]]
+        splits = [1] * d  # rows of `pieces`, one per rank
+        if pieces.shape[0] < d:
+            splits[me] = 0
         received = torch.empty_like(pieces)
         self.stats.record("all_to_all", pieces)
-        work = dist.all_to_all_single(received, pieces, group=self.group, async_op=True)
+        work = dist.all_to_all_single(received, pieces, output_split_sizes=splits,
+                                      input_split_sizes=splits, group=self.group,
+                                      async_op=True)
 
         def finish() -> None:
-            torch.sum(received, dim=0, out=self._shard_view(region)[lo:hi])
+            shard = self._shard_view(region)[lo:hi]
+            if received.shape[0] == d:  # ours came back among them
+                torch.sum(received, dim=0, out=shard)
+                return
+            for piece in received:
+                shard.add_(piece)
         return _require(work), finish
 
     def _all_reduce(self, region: _Region, lo: int, hi: int) -> tuple[dist.Work, _Finish | None]:

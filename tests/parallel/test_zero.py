@@ -76,24 +76,26 @@ def test_zero1_matches_plain_optimizer_after_two_steps() -> None:
 
 
 def _check_reduction_transient(rank: int, world_size: int) -> None:
-    # one region of 64 × 64 + 64 fp32 = 16.6 KB in 16 buckets of 1 KiB, all in flight at
-    # once (launched by wait()): reduce allocates no more than one bucket
+    # one region of 64 × 64 + 64 fp32 = 16.6 KB, S = 2080 elements a shard, in 17 buckets of
+    # 1 KiB (128 elements a rank), all in flight at once (launched by wait()), or in one
     torch.manual_seed(0)
-    bucket = 1024
-    for collective, allowed in (("reduce", bucket), ("all_to_all", None)):
+    bucket, shard = 1024, 2080
+    cases = (("reduce", bucket, bucket),  # reduce allocates no more than one bucket
+             # all_to_all: only the other rank's piece of each bucket travels (regression:
+             # every rank's was copied and received, its own included: twice these)
+             ("all_to_all", bucket, 2 * shard * 4),  # a copy of it, and its receive
+             ("all_to_all", 2**20, shard * 4))  # one bucket, sent from the buffer: receive
+    for collective, bucket_bytes, allowed in cases:
         with LiveTensorMeter() as meter:  # sees every storage made, the buffers' too
             model = nn.Linear(64, 64)
             zero = ShardedOptimizer({0: list(model.parameters())}, _sgd, None,
-                                    bucket_mb=bucket / 2**20,
+                                    bucket_mb=bucket_bytes / 2**20,
                                     collective=collective)  # type: ignore[arg-type]
             model(torch.randn(4, 64)).square().mean().backward()
             meter.begin_step()
             zero.wait()
         grown = meter.peak.total - meter.peak.states
-        if allowed is not None:
-            assert grown <= allowed, (collective, grown)
-        else:  # the planted contrast: all_to_all copies and receives every bucket
-            assert grown >= 2 * 64 * 65 * 4, (collective, grown)
+        assert grown <= allowed, (collective, bucket_bytes, grown)
 
 
 def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -101,5 +103,7 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 @pytest.mark.multiprocess
-def test_zero1_reduce_collective_allocates_at_most_one_bucket() -> None:
+def test_zero1_reduction_buffers_reduce_one_bucket_all_to_all_others_pieces() -> None:
+    """Regression (all_to_all): each rank's own piece was copied and sent to itself, its
+    receive buffer a whole region at d = 2 (the last stage's peak at the optimizer step)."""
     run_ranks(_check_reduction_transient, 2)
