@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pipeline import LayerSpec, PipelineConfigError, PipelineEngine, PipelineModule, launch
+from pipeline.errors import RankFailedError
 from pipeline.runtime.pulled_batch import PulledMicrobatches
 from tests.support.equivalence import gathered_weights
 
@@ -157,3 +158,18 @@ def test_pulled_microbatches_train_as_the_full_batch_and_never_hold_it() -> None
         name, message = outcome["refused"]  # both ranks pull pair 0 and check it
         assert name == "TypeError" and "inputs of microbatch 0" in message, outcome["refused"]
         assert outcome["after"] > 0
+
+
+def _short_iterator_rank() -> None:
+    torch.set_num_threads(1)
+    engine = _engine()
+    engine.train_batch(data_iter=_pairs(M))
+    # rank 0 (first stage) runs out at microbatch 3, mid-step: its peer must not hang
+    engine.train_batch(data_iter=_pairs(3 if torch.distributed.get_rank() == 0 else M))
+
+
+@pytest.mark.multiprocess
+def test_an_iterator_running_out_mid_step_stops_every_rank_naming_it() -> None:
+    with pytest.raises(RankFailedError, match="ran out after 3 of num_microbatches=6") as info:
+        launch(_short_iterator_rank, P, timeout=30, join_timeout=120, quiet=True)
+    assert info.value.rank == 0 and info.value.instruction == "0LOAD3"
