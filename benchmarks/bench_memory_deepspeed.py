@@ -44,7 +44,8 @@ rank's whole batch is made first, in fp32, and alive through the step (ours gets
 This is what a non-caching allocator would hold for tensors (on CPU there is no
 `torch.cuda.max_memory_allocated`); Python objects, gloo's own buffers and datagrams our
 one-host link queued before their receive was posted are not tensors and are not counted.
-Counted bytes are deterministic: one measured step is enough.
+Our counted bytes are deterministic: one measured step is enough (DeepSpeed's moved by up to
+0.5 MiB between runs here).
 
     /work/venvs/dsmem/bin/python benchmarks/bench_memory_deepspeed.py          # m = 8, both feeds
     /work/venvs/dsmem/bin/python benchmarks/bench_memory_deepspeed.py --batch 16384 --labels
