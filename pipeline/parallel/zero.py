@@ -424,15 +424,35 @@ class ShardedOptimizer:
         return works
 
     def _exchange(self, region: _Region, b: int) -> tuple[dist.Work, _Finish | None]:
-        """Send rank q the piece it owns, receive every rank's copy of ours, sum."""
+        """Send rank q the piece of bucket b it owns, receive the other ranks' copies of ours,
+        add them to our own piece in place."""
+        d, me = self.dp_size, self.dp_rank
         layout = region.layout
-        pieces = region.flat_grad[slice(*layout.bucket(b))].view(self.dp_size, layout.piece)
+        rows = region.flat_grad[slice(*layout.bucket(b))].view(d, layout.piece)
+        # Our own piece need not travel: sent to ourselves it would cost a piece in the
+        # receive buffer (half the bucket for d = 2). Without it the rest must be one tensor
+        # in rank order: a view when ours is the first or last row; a rank in the middle
+        # sends all rows (ours to itself) and sums them.
+        if d == 1 or 0 < me < d - 1:
+            pieces = rows
+        else:
+            pieces = rows[1:] if me == 0 else rows[:-1]
+        splits = [1] * d  # rows of `pieces`, one per rank
+        if pieces.shape[0] < d:
+            splits[me] = 0
         received = torch.empty_like(pieces)
         self.stats.record("all_to_all", pieces)
-        work = dist.all_to_all_single(received, pieces, group=self.group, async_op=True)
+        work = dist.all_to_all_single(received, pieces, output_split_sizes=splits,
+                                      input_split_sizes=splits, group=self.group,
+                                      async_op=True)
 
         def finish() -> None:
-            torch.sum(received, dim=0, out=self._own_piece(region, b))
+            shard = self._own_piece(region, b)
+            if received.shape[0] == d:  # ours came back among them
+                torch.sum(received, dim=0, out=shard)
+                return
+            for piece in received:
+                shard.add_(piece)
         return _require(work), finish
 
     def _all_reduce(self, region: _Region, b: int) -> tuple[dist.Work, _Finish | None]:

@@ -43,6 +43,7 @@ from pipeline.runtime.parallel_setup import (
     setup_training,
     zero_regions,
 )
+from pipeline.runtime.pulled_batch import PulledHalf
 from pipeline.runtime.schedule_setup import (
     check_agreement,
     fingerprint,
@@ -233,9 +234,14 @@ class PipelineEngine:
         """One optimizer step on a full batch; returns the mean loss on every rank.
 
         The batch is split into `num_microbatches` equal microbatches (or, as in DeepSpeed,
-        `data_iter` yields them as (inputs, targets) pairs); gradients accumulate as a single
-        process would for the mean loss over the full batch. Only the ranks holding the
-        first stage need inputs, the last stage targets.
+        `data_iter` yields them as (inputs, targets) pairs, pulled one at a time as the step
+        loads each, so only the microbatches in flight are alive: the ranks holding the
+        first or the last stage pull m pairs per step, the others none); gradients
+        accumulate as a single process would for the mean loss over the full batch. Only
+        the ranks holding the first stage need inputs, the last stage targets. Pulled
+        microbatches share the first one's layout unless the engine has
+        ``dynamic_shapes=True``; a short iterator or a misshapen pair after the first fails
+        the step when it is pulled (the first is checked before anything runs).
 
         A loss that sums over items and counts them (`loss_normalization.SummedLoss`, e.g.
         ``token_cross_entropy()``) is normalised by the step's total item count, so loss and
@@ -300,12 +306,14 @@ class PipelineEngine:
 
     def _prepare(self, m: int, inputs: Any, targets: Any,
                  data_iter: Iterator[tuple[Any, Any]] | None,
-                 training: bool) -> tuple[list[Any] | None, list[Any] | None]:
+                 training: bool) -> tuple[list[Any] | PulledHalf | None,
+                                          list[Any] | PulledHalf | None]:
         """This rank's microbatches, after every rank agreed that the batch is usable and on
         its layout (when it changed, this step's forward messages carry headers)."""
         agreed = agree_on_batch(self.comm, self.pp_rank, m, inputs, targets, data_iter,
                                 training=training, first=self.is_first_stage(),
-                                last=self.is_last_stage())
+                                last=self.is_last_stage(),
+                                varying=self.config.dynamic_shapes)
         self._shapes.begin_step(agreed.layout)
         return agreed.microbatches, agreed.targets
 
