@@ -3,6 +3,7 @@ with tensor-parallel, pipeline and data-parallel communication and the optimizer
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -19,6 +20,7 @@ from pipeline.planner.memory import (
     MemoryBreakdown,
     peak_rank_memory,
 )
+from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import allreduce_seconds, layer_times
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable
@@ -31,6 +33,7 @@ from schedules import (
     generate_schedule,
     simulate,
 )
+from schedules.analysis.accounting import model_state_bytes
 
 __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_limit",
            "schedule_placement"]
@@ -164,7 +167,16 @@ class PlanContext:
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
         default_factory=OrderedDict)
     _schedule_ops: int = 0
-    _traces: dict[tuple[str, int, int, int], HeldTrace | None] = field(default_factory=dict)
+    closed_forms: bool = True
+    """Take the peak of the schedules that have one in closed form (`peaks.py`) without
+    building them; False: from every schedule's trace (for tests)."""
+    _traces: dict[tuple[str, int, int, int], HeldTrace | PeakCounts | None] = field(
+        default_factory=dict)
+    _runs: dict[PlanConfig, tuple[np.ndarray, ...] | None] = field(default_factory=dict)
+    _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
+    _updates: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict)
+    _bound_parts: dict[tuple[Any, ...], tuple[Any, ...]] = field(default_factory=dict)
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
@@ -222,19 +234,25 @@ class PlanContext:
             self._schedule_ops -= _ops(self._schedules.popitem(last=False)[1])
         return made
 
-    def held_trace(self, config: PlanConfig) -> HeldTrace | None:
-        """When each rank's activations arrive and leave (None: the schedule refuses these
-        p, m, v). A cost-aware schedule depends on the costs: None here, priced by
-        `memory`'s bound."""
+    def held_trace(self, config: PlanConfig) -> HeldTrace | PeakCounts | None:
+        """When each rank's activations arrive and leave, or its closed-form peak
+        (`peaks.py`; None: the schedule refuses these p, m, v). A cost-aware schedule
+        depends on the costs: None here, priced by `memory`'s bound. One per (schedule,
+        p, m, v), shared by the configurations that differ in anything else."""
         if is_cost_aware(config.schedule):
             return None
-        key = (config.schedule, config.pp, config.num_microbatches, config.chunks)
+        name = same_trace_as(config.schedule)
+        key = (name, config.pp, config.num_microbatches, config.chunks)
         if key not in self._traces:
-            schedule = self.schedule(config)
-            self._traces[key] = None if schedule is None else HeldTrace.of(schedule)
+            closed = closed_form_peaks(*key) if self.closed_forms else None
+            if closed is not None:
+                self._traces[key] = closed
+            else:
+                schedule = self.schedule(replace(config, schedule=name))
+                self._traces[key] = None if schedule is None else HeldTrace.of(schedule)
         return self._traces[key]
 
-    def memory(self, config: PlanConfig, trace: HeldTrace | None = None, *,
+    def memory(self, config: PlanConfig, trace: HeldTrace | PeakCounts | None = None, *,
                floor: bool = False) -> tuple[MemoryBreakdown, int]:
         """The largest rank's memory and that rank: at the schedule's peak (`trace`), or
         with `floor` at one microbatch of the rank's largest stage (no schedule holds less).
@@ -262,12 +280,48 @@ class PlanContext:
             held = replace(held, parameters=held.parameters + extra)
         return held, rank
 
+    def memory_floor(self, config: PlanConfig) -> float:
+        """`memory(config, floor=True)[0].total`, the same sums from per-rank arrays kept
+        per partition and placement: the search asks it of every configuration."""
+        params, largest, workspace = self._rank_sums_of(config)
+        b = config.microbatch_size
+        held = largest * b + workspace * b if config.recomputes else largest * b
+        gradients, optimizer = _state_bytes(config.zero_stage, config.dp)
+        rank = int(np.argmax(params * (PARAM_BYTES + gradients + optimizer) + held))
+        parameters = float(params[rank] * PARAM_BYTES)
+        if self.extra_parameter_bytes:
+            parameters += float(params[rank]) * self.extra_parameter_bytes
+        return (parameters + float(params[rank] * gradients) + float(params[rank] * optimizer)
+                + float(held[rank]))
+
+    def _rank_sums_of(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
+        """Per rank: parameters, the largest stage's activations and recomputation
+        workspace per sample."""
+        placement = _placement(config)
+        key = (config.pp * config.chunks, config.tp, config.recompute,
+               config.recompute_layers, placement)
+        if key not in self._rank_sums:
+            table = self.table(config)
+            largest, workspace = np.zeros(config.pp), np.zeros(config.pp)
+            np.maximum.at(largest, np.asarray(placement), table.held)
+            np.maximum.at(workspace, np.asarray(placement), table.workspace)
+            params = np.bincount(placement, weights=table.params, minlength=config.pp)
+            self._rank_sums[key] = (params, largest, workspace)
+        return self._rank_sums[key]
+
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
-        return np.bincount(_placement(config), weights=self.table(config).params,
-                           minlength=config.pp)
+        return self._rank_sums_of(config)[0]
 
     def _update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
-        """Per rank: optimizer step seconds and the exposed ZeRO-1 all-gather seconds."""
+        """Per rank: optimizer step seconds and the exposed ZeRO-1 all-gather seconds
+        (kept per partition, placement, dp and ZeRO stage)."""
+        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
+               _placement(config), config.dp, config.zero_stage)
+        if key not in self._updates:
+            self._updates[key] = self._price_update(config)
+        return self._updates[key]
+
+    def _price_update(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
         params = self._rank_params(config)
         shard = params / (config.dp if config.zero_stage else 1)
         step = self.cluster.op_overhead + shard * _ADAM_TRAFFIC / self.cluster.memory_bandwidth
@@ -282,27 +336,42 @@ class PlanContext:
         """A step time no schedule can beat: per rank, the forwards of the stages before
         its first one (microbatch 0 must pass them), all its compute, and its update; with
         one stage per rank, also the pipeline's drain (below)."""
-        table = self.table(config)
-        totals = np.minimum(table.costs(config.microbatch_size).total,
-                            table.costs(config.microbatch_size, split=True).total)
-        costs = table.costs(config.microbatch_size)
-        placement = np.asarray(_placement(config))
-        busy = np.bincount(placement, weights=totals, minlength=config.pp)
-        first = np.array([np.flatnonzero(placement == rank)[0] for rank in range(config.pp)])
-        fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
+        fill, busy, drain = self._bound_parts_of(config)
         step, gather = self._update_seconds(config)
         bound = float((fill + config.num_microbatches * busy + step + gather).max())
-        if list(placement) == list(range(config.pp)) and config.pp > 1:
+        if drain is not None:
             # one stage per rank: the last rank's last input gradient comes after all its
             # forwards and input gradients (each one's forward precedes it); then that
             # microbatch's gradient must pass every earlier stage back to rank 0 (as I, or
             # within a fused B), which then updates: the drain no schedule avoids
-            split = table.costs(config.microbatch_size, split=True)
-            chain = np.minimum(split.input_grad, costs.input_grad)
-            drain = (fill[-1] + config.num_microbatches * (costs.forward[-1] + chain[-1])
-                     + float(chain[:-1].sum()) + step[0] + gather[0])
-            bound = max(bound, float(drain))
+            last_pass, chain_back = drain
+            bound = max(bound, float(fill[-1] + config.num_microbatches * last_pass
+                                     + chain_back + step[0] + gather[0]))
         return bound
+
+    def _bound_parts_of(self, config: PlanConfig
+                        ) -> tuple[np.ndarray, np.ndarray, tuple[float, float] | None]:
+        """`lower_bound`'s per-rank fill and busy time, and with one stage per rank the last
+        stage's F + I and the input-gradient chain back from it, kept per partition,
+        placement and microbatch size."""
+        placement = _placement(config)
+        b = config.microbatch_size
+        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
+               placement, b)
+        if key not in self._bound_parts:
+            table = self.table(config)
+            costs, split = table.costs(b), table.costs(b, split=True)
+            totals = np.minimum(costs.total, split.total)
+            where = np.asarray(placement)
+            busy = np.bincount(where, weights=totals, minlength=config.pp)
+            first = np.array([np.flatnonzero(where == rank)[0] for rank in range(config.pp)])
+            fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
+            drain = None
+            if list(placement) == list(range(config.pp)) and config.pp > 1:
+                chain = np.minimum(split.input_grad, costs.input_grad)
+                drain = (float(costs.forward[-1] + chain[-1]), float(chain[:-1].sum()))
+            self._bound_parts[key] = (fill, busy, drain)
+        return self._bound_parts[key]
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
@@ -311,34 +380,12 @@ class PlanContext:
         REDUCE_GRAD overlaps the rank's remaining compute) and the optimizer step.
         None when the schedule refuses the configuration."""
         table = self.table(config)
-        if is_cost_aware(config.schedule):
-            split = True  # planned on the costs, and they all split the backward
-        else:
-            plain = self.schedule(config)
-            if plain is None:
-                return None
-            split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
-        costs = table.costs(config.microbatch_size, split)
-        p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
-        # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
-        # over NVLink (Narayanan et al. 2021, section 4.1)
-        boundary = costs.boundary_bytes / config.tp
-        model = CostModel(forward=costs.forward.tolist(), backward=costs.input_grad.tolist(),
-                          weight=costs.weight_grad.tolist(), comm=p2p_latency,
-                          activation_bytes=boundary.tolist(), bandwidth=p2p_bandwidth)
-        schedule = self.schedule(config, model)
-        if schedule is None:
+        run = self._simulated(config)
+        if run is None:
             return None
-        timeline = simulate(schedule, model)
+        costs, rank_end, stage_done, last_start = run
         placement = np.asarray(_placement(config))
         step, gather = self._update_seconds(config)
-        rank_end = np.zeros(config.pp)
-        np.maximum.at(rank_end, timeline.rank, timeline.end)
-        backward = np.isin(timeline.kind, _BACKWARD_KINDS)
-        stage_done = np.zeros(len(placement))
-        np.maximum.at(stage_done, timeline.stage[backward], timeline.end[backward])
-        last_start = np.zeros(len(placement))
-        np.maximum.at(last_start, timeline.stage[backward], timeline.start[backward])
         if not self.overlap_grad_reduce:  # nothing starts before the rank's last op
             last_start = np.maximum(last_start, rank_end[placement])
             stage_done = np.maximum(stage_done, rank_end[placement])
@@ -364,6 +411,47 @@ class PlanContext:
         model_flops = 3 * self.model.flops_per_sample * self.global_batch
         return Prediction(config, total, tokens / total, model_flops / total / devices,
                           memory[0], memory[1], breakdown, table.boundaries)
+
+    def _simulated(self, config: PlanConfig) -> tuple[Any, ...] | None:
+        """The simulated step of `config`'s schedule (None: it refuses them): the stage
+        costs, each rank's end and each stage's last backward's start and end. Shared by
+        the configurations that differ only in their ZeRO stage (same schedule, same
+        costs), kept as per-rank and per-stage arrays, not timelines."""
+        key = replace(config, zero_stage=0)
+        if key not in self._runs:
+            self._runs[key] = self._simulate(config)
+        return self._runs[key]
+
+    def _simulate(self, config: PlanConfig) -> tuple[Any, ...] | None:
+        table = self.table(config)
+        if is_cost_aware(config.schedule):
+            split = True  # planned on the costs, and they all split the backward
+        else:
+            plain = self.schedule(config)
+            if plain is None:
+                return None
+            split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
+        costs = table.costs(config.microbatch_size, split)
+        p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
+        # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
+        # over NVLink (Narayanan et al. 2021, section 4.1)
+        boundary = costs.boundary_bytes / config.tp
+        model = CostModel(forward=costs.forward.tolist(), backward=costs.input_grad.tolist(),
+                          weight=costs.weight_grad.tolist(), comm=p2p_latency,
+                          activation_bytes=boundary.tolist(), bandwidth=p2p_bandwidth)
+        schedule = self.schedule(config, model)
+        if schedule is None:
+            return None
+        timeline = simulate(schedule, model)
+        stages = config.pp * config.chunks
+        rank_end = np.zeros(config.pp)
+        np.maximum.at(rank_end, timeline.rank, timeline.end)
+        backward = np.isin(timeline.kind, _BACKWARD_KINDS)
+        stage_done = np.zeros(stages)
+        np.maximum.at(stage_done, timeline.stage[backward], timeline.end[backward])
+        last_start = np.zeros(stages)
+        np.maximum.at(last_start, timeline.stage[backward], timeline.start[backward])
+        return costs, rank_end, stage_done, last_start
 
     def _reduction_end(self, config: PlanConfig, params: np.ndarray, stages: np.ndarray,
                        last_start: np.ndarray, stage_done: np.ndarray) -> float:
@@ -403,7 +491,19 @@ def memory_limit(config: PlanConfig) -> int:
 
 def _placement(config: PlanConfig) -> tuple[int, ...]:
     """Rank of each stage, as the schedule itself places them."""
-    return schedule_placement(config.schedule, config.pp, config.chunks)
+    return _placement_of(config.schedule, config.pp, config.chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement_of(name: str, pp: int, chunks: int) -> tuple[int, ...]:
+    return schedule_placement(name, pp, chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_bytes(zero: int, dp: int) -> tuple[float, float]:
+    """Gradient and optimizer bytes per parameter (`memory.peak_rank_memory`'s)."""
+    states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
+    return states.gradients, states.optimizer
 
 
 def schedule_placement(name: str, pp: int, chunks: int) -> tuple[int, ...]:
