@@ -164,6 +164,7 @@ class PlanContext:
     Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
     drained, as Megatron-LM did in 2021 (Narayanan et al.: all-reduce after the flush)."""
     _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
+    _partitions: dict[tuple[int, int, bool], tuple[int, ...]] = field(default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
         default_factory=OrderedDict)
     _schedule_ops: int = 0
@@ -183,25 +184,31 @@ class PlanContext:
         (compute only: every cut carries the same hidden-state bytes) into p·v stages."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers)
         if key not in self._tables:
+            # the cuts see full recomputation of every layer; selective and partial
+            # recomputation are not priced per layer here (a partial one depends on the cuts
+            # themselves): the other modes share one partition
+            again = config.recompute == "full" and not config.recompute_layers
+            self._tables[key] = StageTable.build(self.model.layers,
+                                                 self._cuts(key[0], config.tp, again),
+                                                 self.cluster, self.precision, config.tp,
+                                                 config.recompute, config.recompute_layers)
+        return self._tables[key]
+
+    def _cuts(self, stages: int, tp: int, again: bool) -> tuple[int, ...]:
+        key = (stages, tp, again)
+        if key not in self._partitions:
             costs = []
             priced: dict[object, tuple[float, float]] = {}  # identical blocks priced once
             for layer in self.model.layers:
                 same = layer.shape if layer.shape is not None else id(layer)
                 if same not in priced:
                     priced[same] = layer_times(layer, self.cluster, self.precision, 1,
-                                               config.tp)
+                                               tp)
                 forward, backward = priced[same]
-                # the cuts see full recomputation of every layer; selective and partial
-                # recomputation are not priced per layer here (a partial one depends on
-                # the cuts themselves)
-                again = config.recompute == "full" and not config.recompute_layers
                 costs.append(LayerCost(layer.name, forward=forward,
                                        backward=backward + (forward if again else 0.0)))
-            cuts = partition_graph(chain_graph(costs), key[0]).boundaries
-            self._tables[key] = StageTable.build(self.model.layers, cuts, self.cluster,
-                                                 self.precision, config.tp, config.recompute,
-                                                 config.recompute_layers)
-        return self._tables[key]
+            self._partitions[key] = tuple(partition_graph(chain_graph(costs), stages).boundaries)
+        return self._partitions[key]
 
     def schedule(self, config: PlanConfig, costs: CostModel | None = None) -> Schedule | None:
         """The compute schedule (None: it refuses these p, m, v). A cost-aware one is
@@ -255,7 +262,10 @@ class PlanContext:
     def memory(self, config: PlanConfig, trace: HeldTrace | PeakCounts | None = None, *,
                floor: bool = False) -> tuple[MemoryBreakdown, int]:
         """The largest rank's memory and that rank: at the schedule's peak (`trace`), or
-        with `floor` at one microbatch of the rank's largest stage (no schedule holds less).
+        with `floor` at one microbatch of each of the rank's stages (no schedule holds less:
+        a microbatch's activations of the rank's first stage are held from its F to its
+        last backward op, which waits for the backward of every later stage, so when the
+        rank runs that microbatch's F of its last stage it holds one of each).
         A cost-aware schedule, without a trace, is priced at its memory limit: that many
         microbatches of the rank's largest stage (at most all it runs)."""
         table = self.table(config)
@@ -264,7 +274,7 @@ class PlanContext:
         largest = np.zeros(config.pp)
         np.maximum.at(largest, np.asarray(placement), table.held * b)
         if floor:
-            activations = largest
+            activations = self._rank_sums_of(config)[1] * b
         elif trace is not None:
             activations = trace.peak_bytes(table.held * b)
         elif is_cost_aware(config.schedule):
@@ -283,9 +293,9 @@ class PlanContext:
     def memory_floor(self, config: PlanConfig) -> float:
         """`memory(config, floor=True)[0].total`, the same sums from per-rank arrays kept
         per partition and placement: the search asks it of every configuration."""
-        params, largest, workspace = self._rank_sums_of(config)
+        params, each, workspace = self._rank_sums_of(config)
         b = config.microbatch_size
-        held = largest * b + workspace * b if config.recomputes else largest * b
+        held = each * b + workspace * b if config.recomputes else each * b
         gradients, optimizer = _state_bytes(config.zero_stage, config.dp)
         rank = int(np.argmax(params * (PARAM_BYTES + gradients + optimizer) + held))
         parameters = float(params[rank] * PARAM_BYTES)
@@ -295,18 +305,18 @@ class PlanContext:
                 + float(held[rank]))
 
     def _rank_sums_of(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
-        """Per rank: parameters, the largest stage's activations and recomputation
-        workspace per sample."""
+        """Per rank: parameters, the activations of one microbatch of each of its stages
+        and the recomputation workspace, per sample."""
         placement = _placement(config)
         key = (config.pp * config.chunks, config.tp, config.recompute,
                config.recompute_layers, placement)
         if key not in self._rank_sums:
             table = self.table(config)
-            largest, workspace = np.zeros(config.pp), np.zeros(config.pp)
-            np.maximum.at(largest, np.asarray(placement), table.held)
+            workspace = np.zeros(config.pp)
             np.maximum.at(workspace, np.asarray(placement), table.workspace)
             params = np.bincount(placement, weights=table.params, minlength=config.pp)
-            self._rank_sums[key] = (params, largest, workspace)
+            each = np.bincount(placement, weights=table.held, minlength=config.pp)
+            self._rank_sums[key] = (params, each, workspace)
         return self._rank_sums[key]
 
     def _rank_params(self, config: PlanConfig) -> np.ndarray:

@@ -62,9 +62,10 @@ class SearchOptions:
     top: int = 10
     """Configurations kept exactly ranked (the bound never skips one of them)."""
     prune: bool = True
-    """Skip a configuration that its lower bounds show can be neither in the top nor on
-    the Pareto front; False: simulate every one that fits (the reference the tests compare
-    the pruned search with)."""
+    """Drop a configuration whose memory floor is over the device's, and skip one that its
+    lower bounds show can be neither in the top nor on the Pareto front; False: price every
+    configuration's exact memory and simulate every one that fits (the reference the tests
+    compare the pruned search with)."""
     zb_auto_max: int = 1024
     """zb-auto (a greedy search per configuration, ~p²·m work) only where p·m is at most
     this; larger pipelines get the fixed zero-bubble schedules (zb-h1, zb-h2, zb-v)."""
@@ -269,15 +270,16 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     cluster.flops(context.precision)  # refuses an unknown precision up front
     result = PlanResult([])
     fitting: list[tuple[float, PlanConfig, float]] = []
-    leanest = (float("inf"), None)
-    # Step 1: memory first. Every rank holds at least one microbatch's activations, so the
-    # memory with one held per rank is a floor that prunes before any schedule is made.
+    leanest: tuple[float, PlanConfig | None] = (float("inf"), None)
+    # Step 1: memory first. Every rank holds at least one microbatch's activations of each
+    # of its stages at once (`PlanContext.memory`), a floor that prunes before any schedule
+    # is made.
     for config in _configs(model, cluster, global_batch, options):
         result.considered += 1
         floor = context.memory_floor(config)
         if floor < leanest[0]:
             leanest = (floor, config)
-        if floor > cluster.device_memory:
+        if options.prune and floor > cluster.device_memory:
             result.over_memory += 1
             continue
         fitting.append((context.lower_bound(config), config, floor))
