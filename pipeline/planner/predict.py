@@ -33,7 +33,6 @@ from schedules import (
     generate_schedule,
     simulate,
 )
-from schedules.analysis.accounting import model_state_bytes
 
 __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_limit",
            "schedule_placement"]
@@ -177,7 +176,6 @@ class PlanContext:
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _updates: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict)
-    _bound_parts: dict[tuple[Any, ...], tuple[Any, ...]] = field(default_factory=dict)
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
@@ -274,7 +272,7 @@ class PlanContext:
         largest = np.zeros(config.pp)
         np.maximum.at(largest, np.asarray(placement), table.held * b)
         if floor:
-            activations = self._rank_sums_of(config)[1] * b
+            activations = self.rank_sums(config)[1] * b
         elif trace is not None:
             activations = trace.peak_bytes(table.held * b)
         elif is_cost_aware(config.schedule):
@@ -290,21 +288,7 @@ class PlanContext:
             held = replace(held, parameters=held.parameters + extra)
         return held, rank
 
-    def memory_floor(self, config: PlanConfig) -> float:
-        """`memory(config, floor=True)[0].total`, the same sums from per-rank arrays kept
-        per partition and placement: the search asks it of every configuration."""
-        params, each, workspace = self._rank_sums_of(config)
-        b = config.microbatch_size
-        held = each * b + workspace * b if config.recomputes else each * b
-        gradients, optimizer = _state_bytes(config.zero_stage, config.dp)
-        rank = int(np.argmax(params * (PARAM_BYTES + gradients + optimizer) + held))
-        parameters = float(params[rank] * PARAM_BYTES)
-        if self.extra_parameter_bytes:
-            parameters += float(params[rank]) * self.extra_parameter_bytes
-        return (parameters + float(params[rank] * gradients) + float(params[rank] * optimizer)
-                + float(held[rank]))
-
-    def _rank_sums_of(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
+    def rank_sums(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
         """Per rank: parameters, the activations of one microbatch of each of its stages
         and the recomputation workspace, per sample."""
         placement = _placement(config)
@@ -320,9 +304,9 @@ class PlanContext:
         return self._rank_sums[key]
 
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
-        return self._rank_sums_of(config)[0]
+        return self.rank_sums(config)[0]
 
-    def _update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
+    def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
         """Per rank: optimizer step seconds and the exposed ZeRO-1 all-gather seconds
         (kept per partition, placement, dp and ZeRO stage)."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
@@ -342,47 +326,6 @@ class PlanContext:
                                              self.cluster) / 2 for x in params])
         return step, gather
 
-    def lower_bound(self, config: PlanConfig) -> float:
-        """A step time no schedule can beat: per rank, the forwards of the stages before
-        its first one (microbatch 0 must pass them), all its compute, and its update; with
-        one stage per rank, also the pipeline's drain (below)."""
-        fill, busy, drain = self._bound_parts_of(config)
-        step, gather = self._update_seconds(config)
-        bound = float((fill + config.num_microbatches * busy + step + gather).max())
-        if drain is not None:
-            # one stage per rank: the last rank's last input gradient comes after all its
-            # forwards and input gradients (each one's forward precedes it); then that
-            # microbatch's gradient must pass every earlier stage back to rank 0 (as I, or
-            # within a fused B), which then updates: the drain no schedule avoids
-            last_pass, chain_back = drain
-            bound = max(bound, float(fill[-1] + config.num_microbatches * last_pass
-                                     + chain_back + step[0] + gather[0]))
-        return bound
-
-    def _bound_parts_of(self, config: PlanConfig
-                        ) -> tuple[np.ndarray, np.ndarray, tuple[float, float] | None]:
-        """`lower_bound`'s per-rank fill and busy time, and with one stage per rank the last
-        stage's F + I and the input-gradient chain back from it, kept per partition,
-        placement and microbatch size."""
-        placement = _placement(config)
-        b = config.microbatch_size
-        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
-               placement, b)
-        if key not in self._bound_parts:
-            table = self.table(config)
-            costs, split = table.costs(b), table.costs(b, split=True)
-            totals = np.minimum(costs.total, split.total)
-            where = np.asarray(placement)
-            busy = np.bincount(where, weights=totals, minlength=config.pp)
-            first = np.array([np.flatnonzero(where == rank)[0] for rank in range(config.pp)])
-            fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
-            drain = None
-            if list(placement) == list(range(config.pp)) and config.pp > 1:
-                chain = np.minimum(split.input_grad, costs.input_grad)
-                drain = (float(costs.forward[-1] + chain[-1]), float(chain[:-1].sum()))
-            self._bound_parts[key] = (fill, busy, drain)
-        return self._bound_parts[key]
-
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
         """Simulate the schedule on the stage costs, then add the data-parallel reduction
@@ -395,7 +338,7 @@ class PlanContext:
             return None
         costs, rank_end, stage_done, last_start = run
         placement = np.asarray(_placement(config))
-        step, gather = self._update_seconds(config)
+        step, gather = self.update_seconds(config)
         if not self.overlap_grad_reduce:  # nothing starts before the rank's last op
             last_start = np.maximum(last_start, rank_end[placement])
             stage_done = np.maximum(stage_done, rank_end[placement])
@@ -501,21 +444,10 @@ def memory_limit(config: PlanConfig) -> int:
 
 def _placement(config: PlanConfig) -> tuple[int, ...]:
     """Rank of each stage, as the schedule itself places them."""
-    return _placement_of(config.schedule, config.pp, config.chunks)
+    return schedule_placement(config.schedule, config.pp, config.chunks)
 
 
-@functools.lru_cache(maxsize=4096)
-def _placement_of(name: str, pp: int, chunks: int) -> tuple[int, ...]:
-    return schedule_placement(name, pp, chunks)
-
-
-@functools.lru_cache(maxsize=4096)
-def _state_bytes(zero: int, dp: int) -> tuple[float, float]:
-    """Gradient and optimizer bytes per parameter (`memory.peak_rank_memory`'s)."""
-    states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
-    return states.gradients, states.optimizer
-
-
+@functools.lru_cache(maxsize=4096)  # asked for every configuration the search enumerates
 def schedule_placement(name: str, pp: int, chunks: int) -> tuple[int, ...]:
     """Rank of each stage of schedule `name` on `pp` ranks with `chunks` per rank, as the
     registry states it (`ScheduleSpec.placement`; a list of V-shaped names kept here once

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import MemoryBreakdown
@@ -268,6 +269,7 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
                           overlap_grad_reduce=options.overlap_grad_reduce,
                           extra_parameter_bytes=options.extra_parameter_bytes)
     cluster.flops(context.precision)  # refuses an unknown precision up front
+    bounds = SearchBounds(context)
     result = PlanResult([])
     fitting: list[tuple[float, PlanConfig, float]] = []
     leanest: tuple[float, PlanConfig | None] = (float("inf"), None)
@@ -276,13 +278,13 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     # is made.
     for config in _configs(model, cluster, global_batch, options):
         result.considered += 1
-        floor = context.memory_floor(config)
+        floor = bounds.memory_floor(config)
         if floor < leanest[0]:
             leanest = (floor, config)
         if options.prune and floor > cluster.device_memory:
             result.over_memory += 1
             continue
-        fitting.append((context.lower_bound(config), config, floor))
+        fitting.append((bounds.lower_bound(config), config, floor))
     if leanest[1] is not None:
         result.leanest = (leanest[1], context.memory(leanest[1], floor=True)[0])
     # Step 2: cheapest time bound first. A configuration that K simulated ones beat in time

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.planner.bounds import FUSED_BACKWARD
 from pipeline.planner.peaks import CLOSED_FORMS, PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.predict import is_cost_aware
-from schedules import SCHEDULES, generate_schedule
+from schedules import SCHEDULES, Kind, generate_schedule
 from schedules.analysis.accounting import HeldTrace
 from schedules.ir.limits import MAX_INSTRUCTIONS
 
@@ -109,3 +110,14 @@ def test_every_schedule_holds_one_microbatch_of_each_of_a_ranks_stages_at_once(
     placement = SCHEDULES[name].placement(p, v)
     floor = np.bincount(placement, weights=sizes, minlength=p)
     assert (trace.peak_bytes(sizes) >= floor * (1 - 1e-12) - _slack(trace, sizes)).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(FUSED_BACKWARD)), st.integers(1, 10), st.integers(1, 30),
+       st.data())
+def test_fused_backward_schedules_emit_no_input_or_weight_gradient(
+        name: str, p: int, m: int, data: st.DataObject) -> None:
+    # the time bound prices these on fused costs, as the planner simulates them
+    v = _chunks(name, data)
+    kinds = {op.kind for stream in generate_schedule(name, p, m, v).streams for op in stream}
+    assert kinds <= {Kind.F, Kind.B}

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from pipeline.planner import PRESETS, ClusterSpec, SearchOptions, parse_shape, plan
+from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.search import PlanResult
 from pipeline.planner.transformer import transformer_profile
@@ -90,12 +91,12 @@ def test_modes_and_zero_reach_the_front_somewhere() -> None:
 def test_an_over_aggressive_bound_makes_the_comparison_fail(
         planted: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if planted.startswith("time"):
-        honest_bound = PlanContext.lower_bound
-        monkeypatch.setattr(PlanContext, "lower_bound",
+        honest_bound = SearchBounds.lower_bound
+        monkeypatch.setattr(SearchBounds, "lower_bound",
                             lambda self, config: honest_bound(self, config) * 1.03)
     else:
-        honest_floor = PlanContext.memory_floor
-        monkeypatch.setattr(PlanContext, "memory_floor",
+        honest_floor = SearchBounds.memory_floor
+        monkeypatch.setattr(SearchBounds, "memory_floor",
                             lambda self, config: honest_floor(self, config) * 1.4)
     assert any(_differences(*_both(case)) for case in CASES)
 
@@ -107,9 +108,10 @@ def test_the_memory_floor_is_the_floor_memory_and_below_the_exact_memory() -> No
 
     model, cluster, batch, options = CASES["deeper-tight-zero"]
     context = PlanContext(model, cluster, batch, cluster.precision)
+    bounds = SearchBounds(context)
     checked = 0
     for config in _configs(model, cluster, batch, options):
-        floor = context.memory_floor(config)
+        floor = bounds.memory_floor(config)
         assert floor == pytest.approx(context.memory(config, floor=True)[0].total, rel=1e-12)
         trace = context.held_trace(config)
         if trace is not None:
