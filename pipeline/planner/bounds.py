@@ -31,11 +31,20 @@ class SearchBounds:
 
     context: PlanContext
     _parts: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
+    _floors: dict[tuple[Any, ...], float] = field(default_factory=dict)
 
     def memory_floor(self, config: PlanConfig) -> float:
         """`context.memory(config, floor=True)[0].total` (one microbatch of each of a rank's
         stages; no schedule holds less), from the per-rank sums: asked of every
-        configuration."""
+        configuration; schedules with one placement share it."""
+        key = (config.pp, config.chunks, config.tp, config.recompute, config.recompute_layers,
+               schedule_placement(config.schedule, config.pp, config.chunks),
+               config.microbatch_size, config.zero_stage, config.dp)
+        if key not in self._floors:
+            self._floors[key] = self._floor(config)
+        return self._floors[key]
+
+    def _floor(self, config: PlanConfig) -> float:
         params, each, workspace = self.context.rank_sums(config)
         b = config.microbatch_size
         held = each * b + workspace * b if config.recomputes else each * b
