@@ -15,7 +15,9 @@ from typing import Any
 import numpy as np
 
 from pipeline.planner.memory import PARAM_BYTES
+from pipeline.planner.peaks import WARM_UP_FORMS, same_trace_as, warm_up_held
 from pipeline.planner.predict import PlanConfig, PlanContext, schedule_placement
+from schedules import SCHEDULES
 from schedules.analysis.accounting import model_state_bytes
 
 __all__ = ["FUSED_BACKWARD", "SearchBounds"]
@@ -23,6 +25,9 @@ __all__ = ["FUSED_BACKWARD", "SearchBounds"]
 FUSED_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved", "looped-bfs"})
 """Schedules whose generators emit F and fused B only (no I, no W): the planner simulates
 them on fused costs (`PlanContext.predict`), so their bound may too (a test checks them)."""
+
+
+_WARM = frozenset(name for name in SCHEDULES if same_trace_as(name) in WARM_UP_FORMS)
 
 
 @dataclass
@@ -35,17 +40,23 @@ class SearchBounds:
 
     def memory_floor(self, config: PlanConfig) -> float:
         """`context.memory(config, floor=True)[0].total` (one microbatch of each of a rank's
-        stages; no schedule holds less), from the per-rank sums: asked of every
+        stages; no schedule holds less), from the per-rank sums, or for zb-v and dualpipev
+        what they hold at their first release (`peaks.warm_up_held`): asked of every
         configuration; schedules with one placement share it."""
+        warm = config.schedule if config.schedule in _WARM else None
         key = (config.pp, config.chunks, config.tp, config.recompute, config.recompute_layers,
                schedule_placement(config.schedule, config.pp, config.chunks),
-               config.microbatch_size, config.zero_stage, config.dp)
+               config.microbatch_size, config.zero_stage, config.dp, warm)
         if key not in self._floors:
             self._floors[key] = self._floor(config)
         return self._floors[key]
 
     def _floor(self, config: PlanConfig) -> float:
         params, each, workspace = self.context.rank_sums(config)
+        held_first = warm_up_held(config.schedule, config.pp, config.num_microbatches,
+                                  config.chunks)
+        if held_first is not None:  # per sample, at least one of each stage: no lower
+            each = held_first.peak_bytes(self.context.table(config).held)
         b = config.microbatch_size
         held = each * b + workspace * b if config.recomputes else each * b
         gradients, optimizer = _state_bytes(config.zero_stage, config.dp)

@@ -33,7 +33,8 @@ from numpy.typing import ArrayLike
 from schedules import SCHEDULES
 from schedules.ir.limits import ScheduleTooLargeError, check_schedule_size
 
-__all__ = ["CLOSED_FORMS", "PeakCounts", "closed_form_peaks", "same_trace_as"]
+__all__ = ["CLOSED_FORMS", "WARM_UP_FORMS", "PeakCounts", "closed_form_peaks",
+           "same_trace_as", "warm_up_held"]
 
 _PerStage = Callable[[int, int, int, int], int]
 """(p, m, v, rank) -> microbatches of each of the rank's stages held at the rank's peak."""
@@ -47,6 +48,21 @@ CLOSED_FORMS: dict[str, _PerStage] = {
 }
 """The schedules whose peak is a closed form; every one accepts any p, m >= 1 (and v >= 1
 for looped-bfs) up to the package's size limit."""
+
+_WarmUp = Callable[[int, int], tuple[int, int]]
+"""(p, rank) -> the chunk-0 and chunk-1 forwards a rank runs before its first release."""
+
+WARM_UP_FORMS: dict[str, _WarmUp] = {
+    # zb_v._steps: warm-up 1 runs 2(p-r)-1 F0, warm-up 2 r × "F1 F0", warm-up 3 opens with
+    # F1 I1 W1; the W frees the first
+    "zb-v": lambda p, r: (2 * p - r - 1, r + 1),
+    # dualpipe._steps: step 1 runs 2(p-r-1) F0, step 2 (r+1) × "F0 F1"; step 3 opens with
+    # I1 W (r < p-1), or (r = p-1, no step 3) step 4 with F0 B1
+    "dualpipev": lambda p, r: (2 * p - r - 1 + (r == p - 1), r + 1),
+}
+"""V-shaped schedules whose held activations at their first release (a lower bound on the
+peak, not the peak: later the mix of chunks may weigh more) follow from the step table;
+ops of microbatches >= m are dropped, so each count is at most m."""
 
 _SAME_TRACE = {"dualpipev-overlap": "dualpipev"}
 """Schedules whose held trace is another's: dualpipev-overlap is dualpipev with some fused
@@ -95,4 +111,19 @@ def closed_form_peaks(name: str, p: int, m: int, v: int) -> PeakCounts | None:
         return None
     placement = SCHEDULES[name].placement(p, v)
     held = np.array([form(p, m, v, rank) for rank in placement], dtype=float)
+    return PeakCounts(placement, held)
+
+
+def warm_up_held(name: str, p: int, m: int, v: int) -> PeakCounts | None:
+    """What each rank of V-shaped schedule `name` (zb-v, dualpipev and its overlapped
+    variant) holds when it first frees an activation: no more than its peak, for a memory
+    floor before the schedule is built; None for the other schedules."""
+    form = WARM_UP_FORMS.get(same_trace_as(name))
+    if form is None or v != 2 or (same_trace_as(name) == "dualpipev" and m < 2 * p):
+        return None  # none, or dualpipev refuses m < 2p: left to the schedule to say
+    placement = SCHEDULES[name].placement(p, v)
+    held = np.zeros(2 * p)
+    for rank in range(p):
+        down, up = form(p, rank)
+        held[rank], held[2 * p - 1 - rank] = min(down, m), min(up, m)
     return PeakCounts(placement, held)

@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.planner.bounds import FUSED_BACKWARD
-from pipeline.planner.peaks import CLOSED_FORMS, PeakCounts, closed_form_peaks, same_trace_as
+from pipeline.planner.peaks import (
+    CLOSED_FORMS,
+    WARM_UP_FORMS,
+    PeakCounts,
+    closed_form_peaks,
+    same_trace_as,
+    warm_up_held,
+)
 from pipeline.planner.predict import is_cost_aware
 from schedules import SCHEDULES, Kind, generate_schedule
 from schedules.analysis.accounting import HeldTrace
@@ -121,3 +128,26 @@ def test_fused_backward_schedules_emit_no_input_or_weight_gradient(
     v = _chunks(name, data)
     kinds = {op.kind for stream in generate_schedule(name, p, m, v).streams for op in stream}
     assert kinds <= {Kind.F, Kind.B}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([*sorted(WARM_UP_FORMS), "dualpipev-overlap"]), st.integers(1, 10),
+       st.integers(1, 40), st.data())
+def test_what_a_v_schedule_holds_at_its_first_release_never_exceeds_its_peak(
+        name: str, p: int, m: int, data: st.DataObject) -> None:
+    trace = _trace(name, p, m, 2)
+    held = warm_up_held(name, p, m, 2)
+    if trace is None:  # dualpipev refuses m < 2p, and so does the floor
+        assert held is None
+        return
+    assert held is not None
+    sizes = np.array(data.draw(st.lists(st.floats(0.0, 1e9), min_size=2 * p, max_size=2 * p),
+                               label="bytes per stage"))
+    assert (held.peak_bytes(sizes) <= trace.peak_bytes(sizes) + _slack(trace, sizes)).all()
+
+
+def test_the_first_release_floor_is_above_one_of_each_stage() -> None:
+    # not vacuous: zb-v's rank 0 runs 2p-1 chunk-0 forwards and one chunk-1 forward first
+    held = warm_up_held("zb-v", 4, 8, 2)
+    assert held is not None and held.peaks() == (8, 8, 8, 8) == _trace("zb-v", 4, 8, 2).peaks()
+    assert warm_up_held("1f1b", 4, 8, 1) is None

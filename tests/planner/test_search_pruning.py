@@ -102,8 +102,9 @@ def test_an_over_aggressive_bound_makes_the_comparison_fail(
 
 
 def test_the_memory_floor_is_the_floor_memory_and_below_the_exact_memory() -> None:
-    # the search's fast floor must equal PlanContext.memory(floor=True) and stay under every
-    # configuration's exact memory (a schedule's trace or closed form; cost-aware: its limit)
+    # the search's floor is PlanContext.memory(floor=True) or above it (zb-v, dualpipev:
+    # their first release) and under every configuration's exact memory (a schedule's trace
+    # or closed form)
     from pipeline.planner.search import _configs
 
     model, cluster, batch, options = CASES["deeper-tight-zero"]
@@ -112,7 +113,7 @@ def test_the_memory_floor_is_the_floor_memory_and_below_the_exact_memory() -> No
     checked = 0
     for config in _configs(model, cluster, batch, options):
         floor = bounds.memory_floor(config)
-        assert floor == pytest.approx(context.memory(config, floor=True)[0].total, rel=1e-12)
+        assert floor >= context.memory(config, floor=True)[0].total * (1 - 1e-12)
         trace = context.held_trace(config)
         if trace is not None:
             assert floor <= context.memory(config, trace)[0].total * (1 + 1e-12)
