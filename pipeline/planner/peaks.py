@@ -19,7 +19,8 @@ schedule's trace for many p, m, v and per-stage sizes.
 With one stage per rank (v = 1), or all of a rank's activations held at once (looped-bfs),
 the bytes at the peak are the count times each stage's size, whatever the sizes: exact.
 The V-shaped and interleaved schedules hold a mix of chunks that depends on the sizes; they
-keep their traces.
+keep their traces, and zb-v and dualpipev get a lower bound from their step tables (what a
+rank holds when it first frees an activation, `warm_up_held`) for the search's memory floor.
 """
 
 from __future__ import annotations

@@ -119,3 +119,20 @@ def test_the_memory_floor_is_the_floor_memory_and_below_the_exact_memory() -> No
             assert floor <= context.memory(config, trace)[0].total * (1 + 1e-12)
             checked += 1
     assert checked > 100
+
+
+def test_closed_form_memory_equals_the_traced_memory_in_a_search() -> None:
+    from pipeline.planner.search import _configs
+
+    model, cluster, batch, options = CASES["deeper-tight-zero"]
+    closed = PlanContext(model, cluster, batch, cluster.precision)
+    traced = PlanContext(model, cluster, batch, cluster.precision, closed_forms=False)
+    compared = 0
+    for config in _configs(model, cluster, batch, options):
+        if config.schedule in ("gpipe", "1f1b", "looped-bfs", "zb-h2"):
+            fast, slow = closed.held_trace(config), traced.held_trace(config)
+            assert fast is not None and slow is not None
+            assert closed.memory(config, fast)[0].total == pytest.approx(
+                traced.memory(config, slow)[0].total, rel=1e-12)
+            compared += 1
+    assert compared > 100
