@@ -10,8 +10,12 @@ leaner than Megatron's 18 / 20) and with `half_parameters` under ZeRO-1.
 
 Section "overlap": seconds per step spent in REDUCE_GRAD and in STEP's wait for the
 reductions (`StepStats.exposed_reduction`), plain dp and ZeRO-1, with and without
-`overlap_grad_reduce`, p = 1 (the whole reduction follows the last backward), same processes,
-steps in turn.
+`overlap_grad_reduce`, p = 1 (the whole reduction follows the last backward), and blocked on
+ZeRO-1's parameter all-gathers (`StepStats.exposed_gather`: at STEP, or with
+`overlap_param_gather` in the next step's forwards), same processes, steps in turn; beside
+the exposed reduction the simulator's prediction (`schedules.GradReduction`, the rule the
+planner prices) from the step's measured F and B times and the buckets' collectives timed
+alone in the same processes.
 
 Section "bf16-curve": the demo language model (pp 2 × dp 2, ZeRO-1, 1F1B, Adam) for 100
 steps in fp32 and in bf16 with half parameters, same processes, same data; the largest
@@ -35,7 +39,9 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,6 +56,8 @@ from torch import nn
 from pipeline import PipelineEngine, PipelineModule, launch
 from pipeline.demo.language_model import TinyLMConfig, lm_layers, lm_loss, synthetic_batch
 from pipeline.parallel.model_state import count_model_states
+from pipeline.runtime.trace import measured_costs
+from schedules import GradReduction, figures, simulate
 
 __all__ = ["bf16_curve_section", "model_state_rows", "overlap_rows", "overlap_section",
            "states_section"]
@@ -73,12 +81,13 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 
 
 def _engine(precision: str, zero: int, *, overlap: bool = True, bucket_mb: float = 25.0,
-            num_microbatches: int = 2) -> PipelineEngine:
+            num_microbatches: int = 2, overlap_gather: bool = False) -> PipelineEngine:
     module = PipelineModule(_layers(), num_stages=1, loss_fn=F.mse_loss)
     return PipelineEngine(module, optimizer=_adam, num_microbatches=num_microbatches,
                           zero_stage=zero, precision=precision,
                           half_parameters=zero == 1 and precision != "fp32",
-                          overlap_grad_reduce=overlap, bucket_mb=bucket_mb)
+                          overlap_grad_reduce=overlap, bucket_mb=bucket_mb,
+                          overlap_param_gather=overlap_gather)
 
 
 # -- section: model states ------------------------------------------------------------------
@@ -114,26 +123,77 @@ def model_state_rows(ranks: tuple[int, ...] = (1, 2, 4)) -> list[str]:
 
 # -- section: exposed reduction -------------------------------------------------------------
 
-def _measure_overlap(steps: int) -> list[list[float]]:
-    """Per (ZeRO stage, overlap): [exposed, step] seconds, median over steps, mean over
-    ranks; every configuration steps in turn in the same processes."""
+def _bucket_seconds(zero: int, numel: int, bucket_mb: float, repeats: int = 5) -> float:
+    """Seconds of one stage's bucket reductions back to back, as the engine issues them on
+    gloo with their host work: all_reduce of a flattened, divided copy, then the copy back;
+    ZeRO-1: all_to_all of each bucket's divided shard slices, then their sum. The median of
+    `repeats` (collective over the world, the dp group here)."""
     world = dist.get_world_size()
-    configs = [(zero, overlap) for zero in (0, 1) for overlap in (False, True)]
-    engines = [_engine("fp32", zero, overlap=overlap, bucket_mb=1.0, num_microbatches=4)
-               for zero, overlap in configs]
+    per_bucket = max(world, int(bucket_mb * 2**20) // 4 // world * world)
+    flat = torch.zeros(-(-numel // world) * world)
+    buckets = [flat[lo:lo + per_bucket] for lo in range(0, len(flat), per_bucket)]
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        for bucket in buckets:
+            if zero:
+                sent = bucket.view(world, -1).contiguous().div_(world)
+                received = torch.empty_like(sent)
+                work = dist.all_to_all_single(received, sent, async_op=True)
+            else:
+                received = bucket.clone().div_(world)
+                work = dist.all_reduce(received, async_op=True)
+            pending.append((work, received, bucket))
+        for work, received, bucket in pending:
+            work.wait()
+            if zero:
+                torch.sum(received, dim=0)
+            else:
+                bucket.copy_(received)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+OVERLAP_CONFIGS = [(0, False, False), (0, True, False), (1, False, False), (1, True, False),
+                   (1, True, True)]
+"""(ZeRO stage, overlap_grad_reduce, overlap_param_gather) per row of the overlap section."""
+
+
+def _measure_overlap(steps: int, rounds: int = 2, bucket_mb: float = 1.0) -> list[list[float]]:
+    """Per configuration: [exposed reduction, exposed gather, step, simulated exposed
+    reduction] seconds, median over steps, mean over ranks; the configurations take turns in
+    the same processes, `steps` consecutive steps each per round (consecutive: an overlapped
+    gather must be waited for by the same engine's next forward, not hidden behind another
+    engine's step)."""
+    world = dist.get_world_size()
+    engines = [_engine("fp32", zero, overlap=overlap, bucket_mb=bucket_mb, num_microbatches=4,
+                       overlap_gather=gather) for zero, overlap, gather in OVERLAP_CONFIGS]
+    numel = sum(p.numel() for p in engines[0].module.parameters())
+    buckets = max(1, -(-numel * 4 // int(bucket_mb * 2**20)))
     torch.manual_seed(2)
     x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
-    exposed: list[list[float]] = [[] for _ in configs]
-    step: list[list[float]] = [[] for _ in configs]
-    for k in range(steps + 1):
+    measured: list[list[list[float]]] = [[[], [], [], []] for _ in OVERLAP_CONFIGS]
+    for _ in range(rounds):
+        reduce = {zero: _bucket_seconds(zero, numel, bucket_mb) for zero in (0, 1)}
         for index, engine in enumerate(engines):
-            engine.train_batch(x, y)
-            stats = engine.last_stats
-            if k and stats is not None:  # the first step warms up
-                exposed[index].append(stats.exposed_reduction)
-                step[index].append(stats.step_time)
-    mine = torch.tensor([[statistics.median(exposed[i]), statistics.median(step[i])]
-                         for i in range(len(configs))], dtype=torch.float64)
+            zero, overlap, _gather = OVERLAP_CONFIGS[index]
+            for k in range(steps // rounds + 1):
+                engine.train_batch(x, y)
+                stats = engine.last_stats
+                if k and stats is not None:  # the first step of a turn warms up
+                    costs = measured_costs(engine.last_timeline()).cost_model(1)
+                    reduction = GradReduction(time=reduce[zero], buckets=buckets,
+                                              start="overlap" if overlap else "after_backward")
+                    predicted = figures(simulate(engine.schedule,
+                                                 replace(costs, reduction=reduction)))
+                    for column, value in enumerate((stats.exposed_reduction,
+                                                    stats.exposed_gather, stats.step_time,
+                                                    predicted.exposed_reduction[0])):
+                        measured[index][column].append(value)
+    mine = torch.tensor([[statistics.median(column) for column in row] for row in measured],
+                        dtype=torch.float64)
     dist.all_reduce(mine)  # the mean over ranks
     for engine in engines:
         engine.stop_watchdog()
@@ -144,12 +204,17 @@ def overlap_rows(world: int = 2, steps: int = 10) -> list[str]:
     """The markdown rows of the exposed-reduction section."""
     rows = launch(_measure_overlap, world, steps, join_timeout=1800)[0]
     lines = [f"fp32, p = 1, dp = {world}, m = 4, 1 MiB buckets, {LAYERS} × Linear({WIDTH}), "
-             f"Adam; median over {steps} steps, mean over ranks",
-             "| ZeRO | overlap_grad_reduce | exposed reduction (ms/step) | step (ms) |",
-             "|---|---|---|---|"]
-    configs = [(zero, overlap) for zero in (0, 1) for overlap in (False, True)]
-    for (zero, overlap), (exposed, step) in zip(configs, rows):
-        lines.append(f"| {zero} | {overlap} | {exposed * 1e3:.1f} | {step * 1e3:.1f} |")
+             f"Adam; median over {steps} steps, mean over ranks. Simulated: the step's own "
+             "measured F and B, the buckets' reductions (with their host work) timed alone "
+             "just before; measured times on a shared 2-core CPU are noisy (compare within "
+             "one run)",
+             "| ZeRO | overlap_grad_reduce | overlap_param_gather | exposed reduction (ms/step) "
+             "| simulated (ms/step) | exposed gather (ms/step) | step (ms) |",
+             "|---|---|---|---|---|---|---|"]
+    for (zero, overlap, gather), (exposed, gathered, step, simulated) in zip(OVERLAP_CONFIGS,
+                                                                              rows):
+        lines.append(f"| {zero} | {overlap} | {gather if zero else '-'} | {exposed * 1e3:.1f} "
+                     f"| {simulated * 1e3:.1f} | {gathered * 1e3:.1f} | {step * 1e3:.1f} |")
     return lines
 
 

@@ -30,16 +30,24 @@ recorded with its split:
   the labels in its pipe buffers, until its next step starts);
 - activations: made in the step and held by autograd for a backward at the peak;
 - other: made in the step, not saved for backward — gradients made in the step, stage inputs
-  and outputs the engine holds, communication buffers, temporaries, the step's input batch
-  (made fresh in the step, the same bytes for both engines; ours is given the rank's batch,
-  DeepSpeed an iterator yielding each microbatch as its own tensors, as a DataLoader would).
+  and outputs the engine holds, communication buffers, temporaries, the step's data.
+
+The data, two ways (``--feed``), the same for both engines: "iterator" (the default, what a
+DataLoader does): each engine is given an iterator that makes each microbatch (inputs,
+targets) when it is pulled — DeepSpeed's ``train_batch(data_iter)`` pulls one per
+``LoadMicroBatch``, ours one per LOAD (`PulledMicrobatches`), so only microbatches in flight
+are alive; the inputs are in the dtype DeepSpeed's first stage takes (bf16 under bf16; ours
+would cast fp32 inputs itself, the same microbatches are given to both). "full batch": the
+rank's whole batch is made first, in fp32, and alive through the step (ours gets it as
+``train_batch(x, y)``, DeepSpeed an iterator of bf16 copies of its microbatches).
 
 This is what a non-caching allocator would hold for tensors (on CPU there is no
 `torch.cuda.max_memory_allocated`); Python objects, gloo's own buffers and datagrams our
 one-host link queued before their receive was posted are not tensors and are not counted.
-Counted bytes are deterministic: one measured step is enough.
+Our counted bytes are deterministic: one measured step is enough (DeepSpeed's moved by up to
+0.5 MiB between runs here).
 
-    /work/venvs/dsmem/bin/python benchmarks/bench_memory_deepspeed.py          # m = 8
+    /work/venvs/dsmem/bin/python benchmarks/bench_memory_deepspeed.py          # m = 8, both feeds
     /work/venvs/dsmem/bin/python benchmarks/bench_memory_deepspeed.py --batch 16384 --labels
     python benchmarks/bench_memory_deepspeed.py       # no DeepSpeed: says so, measures nothing
 """
@@ -53,7 +61,7 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -70,14 +78,19 @@ from pipeline.parallel.config import ParallelConfig
 from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
 from pipeline.runtime.live_memory import LiveSplit, LiveTensorMeter
 
-__all__ = ["ENGINES", "GOAL", "RankPeak", "format_table", "main", "measure_peaks", "memory_rows"]
+__all__ = ["ENGINES", "FEEDS", "GOAL", "RankPeak", "format_table", "main", "measure_peaks",
+           "memory_rows"]
 
 GOAL = 0.8
 """Issue 20: our peak per rank at most this fraction of DeepSpeed's (bf16, ZeRO-1)."""
 ENGINES = ("ours", "deepspeed", "deepspeed-bf16-accumulation")
 """What `measure_peaks` can run: ours; DeepSpeed with fp32 gradient accumulation (bf16 only,
 as ours); DeepSpeed's default for bf16 (gradients accumulated in bf16)."""
-Step = Callable[[torch.Tensor, torch.Tensor], None]
+FEEDS = ("iterator", "full batch")
+"""How the step's data reaches both engines (module docstring)."""
+Data = Iterator[tuple[torch.Tensor, torch.Tensor]] | tuple[torch.Tensor, torch.Tensor]
+"""An iterator making each microbatch when pulled, or the rank's whole (inputs, targets)."""
+Step = Callable[[Data], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +117,13 @@ def _ours(precision: str, m: int) -> tuple[Step, int]:
         field.name for field in dataclasses.fields(ParallelConfig)} else {}
     engine = PipelineEngine(module, schedule="1f1b", num_microbatches=m, optimizer=_adam,
                             data_parallel=DP, zero_stage=1, precision=precision, **half)
-    return (lambda x, y: engine.train_batch(x, y) and None,
-            sum(p.numel() for p in module.parameters()))
+
+    def step(data: Data) -> None:
+        if isinstance(data, tuple):
+            engine.train_batch(*data)
+        else:
+            engine.train_batch(data_iter=data)
+    return step, sum(p.numel() for p in module.parameters())
 
 
 def _deepspeed(precision: str, m: int, batch: int, accumulate_in_fp32: bool,
@@ -140,24 +158,41 @@ def _deepspeed(precision: str, m: int, batch: int, accumulate_in_fp32: bool,
     size = batch // (DP * m)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # its stages' dtype
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        # one microbatch at a time, each its own tensors, as a DataLoader yields them (its
-        # label buffers keep the last ones until the next step: views would pin all of y)
-        microbatches = ((x[k * size:(k + 1) * size].to(dtype, copy=True),
-                         y[k * size:(k + 1) * size].clone()) for k in range(m))
-        engine.train_batch(data_iter=microbatches)
-        next(microbatches, None)  # it keeps the iterator: let it drop x and y
+    def step(data: Data) -> None:
+        if isinstance(data, tuple):
+            # copies of the full batch's microbatches, each its own tensors (its label
+            # buffers keep the last ones until the next step: views would pin all of y)
+            x, y = data
+            pairs: Iterator[tuple[torch.Tensor, torch.Tensor]] = (
+                (x[k * size:(k + 1) * size].to(dtype, copy=True),
+                 y[k * size:(k + 1) * size].clone()) for k in range(m))
+        else:
+            pairs = data
+        engine.train_batch(data_iter=pairs)
+        next(pairs, None)  # it keeps the iterator: let a generator drop what it holds
     return step, sum(p.numel() for p in module.parameters())
 
 
 def _rank_peak(engine_name: str, precision: str, m: int, batch: int, labels: bool,
-               default_buckets: bool) -> RankPeak:
+               default_buckets: bool, feed: str) -> RankPeak:
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(dist.get_rank() % DP)  # one half per replica
+    # the same microbatches for both: in the dtype DeepSpeed's first stage takes (ours would
+    # also cast fp32 inputs itself)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    size = batch // (DP * m)
 
-    def data() -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.randn(batch // DP, WIDTH, generator=generator),
-                torch.randn(batch // DP, WIDTH, generator=generator))
+    def microbatches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _ in range(m):
+            yield (torch.randn(size, WIDTH, generator=generator).to(dtype),
+                   torch.randn(size, WIDTH, generator=generator))
+
+    def run(step: Step) -> None:
+        if feed == "full batch":
+            step((torch.randn(batch // DP, WIDTH, generator=generator),
+                  torch.randn(batch // DP, WIDTH, generator=generator)))
+            return
+        step(microbatches())
 
     meter = LiveTensorMeter(labels=labels)
     with meter:
@@ -167,20 +202,22 @@ def _rank_peak(engine_name: str, precision: str, m: int, batch: int, labels: boo
             step, parameters = _deepspeed(precision, m, batch, engine_name == "deepspeed",
                                           default_buckets)
         torch.set_num_threads(1)  # in case a framework changed it
-        step(*data())  # warm-up: Adam's state and the engines' lazy buffers appear here
+        run(step)  # warm-up: Adam's state and the engines' lazy buffers appear here
         dist.barrier()
         gc.collect()  # what only reference cycles still hold is not state
         meter.begin_step()
-        step(*data())
+        run(step)
         dist.barrier()
     return RankPeak(dist.get_rank(), meter.peak, parameters, dict(meter.peak_labels))
 
 
 def measure_peaks(engine_name: str, precision: str, *, m: int = 8, batch: int = 4096,
-                  labels: bool = False, default_buckets: bool = False) -> list[RankPeak]:
+                  labels: bool = False, default_buckets: bool = False,
+                  feed: str = "iterator") -> list[RankPeak]:
     """Peak live tensor bytes of every rank (index = rank) in one measured step of
     `engine_name` (one of `ENGINES`) at `precision` ('fp32' or 'bf16'), pp 2 × dp 2, ZeRO-1,
-    1F1B with `m` microbatches of ``batch // (2 · m)`` rows each; DeepSpeed must be
+    1F1B with `m` microbatches of ``batch // (2 · m)`` rows each, the data fed as `feed`
+    (one of `FEEDS`, module docstring); DeepSpeed must be
     importable for the DeepSpeed engines. DeepSpeed's ZeRO buckets hold the stage's
     parameters (at most our `DEFAULT_BUCKET_MB` of fp32 elements) unless `default_buckets`
     (5e8 elements): in a pipeline its ZeRO-1 optimizer allocates two reduction buckets of
@@ -191,28 +228,32 @@ def measure_peaks(engine_name: str, precision: str, *, m: int = 8, batch: int = 
         raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
     if batch % (DP * m):
         raise ValueError(f"batch {batch} must be a multiple of dp · m = {DP * m}")
+    if feed not in FEEDS:
+        raise ValueError(f"feed must be one of {FEEDS}, got {feed!r}")
     return launch(_rank_peak, PP * DP, engine_name, precision, m, batch, labels,
-                  default_buckets, timeout=600, threads_per_rank=1)
+                  default_buckets, feed, timeout=600, threads_per_rank=1)
 
 
 def memory_rows(precisions: tuple[str, ...] = ("bf16", "fp32"), *, m: int = 8,
-                batch: int = 4096, labels: bool = False,
-                default_buckets: bool = False) -> list[dict[str, Any]]:
-    """One row per (precision, engine): the largest peak over the ranks, its split, and
-    for DeepSpeed rows ours / it. Returns [] when DeepSpeed is not importable."""
+                batch: int = 4096, labels: bool = False, default_buckets: bool = False,
+                feeds: tuple[str, ...] = FEEDS) -> list[dict[str, Any]]:
+    """One row per (precision, feed, engine): the largest peak over the ranks, its split,
+    and for DeepSpeed rows ours / it. Returns [] when DeepSpeed is not importable."""
     if importlib.util.find_spec("deepspeed") is None:
         return []
     rows: list[dict[str, Any]] = []
     for precision in precisions:
         engines = ENGINES if precision == "bf16" else ENGINES[:2]
-        peaks = {name: measure_peaks(name, precision, m=m, batch=batch, labels=labels,
-                                     default_buckets=default_buckets) for name in engines}
-        ours = max(rank.peak.total for rank in peaks["ours"])
-        for name, ranks in peaks.items():
-            worst = max(ranks, key=lambda rank: rank.peak.total)
-            rows.append({"precision": precision, "engine": name, "worst": worst,
-                         "ranks": ranks, "ratio": None if name == "ours"
-                         else ours / worst.peak.total})
+        for feed in feeds:
+            peaks = {name: measure_peaks(name, precision, m=m, batch=batch, labels=labels,
+                                         default_buckets=default_buckets, feed=feed)
+                     for name in engines}
+            ours = max(rank.peak.total for rank in peaks["ours"])
+            for name, ranks in peaks.items():
+                worst = max(ranks, key=lambda rank: rank.peak.total)
+                rows.append({"precision": precision, "feed": feed, "engine": name,
+                             "worst": worst, "ranks": ranks, "ratio": None if name == "ours"
+                             else ours / worst.peak.total})
     return rows
 
 
@@ -222,21 +263,24 @@ def _mib(value: int) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The summary (largest peak over ranks) and a per-rank table, Markdown."""
-    lines = ["| precision | engine | peak / rank (MiB) | states | activations | other | "
-             "states B/param | ours / it | goal ≤ 0.8× |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| precision | data | engine | peak / rank (MiB) | states | activations | other | "
+             "states B/param | ours / it | goal ≤ 0.8× |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         worst: RankPeak = row["worst"]
         ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}"
         goal = "" if row["ratio"] is None else ("met" if row["ratio"] <= GOAL else "not met")
-        lines.append(f"| {row['precision']} | {row['engine']} (rank {worst.rank}) | "
+        lines.append(f"| {row['precision']} | {row['feed']} | {row['engine']} "
+                     f"(rank {worst.rank}) | "
                      f"{_mib(worst.peak.total)} | {_mib(worst.peak.states)} | "
                      f"{_mib(worst.peak.activations)} | {_mib(worst.peak.other)} | "
                      f"{worst.peak.states / worst.parameters:.2f} | {ratio} | {goal} |")
-    lines += ["", "| precision | engine | rank | stage | peak (MiB) | states | activations | "
-              "other |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| precision | data | engine | rank | stage | peak (MiB) | states | "
+              "activations | other |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for rank in row["ranks"]:
-            lines.append(f"| {row['precision']} | {row['engine']} | {rank.rank} | "
+            lines.append(f"| {row['precision']} | {row['feed']} | {row['engine']} | "
+                         f"{rank.rank} | "
                          f"{rank.rank // DP} | {_mib(rank.peak.total)} | "
                          f"{_mib(rank.peak.states)} | {_mib(rank.peak.activations)} | "
                          f"{_mib(rank.peak.other)} |")
@@ -247,7 +291,8 @@ def _format_labels(rows: list[dict[str, Any]], top: int = 8) -> str:
     lines = []
     for row in rows:
         worst: RankPeak = row["worst"]
-        lines.append(f"\n{row['precision']} {row['engine']}, rank {worst.rank} at its peak "
+        lines.append(f"\n{row['precision']} {row['feed']} {row['engine']}, rank {worst.rank} "
+                     f"at its peak "
                      f"(largest storages by kind, dtype and the op that made them):")
         for label, size in sorted(worst.labels.items(), key=lambda item: -item[1])[:top]:
             lines.append(f"  {_mib(size):>8} MiB  {label}")
@@ -260,6 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=4096, help="global batch (rows)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), action="append",
                         help="repeatable; default: bf16 and fp32")
+    parser.add_argument("--feed", choices=FEEDS, action="append",
+                        help="repeatable; default: both (module docstring)")
     parser.add_argument("--labels", action="store_true",
                         help="also list what each engine's peak is made of")
     parser.add_argument("--deepspeed-default-buckets", action="store_true",
@@ -268,7 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     rows = memory_rows(tuple(args.precision or ("bf16", "fp32")), m=args.microbatches,
                        batch=args.batch, labels=args.labels,
-                       default_buckets=args.deepspeed_default_buckets)
+                       default_buckets=args.deepspeed_default_buckets,
+                       feeds=tuple(args.feed or FEEDS))
     if not rows:
         print("DeepSpeed not installed: skipped (install it in its own venv: python -m venv "
               "--system-site-packages /work/venvs/dsmem && /work/venvs/dsmem/bin/pip install "

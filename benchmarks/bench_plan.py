@@ -94,7 +94,9 @@ def _state_bytes(module: Any, engine: Any) -> int:
     tensors += [p.grad for p in module.parameters() if p.grad is not None]
     optimizer = engine.optimizer
     for region in getattr(optimizer, "_regions", {}).values():
-        tensors += [region.flat_param, region.flat_grad, region.grad_shard, region.master]
+        tensors += [region.flat_param, region.flat_grad, region.master]
+        if region.master.grad is not None:  # the shard's gradient: a view of flat_grad in fp32
+            tensors.append(region.master.grad)
     inner = getattr(optimizer, "optimizer", optimizer)
     for state in getattr(inner, "state", {}).values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
@@ -254,9 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.part in ("scale", "all"):
         print(scale_search())
     if args.part in ("published", "all"):
-        from bench_published import published_part
+        from bench_published import published_part, sweeps_part
 
         print("\n".join(published_part()))
+        print("\n".join(["", *sweeps_part()]))
     if args.part in ("local", "all"):
         print("\n".join(local_part(args.rounds)))
     if args.part in ("emulated", "all"):

@@ -2,19 +2,28 @@
 Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21; arXiv:2104.04473), run on up to 3,072 A100-80GB (Selene, 8 a node,
 8 × 200 Gb/s HDR InfiniBand a node), vocabulary 51,200, sequence 2,048, fp16, full
-activation recomputation. The rows below (parameters, heads a, hidden h, layers l, tensor
-size t, pipeline size p, GPUs n, global batch B, achieved TFLOP/s per GPU) are copied from
-that table (also in the NVIDIA/Megatron-LM README of 2021); the `search` tool did not find
-the table's text in its stored pages, so they were checked against the issue's figures.
+activation recomputation.
+
+Sources of the rows (checked 2026-11-24 in the NVIDIA/Megatron-LM repository's history):
+- the paper's artifact script `examples/sc21/run_table_1.sh` (commit de7dc40f88, 2021-08-10)
+  gives every run's tensor size t, pipeline size p, microbatch size b, global batch B,
+  layers, hidden size, heads, `--DDP-impl` (torch at p = 1, local above), and the
+  interleaved schedule's `--num-layers-per-virtual-pipeline-stage` (76B, 145B, 310B, 530B;
+  39B and 1T run plain 1F1B); `CONFIG.sh` beside it: `--fp16 --loss-scale 8192`, no
+  fp32 all-reduce, `--checkpoint-activations` in every row;
+- the README's table image `images/cases_april2021.png` (commit f32a638d2d, 2021-04-12)
+  gives hidden size, layers, parameters, model-parallel size t·p, GPUs, batch and the
+  achieved teraFLOP/s per GPU; all agree with the script.
 
 Model FLOPs are counted as the paper does (section 5.1, with recomputation):
 96·B·s·l·h²·(1 + s/6h + V/16lh) per iteration.
 
 For each row, with Megatron-LM's engine of 2021 (`MEGATRON_2021`) and eager attention (no
-FlashAttention then, no sequence parallelism): (1) the planner on the paper's own (t, p) (it
-chooses the microbatch size, the schedule and its chunks), its predicted TFLOP/s per GPU
-against the published one; (2) a search of the paper's space (any t <= 8 dividing the
-heads, any p) and how far the paper's (t, p) is from the pick's predicted step time.
+FlashAttention then, no sequence parallelism): (1) the planner prices the paper's exact
+configuration (t, p, b, schedule, v), its predicted TFLOP/s per GPU against the published
+one; (2) the planner's best configuration on the paper's (t, p) (it chooses b, the schedule
+and v) against (3) the pick of a search of the paper's space (any t <= 8 dividing the heads,
+any p, any b, either schedule; only what Megatron-LM 2021 can run).
 
     PYTHONPATH=. python benchmarks/bench_plan.py --part published
 """
@@ -28,14 +37,16 @@ from typing import Any
 
 from pipeline.planner import (
     PRESETS,
+    PlanConfig,
     PlanError,
     SearchOptions,
     parse_shape,
     plan,
     transformer_profile,
 )
+from pipeline.planner.search import price
 
-__all__ = ["ROWS", "PublishedRow", "paper_flops", "published_part", "run_row"]
+__all__ = ["ROWS", "PublishedRow", "paper_flops", "published_part", "run_row", "sweeps_part"]
 
 SEQ, VOCAB = 2048, 51200
 
@@ -52,27 +63,54 @@ class PublishedRow:
     batch: int
     tflops: float
     """Achieved teraFLOP/s per GPU, as published."""
+    microbatch: int
+    """`--micro-batch-size` of the run (`run_table_1.sh`)."""
+    chunks: int
+    """Model chunks per rank, v (1: 1F1B; else the interleaved schedule, v = l / p /
+    `--num-layers-per-virtual-pipeline-stage`)."""
+
+    def config(self) -> PlanConfig:
+        """The run's configuration as the planner names it."""
+        dp = self.gpus // (self.tp * self.pp)
+        return PlanConfig(pp=self.pp, tp=self.tp, dp=dp,
+                          schedule="1f1b" if self.chunks == 1 else "interleaved",
+                          chunks=self.chunks, microbatch_size=self.microbatch,
+                          num_microbatches=self.batch // dp // self.microbatch, zero_stage=0,
+                          recompute="full")
 
 
 ROWS = (
-    PublishedRow(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    PublishedRow(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    PublishedRow(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    PublishedRow(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    PublishedRow(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    PublishedRow(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    PublishedRow(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    PublishedRow(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    PublishedRow(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    PublishedRow(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    PublishedRow(1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 16, 1),
+    PublishedRow(3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 16, 1),
+    PublishedRow(7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 16, 1),
+    PublishedRow(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 8, 1),
+    PublishedRow(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 4, 1),
+    PublishedRow(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, 3),
+    PublishedRow(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, 2),
+    PublishedRow(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, 2),
+    PublishedRow(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
+    PublishedRow(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1),
 )
 MEGATRON_2021: dict[str, Any] = {
     "schedules": ("1f1b", "interleaved"), "recompute_choices": (True,), "zero_stages": (0,),
-    "overlap_grad_reduce": False, "extra_parameter_bytes": 2.0, "top": 1}
-"""Megatron-LM as the paper ran it: its two schedules, full recomputation, no distributed
-optimizer, the gradient all-reduce after the pipeline flush (not overlapped), and 18 bytes
-per parameter (fp16 weights, fp32 main gradients, fp32 master weights and Adam), 2 more than
-this engine's 16."""
+    "overlap_grad_reduce": False, "overlap_grad_reduce_unpipelined": True,
+    "extra_parameter_bytes": 2.0, "uniform_layers": True, "interleaved_groups": True,
+    "blocking_p2p": True, "grad_reduce_bytes": 2.0, "top": 1}
+"""Megatron-LM as the paper ran it (the code of April 2021, commit f32a638d2d): its two
+schedules, interleaving only at p > 2 with m a multiple of p (`interleaved_groups`); the
+blocks split evenly, p·v dividing them, the embedding on the first stage and the head and
+loss on the last (`uniform_layers`); full recomputation; no distributed optimizer; the
+gradient all-reduce in fp16 (`grad_reduce_bytes`), overlapped with the backward by torch's
+DDP at p = 1 and after the pipeline flush above (`--DDP-impl torch` / `local` in the
+scripts); blocking point-to-point messages (`p2p_communication.py` waits on every
+`batch_isend_irecv`, then `torch.cuda.synchronize()`), scattered over the t ranks'
+links and gathered over NVLink. Memory: 18 bytes per parameter, 2 more than this engine's
+16. Megatron-LM 2021 holds 16 through the pipeline (fp16 weights and gradients, fp32 master
+weights, Adam's two moments; torch DDP's bucket copy adds 2 at p = 1) and makes fp32
+copies of the gradients at the optimizer step (`_copy_model_grads_to_main_grads`: 4 more,
+when the activations are gone): 18 stands between the two peaks. The word-embedding
+gradient's all-reduce between the first and last stages (tied weights) is not priced: one
+V·h/t message per step, under 0.1 % of these steps."""
 
 
 def paper_flops(row: PublishedRow) -> float:
@@ -81,17 +119,54 @@ def paper_flops(row: PublishedRow) -> float:
     return 96 * row.batch * s * layers * h * h * (1 + s / (6 * h) + VOCAB / (16 * layers * h))
 
 
+def _priced_tflops(row: PublishedRow, **engine: Any) -> float:
+    shape = parse_shape({"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
+                         "vocab": VOCAB, "seq": SEQ})
+    model = transformer_profile(shape, "fp16", attention="eager")
+    cluster = replace(PRESETS["a100-80g"], nodes=row.gpus // 8)
+    found = price(model, cluster, row.batch, row.config(), precision="fp16",
+                  options=SearchOptions(**(MEGATRON_2021 | engine)))
+    return paper_flops(row) / found.step_seconds / row.gpus / 1e12
+
+
+def sweeps_part() -> list[str]:
+    """The planner on two of the paper's parallelism sweeps, 64 GPUs, microbatch 1, 1F1B,
+    configurations from `examples/sc21/run_figure_13.sh` (162.2B: l 32, h 20480, a 128;
+    t·p = 64) and `run_figure_15.sh` (5.9B: l 32, h 3840, a 32; p = 1, t·d = 64): predicted
+    TFLOP/s per GPU, fastest marked (the paper's measured values are not recorded here).
+    Both scripts run `--DDP-impl local`: the reduction after the flush, at p = 1 too."""
+    lines = ["The paper's sweeps on 64 GPUs (b 1, 1F1B), planner's TFLOP/s per GPU", ""]
+    sweeps = (("Figure 13, 162.2B, t·p = 64", 128, 20480, 32,
+               [(64 // pp, pp) for pp in (2, 4, 8, 16, 32)]),
+              ("Figure 15, 5.9B, p = 1", 32, 3840, 32, [(t, 1) for t in (2, 4, 8, 16, 32)]))
+    for title, heads, hidden, layers, splits in sweeps:
+        for batch in (32, 128):
+            values = {(t, p): _priced_tflops(PublishedRow(0, heads, hidden, layers, t, p, 64,
+                                                          batch, 0, 1, 1),
+                                              overlap_grad_reduce_unpipelined=False)
+                      for t, p in splits}
+            best = max(values, key=values.__getitem__)
+            lines.append(f"{title}, batch {batch}: " + ", ".join(
+                f"{'*' if split == best else ''}t{split[0]} p{split[1]} {value:.1f}"
+                for split, value in values.items()))
+    return lines
+
+
 def run_row(row: PublishedRow, *, search: bool = True) -> dict[str, object]:
-    """The planner on the paper's (t, p), and (with `search`) over the paper's space."""
+    """The planner on the paper's configuration and on its (t, p), and (with `search`) over
+    the paper's space."""
     shape = parse_shape({"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
                          "vocab": VOCAB, "seq": SEQ})
     # 2021: no FlashAttention (eager attention with a fused softmax), no sequence parallelism
     model = transformer_profile(shape, "fp16", attention="eager")
     cluster = replace(PRESETS["a100-80g"], nodes=row.gpus // 8)
+    paper = price(model, cluster, row.batch, row.config(), precision="fp16",
+                  options=SearchOptions(**MEGATRON_2021))
     own = plan(model, cluster, row.batch, precision="fp16", options=SearchOptions(
         tensor_parallel=(row.tp,), pipeline_parallel=(row.pp,), **MEGATRON_2021)).best
     result: dict[str, object] = {
-        "row": row, "own": own, "tflops": paper_flops(row) / own.step_seconds / row.gpus / 1e12}
+        "row": row, "paper": paper, "own": own,
+        "tflops": paper_flops(row) / paper.step_seconds / row.gpus / 1e12}
     if search:
         cpu, started = time.process_time(), time.perf_counter()
         try:
@@ -106,13 +181,19 @@ def run_row(row: PublishedRow, *, search: bool = True) -> dict[str, object]:
     return result
 
 
+def _short(config: PlanConfig) -> str:
+    v = f" v{config.chunks}" if config.chunks > 1 else ""
+    return f"t{config.tp} p{config.pp} b{config.microbatch_size}{v}"
+
+
 def published_part(rows: tuple[PublishedRow, ...] = ROWS, *, search: bool = True) -> list[str]:
     """The side-by-side table, then whether each target is met."""
     lines = ["Narayanan et al. 2021 (Megatron-LM, SC'21), Table 1, on a100-80g; model FLOPs "
              "with recomputation", "",
-             "| model | GPUs | batch | paper t,p | paper TFLOP/s | planner TFLOP/s on t,p | "
-             "ratio | planner's pick (same space) | paper's t,p vs pick | search CPU s |",
-             "|---|---:|---:|---|---:|---:|---:|---|---:|---:|"]
+             "| model | GPUs | batch | paper's run | paper TFLOP/s | planner on it | ratio | "
+             "planner's best on paper's t,p | planner's pick (same space) | "
+             "paper's t,p vs pick | search CPU s |",
+             "|---|---:|---:|---|---:|---:|---:|---|---|---:|---:|"]
     ratios, close = [], 0
     for row in rows:
         out = run_row(row, search=search)
@@ -123,17 +204,19 @@ def published_part(rows: tuple[PublishedRow, ...] = ROWS, *, search: bool = True
         if pick is not None:
             gap = own.step_seconds / pick.step_seconds - 1  # type: ignore[attr-defined]
             close += gap <= 0.03
-            pick_text = f"{pick.config.label()}"  # type: ignore[attr-defined]
+            pick_text = _short(pick.config)  # type: ignore[attr-defined]
             gap_text = f"{gap:+.1%}"
             cpu = f"{out['search_cpu']:.1f}"
         else:
             pick_text, gap_text, cpu = str(out.get("error", "-")), "-", "-"
-        lines.append(f"| {row.billions}B | {row.gpus} | {row.batch} | t{row.tp} p{row.pp} | "
-                     f"{row.tflops:.0f} | {out['tflops']:.1f} | {ratio:.3f} | {pick_text} | "
+        lines.append(f"| {row.billions}B | {row.gpus} | {row.batch} | {_short(row.config())} | "
+                     f"{row.tflops:.0f} | {out['tflops']:.1f} | {ratio:.3f} | "
+                     f"{_short(own.config)} | {pick_text} | "  # type: ignore[attr-defined]
                      f"{gap_text} | {cpu} |")
     worst = max(abs(r - 1) for r in ratios)
-    lines += ["", f"TFLOP/s ratio planner/paper: {min(ratios):.3f} to {max(ratios):.3f} -> "
-                  f"{'met' if worst <= 0.10 else 'NOT met'} (target within 10% on every row)"]
+    lines += ["", f"TFLOP/s ratio planner/paper on the paper's runs: {min(ratios):.3f} to "
+                  f"{max(ratios):.3f} -> {'met' if worst <= 0.10 else 'NOT met'} (target "
+                  f"within 10% on every row)"]
     if search:
         lines.append(f"paper's (t, p) within 3% of the pick: {close} of {len(rows)} rows -> "
                      f"{'met' if close >= 8 else 'NOT met'} (target >= 8 of 10)")

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BAR_HEIGHT",
     "IDLE_LABEL",
+    "REDUCE_LABEL",
     "Margins",
     "draw_timeline",
     "idle_gaps",
@@ -52,6 +53,10 @@ IDLE_LABEL = "idle"
 _MAX_LABELS = 4000
 """Beyond this many fitting labels the text is dropped: unreadable, and slow to draw."""
 _COMM_HEIGHT = 0.14
+REDUCE_LABEL = "reduce"
+"""Label of the bar container holding a simulated gradient reduction's buckets."""
+_REDUCE_COLOUR = "#8e44ad"
+_REDUCE_CODE = KIND_CODES[Kind.REDUCE_GRAD]
 _ORDER = (Kind.F, Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)
 
 
@@ -90,9 +95,12 @@ def idle_gaps(timeline: Timeline) -> list[tuple[np.ndarray, np.ndarray]]:
 def timeline_title(timeline: Timeline, result: Figures, axis: TimeAxis) -> str:
     """Schedule, p, m, v, makespan, bubble rate and idle fraction on one line."""
     m = timeline.num_microbatches or (int(timeline.microbatch.max()) + 1 if len(timeline) else 0)
+    step = "" if result.step is None else \
+        f"   step with reduction {result.step * axis.scale:.4g} {axis.unit}"
     return (f"{timeline.name or 'timeline'}   p={timeline.num_ranks}  m={m}  "
             f"v={timeline.chunks}   makespan {result.makespan * axis.scale:.4g} {axis.unit}   "
-            f"bubble rate {result.bubble_rate:.1%}   idle fraction {result.idle_fraction:.1%}")
+            f"bubble rate {result.bubble_rate:.1%}   idle fraction {result.idle_fraction:.1%}"
+            f"{step}")
 
 
 def _bar_colours(timeline: Timeline, select: np.ndarray, kind: Kind) -> np.ndarray:
@@ -157,6 +165,8 @@ def draw_timeline(ax: Axes, timeline: Timeline, axis: TimeAxis, *, width_inches:
         _draw_labels(ax, left, width, timeline.rank[select], timeline.microbatch[select],
                      colours, points_per_unit, row_points)
 
+    if timeline.reduction_ends:
+        _draw_reduction(ax, timeline, axis)
     if show_comm:
         _draw_comm(ax, timeline, axis)
 
@@ -174,11 +184,25 @@ def draw_timeline(ax: Axes, timeline: Timeline, axis: TimeAxis, *, width_inches:
         ax.spines[side].set_visible(False)
 
 
+def _draw_reduction(ax: Axes, timeline: Timeline, axis: TimeAxis) -> None:
+    """A simulated gradient reduction: its buckets as a band along the top of each row (the
+    rank's communication lane, under and after its compute)."""
+    select = timeline.kind == _REDUCE_CODE
+    if select.any():
+        add_bars(ax, timeline.rank[select] - BAR_HEIGHT / 2 - _COMM_HEIGHT / 2,
+                 axis.to_axis(timeline.start[select]),
+                 (timeline.end[select] - timeline.start[select]) * axis.scale,
+                 _COMM_HEIGHT * 1.4, REDUCE_LABEL, facecolors=_REDUCE_COLOUR,
+                 edgecolors="white", linewidths=0.4, alpha=0.9, zorder=5)
+
+
 def _draw_comm(ax: Axes, timeline: Timeline, axis: TimeAxis) -> None:
     """Communication (and other non-compute ops) as thin marks along the bottom of each row."""
     comm_codes = [KIND_CODES[k] for k in COMM_KINDS]
     is_comm = np.isin(timeline.kind, comm_codes)
     other = ~is_comm & ~timeline.compute_mask()
+    if timeline.reduction_ends:  # drawn on their own lane
+        other &= timeline.kind != _REDUCE_CODE
     for select, label, colour in ((is_comm, "comm", COMM_COLOUR), (other, "other", "#8e44ad")):
         if select.any():
             add_bars(ax, timeline.rank[select] + BAR_HEIGHT / 2 - _COMM_HEIGHT / 2,
@@ -207,6 +231,9 @@ def legend_handles(timeline: Timeline, show_comm: bool = False) -> list[Artist]:
                          label="idle (bubble)"))
     if show_comm and present & COMM_KINDS:
         handles.append(Patch(facecolor=COMM_COLOUR, label="comm"))
+    if timeline.reduction_ends and Kind.REDUCE_GRAD in present:
+        handles.append(Patch(facecolor=_REDUCE_COLOUR, label="gradient reduction (bucket)"))
+        present = present - {Kind.REDUCE_GRAD}
     if show_comm and present - COMM_KINDS - COMPUTE_KINDS:
         handles.append(Patch(facecolor="#8e44ad", label="other"))
     return handles

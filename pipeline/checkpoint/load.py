@@ -66,6 +66,8 @@ def load_checkpoint(path: str, parts: CheckpointParts, *,
     torn, corrupt or mismatched checkpoint with `CheckpointError` before changing anything.
     The caller takes the step counter from the returned info."""
     path = os.fspath(path)
+    if isinstance(parts.optimizer, ShardedOptimizer):
+        parts.optimizer.finish_param_gather()  # a gather in flight would overwrite the load
     prepared: _Prepared | None = None
     problem: CheckpointError | None = None
     try:

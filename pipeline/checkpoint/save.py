@@ -230,6 +230,8 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
         raise CheckpointError(f"checkpoint directory must be a non-empty path, got {root!r}",
                               path=str(root))
     root = os.fspath(root)
+    if isinstance(parts.optimizer, ShardedOptimizer):
+        parts.optimizer.finish_param_gather()  # the weights written are the updated ones
     final_name = step_name(parts.step)
     token = _all_gather(secrets.token_hex(4) if parts.rank == 0 else None)[0]
     staging = os.path.join(root, f"{final_name}.partial-{token}")

@@ -1,20 +1,21 @@
 """ZeRO-1 optimizer state to and from per-parameter pieces, so any dp size can load it.
 
-Legend (as in `pipeline.parallel.zero`): d data-parallel size, r this rank's index in the dp group,
-a region = one flat buffer of parameters laid end to end at `offsets`, padded to d·S with
-S = ceil(N / d); rank r's master shard and optimizer state cover elements [r·S, (r+1)·S).
+Legend (as in `pipeline.parallel.zero_layout`): d data-parallel size, r this rank's index in the
+dp group, a region = one flat buffer of parameters laid end to end at `offsets`, cut into k
+buckets of d·s elements; rank r's (k, s) master shard and optimizer state cover the r-th d-th
+of every bucket.
 
-Written against `ShardedOptimizer`'s public surface only (`optimizer`, `dp_size`,
-`dp_rank`) and its documented layout, recomputed here from the same `params_by_stage`
-the optimizer was built with. The layout is checked against the live object (master sizes,
-each parameter's offset in its flat buffer) so a change in `pipeline.parallel.zero` fails loudly
-instead of scrambling the state. A saved piece is the overlap of one parameter's element
-range with this rank's shard; loading under another d re-slices those pieces.
+Written against `ShardedOptimizer`'s public surface (`optimizer`, `dp_rank`, `layouts`); the
+regions' parameters are recomputed here from the same `params_by_stage` the optimizer was built
+with, and checked against the live object (master shapes, each parameter's offset in its flat
+buffer) so a change in `pipeline.parallel.zero` fails loudly instead of scrambling the state. A
+saved piece is the overlap of one parameter's element range with one bucket's piece of this
+rank's shard; loading under another d (or from a checkpoint cut by the earlier one-range-per-
+rank layout: the pieces do not depend on the layout) re-slices those pieces.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,23 +26,28 @@ from torch import nn
 from pipeline.checkpoint.optimizer_state import Assembled, ParamKey, make_piece
 from pipeline.errors import CheckpointError
 from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.parallel.zero_layout import ShardLayout
 
 __all__ = ["ZeroRegion", "export_zero", "import_zero", "wanted_ranges", "zero_layout"]
 
 
 @dataclass(frozen=True)
 class ZeroRegion:
-    """One flat buffer: its parameters (key, parameter, offset) and shard size S."""
+    """One flat buffer: its parameters (key, parameter, offset) and its `ShardLayout`."""
 
     params: tuple[tuple[ParamKey, nn.Parameter, int], ...]
-    shard_size: int
+    layout: ShardLayout
+
+
+_Overlap = tuple[ParamKey, nn.Parameter, slice, int, slice]
+"""(key, parameter, a range of its elements, bucket b, the same range in row b of the shard)."""
 
 
 def zero_layout(sharded: ShardedOptimizer,
                 params_by_stage: Mapping[int, Sequence[nn.Parameter]],
                 keys: Mapping[int, ParamKey]) -> list[ZeroRegion]:
     """The regions `ShardedOptimizer` builds from `params_by_stage`, checked against it."""
-    regions, seen = [], set()
+    entries_by_stage, seen = {}, set()
     for stage in sorted(params_by_stage):  # the construction order of `ShardedOptimizer`
         entries, offset = [], 0
         for param in params_by_stage[stage]:
@@ -50,11 +56,19 @@ def zero_layout(sharded: ShardedOptimizer,
                 entries.append((keys[id(param)], param, offset))
                 offset += param.numel()
         if entries:
-            regions.append(ZeroRegion(tuple(entries), math.ceil(offset / sharded.dp_size)))
-    masters = _masters(sharded)
-    sizes = [region.shard_size for region in regions]
-    problems = [] if [m.numel() for m in masters] == sizes else [
-        f"its master shards have {[m.numel() for m in masters]} elements, the layout {sizes}"]
+            entries_by_stage[stage] = (tuple(entries), offset)
+    layouts = sharded.layouts()
+    problems = [] if sorted(layouts) == sorted(entries_by_stage) else [
+        f"its regions are {sorted(layouts)}, the layout's {sorted(entries_by_stage)}"]
+    regions = [ZeroRegion(entries, layouts[stage])
+               for stage, (entries, _) in entries_by_stage.items() if stage in layouts]
+    masters = [tuple(m.shape) for m in _masters(sharded)]
+    shapes = [(r.layout.num_buckets, r.layout.piece) for r in regions]
+    problems += [] if masters == shapes else [
+        f"its master shards have shapes {masters}, the layout {shapes}"]
+    problems += [f"stage {stage} holds {numel} elements, its layout {layouts[stage].numel}"
+                 for stage, (_, numel) in entries_by_stage.items()
+                 if stage in layouts and layouts[stage].numel != numel]
     for region in regions:
         base = region.params[0][1].storage_offset()
         problems += [f"layer {key[0]} {key[1]!r} sits at {param.storage_offset() - base}, "
@@ -73,40 +87,39 @@ def _masters(sharded: ShardedOptimizer) -> list[torch.Tensor]:
     return [p for group in sharded.optimizer.param_groups for p in group["params"]]
 
 
-def _overlaps(region: ZeroRegion, dp_rank: int
-              ) -> list[tuple[ParamKey, nn.Parameter, slice, slice]]:
-    """(key, parameter, its element range, the master's range) where the shard meets it."""
-    first, last = dp_rank * region.shard_size, (dp_rank + 1) * region.shard_size
-    result = []
-    for key, param, offset in region.params:
-        lo, hi = max(first, offset), min(last, offset + param.numel())
-        if lo < hi:
-            result.append((key, param, slice(lo - offset, hi - offset), slice(lo - first,
-                                                                              hi - first)))
-    return result
+def _overlaps(region: ZeroRegion, dp_rank: int) -> list[_Overlap]:
+    """Where this rank's shard meets each parameter, one entry per bucket it meets."""
+    return [(key, param, own, b, row) for key, param, offset in region.params
+            for b, own, row in region.layout.overlaps(offset, param.numel(), dp_rank)]
 
 
 def export_zero(sharded: ShardedOptimizer, regions: Sequence[ZeroRegion]) -> list[dict[str, Any]]:
-    """This rank's pieces: per parameter its shard range, master values and state."""
+    """This rank's pieces: per parameter and bucket its shard range, master values and state."""
+    sharded.finish_param_gather()
     pieces = []
     for region, master in zip(regions, _masters(sharded)):
         state = sharded.optimizer.state.get(master, {})
         per_element = {n: v for n, v in state.items()
-                       if isinstance(v, torch.Tensor) and v.numel() == master.numel()
+                       if isinstance(v, torch.Tensor) and v.shape == master.shape
                        and v.dim() > 0}
         whole = {n: v for n, v in state.items() if n not in per_element}
-        for key, param, own, shard in _overlaps(region, sharded.dp_rank):
+        for key, param, own, b, row in _overlaps(region, sharded.dp_rank):
             pieces.append(make_piece(key, param.shape, own.start, own.stop,
-                                     {n: v.reshape(-1)[shard] for n, v in per_element.items()},
-                                     whole, master=master.detach().reshape(-1)[shard]))
+                                     {n: v[b, row] for n, v in per_element.items()},
+                                     whole, master=master.detach()[b, row]))
     return pieces
 
 
 def wanted_ranges(sharded: ShardedOptimizer, regions: Sequence[ZeroRegion]
                   ) -> dict[ParamKey, tuple[int, int]]:
-    """Per parameter, the element range this rank's shard needs."""
-    return {key: (own.start, own.stop) for region in regions
-            for key, _, own, _ in _overlaps(region, sharded.dp_rank)}
+    """Per parameter, the element range spanning what this rank's shard needs of it (its
+    pieces in several buckets are cut from that range on import)."""
+    spans: dict[ParamKey, tuple[int, int]] = {}
+    for region in regions:
+        for key, _, own, _, _ in _overlaps(region, sharded.dp_rank):
+            lo, hi = spans.get(key, (own.start, own.stop))
+            spans[key] = (min(lo, own.start), max(hi, own.stop))
+    return spans
 
 
 def import_zero(sharded: ShardedOptimizer, regions: Sequence[ZeroRegion],
@@ -117,24 +130,28 @@ def import_zero(sharded: ShardedOptimizer, regions: Sequence[ZeroRegion],
     Parameters must hold the checkpoint's weights already: a master range the pieces do not
     carry (a checkpoint from a plain optimizer) is taken from them in fp32.
     """
+    sharded.finish_param_gather()
     loaded: dict[int, dict[str, Any]] = {}
     for index, (region, master) in enumerate(zip(regions, _masters(sharded))):
         values: dict[str, torch.Tensor] = {}
         whole: dict[str, Any] = {}
-        for key, param, own, shard in _overlaps(region, sharded.dp_rank):
+        for key, param, own, b, row in _overlaps(region, sharded.dp_rank):
             entry = state.get(key)
-            source = None if entry is None else entry.master
+            mine = own if entry is None else slice(own.start - entry.start,
+                                                   own.stop - entry.start)
+            source = None if entry is None or entry.master is None else entry.master[mine]
             with torch.no_grad():
-                master.reshape(-1)[shard] = (param.detach().reshape(-1)[own] if source is None
-                                             else source).to(master.dtype)
+                master[b, row] = (param.detach().reshape(-1)[own] if source is None
+                                  else source).to(master.dtype)
             if entry is None:
                 continue
             for name, flat in entry.sliced.items():
-                values.setdefault(name, torch.zeros(master.numel(), dtype=flat.dtype))[shard] = flat
+                values.setdefault(name, torch.zeros(master.shape, dtype=flat.dtype))[b, row] \
+                    = flat[mine]
             for name, value in entry.whole.items():
                 whole.setdefault(name, value)
         if values or whole:
-            loaded[index] = {**{n: v.reshape(master.shape) for n, v in values.items()}, **whole}
+            loaded[index] = {**values, **whole}
     groups = sharded.optimizer.state_dict()["param_groups"]
     if hyper and len(hyper) == len(groups):
         groups = [{**saved, "params": group["params"]} for saved, group in zip(hyper, groups)]

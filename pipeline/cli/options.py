@@ -5,12 +5,17 @@ from __future__ import annotations
 import argparse
 import math
 
-from schedules import SCHEDULES, CostModel
+from schedules import SCHEDULES, CostModel, GradReduction
+from schedules.analysis.reduction import ring_reduction_time
 from schedules.ir.limits import MAX_COST, check_schedule_size
 
-__all__ = ["MAX_SEARCHED_WORK", "add_cost_arguments", "add_schedule_arguments", "check_size",
-           "chunks_of", "cost_model", "cost_number", "non_negative_float", "positive_float",
-           "positive_int", "timeout_seconds"]
+__all__ = ["BUCKET_BYTES", "MAX_SEARCHED_WORK", "add_cost_arguments", "add_reduction_arguments",
+           "add_schedule_arguments", "check_size", "chunks_of", "cost_model", "cost_number",
+           "grad_reduction", "non_negative_float", "positive_float", "positive_int",
+           "timeout_seconds"]
+
+BUCKET_BYTES = 25 * 2**20
+"""The engine's default gradient bucket (`ParallelConfig.bucket_mb`, DDP's 25 MiB)."""
 
 
 def positive_int(text: str) -> int:
@@ -114,6 +119,50 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--overlap", type=non_negative_float, default=1.0, metavar="FRACTION",
                        help="time of an overlapped F&B pair (dualpipev-overlap) as a fraction "
                             "of F + B back to back (default 1: no gain)")
+
+
+def add_reduction_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data-parallel gradient reduction (off unless --reduce-time or --reduce-bandwidth
+    is given); its d and ZeRO stage are --data-parallel and --zero-stage."""
+    group = parser.add_argument_group(
+        "data-parallel gradient reduction (simulated when --reduce-time or --reduce-bandwidth "
+        "is given; d and ZeRO-1 from --data-parallel and --zero-stage)")
+    group.add_argument("--reduce-time", type=cost_number, default=None, metavar="TR",
+                       help="time of one rank's whole gradient reduction (its all-reduce; "
+                            "ZeRO-1: its reduce-scatter); with v chunks each chunk's is TR/v")
+    group.add_argument("--reduce-bandwidth", type=positive_float, default=None, metavar="BW",
+                       help="instead of --reduce-time: bytes per time unit of a ring over "
+                            "--data-parallel ranks, reducing --params-bytes per stage")
+    group.add_argument("--reduce-buckets", type=positive_int, default=None, metavar="K",
+                       help="buckets per stage (default: --params-bytes in the engine's 25 MiB "
+                            "buckets, else 1)")
+    group.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce",
+                       action="store_false",
+                       help="launch each stage's reduction at its REDUCE_GRAD, after its last "
+                            "backward (default: from the gradient hooks of that backward, as "
+                            "each bucket becomes final)")
+
+
+def grad_reduction(args: argparse.Namespace, chunks: int = 1) -> GradReduction | None:
+    """The `GradReduction` the reduction arguments describe (None when not asked for)."""
+    time, bandwidth = args.reduce_time, args.reduce_bandwidth
+    if time is None and bandwidth is None:
+        return None
+    params = getattr(args, "params_bytes", None)
+    if time is not None and bandwidth is not None:
+        raise ValueError("give --reduce-time or --reduce-bandwidth, not both")
+    if bandwidth is not None:
+        if params is None:
+            raise ValueError("--reduce-bandwidth reduces --params-bytes per stage: give "
+                             "--params-bytes too (or --reduce-time)")
+        time = ring_reduction_time(params, args.data_parallel, bandwidth,
+                                   zero_stage=args.zero_stage)
+    else:
+        time = time / chunks
+    buckets = args.reduce_buckets or (max(1, math.ceil(params / BUCKET_BYTES))
+                                      if params else 1)
+    return GradReduction(time=time, buckets=buckets,
+                         start="overlap" if args.overlap_grad_reduce else "after_backward")
 
 
 MAX_SEARCHED_WORK = 16_384

@@ -163,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
     # this run measured.
     host = measure_host_costs(report.timeline, nominal)
     machine = with_host_costs(nominal, host, schedule, report.link)
+    # the data-parallel reduction, each stage's as long as it took alone (none when d = 1)
+    machine = dataclasses.replace(machine,
+                                  reduction=spec.grad_reduction(report.reduction_seconds))
     saved = spec.memory_model().saved
     saved_bytes = tuple(saved) if not isinstance(saved, float | int) else ()
     timelines = [_for_plot(simulate(schedule, nominal), "simulated", saved_bytes),
@@ -185,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
         "memory": {"predicted": [m.to_dict() for m in predicted],
                    "measured": [m.to_dict() for m in report.memory]},
     }
+    if results[1].step is not None:
+        summary["exposed_reduction"] = {"measured": report.exposed_reduction,
+                                        "simulated": list(results[1].exposed_reduction)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.json:
         print(json.dumps(summary))
@@ -198,6 +204,11 @@ def run(args: argparse.Namespace) -> int:
               f"{report.link.latency * 1e6:.0f} µs;  host work {host.mean() * 1e6:.0f} µs "
               "per compute op (mean over kinds and stages)\n")
         print(format_memory(predicted, report.memory))
+        if results[1].step is not None:
+            print("\nexposed gradient reduction per rank, ms (measured / simulated with each "
+                  "stage's reduction timed alone): " + ",  ".join(
+                      f"{m * 1e3:.2f} / {s * 1e3:.2f}" for m, s in
+                      zip(report.exposed_reduction, results[1].exposed_reduction)))
     for name in ("rehearsal.png", "trace.json", "summary.json"):
         print(f"pipesched rehearse: wrote {out / name}", file=sys.stderr)
     return 0

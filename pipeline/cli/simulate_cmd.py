@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -10,10 +11,12 @@ from typing import Any
 
 from pipeline.cli.options import (
     add_cost_arguments,
+    add_reduction_arguments,
     add_schedule_arguments,
     check_size,
     chunks_of,
     cost_model,
+    grad_reduction,
     non_negative_float,
     positive_int,
 )
@@ -34,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     add_cost_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_memory_arguments(parser)
+    add_reduction_arguments(parser)
     add_output_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -83,9 +87,14 @@ def format_figures(name: str, p: int, m: int, v: int, result: Figures) -> str:
         "",
         f"{'rank':>4}  {'busy':>10}  {'peak activations':>16}  {'peak bytes':>12}",
     ]
+    if result.step is not None:  # a simulated gradient reduction: its column and the step
+        lines[1] += f"   step {result.step:.3f} (with the gradient reduction)"
+        lines[-1] += f"  {'exposed reduction':>17}"
     for rank, (busy, peak, peak_bytes) in enumerate(zip(result.busy, result.peak_activations,
                                                         result.peak_activation_bytes)):
         lines.append(f"{rank:>4}  {busy:>10.3f}  {peak:>16}  {peak_bytes:>12.0f}")
+        if result.step is not None:
+            lines[-1] += f"  {result.exposed_reduction[rank]:>17.3f}"
     return "\n".join(lines)
 
 
@@ -108,9 +117,10 @@ def write_outputs(args: argparse.Namespace, timeline: Timeline) -> None:
 def run(args: argparse.Namespace) -> int:
     check_size(args.schedule, args, args.chunks)
     costs = cost_model(args, chunks_of(args))
+    reduction = grad_reduction(args, chunks_of(args))
     schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks,
                               memory_limit=args.memory_limit, costs=costs)
-    timeline = simulate(schedule, costs)
+    timeline = simulate(schedule, dataclasses.replace(costs, reduction=reduction))
     result = figures(timeline)
     memory = None
     if args.params_bytes is not None:

@@ -81,6 +81,15 @@ def _half_parameters_problem(value: object, precision: object, zero_stage: objec
     return None
 
 
+def _overlap_param_gather_problem(value: object, zero_stage: object) -> str | None:
+    if not isinstance(value, bool):
+        return f"overlap_param_gather must be True or False, got {value!r}"
+    if value and zero_stage != ZeroStage.OPTIMIZER_STATE:
+        return ("overlap_param_gather=True overlaps ZeRO-1's parameter all-gather: set "
+                "zero_stage=1, or drop it (without ZeRO-1 nothing is gathered)")
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How the engine trains beyond the pipeline itself. Every field is checked here, once,
@@ -108,6 +117,14 @@ class ParallelConfig:
     """Launch each gradient bucket's reduction (dp all-reduce, or ZeRO-1's reduce-scatter)
     from the gradient hooks of a stage's last backward as soon as the bucket is final (DDP,
     Megatron's `overlap_grad_reduce`), not after that backward at REDUCE_GRAD."""
+    overlap_param_gather: bool = False
+    """ZeRO-1: leave each bucket's parameter all-gather after the step in flight and let the
+    next step's forward of a layer wait only for the buckets holding its parameters
+    (Megatron's `overlap_param_gather`), instead of gathering everything at STEP. Off by
+    default, as in Megatron: between steps the parameters then hold the previous values on
+    the pieces other ranks own until the next forward or `PipelineEngine.finish_param_gather`
+    (the engine's checkpoints and forwards complete the gathers themselves; a caller reading
+    `module.parameters()` directly must call it)."""
     gradient_clipping: float | None = None
     """Clip gradients to this global norm over every rank (None: no clipping)."""
     bucket_mb: float = DEFAULT_BUCKET_MB
@@ -133,6 +150,7 @@ class ParallelConfig:
             _half_parameters_problem(self.half_parameters, self.precision, self.zero_stage),
             None if isinstance(self.overlap_grad_reduce, bool) else
             f"overlap_grad_reduce must be True or False, got {self.overlap_grad_reduce!r}",
+            _overlap_param_gather_problem(self.overlap_param_gather, self.zero_stage),
         ]
         zero = _zero_stage_problem(self.zero_stage)
         found = [problem for problem in (*problems, zero) if problem is not None]

@@ -23,11 +23,11 @@ from pipeline.planner.memory import (
 from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import allreduce_seconds, layer_times
 from pipeline.planner.profile import ModelProfile
-from pipeline.planner.stages import StageTable
+from pipeline.planner.stages import StageTable, uniform_boundaries
 from schedules import (
-    KINDS,
     SCHEDULES,
     CostModel,
+    GradReduction,
     Kind,
     Schedule,
     generate_schedule,
@@ -48,7 +48,6 @@ _KEPT_OPS = 400_000
 """Instructions of the schedules a search keeps beyond the last `_KEPT_SCHEDULES`."""
 RECOMPUTE_MODES = ("none", "selective", "full")
 _RECOMPUTE_TAGS = {"none": "", "selective": " rs", "full": " rc"}
-_BACKWARD_KINDS = np.array([KINDS.index(k) for k in (Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)])
 
 
 @dataclass(frozen=True, order=True, kw_only=True)
@@ -134,8 +133,8 @@ class Prediction:
     memory_rank: int
     breakdown: dict[str, float]
     """Seconds of the step by cause on the pipeline rank that finishes last: compute,
-    recomputation, tp_comm, bubble (idle, P2P waits included), dp_comm (exposed),
-    optimizer. They sum to `step_seconds`."""
+    recomputation, tp_comm, bubble (idle and P2P waits; with `blocking_p2p` also the
+    blocking messages), dp_comm (exposed), optimizer. They sum to `step_seconds`."""
     boundaries: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,6 +161,25 @@ class PlanContext:
     """The data-parallel reduction overlaps the last backward (the engine's gradient hooks,
     Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
     drained, as Megatron-LM did in 2021 (Narayanan et al.: all-reduce after the flush)."""
+    overlap_grad_reduce_unpipelined: bool = False
+    """With `overlap_grad_reduce` False, still overlap the reduction where pp = 1: Megatron-LM
+    2021 ran torch's DistributedDataParallel without a pipeline (its hooks reduce buckets
+    during the last microbatch's backward) and its own reduction after the flush with one
+    (the SC'21 scripts: `--DDP-impl torch` at p = 1, `local` above)."""
+    uniform_layers: bool = False
+    """Stages split as Megatron-LM splits them (`stages.uniform_boundaries`: the blocks
+    evenly, the embedding on the first stage, the head and loss on the last) instead of by
+    the exact partitioner's balance of their costs."""
+    blocking_p2p: bool = False
+    """Point-to-point messages hold both ranks: each F (B) that sends its output (input
+    gradient) to another rank lasts until the message is through, and the receiver's op
+    first all-gathers the 1/t pieces over NVLink. Megatron-LM 2021 waits on every
+    `batch_isend_irecv` and then calls `torch.cuda.synchronize()` (`p2p_communication.py`);
+    False: messages overlap compute, only delaying their receiver."""
+    grad_reduce_bytes: float = GRAD_BYTES
+    """Bytes per gradient element in the data-parallel reduction: 4 (fp32, this engine's
+    gradients); 2 for Megatron-LM 2021's fp16 runs, which all-reduce the fp16 gradients
+    (its default, without --accumulate-allreduce-grads-in-fp32)."""
     _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
     _partitions: dict[tuple[int, int, bool], tuple[int, ...]] = field(default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
@@ -172,7 +190,6 @@ class PlanContext:
     building them; False: from every schedule's trace (for tests)."""
     _traces: dict[tuple[str, int, int, int], HeldTrace | PeakCounts | None] = field(
         default_factory=dict)
-    _runs: dict[PlanConfig, tuple[np.ndarray, ...] | None] = field(default_factory=dict)
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _updates: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict)
@@ -186,10 +203,17 @@ class PlanContext:
             # recomputation are not priced per layer here (a partial one depends on the cuts
             # themselves): the other modes share one partition
             again = config.recompute == "full" and not config.recompute_layers
-            self._tables[key] = StageTable.build(self.model.layers,
-                                                 self._cuts(key[0], config.tp, again),
-                                                 self.cluster, self.precision, config.tp,
-                                                 config.recompute, config.recompute_layers)
+            if self.uniform_layers:
+                uniform = uniform_boundaries(self.model.layers, key[0])
+                if uniform is None:
+                    raise PlanError(f"{config.label()}: {key[0]} stages do not divide the "
+                                    f"model's blocks evenly (uniform_layers)")
+                cuts: tuple[int, ...] = uniform
+            else:
+                cuts = self._cuts(key[0], config.tp, again)
+            self._tables[key] = StageTable.build(self.model.layers, cuts, self.cluster,
+                                                 self.precision, config.tp, config.recompute,
+                                                 config.recompute_layers)
         return self._tables[key]
 
     def _cuts(self, stages: int, tp: int, again: bool) -> tuple[int, ...]:
@@ -328,23 +352,44 @@ class PlanContext:
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
-        """Simulate the schedule on the stage costs, then add the data-parallel reduction
-        (per stage, from its last backward on, serial on the rank: the engine's
-        REDUCE_GRAD overlaps the rank's remaining compute) and the optimizer step.
+        """Simulate the schedule on the stage costs with the data-parallel reduction on each
+        rank's communication lane (`_reduction`), then add the optimizer step.
         None when the schedule refuses the configuration."""
         table = self.table(config)
-        run = self._simulated(config)
-        if run is None:
+        if is_cost_aware(config.schedule):
+            split = True  # planned on the costs, and they all split the backward
+        else:
+            plain = self.schedule(config)
+            if plain is None:
+                return None
+            split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
+        costs = table.costs(config.microbatch_size, split)
+        p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
+        # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
+        # over NVLink (Narayanan et al. 2021, section 4.1)
+        boundary = costs.boundary_bytes / config.tp
+        if self.blocking_p2p:
+            forward, input_grad = self._blocking_p2p(config, costs.forward, costs.input_grad,
+                                                     costs.boundary_bytes)
+            model = CostModel(forward=forward.tolist(), backward=input_grad.tolist(),
+                              weight=costs.weight_grad.tolist())
+        else:
+            model = CostModel(forward=costs.forward.tolist(),
+                              backward=costs.input_grad.tolist(),
+                              weight=costs.weight_grad.tolist(), comm=p2p_latency,
+                              activation_bytes=boundary.tolist(), bandwidth=p2p_bandwidth)
+        schedule = self.schedule(config, model)
+        if schedule is None:
             return None
-        costs, rank_end, stage_done, last_start = run
+        timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table)))
         placement = np.asarray(_placement(config))
         step, gather = self.update_seconds(config)
-        if not self.overlap_grad_reduce:  # nothing starts before the rank's last op
-            last_start = np.maximum(last_start, rank_end[placement])
-            stage_done = np.maximum(stage_done, rank_end[placement])
-        reduce_end = np.array([self._reduction_end(config, table.params, placement == rank,
-                                                   last_start, stage_done)
-                               for rank in range(config.pp)])
+        compute = timeline.compute_mask()
+        rank_end = np.zeros(config.pp)
+        np.maximum.at(rank_end, timeline.rank[compute], timeline.end[compute])
+        reduce_end = np.zeros(config.pp)
+        if timeline.reduction_ends:
+            reduce_end = np.asarray(timeline.reduction_ends, dtype=np.float64)
         finish = np.maximum(rank_end, reduce_end) + step + gather
         total = float(finish.max())
         # the breakdown of the rank that finishes last: its parts sum to the step
@@ -365,67 +410,48 @@ class PlanContext:
         return Prediction(config, total, tokens / total, model_flops / total / devices,
                           memory[0], memory[1], breakdown, table.boundaries)
 
-    def _simulated(self, config: PlanConfig) -> tuple[Any, ...] | None:
-        """The simulated step of `config`'s schedule (None: it refuses them): the stage
-        costs, each rank's end and each stage's last backward's start and end. Shared by
-        the configurations that differ only in their ZeRO stage (same schedule, same
-        costs), kept as per-rank and per-stage arrays, not timelines."""
-        key = replace(config, zero_stage=0)
-        if key not in self._runs:
-            self._runs[key] = self._simulate(config)
-        return self._runs[key]
+    def _blocking_p2p(self, config: PlanConfig, forward: np.ndarray, input_grad: np.ndarray,
+                      boundary_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and input-gradient seconds per stage with blocking messages in them.
 
-    def _simulate(self, config: PlanConfig) -> tuple[Any, ...] | None:
-        table = self.table(config)
-        if is_cost_aware(config.schedule):
-            split = True  # planned on the costs, and they all split the backward
-        else:
-            plain = self.schedule(config)
-            if plain is None:
-                return None
-            split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
-        costs = table.costs(config.microbatch_size, split)
-        p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
-        # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
-        # over NVLink (Narayanan et al. 2021, section 4.1)
-        boundary = costs.boundary_bytes / config.tp
-        model = CostModel(forward=costs.forward.tolist(), backward=costs.input_grad.tolist(),
-                          weight=costs.weight_grad.tolist(), comm=p2p_latency,
-                          activation_bytes=boundary.tolist(), bandwidth=p2p_bandwidth)
-        schedule = self.schedule(config, model)
-        if schedule is None:
+        Legend: stage s sends its output to s + 1 after F and receives the gradient of that
+        output before B; a message crosses ranks where the two stages' ranks differ. Each
+        of the t tensor-parallel ranks sends 1/t of the bytes over its own link (scatter),
+        the receivers all-gather the pieces over NVLink (gather). Blocking: the sender's op
+        ends when its message is through (α + n/(tβ)); the receiver's op begins with the
+        all-gather. The dependency itself then adds no delay: its cost is in the ops."""
+        placement = np.asarray(_placement(config))
+        crosses = placement[:-1] != placement[1:]  # between stage s and s + 1
+        bandwidth, latency = self.cluster.link(config.pp * config.dp * config.tp)
+        message = np.where(crosses, latency + boundary_bytes[:-1] / config.tp / bandwidth, 0.0)
+        intra_bandwidth, intra_latency = self.cluster.link(config.tp)
+        t = config.tp  # a ring all-gather: (t-1)/t of the bytes in, t-1 hops
+        gather = np.where(crosses, (t - 1) / t * boundary_bytes[:-1] / intra_bandwidth
+                          + (t - 1) * intra_latency, 0.0)
+        forward, input_grad = forward.copy(), input_grad.copy()
+        forward[:-1] += message  # F of s sends its output to s + 1
+        forward[1:] += gather  # F of s + 1 gathers its input
+        input_grad[1:] += message  # B of s + 1 sends its input's gradient to s
+        input_grad[:-1] += gather  # B of s gathers its output's gradient
+        return forward, input_grad
+
+    def _reduction(self, config: PlanConfig, table: StageTable) -> GradReduction | None:
+        """Each stage's data-parallel reduction for the simulator, which places it on the
+        rank's timeline by the engine's rule (`schedules.analysis.reduction`: buckets launched
+        from the hooks of the stage's last fused backward as they become final, one after
+        another on one stream; only what cannot hide behind that backward is exposed).
+        ZeRO-1 reduce-scatters: half an all-reduce's traffic. Without overlap, everything
+        starts once the rank's pipeline has drained (Narayanan et al. 2021)."""
+        if config.dp == 1:
             return None
-        timeline = simulate(schedule, model)
-        stages = config.pp * config.chunks
-        rank_end = np.zeros(config.pp)
-        np.maximum.at(rank_end, timeline.rank, timeline.end)
-        backward = np.isin(timeline.kind, _BACKWARD_KINDS)
-        stage_done = np.zeros(stages)
-        np.maximum.at(stage_done, timeline.stage[backward], timeline.end[backward])
-        last_start = np.zeros(stages)
-        np.maximum.at(last_start, timeline.stage[backward], timeline.start[backward])
-        return costs, rank_end, stage_done, last_start
-
-    def _reduction_end(self, config: PlanConfig, params: np.ndarray, stages: np.ndarray,
-                       last_start: np.ndarray, stage_done: np.ndarray) -> float:
-        """When a rank's data-parallel gradient reduction ends. The engine launches a
-        bucket's reduction from the gradient hooks as soon as the last microbatch's backward
-        has filled it (Megatron's overlap_grad_reduce), one bucket after another on one
-        stream: of a stage's k buckets, ready evenly through its last backward [start, end],
-        each taking R/k, the last ends at max(start + L/k + R, end + R/k), L = end - start;
-        only what cannot hide behind that backward is exposed. ZeRO-1 reduce-scatters: half
-        an all-reduce's traffic."""
-        end = 0.0
-        for s in sorted(np.flatnonzero(stages), key=lambda s: stage_done[s]):
-            seconds = allreduce_seconds(params[s] * GRAD_BYTES, config.dp, config.tp,
-                                        self.cluster)
-            if config.zero_stage:
-                seconds /= 2
-            buckets = max(1, -(-int(params[s]) // BUCKET_PARAMETERS))
-            window = stage_done[s] - last_start[s]
-            end = max(end + seconds, last_start[s] + window / buckets + seconds,
-                      stage_done[s] + seconds / buckets)
-        return end
+        seconds = [allreduce_seconds(float(params) * self.grad_reduce_bytes, config.dp, config.tp,
+                                     self.cluster) / (2 if config.zero_stage else 1)
+                   for params in table.params]
+        buckets = [max(1, -(-int(params) // BUCKET_PARAMETERS)) for params in table.params]
+        overlap = self.overlap_grad_reduce or (self.overlap_grad_reduce_unpipelined
+                                               and config.pp == 1)
+        return GradReduction(time=seconds, buckets=buckets,
+                             start="overlap" if overlap else "after_flush")
 
 
 def is_cost_aware(name: str) -> bool:

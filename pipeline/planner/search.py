@@ -12,9 +12,10 @@ import numpy as np
 from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
-from pipeline.planner.memory import MemoryBreakdown
+from pipeline.planner.memory import GRAD_BYTES, MemoryBreakdown
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction, is_cost_aware
 from pipeline.planner.profile import ModelProfile
+from pipeline.planner.stages import block_span
 from schedules import SCHEDULES
 from schedules.ir.schedule import gc_paused
 
@@ -60,6 +61,23 @@ class SearchOptions:
     overlap_grad_reduce: bool = True
     """Price the data-parallel reduction overlapped with the last backward (the engine's
     hooks); False: after the pipeline drains (`PlanContext.overlap_grad_reduce`)."""
+    overlap_grad_reduce_unpipelined: bool = False
+    """With `overlap_grad_reduce` False, still overlap it where pp = 1
+    (`PlanContext.overlap_grad_reduce_unpipelined`: Megatron-LM 2021's torch DDP)."""
+    uniform_layers: bool = False
+    """Split as Megatron-LM does: the blocks evenly over the p·v stages (p·v must divide
+    them), the embedding on the first stage, the head and loss on the last; False: the
+    exact partitioner balances the stages' costs (this engine)."""
+    interleaved_groups: bool = False
+    """The interleaved schedule only where Megatron-LM 2021 runs it: p > 2 (`arguments.py`:
+    "pipeline-model-parallel size should be greater than 2 with interleaved schedule") and
+    m a multiple of p (`training.py`: "number of microbatches is not divisible by
+    pipeline-parallel size when using interleaved schedule")."""
+    blocking_p2p: bool = False
+    """Price point-to-point messages as blocking both ranks (`PlanContext.blocking_p2p`)."""
+    grad_reduce_bytes: float = GRAD_BYTES
+    """Bytes per gradient element in the data-parallel reduction
+    (`PlanContext.grad_reduce_bytes`; 2 for Megatron-LM 2021's fp16 all-reduce)."""
     top: int = 10
     """Configurations kept exactly ranked (the bound never skips one of them)."""
     prune: bool = True
@@ -99,6 +117,10 @@ class SearchOptions:
                 z not in (0, 1) or isinstance(z, bool) for z in self.zero_stages)):
             raise PlanError(f"zero_stages={self.zero_stages!r} must be 0 and/or 1 (ZeRO-2/3 "
                             f"would communicate every microbatch, refused with pipelines)")
+        if isinstance(self.grad_reduce_bytes, bool) or not isinstance(
+                self.grad_reduce_bytes, int | float) or not self.grad_reduce_bytes > 0:
+            raise PlanError(f"grad_reduce_bytes={self.grad_reduce_bytes!r} must be a number "
+                            f"> 0 (4 for fp32 gradients, 2 for fp16)")
         if self.recompute_choices is not None and (not self.recompute_choices or any(
                 not isinstance(x, bool) and x not in RECOMPUTE_CHOICES
                 for x in self.recompute_choices)):
@@ -171,6 +193,15 @@ def _chunk_options(name: str, pp: int, num_layers: int, max_chunks: int) -> list
     return [low] if low * pp <= num_layers else []
 
 
+def _engine_refuses(options: SearchOptions, blocks: int, pp: int, name: str, chunks: int,
+                    m: int) -> bool:
+    """Whether the engine the options describe cannot run this point (`uniform_layers`:
+    p·v must divide the blocks; `interleaved_groups`: interleaving needs p > 2 and p | m)."""
+    if options.uniform_layers and blocks % (pp * chunks):
+        return True
+    return options.interleaved_groups and name == "interleaved" and (pp <= 2 or m % pp != 0)
+
+
 def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
                   options: SearchOptions) -> list[int]:
     if options.tensor_parallel is not None:
@@ -183,6 +214,7 @@ def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
 def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
              options: SearchOptions) -> Iterator[PlanConfig]:
     devices, n = cluster.num_devices, len(model.layers)
+    first, end = block_span(model.layers)
 
     def allowed(value: int, choices: tuple[int, ...] | None) -> bool:
         return choices is None or value in choices
@@ -202,6 +234,8 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                         if not allowed(b, options.microbatch_sizes):
                             continue
                         m = global_batch // dp // b
+                        if _engine_refuses(options, end - first, pp, name, chunks, m):
+                            continue
                         if is_cost_aware(name) and pp * m > (
                                 options.zb_auto_max if name == "zb-auto"
                                 else options.searched_max):
@@ -265,9 +299,7 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     started = time.perf_counter()
     options = options or SearchOptions()
     check_request(model, cluster, global_batch, options)
-    context = PlanContext(model, cluster, global_batch, precision or cluster.precision,
-                          overlap_grad_reduce=options.overlap_grad_reduce,
-                          extra_parameter_bytes=options.extra_parameter_bytes)
+    context = _context(model, cluster, global_batch, precision, options)
     cluster.flops(context.precision)  # refuses an unknown precision up front
     bounds = SearchBounds(context)
     result = PlanResult([])
@@ -351,11 +383,25 @@ def _nothing_fits(result: PlanResult, cluster: ClusterSpec, global_batch: int,
         f"with at least that much, more devices (--nodes), or a smaller model")
 
 
+def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
+             precision: str | None, options: SearchOptions) -> PlanContext:
+    """The pricing context of a search (or of one priced configuration) under `options`."""
+    return PlanContext(model, cluster, global_batch, precision or cluster.precision,
+                       overlap_grad_reduce=options.overlap_grad_reduce,
+                       extra_parameter_bytes=options.extra_parameter_bytes,
+                       overlap_grad_reduce_unpipelined=options.overlap_grad_reduce_unpipelined,
+                       uniform_layers=options.uniform_layers, blocking_p2p=options.blocking_p2p,
+                       grad_reduce_bytes=options.grad_reduce_bytes)
+
+
 def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: PlanConfig,
-          *, precision: str | None = None, overlap_grad_reduce: bool = True) -> Prediction:
+          *, precision: str | None = None, overlap_grad_reduce: bool = True,
+          options: SearchOptions | None = None) -> Prediction:
     """One named configuration priced as the search prices it (its schedule's peak memory,
     the simulated step), whether or not it fits in memory: the caller compares
-    `memory.total` with the device's."""
+    `memory.total` with the device's. `options` gives the engine the search would model
+    (its pricing fields and its rules, e.g. Megatron-LM's uniform split); without them,
+    this engine with `overlap_grad_reduce`."""
     check_request(model, cluster, global_batch, SearchOptions(
         tensor_parallel=(config.tp,), pipeline_parallel=(config.pp,),
         data_parallel=(config.dp,)))
@@ -369,8 +415,16 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
     if config.pp * config.chunks > len(model.layers):
         raise PlanError(f"{config.label()}: {config.pp * config.chunks} stages need as many "
                         f"layers; {model.name} has {len(model.layers)}")
-    context = PlanContext(model, cluster, global_batch, precision or cluster.precision,
-                          overlap_grad_reduce=overlap_grad_reduce)
+    if options is None:
+        options = SearchOptions(overlap_grad_reduce=overlap_grad_reduce)
+    first, end = block_span(model.layers)
+    if _engine_refuses(options, end - first, config.pp, config.schedule, config.chunks,
+                       config.num_microbatches):
+        raise PlanError(f"{config.label()}: the engine these options model cannot run it "
+                        f"(uniform_layers: p·v = {config.pp * config.chunks} must divide the "
+                        f"{end - first} blocks; interleaved_groups: interleaving needs p > 2 "
+                        f"and m a multiple of p)")
+    context = _context(model, cluster, global_batch, precision, options)
     cluster.flops(context.precision)
     trace = context.held_trace(config)
     if trace is None and not is_cost_aware(config.schedule):

@@ -19,7 +19,32 @@ from pipeline.planner.pricing import (
 )
 from pipeline.planner.profile import LayerProfile
 
-__all__ = ["StageCosts", "StageTable"]
+__all__ = ["StageCosts", "StageTable", "block_span", "uniform_boundaries"]
+
+
+def block_span(layers: Sequence[LayerProfile]) -> tuple[int, int]:
+    """(first, end) of the repeated transformer blocks among `layers`: the layers between a
+    leading embedding and a trailing head (by their kernel shape's role); all of them when
+    the layers carry no shapes (measured or cost-file layers)."""
+    roles = [layer.shape.role if layer.shape is not None else "block" for layer in layers]
+    blocks = [index for index, role in enumerate(roles) if role == "block"]
+    if not blocks:
+        return 0, len(layers)
+    return blocks[0], blocks[-1] + 1
+
+
+def uniform_boundaries(layers: Sequence[LayerProfile], stages: int) -> tuple[int, ...] | None:
+    """Megatron-LM's split of `layers` into `stages`: the blocks divided evenly, the layers
+    before them (the embedding) on the first stage, those after (final norm, LM head, loss)
+    on the last (`ParallelTransformer`: num_layers // pipeline size per stage, asserted to
+    divide; the interleaved schedule's chunks likewise). None when the blocks do not divide."""
+    first, end = block_span(layers)
+    blocks = end - first
+    if stages < 1 or blocks % stages:
+        return None
+    per_stage = blocks // stages
+    inner = [first + per_stage * index for index in range(1, stages)]
+    return (0, *inner, len(layers))
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,11 @@ on a CPU. `rehearse_rank` runs on every rank; the spec is built and checked befo
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,13 +20,14 @@ import torch.distributed as dist
 
 from partition import ModelGraph
 from pipeline.model.module import PipelineModule
+from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
 from pipeline.parallel.groups import ProcessGroups
 from pipeline.parallel.pingpong import ping_pong
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.rehearsal.emulated import EmulatedCost, emulated_layers, emulated_loss
 from pipeline.runtime.engine import PipelineEngine
 from pipeline.runtime.saved_memory import SavedTensorMeter
-from schedules import CostModel, Schedule, Timeline, figures
+from schedules import CostModel, GradReduction, Schedule, Timeline, figures
 from schedules.analysis.host import Link
 from schedules.analysis.memory import MemoryModel, RankMemory
 
@@ -37,6 +39,7 @@ __all__ = [
     "emulation_costs",
     "measured_memory",
     "metered_step",
+    "reduction_seconds",
     "rehearse_rank",
 ]
 
@@ -114,6 +117,18 @@ class RehearsalSpec:
             comm=0.0,
             activation_bytes=[layers[-1].output_elements * BYTES for layers in stages])
 
+    def grad_reduction(self, seconds: Mapping[int, float]) -> GradReduction | None:
+        """The engine's data-parallel reduction for the simulator (None when d = 1): stage
+        s's whole reduction takes `seconds[s]` (measured: `reduction_seconds`), in buckets of
+        the engine's default 25 MiB, overlapped as the engine does by default."""
+        if self.data_parallel == 1:
+            return None
+        nbytes = [sum(c.param_elements for c in self.stage_layers(s)) * BYTES
+                  for s in range(self.total_stages)]
+        return GradReduction(
+            time=[seconds.get(s, 0.0) for s in range(self.total_stages)],
+            buckets=[max(1, math.ceil(n / (DEFAULT_BUCKET_MB * 2**20))) for n in nbytes])
+
     def memory_model(self) -> MemoryModel:
         """Parameter and saved-activation bytes per stage (one row per microbatch), Adam."""
         stages = [self.stage_layers(s) for s in range(self.total_stages)]
@@ -135,6 +150,12 @@ class RehearsalReport:
     """The ping-pong between pipeline ranks 0 and 1 before the run."""
     memory: list[RankMemory]
     """Measured bytes per pipeline rank (replica 0)."""
+    reduction_seconds: dict[int, float] = field(default_factory=dict)
+    """Per stage, one whole gradient reduction over the replicas, timed before the steps
+    (`reduction_seconds`; empty when d = 1)."""
+    exposed_reduction: list[float] = field(default_factory=list)
+    """Seconds of the reported step each pipeline rank (replica 0) spent on the gradient
+    reduction not hidden behind compute (`StepStats.exposed_reduction`)."""
 
 
 def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -209,6 +230,31 @@ def metered_step(engine: PipelineEngine, inputs: torch.Tensor) -> RankMemory:
     return measured_memory(engine, meter.peak, gradients.peak)
 
 
+def reduction_seconds(engine: PipelineEngine, spec: RehearsalSpec, repeats: int = 3
+                      ) -> dict[int, float]:
+    """Per stage of this rank: seconds of one whole reduction of its fp32 gradients over the
+    data-parallel group, with the collective the engine issues on gloo (all-reduce; ZeRO-1:
+    all_to_all of the shards), the median of `repeats` (collective over the dp group)."""
+    if spec.data_parallel == 1 or engine.groups is None:
+        return {}
+    group, d = engine.groups.dp_group, spec.data_parallel
+    seconds = {}
+    for stage in engine.schedule.stages_of(engine.pp_rank):
+        elements = sum(c.param_elements for c in spec.stage_layers(stage))
+        flat = torch.zeros(math.ceil(elements / d) * d)
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            if spec.zero_stage:
+                dist.all_to_all_single(torch.empty_like(flat), flat, group=group)
+            else:
+                dist.all_reduce(flat, group=group)
+            times.append(time.perf_counter() - start)
+        seconds[stage] = statistics.median(times)
+    return seconds
+
+
 def rehearse_rank(spec: RehearsalSpec) -> RehearsalReport | None:
     """Run the spec on this rank; the report on global rank 0, None elsewhere."""
     torch.set_num_threads(1)
@@ -220,8 +266,10 @@ def rehearse_rank(spec: RehearsalSpec) -> RehearsalReport | None:
                          link=engine.comm.local)
     inputs = torch.zeros(spec.microbatches, 1)
     mine = metered_step(engine, inputs)  # memory on its own step: the meters cost time
+    reduce = reduction_seconds(engine, spec)
     timelines: list[Timeline] = []
     seconds: list[float] = []
+    exposed: list[float] = []
     for step in range(spec.warmup + spec.steps):
         dist.barrier()
         start = time.perf_counter()
@@ -231,11 +279,17 @@ def rehearse_rank(spec: RehearsalSpec) -> RehearsalReport | None:
         if step >= spec.warmup:
             seconds.append(elapsed)
             timelines.append(timeline)
+            stats = engine.last_stats
+            exposed.append(stats.exposed_reduction if stats is not None else 0.0)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (engine.position.dp_rank, mine))
+    dist.all_gather_object(gathered, (engine.position.dp_rank, mine, exposed, reduce))
     if dist.get_rank() != 0:
         return None
-    memory = sorted((m for dp_rank, m in gathered if dp_rank == 0), key=lambda m: m.rank)
+    replica = sorted(((m, e) for dp_rank, m, e, _ in gathered if dp_rank == 0),
+                     key=lambda item: item[0].rank)
+    stage_seconds = {s: t for dp_rank, _, _, r in gathered if dp_rank == 0
+                     for s, t in r.items()}
     makespans = [figures(t).makespan for t in timelines]
     middle = makespans.index(statistics.median_low(makespans))
-    return RehearsalReport(timelines[middle], seconds, link, memory)
+    return RehearsalReport(timelines[middle], seconds, link, [m for m, _ in replica],
+                           stage_seconds, [e[middle] for _, e in replica])

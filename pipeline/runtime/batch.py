@@ -9,8 +9,16 @@ import torch
 
 from pipeline.errors import PipelineConfigError
 
-__all__ = ["Batch", "Layout", "TensorLayout", "as_tensors", "batch_size", "join_microbatches",
-           "split_microbatches", "take_microbatches"]
+__all__ = [
+    "Batch",
+    "Layout",
+    "TensorLayout",
+    "as_tensors",
+    "batch_size",
+    "describe",
+    "join_microbatches",
+    "split_microbatches",
+]
 
 Batch = torch.Tensor | tuple[torch.Tensor, ...]
 """What flows into and between stages: a tensor or a tuple of tensors."""
@@ -45,11 +53,12 @@ def as_tensors(value: Any, what: str) -> tuple[torch.Tensor, ...]:
                         "takes train_batch(it) as DeepSpeed does)")
     if not isinstance(items, tuple | list) or not all(isinstance(t, torch.Tensor) for t in items):
         raise TypeError(f"{what} must be a tensor or a tuple of tensors, got "
-                        f"{_describe(value)}")
+                        f"{describe(value)}")
     return tuple(items)
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
+    """A value's type for an error message (a sequence: its items' types)."""
     if isinstance(value, tuple | list):
         return f"{type(value).__name__} of ({', '.join(type(v).__name__ for v in value)})"
     return type(value).__name__
@@ -77,25 +86,6 @@ def split_microbatches(batch: Any, num_microbatches: int, what: str) -> list[Any
     if isinstance(batch, torch.Tensor):
         return list(parts[0])
     return [tuple(part[i] for part in parts) for i in range(num_microbatches)]
-
-
-def take_microbatches(data_iter: Iterator[Any], num_microbatches: int
-                      ) -> tuple[list[Any], list[Any]]:
-    """m (inputs, targets) pairs from a DeepSpeed-style iterator, as two lists."""
-    inputs, targets = [], []
-    for k in range(num_microbatches):
-        try:
-            pair = next(data_iter)
-        except StopIteration:
-            raise PipelineConfigError(f"data_iter ran out after {k} of num_microbatches="
-                                      f"{num_microbatches} microbatches") from None
-        if not isinstance(pair, tuple | list) or len(pair) != 2:
-            raise TypeError(f"data_iter must yield (inputs, targets) pairs, got "
-                            f"{_describe(pair)}")
-        as_tensors(pair[0], "inputs")
-        inputs.append(pair[0])
-        targets.append(pair[1])
-    return inputs, targets
 
 
 def batch_size(microbatches: Sequence[Any] | None) -> int:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.errors import PipelineConfigError
-from pipeline.runtime.batch import Layout, batch_size, split_microbatches, take_microbatches
+from pipeline.runtime.batch import Layout, batch_size, split_microbatches
 from pipeline.runtime.comm import Comm
+from pipeline.runtime.pulled_batch import PulledHalf, PulledMicrobatches
 
 __all__ = ["AgreedBatch", "agree_on_batch"]
 
@@ -21,40 +22,56 @@ class AgreedBatch:
 
     layout: int
     """A digest of the inputs' layouts (equal on every rank): a change means shape headers."""
-    microbatches: list[Any] | None
-    """This rank's input microbatches (first stage, or from a data iterator)."""
-    targets: list[Any] | None
-    """This rank's target microbatches (last stage)."""
+    microbatches: list[Any] | PulledHalf | None
+    """This rank's input microbatches (first stage): split from its inputs, or pulled from
+    its data iterator as each is loaded."""
+    targets: list[Any] | PulledHalf | None
+    """This rank's target microbatches (last stage), the same ways."""
 
 
 def agree_on_batch(comm: Comm, pp_rank: int, m: int, inputs: Any, targets: Any,
                    data_iter: Iterator[tuple[Any, Any]] | None, *, training: bool,
-                   first: bool, last: bool) -> AgreedBatch:
-    """Split this rank's batch into `m` microbatches, then one all-reduce: every rank learns
-    whether any refused its part, the layout digest, and both sample counts. Raises the
-    same kind of error on every rank (its own problem, or the refusing ranks)."""
+                   first: bool, last: bool, varying: bool = False) -> AgreedBatch:
+    """Split this rank's batch into `m` microbatches (or, from `data_iter`, pull the first
+    of m pairs: the rest are pulled as the step loads them, `PulledMicrobatches`; a rank
+    holding neither the first nor the last stage pulls none), then one all-reduce: every
+    rank learns whether any refused its part, the layout digest, and both sample counts.
+    Raises the same kind of error on every rank (its own problem, or the refusing ranks).
+    `varying`: pulled microbatches may change layout (every message carries a header)."""
     problem: Exception | None = None
-    microbatches = split_targets = None
+    split: list[Any] | None = None
+    split_targets: list[Any] | None = None
+    pulled: PulledMicrobatches | None = None
     try:
         if data_iter is not None:
-            microbatches, split_targets = take_microbatches(data_iter, m)
+            if first or last:
+                pulled = PulledMicrobatches(data_iter, m, keep_inputs=first,
+                                            keep_targets=last, varying=varying)
         else:
             if first:
-                microbatches = split_microbatches(inputs, m, "inputs")
+                split = split_microbatches(inputs, m, "inputs")
             if last and targets is not None:
                 split_targets = split_microbatches(targets, m, "targets")
-        if training and last and split_targets is None:
-            raise PipelineConfigError("this rank holds the last stage: pass targets")
-        if first and microbatches is None:
-            raise PipelineConfigError("this rank holds the first stage: pass inputs")
+            if training and last and split_targets is None:
+                raise PipelineConfigError("this rank holds the last stage: pass targets")
+            if first and split is None:
+                raise PipelineConfigError("this rank holds the first stage: pass inputs")
     except (PipelineConfigError, TypeError) as error:
         problem = error
     local = samples = target_samples = 0
-    if problem is None:
-        if first and microbatches is not None:
-            shapes = [Layout.of(x, "inputs") for x in microbatches]
+    if problem is None and pulled is not None:
+        # every later pair has pair 0's layout (else refused when pulled): the digest of m
+        # equal microbatches, as their split batch would give
+        if first:
+            local = zlib.crc32(repr(([pulled.layout] * m, training)).encode()) + 1
+            samples = pulled.samples * m
+        if last:
+            target_samples = pulled.target_samples * m
+    elif problem is None:
+        if first and split is not None:
+            shapes = [Layout.of(x, "inputs") for x in split]
             local = zlib.crc32(repr((shapes, training)).encode()) + 1
-            samples = batch_size(microbatches)
+            samples = batch_size(split)
         if last:
             target_samples = batch_size(split_targets)
     # also aligns the ranks' clocks: every rank leaves it within a message time
@@ -70,4 +87,7 @@ def agree_on_batch(comm: Comm, pp_rank: int, m: int, inputs: Any, targets: Any,
         raise PipelineConfigError(f"inputs hold {samples} samples but targets "
                                   f"{target_samples}; pass one target per input sample "
                                   f"(same size in dim 0); nothing was run")
-    return AgreedBatch(agreed, microbatches, split_targets)
+    if pulled is not None:
+        return AgreedBatch(agreed, pulled.inputs if first else None,
+                           pulled.targets if last else None)
+    return AgreedBatch(agreed, split, split_targets)

@@ -43,6 +43,7 @@ from pipeline.runtime.parallel_setup import (
     setup_training,
     zero_regions,
 )
+from pipeline.runtime.pulled_batch import PulledHalf
 from pipeline.runtime.schedule_setup import (
     check_agreement,
     fingerprint,
@@ -196,7 +197,16 @@ class PipelineEngine:
 
     @optimizer.setter
     def optimizer(self, optimizer: RankOptimizer | None) -> None:
+        self.finish_param_gather()  # the replaced one's gathers write the parameters
         self.training.optimizer = optimizer
+
+    def finish_param_gather(self) -> None:
+        """Complete ZeRO-1's parameter all-gathers left in flight by the last step
+        (`overlap_param_gather`); afterwards every parameter holds its updated value. The
+        engine's forwards and checkpoints do this themselves; call it before reading the
+        module's parameters any other way (a no-op otherwise)."""
+        if isinstance(self.training.optimizer, ShardedOptimizer):
+            self.training.optimizer.finish_param_gather()
 
     @property
     def last_step_skipped(self) -> bool:
@@ -224,9 +234,14 @@ class PipelineEngine:
         """One optimizer step on a full batch; returns the mean loss on every rank.
 
         The batch is split into `num_microbatches` equal microbatches (or, as in DeepSpeed,
-        `data_iter` yields them as (inputs, targets) pairs); gradients accumulate as a single
-        process would for the mean loss over the full batch. Only the ranks holding the
-        first stage need inputs, the last stage targets.
+        `data_iter` yields them as (inputs, targets) pairs, pulled one at a time as the step
+        loads each, so only the microbatches in flight are alive: the ranks holding the
+        first or the last stage pull m pairs per step, the others none); gradients
+        accumulate as a single process would for the mean loss over the full batch. Only
+        the ranks holding the first stage need inputs, the last stage targets. Pulled
+        microbatches share the first one's layout unless the engine has
+        ``dynamic_shapes=True``; a short iterator or a misshapen pair after the first fails
+        the step when it is pulled (the first is checked before anything runs).
 
         A loss that sums over items and counts them (`loss_normalization.SummedLoss`, e.g.
         ``token_cross_entropy()``) is normalised by the step's total item count, so loss and
@@ -291,12 +306,14 @@ class PipelineEngine:
 
     def _prepare(self, m: int, inputs: Any, targets: Any,
                  data_iter: Iterator[tuple[Any, Any]] | None,
-                 training: bool) -> tuple[list[Any] | None, list[Any] | None]:
+                 training: bool) -> tuple[list[Any] | PulledHalf | None,
+                                          list[Any] | PulledHalf | None]:
         """This rank's microbatches, after every rank agreed that the batch is usable and on
         its layout (when it changed, this step's forward messages carry headers)."""
         agreed = agree_on_batch(self.comm, self.pp_rank, m, inputs, targets, data_iter,
                                 training=training, first=self.is_first_stage(),
-                                last=self.is_last_stage())
+                                last=self.is_last_stage(),
+                                varying=self.config.dynamic_shapes)
         self._shapes.begin_step(agreed.layout)
         return agreed.microbatches, agreed.targets
 
@@ -315,6 +332,7 @@ class PipelineEngine:
         state = StepState(microbatches, split_targets, training, step=self.global_step,
                           first_microbatch=self.position.dp_rank * m)
         self._trace.restart()
+        gathered_before = self._gather_seconds()
         stream = schedule.streams[self.pp_rank]
         try:
             self._interpreter.run(stream, state, streams=schedule.streams)
@@ -338,7 +356,8 @@ class PipelineEngine:
         self._last_schedule = schedule
         self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
                                     self._trace.spans,
-                                    exposed_reduction=state.exposed_reduction)
+                                    exposed_reduction=state.exposed_reduction,
+                                    exposed_gather=self._gather_seconds() - gathered_before)
         if state.loss_sum is None:  # no STEP carried it: the loss is summed alone
             state.loss_sum = self._interpreter.loss_share(state)
             small_all_reduce(state.loss_sum, link=self.comm.local,
@@ -346,6 +365,12 @@ class PipelineEngine:
         loss = state.loss_sum / self.topology.dp  # the mean over the replicas
         self.progress.enter(f"between steps, after step {self.global_step + training}")
         return float(loss[0]), state.outputs
+
+    def _gather_seconds(self) -> float:
+        """Seconds blocked on ZeRO-1's parameter all-gathers so far (0 without ZeRO-1)."""
+        optimizer = self.training.optimizer
+        return optimizer.param_gather.wait_seconds \
+            if isinstance(optimizer, ShardedOptimizer) else 0.0
 
     def _nonfinite(self, loss: float) -> NonFiniteError:
         """Where the step's inf/NaN first appeared, agreed over the pipeline (a collective)."""

@@ -54,6 +54,7 @@ class Inference:
         if num_microbatches is None or num_microbatches == trained.num_microbatches:
             return trained
         if num_microbatches not in self._engines:
+            trained.finish_param_gather()  # the new engine's set-up broadcasts parameters
             schedule = forward_only_schedule(trained.schedule.placement, num_microbatches,
                                              trained.schedule.num_ranks)
             self._engines[num_microbatches] = PipelineEngine(

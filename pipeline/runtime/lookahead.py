@@ -6,9 +6,11 @@ from collections.abc import Sequence
 
 from schedules import Instruction, Kind
 
-__all__ = ["COMPUTE", "early_receives"]
+__all__ = ["BACKWARD", "COMPUTE", "early_receives"]
 
 COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP_B})
+BACKWARD = frozenset({Kind.B, Kind.I, Kind.OVERLAP_B})
+"""Compute ops a gradient receive is not posted ahead of (see `early_receives`)."""
 
 
 def early_receives(stream: Sequence[Instruction]) -> dict[int, list[int]]:
@@ -21,6 +23,13 @@ def early_receives(stream: Sequence[Instruction]) -> dict[int, list[int]]:
     early keeps the order of receives (so messages match as before), holds one more
     buffer at most per receive, and never blocks: a receive whose layout is not known yet
     stays in place.
+
+    A gradient receive is not moved ahead of a backward (B, I, or an overlapped F&B): a
+    rank holds its most activations during a backward, beside the gradient that backward
+    consumes, so a second gradient buffer there raises the step's peak (1F1B's cool-down
+    on rank 0: "RECV_B(m-1)" ahead of "B(m-2)" held two gradients with two microbatches in
+    flight); it is posted right after that backward, still ahead of the wait. Later
+    receives then stay in place too, to keep the order of receives.
     """
     early: dict[int, list[int]] = {}
     last = -1
@@ -28,5 +37,8 @@ def early_receives(stream: Sequence[Instruction]) -> dict[int, list[int]]:
         if op.kind in COMPUTE:
             last = k
         elif (op.kind is Kind.RECV_F or op.kind is Kind.RECV_B) and last >= 0:
+            if op.kind is Kind.RECV_B and stream[last].kind in BACKWARD:
+                last = -1  # this one and the receives after it stay in place
+                continue
             early.setdefault(last, []).append(k)
     return early

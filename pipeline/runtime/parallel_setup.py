@@ -204,9 +204,19 @@ def _sharded_optimizer(module: PipelineModule, tied: TiedWeightSynchronizer | No
     """ZeRO-1 over the dp group, one region per stage (tied weights in their own region,
     reduced after the owners' sum)."""
     # the shards ZeRO-1 hands the factory are fp32 `nn.Parameter` masters
-    return ShardedOptimizer(zero_regions(module, tied),
-                            lambda shards: factory(cast(list[nn.Parameter], shards)),
-                            groups.dp_group, bucket_mb=config.bucket_mb)
+    sharded = ShardedOptimizer(zero_regions(module, tied),
+                               lambda shards: factory(cast(list[nn.Parameter], shards)),
+                               groups.dp_group, bucket_mb=config.bucket_mb,
+                               overlap_param_gather=config.overlap_param_gather)
+    if config.overlap_param_gather:
+        # each layer's forward waits for its own buckets; `state_dict` completes them all
+        layers = [layer for key in module.stages
+                  for layer in module.stage(int(key)).layers.values()]
+        sharded.watch_forward(layers)
+        for layer in [module, *layers]:
+            layer.register_state_dict_pre_hook(
+                lambda *_: sharded.finish_param_gather())
+    return sharded
 
 
 def zero_regions(module: PipelineModule, tied: TiedWeightSynchronizer | None

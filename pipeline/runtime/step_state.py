@@ -12,6 +12,7 @@ import torch
 from pipeline.runtime.batch import Batch, Layout
 from pipeline.runtime.comm import PendingRecv
 from pipeline.runtime.finite import FiniteFlag
+from pipeline.runtime.pulled_batch import PulledHalf
 from pipeline.runtime.split_backward import LayerGrads
 
 __all__ = ["Key", "SavedForward", "StepState"]
@@ -43,8 +44,11 @@ class SavedForward:
 class StepState:
     """Everything one step holds between instructions; empty again when the step ends."""
 
-    microbatches: Sequence[Batch] | None
-    targets: Sequence[Any] | None
+    microbatches: Sequence[Batch] | PulledHalf | None
+    """Input microbatch i, read once by its LOAD (first stage; pulled then from a
+    data iterator)."""
+    targets: Sequence[Any] | PulledHalf | None
+    """Target microbatch i, read once (last stage)."""
     training: bool
     step: int = 0
     """The engine's `global_step`: with the microbatch, the key of layers' random streams."""

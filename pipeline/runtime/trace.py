@@ -89,6 +89,9 @@ class StepStats:
     exposed_reduction: float = 0.0
     """Seconds in REDUCE_GRAD and in STEP's wait for the gradient reductions: reduction
     time not hidden behind compute (bucket launches inside a backward are not counted)."""
+    exposed_gather: float = 0.0
+    """Seconds blocked on ZeRO-1's parameter all-gathers during this step: STEP's own gather,
+    or with `overlap_param_gather` the forwards' waits for the previous step's gathers."""
 
     @cached_property
     def costs(self) -> OpCosts:

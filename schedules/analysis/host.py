@@ -137,4 +137,6 @@ def with_host_costs(costs: CostModel, host: HostCosts, schedule: Schedule,
         weight=[w + (host.of(Kind.W, s) if s in split else 0.0) for s, w in enumerate(weight)],
         comm=costs.comm if link is None else link.latency,
         activation_bytes=act,
-        bandwidth=costs.bandwidth if link is None else link.bandwidth)
+        bandwidth=costs.bandwidth if link is None else link.bandwidth,
+        overlap=costs.overlap,
+        reduction=costs.reduction)

@@ -5,17 +5,25 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from schedules.analysis.dataflow import execute
+from schedules.analysis.dataflow import Execution, execute
+from schedules.analysis.reduction import (
+    REDUCTION_STARTS,
+    Lane,
+    ReductionStart,
+    reduce_rank,
+    stage_launches,
+)
 from schedules.analysis.timeline import KIND_CODES, Timeline
 from schedules.ir.errors import ScheduleConfigError, ScheduleValidationError
 from schedules.ir.grid import format_grid
+from schedules.ir.instructions import NONE, Kind
 from schedules.ir.schedule import Schedule, gc_paused
 
-__all__ = ["CostModel", "simulate"]
+__all__ = ["CostModel", "GradReduction", "reduce_gradients", "simulate"]
 
 PerStage = float | Sequence[float]
 
@@ -53,6 +61,44 @@ def _check_per_stage(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GradReduction:
+    """The data-parallel gradient reduction of every stage, placed on each rank's timeline by
+    the engine's rule (`schedules.analysis.reduction`)."""
+
+    time: PerStage
+    """Time of one stage's whole reduction (its all-reduce; under ZeRO-1 its reduce-scatter),
+    a number for every stage or one per stage."""
+    buckets: int | Sequence[int] = 1
+    """Buckets a stage's gradients are reduced in (the engine's `bucket_mb`), a number for
+    every stage or one per stage."""
+    start: ReductionStart = "overlap"
+    """overlap: buckets launch from the hooks of the stage's last fused backward as they
+    become final (`overlap_grad_reduce=True`); after_backward: at the stage's REDUCE_GRAD
+    (`overlap_grad_reduce=False`); after_flush: when the rank's compute ends."""
+
+    def __post_init__(self) -> None:
+        _check_per_stage("reduction time", self.time)
+        counts = [self.buckets] if isinstance(self.buckets, int) else self.buckets
+        if not isinstance(counts, Sequence) or not counts or not all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in counts):
+            raise ScheduleConfigError(f"buckets must be a whole number >= 1 (or one per "
+                                      f"stage), got {self.buckets!r}")
+        if self.start not in REDUCTION_STARTS:
+            raise ScheduleConfigError(f"start must be one of {', '.join(REDUCTION_STARTS)}, "
+                                      f"got {self.start!r}")
+
+    def resolve(self, num_stages: int) -> tuple[list[float], list[int]]:
+        """Reduction time and bucket count, one per stage."""
+        times = _per_stage("reduction time", self.time, num_stages)
+        counts = [self.buckets] * num_stages if isinstance(self.buckets, int) else \
+            list(self.buckets)
+        if len(counts) != num_stages:
+            raise ScheduleConfigError(f"buckets has {len(counts)} values but the schedule has "
+                                      f"{num_stages} stages; give one number, or one per stage")
+        return times, counts
+
+
+@dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Per-stage op times (a number for every stage, or one per stage) and message costs."""
 
@@ -72,6 +118,8 @@ class CostModel:
     """Time of an overlapped pair (F, then OVERLAP_B: DualPipe's F&B) as a fraction of F + B
     back to back: 1 gains nothing; below 1 when one op's compute hides the other's
     communication (DualPipe's point)."""
+    reduction: GradReduction | None = None
+    """The data-parallel gradient reduction; None: none (the timeline holds compute only)."""
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "weight", "activation_bytes"):
@@ -85,6 +133,9 @@ class CostModel:
                                                self.bandwidth > 0 and math.isfinite(
                 self.bandwidth)):
             raise ScheduleConfigError(f"bandwidth must be > 0 or None, got {self.bandwidth!r}")
+        if self.reduction is not None and not isinstance(self.reduction, GradReduction):
+            raise ScheduleConfigError(f"reduction must be a schedules.GradReduction or None, "
+                                      f"got {self.reduction!r}")
 
     def resolve(self, num_stages: int) -> tuple[list[float], list[float], list[float],
                                                  list[float], list[float]]:
@@ -103,8 +154,10 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     """Execute every rank's compute stream in order under `costs` (`schedules.analysis.dataflow`).
 
     Communication instructions of a lowered schedule add no time of their own: their cost
-    is the `comm` delay on the dependency they carry. Run `validate` first on schedules
-    from outside; an order that can never finish raises `ScheduleValidationError`.
+    is the `comm` delay on the dependency they carry. With `costs.reduction` each rank's
+    gradient buckets run on its communication lane (`reduce_gradients`): one REDUCE_GRAD row
+    per bucket of nonzero time, and `Timeline.reduction_ends`. Run `validate` first on
+    schedules from outside; an order that can never finish raises `ScheduleValidationError`.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"simulate needs a schedules.Schedule (e.g. from build_schedule), got "
@@ -142,9 +195,45 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
             f"{schedule.name}: the costs sum past the largest float (an op of "
             f"{max(max(forward), max(backward), max(weight), max(delay)):.3g} time units): the "
             "makespan would be inf; express the costs in a larger unit (e.g. ms instead of ns)")
-    return Timeline(
+    timeline = Timeline(
         schedule.num_ranks, joined(ranks, np.int32), joined(kinds, np.int8),
         joined(stages, np.int32), joined(microbatches, np.int32),
         joined(run.starts, np.float64), ends,
         name=schedule.name, num_microbatches=schedule.num_microbatches, chunks=schedule.chunks,
         activation_bytes=tuple(act))
+    if costs.reduction is None or not schedule.has_backward:
+        return timeline
+    return _with_reduction(timeline, reduce_gradients(schedule, run, costs.reduction))
+
+
+def reduce_gradients(schedule: Schedule, run: Execution, reduction: GradReduction
+                     ) -> list[Lane]:
+    """Per rank, its buckets on its communication lane, given the executed compute `run`."""
+    times, buckets = reduction.resolve(schedule.num_stages)
+    spans = []
+    for rank, stream in enumerate(schedule.streams):
+        starts, ends = run.starts[rank], run.ends[rank]
+        launches = stage_launches(stream, starts, ends, schedule.stages_of(rank))
+        spans.append(reduce_rank(rank, launches, times, buckets, start=reduction.start,
+                                 compute_end=float(max(ends, default=0.0))))
+    return spans
+
+
+def _with_reduction(timeline: Timeline, lanes: list[Lane]) -> Timeline:
+    """`timeline` with a REDUCE_GRAD row per bucket that takes time, and each rank's end of
+    the reduction (0 where it has none)."""
+    kept = [lane.end > lane.start for lane in lanes]
+
+    def column(base: np.ndarray, parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate([base, *(part.astype(base.dtype) for part in parts)])
+
+    rows = [int(keep.sum()) for keep in kept]
+    return replace(
+        timeline,
+        rank=column(timeline.rank, [np.full(n, lane.rank) for n, lane in zip(rows, lanes)]),
+        kind=column(timeline.kind, [np.full(sum(rows), KIND_CODES[Kind.REDUCE_GRAD])]),
+        stage=column(timeline.stage, [lane.stage[k] for lane, k in zip(lanes, kept)]),
+        microbatch=column(timeline.microbatch, [np.full(sum(rows), NONE)]),
+        start=column(timeline.start, [lane.start[k] for lane, k in zip(lanes, kept)]),
+        end=column(timeline.end, [lane.end[k] for lane, k in zip(lanes, kept)]),
+        reduction_ends=tuple(lane.finish for lane in lanes))

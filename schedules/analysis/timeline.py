@@ -42,8 +42,9 @@ class Timeline:
     """Executed ops as columns (one row an op), so a million of them stay cheap.
 
     `kind` holds codes into `KINDS`. Compute ops (F, B, I, W) carry the figures; a measured
-    run may add communication rows too. `unit` is "units" for cost-model time, "s" for
-    seconds of a measured run.
+    run may add communication rows too, and a simulation with a gradient reduction one
+    REDUCE_GRAD row per bucket, on the rank's communication lane (overlapping its compute).
+    `unit` is "units" for cost-model time, "s" for seconds of a measured run.
     """
 
     num_ranks: int
@@ -59,6 +60,10 @@ class Timeline:
     unit: str = "units"
     activation_bytes: tuple[float, ...] = field(default=())
     """Bytes of one microbatch's activations, per stage (empty when unknown)."""
+    reduction_ends: tuple[float, ...] = field(default=())
+    """Per rank, when its data-parallel gradient reduction ends (a simulation with
+    `CostModel.reduction`; empty otherwise): the rank's step ends at the later of this and
+    its last compute op."""
 
     def __post_init__(self) -> None:
         for name, dtype in (("rank", np.int32), ("kind", np.int8), ("stage", np.int32),
@@ -106,15 +111,24 @@ class Figures:
     """Most (stage, microbatch) activations a rank holds at once: from the start of F to
     the end of the last backward op (B, or W when the backward is split)."""
     peak_activation_bytes: tuple[float, ...]
+    step: float | None = None
+    """With a simulated gradient reduction (`Timeline.reduction_ends`): from the first op's
+    start until every rank's compute and reduction have ended; None without one."""
+    exposed_reduction: tuple[float, ...] = ()
+    """Per rank, how long its reduction runs past its last compute op (empty without one)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "makespan": self.makespan, "bubble_rate": self.bubble_rate,
-            "idle_fraction": self.idle_fraction,
-            "ranks": [{"rank": r, "busy": b, "peak_activations": a, "peak_activation_bytes": y}
-                      for r, (b, a, y) in enumerate(zip(self.busy, self.peak_activations,
-                                                        self.peak_activation_bytes))],
-        }
+        ranks: list[dict[str, Any]] = [
+            {"rank": r, "busy": b, "peak_activations": a, "peak_activation_bytes": y}
+            for r, (b, a, y) in enumerate(zip(self.busy, self.peak_activations,
+                                              self.peak_activation_bytes))]
+        reduction: dict[str, Any] = {}
+        if self.step is not None:
+            reduction = {"step": self.step}
+            for rank, exposed in zip(ranks, self.exposed_reduction):
+                rank["exposed_reduction"] = exposed
+        return {"makespan": self.makespan, "bubble_rate": self.bubble_rate,
+                "idle_fraction": self.idle_fraction, **reduction, "ranks": ranks}
 
 
 def figures(timeline: Timeline) -> Figures:
@@ -141,7 +155,13 @@ def figures(timeline: Timeline) -> Figures:
     idle = 1.0 - float(busy.sum()) / (p * makespan) if makespan > 0 else 0.0
     counts, byte_peaks = _peak_activations(timeline, rank, kind, timeline.stage[mask],
                                            timeline.microbatch[mask], start, end)
-    return Figures(makespan, bubble_rate, idle, tuple(busy.tolist()), counts, byte_peaks)
+    step, exposed = None, ()
+    if timeline.reduction_ends:
+        reduced = np.asarray(timeline.reduction_ends, dtype=np.float64)
+        step = float(np.maximum(last, reduced).max() - start.min())
+        exposed = tuple(np.where(active, np.maximum(reduced - last, 0.0), 0.0).tolist())
+    return Figures(makespan, bubble_rate, idle, tuple(busy.tolist()), counts, byte_peaks,
+                   step, exposed)
 
 
 def _peak_activations(timeline: Timeline, rank: np.ndarray, kind: np.ndarray,

@@ -23,6 +23,7 @@ from tests.support.engine3d_models import MODELS, OPTIMIZERS, Case, run_case
 from tests.support.equivalence import gathered_weights
 
 WIDTH = 32
+BUCKET_MB = 2**-12
 MEGATRON = {"fp32": (16.0, lambda d: 8 + 8 / d), "bf16": (18.0, lambda d: 6 + 12 / d),
             "fp16": (20.0, lambda d: 4 + 16 / d)}
 """Bytes per parameter with Adam, without / with Megatron's distributed optimizer."""
@@ -35,13 +36,16 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 def _expected_bytes(sizes: list[int], precision: str, zero: int, d: int) -> int:
     """The oracle: bytes a rank must hold after a step whose stage has parameters of `sizes`
     elements, from the definitions (Adam: two fp32 moments and a 4-byte step per tensor it
-    steps; ZeRO-1: one flat region padded to d·S, S = ceil(n / d))."""
+    steps; ZeRO-1: one flat region of k equal buckets of d·s elements, each split d ways,
+    k = ceil(n / B) for buckets of B = d·floor(bucket bytes / (gradient bytes · d))
+    elements, s = ceil(n / (k·d)): a rank steps S = k·s elements)."""
     n = sum(sizes)
     if zero == 0:  # fp32 parameters (autocast for bf16 / fp16), fp32 .grad, Adam
         return 4 * n + 4 * n + 8 * n + 4 * len(sizes)
-    shard = math.ceil(n / d)
     param_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
     grad_bytes = 2 if precision == "fp16" else 4  # fp32 main gradients except fp16's
+    buckets = math.ceil(n / (d * max(1, int(BUCKET_MB * 2**20) // (grad_bytes * d))))
+    shard = buckets * math.ceil(n / (buckets * d))
     total = d * shard * (param_bytes + grad_bytes) + 8 * shard + 4  # buffers, moments, step
     if precision != "fp32":
         total += 4 * shard  # the fp32 master (a view of the parameters in fp32)
@@ -63,7 +67,7 @@ def _count_states() -> list[dict[str, Any]]:
                 engine = PipelineEngine(module, optimizer=_adam, num_microbatches=pp,
                                         zero_stage=zero, precision=precision,
                                         half_parameters=zero == 1 and precision != "fp32",
-                                        initial_loss_scale=2.0**4, bucket_mb=2**-12,
+                                        initial_loss_scale=2.0**4, bucket_mb=BUCKET_MB,
                                         timeout=60)
                 engine.train_batch(torch.randn(4 * pp, WIDTH), torch.randn(4 * pp, WIDTH))
                 counted = count_model_states(module, engine.optimizer)

@@ -17,7 +17,7 @@ OPTIMIZERS: dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     "adam": lambda params: torch.optim.Adam(params, lr=0.01),
 }
-BUCKET_MB = 256 / 2**20  # 256-byte buckets, so every region takes several
+BUCKET_MB = 64 / 2**20  # 16-element buckets, so every region takes several
 
 
 def _model() -> nn.Sequential:
@@ -62,8 +62,9 @@ def _check_zero(rank: int, world_size: int) -> None:
             unsharded = _state_bytes(plain)
             bucket = int(BUCKET_MB * 2**20)
             assert zero.state_bytes() <= unsharded / world_size + bucket, (name, collective)
-            if name == "adam":  # exp_avg, exp_avg_sq over ceil(113 / 2) = 57 elements
-                assert zero.state_bytes() == 2 * 57 * 4 + 2 * 4  # + the two `step` scalars
+            if name == "adam":  # exp_avg, exp_avg_sq over each rank's pieces: 4 buckets of
+                # 2 × 8 (63 elements) and 4 of 2 × 7 (50): 32 + 28 elements
+                assert zero.state_bytes() == 2 * 60 * 4 + 2 * 4  # + the two `step` scalars
     with pytest.raises(ValueError, match="reduce_stage\\(0\\) got 1 trainable"):
         zero.reduce_stage(0, [stages[0][0]])
     with pytest.raises(KeyError, match="stage 7 has no ZeRO region"):
@@ -76,24 +77,27 @@ def test_zero1_matches_plain_optimizer_after_two_steps() -> None:
 
 
 def _check_reduction_transient(rank: int, world_size: int) -> None:
-    # one region of 64 × 64 + 64 fp32 = 16.6 KB in 16 buckets of 1 KiB, all in flight at
-    # once (launched by wait()): reduce allocates no more than one bucket
+    # one region of 64 × 64 + 64 fp32 = 16.6 KB (4160 elements), all buckets in flight at
+    # once (launched by wait()), in buckets of 1 KiB or in one: reduce allocates no more than
+    # one bucket; all_to_all receives only the other rank's piece of each bucket (regression:
+    # its own piece was sent to itself too, a receive buffer of the whole region at d = 2)
     torch.manual_seed(0)
-    bucket = 1024
-    for collective, allowed in (("reduce", bucket), ("all_to_all", None)):
+    for collective, bucket_bytes in (("reduce", 1024), ("all_to_all", 1024),
+                                     ("all_to_all", 2**20)):
         with LiveTensorMeter() as meter:  # sees every storage made, the buffers' too
             model = nn.Linear(64, 64)
             zero = ShardedOptimizer({0: list(model.parameters())}, _sgd, None,
-                                    bucket_mb=bucket / 2**20,
+                                    bucket_mb=bucket_bytes / 2**20,
                                     collective=collective)  # type: ignore[arg-type]
             model(torch.randn(4, 64)).square().mean().backward()
             meter.begin_step()
             zero.wait()
         grown = meter.peak.total - meter.peak.states
-        if allowed is not None:
-            assert grown <= allowed, (collective, grown)
-        else:  # the planted contrast: all_to_all copies and receives every bucket
-            assert grown >= 2 * 64 * 65 * 4, (collective, grown)
+        layout = zero.layouts()[0]
+        # the padded region over d (the other ranks' pieces of every bucket), or one bucket
+        allowed = bucket_bytes if collective == "reduce" else \
+            layout.size * 4 * (world_size - 1) // world_size
+        assert grown <= allowed, (collective, bucket_bytes, grown, allowed)
 
 
 def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -101,5 +105,7 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 @pytest.mark.multiprocess
-def test_zero1_reduce_collective_allocates_at_most_one_bucket() -> None:
+def test_zero1_reduction_buffers_reduce_one_bucket_all_to_all_others_pieces() -> None:
+    """Regression (all_to_all): each rank's own piece was copied and sent to itself, its
+    receive buffer a whole region at d = 2 (the last stage's peak at the optimizer step)."""
     run_ranks(_check_reduction_transient, 2)

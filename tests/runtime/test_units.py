@@ -18,7 +18,6 @@ from pipeline.runtime.batch import (
     Layout,
     join_microbatches,
     split_microbatches,
-    take_microbatches,
 )
 from pipeline.runtime.comm import HEADER_LENGTH, decode_header, encode_header
 from pipeline.runtime.schedule_setup import check_agreement, forward_schedule, resolve_schedule
@@ -99,8 +98,6 @@ def test_batches_split_evenly_or_not_at_all() -> None:
         split_microbatches((x, torch.ones(3)), 3, "inputs")
     with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
         split_microbatches([x, "mask"], 3, "inputs")
-    with pytest.raises(PipelineConfigError, match="ran out after 1"):
-        take_microbatches(iter([(x, x)]), 2)
 
 
 def test_shape_headers_round_trip() -> None:

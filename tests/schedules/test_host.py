@@ -82,3 +82,16 @@ def test_an_overlapped_backward_is_measured_as_a_backward() -> None:
     host = measure_host_costs(Timeline.from_spans(spans, 1, name="m"),
                               CostModel(forward=1.0, backward=1.0, weight=1.0))
     assert host.of(Kind.B, 0) == pytest.approx(0.5)
+
+
+def test_host_costs_keep_dualpipe_overlap_fraction() -> None:
+    # regression: with_host_costs rebuilt the CostModel without `overlap`, so a DualPipeV
+    # F&B pair priced at 0.6 of F + B fell back to 1.0 once host costs were added
+    schedule = build_schedule("dualpipev-overlap", 4, 8)
+    nominal = CostModel(forward=1.0, backward=1.0, weight=1.0, overlap=0.6)
+    kept = with_host_costs(nominal, HostCosts({}), schedule)
+    assert kept.overlap == 0.6
+    span = figures(simulate(schedule, kept)).makespan
+    assert span == pytest.approx(figures(simulate(schedule, nominal)).makespan)
+    assert span < figures(simulate(schedule, CostModel(forward=1.0, backward=1.0,
+                                                       weight=1.0))).makespan

@@ -163,6 +163,9 @@ CASES = [
     Case("tied pp2×dp2", "tied", {"data_parallel": 2}),
     Case("tied pp2×dp2 ZeRO-1", "tied", {"data_parallel": 2, "zero_stage": 1},
          optimizer="adam"),
+    Case("tied pp2×dp2 ZeRO-1 overlap_param_gather", "tied",
+         {"data_parallel": 2, "zero_stage": 1, "overlap_param_gather": True,
+          "bucket_mb": 2**-10}, optimizer="adam"),
     Case("bf16 pp2×dp2", "mlp", {"data_parallel": 2, "precision": "bf16"}),
 ]
 GRID_CASE = Case("pp2×dp2×tp2 ZeRO-1 tied +clip", "tied-tp",
@@ -214,6 +217,7 @@ def run_case(case: Case) -> dict[str, Any]:
                                   max_grad_norm=case.engine.get("gradient_clipping"))
         errors["loss"] = max(errors["loss"], abs(loss - expected.loss) / abs(expected.loss))
         grads = engine.reduced_gradients()
+        engine.finish_param_gather()  # overlap_param_gather: read the updated parameters
         coefficient = 1.0  # the step clips the reduced gradients in place
         if expected.grad_norm is not None:
             coefficient = min(1.0, case.engine["gradient_clipping"] / (expected.grad_norm + 1e-6))

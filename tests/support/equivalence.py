@@ -28,6 +28,7 @@ def new_errors(*extra: str) -> dict[str, float]:
 
 def gathered_weights(engine: PipelineEngine) -> dict[ParamKey, torch.Tensor]:
     """Every rank's parameters keyed by (global layer, name), on every rank (a collective)."""
+    engine.finish_param_gather()  # overlap_param_gather: the last step's gathers in flight
     mine = {key: p.detach().clone() for key, p in engine.module.named_layer_parameters()}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
