@@ -36,6 +36,10 @@ CASES = {
     "tp-and-v-schedules": (SMALL, _cluster(12.0, 1), 16, SearchOptions(
         max_chunks=2, schedules=("1f1b", "zb-h1", "interleaved", "zb-v", "dualpipev",
                                  "dualpipev-overlap", "v-half", "v-min", "zb-auto"))),
+    # Megatron-LM 2021's engine: even layer split, blocking messages, reduction after the flush
+    "megatron-2021-engine": (SMALL, _cluster(40.0, 2), 32, SearchOptions(
+        schedules=("1f1b", "interleaved"), uniform_layers=True, blocking_p2p=True,
+        overlap_grad_reduce=False, extra_parameter_bytes=2.0, grad_reduce_bytes=2.0)),
     "deeper-tight-zero": (DEEP, _cluster(10.0, 2), 64, SearchOptions(
         max_chunks=4, tensor_parallel=(1, 2),
         schedules=("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h2", "zb-v"))),
