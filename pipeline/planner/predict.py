@@ -3,6 +3,7 @@ with tensor-parallel, pipeline and data-parallel communication and the optimizer
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -19,6 +20,7 @@ from pipeline.planner.memory import (
     MemoryBreakdown,
     peak_rank_memory,
 )
+from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import allreduce_seconds, layer_times
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable, uniform_boundaries
@@ -179,30 +181,28 @@ class PlanContext:
     gradients); 2 for Megatron-LM 2021's fp16 runs, which all-reduce the fp16 gradients
     (its default, without --accumulate-allreduce-grads-in-fp32)."""
     _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
+    _partitions: dict[tuple[int, int, bool], tuple[int, ...]] = field(default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
         default_factory=OrderedDict)
     _schedule_ops: int = 0
-    _traces: dict[tuple[str, int, int, int], HeldTrace | None] = field(default_factory=dict)
+    closed_forms: bool = True
+    """Take the peak of the schedules that have one in closed form (`peaks.py`) without
+    building them; False: from every schedule's trace (for tests)."""
+    _traces: dict[tuple[str, int, int, int], HeldTrace | PeakCounts | None] = field(
+        default_factory=dict)
+    _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
+    _updates: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = field(
+        default_factory=dict)
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
         (compute only: every cut carries the same hidden-state bytes) into p·v stages."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers)
         if key not in self._tables:
-            costs = []
-            priced: dict[object, tuple[float, float]] = {}  # identical blocks priced once
-            for layer in self.model.layers:
-                same = layer.shape if layer.shape is not None else id(layer)
-                if same not in priced:
-                    priced[same] = layer_times(layer, self.cluster, self.precision, 1,
-                                               config.tp)
-                forward, backward = priced[same]
-                # the cuts see full recomputation of every layer; selective and partial
-                # recomputation are not priced per layer here (a partial one depends on
-                # the cuts themselves)
-                again = config.recompute == "full" and not config.recompute_layers
-                costs.append(LayerCost(layer.name, forward=forward,
-                                       backward=backward + (forward if again else 0.0)))
+            # the cuts see full recomputation of every layer; selective and partial
+            # recomputation are not priced per layer here (a partial one depends on the cuts
+            # themselves): the other modes share one partition
+            again = config.recompute == "full" and not config.recompute_layers
             if self.uniform_layers:
                 uniform = uniform_boundaries(self.model.layers, key[0])
                 if uniform is None:
@@ -210,11 +210,27 @@ class PlanContext:
                                     f"model's blocks evenly (uniform_layers)")
                 cuts: tuple[int, ...] = uniform
             else:
-                cuts = tuple(partition_graph(chain_graph(costs), key[0]).boundaries)
+                cuts = self._cuts(key[0], config.tp, again)
             self._tables[key] = StageTable.build(self.model.layers, cuts, self.cluster,
                                                  self.precision, config.tp, config.recompute,
                                                  config.recompute_layers)
         return self._tables[key]
+
+    def _cuts(self, stages: int, tp: int, again: bool) -> tuple[int, ...]:
+        key = (stages, tp, again)
+        if key not in self._partitions:
+            costs = []
+            priced: dict[object, tuple[float, float]] = {}  # identical blocks priced once
+            for layer in self.model.layers:
+                same = layer.shape if layer.shape is not None else id(layer)
+                if same not in priced:
+                    priced[same] = layer_times(layer, self.cluster, self.precision, 1,
+                                               tp)
+                forward, backward = priced[same]
+                costs.append(LayerCost(layer.name, forward=forward,
+                                       backward=backward + (forward if again else 0.0)))
+            self._partitions[key] = tuple(partition_graph(chain_graph(costs), stages).boundaries)
+        return self._partitions[key]
 
     def schedule(self, config: PlanConfig, costs: CostModel | None = None) -> Schedule | None:
         """The compute schedule (None: it refuses these p, m, v). A cost-aware one is
@@ -247,22 +263,31 @@ class PlanContext:
             self._schedule_ops -= _ops(self._schedules.popitem(last=False)[1])
         return made
 
-    def held_trace(self, config: PlanConfig) -> HeldTrace | None:
-        """When each rank's activations arrive and leave (None: the schedule refuses these
-        p, m, v). A cost-aware schedule depends on the costs: None here, priced by
-        `memory`'s bound."""
+    def held_trace(self, config: PlanConfig) -> HeldTrace | PeakCounts | None:
+        """When each rank's activations arrive and leave, or its closed-form peak
+        (`peaks.py`; None: the schedule refuses these p, m, v). A cost-aware schedule
+        depends on the costs: None here, priced by `memory`'s bound. One per (schedule,
+        p, m, v), shared by the configurations that differ in anything else."""
         if is_cost_aware(config.schedule):
             return None
-        key = (config.schedule, config.pp, config.num_microbatches, config.chunks)
+        name = same_trace_as(config.schedule)
+        key = (name, config.pp, config.num_microbatches, config.chunks)
         if key not in self._traces:
-            schedule = self.schedule(config)
-            self._traces[key] = None if schedule is None else HeldTrace.of(schedule)
+            closed = closed_form_peaks(*key) if self.closed_forms else None
+            if closed is not None:
+                self._traces[key] = closed
+            else:
+                schedule = self.schedule(replace(config, schedule=name))
+                self._traces[key] = None if schedule is None else HeldTrace.of(schedule)
         return self._traces[key]
 
-    def memory(self, config: PlanConfig, trace: HeldTrace | None = None, *,
+    def memory(self, config: PlanConfig, trace: HeldTrace | PeakCounts | None = None, *,
                floor: bool = False) -> tuple[MemoryBreakdown, int]:
         """The largest rank's memory and that rank: at the schedule's peak (`trace`), or
-        with `floor` at one microbatch of the rank's largest stage (no schedule holds less).
+        with `floor` at one microbatch of each of the rank's stages (no schedule holds less:
+        a microbatch's activations of the rank's first stage are held from its F to its
+        last backward op, which waits for the backward of every later stage, so when the
+        rank runs that microbatch's F of its last stage it holds one of each).
         A cost-aware schedule, without a trace, is priced at its memory limit: that many
         microbatches of the rank's largest stage (at most all it runs)."""
         table = self.table(config)
@@ -271,7 +296,7 @@ class PlanContext:
         largest = np.zeros(config.pp)
         np.maximum.at(largest, np.asarray(placement), table.held * b)
         if floor:
-            activations = largest
+            activations = self.rank_sums(config)[1] * b
         elif trace is not None:
             activations = trace.peak_bytes(table.held * b)
         elif is_cost_aware(config.schedule):
@@ -287,12 +312,34 @@ class PlanContext:
             held = replace(held, parameters=held.parameters + extra)
         return held, rank
 
-    def _rank_params(self, config: PlanConfig) -> np.ndarray:
-        return np.bincount(_placement(config), weights=self.table(config).params,
-                           minlength=config.pp)
+    def rank_sums(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
+        """Per rank: parameters, the activations of one microbatch of each of its stages
+        and the recomputation workspace, per sample."""
+        placement = _placement(config)
+        key = (config.pp * config.chunks, config.tp, config.recompute,
+               config.recompute_layers, placement)
+        if key not in self._rank_sums:
+            table = self.table(config)
+            workspace = np.zeros(config.pp)
+            np.maximum.at(workspace, np.asarray(placement), table.workspace)
+            params = np.bincount(placement, weights=table.params, minlength=config.pp)
+            each = np.bincount(placement, weights=table.held, minlength=config.pp)
+            self._rank_sums[key] = (params, each, workspace)
+        return self._rank_sums[key]
 
-    def _update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
-        """Per rank: optimizer step seconds and the exposed ZeRO-1 all-gather seconds."""
+    def _rank_params(self, config: PlanConfig) -> np.ndarray:
+        return self.rank_sums(config)[0]
+
+    def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank: optimizer step seconds and the exposed ZeRO-1 all-gather seconds
+        (kept per partition, placement, dp and ZeRO stage)."""
+        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
+               _placement(config), config.dp, config.zero_stage)
+        if key not in self._updates:
+            self._updates[key] = self._price_update(config)
+        return self._updates[key]
+
+    def _price_update(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
         params = self._rank_params(config)
         shard = params / (config.dp if config.zero_stage else 1)
         step = self.cluster.op_overhead + shard * _ADAM_TRAFFIC / self.cluster.memory_bandwidth
@@ -302,32 +349,6 @@ class PlanContext:
         gather = np.array([allreduce_seconds(x * PARAM_BYTES, config.dp, config.tp,
                                              self.cluster) / 2 for x in params])
         return step, gather
-
-    def lower_bound(self, config: PlanConfig) -> float:
-        """A step time no schedule can beat: per rank, the forwards of the stages before
-        its first one (microbatch 0 must pass them), all its compute, and its update; with
-        one stage per rank, also the pipeline's drain (below)."""
-        table = self.table(config)
-        totals = np.minimum(table.costs(config.microbatch_size).total,
-                            table.costs(config.microbatch_size, split=True).total)
-        costs = table.costs(config.microbatch_size)
-        placement = np.asarray(_placement(config))
-        busy = np.bincount(placement, weights=totals, minlength=config.pp)
-        first = np.array([np.flatnonzero(placement == rank)[0] for rank in range(config.pp)])
-        fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
-        step, gather = self._update_seconds(config)
-        bound = float((fill + config.num_microbatches * busy + step + gather).max())
-        if list(placement) == list(range(config.pp)) and config.pp > 1:
-            # one stage per rank: the last rank's last input gradient comes after all its
-            # forwards and input gradients (each one's forward precedes it); then that
-            # microbatch's gradient must pass every earlier stage back to rank 0 (as I, or
-            # within a fused B), which then updates: the drain no schedule avoids
-            split = table.costs(config.microbatch_size, split=True)
-            chain = np.minimum(split.input_grad, costs.input_grad)
-            drain = (fill[-1] + config.num_microbatches * (costs.forward[-1] + chain[-1])
-                     + float(chain[:-1].sum()) + step[0] + gather[0])
-            bound = max(bound, float(drain))
-        return bound
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
@@ -362,7 +383,7 @@ class PlanContext:
             return None
         timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table)))
         placement = np.asarray(_placement(config))
-        step, gather = self._update_seconds(config)
+        step, gather = self.update_seconds(config)
         compute = timeline.compute_mask()
         rank_end = np.zeros(config.pp)
         np.maximum.at(rank_end, timeline.rank[compute], timeline.end[compute])
@@ -452,6 +473,7 @@ def _placement(config: PlanConfig) -> tuple[int, ...]:
     return schedule_placement(config.schedule, config.pp, config.chunks)
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every configuration the search enumerates
 def schedule_placement(name: str, pp: int, chunks: int) -> tuple[int, ...]:
     """Rank of each stage of schedule `name` on `pp` ranks with `chunks` per rank, as the
     registry states it (`ScheduleSpec.placement`; a list of V-shaped names kept here once

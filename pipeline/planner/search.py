@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES, MemoryBreakdown
@@ -79,6 +80,11 @@ class SearchOptions:
     (`PlanContext.grad_reduce_bytes`; 2 for Megatron-LM 2021's fp16 all-reduce)."""
     top: int = 10
     """Configurations kept exactly ranked (the bound never skips one of them)."""
+    prune: bool = True
+    """Drop a configuration whose memory floor is over the device's, and skip one that its
+    lower bounds show can be neither in the top nor on the Pareto front; False: price every
+    configuration's exact memory and simulate every one that fits (the reference the tests
+    compare the pruned search with)."""
     zb_auto_max: int = 1024
     """zb-auto (a greedy search per configuration, ~p²·m work) only where p·m is at most
     this; larger pipelines get the fixed zero-bubble schedules (zb-h1, zb-h2, zb-v)."""
@@ -295,29 +301,36 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     check_request(model, cluster, global_batch, options)
     context = _context(model, cluster, global_batch, precision, options)
     cluster.flops(context.precision)  # refuses an unknown precision up front
+    bounds = SearchBounds(context)
     result = PlanResult([])
-    fitting: list[tuple[float, PlanConfig, MemoryBreakdown]] = []
-    # Step 1: memory first. Every rank holds at least one microbatch's activations, so the
-    # memory with one held per rank is a floor that prunes before any schedule is made.
+    fitting: list[tuple[float, PlanConfig, float]] = []
+    leanest: tuple[float, PlanConfig | None] = (float("inf"), None)
+    # Step 1: memory first. Every rank holds at least one microbatch's activations of each
+    # of its stages at once (`PlanContext.memory`), a floor that prunes before any schedule
+    # is made.
     for config in _configs(model, cluster, global_batch, options):
         result.considered += 1
-        floor = context.memory(config, floor=True)[0]
-        if result.leanest is None or floor.total < result.leanest[1].total:
-            result.leanest = (config, floor)
-        if floor.total > cluster.device_memory:
+        floor = bounds.memory_floor(config)
+        if floor < leanest[0]:
+            leanest = (floor, config)
+        if options.prune and floor > cluster.device_memory:
             result.over_memory += 1
             continue
-        fitting.append((context.lower_bound(config), config, floor))
-    # Step 2: cheapest time bound first. A configuration that a simulated one beats in both
-    # time (its bound) and memory (its floor) cannot reach the top K or the Pareto front;
-    # the others get their schedule's exact peak memory, then the simulator.
+        fitting.append((bounds.lower_bound(config), config, floor))
+    if leanest[1] is not None:
+        result.leanest = (leanest[1], context.memory(leanest[1], floor=True)[0])
+    # Step 2: cheapest time bound first. A configuration that K simulated ones beat in time
+    # (its bound), one of them also in memory (its floor), can reach neither the top K nor
+    # the Pareto front: strictly faster, so no tie is broken differently. The others get
+    # their schedule's exact peak memory, then the simulator (whose runs configurations
+    # that differ only in ZeRO share).
     fitting.sort(key=lambda item: (item[0], item[1]))
     times, sizes = np.empty(len(fitting)), np.empty(len(fitting))
     count = 0
     for bound, config, floor in fitting:
-        faster = times[:count] <= bound
-        enough = int(faster.sum()) >= options.top
-        if enough and bool((sizes[:count][faster] <= floor.total).any()):
+        faster = times[:count] < bound
+        enough = options.prune and int(faster.sum()) >= options.top
+        if enough and bool((sizes[:count][faster] <= floor).any()):
             result.skipped_by_bound += 1
             continue
         trace = context.held_trace(config)

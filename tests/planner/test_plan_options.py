@@ -148,13 +148,14 @@ def test_plot_title_is_not_cut_and_the_axis_spans_the_top(
 def test_the_lower_bound_never_exceeds_a_simulated_step() -> None:
     # the bound prunes the search at scale (its drain term included): it must hold for
     # every schedule the search prices, or the top K and the Pareto front lose members
+    from pipeline.planner.bounds import SearchBounds
     from pipeline.planner.predict import PlanContext
 
     model = transformer_profile(parse_shape("layers=8,hidden=512,heads=8,vocab=8000,seq=256"))
     cluster = replace(PRESETS["a100-80g"], nodes=1)
     result = plan(model, cluster, 32, options=SearchOptions(top=100_000))
     assert result.skipped_by_bound == 0 and len(result.predictions) > 100
-    context = PlanContext(model, cluster, 32, cluster.precision)
+    bounds = SearchBounds(PlanContext(model, cluster, 32, cluster.precision))
     for prediction in result.predictions:
-        bound = context.lower_bound(prediction.config)
+        bound = bounds.lower_bound(prediction.config)
         assert bound <= prediction.step_seconds * (1 + 1e-9), prediction.config.label()

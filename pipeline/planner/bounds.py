@@ -1,0 +1,118 @@
+"""What the search prunes with before it builds or simulates a schedule: each configuration's
+memory floor and a step time no schedule can beat, from per-rank sums kept per partition.
+
+Legend: p ranks, S = p·v stages, m microbatches; rank r holds the stages Q_r; F forward,
+I input-gradient backward, W weight-gradient backward, B fused (I + W); fill_r: the
+forwards of every stage before r's first (microbatch 0 must pass them before r starts).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pipeline.planner.memory import PARAM_BYTES
+from pipeline.planner.peaks import WARM_UP_FORMS, same_trace_as, warm_up_held
+from pipeline.planner.predict import PlanConfig, PlanContext, schedule_placement
+from schedules import SCHEDULES
+from schedules.analysis.accounting import model_state_bytes
+
+__all__ = ["FUSED_BACKWARD", "SearchBounds"]
+
+FUSED_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved", "looped-bfs"})
+"""Schedules whose generators emit F and fused B only (no I, no W): the planner simulates
+them on fused costs (`PlanContext.predict`), so their bound may too (a test checks them)."""
+
+
+_WARM = frozenset(name for name in SCHEDULES if same_trace_as(name) in WARM_UP_FORMS)
+
+
+@dataclass
+class SearchBounds:
+    """The bounds of one search's configurations, sharing `context`'s tables."""
+
+    context: PlanContext
+    _parts: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
+    _floors: dict[tuple[Any, ...], float] = field(default_factory=dict)
+
+    def memory_floor(self, config: PlanConfig) -> float:
+        """`context.memory(config, floor=True)[0].total` (one microbatch of each of a rank's
+        stages; no schedule holds less), from the per-rank sums, or for zb-v and dualpipev
+        what they hold at their first release (`peaks.warm_up_held`): asked of every
+        configuration; schedules with one placement share it."""
+        warm = config.schedule if config.schedule in _WARM else None
+        key = (config.pp, config.chunks, config.tp, config.recompute, config.recompute_layers,
+               schedule_placement(config.schedule, config.pp, config.chunks),
+               config.microbatch_size, config.zero_stage, config.dp, warm)
+        if key not in self._floors:
+            self._floors[key] = self._floor(config)
+        return self._floors[key]
+
+    def _floor(self, config: PlanConfig) -> float:
+        params, each, workspace = self.context.rank_sums(config)
+        held_first = warm_up_held(config.schedule, config.pp, config.num_microbatches,
+                                  config.chunks)
+        if held_first is not None:  # per sample, at least one of each stage: no lower
+            each = held_first.peak_bytes(self.context.table(config).held)
+        b = config.microbatch_size
+        held = each * b + workspace * b if config.recomputes else each * b
+        gradients, optimizer = _state_bytes(config.zero_stage, config.dp)
+        rank = int(np.argmax(params * (PARAM_BYTES + gradients + optimizer) + held))
+        parameters = float(params[rank] * PARAM_BYTES)
+        if self.context.extra_parameter_bytes:
+            parameters += float(params[rank]) * self.context.extra_parameter_bytes
+        return (parameters + float(params[rank] * gradients) + float(params[rank] * optimizer)
+                + float(held[rank]))
+
+    def lower_bound(self, config: PlanConfig) -> float:
+        """A step time no schedule can beat, the larger of two per-rank bounds:
+        - all of r's work: fill_r + m · Σ_{Q_r} (F + I + W), then r's update;
+        - r's forwards and input gradients, then a gradient's way back to stage 0:
+          fill_r + m · Σ_{Q_r} (F + g) + Σ_{s < min Q_r} g, then rank 0's update, g the
+          cheapest op that can carry a stage's input gradient (I, or B). The last of r's
+          F, I and B ops is a backward (each F's own backward comes after it on r); that
+          microbatch's gradient must then pass every earlier stage, one op each.
+        With one stage per rank the second, on the last rank, is the pipeline's drain."""
+        fill, busy, chain_work, chain_back = self._parts_of(config)
+        step, gather = self.context.update_seconds(config)
+        m = config.num_microbatches
+        bound = float((fill + m * busy + step + gather).max())
+        first = schedule_placement(config.schedule, config.pp, config.chunks)[0]
+        drain = fill + m * chain_work + chain_back + step[first] + gather[first]
+        return max(bound, float(drain.max()))
+
+    def _parts_of(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
+        """Per rank: fill, work, F + g work and the gradient's way back, kept per
+        partition, placement, microbatch size and whether the backward is fused."""
+        placement = schedule_placement(config.schedule, config.pp, config.chunks)
+        fused = config.schedule in FUSED_BACKWARD
+        b = config.microbatch_size
+        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
+               placement, b, fused)
+        if key not in self._parts:
+            table = self.context.table(config)
+            costs, split = table.costs(b), table.costs(b, split=True)
+            fused_backward = costs.input_grad + costs.weight_grad  # what B costs fused
+            if fused:  # simulated on fused costs, every backward a B
+                totals, chain = costs.total, fused_backward
+            else:  # split costs when it has an I (B = I + W there), fused ones otherwise
+                totals = np.minimum(costs.total, split.total)
+                chain = np.minimum(split.input_grad, fused_backward)
+            where = np.asarray(placement)
+            busy = np.bincount(where, weights=totals, minlength=config.pp)
+            first = np.array([np.flatnonzero(where == rank)[0] for rank in range(config.pp)])
+            fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
+            chain_work = np.bincount(where, weights=costs.forward + chain, minlength=config.pp)
+            chain_back = np.concatenate([[0.0], np.cumsum(chain)])[first]
+            self._parts[key] = (fill, busy, chain_work, chain_back)
+        return self._parts[key]
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_bytes(zero: int, dp: int) -> tuple[float, float]:
+    """Gradient and optimizer bytes per parameter (`memory.peak_rank_memory`'s)."""
+    states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
+    return states.gradients, states.optimizer

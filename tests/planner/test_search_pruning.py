@@ -1,0 +1,142 @@
+"""The pruned search (memory floor, time bound, closed-form peaks, shared simulations) gives
+exactly the unpruned search's top K and Pareto front; over-aggressive bounds are caught."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+
+from pipeline.planner import PRESETS, ClusterSpec, SearchOptions, parse_shape, plan
+from pipeline.planner.bounds import SearchBounds
+from pipeline.planner.predict import PlanContext
+from pipeline.planner.search import PlanResult
+from pipeline.planner.transformer import transformer_profile
+
+__all__: list[str] = []
+
+GIB = 2**30
+SMALL = transformer_profile(parse_shape("layers=8,hidden=1024,heads=16,vocab=32000,seq=1024"))
+DEEP = transformer_profile(parse_shape("layers=16,hidden=2048,heads=16,vocab=32000,seq=2048"))
+TOP = 4
+
+
+def _cluster(memory_gib: float, nodes: int, per_node: int = 4) -> ClusterSpec:
+    return replace(PRESETS["a100-80g"], nodes=nodes, devices_per_node=per_node,
+                   device_memory=memory_gib * GIB)
+
+
+# (model, cluster, global batch, options): every recomputation mode and ZeRO 0/1 wherever
+# dp > 1; memory from roomy to tight (where recomputation and ZeRO decide what fits)
+CASES = {
+    "roomy-8-devices": (SMALL, _cluster(40.0, 2), 16, SearchOptions(max_chunks=2,
+                                                                    searched_max=4)),
+    "tight-8-devices": (DEEP, _cluster(4.0, 2), 16, SearchOptions(max_chunks=2)),
+    "tp-and-v-schedules": (SMALL, _cluster(12.0, 1), 16, SearchOptions(
+        max_chunks=2, schedules=("1f1b", "zb-h1", "interleaved", "zb-v", "dualpipev",
+                                 "dualpipev-overlap", "v-half", "v-min", "zb-auto"))),
+    # Megatron-LM 2021's engine: even layer split, blocking messages, reduction after the flush
+    "megatron-2021-engine": (SMALL, _cluster(40.0, 2), 32, SearchOptions(
+        schedules=("1f1b", "interleaved"), uniform_layers=True, blocking_p2p=True,
+        overlap_grad_reduce=False, extra_parameter_bytes=2.0, grad_reduce_bytes=2.0)),
+    "deeper-tight-zero": (DEEP, _cluster(10.0, 2), 64, SearchOptions(
+        max_chunks=4, tensor_parallel=(1, 2),
+        schedules=("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h2", "zb-v"))),
+}
+
+
+def _differences(pruned: PlanResult, unpruned: PlanResult) -> list[str]:
+    """Where the pruned search's top K and Pareto front differ from the unpruned one's:
+    configurations, step times and memory, exactly."""
+    def rows(predictions: list) -> list[tuple]:  # type: ignore[type-arg]
+        return [(p.config.label(), p.step_seconds, p.memory.total) for p in predictions]
+
+    problems = []
+    if rows(pruned.predictions[:TOP]) != rows(unpruned.predictions[:TOP]):
+        problems.append(f"top {TOP}: {rows(pruned.predictions[:TOP])} != "
+                        f"{rows(unpruned.predictions[:TOP])}")
+    if rows(pruned.pareto()) != rows(unpruned.pareto()):
+        problems.append(f"front: {rows(pruned.pareto())} != {rows(unpruned.pareto())}")
+    return problems
+
+
+@functools.cache
+def _unpruned(case: str) -> PlanResult:
+    model, cluster, batch, options = CASES[case]
+    return plan(model, cluster, batch, options=replace(options, top=TOP, prune=False))
+
+
+def _both(case: str) -> tuple[PlanResult, PlanResult]:
+    model, cluster, batch, options = CASES[case]
+    return plan(model, cluster, batch, options=replace(options, top=TOP)), _unpruned(case)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pruned_search_keeps_the_unpruned_top_and_pareto_front(case: str) -> None:
+    pruned, unpruned = _both(case)
+    # the pruning did prune, and the reference simulated everything that fits
+    assert pruned.skipped_by_bound > 0 and unpruned.skipped_by_bound == 0
+    assert len(pruned.predictions) < len(unpruned.predictions)
+    assert {p.config.zero_stage for p in unpruned.predictions} == {0, 1}
+    assert {p.config.recompute_label().split("-")[0] for p in unpruned.predictions} >= {
+        "none", "selective", "full"} or case == "tight-8-devices"
+    assert _differences(pruned, unpruned) == []
+
+
+def test_modes_and_zero_reach_the_front_somewhere() -> None:
+    # the comparison means something only if the answers it compares use what is pruned
+    labels = {p.config.label() for case in CASES for p in _unpruned(case).pareto()}
+    assert any(" rc" in label or " rs" in label for label in labels)
+    assert any(" z1" in label for label in labels)
+
+
+@pytest.mark.parametrize("planted", ["time bound 3% high", "memory floor 40% high"])
+def test_an_over_aggressive_bound_makes_the_comparison_fail(
+        planted: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if planted.startswith("time"):
+        honest_bound = SearchBounds.lower_bound
+        monkeypatch.setattr(SearchBounds, "lower_bound",
+                            lambda self, config: honest_bound(self, config) * 1.03)
+    else:
+        honest_floor = SearchBounds.memory_floor
+        monkeypatch.setattr(SearchBounds, "memory_floor",
+                            lambda self, config: honest_floor(self, config) * 1.4)
+    assert any(_differences(*_both(case)) for case in CASES)
+
+
+def test_the_memory_floor_is_the_floor_memory_and_below_the_exact_memory() -> None:
+    # the search's floor is PlanContext.memory(floor=True) or above it (zb-v, dualpipev:
+    # their first release) and under every configuration's exact memory (a schedule's trace
+    # or closed form)
+    from pipeline.planner.search import _configs
+
+    model, cluster, batch, options = CASES["deeper-tight-zero"]
+    context = PlanContext(model, cluster, batch, cluster.precision)
+    bounds = SearchBounds(context)
+    checked = 0
+    for config in _configs(model, cluster, batch, options):
+        floor = bounds.memory_floor(config)
+        assert floor >= context.memory(config, floor=True)[0].total * (1 - 1e-12)
+        trace = context.held_trace(config)
+        if trace is not None:
+            assert floor <= context.memory(config, trace)[0].total * (1 + 1e-12)
+            checked += 1
+    assert checked > 100
+
+
+def test_closed_form_memory_equals_the_traced_memory_in_a_search() -> None:
+    from pipeline.planner.search import _configs
+
+    model, cluster, batch, options = CASES["deeper-tight-zero"]
+    closed = PlanContext(model, cluster, batch, cluster.precision)
+    traced = PlanContext(model, cluster, batch, cluster.precision, closed_forms=False)
+    compared = 0
+    for config in _configs(model, cluster, batch, options):
+        if config.schedule in ("gpipe", "1f1b", "looped-bfs", "zb-h2"):
+            fast, slow = closed.held_trace(config), traced.held_trace(config)
+            assert fast is not None and slow is not None
+            assert closed.memory(config, fast)[0].total == pytest.approx(
+                traced.memory(config, slow)[0].total, rel=1e-12)
+            compared += 1
+    assert compared > 100
