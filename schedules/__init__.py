@@ -3,7 +3,7 @@
 Pure Python and numpy: integers and costs in, instruction streams and timelines out.
 """
 
-from schedules.analysis.simulate import CostModel, GradReduction, simulate
+from schedules.analysis.simulate import CostModel, GradReduction, ParamGather, simulate
 from schedules.analysis.timeline import KINDS, Figures, Span, Timeline, figures
 from schedules.analysis.validate import validate
 from schedules.formats.torch_csv import (
@@ -59,6 +59,7 @@ __all__ = [
     "Kind",
     "ListKnobs",
     "PaperGreedyKnobs",
+    "ParamGather",
     "Schedule",
     "ScheduleConfigError",
     "ScheduleError",

@@ -29,6 +29,8 @@ class Execution(NamedTuple):
     starts: list[list[float]]
     ends: list[list[float]]
     stuck: dict[int, int]
+    waited: list[float] | None = None
+    """Per rank, the time its forwards waited for their `release` (None without one)."""
 
 
 def execute(
@@ -40,12 +42,16 @@ def execute(
     weight: Sequence[float],
     delay: Sequence[float],
     overlap: float = 1.0,
+    release: dict[int, float] | None = None,
 ) -> Execution:
     """Execute compute-only `streams`; per-stage costs, `delay[s]` on the s ↔ s+1 edge.
 
     A fused B costs backward[s] + weight[s]; I costs backward[s]; W costs weight[s]; a pair
     F(s) + OVERLAP_B(s') costs overlap × (forward[s] + backward[s'] + weight[s']), shown as
     two spans in that proportion.
+    `release` maps an F's key s·m + i to a time it cannot start before (the parameters a
+    gather still brings, `schedules.analysis.gather`); the time an F waits past its other
+    inputs adds to its rank's `waited`.
     Ops must reference stages in range(len(placement)) and microbatches in range(m);
     the validator checks that before calling this.
     """
@@ -62,6 +68,7 @@ def execute(
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
     ends: list[list[float]] = [[] for _ in range(num_ranks)]
     waiting: dict[int, list[int]] = {}
+    waited = [0.0] * num_ranks
     runnable = list(range(num_ranks - 1, -1, -1))
     while runnable:
         rank = runnable.pop()
@@ -100,6 +107,9 @@ def execute(
                         dep += delay[s2]
                     if dep > ready:
                         ready = dep
+                if release is not None and release.get(index, ready) > ready:
+                    waited[rank] += release[index] - ready
+                    ready = release[index]
                 split = ready + overlap * forward[s]
                 end = split + overlap * fused[s2]
                 f_end[index] = end
@@ -124,6 +134,9 @@ def execute(
                         dep += delay[s - 1]
                     if dep > ready:
                         ready = dep
+                if release is not None and release.get(index, ready) > ready:
+                    waited[rank] += release[index] - ready
+                    ready = release[index]
                 end = ready + forward[s]
                 f_end[index] = end
                 done_key = index
@@ -163,4 +176,4 @@ def execute(
                 runnable.extend(waiting.pop(done_key))
         positions[rank], clocks[rank] = k, clock
     stuck = {r: positions[r] for r in range(num_ranks) if positions[r] < len(streams[r])}
-    return Execution(starts, ends, stuck)
+    return Execution(starts, ends, stuck, None if release is None else waited)

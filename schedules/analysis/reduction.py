@@ -146,11 +146,12 @@ def stage_launches(stream: Sequence[Instruction], starts: Sequence[float],
 
 def reduce_rank(rank: int, launches: Sequence[StageLaunch], seconds: Sequence[float],
                 buckets: Sequence[int], *, start: ReductionStart,
-                compute_end: float = 0.0) -> Lane:
+                compute_end: float = 0.0, free_at: float = 0.0) -> Lane:
     """The rank's buckets on its communication lane, in launch order (module docstring).
 
     `seconds[s]` is stage s's whole reduction, `buckets[s]` its bucket count; `compute_end`
-    the end of the rank's compute.
+    the end of the rank's compute; `free_at` when the lane is free of what ran on it before
+    (the previous step's overlapped parameter gathers, `schedules.analysis.gather`).
     """
     if start not in REDUCTION_STARTS:
         raise ValueError(f"start must be one of {', '.join(REDUCTION_STARTS)}, got {start!r}")
@@ -183,8 +184,9 @@ def reduce_rank(rank: int, launches: Sequence[StageLaunch], seconds: Sequence[fl
     # end_n = max(end_{n-1}, launch_n) + d_n, unrolled: end_n = D_n + max_{i<=n}(launch_i -
     # D_{i-1}) with D the running sum of durations (no Python loop over thousands of buckets)
     total = np.cumsum(duration)
-    end = total + np.maximum.accumulate(launch_at - (total - duration))
-    return Lane(rank, stage_of, index, launch_at, np.maximum(end - duration, launch_at), end)
+    runnable = np.maximum(launch_at, free_at)
+    end = total + np.maximum.accumulate(runnable - (total - duration))
+    return Lane(rank, stage_of, index, launch_at, np.maximum(end - duration, runnable), end)
 
 
 def ring_reduction_time(nbytes: float, data_parallel: int, bandwidth: float, *,

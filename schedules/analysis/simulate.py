@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from schedules.analysis.dataflow import Execution, execute
+from schedules.analysis.gather import forward_release, gather_lane
 from schedules.analysis.reduction import (
     REDUCTION_STARTS,
     Lane,
@@ -20,10 +21,10 @@ from schedules.analysis.reduction import (
 from schedules.analysis.timeline import KIND_CODES, Timeline
 from schedules.ir.errors import ScheduleConfigError, ScheduleValidationError
 from schedules.ir.grid import format_grid
-from schedules.ir.instructions import NONE, Kind
+from schedules.ir.instructions import NONE, Instruction, Kind
 from schedules.ir.schedule import Schedule, gc_paused
 
-__all__ = ["CostModel", "GradReduction", "reduce_gradients", "simulate"]
+__all__ = ["CostModel", "GradReduction", "ParamGather", "reduce_gradients", "simulate"]
 
 PerStage = float | Sequence[float]
 
@@ -98,6 +99,56 @@ class GradReduction:
         return times, counts
 
 
+def _check_counts(name: str, value: object, *, optional: bool = False) -> None:
+    counts = [value] if isinstance(value, int) else value
+    if optional and value is None:
+        return
+    if not isinstance(counts, Sequence) or not counts or not all(
+            isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in counts):
+        raise ScheduleConfigError(f"{name} must be a whole number >= 1 (or one per stage), "
+                                  f"got {value!r}")
+
+
+def _counts(name: str, value: int | Sequence[int], num_stages: int) -> list[int]:
+    counts = [value] * num_stages if isinstance(value, int) else list(value)
+    if len(counts) != num_stages:
+        raise ScheduleConfigError(f"{name} has {len(counts)} values but the schedule has "
+                                  f"{num_stages} stages; give one number, or one per stage")
+    return counts
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamGather:
+    """ZeRO-1's parameter all-gather of every stage after the optimizer step, placed on each
+    rank's communication lane by the engine's rule (`schedules.analysis.gather`)."""
+
+    time: PerStage
+    """Time of one stage's whole all-gather, a number for every stage or one per stage."""
+    buckets: int | Sequence[int] = 1
+    """Buckets a stage's parameters are gathered in (its reduction's buckets)."""
+    overlap: bool = False
+    """False: after the rank's reduction, at STEP, all exposed (the engine's default); True:
+    the previous step's gathers run from the step's start and each stage's first forward
+    waits for its buckets (`overlap_param_gather=True`)."""
+    layers: int | Sequence[int] | None = None
+    """Equal layers of a stage, each waiting for the buckets holding its parameters, a
+    number for every stage or one per stage; None: as many as buckets (the finest wait)."""
+
+    def __post_init__(self) -> None:
+        _check_per_stage("gather time", self.time)
+        _check_counts("buckets", self.buckets)
+        _check_counts("layers", self.layers, optional=True)
+        if not isinstance(self.overlap, bool):
+            raise ScheduleConfigError(f"overlap must be True or False, got {self.overlap!r}")
+
+    def resolve(self, num_stages: int) -> tuple[list[float], list[int], list[int | None]]:
+        """Gather time, bucket count and layers (None: unset), one per stage."""
+        layers: list[int | None] = [None] * num_stages if self.layers is None else \
+            list(_counts("layers", self.layers, num_stages))
+        return (_per_stage("gather time", self.time, num_stages),
+                _counts("buckets", self.buckets, num_stages), layers)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Per-stage op times (a number for every stage, or one per stage) and message costs."""
@@ -120,6 +171,8 @@ class CostModel:
     communication (DualPipe's point)."""
     reduction: GradReduction | None = None
     """The data-parallel gradient reduction; None: none (the timeline holds compute only)."""
+    gather: ParamGather | None = None
+    """ZeRO-1's parameter all-gather after the step; None: none."""
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "weight", "activation_bytes"):
@@ -136,6 +189,9 @@ class CostModel:
         if self.reduction is not None and not isinstance(self.reduction, GradReduction):
             raise ScheduleConfigError(f"reduction must be a schedules.GradReduction or None, "
                                       f"got {self.reduction!r}")
+        if self.gather is not None and not isinstance(self.gather, ParamGather):
+            raise ScheduleConfigError(f"gather must be a schedules.ParamGather or None, "
+                                      f"got {self.gather!r}")
 
     def resolve(self, num_stages: int) -> tuple[list[float], list[float], list[float],
                                                  list[float], list[float]]:
@@ -167,8 +223,12 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     costs = costs or CostModel()
     forward, backward, weight, delay, act = costs.resolve(schedule.num_stages)
     streams = schedule.compute_streams() if schedule.lowered else schedule.streams
+    gather = costs.gather if schedule.has_backward else None
+    release = None
+    if gather is not None and gather.overlap:
+        release = _first_forward_release(schedule, streams, gather, forward)
     run = execute(streams, schedule.placement, schedule.num_microbatches, forward, backward,
-                  weight, delay, costs.overlap)
+                  weight, delay, costs.overlap, release)
     if run.stuck:
         rank, step = min(run.stuck.items())
         raise ScheduleValidationError(
@@ -201,21 +261,50 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
         joined(run.starts, np.float64), ends,
         name=schedule.name, num_microbatches=schedule.num_microbatches, chunks=schedule.chunks,
         activation_bytes=tuple(act))
-    if costs.reduction is None or not schedule.has_backward:
+    if (costs.reduction is None and gather is None) or not schedule.has_backward:
         return timeline
-    return _with_reduction(timeline, reduce_gradients(schedule, run, costs.reduction))
+    gathers = None if gather is None else gather.resolve(schedule.num_stages)
+    early = gathers is not None and gather is not None and gather.overlap
+    free = [sum(gathers[0][s] for s in schedule.stages_of(rank)) if early and gathers
+            else 0.0 for rank in range(schedule.num_ranks)]
+    lanes = None if costs.reduction is None else \
+        reduce_gradients(schedule, run, costs.reduction, free_at=free)
+    timeline = timeline if lanes is None else _with_reduction(timeline, lanes)
+    if gather is None or gathers is None:
+        return timeline
+    return _with_gather(timeline, schedule, run, gathers, gather.overlap, lanes)
 
 
-def reduce_gradients(schedule: Schedule, run: Execution, reduction: GradReduction
-                     ) -> list[Lane]:
-    """Per rank, its buckets on its communication lane, given the executed compute `run`."""
+def _first_forward_release(schedule: Schedule, streams: Sequence[Sequence[Instruction]],
+                           gather: ParamGather, forward: Sequence[float]) -> dict[int, float]:
+    """Overlapped gathers: the earliest start of each stage's first F of the step, keyed
+    s·m + i as `execute` reads it (`schedules.analysis.gather`)."""
+    times, buckets, layers = gather.resolve(schedule.num_stages)
+    m = schedule.num_microbatches
+    release: dict[int, float] = {}
+    for rank, stream in enumerate(streams):
+        stage_of, _, _, end = gather_lane(schedule.stages_of(rank), times, buckets, 0.0)
+        first: dict[int, int] = {}
+        for op in stream:
+            if op[0] is Kind.F:
+                first.setdefault(op[1], op[2])
+        for s, i in first.items():
+            release[s * m + i] = forward_release(end[stage_of == s], forward[s], layers[s])
+    return release
+
+
+def reduce_gradients(schedule: Schedule, run: Execution, reduction: GradReduction,
+                     free_at: Sequence[float] | None = None) -> list[Lane]:
+    """Per rank, its buckets on its communication lane, given the executed compute `run`
+    (the lane free from `free_at[rank]`, 0 by default)."""
     times, buckets = reduction.resolve(schedule.num_stages)
     spans = []
     for rank, stream in enumerate(schedule.streams):
         starts, ends = run.starts[rank], run.ends[rank]
         launches = stage_launches(stream, starts, ends, schedule.stages_of(rank))
         spans.append(reduce_rank(rank, launches, times, buckets, start=reduction.start,
-                                 compute_end=float(max(ends, default=0.0))))
+                                 compute_end=float(max(ends, default=0.0)),
+                                 free_at=free_at[rank] if free_at else 0.0))
     return spans
 
 
@@ -223,17 +312,50 @@ def _with_reduction(timeline: Timeline, lanes: list[Lane]) -> Timeline:
     """`timeline` with a REDUCE_GRAD row per bucket that takes time, and each rank's end of
     the reduction (0 where it has none)."""
     kept = [lane.end > lane.start for lane in lanes]
+    rows = [int(keep.sum()) for keep in kept]
+    return replace(
+        _with_rows(timeline, Kind.REDUCE_GRAD, [np.full(n, lane.rank) for n, lane in
+                                                zip(rows, lanes)],
+                   [lane.stage[k] for lane, k in zip(lanes, kept)],
+                   [lane.start[k] for lane, k in zip(lanes, kept)],
+                   [lane.end[k] for lane, k in zip(lanes, kept)]),
+        reduction_ends=tuple(lane.finish for lane in lanes))
 
+
+def _with_gather(timeline: Timeline, schedule: Schedule, run: Execution,
+                 gathers: tuple[list[float], list[int], list[int | None]], overlap: bool,
+                 lanes: list[Lane] | None) -> Timeline:
+    """`timeline` with a STEP row per gather bucket that takes time (on the rank's lane),
+    each rank's end of its gathers and its exposed gather (`schedules.analysis.gather`)."""
+    times, buckets, _ = gathers
+    ranks, stages, starts, ends, finish, exposed = [], [], [], [], [], []
+    for rank in range(schedule.num_ranks):
+        compute_end = float(max(run.ends[rank], default=0.0))
+        start = 0.0 if overlap else max(compute_end, lanes[rank].finish if lanes else 0.0)
+        stage_of, _, begin, end = gather_lane(schedule.stages_of(rank), times, buckets, start)
+        kept = end > begin
+        ranks.append(np.full(int(kept.sum()), rank))
+        stages.append(stage_of[kept])
+        starts.append(begin[kept])
+        ends.append(end[kept])
+        finish.append(float(end[-1]) if len(end) else 0.0)
+        waited = run.waited[rank] if run.waited is not None else 0.0
+        exposed.append(waited if overlap else max(finish[-1] - start, 0.0))
+    return replace(_with_rows(timeline, Kind.STEP, ranks, stages, starts, ends),
+                   gather_ends=tuple(finish), exposed_gather=tuple(exposed))
+
+
+def _with_rows(timeline: Timeline, kind: Kind, ranks: list[np.ndarray],
+               stages: list[np.ndarray], starts: list[np.ndarray], ends: list[np.ndarray]
+               ) -> Timeline:
+    """`timeline` with rows of `kind` (no microbatch) appended."""
     def column(base: np.ndarray, parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate([base, *(part.astype(base.dtype) for part in parts)])
 
-    rows = [int(keep.sum()) for keep in kept]
+    count = sum(len(part) for part in ranks)
     return replace(
-        timeline,
-        rank=column(timeline.rank, [np.full(n, lane.rank) for n, lane in zip(rows, lanes)]),
-        kind=column(timeline.kind, [np.full(sum(rows), KIND_CODES[Kind.REDUCE_GRAD])]),
-        stage=column(timeline.stage, [lane.stage[k] for lane, k in zip(lanes, kept)]),
-        microbatch=column(timeline.microbatch, [np.full(sum(rows), NONE)]),
-        start=column(timeline.start, [lane.start[k] for lane, k in zip(lanes, kept)]),
-        end=column(timeline.end, [lane.end[k] for lane, k in zip(lanes, kept)]),
-        reduction_ends=tuple(lane.finish for lane in lanes))
+        timeline, rank=column(timeline.rank, ranks),
+        kind=column(timeline.kind, [np.full(count, KIND_CODES[kind])]),
+        stage=column(timeline.stage, stages),
+        microbatch=column(timeline.microbatch, [np.full(count, NONE)]),
+        start=column(timeline.start, starts), end=column(timeline.end, ends))

@@ -18,6 +18,7 @@ KIND_CODES: dict[Kind, int] = {kind: code for code, kind in enumerate(KINDS)}
 _COMPUTE_CODES = np.array([KIND_CODES[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W,
                                                     Kind.OVERLAP_B)])
 _F, _B, _I, _W = (KIND_CODES[k] for k in (Kind.F, Kind.B, Kind.I, Kind.W))
+_STEP = KIND_CODES[Kind.STEP]
 
 
 class Span(NamedTuple):
@@ -64,6 +65,11 @@ class Timeline:
     """Per rank, when its data-parallel gradient reduction ends (a simulation with
     `CostModel.reduction`; empty otherwise): the rank's step ends at the later of this and
     its last compute op."""
+    gather_ends: tuple[float, ...] = field(default=())
+    """Per rank, when its ZeRO-1 parameter gathers end (a simulation with `CostModel.gather`;
+    empty otherwise); blocking, the step ends with them; overlapped, they run from its start."""
+    exposed_gather: tuple[float, ...] = field(default=())
+    """Per rank, the time it waited for its parameter gathers (empty without them)."""
 
     def __post_init__(self) -> None:
         for name, dtype in (("rank", np.int32), ("kind", np.int8), ("stage", np.int32),
@@ -116,6 +122,9 @@ class Figures:
     start until every rank's compute and reduction have ended; None without one."""
     exposed_reduction: tuple[float, ...] = ()
     """Per rank, how long its reduction runs past its last compute op (empty without one)."""
+    exposed_gather: tuple[float, ...] = ()
+    """Per rank, the time it waits for ZeRO-1's parameter gathers (`Timeline.exposed_gather`;
+    empty without them)."""
 
     def to_dict(self) -> dict[str, Any]:
         ranks: list[dict[str, Any]] = [
@@ -127,6 +136,8 @@ class Figures:
             reduction = {"step": self.step}
             for rank, exposed in zip(ranks, self.exposed_reduction):
                 rank["exposed_reduction"] = exposed
+            for rank, exposed in zip(ranks, self.exposed_gather):
+                rank["exposed_gather"] = exposed
         return {"makespan": self.makespan, "bubble_rate": self.bubble_rate,
                 "idle_fraction": self.idle_fraction, **reduction, "ranks": ranks}
 
@@ -156,12 +167,21 @@ def figures(timeline: Timeline) -> Figures:
     counts, byte_peaks = _peak_activations(timeline, rank, kind, timeline.stage[mask],
                                            timeline.microbatch[mask], start, end)
     step, exposed = None, ()
-    if timeline.reduction_ends:
-        reduced = np.asarray(timeline.reduction_ends, dtype=np.float64)
-        step = float(np.maximum(last, reduced).max() - start.min())
-        exposed = tuple(np.where(active, np.maximum(reduced - last, 0.0), 0.0).tolist())
+    if timeline.reduction_ends or timeline.gather_ends:
+        lane = np.full(p, -np.inf)
+        origin = float(start.min())
+        if timeline.reduction_ends:
+            reduced = np.asarray(timeline.reduction_ends, dtype=np.float64)
+            lane = np.maximum(lane, reduced)
+            exposed = tuple(np.where(active, np.maximum(reduced - last, 0.0), 0.0).tolist())
+        if timeline.gather_ends:
+            lane = np.maximum(lane, np.asarray(timeline.gather_ends, dtype=np.float64))
+            gathers = timeline.kind == _STEP  # overlapped, they start the step
+            if gathers.any():
+                origin = min(origin, float(timeline.start[gathers].min()))
+        step = float(np.maximum(last, lane).max() - origin)
     return Figures(makespan, bubble_rate, idle, tuple(busy.tolist()), counts, byte_peaks,
-                   step, exposed)
+                   step, exposed, timeline.exposed_gather)
 
 
 def _peak_activations(timeline: Timeline, rank: np.ndarray, kind: np.ndarray,
