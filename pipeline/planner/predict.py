@@ -12,16 +12,11 @@ import numpy as np
 
 from partition import LayerCost, chain_graph, partition_graph
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.data_parallel import grad_reduction, param_gather, update_seconds
 from pipeline.planner.errors import PlanError
-from pipeline.planner.memory import (
-    GRAD_BYTES,
-    PARAM_BYTES,
-    HeldTrace,
-    MemoryBreakdown,
-    peak_rank_memory,
-)
+from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
-from pipeline.planner.pricing import allreduce_seconds, layer_times
+from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable, uniform_boundaries
 from schedules import (
@@ -37,12 +32,6 @@ from schedules import (
 __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_limit",
            "schedule_placement"]
 
-BUCKET_PARAMETERS = 40_000_000
-"""Gradients a data-parallel bucket holds: Megatron's default (`--ddp-bucket-size`, 40M
-elements); the engine's hooks launch one bucket's reduction as soon as it is full."""
-# Adam reads parameter, gradient and both moments and writes parameter and moments: 7 fp32
-# values of memory traffic per parameter (a memory-bound update).
-_ADAM_TRAFFIC = 7 * 4.0
 _KEPT_SCHEDULES = 8
 _KEPT_OPS = 400_000
 """Instructions of the schedules a search keeps beyond the last `_KEPT_SCHEDULES`."""
@@ -180,6 +169,10 @@ class PlanContext:
     """Bytes per gradient element in the data-parallel reduction: 4 (fp32, this engine's
     gradients); 2 for Megatron-LM 2021's fp16 runs, which all-reduce the fp16 gradients
     (its default, without --accumulate-allreduce-grads-in-fp32)."""
+    overlap_param_gather: bool = False
+    """ZeRO-1's parameter all-gather left in flight after the step, each layer's next forward
+    waiting for its own buckets (the engine's `overlap_param_gather`, off by default as
+    there): priced by the simulator (`data_parallel.param_gather`); False: exposed after it."""
     _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
     _partitions: dict[tuple[int, int, bool], tuple[int, ...]] = field(default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
@@ -340,15 +333,9 @@ class PlanContext:
         return self._updates[key]
 
     def _price_update(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
-        params = self._rank_params(config)
-        shard = params / (config.dp if config.zero_stage else 1)
-        step = self.cluster.op_overhead + shard * _ADAM_TRAFFIC / self.cluster.memory_bandwidth
-        if not config.zero_stage:
-            return step, np.zeros(config.pp)
-        # ZeRO-1: reduce-scatter before the step (overlapped), all-gather after it (exposed)
-        gather = np.array([allreduce_seconds(x * PARAM_BYTES, config.dp, config.tp,
-                                             self.cluster) / 2 for x in params])
-        return step, gather
+        return update_seconds(self._rank_params(config), self.cluster, dp=config.dp,
+                              tp=config.tp, zero_stage=config.zero_stage,
+                              overlap_param_gather=self.overlap_param_gather)
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
@@ -381,16 +368,23 @@ class PlanContext:
         schedule = self.schedule(config, model)
         if schedule is None:
             return None
-        timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table)))
+        gather = None if not self.overlap_param_gather else param_gather(
+            table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage)
+        timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
+                                              gather=gather))
         placement = np.asarray(_placement(config))
-        step, gather = self.update_seconds(config)
+        step, exposed = self.update_seconds(config)
         compute = timeline.compute_mask()
         rank_end = np.zeros(config.pp)
         np.maximum.at(rank_end, timeline.rank[compute], timeline.end[compute])
         reduce_end = np.zeros(config.pp)
         if timeline.reduction_ends:
             reduce_end = np.asarray(timeline.reduction_ends, dtype=np.float64)
-        finish = np.maximum(rank_end, reduce_end) + step + gather
+        waited = np.zeros(config.pp)
+        if timeline.gather_ends:  # overlapped: the lane's early gathers, the forwards' waits
+            reduce_end = np.maximum(reduce_end, timeline.gather_ends)
+            waited = np.asarray(timeline.exposed_gather)
+        finish = np.maximum(rank_end, reduce_end) + step + exposed
         total = float(finish.max())
         # the breakdown of the rank that finishes last: its parts sum to the step
         last = int(np.argmax(finish))
@@ -400,9 +394,9 @@ class PlanContext:
         tp_comm = m * float(costs.tp_comm[mine].sum())
         recompute = m * float(costs.recompute[mine].sum())
         breakdown = {"compute": busy - tp_comm - recompute, "recomputation": recompute,
-                     "tp_comm": tp_comm, "bubble": float(rank_end[last]) - busy,
+                     "tp_comm": tp_comm, "bubble": float(rank_end[last] - busy - waited[last]),
                      "dp_comm": float(max(rank_end[last], reduce_end[last]) - rank_end[last]
-                                      + gather[last]),
+                                      + exposed[last] + waited[last]),
                      "optimizer": float(step[last])}
         tokens = self.global_batch * self.model.seq
         devices = config.pp * config.tp * config.dp
@@ -436,22 +430,12 @@ class PlanContext:
         return forward, input_grad
 
     def _reduction(self, config: PlanConfig, table: StageTable) -> GradReduction | None:
-        """Each stage's data-parallel reduction for the simulator, which places it on the
-        rank's timeline by the engine's rule (`schedules.analysis.reduction`: buckets launched
-        from the hooks of the stage's last fused backward as they become final, one after
-        another on one stream; only what cannot hide behind that backward is exposed).
-        ZeRO-1 reduce-scatters: half an all-reduce's traffic. Without overlap, everything
-        starts once the rank's pipeline has drained (Narayanan et al. 2021)."""
-        if config.dp == 1:
-            return None
-        seconds = [allreduce_seconds(float(params) * self.grad_reduce_bytes, config.dp, config.tp,
-                                     self.cluster) / (2 if config.zero_stage else 1)
-                   for params in table.params]
-        buckets = [max(1, -(-int(params) // BUCKET_PARAMETERS)) for params in table.params]
+        """Each stage's data-parallel reduction (`data_parallel.grad_reduction`)."""
         overlap = self.overlap_grad_reduce or (self.overlap_grad_reduce_unpipelined
                                                and config.pp == 1)
-        return GradReduction(time=seconds, buckets=buckets,
-                             start="overlap" if overlap else "after_flush")
+        return grad_reduction(table, self.cluster, dp=config.dp, tp=config.tp,
+                              zero_stage=config.zero_stage,
+                              grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap)
 
 
 def is_cost_aware(name: str) -> bool:

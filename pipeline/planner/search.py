@@ -78,6 +78,9 @@ class SearchOptions:
     grad_reduce_bytes: float = GRAD_BYTES
     """Bytes per gradient element in the data-parallel reduction
     (`PlanContext.grad_reduce_bytes`; 2 for Megatron-LM 2021's fp16 all-reduce)."""
+    overlap_param_gather: bool = False
+    """Price ZeRO-1's parameter all-gather overlapped with the next step's forwards (the
+    engine's `overlap_param_gather`, `PlanContext.overlap_param_gather`); False: exposed."""
     top: int = 10
     """Configurations kept exactly ranked (the bound never skips one of them)."""
     prune: bool = True
@@ -391,7 +394,8 @@ def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                        extra_parameter_bytes=options.extra_parameter_bytes,
                        overlap_grad_reduce_unpipelined=options.overlap_grad_reduce_unpipelined,
                        uniform_layers=options.uniform_layers, blocking_p2p=options.blocking_p2p,
-                       grad_reduce_bytes=options.grad_reduce_bytes)
+                       grad_reduce_bytes=options.grad_reduce_bytes,
+                       overlap_param_gather=options.overlap_param_gather)
 
 
 def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: PlanConfig,

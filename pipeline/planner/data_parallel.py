@@ -1,0 +1,75 @@
+"""Price the data-parallel side of a step: the gradient reduction and ZeRO-1's parameter
+all-gather for the simulator's lane (`schedules.analysis.reduction`, `.gather`), and the update."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.memory import PARAM_BYTES
+from pipeline.planner.pricing import allreduce_seconds
+from pipeline.planner.stages import StageTable
+from schedules import GradReduction, ParamGather
+
+__all__ = ["BUCKET_PARAMETERS", "grad_reduction", "param_gather", "stage_buckets",
+           "update_seconds"]
+
+BUCKET_PARAMETERS = 40_000_000
+"""Gradients a data-parallel bucket holds: Megatron's default (`--ddp-bucket-size`, 40M
+elements); the engine's hooks launch one bucket's reduction as soon as it is full."""
+# Adam reads parameter, gradient and both moments and writes parameter and moments: 7 fp32
+# values of memory traffic per parameter (a memory-bound update).
+_ADAM_TRAFFIC = 7 * 4.0
+
+
+def stage_buckets(table: StageTable) -> list[int]:
+    """Buckets per stage: its parameters in `BUCKET_PARAMETERS` (the reduce-scatter's and
+    the all-gather's: ZeRO-1 shards each bucket, `pipeline.parallel.zero_layout`)."""
+    return [max(1, -(-int(params) // BUCKET_PARAMETERS)) for params in table.params]
+
+
+def grad_reduction(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int, zero_stage: int,
+                   grad_reduce_bytes: float, overlap: bool) -> GradReduction | None:
+    """Each stage's data-parallel reduction for the simulator, which places it on the rank's
+    timeline by the engine's rule (buckets launched from the hooks of the stage's last fused
+    backward as they become final, one after another on one stream; only what cannot hide
+    behind that backward is exposed). ZeRO-1 reduce-scatters: half an all-reduce's traffic.
+    Without `overlap`, everything starts once the rank's pipeline has drained (Narayanan et
+    al. 2021). None where dp = 1."""
+    if dp == 1:
+        return None
+    seconds = [allreduce_seconds(float(params) * grad_reduce_bytes, dp, tp, cluster)
+               / (2 if zero_stage else 1) for params in table.params]
+    return GradReduction(time=seconds, buckets=stage_buckets(table),
+                         start="overlap" if overlap else "after_flush")
+
+
+def _gather_seconds(params: float, dp: int, tp: int, cluster: ClusterSpec) -> float:
+    """All-gathering `params` updated parameters over `dp` ranks: half an all-reduce."""
+    return allreduce_seconds(params * PARAM_BYTES, dp, tp, cluster) / 2
+
+
+def param_gather(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
+                 zero_stage: int) -> ParamGather | None:
+    """ZeRO-1's overlapped parameter all-gather per stage for the simulator (the engine's
+    `overlap_param_gather`): each stage's first forward of the next step waits, layer by
+    layer, for the buckets holding its parameters (`schedules.analysis.gather`; the stage's
+    layers taken as equal). None without ZeRO-1 or where dp = 1."""
+    if not zero_stage or dp == 1:
+        return None
+    return ParamGather(time=[_gather_seconds(float(x), dp, tp, cluster) for x in table.params],
+                       buckets=stage_buckets(table), overlap=True,
+                       layers=[len(stage) for stage in table.stages])
+
+
+def update_seconds(rank_params: np.ndarray, cluster: ClusterSpec, *, dp: int, tp: int,
+                   zero_stage: int, overlap_param_gather: bool
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: optimizer step seconds and the ZeRO-1 all-gather seconds exposed after it
+    (blocking: all of it; with `overlap_param_gather` none here, the simulator places it)."""
+    shard = rank_params / (dp if zero_stage else 1)
+    step = cluster.op_overhead + shard * _ADAM_TRAFFIC / cluster.memory_bandwidth
+    if not zero_stage or overlap_param_gather:
+        return step, np.zeros(len(rank_params))
+    # ZeRO-1: reduce-scatter before the step (overlapped), all-gather after it (exposed)
+    return step, np.array([_gather_seconds(x, dp, tp, cluster) for x in rank_params])
