@@ -40,6 +40,10 @@ CASES = {
     "megatron-2021-engine": (SMALL, _cluster(40.0, 2), 32, SearchOptions(
         schedules=("1f1b", "interleaved"), uniform_layers=True, blocking_p2p=True,
         overlap_grad_reduce=False, extra_parameter_bytes=2.0, grad_reduce_bytes=2.0)),
+    # ZeRO-1's parameter gather overlapped with the next forwards: priced by the simulator,
+    # none of it in the bound's update
+    "overlapped-param-gather": (SMALL, _cluster(12.0, 2), 32, SearchOptions(
+        max_chunks=2, overlap_param_gather=True)),
     "deeper-tight-zero": (DEEP, _cluster(10.0, 2), 64, SearchOptions(
         max_chunks=4, tensor_parallel=(1, 2),
         schedules=("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h2", "zb-v"))),
