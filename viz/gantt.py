@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BAR_HEIGHT",
+    "GATHER_LABEL",
     "IDLE_LABEL",
     "REDUCE_LABEL",
     "Margins",
@@ -57,6 +58,11 @@ REDUCE_LABEL = "reduce"
 """Label of the bar container holding a simulated gradient reduction's buckets."""
 _REDUCE_COLOUR = "#8e44ad"
 _REDUCE_CODE = KIND_CODES[Kind.REDUCE_GRAD]
+GATHER_LABEL = "gather"
+"""Label of the bar container holding a simulated ZeRO-1 parameter gather's buckets (STEP
+rows of a timeline with `gather_ends`)."""
+_GATHER_COLOUR = "#16a085"
+_GATHER_CODE = KIND_CODES[Kind.STEP]
 _ORDER = (Kind.F, Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)
 
 
@@ -95,8 +101,10 @@ def idle_gaps(timeline: Timeline) -> list[tuple[np.ndarray, np.ndarray]]:
 def timeline_title(timeline: Timeline, result: Figures, axis: TimeAxis) -> str:
     """Schedule, p, m, v, makespan, bubble rate and idle fraction on one line."""
     m = timeline.num_microbatches or (int(timeline.microbatch.max()) + 1 if len(timeline) else 0)
+    parts = " and ".join(name for name, on in (("reduction", timeline.reduction_ends),
+                                               ("gather", timeline.gather_ends)) if on)
     step = "" if result.step is None else \
-        f"   step with reduction {result.step * axis.scale:.4g} {axis.unit}"
+        f"   step with {parts} {result.step * axis.scale:.4g} {axis.unit}"
     return (f"{timeline.name or 'timeline'}   p={timeline.num_ranks}  m={m}  "
             f"v={timeline.chunks}   makespan {result.makespan * axis.scale:.4g} {axis.unit}   "
             f"bubble rate {result.bubble_rate:.1%}   idle fraction {result.idle_fraction:.1%}"
@@ -165,7 +173,7 @@ def draw_timeline(ax: Axes, timeline: Timeline, axis: TimeAxis, *, width_inches:
         _draw_labels(ax, left, width, timeline.rank[select], timeline.microbatch[select],
                      colours, points_per_unit, row_points)
 
-    if timeline.reduction_ends:
+    if timeline.reduction_ends or timeline.gather_ends:
         _draw_reduction(ax, timeline, axis)
     if show_comm:
         _draw_comm(ax, timeline, axis)
@@ -187,13 +195,16 @@ def draw_timeline(ax: Axes, timeline: Timeline, axis: TimeAxis, *, width_inches:
 def _draw_reduction(ax: Axes, timeline: Timeline, axis: TimeAxis) -> None:
     """A simulated gradient reduction: its buckets as a band along the top of each row (the
     rank's communication lane, under and after its compute)."""
-    select = timeline.kind == _REDUCE_CODE
-    if select.any():
-        add_bars(ax, timeline.rank[select] - BAR_HEIGHT / 2 - _COMM_HEIGHT / 2,
-                 axis.to_axis(timeline.start[select]),
-                 (timeline.end[select] - timeline.start[select]) * axis.scale,
-                 _COMM_HEIGHT * 1.4, REDUCE_LABEL, facecolors=_REDUCE_COLOUR,
-                 edgecolors="white", linewidths=0.4, alpha=0.9, zorder=5)
+    lanes = [(_REDUCE_CODE, REDUCE_LABEL, _REDUCE_COLOUR, timeline.reduction_ends),
+             (_GATHER_CODE, GATHER_LABEL, _GATHER_COLOUR, timeline.gather_ends)]
+    for code, label, colour, present in lanes:
+        select = timeline.kind == code
+        if present and select.any():
+            add_bars(ax, timeline.rank[select] - BAR_HEIGHT / 2 - _COMM_HEIGHT / 2,
+                     axis.to_axis(timeline.start[select]),
+                     (timeline.end[select] - timeline.start[select]) * axis.scale,
+                     _COMM_HEIGHT * 1.4, label, facecolors=colour,
+                     edgecolors="white", linewidths=0.4, alpha=0.9, zorder=5)
 
 
 def _draw_comm(ax: Axes, timeline: Timeline, axis: TimeAxis) -> None:
@@ -203,6 +214,8 @@ def _draw_comm(ax: Axes, timeline: Timeline, axis: TimeAxis) -> None:
     other = ~is_comm & ~timeline.compute_mask()
     if timeline.reduction_ends:  # drawn on their own lane
         other &= timeline.kind != _REDUCE_CODE
+    if timeline.gather_ends:
+        other &= timeline.kind != _GATHER_CODE
     for select, label, colour in ((is_comm, "comm", COMM_COLOUR), (other, "other", "#8e44ad")):
         if select.any():
             add_bars(ax, timeline.rank[select] + BAR_HEIGHT / 2 - _COMM_HEIGHT / 2,
@@ -234,6 +247,9 @@ def legend_handles(timeline: Timeline, show_comm: bool = False) -> list[Artist]:
     if timeline.reduction_ends and Kind.REDUCE_GRAD in present:
         handles.append(Patch(facecolor=_REDUCE_COLOUR, label="gradient reduction (bucket)"))
         present = present - {Kind.REDUCE_GRAD}
+    if timeline.gather_ends and Kind.STEP in present:
+        handles.append(Patch(facecolor=_GATHER_COLOUR, label="parameter gather (bucket)"))
+        present = present - {Kind.STEP}
     if show_comm and present - COMM_KINDS - COMPUTE_KINDS:
         handles.append(Patch(facecolor="#8e44ad", label="other"))
     return handles

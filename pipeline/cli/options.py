@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import math
 
-from schedules import SCHEDULES, CostModel, GradReduction
+from schedules import SCHEDULES, CostModel, GradReduction, ParamGather
 from schedules.analysis.reduction import ring_reduction_time
 from schedules.ir.limits import MAX_COST, check_schedule_size
 
-__all__ = ["BUCKET_BYTES", "MAX_SEARCHED_WORK", "add_cost_arguments", "add_reduction_arguments",
-           "add_schedule_arguments", "check_size", "chunks_of", "cost_model", "cost_number",
-           "grad_reduction", "non_negative_float", "positive_float", "positive_int",
-           "timeout_seconds"]
+__all__ = ["BUCKET_BYTES", "MAX_SEARCHED_WORK", "add_cost_arguments", "add_gather_arguments",
+           "add_reduction_arguments", "add_schedule_arguments", "check_size", "chunks_of",
+           "cost_model", "cost_number", "grad_reduction", "non_negative_float", "param_gather",
+           "positive_float", "positive_int", "timeout_seconds"]
 
 BUCKET_BYTES = 25 * 2**20
 """The engine's default gradient bucket (`ParallelConfig.bucket_mb`, DDP's 25 MiB)."""
@@ -159,10 +159,45 @@ def grad_reduction(args: argparse.Namespace, chunks: int = 1) -> GradReduction |
                                    zero_stage=args.zero_stage)
     else:
         time = time / chunks
-    buckets = args.reduce_buckets or (max(1, math.ceil(params / BUCKET_BYTES))
-                                      if params else 1)
-    return GradReduction(time=time, buckets=buckets,
+    return GradReduction(time=time, buckets=_buckets(args),
                          start="overlap" if args.overlap_grad_reduce else "after_backward")
+
+
+def _buckets(args: argparse.Namespace) -> int:
+    """--reduce-buckets, else --params-bytes in the engine's buckets, else 1."""
+    params = getattr(args, "params_bytes", None)
+    return args.reduce_buckets or (max(1, math.ceil(params / BUCKET_BYTES)) if params else 1)
+
+
+def add_gather_arguments(parser: argparse.ArgumentParser) -> None:
+    """ZeRO-1's parameter all-gather after the step (off unless --gather-time is given)."""
+    group = parser.add_argument_group(
+        "ZeRO-1 parameter all-gather (simulated when --gather-time is given, with "
+        "--zero-stage 1; in the reduction's buckets, --reduce-buckets)")
+    group.add_argument("--gather-time", type=cost_number, default=None, metavar="TG",
+                       help="time of one rank's whole parameter all-gather after the step; "
+                            "with v chunks each chunk's is TG/v")
+    group.add_argument("--overlap-param-gather", action="store_true",
+                       help="leave the gathers in flight for the next step's forwards, each "
+                            "layer waiting for its own buckets (default: blocking at STEP, "
+                            "after the reduction)")
+    group.add_argument("--gather-layers", type=positive_int, default=None, metavar="N",
+                       help="with --overlap-param-gather: equal layers per stage, each waiting "
+                            "for the buckets holding its parameters (default: as many as "
+                            "buckets)")
+
+
+def param_gather(args: argparse.Namespace, chunks: int = 1) -> ParamGather | None:
+    """The `ParamGather` the gather arguments describe (None when not asked for)."""
+    if args.gather_time is None:
+        if args.overlap_param_gather or args.gather_layers is not None:
+            raise ValueError("--overlap-param-gather and --gather-layers describe the gather: "
+                             "give --gather-time too")
+        return None
+    if getattr(args, "zero_stage", 0) != 1:
+        raise ValueError("--gather-time is ZeRO-1's parameter all-gather: add --zero-stage 1")
+    return ParamGather(time=args.gather_time / chunks, buckets=_buckets(args),
+                       overlap=args.overlap_param_gather, layers=args.gather_layers)
 
 
 MAX_SEARCHED_WORK = 16_384

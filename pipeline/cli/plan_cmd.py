@@ -83,6 +83,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="tensor parallelism with sequence parallelism (norms, dropout and "
                              "their activations split over tp)")
+    parser.add_argument("--overlap-param-gather", action="store_true",
+                        help="price ZeRO-1's parameter all-gather overlapped with the next "
+                             "step's forwards (the engine's overlap_param_gather; default: "
+                             "exposed after the step, the engine's default)")
     parser.add_argument("--device-profile", default=None, metavar="FILE",
                         help="price GEMMs and links from `pipesched profile-device` output")
     parser.add_argument("--price", default=None, metavar="CONFIG",
@@ -224,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
               f"global batch {args.global_batch}\n")
     if args.price:
         config = parse_config(args.price, cluster.num_devices, args.global_batch)
-        prediction = price(model, cluster, args.global_batch, config, precision=precision)
+        prediction = price(model, cluster, args.global_batch, config, precision=precision,
+                           options=SearchOptions(overlap_param_gather=args.overlap_param_gather))
         if args.json:
             print(json.dumps(prediction.to_dict()))
         else:
@@ -241,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
                             data_parallel=_sizes(args.dp, "dp"),
                             microbatch_sizes=_sizes(args.microbatch_size, "microbatch-size"),
                             zero_stages=_zero_stages(args.zero),
-                            recompute_choices=_recompute(args), top=args.top)
+                            recompute_choices=_recompute(args), top=args.top,
+                            overlap_param_gather=args.overlap_param_gather)
     tensor_parallel = options.tensor_parallel or (
         divisors(cluster.devices_per_node) if model.tensor_parallel_ok else (1,))
     check_plan_work(len(model.layers), cluster.nodes, cluster.devices_per_node, tensor_parallel,

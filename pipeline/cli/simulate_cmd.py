@@ -11,6 +11,7 @@ from typing import Any
 
 from pipeline.cli.options import (
     add_cost_arguments,
+    add_gather_arguments,
     add_reduction_arguments,
     add_schedule_arguments,
     check_size,
@@ -18,6 +19,7 @@ from pipeline.cli.options import (
     cost_model,
     grad_reduction,
     non_negative_float,
+    param_gather,
     positive_int,
 )
 from pipeline.cli.output_paths import figure_path, trace_path
@@ -38,6 +40,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_memory_arguments(parser)
     add_reduction_arguments(parser)
+    add_gather_arguments(parser)
     add_output_arguments(parser)
     parser.set_defaults(func=run)
 
@@ -87,14 +90,21 @@ def format_figures(name: str, p: int, m: int, v: int, result: Figures) -> str:
         "",
         f"{'rank':>4}  {'busy':>10}  {'peak activations':>16}  {'peak bytes':>12}",
     ]
-    if result.step is not None:  # a simulated gradient reduction: its column and the step
-        lines[1] += f"   step {result.step:.3f} (with the gradient reduction)"
-        lines[-1] += f"  {'exposed reduction':>17}"
+    if result.step is not None:  # a simulated reduction or gather: their columns, the step
+        parts = [name for name, on in (("the gradient reduction", result.exposed_reduction),
+                                       ("the parameter gather", result.exposed_gather)) if on]
+        lines[1] += f"   step {result.step:.3f} (with {' and '.join(parts)})"
+        if result.exposed_reduction:
+            lines[-1] += f"  {'exposed reduction':>17}"
+        if result.exposed_gather:
+            lines[-1] += f"  {'exposed gather':>14}"
     for rank, (busy, peak, peak_bytes) in enumerate(zip(result.busy, result.peak_activations,
                                                         result.peak_activation_bytes)):
         lines.append(f"{rank:>4}  {busy:>10.3f}  {peak:>16}  {peak_bytes:>12.0f}")
-        if result.step is not None:
+        if result.exposed_reduction:
             lines[-1] += f"  {result.exposed_reduction[rank]:>17.3f}"
+        if result.exposed_gather:
+            lines[-1] += f"  {result.exposed_gather[rank]:>14.3f}"
     return "\n".join(lines)
 
 
@@ -118,9 +128,11 @@ def run(args: argparse.Namespace) -> int:
     check_size(args.schedule, args, args.chunks)
     costs = cost_model(args, chunks_of(args))
     reduction = grad_reduction(args, chunks_of(args))
+    gather = param_gather(args, chunks_of(args))
     schedule = build_schedule(args.schedule, args.stages, args.microbatches, args.chunks,
                               memory_limit=args.memory_limit, costs=costs)
-    timeline = simulate(schedule, dataclasses.replace(costs, reduction=reduction))
+    timeline = simulate(schedule, dataclasses.replace(costs, reduction=reduction,
+                                                      gather=gather))
     result = figures(timeline)
     memory = None
     if args.params_bytes is not None:
