@@ -13,9 +13,9 @@ reductions (`StepStats.exposed_reduction`), plain dp and ZeRO-1, with and withou
 `overlap_grad_reduce`, p = 1 (the whole reduction follows the last backward), and blocked on
 ZeRO-1's parameter all-gathers (`StepStats.exposed_gather`: at STEP, or with
 `overlap_param_gather` in the next step's forwards), same processes, steps in turn; beside
-the exposed reduction the simulator's prediction (`schedules.GradReduction`, the rule the
-planner prices) from the step's measured F and B times and the buckets' collectives timed
-alone in the same processes.
+the exposed reduction and gather the simulator's predictions (`schedules.GradReduction`,
+`schedules.ParamGather`, the rules the planner prices) from the step's measured F and B times
+and the buckets' collectives timed alone in the same processes.
 
 Section "bf16-curve": the demo language model (pp 2 × dp 2, ZeRO-1, 1F1B, Adam) for 100
 steps in fp32 and in bf16 with half parameters, same processes, same data; the largest
@@ -57,7 +57,7 @@ from pipeline import PipelineEngine, PipelineModule, launch
 from pipeline.demo.language_model import TinyLMConfig, lm_layers, lm_loss, synthetic_batch
 from pipeline.parallel.model_state import count_model_states
 from pipeline.runtime.trace import measured_costs
-from schedules import GradReduction, figures, simulate
+from schedules import GradReduction, ParamGather, figures, simulate
 
 __all__ = ["bf16_curve_section", "model_state_rows", "overlap_rows", "overlap_section",
            "states_section"]
@@ -156,6 +156,29 @@ def _bucket_seconds(zero: int, numel: int, bucket_mb: float, repeats: int = 5) -
     return statistics.median(times)
 
 
+def _gather_seconds(numel: int, bucket_mb: float, repeats: int = 5) -> float:
+    """Seconds of one stage's parameter all-gathers back to back, as the engine issues them
+    (`pipeline.parallel.param_gather`: one async all_gather per bucket into views of the
+    flat buffer, from a copy of the rank's piece, then the waits). The median of `repeats`."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per_bucket = max(world, int(bucket_mb * 2**20) // 4 // world * world)
+    flat = torch.zeros(-(-numel // per_bucket) * per_bucket)
+    piece = per_bucket // world
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        pending = []
+        for lo in range(0, len(flat), per_bucket):
+            outputs = [flat[lo + q * piece:lo + (q + 1) * piece] for q in range(world)]
+            mine = outputs[rank].clone()
+            pending.append((dist.all_gather(outputs, mine, async_op=True), mine))
+        for work, _ in pending:
+            work.wait()  # type: ignore[union-attr]
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 OVERLAP_CONFIGS = [(0, False, False), (0, True, False), (1, False, False), (1, True, False),
                    (1, True, True)]
 """(ZeRO stage, overlap_grad_reduce, overlap_param_gather) per row of the overlap section."""
@@ -163,10 +186,10 @@ OVERLAP_CONFIGS = [(0, False, False), (0, True, False), (1, False, False), (1, T
 
 def _measure_overlap(steps: int, rounds: int = 2, bucket_mb: float = 1.0) -> list[list[float]]:
     """Per configuration: [exposed reduction, exposed gather, step, simulated exposed
-    reduction] seconds, median over steps, mean over ranks; the configurations take turns in
-    the same processes, `steps` consecutive steps each per round (consecutive: an overlapped
-    gather must be waited for by the same engine's next forward, not hidden behind another
-    engine's step)."""
+    reduction, simulated exposed gather] seconds, median over steps, mean over ranks; the
+    configurations take turns in the same processes, `steps` consecutive steps each per round
+    (consecutive: an overlapped gather must be waited for by the same engine's next forward,
+    not hidden behind another engine's step)."""
     world = dist.get_world_size()
     engines = [_engine("fp32", zero, overlap=overlap, bucket_mb=bucket_mb, num_microbatches=4,
                        overlap_gather=gather) for zero, overlap, gather in OVERLAP_CONFIGS]
@@ -174,11 +197,12 @@ def _measure_overlap(steps: int, rounds: int = 2, bucket_mb: float = 1.0) -> lis
     buckets = max(1, -(-numel * 4 // int(bucket_mb * 2**20)))
     torch.manual_seed(2)
     x, y = torch.randn(64, WIDTH), torch.randn(64, WIDTH)
-    measured: list[list[list[float]]] = [[[], [], [], []] for _ in OVERLAP_CONFIGS]
+    measured: list[list[list[float]]] = [[[], [], [], [], []] for _ in OVERLAP_CONFIGS]
     for _ in range(rounds):
         reduce = {zero: _bucket_seconds(zero, numel, bucket_mb) for zero in (0, 1)}
+        gathered = _gather_seconds(numel, bucket_mb)
         for index, engine in enumerate(engines):
-            zero, overlap, _gather = OVERLAP_CONFIGS[index]
+            zero, overlap, overlap_gather = OVERLAP_CONFIGS[index]
             for k in range(steps // rounds + 1):
                 engine.train_batch(x, y)
                 stats = engine.last_stats
@@ -186,11 +210,16 @@ def _measure_overlap(steps: int, rounds: int = 2, bucket_mb: float = 1.0) -> lis
                     costs = measured_costs(engine.last_timeline()).cost_model(1)
                     reduction = GradReduction(time=reduce[zero], buckets=buckets,
                                               start="overlap" if overlap else "after_backward")
-                    predicted = figures(simulate(engine.schedule,
-                                                 replace(costs, reduction=reduction)))
-                    for column, value in enumerate((stats.exposed_reduction,
-                                                    stats.exposed_gather, stats.step_time,
-                                                    predicted.exposed_reduction[0])):
+                    # ZeRO-1's gathers in the reduction's buckets, each of the stage's layers
+                    # waiting for its own (`schedules.analysis.gather`)
+                    gather = ParamGather(time=gathered, buckets=buckets, overlap=overlap_gather,
+                                         layers=LAYERS) if zero else None
+                    predicted = figures(simulate(engine.schedule, replace(
+                        costs, reduction=reduction, gather=gather)))
+                    for column, value in enumerate((
+                            stats.exposed_reduction, stats.exposed_gather, stats.step_time,
+                            predicted.exposed_reduction[0],
+                            predicted.exposed_gather[0] if zero else 0.0)):
                         measured[index][column].append(value)
     mine = torch.tensor([[statistics.median(column) for column in row] for row in measured],
                         dtype=torch.float64)
@@ -205,16 +234,18 @@ def overlap_rows(world: int = 2, steps: int = 10) -> list[str]:
     rows = launch(_measure_overlap, world, steps, join_timeout=1800)[0]
     lines = [f"fp32, p = 1, dp = {world}, m = 4, 1 MiB buckets, {LAYERS} × Linear({WIDTH}), "
              f"Adam; median over {steps} steps, mean over ranks. Simulated: the step's own "
-             "measured F and B, the buckets' reductions (with their host work) timed alone "
-             "just before; measured times on a shared 2-core CPU are noisy (compare within "
-             "one run)",
+             "measured F and B, the buckets' reductions (with their host work) and "
+             "all-gathers timed alone just before; measured times on a shared 2-core CPU are "
+             "noisy (compare within one run)",
              "| ZeRO | overlap_grad_reduce | overlap_param_gather | exposed reduction (ms/step) "
-             "| simulated (ms/step) | exposed gather (ms/step) | step (ms) |",
-             "|---|---|---|---|---|---|---|"]
-    for (zero, overlap, gather), (exposed, gathered, step, simulated) in zip(OVERLAP_CONFIGS,
-                                                                              rows):
+             "| simulated (ms/step) | exposed gather (ms/step) | simulated (ms/step) "
+             "| step (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (zero, overlap, gather), (exposed, gathered, step, simulated, simulated_gather) in zip(
+            OVERLAP_CONFIGS, rows):
         lines.append(f"| {zero} | {overlap} | {gather if zero else '-'} | {exposed * 1e3:.1f} "
-                     f"| {simulated * 1e3:.1f} | {gathered * 1e3:.1f} | {step * 1e3:.1f} |")
+                     f"| {simulated * 1e3:.1f} | {gathered * 1e3:.1f} "
+                     f"| {simulated_gather * 1e3:.1f} | {step * 1e3:.1f} |")
     return lines
 
 
