@@ -261,17 +261,17 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
         joined(run.starts, np.float64), ends,
         name=schedule.name, num_microbatches=schedule.num_microbatches, chunks=schedule.chunks,
         activation_bytes=tuple(act))
-    if (costs.reduction is None and gather is None) or not schedule.has_backward:
-        return timeline
-    gathers = None if gather is None else gather.resolve(schedule.num_stages)
-    early = gathers is not None and gather is not None and gather.overlap
-    free = [sum(gathers[0][s] for s in schedule.stages_of(rank)) if early and gathers
-            else 0.0 for rank in range(schedule.num_ranks)]
+    if gather is None:
+        if costs.reduction is None or not schedule.has_backward:
+            return timeline
+        return _with_reduction(timeline, reduce_gradients(schedule, run, costs.reduction))
+    gathers = gather.resolve(schedule.num_stages)
+    # overlapped, the previous step's gathers hold the lane from the step's start
+    free = [sum(gathers[0][s] for s in schedule.stages_of(rank)) if gather.overlap else 0.0
+            for rank in range(schedule.num_ranks)]
     lanes = None if costs.reduction is None else \
         reduce_gradients(schedule, run, costs.reduction, free_at=free)
     timeline = timeline if lanes is None else _with_reduction(timeline, lanes)
-    if gather is None or gathers is None:
-        return timeline
     return _with_gather(timeline, schedule, run, gathers, gather.overlap, lanes)
 
 
