@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -130,13 +130,13 @@ def with_host_costs(costs: CostModel, host: HostCosts, schedule: Schedule,
         raise TypeError("with_host_costs needs a CostModel, a HostCosts and the Schedule")
     forward, backward, weight, _, act = costs.resolve(schedule.num_stages)
     split = {op.stage for stream in schedule.streams for op in stream if op.kind is Kind.I}
-    return CostModel(
+    # replace(): every other field of `costs` (overlap, reduction, gather, ...) carries over
+    return replace(
+        costs,
         forward=[f + host.of(Kind.F, s) for s, f in enumerate(forward)],
         backward=[b + host.of(Kind.I if s in split else Kind.B, s)
                   for s, b in enumerate(backward)],
         weight=[w + (host.of(Kind.W, s) if s in split else 0.0) for s, w in enumerate(weight)],
         comm=costs.comm if link is None else link.latency,
         activation_bytes=act,
-        bandwidth=costs.bandwidth if link is None else link.bandwidth,
-        overlap=costs.overlap,
-        reduction=costs.reduction)
+        bandwidth=costs.bandwidth if link is None else link.bandwidth)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedules import (
     CostModel,
+    GradReduction,
     Kind,
+    ParamGather,
     ScheduleConfigError,
     Span,
     Timeline,
@@ -95,3 +99,17 @@ def test_host_costs_keep_dualpipe_overlap_fraction() -> None:
     assert span == pytest.approx(figures(simulate(schedule, nominal)).makespan)
     assert span < figures(simulate(schedule, CostModel(forward=1.0, backward=1.0,
                                                        weight=1.0))).makespan
+
+
+def test_host_costs_keep_every_field_they_do_not_change() -> None:
+    # regression: the CostModel was rebuilt field by field, so each new field (overlap, then
+    # reduction, then gather) was dropped until someone listed it
+    schedule = build_schedule("1f1b", 2, 4)
+    nominal = CostModel(forward=1.0, backward=1.0, weight=1.0, overlap=0.7,
+                        reduction=GradReduction(time=2.0, buckets=2),
+                        gather=ParamGather(time=1.0, buckets=2, overlap=True))
+    kept = with_host_costs(nominal, HostCosts({}), schedule)
+    changed = {"forward", "backward", "weight", "comm", "activation_bytes", "bandwidth"}
+    for spec in fields(CostModel):
+        if spec.name not in changed:
+            assert getattr(kept, spec.name) == getattr(nominal, spec.name), spec.name
