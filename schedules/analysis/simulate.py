@@ -61,6 +61,24 @@ def _check_per_stage(name: str, value: object) -> None:
                                   f"one per stage), got {value!r}")
 
 
+def _check_counts(name: str, value: object, *, optional: bool = False) -> None:
+    counts = [value] if isinstance(value, int) else value
+    if optional and value is None:
+        return
+    if not isinstance(counts, Sequence) or not counts or not all(
+            isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in counts):
+        raise ScheduleConfigError(f"{name} must be a whole number >= 1 (or one per stage), "
+                                  f"got {value!r}")
+
+
+def _counts(name: str, value: int | Sequence[int], num_stages: int) -> list[int]:
+    counts = [value] * num_stages if isinstance(value, int) else list(value)
+    if len(counts) != num_stages:
+        raise ScheduleConfigError(f"{name} has {len(counts)} values but the schedule has "
+                                  f"{num_stages} stages; give one number, or one per stage")
+    return counts
+
+
 @dataclass(frozen=True, kw_only=True)
 class GradReduction:
     """The data-parallel gradient reduction of every stage, placed on each rank's timeline by
@@ -79,42 +97,15 @@ class GradReduction:
 
     def __post_init__(self) -> None:
         _check_per_stage("reduction time", self.time)
-        counts = [self.buckets] if isinstance(self.buckets, int) else self.buckets
-        if not isinstance(counts, Sequence) or not counts or not all(
-                isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in counts):
-            raise ScheduleConfigError(f"buckets must be a whole number >= 1 (or one per "
-                                      f"stage), got {self.buckets!r}")
+        _check_counts("buckets", self.buckets)
         if self.start not in REDUCTION_STARTS:
             raise ScheduleConfigError(f"start must be one of {', '.join(REDUCTION_STARTS)}, "
                                       f"got {self.start!r}")
 
     def resolve(self, num_stages: int) -> tuple[list[float], list[int]]:
         """Reduction time and bucket count, one per stage."""
-        times = _per_stage("reduction time", self.time, num_stages)
-        counts = [self.buckets] * num_stages if isinstance(self.buckets, int) else \
-            list(self.buckets)
-        if len(counts) != num_stages:
-            raise ScheduleConfigError(f"buckets has {len(counts)} values but the schedule has "
-                                      f"{num_stages} stages; give one number, or one per stage")
-        return times, counts
-
-
-def _check_counts(name: str, value: object, *, optional: bool = False) -> None:
-    counts = [value] if isinstance(value, int) else value
-    if optional and value is None:
-        return
-    if not isinstance(counts, Sequence) or not counts or not all(
-            isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in counts):
-        raise ScheduleConfigError(f"{name} must be a whole number >= 1 (or one per stage), "
-                                  f"got {value!r}")
-
-
-def _counts(name: str, value: int | Sequence[int], num_stages: int) -> list[int]:
-    counts = [value] * num_stages if isinstance(value, int) else list(value)
-    if len(counts) != num_stages:
-        raise ScheduleConfigError(f"{name} has {len(counts)} values but the schedule has "
-                                  f"{num_stages} stages; give one number, or one per stage")
-    return counts
+        return (_per_stage("reduction time", self.time, num_stages),
+                _counts("buckets", self.buckets, num_stages))
 
 
 @dataclass(frozen=True, kw_only=True)
