@@ -94,7 +94,7 @@ ROWS = (
 MEGATRON_2021: dict[str, Any] = {
     "schedules": ("1f1b", "interleaved"), "recompute_choices": (True,), "zero_stages": (0,),
     "overlap_grad_reduce": False, "overlap_grad_reduce_unpipelined": True,
-    "extra_parameter_bytes": 2.0, "uniform_layers": True, "interleaved_groups": True,
+    "step_gradient_bytes": 4.0, "uniform_layers": True, "interleaved_groups": True,
     "blocking_p2p": True, "grad_reduce_bytes": 2.0, "top": 1}
 """Megatron-LM as the paper ran it (the code of April 2021, commit f32a638d2d): its two
 schedules, interleaving only at p > 2 with m a multiple of p (`interleaved_groups`); the
@@ -104,11 +104,14 @@ gradient all-reduce in fp16 (`grad_reduce_bytes`), overlapped with the backward 
 DDP at p = 1 and after the pipeline flush above (`--DDP-impl torch` / `local` in the
 scripts); blocking point-to-point messages (`p2p_communication.py` waits on every
 `batch_isend_irecv`, then `torch.cuda.synchronize()`), scattered over the t ranks'
-links and gathered over NVLink. Memory: 18 bytes per parameter, 2 more than this engine's
-16. Megatron-LM 2021 holds 16 through the pipeline (fp16 weights and gradients, fp32 master
-weights, Adam's two moments; torch DDP's bucket copy adds 2 at p = 1) and makes fp32
-copies of the gradients at the optimizer step (`_copy_model_grads_to_main_grads`: 4 more,
-when the activations are gone): 18 stands between the two peaks. The word-embedding
+links and gathered over NVLink. Memory, per parameter: Megatron-LM 2021 holds 16 bytes
+through the pipeline (fp16 weights and gradients, fp32 master weights, Adam's two moments),
+as this engine does; at p = 1 torch DDP's buckets copy the fp16 gradients (2 more, the
+planner's `torch_ddp` rule); at the optimizer step, when the activations are gone, it makes
+fp32 copies of the gradients (`_copy_model_grads_to_main_grads`: 4 more,
+`step_gradient_bytes`). A rank's peak is the larger of the two: max(18P + activations,
+22P) at p = 1, max(16P + activations, 20P) above (`--DDP-impl local`'s flattened copy for
+the all-reduce, 18P after the flush, is below the step's). The word-embedding
 gradient's all-reduce between the first and last stages (tied weights) is not priced: one
 V·h/t message per step, under 0.1 % of these steps."""
 

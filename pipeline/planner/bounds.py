@@ -8,17 +8,15 @@ forwards of every stage before r's first (microbatch 0 must pass them before r s
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pipeline.planner.memory import PARAM_BYTES
+from pipeline.planner.memory import peak_rank_memory
 from pipeline.planner.peaks import WARM_UP_FORMS, same_trace_as, warm_up_held
 from pipeline.planner.predict import PlanConfig, PlanContext, schedule_placement
 from schedules import SCHEDULES
-from schedules.analysis.accounting import model_state_bytes
 
 __all__ = ["FUSED_BACKWARD", "SearchBounds"]
 
@@ -59,13 +57,11 @@ class SearchBounds:
             each = held_first.peak_bytes(self.context.table(config).held)
         b = config.microbatch_size
         held = each * b + workspace * b if config.recomputes else each * b
-        gradients, optimizer = _state_bytes(config.zero_stage, config.dp)
-        rank = int(np.argmax(params * (PARAM_BYTES + gradients + optimizer) + held))
-        parameters = float(params[rank] * PARAM_BYTES)
-        if self.context.extra_parameter_bytes:
-            parameters += float(params[rank]) * self.context.extra_parameter_bytes
-        return (parameters + float(params[rank] * gradients) + float(params[rank] * optimizer)
-                + float(held[rank]))
+        ranks = range(config.pp)  # per-rank sums: each rank one "stage", workspace in held
+        memory, _ = peak_rank_memory(params, held, np.zeros(config.pp), ranks, dp=config.dp,
+                                     zero=config.zero_stage, recompute=False,
+                                     **self.context.engine_bytes(config))
+        return memory.total
 
     def lower_bound(self, config: PlanConfig) -> float:
         """A step time no schedule can beat, the larger of two per-rank bounds:
@@ -109,10 +105,3 @@ class SearchBounds:
             chain_back = np.concatenate([[0.0], np.cumsum(chain)])[first]
             self._parts[key] = (fill, busy, chain_work, chain_back)
         return self._parts[key]
-
-
-@functools.lru_cache(maxsize=4096)
-def _state_bytes(zero: int, dp: int) -> tuple[float, float]:
-    """Gradient and optimizer bytes per parameter (`memory.peak_rank_memory`'s)."""
-    states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
-    return states.gradients, states.optimizer

@@ -96,7 +96,9 @@ def _mode(recompute: str | bool) -> str:
 
 def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                      stage_workspace: ArrayLike, placement: Sequence[int], *, dp: int,
-                     zero: int, recompute: bool) -> tuple[MemoryBreakdown, int]:
+                     zero: int, recompute: bool, extra_parameter_bytes: float = 0.0,
+                     extra_gradient_bytes: float = 0.0, step_gradient_bytes: float = 0.0
+                     ) -> tuple[MemoryBreakdown, int]:
     """Memory of the pipeline rank holding the most, and that rank.
 
     `stage_params`: parameters one tp rank holds, per stage; `rank_activations`: the
@@ -108,6 +110,11 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     Model states per parameter from `schedules.analysis.accounting.model_state_bytes`: 16 bytes
     without ZeRO, 8 + 8/dp with ZeRO-1 (Megatron's distributed optimizer: gradients in one
     buffer, Adam's moments on a 1/dp shard that is a view of the fp32 parameters).
+
+    Another engine's bytes per parameter beyond these: `extra_parameter_bytes` and
+    `extra_gradient_bytes` held through the step, `step_gradient_bytes` only at its
+    optimizer step, when no activation is left (Megatron-LM 2021's fp32 copies of the
+    gradients): a rank's peak is then the larger of its schedule's peak and its step's.
     """
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
@@ -117,8 +124,13 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     workspace = np.zeros(ranks)
     np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
     states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
-    gradients, optimizer = states.gradients, states.optimizer
+    parameters = PARAM_BYTES + extra_parameter_bytes
+    gradients, optimizer = states.gradients + extra_gradient_bytes, states.optimizer
     held = activations + (workspace if recompute else 0.0)
-    rank = int(np.argmax(params * (PARAM_BYTES + gradients + optimizer) + held))
-    return MemoryBreakdown(float(params[rank] * PARAM_BYTES), float(params[rank] * gradients),
+    during = params * (parameters + gradients + optimizer) + held
+    at_step = params * (parameters + gradients + step_gradient_bytes + optimizer)
+    rank = int(np.argmax(np.maximum(during, at_step)))
+    if at_step[rank] > during[rank]:  # the optimizer step's peak: no activations left
+        gradients, held = gradients + step_gradient_bytes, np.zeros(ranks)
+    return MemoryBreakdown(float(params[rank] * parameters), float(params[rank] * gradients),
                            float(params[rank] * optimizer), float(held[rank])), rank

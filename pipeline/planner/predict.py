@@ -143,9 +143,13 @@ class PlanContext:
     global_batch: int
     precision: str
     extra_parameter_bytes: float = 0.0
-    """Bytes per parameter an engine holds beyond `memory`'s (which prices this engine),
-    counted with the parameters: Megatron-LM keeps an fp16 working copy of its fp32 weights,
-    2 more (18 in all: Megatron's docs, "fp16 params, fp32 main grads, Adam")."""
+    """Bytes per parameter an engine holds through the step beyond `memory`'s (which prices
+    this engine), counted with the parameters."""
+    step_gradient_bytes: float = 0.0
+    """Bytes per parameter an engine holds at its optimizer step only, when no activation is
+    left, counted with the gradients: Megatron-LM 2021 makes fp32 copies of its fp16
+    gradients there (`_copy_model_grads_to_main_grads`: `main_param.grad =
+    model_param.grad.float()`), 4."""
     overlap_grad_reduce: bool = True
     """The data-parallel reduction overlaps the last backward (the engine's gradient hooks,
     Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
@@ -297,13 +301,25 @@ class PlanContext:
                                         config.chunks * config.num_microbatches)
         else:
             raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
-        held, rank = peak_rank_memory(table.params, activations, table.workspace * b,
-                                      placement, dp=config.dp, zero=config.zero_stage,
-                                      recompute=config.recomputes)
-        if self.extra_parameter_bytes:  # another engine's state, on the fullest rank
-            extra = float(self._rank_params(config)[rank]) * self.extra_parameter_bytes
-            held = replace(held, parameters=held.parameters + extra)
-        return held, rank
+        return peak_rank_memory(table.params, activations, table.workspace * b, placement,
+                                dp=config.dp, zero=config.zero_stage,
+                                recompute=config.recomputes, **self.engine_bytes(config))
+
+    def engine_bytes(self, config: PlanConfig) -> dict[str, float]:
+        """Another engine's bytes per parameter beyond this one's (`peak_rank_memory`):
+        `extra_parameter_bytes`, `step_gradient_bytes`, and torch DDP's buckets where it
+        runs (`torch_ddp`): they hold a copy of every gradient in the reduction's type
+        (`gradient_as_bucket_view=False`, torch's default then and now)."""
+        return {"extra_parameter_bytes": self.extra_parameter_bytes,
+                "extra_gradient_bytes": self.grad_reduce_bytes if self.torch_ddp(config)
+                else 0.0,
+                "step_gradient_bytes": self.step_gradient_bytes}
+
+    def torch_ddp(self, config: PlanConfig) -> bool:
+        """Whether `config` runs Megatron-LM 2021's torch DDP path (pp = 1 with
+        `overlap_grad_reduce_unpipelined`), not this engine's gradient buffer."""
+        return (not self.overlap_grad_reduce and self.overlap_grad_reduce_unpipelined
+                and config.pp == 1)
 
     def rank_sums(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
         """Per rank: parameters, the activations of one microbatch of each of its stages
@@ -431,8 +447,7 @@ class PlanContext:
 
     def _reduction(self, config: PlanConfig, table: StageTable) -> GradReduction | None:
         """Each stage's data-parallel reduction (`data_parallel.grad_reduction`)."""
-        overlap = self.overlap_grad_reduce or (self.overlap_grad_reduce_unpipelined
-                                               and config.pp == 1)
+        overlap = self.overlap_grad_reduce or self.torch_ddp(config)
         return grad_reduction(table, self.cluster, dp=config.dp, tp=config.tp,
                               zero_stage=config.zero_stage,
                               grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap)

@@ -56,8 +56,11 @@ class SearchOptions:
     of a stage's layers); False / True are none / full. None: all four when `recompute`,
     else none."""
     extra_parameter_bytes: float = 0.0
-    """Bytes per parameter the training engine holds beyond the planner's memory model
-    (`PlanContext.extra_parameter_bytes`; 2 for Megatron-LM's fp16 weights)."""
+    """Bytes per parameter the training engine holds through the step beyond the planner's
+    memory model (`PlanContext.extra_parameter_bytes`)."""
+    step_gradient_bytes: float = 0.0
+    """Bytes per parameter the engine holds at its optimizer step only
+    (`PlanContext.step_gradient_bytes`; 4 for Megatron-LM 2021's fp32 gradient copies)."""
     overlap_grad_reduce: bool = True
     """Price the data-parallel reduction overlapped with the last backward (the engine's
     hooks); False: after the pipeline drains (`PlanContext.overlap_grad_reduce`)."""
@@ -120,6 +123,10 @@ class SearchOptions:
                 z not in (0, 1) or isinstance(z, bool) for z in self.zero_stages)):
             raise PlanError(f"zero_stages={self.zero_stages!r} must be 0 and/or 1 (ZeRO-2/3 "
                             f"would communicate every microbatch, refused with pipelines)")
+        for name in ("extra_parameter_bytes", "step_gradient_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise PlanError(f"{name}={value!r} must be a number of bytes >= 0")
         if isinstance(self.grad_reduce_bytes, bool) or not isinstance(
                 self.grad_reduce_bytes, int | float) or not self.grad_reduce_bytes > 0:
             raise PlanError(f"grad_reduce_bytes={self.grad_reduce_bytes!r} must be a number "
@@ -392,6 +399,7 @@ def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
     return PlanContext(model, cluster, global_batch, precision or cluster.precision,
                        overlap_grad_reduce=options.overlap_grad_reduce,
                        extra_parameter_bytes=options.extra_parameter_bytes,
+                       step_gradient_bytes=options.step_gradient_bytes,
                        overlap_grad_reduce_unpipelined=options.overlap_grad_reduce_unpipelined,
                        uniform_layers=options.uniform_layers, blocking_p2p=options.blocking_p2p,
                        grad_reduce_bytes=options.grad_reduce_bytes,

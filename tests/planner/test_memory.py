@@ -83,3 +83,26 @@ def test_the_largest_rank_is_reported() -> None:
     memory, rank = peak_rank_memory([10.0, 10.0], [10.0, 5.0], [0.0, 0.0], [0, 1],
                                     dp=1, zero=0, recompute=False)
     assert rank == 0 and memory.activations == 10.0
+
+
+def test_a_step_only_peak_is_the_larger_of_the_two_peaks() -> None:
+    # Oracle from the definition: through the schedule a rank holds 16 B/param of states
+    # plus the extras plus its activations; at the optimizer step it holds the states, the
+    # extras and the step's bytes, and no activations; its peak is the larger.
+    params, held = [10.0, 20.0], [300.0, 50.0]
+    extra, step = 2.0, 6.0
+    during = [p * (16 + extra) + h for p, h in zip(params, held, strict=True)]
+    at_step = [p * (16 + extra + step) for p in params]
+    peaks = [max(d, s) for d, s in zip(during, at_step, strict=True)]
+    memory, rank = peak_rank_memory(params, held, [0.0, 0.0], [0, 1], dp=1, zero=0,
+                                    recompute=False, extra_gradient_bytes=extra,
+                                    step_gradient_bytes=step)
+    assert rank == peaks.index(max(peaks)) == 0 and memory.total == max(peaks)
+    assert memory.activations == 300.0 and memory.gradients == 10 * (4 + extra)
+    # more parameters on rank 1: its step peak (no activations) is now the largest
+    memory, rank = peak_rank_memory([10.0, 40.0], held, [0.0, 0.0], [0, 1], dp=1, zero=0,
+                                    recompute=False, extra_gradient_bytes=extra,
+                                    step_gradient_bytes=step)
+    assert rank == 1 and memory.activations == 0.0
+    assert memory.gradients == 40 * (4 + extra + step)
+    assert memory.total == 40 * (16 + extra + step)

@@ -40,6 +40,12 @@ CASES = {
     "megatron-2021-engine": (SMALL, _cluster(40.0, 2), 32, SearchOptions(
         schedules=("1f1b", "interleaved"), uniform_layers=True, blocking_p2p=True,
         overlap_grad_reduce=False, extra_parameter_bytes=2.0, grad_reduce_bytes=2.0)),
+    # its memory: torch DDP's bucket copy at p = 1, fp32 gradient copies at the step only
+    # (tight, so that the step's peak decides what fits on some configurations)
+    "megatron-2021-step-peak": (DEEP, _cluster(6.0, 2), 32, SearchOptions(
+        schedules=("1f1b", "interleaved"), uniform_layers=True, overlap_grad_reduce=False,
+        overlap_grad_reduce_unpipelined=True, step_gradient_bytes=4.0,
+        grad_reduce_bytes=2.0)),
     # ZeRO-1's parameter gather overlapped with the next forwards: priced by the simulator,
     # none of it in the bound's update
     "overlapped-param-gather": (SMALL, _cluster(12.0, 2), 32, SearchOptions(
