@@ -257,8 +257,10 @@ def main(argv: list[str] | None = None) -> None:
         print(scale_search())
     if args.part in ("published", "all"):
         from bench_published import published_part, sweeps_part
+        from published_sensitivity import disagreement_part
 
         print("\n".join(published_part()))
+        print("\n".join(["", *disagreement_part()]))
         print("\n".join(["", *sweeps_part()]))
     if args.part in ("local", "all"):
         print("\n".join(local_part(args.rounds)))

@@ -151,6 +151,12 @@ def _non_negative(value: object) -> bool:
 #   whitepaper, 2022). DGX H100 datasheet: 8 × 400 Gb/s ConnectX-7.
 # - A800 80GB SXM: NVIDIA A800 Tensor Core GPU datasheet (2022): the A100's chip (312 TFLOPS,
 #   2,039 GB/s) with NVLink cut to 400 GB/s (200 one way); 8 × 200 Gb/s NICs assumed as DGX A100.
+# - Memory: the total the CUDA runtime reports for each, which is what an allocator can have
+#   (torch's out-of-memory messages: A100 80GB "79.35 GiB total capacity", H100 80GB "a
+#   total capacity of 79.11 GiB", A800 80GB "79.33 GiB"; nvidia-smi lists 81,920 MiB and
+#   81,559 MiB, of which the driver keeps the rest). The CUDA context, NCCL's buffers and
+#   the allocator's fragmentation come out of it too and are not priced (0.5-1.5 GiB of
+#   "non-PyTorch memory" in the same messages): set `device_memory` lower for a margin.
 # Efficiencies, calibrated once against Narayanan et al. 2021 (Megatron-LM, SC'21, Table 1;
 # benchmarks/bench_plan.py --part published): a full 256 × 128 GEMM tile reaches 0.70 of an
 # SM's peak (the 2021 runs; cuBLAS reaches ~0.8 today), element-wise kernels
@@ -162,19 +168,19 @@ _DEVICE_MODEL: dict[str, Any] = {
     "kernel_overhead": 4e-6}
 PRESETS: dict[str, ClusterSpec] = {
     "a100-80g": ClusterSpec(
-        name="a100-80g", nodes=1, devices_per_node=8, device_memory=80 * GIB,
+        name="a100-80g", nodes=1, devices_per_node=8, device_memory=79.35 * GIB,
         peak_flops=_A100, achieved_fraction=0.5, intra_bandwidth=300e9, intra_latency=5e-6,
         inter_bandwidth=25e9, inter_latency=10e-6, memory_bandwidth=2.039e12,
         op_overhead=20e-6, sm_count=108, nics_per_node=8, nic_bandwidth=25e9,
         **_DEVICE_MODEL),
     "h100-80g": ClusterSpec(
-        name="h100-80g", nodes=1, devices_per_node=8, device_memory=80 * GIB,
+        name="h100-80g", nodes=1, devices_per_node=8, device_memory=79.11 * GIB,
         peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, achieved_fraction=0.5,
         intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
         memory_bandwidth=3.35e12, op_overhead=20e-6, sm_count=132, nics_per_node=8,
         nic_bandwidth=50e9, **_DEVICE_MODEL),
     "a800-80g": ClusterSpec(
-        name="a800-80g", nodes=1, devices_per_node=8, device_memory=80 * GIB,
+        name="a800-80g", nodes=1, devices_per_node=8, device_memory=79.33 * GIB,
         peak_flops=_A100, achieved_fraction=0.5, intra_bandwidth=200e9, intra_latency=5e-6,
         inter_bandwidth=25e9, inter_latency=10e-6, memory_bandwidth=2.039e12,
         op_overhead=20e-6, sm_count=108, nics_per_node=8, nic_bandwidth=25e9,
