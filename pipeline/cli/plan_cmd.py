@@ -34,6 +34,12 @@ CLUSTER FILES
   memory_efficiency, kernel_overhead, nics_per_node, nic_bandwidth, link_efficiency; or
   measure it: pipesched profile-device --output dev.json, then --device-profile dev.json.
 
+ENGINES
+  --engine megatron-2021 prices what Megatron-LM of 2021 could run and how it ran it
+  (pipeline.planner.engines.MEGATRON_LM_2021); add --precision fp16 --attention eager to
+  price it as the paper ran (benchmarks/bench_plan.py --part published). Filters may narrow
+  its schedules, ZeRO stages and recomputation modes, not widen them.
+
 PRICING ONE CONFIGURATION
   --price pp4,tp2,dp8,1f1b,b1 prints one configuration's full breakdown. Items: ppN, tpN,
   dpN (two of the three are enough), bN (microbatch size, default 1), a schedule name
@@ -87,6 +93,11 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="price ZeRO-1's parameter all-gather overlapped with the next "
                              "step's forwards (the engine's overlap_param_gather; default: "
                              "exposed after the step, the engine's default)")
+    parser.add_argument("--engine", choices=("pipesched", "megatron-2021"), default="pipesched",
+                        help="the training engine priced: pipesched (default) or megatron-2021 "
+                             "(Megatron-LM as its SC'21 paper ran it: 1F1B and interleaved "
+                             "only, even layer split, no ZeRO, fp16 all-reduce after the flush, "
+                             "blocking P2P; see ENGINES below)")
     parser.add_argument("--device-profile", default=None, metavar="FILE",
                         help="price GEMMs and links from `pipesched profile-device` output")
     parser.add_argument("--price", default=None, metavar="CONFIG",
@@ -203,6 +214,7 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.planner import SearchOptions, load_model, plan, resolve_cluster
+    from pipeline.planner.engines import engine_options
     from pipeline.planner.limits import (
         MAX_DEVICES,
         MAX_GLOBAL_BATCH,
@@ -228,8 +240,10 @@ def run(args: argparse.Namespace) -> int:
               f"global batch {args.global_batch}\n")
     if args.price:
         config = parse_config(args.price, cluster.num_devices, args.global_batch)
+        engine = engine_options(args.engine, overlap_param_gather=args.overlap_param_gather
+                                or None)
         prediction = price(model, cluster, args.global_batch, config, precision=precision,
-                           options=SearchOptions(overlap_param_gather=args.overlap_param_gather))
+                           options=SearchOptions(**engine))
         if args.json:
             print(json.dumps(prediction.to_dict()))
         else:
@@ -239,15 +253,13 @@ def run(args: argparse.Namespace) -> int:
     if args.tp is not None and args.tensor_parallel is not None:
         raise ValueError("--tp and --tensor-parallel are the same filter; give one")
     tp_flag = "tp" if args.tp is not None else "tensor-parallel"
-    defaults = SearchOptions()
-    options = SearchOptions(schedules=_names(args.schedules, "schedules") or defaults.schedules,
-                            tensor_parallel=_sizes(args.tp or args.tensor_parallel, tp_flag),
-                            pipeline_parallel=_sizes(args.pp, "pp"),
-                            data_parallel=_sizes(args.dp, "dp"),
-                            microbatch_sizes=_sizes(args.microbatch_size, "microbatch-size"),
-                            zero_stages=_zero_stages(args.zero),
-                            recompute_choices=_recompute(args), top=args.top,
-                            overlap_param_gather=args.overlap_param_gather)
+    options = SearchOptions(**engine_options(
+        args.engine, schedules=_names(args.schedules, "schedules"),
+        tensor_parallel=_sizes(args.tp or args.tensor_parallel, tp_flag),
+        pipeline_parallel=_sizes(args.pp, "pp"), data_parallel=_sizes(args.dp, "dp"),
+        microbatch_sizes=_sizes(args.microbatch_size, "microbatch-size"),
+        zero_stages=_zero_stages(args.zero), recompute_choices=_recompute(args), top=args.top,
+        overlap_param_gather=args.overlap_param_gather or None))
     tensor_parallel = options.tensor_parallel or (
         divisors(cluster.devices_per_node) if model.tensor_parallel_ok else (1,))
     check_plan_work(len(model.layers), cluster.nodes, cluster.devices_per_node, tensor_parallel,

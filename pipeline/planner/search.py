@@ -436,6 +436,10 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
                         f"(uniform_layers: p·v = {config.pp * config.chunks} must divide the "
                         f"{end - first} blocks; interleaved_groups: interleaving needs p > 2 "
                         f"and m a multiple of p)")
+    refused = _outside_options(options, config)
+    if refused:
+        raise PlanError(f"{config.label()}: the engine these options model cannot run it "
+                        f"({refused})")
     context = _context(model, cluster, global_batch, precision, options)
     cluster.flops(context.precision)
     trace = context.held_trace(config)
@@ -446,6 +450,25 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
     if prediction is None:
         raise PlanError(f"schedule {config.schedule} refuses {config.label()}")
     return prediction
+
+
+def _outside_options(options: SearchOptions, config: PlanConfig) -> str:
+    """What of `config` the options' engine does not run ("" if nothing): its schedule, ZeRO
+    stage or recomputation mode. Where every training schedule is allowed, the unsearched
+    ones may still be priced by name."""
+    schedules = options.schedules
+    if set(_TRAINING_SCHEDULES) <= set(schedules):
+        schedules = schedules + _UNPRICED
+    mode = "partial" if config.recompute == "full" and config.recompute_layers else \
+        config.recompute
+    if config.schedule not in schedules:
+        return f"schedule {config.schedule}; it runs {', '.join(schedules)}"
+    if options.zero_stages is not None and config.zero_stage not in options.zero_stages:
+        return (f"ZeRO stage {config.zero_stage}; it runs "
+                f"{', '.join(map(str, options.zero_stages))}")
+    if mode not in options.recompute_modes():
+        return f"recompute {mode}; it runs {', '.join(options.recompute_modes())}"
+    return ""
 
 
 def format_counts(result: PlanResult) -> str:

@@ -1,0 +1,63 @@
+"""Training engines the planner can price besides this one: each a set of `SearchOptions`
+that describe what the engine can run and how it runs it (`pipesched plan --engine`)."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+from pipeline.planner.errors import PlanError
+
+__all__ = ["ENGINES", "engine_options"]
+
+MEGATRON_LM_2021: MappingProxyType[str, Any] = MappingProxyType({
+    "schedules": ("1f1b", "interleaved"), "recompute_choices": ("none", "full"),
+    "zero_stages": (0,), "overlap_grad_reduce": False,
+    "overlap_grad_reduce_unpipelined": True, "step_gradient_bytes": 4.0,
+    "uniform_layers": True, "interleaved_groups": True, "blocking_p2p": True,
+    "grad_reduce_bytes": 2.0})
+"""Megatron-LM as Narayanan et al. 2021 ran it (SC'21; the code of April 2021, commit
+f32a638d2d, and the paper's scripts `examples/sc21/`):
+- its two schedules, interleaving only at p > 2 with m a multiple of p
+  (`interleaved_groups`); no recomputation or full (`--checkpoint-activations`; selective
+  came in 2022); no distributed optimizer (ZeRO-1 came later);
+- the blocks split evenly, p·v dividing them, the embedding on the first stage, the head and
+  loss on the last (`uniform_layers`);
+- the gradient all-reduce in fp16 (`grad_reduce_bytes`, its default without
+  --accumulate-allreduce-grads-in-fp32), overlapped with the backward by torch's DDP at
+  p = 1 and after the pipeline flush above (`--DDP-impl torch` / `local` in the scripts);
+- blocking point-to-point messages (`p2p_communication.py` waits on every
+  `batch_isend_irecv`, then `torch.cuda.synchronize()`), scattered over the t ranks' links
+  and gathered over NVLink (`blocking_p2p`);
+- memory per parameter: 16 bytes through the pipeline (fp16 weights and gradients, fp32
+  master weights, Adam's two moments), as this engine; torch DDP's buckets copy the fp16
+  gradients at p = 1 (2 more, `PlanContext.torch_ddp`); at the optimizer step, when the
+  activations are gone, fp32 copies of the gradients (`_copy_model_grads_to_main_grads`:
+  `main_param.grad = model_param.grad.float()`, 4 more, `step_gradient_bytes`). A rank's
+  peak is max(18P + activations, 22P) at p = 1 and max(16P + activations, 20P) above
+  (`--DDP-impl local` flattens the gradients into one more copy for the all-reduce, 18P
+  after the flush, below the step's)."""
+
+ENGINES: MappingProxyType[str, MappingProxyType[str, Any]] = MappingProxyType({
+    "pipesched": MappingProxyType({}), "megatron-2021": MEGATRON_LM_2021})
+"""Engine name: the `SearchOptions` fields that describe it (pipesched: the defaults)."""
+
+
+def engine_options(name: str, **given: Any) -> dict[str, Any]:
+    """`SearchOptions` keyword arguments for engine `name` with the user's `given` filters
+    (None: not given). A filter may narrow the engine's schedules, ZeRO stages or
+    recomputation modes, never widen them: what the engine cannot run is refused, named."""
+    if name not in ENGINES:
+        raise PlanError(f"engine {name!r} is not known; choose from {', '.join(ENGINES)}")
+    options = dict(ENGINES[name])
+    for key, value in given.items():
+        if value is None:
+            continue
+        allowed = options.get(key)
+        if allowed is not None and isinstance(allowed, tuple):
+            outside = [item for item in value if item not in allowed]
+            if outside:
+                raise PlanError(f"{name} cannot run {key} {', '.join(map(str, outside))}; "
+                                f"it runs {', '.join(map(str, allowed))}")
+        options[key] = value
+    return options
