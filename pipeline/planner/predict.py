@@ -19,6 +19,7 @@ from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable, uniform_boundaries
+from pipeline.planner.tied import tied_allreduce_seconds, tied_copies, tied_through
 from schedules import (
     SCHEDULES,
     CostModel,
@@ -123,7 +124,8 @@ class Prediction:
     breakdown: dict[str, float]
     """Seconds of the step by cause on the pipeline rank that finishes last: compute,
     recomputation, tp_comm, bubble (idle and P2P waits; with `blocking_p2p` also the
-    blocking messages), dp_comm (exposed), optimizer. They sum to `step_seconds`."""
+    blocking messages), dp_comm (exposed), tied_comm (`tied.py`: the tied copies' all-reduce
+    and the wait for its partner), optimizer. They sum to `step_seconds`."""
     boundaries: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
@@ -186,6 +188,7 @@ class PlanContext:
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _updates: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = field(
         default_factory=dict)
+    _tied: dict[tuple[Any, ...], np.ndarray] = field(default_factory=dict)
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
@@ -297,7 +300,8 @@ class PlanContext:
                                         config.chunks * config.num_microbatches)
         else:
             raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
-        held, rank = peak_rank_memory(table.params, activations, table.workspace * b,
+        held, rank = peak_rank_memory(self.stage_params(config), activations,
+                                      table.workspace * b,
                                       placement, dp=config.dp, zero=config.zero_stage,
                                       recompute=config.recomputes)
         if self.extra_parameter_bytes:  # another engine's state, on the fullest rank
@@ -315,13 +319,33 @@ class PlanContext:
             table = self.table(config)
             workspace = np.zeros(config.pp)
             np.maximum.at(workspace, np.asarray(placement), table.workspace)
-            params = np.bincount(placement, weights=table.params, minlength=config.pp)
+            params = np.bincount(placement, weights=self.stage_params(config),
+                                 minlength=config.pp)
             each = np.bincount(placement, weights=table.held, minlength=config.pp)
             self._rank_sums[key] = (params, each, workspace)
         return self._rank_sums[key]
 
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
         return self.rank_sums(config)[0]
+
+    def stage_params(self, config: PlanConfig) -> np.ndarray:
+        """Parameters one tp rank holds per stage: its own, and a tied weight's copy where
+        the stage is not on the first stage's rank (`tied.tied_copies`)."""
+        table = self.table(config)
+        copies = tied_copies(table, _placement(config))
+        return table.params + copies if copies.any() else table.params
+
+    def tied_seconds(self, config: PlanConfig) -> np.ndarray:
+        """Per rank: the tied gradients' all-reduce seconds (`tied.tied_allreduce_seconds`,
+        kept per partition, placement and dp)."""
+        placement = _placement(config)
+        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
+               placement, config.dp)
+        if key not in self._tied:
+            self._tied[key] = tied_allreduce_seconds(
+                tied_copies(self.table(config), placement), placement, self.cluster,
+                dp=config.dp, tp=config.tp, element_bytes=self.grad_reduce_bytes)
+        return self._tied[key]
 
     def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
         """Per rank: optimizer step seconds and the exposed ZeRO-1 all-gather seconds
@@ -369,7 +393,8 @@ class PlanContext:
         if schedule is None:
             return None
         gather = None if not self.overlap_param_gather else param_gather(
-            table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage)
+            table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
+            params=self.stage_params(config))
         timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
                                               gather=gather))
         placement = np.asarray(_placement(config))
@@ -384,7 +409,9 @@ class PlanContext:
         if timeline.gather_ends:  # overlapped: the lane's early gathers, the forwards' waits
             reduce_end = np.maximum(reduce_end, timeline.gather_ends)
             waited = np.asarray(timeline.exposed_gather)
-        finish = np.maximum(rank_end, reduce_end) + step + exposed
+        ready = np.maximum(rank_end, reduce_end)
+        synced = tied_through(ready, self.tied_seconds(config))  # then the step
+        finish = synced + step + exposed
         total = float(finish.max())
         # the breakdown of the rank that finishes last: its parts sum to the step
         last = int(np.argmax(finish))
@@ -395,8 +422,9 @@ class PlanContext:
         recompute = m * float(costs.recompute[mine].sum())
         breakdown = {"compute": busy - tp_comm - recompute, "recomputation": recompute,
                      "tp_comm": tp_comm, "bubble": float(rank_end[last] - busy - waited[last]),
-                     "dp_comm": float(max(rank_end[last], reduce_end[last]) - rank_end[last]
-                                      + exposed[last] + waited[last]),
+                     "dp_comm": float(ready[last] - rank_end[last] + exposed[last]
+                                      + waited[last]),
+                     "tied_comm": float(synced[last] - ready[last]),
                      "optimizer": float(step[last])}
         tokens = self.global_batch * self.model.seq
         devices = config.pp * config.tp * config.dp
@@ -435,7 +463,8 @@ class PlanContext:
                                                and config.pp == 1)
         return grad_reduction(table, self.cluster, dp=config.dp, tp=config.tp,
                               zero_stage=config.zero_stage,
-                              grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap)
+                              grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap,
+                              params=self.stage_params(config))
 
 
 def is_cost_aware(name: str) -> bool:
