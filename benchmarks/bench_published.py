@@ -37,6 +37,7 @@ from typing import Any
 
 from pipeline.planner import (
     PRESETS,
+    ModelProfile,
     PlanConfig,
     PlanError,
     SearchOptions,
@@ -108,9 +109,11 @@ links and gathered over NVLink. Memory: 18 bytes per parameter, 2 more than this
 16. Megatron-LM 2021 holds 16 through the pipeline (fp16 weights and gradients, fp32 master
 weights, Adam's two moments; torch DDP's bucket copy adds 2 at p = 1) and makes fp32
 copies of the gradients at the optimizer step (`_copy_model_grads_to_main_grads`: 4 more,
-when the activations are gone): 18 stands between the two peaks. The word-embedding
-gradient's all-reduce between the first and last stages (tied weights) is not priced: one
-V·h/t message per step, under 0.1 % of these steps."""
+when the activations are gone): 18 stands between the two peaks. The word embeddings are
+tied to the output layer (`_model`): at p > 1 the last stage holds a copy, and its fp16
+gradient is all-reduced with the first stage's after the data-parallel all-reduce, before
+the optimizer step (`train_step`: "All-reduce word_embeddings' grad across first and last
+stages", over the embedding group), priced as the breakdown's `tied_comm`."""
 
 
 def paper_flops(row: PublishedRow) -> float:
@@ -119,10 +122,18 @@ def paper_flops(row: PublishedRow) -> float:
     return 96 * row.batch * s * layers * h * h * (1 + s / (6 * h) + VOCAB / (16 * layers * h))
 
 
-def _priced_tflops(row: PublishedRow, **engine: Any) -> float:
+def _model(row: PublishedRow) -> ModelProfile:
+    """The row's GPT as Megatron-LM 2021 ran it: eager attention (no FlashAttention then, no
+    sequence parallelism), the output projection tied to the word embeddings (the paper's
+    parameter count, 12lh²(1 + 13/12h + (V+s)/12lh), counts V·h once; with p > 1 the last
+    stage holds a copy whose gradient is all-reduced with the first stage's)."""
     shape = parse_shape({"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
-                         "vocab": VOCAB, "seq": SEQ})
-    model = transformer_profile(shape, "fp16", attention="eager")
+                         "vocab": VOCAB, "seq": SEQ, "tied_embeddings": True})
+    return transformer_profile(shape, "fp16", attention="eager")
+
+
+def _priced_tflops(row: PublishedRow, **engine: Any) -> float:
+    model = _model(row)
     cluster = replace(PRESETS["a100-80g"], nodes=row.gpus // 8)
     found = price(model, cluster, row.batch, row.config(), precision="fp16",
                   options=SearchOptions(**(MEGATRON_2021 | engine)))
@@ -155,10 +166,7 @@ def sweeps_part() -> list[str]:
 def run_row(row: PublishedRow, *, search: bool = True) -> dict[str, object]:
     """The planner on the paper's configuration and on its (t, p), and (with `search`) over
     the paper's space."""
-    shape = parse_shape({"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
-                         "vocab": VOCAB, "seq": SEQ})
-    # 2021: no FlashAttention (eager attention with a fused softmax), no sequence parallelism
-    model = transformer_profile(shape, "fp16", attention="eager")
+    model = _model(row)
     cluster = replace(PRESETS["a100-80g"], nodes=row.gpus // 8)
     paper = price(model, cluster, row.batch, row.config(), precision="fp16",
                   options=SearchOptions(**MEGATRON_2021))

@@ -12,10 +12,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pipeline.planner import PRESETS, ClusterSpec, PlanConfig
+from pipeline.cli import main
+from pipeline.planner import PRESETS, ClusterSpec, PlanConfig, SearchOptions, parse_shape, plan
 from pipeline.planner.predict import PlanContext, Prediction
 from pipeline.planner.profile import LayerProfile, ModelProfile
+from pipeline.planner.report import gap_parts
 from pipeline.planner.search import price
+from pipeline.planner.transformer import transformer_profile
 
 __all__: list[str] = []
 
@@ -157,6 +160,35 @@ def test_breakdowns_with_a_tied_copy_sum_to_the_step() -> None:
     for prediction in found:
         assert sum(prediction.breakdown.values()) == pytest.approx(prediction.step_seconds)
     assert sum(p.breakdown["tied_comm"] > 0 for p in found) == 3  # the three with a copy
+
+
+GPT = "layers=8,hidden=1024,heads=16,vocab=32000,seq=1024,tied_embeddings=true"
+
+
+def test_why_slower_and_price_carry_the_tied_all_reduce(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # "why slower" counts tied_comm as communication: the parts still sum to the net gap
+    model = transformer_profile(parse_shape(GPT))
+    cluster = replace(PRESETS["a100-80g"], nodes=2)
+    result = plan(model, cluster, 64, options=SearchOptions(top=60, schedules=("1f1b",)))
+    pick = result.best
+    tied = [p for p in result.predictions if p.breakdown["tied_comm"] > 0]
+    assert tied
+    for loser in tied:
+        parts = gap_parts(loser, pick)
+        assert sum(parts.values()) == pytest.approx(loser.step_seconds - pick.step_seconds,
+                                                    abs=1e-12)
+        assert parts["communication"] == pytest.approx(sum(
+            loser.breakdown[key] - pick.breakdown[key]
+            for key in ("tp_comm", "dp_comm", "tied_comm")), abs=1e-12)
+    # --price prints it among the causes, as the planner priced it
+    config = "pp2,tp2,dp4,1f1b,b1"
+    assert main(["plan", "--model", GPT, "--cluster", "a100-80g", "--nodes", "2",
+                 "--global-batch", "64", "--price", config]) == 0
+    out = capsys.readouterr().out
+    priced = price(model, cluster, 64, replace(_config("1f1b", 2, 2, 4), num_microbatches=16))
+    line = next(line for line in out.splitlines() if line.strip().startswith("tied_comm"))
+    assert f"{priced.breakdown['tied_comm'] * 1e3:.1f} ms" in line
 
 
 _PLANTS: dict[str, tuple[str, Callable[..., object]]] = {
