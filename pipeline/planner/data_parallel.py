@@ -38,7 +38,7 @@ def grad_reduction(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
     backward as they become final, one after another on one stream; only what cannot hide
     behind that backward is exposed). ZeRO-1 reduce-scatters: half an all-reduce's traffic.
     Without `overlap`, everything starts once the rank's pipeline has drained (Narayanan et
-    al. 2021). `params`: per stage, default `table.params` (`PlanContext.stage_params` adds
+    al. 2021). `params`: per stage, default `table.params` (`tied.stage_params` adds
     a tied copy). None where dp = 1."""
     if dp == 1:
         return None

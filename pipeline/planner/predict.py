@@ -19,7 +19,7 @@ from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable, uniform_boundaries
-from pipeline.planner.tied import tied_allreduce_seconds, tied_copies, tied_through
+from pipeline.planner.tied import stage_params, tied_allreduce_seconds, tied_through
 from schedules import (
     SCHEDULES,
     CostModel,
@@ -122,10 +122,9 @@ class Prediction:
     """The rank holding the most."""
     memory_rank: int
     breakdown: dict[str, float]
-    """Seconds of the step by cause on the pipeline rank that finishes last: compute,
-    recomputation, tp_comm, bubble (idle and P2P waits; with `blocking_p2p` also the
-    blocking messages), dp_comm (exposed), tied_comm (`tied.py`: the tied copies' all-reduce
-    and the wait for its partner), optimizer. They sum to `step_seconds`."""
+    """Seconds of the step by cause on the rank that finishes last: compute, recomputation,
+    tp_comm, bubble (idle and P2P waits; with `blocking_p2p` the messages), dp_comm
+    (exposed), tied_comm (`tied.py`, waits included), optimizer. They sum to `step_seconds`."""
     boundaries: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
@@ -300,10 +299,9 @@ class PlanContext:
                                         config.chunks * config.num_microbatches)
         else:
             raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
-        held, rank = peak_rank_memory(self.stage_params(config), activations,
-                                      table.workspace * b,
-                                      placement, dp=config.dp, zero=config.zero_stage,
-                                      recompute=config.recomputes)
+        held, rank = peak_rank_memory(stage_params(table, placement), activations,
+                                      table.workspace * b, placement, dp=config.dp,
+                                      zero=config.zero_stage, recompute=config.recomputes)
         if self.extra_parameter_bytes:  # another engine's state, on the fullest rank
             extra = float(self._rank_params(config)[rank]) * self.extra_parameter_bytes
             held = replace(held, parameters=held.parameters + extra)
@@ -319,7 +317,7 @@ class PlanContext:
             table = self.table(config)
             workspace = np.zeros(config.pp)
             np.maximum.at(workspace, np.asarray(placement), table.workspace)
-            params = np.bincount(placement, weights=self.stage_params(config),
+            params = np.bincount(placement, weights=stage_params(table, placement),
                                  minlength=config.pp)
             each = np.bincount(placement, weights=table.held, minlength=config.pp)
             self._rank_sums[key] = (params, each, workspace)
@@ -328,23 +326,14 @@ class PlanContext:
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
         return self.rank_sums(config)[0]
 
-    def stage_params(self, config: PlanConfig) -> np.ndarray:
-        """Parameters one tp rank holds per stage: its own, and a tied weight's copy where
-        the stage is not on the first stage's rank (`tied.tied_copies`)."""
-        table = self.table(config)
-        copies = tied_copies(table, _placement(config))
-        return table.params + copies if copies.any() else table.params
-
     def tied_seconds(self, config: PlanConfig) -> np.ndarray:
-        """Per rank: the tied gradients' all-reduce seconds (`tied.tied_allreduce_seconds`,
-        kept per partition, placement and dp)."""
-        placement = _placement(config)
+        """Per rank: the tied copies' gradient all-reduce (`tied.tied_allreduce_seconds`)."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
-               placement, config.dp)
+               _placement(config), config.dp)
         if key not in self._tied:
-            self._tied[key] = tied_allreduce_seconds(
-                tied_copies(self.table(config), placement), placement, self.cluster,
-                dp=config.dp, tp=config.tp, element_bytes=self.grad_reduce_bytes)
+            self._tied[key] = tied_allreduce_seconds(self.table(config), key[4], self.cluster,
+                                                     dp=config.dp, tp=config.tp,
+                                                     element_bytes=self.grad_reduce_bytes)
         return self._tied[key]
 
     def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -394,7 +383,7 @@ class PlanContext:
             return None
         gather = None if not self.overlap_param_gather else param_gather(
             table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
-            params=self.stage_params(config))
+            params=stage_params(table, _placement(config)))
         timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
                                               gather=gather))
         placement = np.asarray(_placement(config))
@@ -464,7 +453,7 @@ class PlanContext:
         return grad_reduction(table, self.cluster, dp=config.dp, tp=config.tp,
                               zero_stage=config.zero_stage,
                               grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap,
-                              params=self.stage_params(config))
+                              params=stage_params(table, _placement(config)))
 
 
 def is_cost_aware(name: str) -> bool:

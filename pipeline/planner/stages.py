@@ -79,7 +79,7 @@ class StageTable:
     tied: np.ndarray
     """Parameters one tp rank holds, per stage, as its own copy of the first layer's tied
     weight (`LayerProfile.tied_params_split`), where the stage is not on the first stage's
-    rank (`PlanContext.stage_params` adds them there)."""
+    rank (`tied.stage_params` adds them there)."""
     held: np.ndarray
     """Activation bytes per sample a microbatch leaves between forward and backward."""
     workspace: np.ndarray

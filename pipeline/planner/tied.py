@@ -21,7 +21,7 @@ from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.pricing import ring_allreduce_seconds
 from pipeline.planner.stages import StageTable
 
-__all__ = ["tied_allreduce_seconds", "tied_copies", "tied_through"]
+__all__ = ["stage_params", "tied_allreduce_seconds", "tied_copies", "tied_through"]
 
 
 def tied_copies(table: StageTable, placement: Sequence[int]) -> np.ndarray:
@@ -32,7 +32,12 @@ def tied_copies(table: StageTable, placement: Sequence[int]) -> np.ndarray:
     return np.where(where != where[0], table.tied, 0.0)
 
 
-def tied_allreduce_seconds(copies: np.ndarray, placement: Sequence[int], cluster: ClusterSpec,
+def stage_params(table: StageTable, placement: Sequence[int]) -> np.ndarray:
+    """Parameters one tp rank holds per stage: its own and its copy (`tied_copies`)."""
+    return table.params + tied_copies(table, placement)
+
+
+def tied_allreduce_seconds(table: StageTable, placement: Sequence[int], cluster: ClusterSpec,
                            *, dp: int, tp: int, element_bytes: float) -> np.ndarray:
     """Per pipeline rank: seconds of the tied gradients' all-reduce on the first stage's rank
     and on every rank holding a copy (`tied_copies`); 0 elsewhere, and everywhere without one.
@@ -45,7 +50,7 @@ def tied_allreduce_seconds(copies: np.ndarray, placement: Sequence[int], cluster
     (k_max - k_min)·d·t + 1 ranks, on one node when those fit in one."""
     where = np.asarray(placement)
     ranks = int(where.max()) + 1
-    held = np.bincount(where, weights=copies, minlength=ranks)
+    held = np.bincount(where, weights=tied_copies(table, placement), minlength=ranks)
     seconds = np.zeros(ranks)
     if not held.any():
         return seconds

@@ -192,18 +192,18 @@ def test_why_slower_and_price_carry_the_tied_all_reduce(
 
 
 _PLANTS: dict[str, tuple[str, Callable[..., object]]] = {
-    "no copy": ("tied_copies", lambda table, placement: np.zeros(len(table.tied))),
-    "a copy even beside the embedding": ("tied_copies",
+    "no copy": ("tied.tied_copies", lambda table, placement: np.zeros(len(table.tied))),
+    "a copy even beside the embedding": ("tied.tied_copies",
                                          lambda table, placement: table.tied.copy()),
-    "no all-reduce": ("tied_allreduce_seconds",
-                      lambda copies, placement, *args, **kwargs: np.zeros(max(placement) + 1)),
+    "no all-reduce": ("predict.tied_allreduce_seconds",
+                      lambda table, placement, *args, **kwargs: np.zeros(max(placement) + 1)),
 }
 
 
 @pytest.mark.parametrize("planted", sorted(_PLANTS))
 def test_a_planted_bug_fails_the_oracles(planted: str, monkeypatch: pytest.MonkeyPatch) -> None:
     name, bug = _PLANTS[planted]
-    monkeypatch.setattr(f"pipeline.planner.predict.{name}", bug)
+    monkeypatch.setattr(f"pipeline.planner.{name}", bug)
     problems = [problem for config in MEMORY_CASES for problem in _memory_problems(config)]
     problems += [problem for config, inside in TIME_CASES
                  for problem in _time_problems(config, inside)]
