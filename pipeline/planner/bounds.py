@@ -70,7 +70,7 @@ class SearchBounds:
     def lower_bound(self, config: PlanConfig) -> float:
         """A step time no schedule can beat, the larger of two per-rank bounds:
         - all of r's work: fill_r + m · Σ_{Q_r} (F + I + W), then r's tied all-reduce
-          (`PlanContext.tied_seconds`) and update;
+          (`PlanContext.update_seconds`) and update;
         - r's forwards and input gradients, then a gradient's way back to stage 0:
           fill_r + m · Σ_{Q_r} (F + g) + Σ_{s < min Q_r} g, then rank 0's tied all-reduce
           and update, g the cheapest op that can carry a stage's input gradient (I, or B).
@@ -79,8 +79,8 @@ class SearchBounds:
           each.
         With one stage per rank the second, on the last rank, is the pipeline's drain."""
         fill, busy, chain_work, chain_back = self._parts_of(config)
-        step, gather = self.context.update_seconds(config)
-        step = step + self.context.tied_seconds(config)  # a tied copy's all-reduce before it
+        step, gather, tied = self.context.update_seconds(config)
+        step = step + tied  # a tied copy's all-reduce before it
         m = config.num_microbatches
         bound = float((fill + m * busy + step + gather).max())
         first = schedule_placement(config.schedule, config.pp, config.chunks)[0]

@@ -185,9 +185,7 @@ class PlanContext:
     _traces: dict[tuple[str, int, int, int], HeldTrace | PeakCounts | None] = field(
         default_factory=dict)
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
-    _updates: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = field(
-        default_factory=dict)
-    _tied: dict[tuple[Any, ...], np.ndarray] = field(default_factory=dict)
+    _updates: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
@@ -326,29 +324,23 @@ class PlanContext:
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
         return self.rank_sums(config)[0]
 
-    def tied_seconds(self, config: PlanConfig) -> np.ndarray:
-        """Per rank: the tied copies' gradient all-reduce (`tied.tied_allreduce_seconds`)."""
-        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
-               _placement(config), config.dp)
-        if key not in self._tied:
-            self._tied[key] = tied_allreduce_seconds(self.table(config), key[4], self.cluster,
-                                                     dp=config.dp, tp=config.tp,
-                                                     element_bytes=self.grad_reduce_bytes)
-        return self._tied[key]
-
-    def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
-        """Per rank: optimizer step seconds and the exposed ZeRO-1 all-gather seconds
-        (kept per partition, placement, dp and ZeRO stage)."""
+    def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
+        """Per rank: optimizer step seconds, the exposed ZeRO-1 all-gather seconds and the
+        tied copies' all-reduce before the step (`tied.tied_allreduce_seconds`), kept per
+        partition, placement, dp and ZeRO stage."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
                _placement(config), config.dp, config.zero_stage)
         if key not in self._updates:
             self._updates[key] = self._price_update(config)
         return self._updates[key]
 
-    def _price_update(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
-        return update_seconds(self._rank_params(config), self.cluster, dp=config.dp,
-                              tp=config.tp, zero_stage=config.zero_stage,
-                              overlap_param_gather=self.overlap_param_gather)
+    def _price_update(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
+        tied = tied_allreduce_seconds(self.table(config), _placement(config), self.cluster,
+                                      dp=config.dp, tp=config.tp,
+                                      element_bytes=self.grad_reduce_bytes)
+        return (*update_seconds(self._rank_params(config), self.cluster, dp=config.dp,
+                                tp=config.tp, zero_stage=config.zero_stage,
+                                overlap_param_gather=self.overlap_param_gather), tied)
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
@@ -387,7 +379,7 @@ class PlanContext:
         timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
                                               gather=gather))
         placement = np.asarray(_placement(config))
-        step, exposed = self.update_seconds(config)
+        step, exposed, tied = self.update_seconds(config)
         compute = timeline.compute_mask()
         rank_end = np.zeros(config.pp)
         np.maximum.at(rank_end, timeline.rank[compute], timeline.end[compute])
@@ -399,7 +391,7 @@ class PlanContext:
             reduce_end = np.maximum(reduce_end, timeline.gather_ends)
             waited = np.asarray(timeline.exposed_gather)
         ready = np.maximum(rank_end, reduce_end)
-        synced = tied_through(ready, self.tied_seconds(config))  # then the step
+        synced = tied_through(ready, tied)  # then the step
         finish = synced + step + exposed
         total = float(finish.max())
         # the breakdown of the rank that finishes last: its parts sum to the step

@@ -140,18 +140,18 @@ def test_the_tied_copies_gradients_are_all_reduced_before_the_step(
 
 
 def test_the_all_reduce_runs_on_the_first_and_last_rank_only() -> None:
-    # pp 4, dp 2: ranks 0 and 3 of the pipeline, 3·2 + 1 = 7 ranks apart, one node of 8
+    # pp 4, dp 2: pipeline ranks 0 and 3, global ranks 0 and 6 (3·2 apart), one node of 8
     cluster = _cluster(_config("1f1b", 4, 1, 2))
     context = PlanContext(_model(True), cluster, 16, cluster.precision)
-    seconds = context.tied_seconds(_config("1f1b", 4, 1, 2))
+    seconds = context.update_seconds(_config("1f1b", 4, 1, 2))[2]
     one = _ring_of_two(4.0 * TIED, cluster, inside_a_node=True)
     assert seconds.tolist() == pytest.approx([one, 0.0, 0.0, one], rel=1e-12)
     # no copy where the first and the last stage share a rank
     for config in (_config("zb-v", 2, 1, 4, chunks=2), _config("1f1b", 1, 1, 8)):
-        assert not context.tied_seconds(config).any()
+        assert not context.update_seconds(config)[2].any()
     # an untied model has nothing to all-reduce
     untied = PlanContext(_model(False), cluster, 16, cluster.precision)
-    assert not untied.tied_seconds(_config("1f1b", 4, 1, 2)).any()
+    assert not untied.update_seconds(_config("1f1b", 4, 1, 2))[2].any()
 
 
 def test_breakdowns_with_a_tied_copy_sum_to_the_step() -> None:
