@@ -4,11 +4,16 @@ the all-reduce that keeps the copies' gradients equal.
 Both engines the planner prices keep a full copy of a tied weight (a GPT's embedding, re-used
 by the output projection) on every rank holding a layer that uses it, and sum the copies'
 gradients once a step, blocking, after the last backward and before the optimizer step:
-Megatron-LM (`word_embeddings` on the last stage, `_allreduce_embedding_grads` over the
-"embedding group" of the first and last stage) and this engine (`TiedLayerSpec`, whose owners'
-gradients `pipeline.parallel.tied_sync.TiedWeightSynchronizer` all-reduces at STEP). A copy is
-priced as any parameter: weight, gradient and optimizer state (ZeRO-1 shards it over dp too:
-the engine's own region, `TIED_REGION`).
+Megatron-LM (`word_embeddings` on the last stage, all-reduced over the "embedding group" of
+the first and last stage: `train_step` in 2021, after the data-parallel all-reduce;
+`_allreduce_word_embedding_grads` in Megatron-Core) and this engine (`TiedLayerSpec`, whose
+owners' gradients `pipeline.parallel.tied_sync.TiedWeightSynchronizer` all-reduces at STEP).
+A copy is priced as any parameter of its stage: weight, gradient and optimizer state (ZeRO-1
+shards it over dp too: the engine's own region, `TIED_REGION`), its data-parallel reduction
+and its update. Not priced: under ZeRO-1 the engine holds a tied weight's gradient twice
+through the backward (the `.grad` its owners sum, and the region's flat buffer it is added
+to at STEP: 4 more bytes an element on every owner), and it reduces that region over dp at
+STEP, where the planner overlaps it with the stage's other buckets.
 """
 
 from __future__ import annotations
