@@ -37,6 +37,7 @@ from typing import Any
 
 from pipeline.planner import (
     PRESETS,
+    ModelProfile,
     PlanConfig,
     PlanError,
     SearchOptions,
@@ -44,6 +45,7 @@ from pipeline.planner import (
     plan,
     transformer_profile,
 )
+from pipeline.planner.engines import ENGINES
 from pipeline.planner.search import price
 
 __all__ = ["ROWS", "PublishedRow", "paper_flops", "published_part", "run_row", "sweeps_part"]
@@ -91,29 +93,17 @@ ROWS = (
     PublishedRow(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, 3),
     PublishedRow(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, 1),
 )
-MEGATRON_2021: dict[str, Any] = {
-    "schedules": ("1f1b", "interleaved"), "recompute_choices": (True,), "zero_stages": (0,),
-    "overlap_grad_reduce": False, "overlap_grad_reduce_unpipelined": True,
-    "step_gradient_bytes": 4.0, "uniform_layers": True, "interleaved_groups": True,
-    "blocking_p2p": True, "grad_reduce_bytes": 2.0, "top": 1}
-"""Megatron-LM as the paper ran it (the code of April 2021, commit f32a638d2d): its two
-schedules, interleaving only at p > 2 with m a multiple of p (`interleaved_groups`); the
-blocks split evenly, p·v dividing them, the embedding on the first stage and the head and
-loss on the last (`uniform_layers`); full recomputation; no distributed optimizer; the
-gradient all-reduce in fp16 (`grad_reduce_bytes`), overlapped with the backward by torch's
-DDP at p = 1 and after the pipeline flush above (`--DDP-impl torch` / `local` in the
-scripts); blocking point-to-point messages (`p2p_communication.py` waits on every
-`batch_isend_irecv`, then `torch.cuda.synchronize()`), scattered over the t ranks'
-links and gathered over NVLink. Memory, per parameter: Megatron-LM 2021 holds 16 bytes
-through the pipeline (fp16 weights and gradients, fp32 master weights, Adam's two moments),
-as this engine does; at p = 1 torch DDP's buckets copy the fp16 gradients (2 more, the
-planner's `torch_ddp` rule); at the optimizer step, when the activations are gone, it makes
-fp32 copies of the gradients (`_copy_model_grads_to_main_grads`: 4 more,
-`step_gradient_bytes`). A rank's peak is the larger of the two: max(18P + activations,
-22P) at p = 1, max(16P + activations, 20P) above (`--DDP-impl local`'s flattened copy for
-the all-reduce, 18P after the flush, is below the step's). The word-embedding
-gradient's all-reduce between the first and last stages (tied weights) is not priced: one
-V·h/t message per step, under 0.1 % of these steps."""
+MEGATRON_2021: dict[str, Any] = {**ENGINES["megatron-2021"], "recompute_choices": (True,),
+                                  "top": 1}
+"""Megatron-LM as the paper ran it: the engine `pipesched plan --engine megatron-2021` prices
+(`pipeline.planner.engines.MEGATRON_LM_2021`: its schedules and their rules, the even layer
+split, the fp16 all-reduce overlapped by torch DDP at p = 1 and after the flush above,
+blocking P2P, its memory at the optimizer step), with the scripts' full recomputation
+(`--checkpoint-activations` in every row). The word embeddings are tied to the output layer
+(`_model`): at p > 1 the last stage holds a copy, and its fp16 gradient is all-reduced with
+the first stage's after the data-parallel all-reduce, before the optimizer step
+(`train_step`: "All-reduce word_embeddings' grad across first and last stages", over the
+embedding group), priced as the breakdown's `tied_comm`."""
 
 
 def paper_flops(row: PublishedRow) -> float:
@@ -122,10 +112,18 @@ def paper_flops(row: PublishedRow) -> float:
     return 96 * row.batch * s * layers * h * h * (1 + s / (6 * h) + VOCAB / (16 * layers * h))
 
 
-def _priced_tflops(row: PublishedRow, **engine: Any) -> float:
+def _model(row: PublishedRow) -> ModelProfile:
+    """The row's GPT as Megatron-LM 2021 ran it: eager attention (no FlashAttention then, no
+    sequence parallelism), the output projection tied to the word embeddings (the paper's
+    parameter count, 12lh²(1 + 13/12h + (V+s)/12lh), counts V·h once; with p > 1 the last
+    stage holds a copy whose gradient is all-reduced with the first stage's)."""
     shape = parse_shape({"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
-                         "vocab": VOCAB, "seq": SEQ})
-    model = transformer_profile(shape, "fp16", attention="eager")
+                         "vocab": VOCAB, "seq": SEQ, "tied_embeddings": True})
+    return transformer_profile(shape, "fp16", attention="eager")
+
+
+def _priced_tflops(row: PublishedRow, **engine: Any) -> float:
+    model = _model(row)
     cluster = replace(PRESETS["a100-80g"], nodes=row.gpus // 8)
     found = price(model, cluster, row.batch, row.config(), precision="fp16",
                   options=SearchOptions(**(MEGATRON_2021 | engine)))
@@ -158,10 +156,7 @@ def sweeps_part() -> list[str]:
 def run_row(row: PublishedRow, *, search: bool = True) -> dict[str, object]:
     """The planner on the paper's configuration and on its (t, p), and (with `search`) over
     the paper's space."""
-    shape = parse_shape({"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
-                         "vocab": VOCAB, "seq": SEQ})
-    # 2021: no FlashAttention (eager attention with a fused softmax), no sequence parallelism
-    model = transformer_profile(shape, "fp16", attention="eager")
+    model = _model(row)
     cluster = replace(PRESETS["a100-80g"], nodes=row.gpus // 8)
     paper = price(model, cluster, row.batch, row.config(), precision="fp16",
                   options=SearchOptions(**MEGATRON_2021))

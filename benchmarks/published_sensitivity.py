@@ -17,24 +17,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bench_published import MEGATRON_2021, ROWS, SEQ, VOCAB, PublishedRow, _short
+from bench_published import MEGATRON_2021, ROWS, PublishedRow, _model, _short
 
-from pipeline.planner import PRESETS, ClusterSpec, PlanError, SearchOptions, parse_shape, plan
+from pipeline.planner import PRESETS, ClusterSpec, PlanError, SearchOptions, plan
 from pipeline.planner.cluster import GIB
-from pipeline.planner.profile import ModelProfile
 from pipeline.planner.search import price
-from pipeline.planner.transformer import transformer_profile
 
 __all__ = ["disagreement_part", "paper_gap"]
 
 CLOSE = 0.03
 _STEPS = 10
-
-
-def _model(row: PublishedRow) -> ModelProfile:
-    shape = parse_shape({"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
-                         "vocab": VOCAB, "seq": SEQ})
-    return transformer_profile(shape, "fp16", attention="eager")
 
 
 def paper_gap(row: PublishedRow, cluster: ClusterSpec) -> float | None:

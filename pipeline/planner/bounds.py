@@ -65,15 +65,18 @@ class SearchBounds:
 
     def lower_bound(self, config: PlanConfig) -> float:
         """A step time no schedule can beat, the larger of two per-rank bounds:
-        - all of r's work: fill_r + m · Σ_{Q_r} (F + I + W), then r's update;
+        - all of r's work: fill_r + m · Σ_{Q_r} (F + I + W), then r's tied all-reduce
+          (`PlanContext.update_seconds`) and update;
         - r's forwards and input gradients, then a gradient's way back to stage 0:
-          fill_r + m · Σ_{Q_r} (F + g) + Σ_{s < min Q_r} g, then rank 0's update, g the
-          cheapest op that can carry a stage's input gradient (I, or B). The last of r's
-          F, I and B ops is a backward (each F's own backward comes after it on r); that
-          microbatch's gradient must then pass every earlier stage, one op each.
+          fill_r + m · Σ_{Q_r} (F + g) + Σ_{s < min Q_r} g, then rank 0's tied all-reduce
+          and update, g the cheapest op that can carry a stage's input gradient (I, or B).
+          The last of r's F, I and B ops is a backward (each F's own backward comes after
+          it on r); that microbatch's gradient must then pass every earlier stage, one op
+          each.
         With one stage per rank the second, on the last rank, is the pipeline's drain."""
         fill, busy, chain_work, chain_back = self._parts_of(config)
-        step, gather = self.context.update_seconds(config)
+        step, gather, tied = self.context.update_seconds(config)
+        step = step + tied  # a tied copy's all-reduce before it
         m = config.num_microbatches
         bound = float((fill + m * busy + step + gather).max())
         first = schedule_placement(config.schedule, config.pp, config.chunks)[0]

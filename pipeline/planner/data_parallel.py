@@ -22,25 +22,30 @@ elements); the engine's hooks launch one bucket's reduction as soon as it is ful
 _ADAM_TRAFFIC = 7 * 4.0
 
 
-def stage_buckets(table: StageTable) -> list[int]:
-    """Buckets per stage: its parameters in `BUCKET_PARAMETERS` (the reduce-scatter's and
-    the all-gather's: ZeRO-1 shards each bucket, `pipeline.parallel.zero_layout`)."""
-    return [max(1, -(-int(params) // BUCKET_PARAMETERS)) for params in table.params]
+def stage_buckets(table: StageTable, params: np.ndarray | None = None) -> list[int]:
+    """Buckets per stage: its parameters (`params`, default `table.params`) in
+    `BUCKET_PARAMETERS` (the reduce-scatter's and the all-gather's: ZeRO-1 shards each
+    bucket, `pipeline.parallel.zero_layout`)."""
+    held = table.params if params is None else params
+    return [max(1, -(-int(count) // BUCKET_PARAMETERS)) for count in held]
 
 
 def grad_reduction(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int, zero_stage: int,
-                   grad_reduce_bytes: float, overlap: bool) -> GradReduction | None:
+                   grad_reduce_bytes: float, overlap: bool, params: np.ndarray | None = None
+                   ) -> GradReduction | None:
     """Each stage's data-parallel reduction for the simulator, which places it on the rank's
     timeline by the engine's rule (buckets launched from the hooks of the stage's last fused
     backward as they become final, one after another on one stream; only what cannot hide
     behind that backward is exposed). ZeRO-1 reduce-scatters: half an all-reduce's traffic.
     Without `overlap`, everything starts once the rank's pipeline has drained (Narayanan et
-    al. 2021). None where dp = 1."""
+    al. 2021). `params`: per stage, default `table.params` (`tied.stage_params` adds
+    a tied copy). None where dp = 1."""
     if dp == 1:
         return None
-    seconds = [allreduce_seconds(float(params) * grad_reduce_bytes, dp, tp, cluster)
-               / (2 if zero_stage else 1) for params in table.params]
-    return GradReduction(time=seconds, buckets=stage_buckets(table),
+    held = table.params if params is None else params
+    seconds = [allreduce_seconds(float(count) * grad_reduce_bytes, dp, tp, cluster)
+               / (2 if zero_stage else 1) for count in held]
+    return GradReduction(time=seconds, buckets=stage_buckets(table, held),
                          start="overlap" if overlap else "after_flush")
 
 
@@ -50,15 +55,17 @@ def _gather_seconds(params: float, dp: int, tp: int, cluster: ClusterSpec) -> fl
 
 
 def param_gather(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
-                 zero_stage: int) -> ParamGather | None:
+                 zero_stage: int, params: np.ndarray | None = None) -> ParamGather | None:
     """ZeRO-1's overlapped parameter all-gather per stage for the simulator (the engine's
     `overlap_param_gather`): each stage's first forward of the next step waits, layer by
     layer, for the buckets holding its parameters (`schedules.analysis.gather`; the stage's
-    layers taken as equal). None without ZeRO-1 or where dp = 1."""
+    layers taken as equal). `params` as `grad_reduction`'s. None without ZeRO-1 or where
+    dp = 1."""
     if not zero_stage or dp == 1:
         return None
-    return ParamGather(time=[_gather_seconds(float(x), dp, tp, cluster) for x in table.params],
-                       buckets=stage_buckets(table), overlap=True,
+    held = table.params if params is None else params
+    return ParamGather(time=[_gather_seconds(float(x), dp, tp, cluster) for x in held],
+                       buckets=stage_buckets(table, held), overlap=True,
                        layers=[len(stage) for stage in table.stages])
 
 

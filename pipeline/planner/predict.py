@@ -19,6 +19,7 @@ from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable, uniform_boundaries
+from pipeline.planner.tied import stage_params, tied_allreduce_seconds, tied_through
 from schedules import (
     SCHEDULES,
     CostModel,
@@ -121,9 +122,9 @@ class Prediction:
     """The rank holding the most."""
     memory_rank: int
     breakdown: dict[str, float]
-    """Seconds of the step by cause on the pipeline rank that finishes last: compute,
-    recomputation, tp_comm, bubble (idle and P2P waits; with `blocking_p2p` also the
-    blocking messages), dp_comm (exposed), optimizer. They sum to `step_seconds`."""
+    """Seconds of the step by cause on the rank that finishes last: compute, recomputation,
+    tp_comm, bubble (idle and P2P waits; with `blocking_p2p` the messages), dp_comm
+    (exposed), tied_comm (`tied.py`, waits included), optimizer. They sum to `step_seconds`."""
     boundaries: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,8 +189,7 @@ class PlanContext:
     _traces: dict[tuple[str, int, int, int], HeldTrace | PeakCounts | None] = field(
         default_factory=dict)
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
-    _updates: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = field(
-        default_factory=dict)
+    _updates: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
@@ -301,9 +301,10 @@ class PlanContext:
                                         config.chunks * config.num_microbatches)
         else:
             raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
-        return peak_rank_memory(table.params, activations, table.workspace * b, placement,
-                                dp=config.dp, zero=config.zero_stage,
-                                recompute=config.recomputes, **self.engine_bytes(config))
+        return peak_rank_memory(stage_params(table, placement), activations,
+                                table.workspace * b, placement, dp=config.dp,
+                                zero=config.zero_stage, recompute=config.recomputes,
+                                **self.engine_bytes(config))
 
     def engine_bytes(self, config: PlanConfig) -> dict[str, float]:
         """Another engine's bytes per parameter beyond this one's (`peak_rank_memory`):
@@ -331,7 +332,8 @@ class PlanContext:
             table = self.table(config)
             workspace = np.zeros(config.pp)
             np.maximum.at(workspace, np.asarray(placement), table.workspace)
-            params = np.bincount(placement, weights=table.params, minlength=config.pp)
+            params = np.bincount(placement, weights=stage_params(table, placement),
+                                 minlength=config.pp)
             each = np.bincount(placement, weights=table.held, minlength=config.pp)
             self._rank_sums[key] = (params, each, workspace)
         return self._rank_sums[key]
@@ -339,19 +341,23 @@ class PlanContext:
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
         return self.rank_sums(config)[0]
 
-    def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
-        """Per rank: optimizer step seconds and the exposed ZeRO-1 all-gather seconds
-        (kept per partition, placement, dp and ZeRO stage)."""
+    def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
+        """Per rank: optimizer step seconds, the exposed ZeRO-1 all-gather seconds and the
+        tied copies' all-reduce before the step (`tied.tied_allreduce_seconds`), kept per
+        partition, placement, dp and ZeRO stage."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
                _placement(config), config.dp, config.zero_stage)
         if key not in self._updates:
             self._updates[key] = self._price_update(config)
         return self._updates[key]
 
-    def _price_update(self, config: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
-        return update_seconds(self._rank_params(config), self.cluster, dp=config.dp,
-                              tp=config.tp, zero_stage=config.zero_stage,
-                              overlap_param_gather=self.overlap_param_gather)
+    def _price_update(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
+        tied = tied_allreduce_seconds(self.table(config), _placement(config), self.cluster,
+                                      dp=config.dp, tp=config.tp,
+                                      element_bytes=self.grad_reduce_bytes)
+        return (*update_seconds(self._rank_params(config), self.cluster, dp=config.dp,
+                                tp=config.tp, zero_stage=config.zero_stage,
+                                overlap_param_gather=self.overlap_param_gather), tied)
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
@@ -385,11 +391,12 @@ class PlanContext:
         if schedule is None:
             return None
         gather = None if not self.overlap_param_gather else param_gather(
-            table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage)
+            table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
+            params=stage_params(table, _placement(config)))
         timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
                                               gather=gather))
         placement = np.asarray(_placement(config))
-        step, exposed = self.update_seconds(config)
+        step, exposed, tied = self.update_seconds(config)
         compute = timeline.compute_mask()
         rank_end = np.zeros(config.pp)
         np.maximum.at(rank_end, timeline.rank[compute], timeline.end[compute])
@@ -400,7 +407,9 @@ class PlanContext:
         if timeline.gather_ends:  # overlapped: the lane's early gathers, the forwards' waits
             reduce_end = np.maximum(reduce_end, timeline.gather_ends)
             waited = np.asarray(timeline.exposed_gather)
-        finish = np.maximum(rank_end, reduce_end) + step + exposed
+        ready = np.maximum(rank_end, reduce_end)
+        synced = tied_through(ready, tied)  # then the step
+        finish = synced + step + exposed
         total = float(finish.max())
         # the breakdown of the rank that finishes last: its parts sum to the step
         last = int(np.argmax(finish))
@@ -411,8 +420,9 @@ class PlanContext:
         recompute = m * float(costs.recompute[mine].sum())
         breakdown = {"compute": busy - tp_comm - recompute, "recomputation": recompute,
                      "tp_comm": tp_comm, "bubble": float(rank_end[last] - busy - waited[last]),
-                     "dp_comm": float(max(rank_end[last], reduce_end[last]) - rank_end[last]
-                                      + exposed[last] + waited[last]),
+                     "dp_comm": float(ready[last] - rank_end[last] + exposed[last]
+                                      + waited[last]),
+                     "tied_comm": float(synced[last] - ready[last]),
                      "optimizer": float(step[last])}
         tokens = self.global_batch * self.model.seq
         devices = config.pp * config.tp * config.dp
@@ -450,7 +460,8 @@ class PlanContext:
         overlap = self.overlap_grad_reduce or self.torch_ddp(config)
         return grad_reduction(table, self.cluster, dp=config.dp, tp=config.tp,
                               zero_stage=config.zero_stage,
-                              grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap)
+                              grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap,
+                              params=stage_params(table, _placement(config)))
 
 
 def is_cost_aware(name: str) -> bool:

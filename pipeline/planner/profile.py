@@ -27,6 +27,13 @@ class LayerProfile:
     params_split: float = 0.0
     """Parameters (a count) split over tp."""
     params_replicated: float = 0.0
+    tied_params_split: float = 0.0
+    """Parameters (a count, split over tp) of the model's first layer that this one re-uses
+    (a tied output projection: the embedding's weight). Not its own, counted once in the
+    model, but held again, with its gradient and optimizer state, where this layer's stage
+    is on another rank than the first layer's, the two copies' gradients all-reduced once
+    a step (Megatron-LM's `word_embeddings` on the last stage; the engine's
+    `TiedLayerSpec`, `pipeline.parallel.tied_sync`)."""
     held_split: float = 0.0
     """Bytes per sample the forward saves for the backward, split over tp."""
     held_replicated: float = 0.0

@@ -76,6 +76,10 @@ class StageTable:
     boundaries: tuple[int, ...]
     params: np.ndarray
     """Parameters one tp rank holds, per stage."""
+    tied: np.ndarray
+    """Parameters one tp rank holds, per stage, as its own copy of the first layer's tied
+    weight (`LayerProfile.tied_params_split`), where the stage is not on the first stage's
+    rank (`tied.stage_params` adds them there)."""
     held: np.ndarray
     """Activation bytes per sample a microbatch leaves between forward and backward."""
     workspace: np.ndarray
@@ -101,6 +105,8 @@ class StageTable:
         return cls(
             boundaries=tuple(boundaries),
             params=np.array([sum(layer.params(tp) for layer in stage) for stage in stages]),
+            tied=np.array([sum(layer.tied_params_split / tp for layer in stage)
+                           for stage in stages]),
             held=np.array([stage_activation_bytes(stage, tp, 1, *mode) for stage in stages]),
             workspace=np.array([recompute_workspace(stage, tp, 1, *mode) for stage in stages]),
             boundary=np.array([stage[-1].output_bytes for stage in stages]),

@@ -38,7 +38,8 @@ class TransformerShape:
     learned_positions: bool = True
     """A learned position table of seq × hidden (GPT-2/3); False for rotary embeddings."""
     tied_embeddings: bool = False
-    """The output projection reuses the embedding (counted once in the parameter total)."""
+    """The output projection reuses the embedding (counted once in the parameter total; a
+    copy where the head's stage is on another rank, `LayerProfile.tied_params_split`)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -164,6 +165,7 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
     head = LayerProfile(
         name="head", flops_split=2 * s * h * vocab,
         params_split=0 if shape.tied_embeddings else vocab * h, params_replicated=2 * h,
+        tied_params_split=vocab * h if shape.tied_embeddings else 0,
         held_split=4 * s * vocab, held_replicated=hidden_bytes, input_bytes=hidden_bytes,
         output_bytes=4 * s, shape=kernels("head"))
     return ModelProfile((embedding, *blocks, head), name=_label(shape), heads=shape.heads,

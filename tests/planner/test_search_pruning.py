@@ -19,6 +19,8 @@ __all__: list[str] = []
 GIB = 2**30
 SMALL = transformer_profile(parse_shape("layers=8,hidden=1024,heads=16,vocab=32000,seq=1024"))
 DEEP = transformer_profile(parse_shape("layers=16,hidden=2048,heads=16,vocab=32000,seq=2048"))
+TIED = transformer_profile(parse_shape("layers=8,hidden=1024,heads=16,vocab=32000,seq=1024,"
+                                       "tied_embeddings=true"))
 TOP = 4
 
 
@@ -50,6 +52,14 @@ CASES = {
     # none of it in the bound's update
     "overlapped-param-gather": (SMALL, _cluster(12.0, 2), 32, SearchOptions(
         max_chunks=2, overlap_param_gather=True)),
+    # a tied embedding: a copy on the head's rank (none on V-shaped schedules) and its
+    # all-reduce, in the memory floor and the time bound too
+    "tied-embeddings": (TIED, _cluster(0.8, 2), 32, SearchOptions(
+        max_chunks=2, schedules=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
+                                 "dualpipev"))),
+    "tied-megatron-2021-engine": (TIED, _cluster(40.0, 2), 32, SearchOptions(
+        schedules=("1f1b", "interleaved"), uniform_layers=True, blocking_p2p=True,
+        overlap_grad_reduce=False, extra_parameter_bytes=2.0, grad_reduce_bytes=2.0)),
     "deeper-tight-zero": (DEEP, _cluster(10.0, 2), 64, SearchOptions(
         max_chunks=4, tensor_parallel=(1, 2),
         schedules=("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h2", "zb-v"))),
@@ -115,13 +125,14 @@ def test_an_over_aggressive_bound_makes_the_comparison_fail(
     assert any(_differences(*_both(case)) for case in CASES)
 
 
-def test_the_memory_floor_is_the_floor_memory_and_below_the_exact_memory() -> None:
+@pytest.mark.parametrize("case", ["deeper-tight-zero", "tied-embeddings"])
+def test_the_memory_floor_is_the_floor_memory_and_below_the_exact_memory(case: str) -> None:
     # the search's floor is PlanContext.memory(floor=True) or above it (zb-v, dualpipev:
     # their first release) and under every configuration's exact memory (a schedule's trace
     # or closed form)
     from pipeline.planner.search import _configs
 
-    model, cluster, batch, options = CASES["deeper-tight-zero"]
+    model, cluster, batch, options = CASES[case]
     context = PlanContext(model, cluster, batch, cluster.precision)
     bounds = SearchBounds(context)
     checked = 0
