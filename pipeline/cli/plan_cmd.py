@@ -223,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from pipeline.planner.report import format_breakdown, format_table, plan_document, plot_plan
     from pipeline.planner.search import price
+    from pipeline.planner.stages import block_span
 
     if (args.nodes is not None and args.nodes > MAX_DEVICES) or \
             args.global_batch > MAX_GLOBAL_BATCH:  # before a cluster is calibrated
@@ -236,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, seq=args.seq, precision=precision,
                        cost_batch=args.cost_batch, attention=args.attention,
                        sequence_parallel=args.sequence_parallel)
+    first, end = block_span(model.layers)
+    launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first}
     header = (f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "
               f"global batch {args.global_batch}\n")
     if args.price:
@@ -248,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(prediction.to_dict()))
         else:
             print(header)
-            print(format_breakdown(prediction, cluster, args.global_batch))
+            print(format_breakdown(prediction, cluster, args.global_batch, **launch))
         return 0
     if args.tp is not None and args.tensor_parallel is not None:
         raise ValueError("--tp and --tensor-parallel are the same filter; give one")
@@ -266,10 +269,11 @@ def run(args: argparse.Namespace) -> int:
                     args.global_batch, options.schedules, options.max_chunks)
     result = plan(model, cluster, args.global_batch, precision=precision, options=options)
     if args.json:
-        print(json.dumps(plan_document(result, cluster, args.global_batch, top=args.top)))
+        print(json.dumps(plan_document(result, cluster, args.global_batch, top=args.top,
+                                        **launch)))
     else:
         print(header)
-        print(format_table(result, cluster, args.global_batch, top=args.top))
+        print(format_table(result, cluster, args.global_batch, top=args.top, **launch))
     if args.plot:
         plot_plan(result, cluster, args.plot, top=args.top)
         print(f"pipesched plan: wrote {args.plot}", file=sys.stderr)

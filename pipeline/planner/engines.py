@@ -7,8 +7,9 @@ from types import MappingProxyType
 from typing import Any
 
 from pipeline.planner.errors import PlanError
+from pipeline.planner.predict import PlanConfig
 
-__all__ = ["ENGINES", "engine_options"]
+__all__ = ["ENGINES", "engine_options", "launch_lines"]
 
 MEGATRON_LM_2021: MappingProxyType[str, Any] = MappingProxyType({
     "schedules": ("1f1b", "interleaved"), "recompute_choices": ("none", "full"),
@@ -61,3 +62,24 @@ def engine_options(name: str, **given: Any) -> dict[str, Any]:
                                 f"it runs {', '.join(map(str, allowed))}")
         options[key] = value
     return options
+
+
+def launch_lines(name: str, config: PlanConfig, global_batch: int, blocks: int) -> list[str]:
+    """How to run `config` on engine `name`: this engine's `PipelineModule`/`PipelineEngine`
+    arguments and `pipesched train` line; Megatron-LM 2021's `pretrain_gpt.py` arguments (the
+    flags of its SC'21 scripts, `examples/sc21/CONFIG.sh` and `run_table_1.sh`; `blocks`
+    transformer layers, for the layers per virtual stage)."""
+    if name == "megatron-2021":
+        flags = [f"--tensor-model-parallel-size {config.tp}",
+                 f"--pipeline-model-parallel-size {config.pp}",
+                 f"--micro-batch-size {config.microbatch_size}",
+                 f"--global-batch-size {global_batch}"]
+        if config.schedule == "interleaved":
+            flags.append(f"--num-layers-per-virtual-pipeline-stage "
+                         f"{blocks // (config.pp * config.chunks)}")
+        if config.recompute == "full":
+            flags.append("--checkpoint-activations")
+        flags.append(f"--DDP-impl {'torch' if config.pp == 1 else 'local'}")
+        return ["Megatron-LM (2021) pretrain_gpt.py " + " ".join(flags)]
+    arguments = ", ".join(f"{key}={value!r}" for key, value in config.engine_arguments().items())
+    return [f"PipelineModule/PipelineEngine: {arguments}", config.train_command(global_batch)]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.engines import launch_lines
 from pipeline.planner.predict import Prediction
 from pipeline.planner.search import PlanResult, format_counts
 
@@ -56,8 +57,9 @@ def _seconds(value: float) -> str:
 
 
 def format_table(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
-                 top: int = 10) -> str:
-    """The top `top` configurations, fastest first, then the pick's arguments."""
+                 top: int = 10, engine: str = "pipesched", blocks: int = 0) -> str:
+    """The top `top` configurations, fastest first, then how to run the pick on `engine`
+    (`engines.launch_lines`; `blocks`: the model's transformer layers)."""
     pick = result.best
     header = ("  # configuration                                  step      tokens/s  "
               "TFLOP/s/dev  memory GiB  why slower")
@@ -71,28 +73,29 @@ def format_table(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
             f" {prediction.memory.total / GIB:>11.2f}  {loss_reason(prediction, pick)}")
     config = pick.config
     unit, scale = ("GiB", GIB) if pick.memory.total >= GIB else ("MiB", 2**20)
-    arguments = ", ".join(f"{key}={value!r}" for key, value in config.engine_arguments().items())
     lines += [
         "",
         f"{format_counts(result)}; device memory {cluster.device_memory / GIB:.1f} GiB",
         f"pick: {config.label()}  (memory: rank {pick.memory_rank} holds the most, "
         + ", ".join(f"{key} {value / scale:.1f}" for key, value in pick.memory.to_dict().items()
                     if key != "total") + f" {unit})",
-        f"  PipelineModule/PipelineEngine: {arguments}",
-        f"  {config.train_command(global_batch)}",
+        *(f"  {line}" for line in launch_lines(engine, config, global_batch, blocks)),
     ]
     return "\n".join(lines)
 
 
 def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
-                  top: int = 10) -> dict[str, Any]:
+                  top: int = 10, engine: str = "pipesched", blocks: int = 0) -> dict[str, Any]:
     """The search as one JSON-ready mapping."""
     pick = result.best
     return {
         "cluster": cluster.name, "devices": cluster.num_devices,
         "device_memory": cluster.device_memory, "global_batch": global_batch,
+        "engine": engine,
         "pick": pick.to_dict() | {"engine_arguments": pick.config.engine_arguments(),
-                                  "train_command": pick.config.train_command(global_batch)},
+                                  "train_command": pick.config.train_command(global_batch),
+                                  "launch": launch_lines(engine, pick.config, global_batch,
+                                                         blocks)},
         "ranked": [p.to_dict() | {"why_slower": loss_reason(p, pick),
                                   "gap_parts": gap_parts(p, pick)}
                    for p in result.predictions[:top]],
@@ -105,7 +108,8 @@ def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *
     }
 
 
-def format_breakdown(prediction: Prediction, cluster: ClusterSpec, global_batch: int) -> str:
+def format_breakdown(prediction: Prediction, cluster: ClusterSpec, global_batch: int, *,
+                     engine: str = "pipesched", blocks: int = 0) -> str:
     """One configuration in full: step, throughput, the step by cause (summing to it), the
     memory of its fullest rank, and its engine arguments."""
     config = prediction.config
@@ -123,10 +127,8 @@ def format_breakdown(prediction: Prediction, cluster: ClusterSpec, global_batch:
         lines.append(f"    {key:<14} {value / GIB:>10.2f}")
     lines.append(f"    device         {cluster.device_memory / GIB:>10.2f}  "
                  + ("fits" if fits else "DOES NOT FIT"))
-    arguments = ", ".join(f"{key}={value!r}" for key, value in config.engine_arguments().items())
     lines += ["", f"  stage boundaries: {list(prediction.boundaries)}",
-              f"  PipelineModule/PipelineEngine: {arguments}",
-              f"  {config.train_command(global_batch)}"]
+              *(f"  {line}" for line in launch_lines(engine, config, global_batch, blocks))]
     return "\n".join(lines)
 
 

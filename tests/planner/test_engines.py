@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.planner import PRESETS, PlanConfig, PlanError, SearchOptions, parse_shape, plan
-from pipeline.planner.engines import ENGINES, engine_options
+from pipeline.planner.engines import ENGINES, engine_options, launch_lines
 from pipeline.planner.search import price
 from pipeline.planner.transformer import transformer_profile
 from schedules import SCHEDULES
@@ -91,3 +91,31 @@ def test_the_command_line_engine(capsys: pytest.CaptureFixture[str]) -> None:
     assert "megatron-2021 cannot run schedules zb-v" in capsys.readouterr().err
     assert main([*common, "--engine", "megatron-2021", "--price", "pp2,tp1,1f1b,b1,z1"]) == 2
     assert "ZeRO stage 1" in capsys.readouterr().err
+
+
+def test_the_pick_is_given_as_the_paper_scripts_megatron_arguments(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # run_table_1.sh, 76B: TP=8 PP=4 MBS=2 GBS=1792 NLS=60, DDP=local,
+    # "--checkpoint-activations --num-layers-per-virtual-pipeline-stage 5" (v = 60 / 4 / 5)
+    config = PlanConfig(pp=4, tp=8, dp=32, schedule="interleaved", chunks=3,
+                        microbatch_size=2, num_microbatches=28, zero_stage=0, recompute="full")
+    (line,) = launch_lines("megatron-2021", config, 1792, 60)
+    text = line.split("pretrain_gpt.py ")[1]
+    flags = {"--" + flag.strip() for flag in text.split("--") if flag.strip()}
+    assert flags == {"--tensor-model-parallel-size 8", "--pipeline-model-parallel-size 4",
+                     "--micro-batch-size 2", "--global-batch-size 1792",
+                     "--num-layers-per-virtual-pipeline-stage 5", "--checkpoint-activations",
+                     "--DDP-impl local"}
+    # 1.7B: TP=1 PP=1 MBS=16, DDP=torch, 1F1B: no virtual stages
+    plain = replace(config, pp=1, tp=1, schedule="1f1b", chunks=1, microbatch_size=16,
+                    num_microbatches=1, recompute="none")
+    assert launch_lines("megatron-2021", plain, 512, 24) == [
+        "Megatron-LM (2021) pretrain_gpt.py --tensor-model-parallel-size 1 "
+        "--pipeline-model-parallel-size 1 --micro-batch-size 16 --global-batch-size 512 "
+        "--DDP-impl torch"]
+    assert "pipesched train" in launch_lines("pipesched", plain, 512, 24)[1]
+    assert main(["plan", "--model", SHAPE, "--cluster", "a100-80g", "--nodes", "2",
+                 "--global-batch", "64", "--engine", "megatron-2021", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["engine"] == "megatron-2021"
+    assert document["pick"]["launch"][0].startswith("Megatron-LM (2021) pretrain_gpt.py")
