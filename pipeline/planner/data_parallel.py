@@ -11,15 +11,15 @@ from pipeline.planner.pricing import allreduce_seconds
 from pipeline.planner.stages import StageTable
 from schedules import GradReduction, ParamGather
 
-__all__ = ["BUCKET_PARAMETERS", "grad_reduction", "param_gather", "stage_buckets",
-           "update_seconds"]
+__all__ = ["ADAM_UPDATE_BYTES", "BUCKET_PARAMETERS", "grad_reduction", "param_gather",
+           "stage_buckets", "update_seconds"]
 
 BUCKET_PARAMETERS = 40_000_000
 """Gradients a data-parallel bucket holds: Megatron's default (`--ddp-bucket-size`, 40M
 elements); the engine's hooks launch one bucket's reduction as soon as it is full."""
-# Adam reads parameter, gradient and both moments and writes parameter and moments: 7 fp32
-# values of memory traffic per parameter (a memory-bound update).
-_ADAM_TRAFFIC = 7 * 4.0
+ADAM_UPDATE_BYTES = 7 * 4.0
+"""Memory traffic of this engine's update per parameter: Adam reads the fp32 parameter,
+gradient and both moments and writes parameter and moments (a memory-bound step)."""
 
 
 def stage_buckets(table: StageTable, params: np.ndarray | None = None) -> list[int]:
@@ -70,12 +70,12 @@ def param_gather(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
 
 
 def update_seconds(rank_params: np.ndarray, cluster: ClusterSpec, *, dp: int, tp: int,
-                   zero_stage: int, overlap_param_gather: bool
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   zero_stage: int, overlap_param_gather: bool,
+                   update_bytes: float = ADAM_UPDATE_BYTES) -> tuple[np.ndarray, np.ndarray]:
     """Per rank: optimizer step seconds and the ZeRO-1 all-gather seconds exposed after it
     (blocking: all of it; with `overlap_param_gather` none here, the simulator places it)."""
     shard = rank_params / (dp if zero_stage else 1)
-    step = cluster.op_overhead + shard * _ADAM_TRAFFIC / cluster.memory_bandwidth
+    step = cluster.op_overhead + shard * update_bytes / cluster.memory_bandwidth
     if not zero_stage or overlap_param_gather:
         return step, np.zeros(len(rank_params))
     # ZeRO-1: reduce-scatter before the step (overlapped), all-gather after it (exposed)

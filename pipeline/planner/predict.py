@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
+import pipeline.planner.data_parallel as data_parallel
 from partition import LayerCost, chain_graph, partition_graph
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.data_parallel import grad_reduction, param_gather, update_seconds
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
@@ -151,6 +151,8 @@ class PlanContext:
     left, counted with the gradients: Megatron-LM 2021 makes fp32 copies of its fp16
     gradients there (`_copy_model_grads_to_main_grads`: `main_param.grad =
     model_param.grad.float()`), 4."""
+    update_bytes: float = data_parallel.ADAM_UPDATE_BYTES
+    """Memory traffic of the optimizer step per parameter (`data_parallel.update_seconds`)."""
     overlap_grad_reduce: bool = True
     """The data-parallel reduction overlaps the last backward (the engine's gradient hooks,
     Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
@@ -355,9 +357,10 @@ class PlanContext:
         tied = tied_allreduce_seconds(self.table(config), _placement(config), self.cluster,
                                       dp=config.dp, tp=config.tp,
                                       element_bytes=self.grad_reduce_bytes)
-        return (*update_seconds(self._rank_params(config), self.cluster, dp=config.dp,
-                                tp=config.tp, zero_stage=config.zero_stage,
-                                overlap_param_gather=self.overlap_param_gather), tied)
+        return (*data_parallel.update_seconds(
+            self._rank_params(config), self.cluster, dp=config.dp, tp=config.tp,
+            zero_stage=config.zero_stage, overlap_param_gather=self.overlap_param_gather,
+            update_bytes=self.update_bytes), tied)
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
@@ -390,7 +393,7 @@ class PlanContext:
         schedule = self.schedule(config, model)
         if schedule is None:
             return None
-        gather = None if not self.overlap_param_gather else param_gather(
+        gather = None if not self.overlap_param_gather else data_parallel.param_gather(
             table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
             params=stage_params(table, _placement(config)))
         timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
@@ -458,10 +461,10 @@ class PlanContext:
     def _reduction(self, config: PlanConfig, table: StageTable) -> GradReduction | None:
         """Each stage's data-parallel reduction (`data_parallel.grad_reduction`)."""
         overlap = self.overlap_grad_reduce or self.torch_ddp(config)
-        return grad_reduction(table, self.cluster, dp=config.dp, tp=config.tp,
-                              zero_stage=config.zero_stage,
-                              grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap,
-                              params=stage_params(table, _placement(config)))
+        return data_parallel.grad_reduction(
+            table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
+            grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap,
+            params=stage_params(table, _placement(config)))
 
 
 def is_cost_aware(name: str) -> bool:

@@ -11,6 +11,7 @@ import numpy as np
 
 from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.data_parallel import ADAM_UPDATE_BYTES
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES, MemoryBreakdown
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction, is_cost_aware
@@ -61,6 +62,9 @@ class SearchOptions:
     step_gradient_bytes: float = 0.0
     """Bytes per parameter the engine holds at its optimizer step only
     (`PlanContext.step_gradient_bytes`; 4 for Megatron-LM 2021's fp32 gradient copies)."""
+    update_bytes: float = ADAM_UPDATE_BYTES
+    """Memory traffic of the optimizer step per parameter (`PlanContext.update_bytes`; 52
+    for Megatron-LM 2021's mixed-precision step)."""
     overlap_grad_reduce: bool = True
     """Price the data-parallel reduction overlapped with the last backward (the engine's
     hooks); False: after the pipeline drains (`PlanContext.overlap_grad_reduce`)."""
@@ -123,7 +127,7 @@ class SearchOptions:
                 z not in (0, 1) or isinstance(z, bool) for z in self.zero_stages)):
             raise PlanError(f"zero_stages={self.zero_stages!r} must be 0 and/or 1 (ZeRO-2/3 "
                             f"would communicate every microbatch, refused with pipelines)")
-        for name in ("extra_parameter_bytes", "step_gradient_bytes"):
+        for name in ("extra_parameter_bytes", "step_gradient_bytes", "update_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise PlanError(f"{name}={value!r} must be a number of bytes >= 0")
@@ -400,6 +404,7 @@ def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                        overlap_grad_reduce=options.overlap_grad_reduce,
                        extra_parameter_bytes=options.extra_parameter_bytes,
                        step_gradient_bytes=options.step_gradient_bytes,
+                       update_bytes=options.update_bytes,
                        overlap_grad_reduce_unpipelined=options.overlap_grad_reduce_unpipelined,
                        uniform_layers=options.uniform_layers, blocking_p2p=options.blocking_p2p,
                        grad_reduce_bytes=options.grad_reduce_bytes,

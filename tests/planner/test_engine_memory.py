@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from pipeline.planner import PRESETS, PlanConfig, SearchOptions, parse_shape
+from pipeline.planner.engines import ENGINES
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.search import price
 from pipeline.planner.transformer import transformer_profile
@@ -17,9 +18,7 @@ __all__: list[str] = []
 MODEL = transformer_profile(parse_shape("layers=8,hidden=1024,heads=16,vocab=32000,seq=1024"),
                             "fp16", attention="eager")
 CLUSTER = replace(PRESETS["a100-80g"], nodes=1)
-MEGATRON = SearchOptions(schedules=("1f1b",), uniform_layers=True, overlap_grad_reduce=False,
-                         overlap_grad_reduce_unpipelined=True, grad_reduce_bytes=2.0,
-                         step_gradient_bytes=4.0)
+MEGATRON = SearchOptions(**ENGINES["megatron-2021"])  # the engine --engine megatron-2021 prices
 
 
 def _config(pp: int, microbatch: int) -> PlanConfig:
@@ -60,3 +59,25 @@ def test_the_ddp_bucket_is_only_where_torch_ddp_runs() -> None:
     assert context.engine_bytes(_config(2, 4))["extra_gradient_bytes"] == 0.0
     ours = PlanContext(MODEL, CLUSTER, 32, "fp16")  # this engine: its own gradient buffer
     assert ours.engine_bytes(_config(1, 4))["extra_gradient_bytes"] == 0.0
+
+
+def test_megatron_2021_steps_over_its_mixed_precision_traffic() -> None:
+    # Oracle from its optimizer's step, bytes per parameter: fp16 gradients to fp32 (2 + 4),
+    # unscale and inf check (4 + 4), the norm (4), fused Adam (16 read + 12 written), fp32
+    # weights back to fp16 (4 + 2); this engine's fp32 Adam: the 28 alone.
+    megatron = sum((2 + 4, 4 + 4, 4, 16 + 12, 4 + 2))
+    for options, per_param in ((MEGATRON, megatron), (SearchOptions(), 28)):
+        context = PlanContext(MODEL, CLUSTER, 32, "fp16", update_bytes=options.update_bytes,
+                              uniform_layers=True)
+        config = _config(2, 4)
+        params = context.rank_sums(config)[0]
+        step = context.update_seconds(config)[0]
+        assert step == pytest.approx(CLUSTER.op_overhead + params * per_param
+                                     / CLUSTER.memory_bandwidth)
+    # and through the search options into a priced step
+    found = price(MODEL, CLUSTER, 32, _config(1, 4), precision="fp16", options=MEGATRON)
+    plain = price(MODEL, CLUSTER, 32, _config(1, 4), precision="fp16",
+                  options=replace(MEGATRON, update_bytes=28.0))
+    moved = (found.breakdown["optimizer"] - CLUSTER.op_overhead) / (
+        plain.breakdown["optimizer"] - CLUSTER.op_overhead)
+    assert moved == pytest.approx(megatron / 28)
