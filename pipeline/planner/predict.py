@@ -15,6 +15,7 @@ from partition import LayerCost, chain_graph, partition_graph
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
+from pipeline.planner.p2p import blocking_p2p
 from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
@@ -381,8 +382,10 @@ class PlanContext:
         # over NVLink (Narayanan et al. 2021, section 4.1)
         boundary = costs.boundary_bytes / config.tp
         if self.blocking_p2p:
-            forward, input_grad = self._blocking_p2p(config, costs.forward, costs.input_grad,
-                                                     costs.boundary_bytes)
+            forward, input_grad = blocking_p2p(
+                self.cluster, _placement(config), tp=config.tp,
+                devices=config.pp * config.dp * config.tp, forward=costs.forward,
+                input_grad=costs.input_grad, boundary_bytes=costs.boundary_bytes)
             model = CostModel(forward=forward.tolist(), backward=input_grad.tolist(),
                               weight=costs.weight_grad.tolist())
         else:
@@ -432,31 +435,6 @@ class PlanContext:
         model_flops = 3 * self.model.flops_per_sample * self.global_batch
         return Prediction(config, total, tokens / total, model_flops / total / devices,
                           memory[0], memory[1], breakdown, table.boundaries)
-
-    def _blocking_p2p(self, config: PlanConfig, forward: np.ndarray, input_grad: np.ndarray,
-                      boundary_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Forward and input-gradient seconds per stage with blocking messages in them.
-
-        Legend: stage s sends its output to s + 1 after F and receives the gradient of that
-        output before B; a message crosses ranks where the two stages' ranks differ. Each
-        of the t tensor-parallel ranks sends 1/t of the bytes over its own link (scatter),
-        the receivers all-gather the pieces over NVLink (gather). Blocking: the sender's op
-        ends when its message is through (α + n/(tβ)); the receiver's op begins with the
-        all-gather. The dependency itself then adds no delay: its cost is in the ops."""
-        placement = np.asarray(_placement(config))
-        crosses = placement[:-1] != placement[1:]  # between stage s and s + 1
-        bandwidth, latency = self.cluster.link(config.pp * config.dp * config.tp)
-        message = np.where(crosses, latency + boundary_bytes[:-1] / config.tp / bandwidth, 0.0)
-        intra_bandwidth, intra_latency = self.cluster.link(config.tp)
-        t = config.tp  # a ring all-gather: (t-1)/t of the bytes in, t-1 hops
-        gather = np.where(crosses, (t - 1) / t * boundary_bytes[:-1] / intra_bandwidth
-                          + (t - 1) * intra_latency, 0.0)
-        forward, input_grad = forward.copy(), input_grad.copy()
-        forward[:-1] += message  # F of s sends its output to s + 1
-        forward[1:] += gather  # F of s + 1 gathers its input
-        input_grad[1:] += message  # B of s + 1 sends its input's gradient to s
-        input_grad[:-1] += gather  # B of s gathers its output's gradient
-        return forward, input_grad
 
     def _reduction(self, config: PlanConfig, table: StageTable) -> GradReduction | None:
         """Each stage's data-parallel reduction (`data_parallel.grad_reduction`)."""

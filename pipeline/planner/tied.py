@@ -51,7 +51,7 @@ def tied_allreduce_seconds(table: StageTable, placement: Sequence[int], cluster:
     the dp and tp sizes. A ring all-reduce of the copy's gradient (the weight's V·h/t
     elements, `element_bytes` each) over the g ranks; the d·t groups run side by side, each
     over its own link. Pipeline rank k sits k·d·t ranks into the rank order (pipeline
-    outermost, as `PlanContext._blocking_p2p` takes it), so the group spans
+    outermost, as `p2p.blocking_p2p` takes it), so the group spans
     (k_max - k_min)·d·t + 1 ranks, on one node when those fit in one."""
     where = np.asarray(placement)
     ranks = int(where.max()) + 1

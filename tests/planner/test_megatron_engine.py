@@ -19,6 +19,7 @@ from pipeline.planner import (
     plan,
     transformer_profile,
 )
+from pipeline.planner.p2p import blocking_p2p
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.pricing import allreduce_seconds
 from pipeline.planner.search import price
@@ -113,8 +114,9 @@ def _two_stage() -> tuple[PlanConfig, PlanContext, PlanContext]:
 def test_blocking_p2p_adds_each_message_to_its_sender_and_the_gather_to_its_receiver() -> None:
     config, blocking, _ = _two_stage()
     costs = blocking.table(config).costs(config.microbatch_size)
-    forward, input_grad = blocking._blocking_p2p(config, costs.forward, costs.input_grad,
-                                                 costs.boundary_bytes)
+    forward, input_grad = blocking_p2p(CLUSTER, (0, 1), tp=config.tp, devices=16,
+                                       forward=costs.forward, input_grad=costs.input_grad,
+                                       boundary_bytes=costs.boundary_bytes)
     # the definition: t = 2 ranks each send half the boundary over their own network card
     # (the pipeline spans nodes), then all-gather the halves over NVLink
     inter_bw, inter_lat = CLUSTER.link(CLUSTER.devices_per_node + 1)
