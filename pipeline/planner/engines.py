@@ -16,7 +16,7 @@ MEGATRON_LM_2021: MappingProxyType[str, Any] = MappingProxyType({
     "zero_stages": (0,), "overlap_grad_reduce": False,
     "overlap_grad_reduce_unpipelined": True, "step_gradient_bytes": 4.0,
     "uniform_layers": True, "interleaved_groups": True, "blocking_p2p": True,
-    "grad_reduce_bytes": 2.0, "update_bytes": 52.0})
+    "grad_reduce_bytes": 2.0, "update_bytes": 52.0, "tied_reduce_at_step": False})
 """Megatron-LM as Narayanan et al. 2021 ran it (SC'21; the code of April 2021, commit
 f32a638d2d, and the paper's scripts `examples/sc21/`):
 - its two schedules, interleaving only at p > 2 with m a multiple of p
@@ -38,6 +38,8 @@ f32a638d2d, and the paper's scripts `examples/sc21/`):
   peak is max(18P + activations, 22P) at p = 1 and max(16P + activations, 20P) above
   (`--DDP-impl local` flattens the gradients into one more copy for the all-reduce, 18P
   after the flush, below the step's);
+- the word-embedding copy's gradient reduced over dp with the rest, then summed over the
+  first and last stage (`tied_reduce_at_step` False);
 - its optimizer step, memory traffic per parameter (`Float16OptimizerWithFloat16Params.step`):
   fp16 gradients to fp32 copies (read 2, write 4), unscale and inf check (read and write
   4), the gradient norm for clipping (read 4), apex's fused Adam (read parameter, gradient

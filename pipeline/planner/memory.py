@@ -97,7 +97,8 @@ def _mode(recompute: str | bool) -> str:
 def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                      stage_workspace: ArrayLike, placement: Sequence[int], *, dp: int,
                      zero: int, recompute: bool, extra_parameter_bytes: float = 0.0,
-                     extra_gradient_bytes: float = 0.0, step_gradient_bytes: float = 0.0
+                     extra_gradient_bytes: float = 0.0, step_gradient_bytes: float = 0.0,
+                     stage_gradient_bytes: ArrayLike | None = None
                      ) -> tuple[MemoryBreakdown, int]:
     """Memory of the pipeline rank holding the most, and that rank.
 
@@ -115,6 +116,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     `extra_gradient_bytes` held through the step, `step_gradient_bytes` only at its
     optimizer step, when no activation is left (Megatron-LM 2021's fp32 copies of the
     gradients): a rank's peak is then the larger of its schedule's peak and its step's.
+    `stage_gradient_bytes`: per stage, gradient bytes held through the step besides these
+    (this engine's second gradient of a tied weight under ZeRO-1, `tied.py`).
     """
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
@@ -127,10 +130,13 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     parameters = PARAM_BYTES + extra_parameter_bytes
     gradients, optimizer = states.gradients + extra_gradient_bytes, states.optimizer
     held = activations + (workspace if recompute else 0.0)
-    during = params * (parameters + gradients + optimizer) + held
-    at_step = params * (parameters + gradients + step_gradient_bytes + optimizer)
+    more = np.zeros(ranks) if stage_gradient_bytes is None else np.bincount(
+        where, weights=np.asarray(stage_gradient_bytes, dtype=float), minlength=ranks)
+    during = params * (parameters + gradients + optimizer) + more + held
+    at_step = params * (parameters + gradients + step_gradient_bytes + optimizer) + more
     rank = int(np.argmax(np.maximum(during, at_step)))
     if at_step[rank] > during[rank]:  # the optimizer step's peak: no activations left
         gradients, held = gradients + step_gradient_bytes, np.zeros(ranks)
-    return MemoryBreakdown(float(params[rank] * parameters), float(params[rank] * gradients),
+    return MemoryBreakdown(float(params[rank] * parameters),
+                           float(params[rank] * gradients + more[rank]),
                            float(params[rank] * optimizer), float(held[rank])), rank

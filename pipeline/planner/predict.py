@@ -20,7 +20,13 @@ from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable, uniform_boundaries
-from pipeline.planner.tied import stage_params, tied_allreduce_seconds, tied_through
+from pipeline.planner.tied import (
+    stage_params,
+    tied_allreduce_seconds,
+    tied_held,
+    tied_step_reduction,
+    tied_through,
+)
 from schedules import (
     SCHEDULES,
     CostModel,
@@ -181,6 +187,8 @@ class PlanContext:
     """ZeRO-1's parameter all-gather left in flight after the step, each layer's next forward
     waiting for its own buckets (the engine's `overlap_param_gather`, off by default as
     there): priced by the simulator (`data_parallel.param_gather`); False: exposed after it."""
+    tied_reduce_at_step: bool = True
+    """Tied weights reduced over dp at STEP (this engine, `tied.py`); False: with the rest."""
     _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
     _partitions: dict[tuple[int, int, bool], tuple[int, ...]] = field(default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
@@ -307,7 +315,13 @@ class PlanContext:
         return peak_rank_memory(stage_params(table, placement), activations,
                                 table.workspace * b, placement, dp=config.dp,
                                 zero=config.zero_stage, recompute=config.recomputes,
+                                stage_gradient_bytes=self.tied_grad_bytes(config),
                                 **self.engine_bytes(config))
+
+    def tied_grad_bytes(self, config: PlanConfig) -> np.ndarray:
+        """Per stage: this engine's second gradient of its tied weights under ZeRO-1."""
+        held = tied_held(self.table(config), _placement(config))
+        return held * GRAD_BYTES * float(self.tied_reduce_at_step and config.zero_stage > 0)
 
     def engine_bytes(self, config: PlanConfig) -> dict[str, float]:
         """Another engine's bytes per parameter beyond this one's (`peak_rank_memory`):
@@ -345,9 +359,9 @@ class PlanContext:
         return self.rank_sums(config)[0]
 
     def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
-        """Per rank: optimizer step seconds, the exposed ZeRO-1 all-gather seconds and the
-        tied copies' all-reduce before the step (`tied.tied_allreduce_seconds`), kept per
-        partition, placement, dp and ZeRO stage."""
+        """Per rank: optimizer step seconds, the exposed seconds around it (ZeRO-1's
+        all-gather, this engine's tied-region reduction) and the tied copies' all-reduce
+        before it (`tied.tied_allreduce_seconds`), per partition, placement, dp and ZeRO."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
                _placement(config), config.dp, config.zero_stage)
         if key not in self._updates:
@@ -355,13 +369,20 @@ class PlanContext:
         return self._updates[key]
 
     def _price_update(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
-        tied = tied_allreduce_seconds(self.table(config), _placement(config), self.cluster,
-                                      dp=config.dp, tp=config.tp,
-                                      element_bytes=self.grad_reduce_bytes)
-        return (*data_parallel.update_seconds(
+        table, placement = self.table(config), _placement(config)
+        tied = tied_allreduce_seconds(table, placement, self.cluster, dp=config.dp,
+                                      tp=config.tp, element_bytes=self.grad_reduce_bytes)
+        step, exposed = data_parallel.update_seconds(
             self._rank_params(config), self.cluster, dp=config.dp, tp=config.tp,
             zero_stage=config.zero_stage, overlap_param_gather=self.overlap_param_gather,
-            update_bytes=self.update_bytes), tied)
+            update_bytes=self.update_bytes)
+        if self.tied_reduce_at_step:  # the tied region's reduction at STEP, exposed
+            held = np.bincount(placement, weights=tied_held(table, placement),
+                               minlength=config.pp)
+            exposed = exposed + tied_step_reduction(
+                held, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
+                element_bytes=self.grad_reduce_bytes)
+        return step, exposed, tied
 
     def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
                 ) -> Prediction | None:
@@ -439,10 +460,12 @@ class PlanContext:
     def _reduction(self, config: PlanConfig, table: StageTable) -> GradReduction | None:
         """Each stage's data-parallel reduction (`data_parallel.grad_reduction`)."""
         overlap = self.overlap_grad_reduce or self.torch_ddp(config)
+        params = stage_params(table, _placement(config))
+        if self.tied_reduce_at_step:  # reduced at STEP instead (`_price_update`)
+            params = params - tied_held(table, _placement(config))
         return data_parallel.grad_reduction(
             table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
-            grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap,
-            params=stage_params(table, _placement(config)))
+            grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap, params=params)
 
 
 def is_cost_aware(name: str) -> bool:

@@ -85,6 +85,9 @@ class SearchOptions:
     grad_reduce_bytes: float = GRAD_BYTES
     """Bytes per gradient element in the data-parallel reduction
     (`PlanContext.grad_reduce_bytes`; 2 for Megatron-LM 2021's fp16 all-reduce)."""
+    tied_reduce_at_step: bool = True
+    """Tied weights reduced over dp at STEP (this engine); False: with their stage's other
+    gradients (Megatron-LM; `PlanContext.tied_reduce_at_step`)."""
     overlap_param_gather: bool = False
     """Price ZeRO-1's parameter all-gather overlapped with the next step's forwards (the
     engine's `overlap_param_gather`, `PlanContext.overlap_param_gather`); False: exposed."""
@@ -408,7 +411,8 @@ def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                        overlap_grad_reduce_unpipelined=options.overlap_grad_reduce_unpipelined,
                        uniform_layers=options.uniform_layers, blocking_p2p=options.blocking_p2p,
                        grad_reduce_bytes=options.grad_reduce_bytes,
-                       overlap_param_gather=options.overlap_param_gather)
+                       overlap_param_gather=options.overlap_param_gather,
+                       tied_reduce_at_step=options.tied_reduce_at_step)
 
 
 def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: PlanConfig,

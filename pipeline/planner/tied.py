@@ -10,10 +10,12 @@ the first and last stage: `train_step` in 2021, after the data-parallel all-redu
 owners' gradients `pipeline.parallel.tied_sync.TiedWeightSynchronizer` all-reduces at STEP).
 A copy is priced as any parameter of its stage: weight, gradient and optimizer state (ZeRO-1
 shards it over dp too: the engine's own region, `TIED_REGION`), its data-parallel reduction
-and its update. Not priced: under ZeRO-1 the engine holds a tied weight's gradient twice
-through the backward (the `.grad` its owners sum, and the region's flat buffer it is added
-to at STEP: 4 more bytes an element on every owner), and it reduces that region over dp at
-STEP, where the planner overlaps it with the stage's other buckets.
+and its update. This engine (`tied_reduce_at_step`) keeps every tied weight of a rank in its
+own ZeRO-1 region (`TIED_REGION`), reduced over dp at STEP after the owners' sum
+(`TiedGradReducer.wait`), not with the stage's buckets: exposed (`tied_step_reduction`);
+under ZeRO-1 it also holds the weight's gradient twice through the backward (the `.grad`
+its owners sum, and the region's flat buffer it joins at STEP: 4 bytes more an element).
+Megatron-LM reduces the copy with the stage's other gradients.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.pricing import ring_allreduce_seconds
+from pipeline.planner.pricing import allreduce_seconds, ring_allreduce_seconds
 from pipeline.planner.stages import StageTable
 
-__all__ = ["stage_params", "tied_allreduce_seconds", "tied_copies", "tied_through"]
+__all__ = ["stage_params", "tied_allreduce_seconds", "tied_copies", "tied_held",
+           "tied_step_reduction", "tied_through"]
 
 
 def tied_copies(table: StageTable, placement: Sequence[int]) -> np.ndarray:
@@ -35,6 +38,23 @@ def tied_copies(table: StageTable, placement: Sequence[int]) -> np.ndarray:
     p = 1 or where a V-shaped schedule puts the first and the last stage on one rank."""
     where = np.asarray(placement)
     return np.where(where != where[0], table.tied, 0.0)
+
+
+def tied_held(table: StageTable, placement: Sequence[int]) -> np.ndarray:
+    """Per stage: tied parameters one tp rank holds, the first stage the weight itself (as
+    large as its largest use, `table.tied`), each stage on another rank its copy
+    (`tied_copies`); all zero for an untied model."""
+    held = tied_copies(table, placement).astype(float)
+    held[0] += float(table.tied.max(initial=0.0))
+    return held
+
+
+def tied_step_reduction(rank_held: np.ndarray, cluster: ClusterSpec, *, dp: int, tp: int,
+                        zero_stage: int, element_bytes: float) -> np.ndarray:
+    """Per rank: seconds of this engine's data-parallel reduction of the `rank_held` tied
+    parameters at STEP (an all-reduce; ZeRO-1's reduce-scatter, half its traffic)."""
+    return np.array([allreduce_seconds(float(x) * element_bytes, dp, tp, cluster)
+                     / (2 if zero_stage else 1) if x > 0 else 0.0 for x in rank_held])
 
 
 def stage_params(table: StageTable, placement: Sequence[int]) -> np.ndarray:

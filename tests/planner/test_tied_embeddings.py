@@ -66,7 +66,10 @@ PLACEMENTS = {("1f1b", 1, 1): (0,), ("1f1b", 2, 1): (0, 1), ("1f1b", 4, 1): (0, 
 def _memory_problems(config: PlanConfig) -> list[str]:
     """The oracle: the fullest rank (the head's: its activations dominate) holds its own
     layers' parameters, plus the tied weight's TIED/t where the head's stage is not on the
-    embedding's rank, at 4 bytes of weight, 4 of gradient and 8 (8/d under ZeRO-1) of Adam."""
+    embedding's rank, at 4 bytes of weight, 4 of gradient and 8 (8/d under ZeRO-1) of Adam;
+    under ZeRO-1 the engine holds the tied weight's gradient twice (its `.grad`, which the
+    owners sum, beside the tied region's buffer): 4 bytes more for each of its TIED/t, the
+    weight or the copy, whichever the head's rank holds."""
     found = price(_model(True), _cluster(config), 8 * config.dp, config)
     placement = PLACEMENTS[(config.schedule, config.pp, config.chunks)]
     head_rank = placement[-1]
@@ -77,8 +80,9 @@ def _memory_problems(config: PlanConfig) -> list[str]:
               for layer in layers[bounds[stage]:bounds[stage + 1]])
     copy = TIED / config.tp if head_rank != placement[0] else 0.0
     adam = 8.0 / config.dp if config.zero_stage else 8.0
+    second = 4 * TIED / config.tp if config.zero_stage else 0.0
     expected = {"rank": head_rank, "parameters": 4 * (own + copy),
-                "gradients": 4 * (own + copy), "optimizer": adam * (own + copy)}
+                "gradients": 4 * (own + copy) + second, "optimizer": adam * (own + copy)}
     got = {"rank": found.memory_rank, "parameters": found.memory.parameters,
            "gradients": found.memory.gradients, "optimizer": found.memory.optimizer}
     return [f"{config.label()} {key}: {got[key]} != {value}" for key, value in expected.items()
@@ -208,3 +212,35 @@ def test_a_planted_bug_fails_the_oracles(planted: str, monkeypatch: pytest.Monke
     problems += [problem for config, inside in TIME_CASES
                  for problem in _time_problems(config, inside)]
     assert problems
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_this_engine_reduces_its_tied_region_over_dp_at_step(zero: int) -> None:
+    # The engine (TiedGradReducer): tied weights leave their stage's buckets and are reduced
+    # over dp at STEP, after the owners' sum, exposed: an all-reduce of each owner's TIED/t
+    # (ZeRO-1: a reduce-scatter, half of it). Megatron-LM reduces them with the rest.
+    from pipeline.planner.pricing import allreduce_seconds
+
+    config = _config("1f1b", 2, 2, 4, zero=zero)
+    cluster = _cluster(config)
+    share = 0.5 if zero else 1.0
+    tied_seconds = share * allreduce_seconds(4.0 * TIED / 2, 4, 2, cluster)
+    ours = PlanContext(_model(True), cluster, 32, "fp32")
+    megatron = PlanContext(_model(True), cluster, 32, "fp32", tied_reduce_at_step=False)
+    _, exposed, _ = ours.update_seconds(config)
+    _, exposed_megatron, _ = megatron.update_seconds(config)
+    # both owners (rank 0 the weight, rank 1 its copy) reduce TIED/2 at STEP
+    assert exposed - exposed_megatron == pytest.approx([tied_seconds, tied_seconds])
+    table = ours.table(config)
+    mine, theirs = ours._reduction(config, table), megatron._reduction(config, table)
+    assert mine is not None and theirs is not None
+    # the buckets: stage 0's parameters include the weight, stage 1's exclude its copy; this
+    # engine takes the weight out of stage 0's, Megatron-LM adds the copy to stage 1's
+    held = TIED / 2
+    for stage, (without, with_copy) in enumerate(
+            ((table.params[0] - held, table.params[0]),
+             (table.params[1], table.params[1] + held))):
+        assert mine.time[stage] == pytest.approx(
+            share * allreduce_seconds(4.0 * float(without), 4, 2, cluster))
+        assert theirs.time[stage] == pytest.approx(
+            share * allreduce_seconds(4.0 * float(with_copy), 4, 2, cluster))
