@@ -58,8 +58,10 @@ class SearchBounds:
         b = config.microbatch_size
         held = each * b + workspace * b if config.recomputes else each * b
         ranks = range(config.pp)  # per-rank sums: each rank one "stage", workspace in held
-        tied = np.bincount(schedule_placement(config.schedule, config.pp, config.chunks),
-                           weights=self.context.tied_grad_bytes(config), minlength=config.pp)
+        tied = self.context.tied_grad_bytes(config)
+        if tied is not None:  # per rank, as `params` and `held` are
+            tied = np.bincount(schedule_placement(config.schedule, config.pp, config.chunks),
+                               weights=tied, minlength=config.pp)
         memory, _ = peak_rank_memory(params, held, np.zeros(config.pp), ranks, dp=config.dp,
                                      zero=config.zero_stage, recompute=False,
                                      stage_gradient_bytes=tied,

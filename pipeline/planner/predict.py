@@ -318,10 +318,11 @@ class PlanContext:
                                 stage_gradient_bytes=self.tied_grad_bytes(config),
                                 **self.engine_bytes(config))
 
-    def tied_grad_bytes(self, config: PlanConfig) -> np.ndarray:
+    def tied_grad_bytes(self, config: PlanConfig) -> np.ndarray | None:
         """Per stage: this engine's second gradient of its tied weights under ZeRO-1."""
-        held = tied_held(self.table(config), _placement(config))
-        return held * GRAD_BYTES * float(self.tied_reduce_at_step and config.zero_stage > 0)
+        if not (self.tied_reduce_at_step and config.zero_stage and self.table(config).tied.any()):
+            return None
+        return tied_held(self.table(config), _placement(config)) * GRAD_BYTES
 
     def engine_bytes(self, config: PlanConfig) -> dict[str, float]:
         """Another engine's bytes per parameter beyond this one's (`peak_rank_memory`):
