@@ -21,6 +21,7 @@ from bench_published import MEGATRON_2021, ROWS, PublishedRow, _model, _short
 
 from pipeline.planner import PRESETS, ClusterSpec, PlanError, SearchOptions, plan
 from pipeline.planner.cluster import GIB
+from pipeline.planner.predict import Prediction
 from pipeline.planner.search import price
 
 __all__ = ["disagreement_part", "paper_gap"]
@@ -29,18 +30,24 @@ CLOSE = 0.03
 _STEPS = 10
 
 
-def paper_gap(row: PublishedRow, cluster: ClusterSpec) -> float | None:
-    """How much slower the planner's best at the paper's (t, p) is than its pick on
-    `cluster` (None: nothing at the paper's (t, p) fits)."""
+def _searches(row: PublishedRow, cluster: ClusterSpec) -> tuple[Prediction | None, Prediction]:
+    """The planner's best at the paper's (t, p) (None: nothing there fits) and its pick."""
     model = _model(row)
+    pick = plan(model, cluster, row.batch, precision="fp16",
+                options=SearchOptions(**MEGATRON_2021)).best
     try:
         own = plan(model, cluster, row.batch, precision="fp16", options=SearchOptions(
             tensor_parallel=(row.tp,), pipeline_parallel=(row.pp,), **MEGATRON_2021)).best
     except PlanError:
-        return None
-    pick = plan(model, cluster, row.batch, precision="fp16",
-                options=SearchOptions(**MEGATRON_2021)).best
-    return own.step_seconds / pick.step_seconds - 1
+        return None, pick
+    return own, pick
+
+
+def paper_gap(row: PublishedRow, cluster: ClusterSpec) -> float | None:
+    """How much slower the planner's best at the paper's (t, p) is than its pick on
+    `cluster` (None: nothing at the paper's (t, p) fits)."""
+    own, pick = _searches(row, cluster)
+    return None if own is None else own.step_seconds / pick.step_seconds - 1
 
 
 def _usable_memory(row: PublishedRow, cluster: ClusterSpec) -> float | None:
@@ -70,11 +77,10 @@ def disagreement_part(rows: tuple[PublishedRow, ...] = ROWS) -> list[str]:
              "memory <= GiB | gap, NVLink free |", "|---|---|---:|---|---:|---:|---:|"]
     for row in rows:
         cluster = replace(PRESETS["a100-80g"], nodes=row.gpus // 8)
-        gap = paper_gap(row, cluster)
+        own, pick = _searches(row, cluster)
+        gap = None if own is None else own.step_seconds / pick.step_seconds - 1
         if gap is None or gap <= CLOSE:
             continue
-        pick = plan(_model(row), cluster, row.batch, precision="fp16",
-                    options=SearchOptions(**MEGATRON_2021)).best
         usable = _usable_memory(row, cluster)
         free = paper_gap(row, replace(cluster, intra_bandwidth=1e18, intra_latency=0.0))
         lines.append(f"| {row.billions}B | {_short(row.config())} | {gap:+.1%} | "

@@ -63,7 +63,7 @@ def engine_options(name: str, **given: Any) -> dict[str, Any]:
         if value is None:
             continue
         allowed = options.get(key)
-        if allowed is not None and isinstance(allowed, tuple):
+        if isinstance(allowed, tuple):
             outside = [item for item in value if item not in allowed]
             if outside:
                 raise PlanError(f"{name} cannot run {key} {', '.join(map(str, outside))}; "

@@ -96,8 +96,8 @@ def _mode(recompute: str | bool) -> str:
 
 def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                      stage_workspace: ArrayLike, placement: Sequence[int], *, dp: int,
-                     zero: int, recompute: bool, extra_parameter_bytes: float = 0.0,
-                     extra_gradient_bytes: float = 0.0, step_gradient_bytes: float = 0.0,
+                     zero: int, recompute: bool, extra_gradient_bytes: float = 0.0,
+                     step_gradient_bytes: float = 0.0,
                      stage_gradient_bytes: ArrayLike | None = None
                      ) -> tuple[MemoryBreakdown, int]:
     """Memory of the pipeline rank holding the most, and that rank.
@@ -112,10 +112,10 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     without ZeRO, 8 + 8/dp with ZeRO-1 (Megatron's distributed optimizer: gradients in one
     buffer, Adam's moments on a 1/dp shard that is a view of the fp32 parameters).
 
-    Another engine's bytes per parameter beyond these: `extra_parameter_bytes` and
-    `extra_gradient_bytes` held through the step, `step_gradient_bytes` only at its
-    optimizer step, when no activation is left (Megatron-LM 2021's fp32 copies of the
-    gradients): a rank's peak is then the larger of its schedule's peak and its step's.
+    Another engine's gradient bytes per parameter beyond these: `extra_gradient_bytes` held
+    through the step, `step_gradient_bytes` only at its optimizer step, when no activation
+    is left (Megatron-LM 2021's fp32 copies of the gradients): a rank's peak is then the
+    larger of its schedule's peak and its step's.
     `stage_gradient_bytes`: per stage, gradient bytes held through the step besides these
     (this engine's second gradient of a tied weight under ZeRO-1, `tied.py`).
     """
@@ -127,7 +127,7 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     workspace = np.zeros(ranks)
     np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
     states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
-    parameters = PARAM_BYTES + extra_parameter_bytes
+    parameters = PARAM_BYTES
     gradients, optimizer = states.gradients + extra_gradient_bytes, states.optimizer
     held = activations + (workspace if recompute else 0.0)
     more = np.zeros(ranks) if stage_gradient_bytes is None else np.bincount(

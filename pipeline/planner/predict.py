@@ -150,9 +150,6 @@ class PlanContext:
     cluster: ClusterSpec
     global_batch: int
     precision: str
-    extra_parameter_bytes: float = 0.0
-    """Bytes per parameter an engine holds through the step beyond `memory`'s (which prices
-    this engine), counted with the parameters."""
     step_gradient_bytes: float = 0.0
     """Bytes per parameter an engine holds at its optimizer step only, when no activation is
     left, counted with the gradients: Megatron-LM 2021 makes fp32 copies of its fp16
@@ -320,17 +317,17 @@ class PlanContext:
 
     def tied_grad_bytes(self, config: PlanConfig) -> np.ndarray | None:
         """Per stage: this engine's second gradient of its tied weights under ZeRO-1."""
-        if not (self.tied_reduce_at_step and config.zero_stage and self.table(config).tied.any()):
+        table = self.table(config)
+        if not (self.tied_reduce_at_step and config.zero_stage and table.tied.any()):
             return None
-        return tied_held(self.table(config), _placement(config)) * GRAD_BYTES
+        return tied_held(table, _placement(config)) * GRAD_BYTES
 
     def engine_bytes(self, config: PlanConfig) -> dict[str, float]:
-        """Another engine's bytes per parameter beyond this one's (`peak_rank_memory`):
-        `extra_parameter_bytes`, `step_gradient_bytes`, and torch DDP's buckets where it
-        runs (`torch_ddp`): they hold a copy of every gradient in the reduction's type
+        """Another engine's gradient bytes per parameter beyond this one's
+        (`peak_rank_memory`): `step_gradient_bytes`, and torch DDP's buckets where it runs
+        (`torch_ddp`): a copy of every gradient in the reduction's type
         (`gradient_as_bucket_view=False`, torch's default then and now)."""
-        return {"extra_parameter_bytes": self.extra_parameter_bytes,
-                "extra_gradient_bytes": self.grad_reduce_bytes if self.torch_ddp(config)
+        return {"extra_gradient_bytes": self.grad_reduce_bytes if self.torch_ddp(config)
                 else 0.0,
                 "step_gradient_bytes": self.step_gradient_bytes}
 

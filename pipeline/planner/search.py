@@ -56,9 +56,6 @@ class SearchOptions:
     partial (full on the first k layers of each stage, k a quarter, half and three quarters
     of a stage's layers); False / True are none / full. None: all four when `recompute`,
     else none."""
-    extra_parameter_bytes: float = 0.0
-    """Bytes per parameter the training engine holds through the step beyond the planner's
-    memory model (`PlanContext.extra_parameter_bytes`)."""
     step_gradient_bytes: float = 0.0
     """Bytes per parameter the engine holds at its optimizer step only
     (`PlanContext.step_gradient_bytes`; 4 for Megatron-LM 2021's fp32 gradient copies)."""
@@ -130,7 +127,7 @@ class SearchOptions:
                 z not in (0, 1) or isinstance(z, bool) for z in self.zero_stages)):
             raise PlanError(f"zero_stages={self.zero_stages!r} must be 0 and/or 1 (ZeRO-2/3 "
                             f"would communicate every microbatch, refused with pipelines)")
-        for name in ("extra_parameter_bytes", "step_gradient_bytes", "update_bytes"):
+        for name in ("step_gradient_bytes", "update_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
                 raise PlanError(f"{name}={value!r} must be a number of bytes >= 0")
@@ -405,7 +402,6 @@ def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
     """The pricing context of a search (or of one priced configuration) under `options`."""
     return PlanContext(model, cluster, global_batch, precision or cluster.precision,
                        overlap_grad_reduce=options.overlap_grad_reduce,
-                       extra_parameter_bytes=options.extra_parameter_bytes,
                        step_gradient_bytes=options.step_gradient_bytes,
                        update_bytes=options.update_bytes,
                        overlap_grad_reduce_unpipelined=options.overlap_grad_reduce_unpipelined,

@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.planner import PRESETS, ClusterSpec, SearchOptions, parse_shape, plan
 from pipeline.planner.bounds import SearchBounds
+from pipeline.planner.engines import ENGINES
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.search import PlanResult
 from pipeline.planner.transformer import transformer_profile
@@ -41,7 +42,7 @@ CASES = {
     # Megatron-LM 2021's engine: even layer split, blocking messages, reduction after the flush
     "megatron-2021-engine": (SMALL, _cluster(40.0, 2), 32, SearchOptions(
         schedules=("1f1b", "interleaved"), uniform_layers=True, blocking_p2p=True,
-        overlap_grad_reduce=False, extra_parameter_bytes=2.0, grad_reduce_bytes=2.0)),
+        overlap_grad_reduce=False, step_gradient_bytes=4.0, grad_reduce_bytes=2.0)),
     # its memory: torch DDP's bucket copy at p = 1, fp32 gradient copies at the step only
     # (tight, so that the step's peak decides what fits on some configurations)
     "megatron-2021-step-peak": (DEEP, _cluster(6.0, 2), 32, SearchOptions(
@@ -57,9 +58,8 @@ CASES = {
     "tied-embeddings": (TIED, _cluster(0.8, 2), 32, SearchOptions(
         max_chunks=2, schedules=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
                                  "dualpipev"))),
-    "tied-megatron-2021-engine": (TIED, _cluster(40.0, 2), 32, SearchOptions(
-        schedules=("1f1b", "interleaved"), uniform_layers=True, blocking_p2p=True,
-        overlap_grad_reduce=False, extra_parameter_bytes=2.0, grad_reduce_bytes=2.0)),
+    "tied-megatron-2021-engine": (TIED, _cluster(40.0, 2), 32,
+                                  SearchOptions(**ENGINES["megatron-2021"])),
     "deeper-tight-zero": (DEEP, _cluster(10.0, 2), 64, SearchOptions(
         max_chunks=4, tensor_parallel=(1, 2),
         schedules=("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h2", "zb-v"))),
