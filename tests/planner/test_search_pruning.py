@@ -10,7 +10,6 @@ import pytest
 
 from pipeline.planner import PRESETS, ClusterSpec, SearchOptions, parse_shape, plan
 from pipeline.planner.bounds import SearchBounds
-from pipeline.planner.engines import ENGINES
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.search import PlanResult
 from pipeline.planner.transformer import transformer_profile
@@ -58,8 +57,10 @@ CASES = {
     "tied-embeddings": (TIED, _cluster(0.8, 2), 32, SearchOptions(
         max_chunks=2, schedules=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
                                  "dualpipev"))),
-    "tied-megatron-2021-engine": (TIED, _cluster(40.0, 2), 32,
-                                  SearchOptions(**ENGINES["megatron-2021"])),
+    "tied-megatron-2021-engine": (TIED, _cluster(40.0, 2), 32, SearchOptions(
+        schedules=("1f1b", "interleaved"), uniform_layers=True, blocking_p2p=True,
+        overlap_grad_reduce=False, step_gradient_bytes=4.0, grad_reduce_bytes=2.0,
+        tied_reduce_at_step=False)),
     "deeper-tight-zero": (DEEP, _cluster(10.0, 2), 64, SearchOptions(
         max_chunks=4, tensor_parallel=(1, 2),
         schedules=("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h2", "zb-v"))),
