@@ -31,19 +31,19 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
+from llama_layers import TINYLLAMA_1B, LlamaShape, llama_layers, token_loss
 
-from llama_layers import TINYLLAMA_1B, LlamaShape, llama_layers, token_loss  # noqa: E402
-from pipeline import PipelineEngine, PipelineModule, launch  # noqa: E402
-from pipeline.device import (  # noqa: E402
+from pipeline import PipelineEngine, PipelineModule, launch
+from pipeline.device import (
     default_device,
     peak_memory_allocated,
     release_cached_memory,
     reset_peak_memory,
     synchronize,
 )
-from pipeline.model.reference import build_reference, reference_forward  # noqa: E402
+from pipeline.model.reference import build_reference, reference_forward
 
 REHEARSAL_SHAPE = LlamaShape(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128,
                              seq=32)
@@ -66,6 +66,19 @@ def _timed(step: Any, device: torch.device, warmup: int, steps: int) -> list[flo
     return times
 
 
+def _engine_times(shape: LlamaShape, inputs: torch.Tensor, targets: torch.Tensor, warmup: int,
+                  steps: int, precision: str, device: torch.device
+                  ) -> tuple[list[float], int | None]:
+    """Our engine at pp = 1: its step times and the peak bytes the allocator held."""
+    reset_peak_memory(device)
+    module = PipelineModule(llama_layers(shape), num_stages=1, loss_fn=token_loss)
+    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=1, optimizer=_adamw,
+                            precision=precision, device=device, timeout=600)
+    times = _timed(lambda: engine.train_batch(inputs, targets), device, warmup, steps)
+    engine.stop_watchdog()
+    return times, peak_memory_allocated(device)
+
+
 def _step_times(shape: LlamaShape, batch: int, warmup: int, steps: int,
                 precision: str) -> dict[str, Any]:
     """On one rank: our engine's step times and peak memory, then plain PyTorch's."""
@@ -73,15 +86,8 @@ def _step_times(shape: LlamaShape, batch: int, warmup: int, steps: int,
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape.vocab, (batch, shape.seq + 1), generator=generator)
     inputs, targets = ids[:, :-1], ids[:, 1:]
-    reset_peak_memory(device)
-    module = PipelineModule(llama_layers(shape), num_stages=1, loss_fn=token_loss)
-    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=1, optimizer=_adamw,
-                            precision=precision, device=device, timeout=600)
-    ours = _timed(lambda: engine.train_batch(inputs, targets), device, warmup, steps)
-    peak = peak_memory_allocated(device)
-    engine.stop_watchdog()
-    del engine, module
-    release_cached_memory(device)
+    ours, peak = _engine_times(shape, inputs, targets, warmup, steps, precision, device)
+    release_cached_memory(device)  # the engine is gone: plain PyTorch starts from empty
     model = build_reference(llama_layers(shape)).to(device)
     optimizer = _adamw(model.parameters())
     on_device = inputs.to(device), targets.to(device)
