@@ -20,6 +20,7 @@ from tests.support.device_tier import (
     checkpoint_round_trip,
     generate_on_device,
     memory_against_accounting,
+    planted_unwaited_receive,
     schedule_errors,
     three_d_results,
     tier_launch_options,
@@ -41,6 +42,15 @@ def test_every_schedule_on_the_device_equals_the_cpu_reference() -> None:
                     for name, errors in found.items() for key, value in errors.items()
                     if value > DEVICE_TOLERANCE]
         assert not problems, "\n".join(problems)
+
+
+def test_a_receive_used_without_waiting_is_caught() -> None:
+    """The planted CUDA bug of a receive read on the compute stream before its data is
+    there: the equivalence above must not pass with it."""
+    outcomes = launch(planted_unwaited_receive, 2, timeout=60, join_timeout=300,
+                      **tier_launch_options())
+    assert any(isinstance(outcome, str) or max(outcome.values()) > DEVICE_TOLERANCE
+               for outcome in outcomes), outcomes
 
 
 def test_3d_configurations_on_the_device_equal_the_cpu_reference() -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "checkpoint_round_trip",
     "generate_on_device",
     "memory_against_accounting",
+    "planted_unwaited_receive",
     "schedule_errors",
     "three_d_results",
     "tier_device_type",
@@ -74,13 +75,14 @@ def _error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float().cpu() - b.float().cpu()).abs().max()) if a.numel() else 0.0
 
 
-def schedule_errors() -> dict[str, dict[str, float]]:
-    """Every registered training schedule at pp = 2 on this rank's device, two SGD steps of
-    the MLP: the largest loss, gradient and parameter differences from the CPU reference."""
+def schedule_errors(names: tuple[str, ...] | None = None) -> dict[str, dict[str, float]]:
+    """Every registered training schedule (or those `names`) at pp = 2 on this rank's device,
+    two SGD steps of the MLP: the largest loss, gradient and parameter differences from the
+    CPU reference."""
     spec, m = MODELS["mlp"], 4  # m = 2p: DualPipeV's smallest
     found: dict[str, dict[str, float]] = {}
     for name, entry in SCHEDULES.items():
-        if name == "forward-only":
+        if name == "forward-only" or (names is not None and name not in names):
             continue
         module = PipelineModule(spec.layers(), num_stages=2, chunks=entry.default_chunks,
                                 loss_fn=spec.loss)
@@ -195,3 +197,15 @@ def memory_against_accounting() -> list[dict[str, Any]]:
         engine.stop_watchdog()
         del engine, module
     return rows
+
+
+def planted_unwaited_receive() -> dict[str, float] | str:
+    """A planted bug: every receive is used without waiting for it (its buffer as allocated,
+    whatever has or has not arrived). The 1F1B case must then differ or fail."""
+    from pipeline.runtime import comm
+
+    comm.PendingRecv.wait = lambda self: self.buffers  # type: ignore[method-assign]
+    try:
+        return schedule_errors(("1f1b",))["1f1b"]
+    except Exception as error:  # the run may also break outright
+        return f"{type(error).__name__}: {error}"
