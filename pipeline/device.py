@@ -8,18 +8,63 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["accelerator_rng_states", "default_backend", "default_device", "device_problem",
-           "process_group_timeout", "seed_accelerator_rng", "set_accelerator_rng_states",
-           "synchronize"]
+__all__ = ["STAGED_PER_DEVICE", "accelerator_rng_states", "backend_reason", "copy_from_host",
+           "default_backend", "default_device", "device_memory_allocated", "device_problem",
+           "host_buffer_like", "peak_memory_allocated", "process_group_timeout",
+           "release_cached_memory", "reset_peak_memory", "seed_accelerator_rng",
+           "set_accelerator_rng_states", "stage_to_host", "synchronize"]
+
+STAGED_PER_DEVICE = "cpu:gloo,cuda:pipesched_staged"
+"""Ranks sharing a GPU: CPU tensors over gloo, CUDA tensors staged through pinned host memory
+(`pipeline.parallel.staged_backend`)."""
 
 
 def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def default_backend() -> str:
-    """``nccl`` when CUDA is present, else ``gloo``."""
-    return "nccl" if _has_cuda() else "gloo"
+def default_backend(ranks_on_host: int | None = None) -> str:
+    """``gloo`` without CUDA; ``nccl`` when every rank of this host has a GPU of its own;
+    `STAGED_PER_DEVICE` when more ranks than GPUs share the host, since NCCL refuses two
+    ranks on one GPU ("Duplicate GPU detected"). `ranks_on_host` defaults to torchrun's
+    LOCAL_WORLD_SIZE (1 when unset)."""
+    if not _has_cuda():
+        return "gloo"
+    if ranks_on_host is None:
+        ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return "nccl" if ranks_on_host <= torch.cuda.device_count() else STAGED_PER_DEVICE
+
+
+def backend_reason(backend: str, ranks_on_host: int) -> str:
+    """One log line saying which transport `backend` is and why it was chosen."""
+    if backend == STAGED_PER_DEVICE:
+        return (f"pipesched: {ranks_on_host} ranks share {torch.cuda.device_count()} GPU(s) on "
+                f"this host and NCCL refuses a GPU shared by two ranks: CUDA compute, messages "
+                f"over gloo staged through pinned host memory ({backend})")
+    return f"pipesched: process-group backend {backend}"
+
+
+def stage_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor` whose bytes are ready to send: pinned and synchronised with
+    the stream that produced them for a CUDA tensor; a fresh copy for a CPU one (so a result
+    never copied back shows, as it would on a GPU)."""
+    if tensor.device.type == "cuda":
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        torch.cuda.current_stream(tensor.device).synchronize()  # gloo reads it from now on
+        return host
+    return tensor.detach().clone()
+
+
+def host_buffer_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An empty host buffer that can receive `tensor`'s bytes (pinned for a CUDA tensor)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+
+
+def copy_from_host(tensor: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy a received host buffer into `tensor`, queued on the current stream (the caching
+    host allocator keeps the pinned buffer until the copy has run)."""
+    tensor.copy_(host, non_blocking=tensor.device.type == "cuda")
 
 
 def process_group_timeout(seconds: float) -> datetime.timedelta:
@@ -48,6 +93,35 @@ def device_problem(device: torch.device) -> str | None:
     if device.type not in ("cpu", "cuda"):
         return f"device={device} is not supported; use torch.device('cpu') or a CUDA device"
     return None
+
+
+def device_memory_allocated(device: torch.device) -> int | None:
+    """Bytes the device's caching allocator has handed out to tensors in this process (None
+    on a CPU, which has no such counter)."""
+    if device.type == "cuda":
+        synchronize(device)
+        return int(torch.cuda.memory_allocated(device))
+    return None
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start `peak_memory_allocated` afresh (a no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_allocated(device: torch.device) -> int | None:
+    """The most bytes the device's allocator has held for tensors since the last reset (None
+    on a CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return None
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks back to the device (a no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def synchronize(device: torch.device) -> None:

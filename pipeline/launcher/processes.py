@@ -31,7 +31,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from pipeline.device import default_backend, process_group_timeout
+from pipeline.device import (
+    STAGED_PER_DEVICE,
+    backend_reason,
+    default_backend,
+    process_group_timeout,
+)
 from pipeline.errors import PipelineConfigError
 from pipeline.launcher.results import (
     RankReport,
@@ -41,6 +46,7 @@ from pipeline.launcher.results import (
     write_result,
 )
 from pipeline.limits import MAX_TIMEOUT, check_local_ranks
+from pipeline.parallel.staged_backend import backend_available
 from pipeline.supervision.failure import EXIT_PEER_FAILED, FailureRecord, Watchdog, report_failure
 from pipeline.supervision.orphans import (
     EXIT_LAUNCHER_GONE,
@@ -135,13 +141,11 @@ def _check_arguments(fn: object, world_size: object, timeout: object, backend: o
     methods = multiprocessing.get_all_start_methods()
     if start_method is not None and start_method not in methods:
         problems.append(f"start_method must be None or one of {methods}, got {start_method!r}")
-    if backend is not None and not (isinstance(backend, str) and backend.lower() in
-                                    dist.Backend.backend_list and
-                                    dist.is_backend_available(backend.lower())):
+    if backend is not None and not (isinstance(backend, str) and backend_available(backend)):
         available = [name for name in ("gloo", "nccl", "mpi", "ucc")
                      if dist.is_backend_available(name)]
-        problems.append(f"backend must be None or an available backend {available}, got "
-                        f"{backend!r}")
+        problems.append(f"backend must be None, an available backend {available} or one per "
+                        f"device such as {STAGED_PER_DEVICE!r}, got {backend!r}")
     if problems:
         raise PipelineConfigError("launch: " + "; ".join(problems))
 
@@ -159,7 +163,8 @@ def _run_in_place(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], 
         torch.set_num_threads(threads)
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group(backend or default_backend(), init_method="env://",
+        dist.init_process_group(_prepared(backend or default_backend(), int(os.environ.get(
+            "LOCAL_WORLD_SIZE", world_size)), int(os.environ["RANK"])), init_method="env://",
                                 timeout=process_group_timeout(timeout))
     rank = dist.get_rank()
     watchdog = Watchdog(rank).start()
@@ -175,6 +180,15 @@ def _run_in_place(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], 
         watchdog.stop()
         if created:
             dist.destroy_process_group()
+
+
+def _prepared(backend: str, ranks_on_host: int, rank: int) -> str:
+    """`backend`, registered where it is ours; rank 0 names a staged transport (ranks sharing
+    a GPU) on stderr, so a slower run says why."""
+    backend_available(backend)
+    if rank == 0 and backend == STAGED_PER_DEVICE:
+        print(backend_reason(backend, ranks_on_host), file=sys.stderr, flush=True)
+    return backend
 
 
 def _torchrun_directories() -> list[str]:
@@ -232,7 +246,8 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
     reaper = Reaper(cleanup)  # before any rank: from now on nothing outlives this process
     init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
     processes = [context.Process(target=_worker, name=f"pipesched-rank-{rank}", args=(
-        rank, world_size, init_method, backend or default_backend(), timeout, threads, fn,
+        rank, world_size, init_method, backend or default_backend(world_size), timeout,
+        threads, fn,
         args, workdir, launcher, cleanup, quiet)) for rank in range(world_size)]
     try:
         with _signals_deferred():  # a rank started but not yet known could not be stopped
@@ -329,8 +344,9 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     watchdog: Watchdog | None = None
     try:
         _check_rendezvous(init_method, launcher)
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=process_group_timeout(timeout))
+        dist.init_process_group(_prepared(backend, world_size, rank), init_method=init_method,
+                                rank=rank, world_size=world_size,
+                                timeout=process_group_timeout(timeout))
         watchdog = Watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record,
                                                                    quiet))
         watchdog.start()

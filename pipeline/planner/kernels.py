@@ -16,7 +16,8 @@ from typing import Literal
 
 from pipeline.planner.cluster import ClusterSpec
 
-__all__ = ["KernelTimes", "LayerShape", "attention_core_seconds", "gemm_seconds",
+__all__ = ["KernelTimes", "LayerShape", "attention_core_seconds", "elementwise_seconds",
+           "gemm_seconds",
            "layer_kernel_times"]
 
 # CUTLASS/cuBLAS tile shapes for 16-bit GEMMs on Ampere/Hopper and the share of a full
@@ -187,3 +188,9 @@ def _attention(kind: str, batch: int, s: int, d: int, e: int, cluster: ClusterSp
     backward = 2 * (bmm(s, s, d) + bmm(s, d, s)) + _stream_seconds(scores * (5 * e + 1),
                                                                      cluster, 2)
     return forward, backward, 0.0
+
+
+def elementwise_seconds(nbytes: float, cluster: ClusterSpec, kernels: int = 1) -> float:
+    """Memory-bound element-wise kernels moving `nbytes` in all, as every layer prices them
+    (the GPU check compares a measured one with it)."""
+    return _stream_seconds(nbytes, cluster, kernels)

@@ -184,17 +184,18 @@ def shard_of(full: torch.Tensor, param: torch.Tensor, name: str, tp_rank: int,
 
 
 def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+    return float((a.float().cpu() - b.float().cpu()).abs().max()) if a.numel() else 0.0
 
 
-def run_case(case: Case) -> dict[str, Any]:
-    """Two training steps of `case` on this rank and on the reference; the largest errors."""
+def run_case(case: Case, device: torch.device | None = None) -> dict[str, Any]:
+    """Two training steps of `case` on this rank (on `device`, default the engine's) and on
+    the single-process CPU reference; the largest errors."""
     model = MODELS[case.model]
     module = PipelineModule(model.layers(), num_stages=2, chunks=case.chunks,
                             loss_fn=model.loss)
     factory = OPTIMIZERS[case.optimizer]
     engine = PipelineEngine(module, schedule=case.schedule, num_microbatches=case.m,
-                            optimizer=factory, timeout=60, **case.engine)
+                            optimizer=factory, timeout=60, device=device, **case.engine)
     reference = build_reference(model.layers())
     reference_optimizer = factory([p for p in reference.parameters() if p.requires_grad])
     dp, tp = engine.topology.dp, engine.topology.tp
@@ -229,7 +230,7 @@ def run_case(case: Case) -> dict[str, Any]:
             name = key[1]
             want = shard_of(expected.grads[key], param, name, tp_rank, tp) * coefficient
             errors["grad"] = max(errors["grad"], _max_error(grads[key], want))
-            grad_error_norm += float((grads[key].float() - want).pow(2).sum())
+            grad_error_norm += float((grads[key].float().cpu() - want).pow(2).sum())
             grad_norm += float(want.pow(2).sum())
             errors["param"] = max(errors["param"], _max_error(
                 param.detach(), shard_of(expected.params[key], param, name, tp_rank, tp)))
