@@ -68,6 +68,23 @@ def decode_header(header: torch.Tensor) -> Layout:
     return Layout(is_tuple, tuple(layout))
 
 
+class _QueuedWork:
+    """A message queued for the next `batch_isend_irecv` group: waiting it launches the
+    group first (`Comm.flush`), so no rank ever blocks with its own messages unlaunched."""
+
+    def __init__(self, comm: Comm) -> None:
+        self._comm = comm
+        self.work: Any = None
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if self.work is None:
+            self._comm.flush()
+        return bool(self.work.wait(timeout) if timeout is not None else self.work.wait())
+
+    def is_completed(self) -> bool:
+        return self.work is not None and bool(self.work.is_completed())
+
+
 @dataclass
 class PendingRecv:
     """Buffers being filled by posted irecvs; `wait` returns them once they have arrived."""
@@ -113,7 +130,10 @@ class Comm:
         self.device = device
         self.group = group
         self._sends: list[PostedSend] = []  # in posting order
-        self._batched = dist.get_backend(group) == "nccl"
+        self.grouped = dist.get_backend(group) == "nccl"
+        """Messages go out in `batch_isend_irecv` groups (`flush`): NCCL's need; gloo
+        posts each at once."""
+        self._queued: list[tuple[Any, _QueuedWork]] = []
         self._process_group: Any = group if group is not None else dist.group.WORLD
         self._group_ranks = [rank if group is None else dist.get_group_rank(group, rank)
                              for rank in self.pipeline_ranks]
@@ -124,25 +144,49 @@ class Comm:
     # Gloo: ProcessGroup.send/recv directly (dist.isend's Python checks cost ~150 µs a
     # message on a busy CPU), posted from the step's own thread: handing posts to a
     # background thread made messages arrive later (its GIL hand-off; measured here, 4 ranks
-    # on 2 cores: median delivery 0.47 ms through a poster thread, 0.26 ms direct). NCCL:
-    # one batch_isend_irecv per exchange, as it requires. Ranks of one host: messages of
-    # up to 64 KiB as Unix datagrams (`local`), which skip gloo's device threads.
+    # on 2 cores: median delivery 0.47 ms through a poster thread, 0.26 ms direct). Ranks of
+    # one host: messages of up to 64 KiB as Unix datagrams (`local`), which skip gloo's
+    # device threads.
+    # NCCL: a send occupies its communicator's stream until the peer's receive is there, so
+    # two ranks sending to each other one message at a time (1F1B's steady state: F out,
+    # gradient back) can wait on each other forever. Every message between two compute ops
+    # goes out in one `batch_isend_irecv` group instead (NCCL groups them; Megatron's
+    # `send_forward_recv_backward`, torch's `_batch_p2p` do the same): the interpreter calls
+    # `flush` before every instruction that is not a message, and a wait flushes first.
 
     def _send(self, tensor: torch.Tensor, peer: int) -> Any:
         if self.local is not None and self.local.carries(tensor):
             return self.local.send(tensor, self.pipeline_ranks[peer])
-        if self._batched:
-            return dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor,
-                                                      self.pipeline_ranks[peer], self.group)])[0]
+        if self.grouped:
+            return self._queue(dist.isend, tensor, peer)
         return self._process_group.send([tensor], self._group_ranks[peer], 0)
 
     def _recv(self, tensor: torch.Tensor, peer: int) -> Any:
         if self.local is not None and self.local.carries(tensor):
             return self.local.recv(tensor, self.pipeline_ranks[peer])
-        if self._batched:
-            return dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor,
-                                                      self.pipeline_ranks[peer], self.group)])[0]
+        if self.grouped:
+            return self._queue(dist.irecv, tensor, peer)
         return self._process_group.recv([tensor], self._group_ranks[peer], 0)
+
+    def _queue(self, operation: Any, tensor: torch.Tensor, peer: int) -> _QueuedWork:
+        handle = _QueuedWork(self)
+        self._queued.append((dist.P2POp(operation, tensor, self.pipeline_ranks[peer],
+                                        self.group), handle))
+        return handle
+
+    def flush(self) -> None:
+        """Launch the queued messages as one `batch_isend_irecv` group (NCCL; nothing is
+        queued on gloo)."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        works = dist.batch_isend_irecv([operation for operation, _ in queued])
+        if len(works) == len(queued):
+            for (_, handle), work in zip(queued, works):
+                handle.work = work
+        else:  # NCCL answers a coalesced group with one work for all of it
+            for _, handle in queued:
+                handle.work = works[-1]
 
     def _wait(self, work: Any) -> None:
         work.wait(self.timeout)
@@ -209,6 +253,7 @@ class Comm:
     def drop_pending(self) -> None:
         """Forget posted sends after a failure (the step is abandoned)."""
         self._sends = []
+        self._queued = []
         if self.local is not None:
             self.local.forget()
 
@@ -219,6 +264,7 @@ class Comm:
         """One all-reduce: the element-wise sum of every rank's `values` (each entry has one
         contributing rank, the others give 0) and the pipeline ranks that reported `failed`,
         in order."""
+        self.flush()  # a peer may be waiting on a queued message before it can vote
         # one slot per pipeline rank (not a bitmask in one int64: that saturates at 63 ranks)
         flags = torch.zeros(len(values) + len(self.pipeline_ranks), dtype=torch.int64)
         flags[:len(values)] = torch.tensor(list(values), dtype=torch.int64)
@@ -230,6 +276,7 @@ class Comm:
 
     def all_gather_object(self, value: Any) -> list[Any]:
         """Every pipeline rank's `value`, in pipeline-rank order."""
+        self.flush()
         gathered: list[Any] = [None] * len(self.pipeline_ranks)
         dist.all_gather_object(gathered, value, group=self.group)
         return gathered

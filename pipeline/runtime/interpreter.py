@@ -41,6 +41,10 @@ from pipeline.runtime.trace import Trace
 from pipeline.supervision.progress import ProgressRecord, StallError, explain_stall
 from schedules import Instruction, Kind
 
+_QUEUEING = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B, Kind.LOAD})
+"""Instructions that queue messages (or only load local data); every other one first
+launches what is queued (`Comm.flush`)."""
+
 __all__ = ["InstructionFailed", "Interpreter", "StepState", "free_output_data", "last_backwards"]
 
 _T = TypeVar("_T")
@@ -174,6 +178,8 @@ class Interpreter:
     def execute(self, op: Instruction) -> None:
         """Run one instruction and record its span (receive waits get their own span)."""
         self.progress.execute(op)
+        if op.kind not in _QUEUEING:  # before compute, a reduction or the step's votes:
+            self.comm.flush()          # the messages queued since the last such op go out
         self.op_start = _now()
         self.handlers[op.kind](op)
         if op.kind is not Kind.RECV_F and op.kind is not Kind.RECV_B:
