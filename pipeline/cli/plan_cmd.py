@@ -17,8 +17,11 @@ Search every pipeline × tensor × data-parallel grid, ZeRO stage, schedule, chu
 microbatch size and activation recomputation for MODEL on CLUSTER; prune by memory, place
 layers with the exact partitioner, simulate each schedule, and rank by predicted step time.
 
-MODEL: a transformer shape (layers=,hidden=,heads=,vocab=,seq=[,ffn=,kv_heads=]), a JSON
-file with those keys, or a partitioner cost JSON (times per --cost-batch samples).
+MODEL: a transformer shape (layers=,hidden=,heads=,vocab=,seq=[,ffn=,kv_heads=,head_dim=,
+mlp=gelu|swiglu|geglu,norm=layernorm|rmsnorm,bias=all|qkv|none,tied_embeddings=true,
+learned_positions=false,...]), a JSON file with those keys, a Hugging Face config.json or
+model directory (GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3; --seq defaults to its
+max_position_embeddings), or a partitioner cost JSON (times per --cost-batch samples).
 CLUSTER: a100-80g, h100-80g, a800-80g (8 devices a node; --nodes sets how many nodes),
 local (this machine, calibrated in a few seconds), or a JSON file (see CLUSTER FILES below).
 """

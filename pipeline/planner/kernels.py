@@ -45,6 +45,14 @@ class LayerShape:
     attention: Literal["fused", "eager"] = "fused"
     sequence_parallel: bool = False
     """Norms, dropout and residuals run on s/t tokens per tp rank (Korthikanti et al. 2022)."""
+    head_dim: int = 0
+    """Size of one attention head (0: hidden / heads)."""
+    gated: bool = False
+    """A SwiGLU MLP: gate and up (h → 2f, one column-parallel GEMM), silu(gate)·up, down."""
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 @dataclass(frozen=True)
@@ -137,29 +145,32 @@ def attention_core_seconds(shape: LayerShape, batch: int, tp: int, cluster: Clus
     if shape.role != "block":
         return 0.0
     heads = math.ceil(shape.heads / tp)
-    return _attention(shape.attention, batch * heads, shape.seq, shape.hidden // shape.heads,
+    return _attention(shape.attention, batch * heads, shape.seq, shape.head_size,
                       shape.element, cluster, precision)[0]
 
 
 def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int,
                  cluster: ClusterSpec, precision: str) -> list[tuple[float, float, float]]:
     """A pre-norm block: LN, QKV, attention core, projection, dropout + residual, LN, FC1,
-    bias-GeLU, FC2, dropout + residual (Megatron's kernels, biases fused)."""
+    bias-GeLU, FC2, dropout + residual (Megatron's kernels, biases fused); a gated MLP's
+    FC1 is gate and up at once (2f wide), its activation reads both and writes one."""
     e, s, h, k = shape.element, shape.seq, shape.hidden, shape.kv_width
     width = math.ceil(shape.ffn / tp)
     heads = math.ceil(shape.heads / tp)
-    head_size = h // shape.heads
+    head_size = shape.head_size
+    q = shape.heads * head_size
+    inner = 2 if shape.gated else 1
     # LayerNorm reads and writes T·h (backward: reads x and dy, writes dx); Megatron's fused
     # bias-dropout-add reads x and the residual, writes the sum and a 1-byte mask (backward:
     # reads dy and the mask, writes dx)
     norm = _stream_seconds(2 * local * h * e, cluster)
     dropout_add = _stream_seconds(local * h * (3 * e + 1), cluster)
     parts = [(norm, 1.5 * norm, 0.0), (dropout_add, dropout_add, 0.0)] * 2
-    parts.append(_linear(tokens, h, math.ceil((h + 2 * k) / tp), cluster, precision, e))
-    parts.append(_linear(tokens, math.ceil(h / tp), h, cluster, precision, e))
-    parts.append(_linear(tokens, h, width, cluster, precision, e))
+    parts.append(_linear(tokens, h, math.ceil((q + 2 * k) / tp), cluster, precision, e))
+    parts.append(_linear(tokens, math.ceil(q / tp), h, cluster, precision, e))
+    parts.append(_linear(tokens, h, inner * width, cluster, precision, e))
     parts.append(_linear(tokens, width, h, cluster, precision, e))
-    gelu = _stream_seconds(2 * tokens * width * e, cluster)
+    gelu = _stream_seconds((inner + 1) * tokens * width * e, cluster)
     parts.append((gelu, 1.5 * gelu, 0.0))
     parts.append(_attention(shape.attention, batch * heads, s, head_size, e, cluster,
                             precision))

@@ -221,7 +221,7 @@ def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
     if options.tensor_parallel is not None:
         return list(options.tensor_parallel)
     if model.tensor_parallel_ok and model.heads is not None:
-        return [t for t in _divisors(cluster.devices_per_node) if model.heads % t == 0]
+        return [t for t in _divisors(cluster.devices_per_node) if not model.tp_refusals(t)]
     return [1]
 
 
@@ -282,13 +282,15 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
         raise PlanError(f"tensor_parallel {list(tp_sizes)}: {model.name} has measured or "
                         f"cost-file layers, which cannot be split over tensor-parallel ranks; "
                         f"give a transformer shape, or tensor_parallel 1")
-    heads = model.heads
-    if heads is not None:
-        bad = [t for t in tp_sizes if heads % t]
-        if bad:
-            problems.append(f"tensor-parallel size {', '.join(map(str, bad))} does not divide "
-                            f"the model's {heads} attention heads (use one of "
-                            f"{', '.join(str(d) for d in _divisors(heads) if devices % d == 0)})")
+    if model.heads is not None:
+        valid = [d for d in _divisors(model.heads) if devices % d == 0
+                 and not model.tp_refusals(d)]
+        for t in tp_sizes:
+            refused = model.tp_refusals(t)
+            if refused:
+                problems.append(f"tensor-parallel size {t} does not divide the model's "
+                                f"{', '.join(refused)} (use one of "
+                                f"{', '.join(map(str, valid))})")
     for what, sizes in (("tensor-parallel", tp_sizes),
                         ("pipeline-parallel", options.pipeline_parallel or ()),
                         ("data-parallel", options.data_parallel or ())):
