@@ -63,8 +63,14 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="sequence length (overrides the shape's seq)")
     parser.add_argument("--nodes", type=positive_int, default=None, metavar="N",
                         help="nodes of the cluster (presets: 1)")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
-                        help="compute precision (default: the cluster's; local: fp32)")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"), default=None,
+                        help="compute precision (default: the cluster's; local: fp32); fp8 "
+                             "is refused: outside the search's space")
+    parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
+                        help="context parallelism: above 1 refused, outside the search's space")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="fully sharded data parallelism (ZeRO-3): refused, outside the "
+                             "search's space")
     parser.add_argument("--schedules", default=None, metavar="NAMES",
                         help="comma-separated schedules to consider (default: all training ones)")
     parser.add_argument("--tensor-parallel", default=None, metavar="SIZES",
@@ -142,8 +148,9 @@ def _zero_stages(text: str | None) -> tuple[int, ...] | None:
     if names is None:
         return None
     if any(name not in ("0", "1") for name in names):
-        raise ValueError(f"--zero {text!r}: ZeRO stages 0 and 1 only (2 and 3 would "
-                         f"communicate every microbatch, refused with pipelines)")
+        from pipeline.planner.engines import outside_space
+
+        raise outside_space(f"ZeRO stage {text}", "ZeRO-2/3")
     return tuple(int(name) for name in names)
 
 
@@ -217,7 +224,7 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.planner import SearchOptions, load_model, plan, resolve_cluster
-    from pipeline.planner.engines import engine_options
+    from pipeline.planner.engines import engine_options, outside_space
     from pipeline.planner.limits import (
         MAX_DEVICES,
         MAX_GLOBAL_BATCH,
@@ -228,6 +235,13 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.planner.search import price
     from pipeline.planner.stages import block_span
 
+    for asked, feature, name in ((args.precision == "fp8", "--precision fp8", "FP8"),
+                                 (args.context_parallel > 1,
+                                  f"--context-parallel {args.context_parallel}",
+                                  "context parallelism"),
+                                 (args.fsdp, "--fsdp", "ZeRO-2/3")):
+        if asked:
+            raise outside_space(feature, name)
     if (args.nodes is not None and args.nodes > MAX_DEVICES) or \
             args.global_batch > MAX_GLOBAL_BATCH:  # before a cluster is calibrated
         check_plan_work(1, args.nodes or 1, 1, (1,), args.global_batch, (), 1)

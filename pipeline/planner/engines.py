@@ -9,7 +9,26 @@ from typing import Any
 from pipeline.planner.errors import PlanError
 from pipeline.planner.predict import PlanConfig
 
-__all__ = ["ENGINES", "engine_options", "launch_lines"]
+__all__ = ["ENGINES", "OUTSIDE_SPACE", "engine_options", "launch_lines", "outside_space"]
+
+OUTSIDE_SPACE: MappingProxyType[str, str] = MappingProxyType({
+    "context parallelism": "the sequence split over ranks (Megatron-Core's "
+                           "--context-parallel-size, ring attention)",
+    "ZeRO-2/3": "gradients (ZeRO-2) or parameters too (ZeRO-3, FSDP) sharded over dp, "
+                "gathered and reduced every microbatch",
+    "FP8": "FP8 GEMMs (Transformer Engine's --fp8-format)",
+})
+"""Parallelism and precision the search cannot express, as the engine does not run them:
+`plan` refuses a request for one, by name, rather than price something else."""
+
+
+def outside_space(asked: str, feature: str) -> PlanError:
+    """The error for a request (`asked`, as the user wrote it) of a feature in
+    `OUTSIDE_SPACE`."""
+    return PlanError(f"{asked}: {feature} ({OUTSIDE_SPACE[feature]}) is outside pipesched "
+                     f"plan's space: it searches pp × tp × dp with ZeRO-0/1, the schedules, "
+                     f"microbatching and recomputation in bf16/fp16/fp32, what the engine runs; "
+                     f"plan without it (add it to the engine first)")
 
 MEGATRON_LM_2021: MappingProxyType[str, Any] = MappingProxyType({
     "schedules": ("1f1b", "interleaved"), "recompute_choices": ("none", "full"),

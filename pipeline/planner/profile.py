@@ -136,7 +136,7 @@ class ModelProfile:
     def tp_refusals(self, tp: int) -> list[str]:
         """What `tp` does not divide ("attention heads 12", ...); [] when it splits."""
         sizes = (("attention heads", self.heads),) if self.heads is not None else ()
-        return [f"{what} {size}" for what, size in dict(sizes + self.tp_divides).items()
+        return [f"{size} {what}" for what, size in dict(sizes + self.tp_divides).items()
                 if size % tp]
 
     @property

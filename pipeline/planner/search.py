@@ -12,6 +12,7 @@ import numpy as np
 from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.data_parallel import ADAM_UPDATE_BYTES
+from pipeline.planner.diagnose import SearchLog, nothing_fits
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES, MemoryBreakdown
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction, is_cost_aware
@@ -208,12 +209,15 @@ def _chunk_options(name: str, pp: int, num_layers: int, max_chunks: int) -> list
 
 
 def _engine_refuses(options: SearchOptions, blocks: int, pp: int, name: str, chunks: int,
-                    m: int) -> bool:
-    """Whether the engine the options describe cannot run this point (`uniform_layers`:
-    p·v must divide the blocks; `interleaved_groups`: interleaving needs p > 2 and p | m)."""
+                    m: int) -> str:
+    """The rule of the engine the options describe that refuses this point ("" if none):
+    "uniform" (`uniform_layers`: p·v must divide the blocks) or "interleaved"
+    (`interleaved_groups`: interleaving needs p > 2 and p | m)."""
     if options.uniform_layers and blocks % (pp * chunks):
-        return True
-    return options.interleaved_groups and name == "interleaved" and (pp <= 2 or m % pp != 0)
+        return "uniform"
+    if options.interleaved_groups and name == "interleaved" and (pp <= 2 or m % pp != 0):
+        return "interleaved"
+    return ""
 
 
 def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
@@ -226,9 +230,12 @@ def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
 
 
 def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
-             options: SearchOptions) -> Iterator[PlanConfig]:
+             options: SearchOptions, log: SearchLog | None = None) -> Iterator[PlanConfig]:
+    """Every grid point the engine runs; `log` counts the others by reason."""
     devices, n = cluster.num_devices, len(model.layers)
     first, end = block_span(model.layers)
+    log = log if log is not None else SearchLog()
+    excluded = log.excluded
 
     def allowed(value: int, choices: tuple[int, ...] | None) -> bool:
         return choices is None or value in choices
@@ -238,26 +245,38 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
             continue
         for pp in _divisors(devices // tp):
             dp = devices // (tp * pp)
-            if pp > n or global_batch % dp or not allowed(pp, options.pipeline_parallel) \
+            if pp > n:
+                excluded["layers"] += 1
+                continue
+            log.grid.append((tp, pp, dp))
+            if global_batch % dp:
+                excluded["batch"] += 1
+                continue
+            if not allowed(pp, options.pipeline_parallel) \
                     or not allowed(dp, options.data_parallel):
+                excluded["filters"] += 1
                 continue
             names = ("1f1b",) if pp == 1 else options.schedules
             for name in names:
                 for chunks in _chunk_options(name, pp, n, options.max_chunks):
                     for b in _divisors(global_batch // dp):
                         if not allowed(b, options.microbatch_sizes):
+                            excluded["filters"] += 1
                             continue
                         m = global_batch // dp // b
-                        if _engine_refuses(options, end - first, pp, name, chunks, m):
+                        refused = _engine_refuses(options, end - first, pp, name, chunks, m)
+                        if refused:
+                            excluded[refused] += 1
                             continue
-                        if is_cost_aware(name) and pp * m > (
+                        if (is_cost_aware(name) and pp * m > (
                                 options.zb_auto_max if name == "zb-auto"
-                                else options.searched_max):
-                            continue
-                        if name in _CONTROLLABLE and pp * m > options.controllable_max:
+                                else options.searched_max)) or (
+                                name in _CONTROLLABLE and pp * m > options.controllable_max):
+                            excluded["size"] += 1
                             continue
                         for zero in ((0, 1) if dp > 1 else (0,)):
                             if not allowed(zero, options.zero_stages):
+                                excluded["filters"] += 1
                                 continue
                             for mode in options.recompute_modes():
                                 for recompute, k in _recompute_options(
@@ -321,10 +340,11 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     result = PlanResult([])
     fitting: list[tuple[float, PlanConfig, float]] = []
     leanest: tuple[float, PlanConfig | None] = (float("inf"), None)
+    log = SearchLog()
     # Step 1: memory first. Every rank holds at least one microbatch's activations of each
     # of its stages at once (`PlanContext.memory`), a floor that prunes before any schedule
     # is made.
-    for config in _configs(model, cluster, global_batch, options):
+    for config in _configs(model, cluster, global_batch, options, log):
         result.considered += 1
         floor = bounds.memory_floor(config)
         if floor < leanest[0]:
@@ -352,10 +372,12 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         trace = context.held_trace(config)
         if trace is None and not is_cost_aware(config.schedule):
             result.refused_by_schedule += 1
+            log.refused = log.refused or config
             continue
         memory = context.memory(config, trace)
         if memory[0].total > cluster.device_memory:
             result.over_memory += 1
+            log.note_over(config, memory[0])
             continue
         if enough and bool((sizes[:count][faster] <= memory[0].total).any()):
             result.skipped_by_bound += 1
@@ -363,40 +385,18 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         prediction = context.predict(config, memory)
         if prediction is None:
             result.refused_by_schedule += 1
+            log.refused = log.refused or config
             continue
         result.predictions.append(prediction)
         times[count], sizes[count] = prediction.step_seconds, prediction.memory.total
         count += 1
     if not result.predictions:
-        raise _nothing_fits(result, cluster, global_batch, model, options)
+        first, end = block_span(model.layers)
+        raise nothing_fits(log, result.considered, result.leanest, cluster, global_batch,
+                           model, options, end - first)
     result.predictions.sort(key=lambda p: (p.step_seconds, p.memory.total, p.config))
     result.seconds = time.perf_counter() - started
     return result
-
-
-def _nothing_fits(result: PlanResult, cluster: ClusterSpec, global_batch: int,
-                  model: ModelProfile, options: SearchOptions) -> PlanError:
-    if result.leanest is None:
-        devices = cluster.num_devices
-        filters = [name for name in ("pipeline_parallel", "data_parallel", "microbatch_sizes",
-                                     "zero_stages", "recompute_choices", "tensor_parallel")
-                   if getattr(options, name) is not None]
-        dps = sorted({devices // (t * p) for t in _tensor_sizes(model, cluster, options)
-                      if devices % t == 0 for p in _divisors(devices // t)
-                      if p <= len(model.layers)})
-        return PlanError(
-            f"no configuration of {devices} devices splits a global batch of {global_batch} "
-            f"into schedules that accept it: its data-parallel size (devices / (tp · pp), "
-            f"here {', '.join(map(str, dps)) or 'none'}) must divide the global batch"
-            + (f", within the filters {', '.join(filters)}" if filters else "")
-            + f"; use a global batch divisible by {' or '.join(map(str, dps)) or 'one'}"
-            + (", or loosen the filters" if filters else ""))
-    config, memory = result.leanest
-    return PlanError(
-        f"{model.name} does not fit on {cluster.num_devices} × "
-        f"{cluster.device_memory / GIB:.1f} GiB devices: the leanest configuration "
-        f"({config.label()}) needs at least {memory.total / GIB:.1f} GiB per device; use devices "
-        f"with at least that much, more devices (--nodes), or a smaller model")
 
 
 def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
@@ -437,12 +437,14 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
     if options is None:
         options = SearchOptions(overlap_grad_reduce=overlap_grad_reduce)
     first, end = block_span(model.layers)
-    if _engine_refuses(options, end - first, config.pp, config.schedule, config.chunks,
-                       config.num_microbatches):
-        raise PlanError(f"{config.label()}: the engine these options model cannot run it "
-                        f"(uniform_layers: p·v = {config.pp * config.chunks} must divide the "
-                        f"{end - first} blocks; interleaved_groups: interleaving needs p > 2 "
-                        f"and m a multiple of p)")
+    rule = _engine_refuses(options, end - first, config.pp, config.schedule, config.chunks,
+                           config.num_microbatches)
+    if rule:
+        raise PlanError(f"{config.label()}: the engine these options model cannot run it ("
+                        + (f"it splits the blocks evenly: p·v = {config.pp * config.chunks} "
+                           f"must divide the {end - first} blocks" if rule == "uniform" else
+                           f"it interleaves only at p > 2 with m a multiple of p: p "
+                           f"{config.pp}, m {config.num_microbatches}") + ")")
     refused = _outside_options(options, config)
     if refused:
         raise PlanError(f"{config.label()}: the engine these options model cannot run it "

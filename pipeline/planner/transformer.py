@@ -246,7 +246,7 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
         held_split=4 * s * vocab, held_replicated=hidden_bytes, input_bytes=hidden_bytes,
         output_bytes=4 * s, shape=kernels("head"))
     divides = (("attention heads", shape.heads), ("key/value heads", shape.kv_heads),
-               ("MLP width", shape.ffn))
+               ("MLP columns", shape.ffn))
     return ModelProfile((embedding, *blocks, head), name=_label(shape), heads=shape.heads,
                         seq=s, tp_divides=divides)
 

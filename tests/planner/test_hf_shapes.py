@@ -125,16 +125,16 @@ def test_tensor_parallel_split_is_megatrons(tp: int) -> None:
 def test_tp_must_divide_heads_kv_heads_and_mlp_width(capsys: pytest.CaptureFixture[str]) -> None:
     profile = load_model("layers=4,hidden=1024,heads=16,kv_heads=4,ffn=2816,vocab=32000,"
                          "seq=512,mlp=swiglu")
-    assert profile.tp_refusals(8) == ["key/value heads 4"]
+    assert profile.tp_refusals(8) == ["4 key/value heads"]
     assert profile.tp_refusals(4) == []
     odd = load_model("layers=4,hidden=1024,heads=16,ffn=1000,vocab=32000,seq=512")
-    assert odd.tp_refusals(16) == ["MLP width 1000"]
+    assert odd.tp_refusals(16) == ["1000 MLP columns"]
     code = main(["plan", "--model", "layers=4,hidden=1024,heads=16,kv_heads=4,ffn=2816,"
                  "vocab=32000,seq=512,mlp=swiglu", "--cluster", "h100-80g", "--global-batch",
                  "8", "--tp", "8"])
     assert code == 2
     error = capsys.readouterr().err
-    assert "tensor-parallel size 8 does not divide the model's key/value heads 4" in error
+    assert "tensor-parallel size 8 does not divide the model's 4 key/value heads" in error
     assert "use one of 1, 2, 4" in error
 
 
