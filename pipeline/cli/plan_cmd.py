@@ -40,8 +40,15 @@ CLUSTER FILES
 ENGINES
   --engine megatron-2021 prices what Megatron-LM of 2021 could run and how it ran it
   (pipeline.planner.engines.MEGATRON_LM_2021); add --precision fp16 --attention eager to
-  price it as the paper ran (benchmarks/bench_plan.py --part published). Filters may narrow
-  its schedules, ZeRO stages and recomputation modes, not widen them.
+  price it as the paper ran (benchmarks/bench_plan.py --part published).
+  --engine megatron-core: Megatron-Core as its current scripts run it (MEGATRON_CORE:
+  sequence parallelism and --tp-comm-overlap, distributed optimizer, overlapped gradient
+  reduce-scatter and parameter all-gather, 1F1B or interleaved, every recomputation mode).
+  --engine deepspeed: DeepSpeed's pipeline engine (DEEPSPEED: 1F1B, ZeRO-0/1, full
+  recomputation or none, the all-reduce after the pipeline, blocking P2P).
+  Filters may narrow an engine's schedules, ZeRO stages and recomputation modes, not widen
+  them. The pick is printed as that engine's command line; for a HF --model on pipesched,
+  the torchrun line and the Python entry that trains it.
 
 PRICING ONE CONFIGURATION
   --price pp4,tp2,dp8,1f1b,b1 prints one configuration's full breakdown. Items: ppN, tpN,
@@ -102,11 +109,13 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="price ZeRO-1's parameter all-gather overlapped with the next "
                              "step's forwards (the engine's overlap_param_gather; default: "
                              "exposed after the step, the engine's default)")
-    parser.add_argument("--engine", choices=("pipesched", "megatron-2021"), default="pipesched",
-                        help="the training engine priced: pipesched (default) or megatron-2021 "
-                             "(Megatron-LM as its SC'21 paper ran it: 1F1B and interleaved "
-                             "only, even layer split, no ZeRO, fp16 all-reduce after the flush, "
-                             "blocking P2P; see ENGINES below)")
+    parser.add_argument("--engine", choices=("pipesched", "megatron-2021", "megatron-core",
+                                             "deepspeed"), default="pipesched",
+                        help="the training engine priced: pipesched (default), megatron-2021 "
+                             "(Megatron-LM as its SC'21 paper ran it), megatron-core (its "
+                             "current scripts: distributed optimizer, sequence parallelism, "
+                             "--tp-comm-overlap) or deepspeed (its pipeline engine: 1F1B, "
+                             "ZeRO-0/1); see ENGINES below")
     parser.add_argument("--device-profile", default=None, metavar="FILE",
                         help="price GEMMs and links from `pipesched profile-device` output")
     parser.add_argument("--price", default=None, metavar="CONFIG",
@@ -224,7 +233,9 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.planner import SearchOptions, load_model, plan, resolve_cluster
-    from pipeline.planner.engines import engine_options, outside_space
+    from pipeline.planner.engines import ENGINE_PROFILES, engine_options, outside_space
+    from pipeline.planner.hf_config import hf_model_type
+    from pipeline.planner.launch import LaunchTarget, hf_source
     from pipeline.planner.limits import (
         MAX_DEVICES,
         MAX_GLOBAL_BATCH,
@@ -251,11 +262,17 @@ def run(args: argparse.Namespace) -> int:
 
         cluster = apply_device_profile(cluster, args.device_profile)
     precision = args.precision or cluster.precision
+    profile = dict(ENGINE_PROFILES.get(args.engine, {}))
     model = load_model(args.model, seq=args.seq, precision=precision,
                        cost_batch=args.cost_batch, attention=args.attention,
-                       sequence_parallel=args.sequence_parallel)
+                       sequence_parallel=args.sequence_parallel
+                       or profile.get("sequence_parallel", False))
     first, end = block_span(model.layers)
-    launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first}
+    family = hf_model_type(args.model)
+    target = LaunchTarget(engine=args.engine, blocks=end - first,
+                          hf=hf_source(args.model, family) if family else None,
+                          nodes=cluster.nodes, devices_per_node=cluster.devices_per_node)
+    launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first, "target": target}
     header = (f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "
               f"global batch {args.global_batch}\n")
     if args.price:

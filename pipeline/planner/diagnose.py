@@ -5,16 +5,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import MemoryBreakdown
+from pipeline.planner.options import SearchOptions
 from pipeline.planner.predict import PlanConfig
 from pipeline.planner.profile import ModelProfile
-
-if TYPE_CHECKING:
-    from pipeline.planner.search import SearchOptions
 
 __all__ = ["EXCLUSIONS", "SearchLog", "nothing_fits"]
 
@@ -125,8 +122,8 @@ def _exclusions(log: SearchLog, global_batch: int, options: SearchOptions, block
                      f"{_list([d for d in dps if global_batch % d == 0]) or 'none'} do; use a "
                      f"global batch divisible by one of them")
     if excluded["interleaved"]:
-        texts.append("the engine interleaves only at p > 2 with m a multiple of p "
-                     "(interleaved_groups)")
+        texts.append(f"the engine interleaves only at p >= {options.interleaved_min_pp} "
+                     f"with m a multiple of p (interleaved_groups)")
     if excluded["size"]:
         texts.append("a searched schedule's size cap (p·m over zb_auto_max, searched_max or "
                      "controllable_max)")

@@ -11,7 +11,8 @@ from pipeline.planner.errors import PlanError
 from pipeline.planner.input_files import read_input_json
 from pipeline.planner.transformer import TransformerShape
 
-__all__ = ["FAMILIES", "is_hf_config", "read_hf_config", "shape_from_hf_config"]
+__all__ = ["FAMILIES", "hf_model_type", "is_hf_config", "read_hf_config",
+           "shape_from_hf_config"]
 
 # model_type: what its modeling file builds that the config does not say, each family's
 # defaults (its `*Config.__init__`) for the keys a saved config.json may leave out.
@@ -98,3 +99,13 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
         ffn=values.get("intermediate_size") or 4 * hidden,
         kv_heads=values.get("num_key_value_heads") or heads, head_dim=head_dim,
         positions=positions if defaults["learned_positions"] else 0)
+
+
+def hf_model_type(path: str) -> str | None:
+    """The model_type of `path` if it is a HF model directory or config.json, else None."""
+    if os.path.isdir(path):
+        return str(read_hf_config(path)["model_type"])
+    if not os.path.isfile(path):
+        return None
+    document = read_input_json(path, "model file")
+    return str(document["model_type"]) if is_hf_config(document) else None

@@ -107,7 +107,7 @@ CASES: list[tuple[str, Callable[[], object], list[str]]] = [
                                                         "megatron-2021",
                                                         schedules=("interleaved",)),
                                                         pipeline_parallel=(2,))),
-     ["interleaves only at p > 2"]),
+     ["interleaves only at p >= 3"]),
     ("price: devices", lambda: price(SMALL, replace(A100, devices_per_node=4), 16, ONE),
      ["uses 8 devices", "has 4"]),
     ("price: batch", lambda: price(SMALL, A100, 32, ONE), ["dp · b · m = 16", "32"]),
