@@ -218,9 +218,14 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
                           "fused" if attention == "fused" else "eager", sequence_parallel,
                           head_dim=shape.head_dim, gated=shape.gated)
 
+    # Input embedding: its dropout's 1-byte mask, sh (Korthikanti et al. 2022, section 4.3:
+    # "sbhp/t" over the p microbatches 1F1B's first stage holds, split with sequence
+    # parallelism); a vocab-parallel table (Megatron)
     embedding = LayerProfile(
-        name="embedding", params_split=vocab * h,  # vocab-parallel (Megatron)
+        name="embedding", params_split=vocab * h,
         params_replicated=shape.position_parameters(),
+        held_split=s * h if sequence_parallel else 0.0,
+        held_replicated=0.0 if sequence_parallel else s * h,
         output_bytes=hidden_bytes, tp_allreduces=1, tp_allreduce_bytes=hidden_bytes,
         shape=kernels("embedding"))
     block_split, block_replicated = shape.block_split_replicated()
@@ -235,15 +240,20 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
         tp_allreduce_bytes=hidden_bytes,
         shape=block)
         for index in range(shape.layers)]
-    # Output layer: final norm input (sh) and fp32 logits for the cross entropy, 4sV/t bytes
-    # (Korthikanti et al. 2022, section 4.1, "output layer"); its input's gradient is
-    # all-reduced over tp in the backward (a column-parallel layer), priced as one pass.
+    # Output layer: the final norm's input and the projection's (2sh each) and the fp32
+    # logits for the cross entropy, 4sV/t: Korthikanti et al. 2022, section 4.3, "4sbh/t ·
+    # (1 + v/h)" with sequence parallelism, the norm's and projection's inputs whole on
+    # every tp rank without it. Its input's gradient is all-reduced over tp in the backward
+    # (a column-parallel layer), priced as one pass.
+    norm_and_projection = 2 * hidden_bytes
     head = LayerProfile(
         name="head", flops_split=2 * s * h * vocab,
         params_split=0 if shape.tied_embeddings else vocab * h,
         params_replicated=shape.norm_parameters(),
         tied_params_split=vocab * h if shape.tied_embeddings else 0,
-        held_split=4 * s * vocab, held_replicated=hidden_bytes, input_bytes=hidden_bytes,
+        held_split=4 * s * vocab + (norm_and_projection if sequence_parallel else 0.0),
+        held_replicated=0.0 if sequence_parallel else norm_and_projection,
+        input_bytes=hidden_bytes, input_split=sequence_parallel,
         output_bytes=4 * s, shape=kernels("head"))
     divides = (("attention heads", shape.heads), ("key/value heads", shape.kv_heads),
                ("MLP columns", shape.ffn))
