@@ -17,8 +17,11 @@ Search every pipeline × tensor × data-parallel grid, ZeRO stage, schedule, chu
 microbatch size and activation recomputation for MODEL on CLUSTER; prune by memory, place
 layers with the exact partitioner, simulate each schedule, and rank by predicted step time.
 
-MODEL: a transformer shape (layers=,hidden=,heads=,vocab=,seq=[,ffn=,kv_heads=]), a JSON
-file with those keys, or a partitioner cost JSON (times per --cost-batch samples).
+MODEL: a transformer shape (layers=,hidden=,heads=,vocab=,seq=[,ffn=,kv_heads=,head_dim=,
+mlp=gelu|swiglu|geglu,norm=layernorm|rmsnorm,bias=all|qkv|none,tied_embeddings=true,
+learned_positions=false,...]), a JSON file with those keys, a Hugging Face config.json or
+model directory (GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3; --seq defaults to its
+max_position_embeddings), or a partitioner cost JSON (times per --cost-batch samples).
 CLUSTER: a100-80g, h100-80g, a800-80g (8 devices a node; --nodes sets how many nodes),
 local (this machine, calibrated in a few seconds), or a JSON file (see CLUSTER FILES below).
 """
@@ -37,8 +40,15 @@ CLUSTER FILES
 ENGINES
   --engine megatron-2021 prices what Megatron-LM of 2021 could run and how it ran it
   (pipeline.planner.engines.MEGATRON_LM_2021); add --precision fp16 --attention eager to
-  price it as the paper ran (benchmarks/bench_plan.py --part published). Filters may narrow
-  its schedules, ZeRO stages and recomputation modes, not widen them.
+  price it as the paper ran (benchmarks/bench_plan.py --part published).
+  --engine megatron-core: Megatron-Core as its current scripts run it (MEGATRON_CORE:
+  sequence parallelism and --tp-comm-overlap, distributed optimizer, overlapped gradient
+  reduce-scatter and parameter all-gather, 1F1B or interleaved, every recomputation mode).
+  --engine deepspeed: DeepSpeed's pipeline engine (DEEPSPEED: 1F1B, ZeRO-0/1, full
+  recomputation or none, the all-reduce after the pipeline, blocking P2P).
+  Filters may narrow an engine's schedules, ZeRO stages and recomputation modes, not widen
+  them. The pick is printed as that engine's command line; for a HF --model on pipesched,
+  the torchrun line and the Python entry that trains it.
 
 PRICING ONE CONFIGURATION
   --price pp4,tp2,dp8,1f1b,b1 prints one configuration's full breakdown. Items: ppN, tpN,
@@ -60,8 +70,14 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="sequence length (overrides the shape's seq)")
     parser.add_argument("--nodes", type=positive_int, default=None, metavar="N",
                         help="nodes of the cluster (presets: 1)")
-    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default=None,
-                        help="compute precision (default: the cluster's; local: fp32)")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"), default=None,
+                        help="compute precision (default: the cluster's; local: fp32); fp8 "
+                             "is refused: outside the search's space")
+    parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
+                        help="context parallelism: above 1 refused, outside the search's space")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="fully sharded data parallelism (ZeRO-3): refused, outside the "
+                             "search's space")
     parser.add_argument("--schedules", default=None, metavar="NAMES",
                         help="comma-separated schedules to consider (default: all training ones)")
     parser.add_argument("--tensor-parallel", default=None, metavar="SIZES",
@@ -93,11 +109,13 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="price ZeRO-1's parameter all-gather overlapped with the next "
                              "step's forwards (the engine's overlap_param_gather; default: "
                              "exposed after the step, the engine's default)")
-    parser.add_argument("--engine", choices=("pipesched", "megatron-2021"), default="pipesched",
-                        help="the training engine priced: pipesched (default) or megatron-2021 "
-                             "(Megatron-LM as its SC'21 paper ran it: 1F1B and interleaved "
-                             "only, even layer split, no ZeRO, fp16 all-reduce after the flush, "
-                             "blocking P2P; see ENGINES below)")
+    parser.add_argument("--engine", choices=("pipesched", "megatron-2021", "megatron-core",
+                                             "deepspeed"), default="pipesched",
+                        help="the training engine priced: pipesched (default), megatron-2021 "
+                             "(Megatron-LM as its SC'21 paper ran it), megatron-core (its "
+                             "current scripts: distributed optimizer, sequence parallelism, "
+                             "--tp-comm-overlap) or deepspeed (its pipeline engine: 1F1B, "
+                             "ZeRO-0/1); see ENGINES below")
     parser.add_argument("--device-profile", default=None, metavar="FILE",
                         help="price GEMMs and links from `pipesched profile-device` output")
     parser.add_argument("--price", default=None, metavar="CONFIG",
@@ -139,8 +157,9 @@ def _zero_stages(text: str | None) -> tuple[int, ...] | None:
     if names is None:
         return None
     if any(name not in ("0", "1") for name in names):
-        raise ValueError(f"--zero {text!r}: ZeRO stages 0 and 1 only (2 and 3 would "
-                         f"communicate every microbatch, refused with pipelines)")
+        from pipeline.planner.engines import outside_space
+
+        raise outside_space(f"ZeRO stage {text}", "ZeRO-2/3")
     return tuple(int(name) for name in names)
 
 
@@ -214,7 +233,9 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.planner import SearchOptions, load_model, plan, resolve_cluster
-    from pipeline.planner.engines import engine_options
+    from pipeline.planner.engines import ENGINE_PROFILES, engine_options, outside_space
+    from pipeline.planner.hf_config import hf_model_type
+    from pipeline.planner.launch import LaunchTarget, hf_source
     from pipeline.planner.limits import (
         MAX_DEVICES,
         MAX_GLOBAL_BATCH,
@@ -225,6 +246,13 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.planner.search import price
     from pipeline.planner.stages import block_span
 
+    for asked, feature, name in ((args.precision == "fp8", "--precision fp8", "FP8"),
+                                 (args.context_parallel > 1,
+                                  f"--context-parallel {args.context_parallel}",
+                                  "context parallelism"),
+                                 (args.fsdp, "--fsdp", "ZeRO-2/3")):
+        if asked:
+            raise outside_space(feature, name)
     if (args.nodes is not None and args.nodes > MAX_DEVICES) or \
             args.global_batch > MAX_GLOBAL_BATCH:  # before a cluster is calibrated
         check_plan_work(1, args.nodes or 1, 1, (1,), args.global_batch, (), 1)
@@ -234,11 +262,17 @@ def run(args: argparse.Namespace) -> int:
 
         cluster = apply_device_profile(cluster, args.device_profile)
     precision = args.precision or cluster.precision
+    profile = dict(ENGINE_PROFILES.get(args.engine, {}))
     model = load_model(args.model, seq=args.seq, precision=precision,
                        cost_batch=args.cost_batch, attention=args.attention,
-                       sequence_parallel=args.sequence_parallel)
+                       sequence_parallel=args.sequence_parallel
+                       or profile.get("sequence_parallel", False))
     first, end = block_span(model.layers)
-    launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first}
+    family = hf_model_type(args.model)
+    target = LaunchTarget(engine=args.engine, blocks=end - first,
+                          hf=hf_source(args.model, family) if family else None,
+                          nodes=cluster.nodes, devices_per_node=cluster.devices_per_node)
+    launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first, "target": target}
     header = (f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "
               f"global batch {args.global_batch}\n")
     if args.price:

@@ -7,9 +7,29 @@ from types import MappingProxyType
 from typing import Any
 
 from pipeline.planner.errors import PlanError
-from pipeline.planner.predict import PlanConfig
+from pipeline.planner.launch import launch_lines
 
-__all__ = ["ENGINES", "engine_options", "launch_lines"]
+__all__ = ["DEEPSPEED", "ENGINES", "ENGINE_PROFILES", "MEGATRON_CORE", "OUTSIDE_SPACE",
+           "engine_options", "launch_lines", "outside_space"]
+
+OUTSIDE_SPACE: MappingProxyType[str, str] = MappingProxyType({
+    "context parallelism": "the sequence split over ranks (Megatron-Core's "
+                           "--context-parallel-size, ring attention)",
+    "ZeRO-2/3": "gradients (ZeRO-2) or parameters too (ZeRO-3, FSDP) sharded over dp, "
+                "gathered and reduced every microbatch",
+    "FP8": "FP8 GEMMs (Transformer Engine's --fp8-format)",
+})
+"""Parallelism and precision the search cannot express, as the engine does not run them:
+`plan` refuses a request for one, by name, rather than price something else."""
+
+
+def outside_space(asked: str, feature: str) -> PlanError:
+    """The error for a request (`asked`, as the user wrote it) of a feature in
+    `OUTSIDE_SPACE`."""
+    return PlanError(f"{asked}: {feature} ({OUTSIDE_SPACE[feature]}) is outside pipesched "
+                     f"plan's space: it searches pp × tp × dp with ZeRO-0/1, the schedules, "
+                     f"microbatching and recomputation in bf16/fp16/fp32, what the engine runs; "
+                     f"plan without it (add it to the engine first)")
 
 MEGATRON_LM_2021: MappingProxyType[str, Any] = MappingProxyType({
     "schedules": ("1f1b", "interleaved"), "recompute_choices": ("none", "full"),
@@ -47,9 +67,82 @@ f32a638d2d, and the paper's scripts `examples/sc21/`):
   bytes (`update_bytes`; the clip's rescale, 8 more, only when the norm exceeds the clip,
   is not counted)."""
 
+MEGATRON_CORE_COMMIT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
+"""The NVIDIA/Megatron-LM commit (2026-08-22) `MEGATRON_CORE` is read from."""
+
+MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
+    "schedules": ("1f1b", "interleaved"),
+    "recompute_choices": ("none", "selective", "full", "partial"),
+    "zero_stages": (0, 1), "overlap_grad_reduce": True, "overlap_param_gather": True,
+    "uniform_layers": True, "interleaved_groups": True, "interleaved_min_pp": 2,
+    "blocking_p2p": True, "p2p_overlap_interleaved": True, "p2p_gather": False,
+    "grad_reduce_bytes": 4.0, "update_bytes": 38.0, "tied_reduce_at_step": False,
+    "tp_overlap": "megatron-core", "state_bytes": (2.0, 4.0, 12.0)})
+"""Megatron-Core as its current scripts run it (`MEGATRON_CORE_COMMIT`;
+`examples/llama/train_llama3_8b_h100_fp8.sh`: --sequence-parallel
+--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather, and
+--tp-comm-overlap where tp > 1):
+- 1F1B and the interleaved schedule (`pipeline_parallel/schedules.py`); interleaving at
+  p >= 2 with --overlap-p2p-communication (its default; `arguments.py`: "pipeline-model-
+  parallel size should be greater than 2" only without it) and m a multiple of p (the
+  microbatch group per virtual stage defaults to p, and `schedules.py` refuses a last
+  group of fewer than p);
+- the blocks split evenly, p·v dividing them (`arguments.py`: "Number of layers should be
+  divisible by the pipeline-model-parallel size"; uneven splits need
+  --decoder-first-pipeline-num-layers, not searched);
+- recomputation: none, selective (--recompute-granularity selective), full, and full on the
+  first k layers of each stage (--recompute-method block --recompute-num-layers k);
+- the distributed optimizer (ZeRO-1) or none; bf16 weights (2 bytes), fp32 main
+  gradients (4: bf16 accumulates and reduces in fp32 unless --grad-reduce-in-bf16,
+  `arguments.py`), fp32 master weights and Adam's moments (12, sharded over dp with the
+  distributed optimizer) (`state_bytes`); the step: fused Adam on the fp32 shard (28),
+  the gradient norm (4), the bf16 copy of the weights (6): 38 (`update_bytes`);
+- gradient reduce-scatter overlapped with the backward, parameter all-gather with the next
+  forwards (--overlap-grad-reduce, --overlap-param-gather);
+- 1F1B's point-to-point messages waited on (`p2p_communication.py`: `wait_on_reqs` True
+  outside the interleaved schedule), the interleaved schedule's overlapped; under sequence
+  parallelism each tp rank sends its own s/t part: nothing to gather (`p2p_gather`);
+- tensor-parallel collectives overlapped with the GEMMs (--tp-comm-overlap, which
+  `arguments.py` allows only with sequence parallelism: `ENGINE_PROFILES`), priced by
+  `pricing.layer_tp_pass_seconds`;
+- the tied word embeddings' gradient reduced with the rest (`tied_reduce_at_step` False).
+Not modelled: context parallelism, FP8, FSDP (`OUTSIDE_SPACE`)."""
+
+DEEPSPEED_COMMIT = "38327e07f6cd39b63418f60cedd1651b0be3e7c3"
+"""The microsoft/DeepSpeed commit (2025-02-21) `DEEPSPEED` is read from."""
+
+DEEPSPEED: MappingProxyType[str, Any] = MappingProxyType({
+    "schedules": ("1f1b",), "recompute_choices": ("none", "full"), "zero_stages": (0, 1),
+    "overlap_grad_reduce": False, "blocking_p2p": True, "p2p_gather": True,
+    "grad_reduce_bytes": 4.0, "update_bytes": 38.0, "tied_reduce_at_step": False,
+    "state_bytes": (2.0, 6.0, 12.0)})
+"""DeepSpeed's pipeline engine (`deepspeed/runtime/pipe/`, `DEEPSPEED_COMMIT`):
+- one schedule, `TrainSchedule`: 1F1B (`schedule.py`);
+- ZeRO 0 or 1 (`engine.py`: "ZeRO-2 and ZeRO-3 are incompatible with pipeline
+  parallelism");
+- recomputation of whole layers (`activation_checkpoint_interval`) or none;
+- the gradient all-reduce after the pipeline drains: `ReduceTiedGrads`, `ReduceGrads`,
+  `OptimizerStep` end the schedule, never overlapped with a backward
+  (`overlap_grad_reduce` False, the tied weights with the rest);
+- blocking point-to-point messages (`p2p.py`: `dist.send` / `dist.recv`), each tp rank
+  sending 1/t of the activation and the receiver all-gathering them
+  (`pipe_partitioned`, on with tensor parallelism);
+- bf16 with ZeRO-1 (`BF16_Optimizer`): bf16 weights (2), bf16 gradients and their fp32
+  accumulation (6), fp32 master weights and Adam's moments (12, sharded over dp)
+  (`state_bytes`); fp32 gradients reduced (`_bf16_reduce_grads`);
+- the stages cut by the planner's balanced partition (DeepSpeed's default
+  partition_method="parameters" balances parameter counts instead: give the printed
+  boundaries as `partition_method`, see `launch_lines`)."""
+
 ENGINES: MappingProxyType[str, MappingProxyType[str, Any]] = MappingProxyType({
-    "pipesched": MappingProxyType({}), "megatron-2021": MEGATRON_LM_2021})
+    "pipesched": MappingProxyType({}), "megatron-2021": MEGATRON_LM_2021,
+    "megatron-core": MEGATRON_CORE, "deepspeed": DEEPSPEED})
 """Engine name: the `SearchOptions` fields that describe it (pipesched: the defaults)."""
+
+ENGINE_PROFILES: MappingProxyType[str, MappingProxyType[str, Any]] = MappingProxyType({
+    "megatron-core": MappingProxyType({"sequence_parallel": True})})
+"""Engine name: how its model runs, for `load_model` (Megatron-Core's scripts turn on
+sequence parallelism, which its --tp-comm-overlap requires)."""
 
 
 def engine_options(name: str, **given: Any) -> dict[str, Any]:
@@ -70,24 +163,3 @@ def engine_options(name: str, **given: Any) -> dict[str, Any]:
                                 f"it runs {', '.join(map(str, allowed))}")
         options[key] = value
     return options
-
-
-def launch_lines(name: str, config: PlanConfig, global_batch: int, blocks: int) -> list[str]:
-    """How to run `config` on engine `name`: this engine's `PipelineModule`/`PipelineEngine`
-    arguments and `pipesched train` line; Megatron-LM 2021's `pretrain_gpt.py` arguments (the
-    flags of its SC'21 scripts, `examples/sc21/CONFIG.sh` and `run_table_1.sh`; `blocks`
-    transformer layers, for the layers per virtual stage)."""
-    if name == "megatron-2021":
-        flags = [f"--tensor-model-parallel-size {config.tp}",
-                 f"--pipeline-model-parallel-size {config.pp}",
-                 f"--micro-batch-size {config.microbatch_size}",
-                 f"--global-batch-size {global_batch}"]
-        if config.schedule == "interleaved":
-            flags.append(f"--num-layers-per-virtual-pipeline-stage "
-                         f"{blocks // (config.pp * config.chunks)}")
-        if config.recompute == "full":
-            flags.append("--checkpoint-activations")
-        flags.append(f"--DDP-impl {'torch' if config.pp == 1 else 'local'}")
-        return ["Megatron-LM (2021) pretrain_gpt.py " + " ".join(flags)]
-    arguments = ", ".join(f"{key}={value!r}" for key, value in config.engine_arguments().items())
-    return [f"PipelineModule/PipelineEngine: {arguments}", config.train_command(global_batch)]

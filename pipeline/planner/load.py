@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from pipeline.planner.errors import PlanError
+from pipeline.planner.hf_config import is_hf_config, read_hf_config, shape_from_hf_config
 from pipeline.planner.input_files import MAX_INPUT_BYTES, read_input_json
 from pipeline.planner.limits import MAX_LAYERS
 from pipeline.planner.profile import ModelProfile, profile_from_cost_json
@@ -15,11 +16,14 @@ __all__ = ["MAX_INPUT_BYTES", "load_model", "read_input_json"]
 def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
                cost_batch: int = 1, attention: str = "fused",
                sequence_parallel: bool = False) -> ModelProfile:
-    """`text` is a cost JSON file (a top-level "layers" list, partition/README.md), a JSON
-    file of a transformer shape, or a shape written inline
+    """`text` is a cost JSON file (a top-level "layers" list, partition/README.md), a HF
+    model's config.json or its directory (`hf_config`), a JSON file of a transformer shape,
+    or a shape written inline
     (``layers=24,hidden=2048,heads=16,vocab=50257,seq=2048``); `attention` and
     `sequence_parallel` as `transformer_profile` takes them."""
-    if os.path.exists(text):
+    if os.path.isdir(text):
+        shape = shape_from_hf_config(read_hf_config(text), seq=seq, where=text)
+    elif os.path.exists(text):
         document = read_input_json(text, "model file")
         if isinstance(document, dict) and isinstance(document.get("layers"), list):
             if seq is not None:
@@ -29,7 +33,10 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
             return profile_from_cost_json(document, cost_batch=cost_batch)
         if not isinstance(document, dict):
             raise PlanError(f"model file {text!r} must hold a JSON object")
-        shape = parse_shape(document, seq=seq)
+        if is_hf_config(document):
+            shape = shape_from_hf_config(document, seq=seq, where=text)
+        else:
+            shape = parse_shape(document, seq=seq)
     elif "=" not in text:
         raise PlanError(f"model {text!r} is neither an existing file nor a shape such as "
                         f"layers=24,hidden=2048,heads=16,vocab=50257,seq=2048")

@@ -98,7 +98,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                      stage_workspace: ArrayLike, placement: Sequence[int], *, dp: int,
                      zero: int, recompute: bool, extra_gradient_bytes: float = 0.0,
                      step_gradient_bytes: float = 0.0,
-                     stage_gradient_bytes: ArrayLike | None = None
+                     stage_gradient_bytes: ArrayLike | None = None,
+                     state_bytes: tuple[float, float, float] | None = None
                      ) -> tuple[MemoryBreakdown, int]:
     """Memory of the pipeline rank holding the most, and that rank.
 
@@ -118,6 +119,9 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     larger of its schedule's peak and its step's.
     `stage_gradient_bytes`: per stage, gradient bytes held through the step besides these
     (this engine's second gradient of a tied weight under ZeRO-1, `tied.py`).
+    `state_bytes`: another engine's (parameter, gradient, optimizer) bytes per parameter
+    instead, the optimizer's sharded over dp under ZeRO-1 (Megatron-Core's distributed
+    optimizer: bf16 weights 2, fp32 gradients 4, fp32 master weights and Adam 12).
     """
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
@@ -127,8 +131,11 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     workspace = np.zeros(ranks)
     np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
     states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
-    parameters = PARAM_BYTES
-    gradients, optimizer = states.gradients + extra_gradient_bytes, states.optimizer
+    parameters, gradients, optimizer = PARAM_BYTES, states.gradients, states.optimizer
+    if state_bytes is not None:
+        parameters, gradients, optimizer = state_bytes
+        optimizer = optimizer / dp if zero else optimizer
+    gradients += extra_gradient_bytes
     held = activations + (workspace if recompute else 0.0)
     more = np.zeros(ranks) if stage_gradient_bytes is None else np.bincount(
         where, weights=np.asarray(stage_gradient_bytes, dtype=float), minlength=ranks)

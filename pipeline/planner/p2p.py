@@ -13,8 +13,8 @@ __all__ = ["blocking_p2p"]
 
 
 def blocking_p2p(cluster: ClusterSpec, placement: Sequence[int], *, tp: int, devices: int,
-                 forward: np.ndarray, input_grad: np.ndarray, boundary_bytes: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
+                 forward: np.ndarray, input_grad: np.ndarray, boundary_bytes: np.ndarray,
+                 gather: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Forward and input-gradient seconds per stage with blocking messages in them.
 
     Legend: stage s sends its output to s + 1 after F and receives the gradient of that
@@ -23,18 +23,20 @@ def blocking_p2p(cluster: ClusterSpec, placement: Sequence[int], *, tp: int, dev
     Each of the t tensor-parallel ranks sends 1/t of the bytes over its own link (scatter),
     the receivers all-gather the pieces over NVLink (gather). Blocking: the sender's op ends
     when its message is through (α + n/(tβ)); the receiver's op begins with the all-gather.
-    The dependency itself then adds no delay: its cost is in the ops."""
+    The dependency itself then adds no delay: its cost is in the ops. Without `gather`
+    (Megatron-Core: under sequence parallelism each tp rank's part is its own) no
+    all-gather."""
     where = np.asarray(placement)
     crosses = where[:-1] != where[1:]  # between stage s and s + 1
     bandwidth, latency = cluster.link(devices)
     message = np.where(crosses, latency + boundary_bytes[:-1] / tp / bandwidth, 0.0)
     intra_bandwidth, intra_latency = cluster.link(tp)
     # a ring all-gather: (t-1)/t of the bytes in, t-1 hops
-    gather = np.where(crosses, (tp - 1) / tp * boundary_bytes[:-1] / intra_bandwidth
-                      + (tp - 1) * intra_latency, 0.0)
+    gathered = np.where(crosses & gather, (tp - 1) / tp * boundary_bytes[:-1]
+                        / intra_bandwidth + (tp - 1) * intra_latency, 0.0)
     forward, input_grad = forward.copy(), input_grad.copy()
     forward[:-1] += message  # F of s sends its output to s + 1
-    forward[1:] += gather  # F of s + 1 gathers its input
+    forward[1:] += gathered  # F of s + 1 gathers its input
     input_grad[1:] += message  # B of s + 1 sends its input's gradient to s
-    input_grad[:-1] += gather  # B of s gathers its output's gradient
+    input_grad[:-1] += gathered  # B of s gathers its output's gradient
     return forward, input_grad

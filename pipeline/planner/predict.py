@@ -13,6 +13,7 @@ import numpy as np
 import pipeline.planner.data_parallel as data_parallel
 from partition import LayerCost, chain_graph, partition_graph
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.config import PlanConfig
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.p2p import blocking_p2p
@@ -43,79 +44,6 @@ __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_l
 _KEPT_SCHEDULES = 8
 _KEPT_OPS = 400_000
 """Instructions of the schedules a search keeps beyond the last `_KEPT_SCHEDULES`."""
-RECOMPUTE_MODES = ("none", "selective", "full")
-_RECOMPUTE_TAGS = {"none": "", "selective": " rs", "full": " rc"}
-
-
-@dataclass(frozen=True, order=True, kw_only=True)
-class PlanConfig:
-    """One point of the search: everything `PipelineEngine` and `pipesched train` are told."""
-
-    pp: int
-    tp: int
-    dp: int
-    schedule: str
-    chunks: int
-    microbatch_size: int
-    num_microbatches: int
-    zero_stage: int
-    recompute: str
-    """none, selective (attention's core) or full (whole layers); True / False are read as
-    full / none."""
-    recompute_layers: int = 0
-    """Partial recomputation: only the first k layers of each stage; 0: all of them."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.recompute, bool):
-            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
-        if self.recompute not in RECOMPUTE_MODES:
-            raise PlanError(f"recompute={self.recompute!r} must be one of "
-                            f"{', '.join(RECOMPUTE_MODES)}")
-        if isinstance(self.recompute_layers, bool) or not isinstance(self.recompute_layers, int) \
-                or self.recompute_layers < 0 or (self.recompute_layers and
-                                                 self.recompute == "none"):
-            raise PlanError(f"recompute_layers={self.recompute_layers!r} must be 0 (all) or the "
-                            f"k >= 1 first layers of each stage, with recompute selective or full")
-
-    @property
-    def recomputes(self) -> bool:
-        return self.recompute != "none"
-
-    def recompute_label(self) -> str:
-        """none, selective, full or partial-k (full on the first k layers of each stage)."""
-        if self.recompute_layers:
-            return f"{'partial' if self.recompute == 'full' else 'selective'}-" \
-                   f"{self.recompute_layers}"
-        return self.recompute
-
-    def engine_arguments(self) -> dict[str, Any]:
-        """Keyword arguments of `PipelineModule` (num_stages, chunks, recompute,
-        recompute_layers) and `PipelineEngine`."""
-        return {"num_stages": self.pp, "chunks": self.chunks, "recompute": self.recompute,
-                "recompute_layers": self.recompute_layers or None,
-                "schedule": self.schedule, "num_microbatches": self.num_microbatches,
-                "data_parallel": self.dp, "tensor_parallel": self.tp,
-                "zero_stage": self.zero_stage}
-
-    def train_command(self, global_batch: int) -> str:
-        """The `pipesched train` arguments of this configuration (the demo model: its CLI
-        has no tensor-parallel, ZeRO or recomputation switches, named when needed)."""
-        text = (f"pipesched train --schedule {self.schedule} --stages {self.pp} "
-                f"--chunks {self.chunks} --microbatches {self.num_microbatches} "
-                f"--data-parallel {self.dp} --batch-size {global_batch}")
-        extra = [name for name, on in (("tensor_parallel", self.tp > 1),
-                                       ("zero_stage", self.zero_stage > 0),
-                                       (f"recompute={self.recompute_label()}",
-                                        self.recomputes)) if on]
-        return text + (f"   # plus {', '.join(extra)}: PipelineEngine only" if extra else "")
-
-    def label(self) -> str:
-        v = f" v{self.chunks}" if self.chunks > 1 else ""
-        return (f"pp{self.pp} tp{self.tp} dp{self.dp} {self.schedule}{v} b{self.microbatch_size}"
-                f" m{self.num_microbatches} z{self.zero_stage}{_RECOMPUTE_TAGS[self.recompute]}"
-                f"{self.recompute_layers or ''}")
-
-
 @dataclass(frozen=True)
 class Prediction:
     """What the planner expects of one configuration."""
@@ -186,6 +114,18 @@ class PlanContext:
     there): priced by the simulator (`data_parallel.param_gather`); False: exposed after it."""
     tied_reduce_at_step: bool = True
     """Tied weights reduced over dp at STEP (this engine, `tied.py`); False: with the rest."""
+    tp_overlap: str = "none"
+    """How the engine hides tensor-parallel collectives behind GEMMs
+    (`pricing.layer_tp_pass_seconds`: none, megatron-core)."""
+    state_bytes: tuple[float, float, float] | None = None
+    """Another engine's (parameter, gradient, optimizer) bytes per parameter
+    (`memory.peak_rank_memory`); None: this engine's fp32 16 (8 + 8/dp under ZeRO-1)."""
+    p2p_overlap_interleaved: bool = False
+    """With `blocking_p2p`, the interleaved schedule's messages still overlap compute
+    (Megatron-Core's --overlap-p2p-communication, its default)."""
+    p2p_gather: bool = True
+    """With `blocking_p2p`, the receiver all-gathers the t pieces over NVLink (Megatron-LM
+    2021's scatter/gather); False: each tp rank sends its own part, nothing to gather."""
     _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
     _partitions: dict[tuple[int, int, bool], tuple[int, ...]] = field(default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
@@ -218,7 +158,7 @@ class PlanContext:
                 cuts = self._cuts(key[0], config.tp, again)
             self._tables[key] = StageTable.build(self.model.layers, cuts, self.cluster,
                                                  self.precision, config.tp, config.recompute,
-                                                 config.recompute_layers)
+                                                 config.recompute_layers, self.tp_overlap)
         return self._tables[key]
 
     def _cuts(self, stages: int, tp: int, again: bool) -> tuple[int, ...]:
@@ -230,7 +170,7 @@ class PlanContext:
                 same = layer.shape if layer.shape is not None else id(layer)
                 if same not in priced:
                     priced[same] = layer_times(layer, self.cluster, self.precision, 1,
-                                               tp)
+                                               tp, self.tp_overlap)
                 forward, backward = priced[same]
                 costs.append(LayerCost(layer.name, forward=forward,
                                        backward=backward + (forward if again else 0.0)))
@@ -322,14 +262,15 @@ class PlanContext:
             return None
         return tied_held(table, _placement(config)) * GRAD_BYTES
 
-    def engine_bytes(self, config: PlanConfig) -> dict[str, float]:
+    def engine_bytes(self, config: PlanConfig) -> dict[str, Any]:
         """Another engine's gradient bytes per parameter beyond this one's
         (`peak_rank_memory`): `step_gradient_bytes`, and torch DDP's buckets where it runs
         (`torch_ddp`): a copy of every gradient in the reduction's type
         (`gradient_as_bucket_view=False`, torch's default then and now)."""
         return {"extra_gradient_bytes": self.grad_reduce_bytes if self.torch_ddp(config)
                 else 0.0,
-                "step_gradient_bytes": self.step_gradient_bytes}
+                "step_gradient_bytes": self.step_gradient_bytes,
+                "state_bytes": self.state_bytes}
 
     def torch_ddp(self, config: PlanConfig) -> bool:
         """Whether `config` runs Megatron-LM 2021's torch DDP path (pp = 1 with
@@ -400,9 +341,10 @@ class PlanContext:
         # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
         # over NVLink (Narayanan et al. 2021, section 4.1)
         boundary = costs.boundary_bytes / config.tp
-        if self.blocking_p2p:
+        if self.blocking_p2p and not (self.p2p_overlap_interleaved
+                                      and config.schedule == "interleaved"):
             forward, input_grad = blocking_p2p(
-                self.cluster, _placement(config), tp=config.tp,
+                self.cluster, _placement(config), tp=config.tp, gather=self.p2p_gather,
                 devices=config.pp * config.dp * config.tp, forward=costs.forward,
                 input_grad=costs.input_grad, boundary_bytes=costs.boundary_bytes)
             model = CostModel(forward=forward.tolist(), backward=input_grad.tolist(),

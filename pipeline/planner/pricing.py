@@ -7,11 +7,15 @@ from __future__ import annotations
 import math
 
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.kernels import attention_core_seconds, layer_kernel_times
+from pipeline.planner.kernels import (
+    attention_core_seconds,
+    block_linear_times,
+    layer_kernel_times,
+)
 from pipeline.planner.profile import LayerProfile
 
-__all__ = ["allreduce_seconds", "layer_selective_seconds", "layer_split_times", "layer_times",
-           "layer_tp_seconds",
+__all__ = ["TP_OVERLAPS", "allreduce_seconds", "layer_selective_seconds", "layer_split_times",
+           "layer_times", "layer_tp_pass_seconds", "layer_tp_seconds",
            "p2p_seconds", "ring_allreduce_seconds", "tree_allreduce_seconds"]
 
 
@@ -78,19 +82,79 @@ def layer_tp_seconds(layer: LayerProfile, cluster: ClusterSpec, batch: int, tp: 
                                                    cluster)
 
 
+TP_OVERLAPS = ("none", "megatron-core")
+"""How an engine hides its tensor-parallel collectives behind GEMMs
+(`layer_tp_pass_seconds`): none (every collective exposed: this engine today, Megatron-LM
+2021, DeepSpeed), megatron-core (--tp-comm-overlap)."""
+
+
+def _ring_exchange(gemm: float, collective: float, tp: int) -> float:
+    """Exposed seconds of an all-gather (or reduce-scatter) of `collective` seconds run as
+    Transformer Engine's ring exchange beside a GEMM of `gemm` seconds: t GEMM slices, the
+    first on the rank's own shard at once, each of the t - 1 point-to-point steps
+    (collective / (t - 1) each) beside the slice before it; a step longer than a slice is
+    exposed by the difference."""
+    step, piece = collective / (tp - 1), gemm / tp
+    return (tp - 1) * max(0.0, step - piece)
+
+
+def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: str,
+                          batch: int, tp: int, overlap: str = "none") -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch's tensor-parallel collectives left
+    exposed by the engine's `overlap` rule (`TP_OVERLAPS`), the one place the planner
+    prices it.
+
+    none: all of them (`layer_tp_seconds`, each pass; under sequence parallelism the backward
+    also re-gathers the two column-parallel linears' inputs for their weight gradients,
+    Megatron's `LinearWithGradAccumulationAndAsyncCommunication`: 1.5×). megatron-core:
+    Megatron-Core's
+    --tp-comm-overlap (Transformer Engine's userbuffers; it requires sequence parallelism,
+    `arguments.py`: "Tensor parallel communication/GEMM overlap can happen only when
+    sequence parallelism is enabled"), on a block with a shape on the kernel model: every
+    all-gather / reduce-scatter (half an all-reduce's bytes) of the forward in t - 1 steps
+    against its linear's GEMM in t slices (`_ring_exchange`); backward, a
+    column-parallel linear's input re-gather beside its input-gradient GEMM and the input
+    gradient's reduce-scatter beside its weight-gradient GEMM (bulk overlap: max(0, q - g)
+    each), a row-parallel linear's output-gradient gather pipelined against its input-
+    gradient GEMM. Elsewhere (embedding, head, no sequence parallelism): exposed whole."""
+    if overlap not in TP_OVERLAPS:
+        raise ValueError(f"tp overlap {overlap!r} must be one of {', '.join(TP_OVERLAPS)}")
+    whole = layer_tp_seconds(layer, cluster, batch, tp)
+    shape = layer.shape
+    if not whole or shape is None or shape.role != "block" or not shape.sequence_parallel \
+            or not _kernel_model(layer, cluster):
+        return whole, whole
+    if overlap == "none":  # the backward re-gathers each column-parallel linear's input
+        return whole, 1.5 * whole
+    collective = allreduce_seconds(layer.tp_allreduce_bytes * batch, tp, 1, cluster) / 2
+    forward = backward = 0.0
+    for kind, (gemm, input_grad, weight_grad) in block_linear_times(shape, batch, tp, cluster,
+                                                                    precision):
+        forward += _ring_exchange(gemm, collective, tp)
+        if kind == "column":
+            backward += max(0.0, collective - input_grad) + max(0.0, collective - weight_grad)
+        else:
+            backward += _ring_exchange(input_grad, collective, tp)
+    return forward, backward
+
+
 def layer_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch: int,
-                tp: int) -> tuple[float, float]:
+                tp: int, overlap: str = "none") -> tuple[float, float]:
     """(forward, full backward) seconds of one microbatch of `batch` samples on one tp
     rank, tensor-parallel collectives included.
 
     A layer with a shape, on a cluster with a device model: its kernels. Measured layers:
     their fixed + per-sample times. Otherwise its FLOPs at `achieved_fraction` of the peak,
-    backward = 2 × forward (Narayanan et al. 2021, section 5.1)."""
+    backward = 2 × forward (Narayanan et al. 2021, section 5.1). The collectives exposed
+    by the engine's `overlap` rule (`layer_tp_pass_seconds`)."""
     comm = layer_tp_seconds(layer, cluster, batch, tp)
     if _kernel_model(layer, cluster):
         assert layer.shape is not None
         kernels = layer_kernel_times(layer.shape, batch, tp, cluster, precision)
-        return kernels.forward + comm, kernels.input_grad + kernels.weight_grad + comm
+        forward_comm, backward_comm = layer_tp_pass_seconds(layer, cluster, precision, batch,
+                                                            tp, overlap)
+        return (kernels.forward + forward_comm,
+                kernels.input_grad + kernels.weight_grad + backward_comm)
     if layer.forward_seconds is not None:
         forward = layer.forward_fixed + layer.forward_seconds * batch
         backward = layer.backward_fixed + (layer.backward_seconds or 0.0) * batch
@@ -102,7 +166,7 @@ def layer_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch
 
 
 def layer_split_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch: int,
-                      tp: int) -> tuple[float, float]:
+                      tp: int, overlap: str = "none") -> tuple[float, float]:
     """(I, W) seconds of a split backward of one microbatch, the tensor-parallel collectives
     in I: the kernel model's own halves; measured ones when profiled (an engine's W may cost
     more than half a backward); else half the backward's work each."""
@@ -110,7 +174,8 @@ def layer_split_times(layer: LayerProfile, cluster: ClusterSpec, precision: str,
     if _kernel_model(layer, cluster):
         assert layer.shape is not None
         kernels = layer_kernel_times(layer.shape, batch, tp, cluster, precision)
-        return kernels.input_grad + comm, kernels.weight_grad
+        _, backward_comm = layer_tp_pass_seconds(layer, cluster, precision, batch, tp, overlap)
+        return kernels.input_grad + backward_comm, kernels.weight_grad
     if layer.split_seconds is None:
         _, backward = layer_times(layer, cluster, precision, batch, tp)
         return comm + (backward - comm) / 2, (backward - comm) / 2

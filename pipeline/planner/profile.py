@@ -115,6 +115,10 @@ class ModelProfile:
     """Attention heads (tp must divide them); None: the model cannot be tensor-split."""
     seq: int = 1
     """Tokens per sample (for tokens/s)."""
+    tp_divides: tuple[tuple[str, int], ...] = ()
+    """(what, size) a tensor-parallel size must divide besides the heads: a transformer's
+    key/value heads and MLP width (Megatron-Core splits each evenly, `divide()` asserting
+    it)."""
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -128,6 +132,12 @@ class ModelProfile:
     def flops_per_sample(self) -> float:
         """Forward FLOPs of one sample through the whole model."""
         return sum(layer.flops_split + layer.flops_replicated for layer in self.layers)
+
+    def tp_refusals(self, tp: int) -> list[str]:
+        """What `tp` does not divide ("attention heads 12", ...); [] when it splits."""
+        sizes = (("attention heads", self.heads),) if self.heads is not None else ()
+        return [f"{size} {what}" for what, size in dict(sizes + self.tp_divides).items()
+                if size % tp]
 
     @property
     def tensor_parallel_ok(self) -> bool:

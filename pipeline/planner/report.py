@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.engines import launch_lines
+from pipeline.planner.launch import LaunchTarget, launch_lines
 from pipeline.planner.predict import Prediction
 from pipeline.planner.search import PlanResult, format_counts
 
@@ -57,9 +57,10 @@ def _seconds(value: float) -> str:
 
 
 def format_table(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
-                 top: int = 10, engine: str = "pipesched", blocks: int = 0) -> str:
+                 top: int = 10, engine: str = "pipesched", blocks: int = 0,
+                 target: LaunchTarget | None = None) -> str:
     """The top `top` configurations, fastest first, then how to run the pick on `engine`
-    (`engines.launch_lines`; `blocks`: the model's transformer layers)."""
+    (`launch.launch_lines`; `blocks`: the model's transformer layers; `target`: where)."""
     pick = result.best
     header = ("  # configuration                                  step      tokens/s  "
               "TFLOP/s/dev  memory GiB  why slower")
@@ -79,13 +80,15 @@ def format_table(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
         f"pick: {config.label()}  (memory: rank {pick.memory_rank} holds the most, "
         + ", ".join(f"{key} {value / scale:.1f}" for key, value in pick.memory.to_dict().items()
                     if key != "total") + f" {unit})",
-        *(f"  {line}" for line in launch_lines(engine, config, global_batch, blocks)),
+        *(f"  {line}" for line in launch_lines(engine, config, global_batch, blocks,
+                                               target=target, boundaries=pick.boundaries)),
     ]
     return "\n".join(lines)
 
 
 def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
-                  top: int = 10, engine: str = "pipesched", blocks: int = 0) -> dict[str, Any]:
+                  top: int = 10, engine: str = "pipesched", blocks: int = 0,
+                  target: LaunchTarget | None = None) -> dict[str, Any]:
     """The search as one JSON-ready mapping."""
     pick = result.best
     return {
@@ -95,7 +98,8 @@ def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *
         "pick": pick.to_dict() | {"engine_arguments": pick.config.engine_arguments(),
                                   "train_command": pick.config.train_command(global_batch),
                                   "launch": launch_lines(engine, pick.config, global_batch,
-                                                         blocks)},
+                                                         blocks, target=target,
+                                                         boundaries=pick.boundaries)},
         "ranked": [p.to_dict() | {"why_slower": loss_reason(p, pick),
                                   "gap_parts": gap_parts(p, pick)}
                    for p in result.predictions[:top]],
@@ -109,7 +113,8 @@ def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *
 
 
 def format_breakdown(prediction: Prediction, cluster: ClusterSpec, global_batch: int, *,
-                     engine: str = "pipesched", blocks: int = 0) -> str:
+                     engine: str = "pipesched", blocks: int = 0,
+                     target: LaunchTarget | None = None) -> str:
     """One configuration in full: step, throughput, the step by cause (summing to it), the
     memory of its fullest rank, and its engine arguments."""
     config = prediction.config
@@ -128,7 +133,9 @@ def format_breakdown(prediction: Prediction, cluster: ClusterSpec, global_batch:
     lines.append(f"    device         {cluster.device_memory / GIB:>10.2f}  "
                  + ("fits" if fits else "DOES NOT FIT"))
     lines += ["", f"  stage boundaries: {list(prediction.boundaries)}",
-              *(f"  {line}" for line in launch_lines(engine, config, global_batch, blocks))]
+              *(f"  {line}" for line in launch_lines(engine, config, global_batch, blocks,
+                                                     target=target,
+                                                     boundaries=prediction.boundaries))]
     return "\n".join(lines)
 
 

@@ -11,9 +11,16 @@ import numpy as np
 
 from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.data_parallel import ADAM_UPDATE_BYTES
+from pipeline.planner.diagnose import SearchLog, nothing_fits
 from pipeline.planner.errors import PlanError
-from pipeline.planner.memory import GRAD_BYTES, MemoryBreakdown
+from pipeline.planner.memory import MemoryBreakdown
+from pipeline.planner.options import (
+    CONTROLLABLE,
+    RECOMPUTE_CHOICES,
+    TRAINING_SCHEDULES,
+    UNPRICED,
+    SearchOptions,
+)
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction, is_cost_aware
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import block_span
@@ -24,134 +31,6 @@ __all__ = ["RECOMPUTE_CHOICES", "PlanResult", "SearchOptions", "check_request", 
            "plan", "price"]
 
 GIB = 2**30
-_UNPRICED = ("forward-only", "zb-optimal")
-"""Not searched. forward-only trains nothing. zb-optimal proves its order with a solver
-(up to 10 s per configuration, thousands of configurations a search): the searched
-zero-bubble family (zb-auto, zb-v-auto, interleaved-zb) stands for it."""
-_CONTROLLABLE = ("v-half", "v-min")
-_TRAINING_SCHEDULES = tuple(name for name in SCHEDULES if name not in _UNPRICED)
-
-
-@dataclass(frozen=True, kw_only=True)
-class SearchOptions:
-    """What the search may vary besides the grid."""
-
-    schedules: tuple[str, ...] = _TRAINING_SCHEDULES
-    max_chunks: int = 4
-    """Largest v tried for schedules with a free chunk count (interleaved, looped-bfs)."""
-    recompute: bool = True
-    """Also try activation recomputation (selective, full, partial)."""
-    tensor_parallel: tuple[int, ...] | None = None
-    """tp sizes to try; None: every divisor of the devices per node that divides the heads."""
-    pipeline_parallel: tuple[int, ...] | None = None
-    """pp sizes to try; None: every divisor of the devices."""
-    data_parallel: tuple[int, ...] | None = None
-    """dp sizes to try; None: every size the devices and the global batch allow."""
-    microbatch_sizes: tuple[int, ...] | None = None
-    """Samples per microbatch to try; None: every divisor of a replica's batch."""
-    zero_stages: tuple[int, ...] | None = None
-    """ZeRO stages to try (0, 1); None: both where dp > 1."""
-    recompute_choices: tuple[str | bool, ...] | None = None
-    """Recomputation modes to try: none, selective (attention's core), full (every layer),
-    partial (full on the first k layers of each stage, k a quarter, half and three quarters
-    of a stage's layers); False / True are none / full. None: all four when `recompute`,
-    else none."""
-    step_gradient_bytes: float = 0.0
-    """Bytes per parameter the engine holds at its optimizer step only
-    (`PlanContext.step_gradient_bytes`; 4 for Megatron-LM 2021's fp32 gradient copies)."""
-    update_bytes: float = ADAM_UPDATE_BYTES
-    """Memory traffic of the optimizer step per parameter (`PlanContext.update_bytes`; 52
-    for Megatron-LM 2021's mixed-precision step)."""
-    overlap_grad_reduce: bool = True
-    """Price the data-parallel reduction overlapped with the last backward (the engine's
-    hooks); False: after the pipeline drains (`PlanContext.overlap_grad_reduce`)."""
-    overlap_grad_reduce_unpipelined: bool = False
-    """With `overlap_grad_reduce` False, still overlap it where pp = 1
-    (`PlanContext.overlap_grad_reduce_unpipelined`: Megatron-LM 2021's torch DDP)."""
-    uniform_layers: bool = False
-    """Split as Megatron-LM does: the blocks evenly over the p·v stages (p·v must divide
-    them), the embedding on the first stage, the head and loss on the last; False: the
-    exact partitioner balances the stages' costs (this engine)."""
-    interleaved_groups: bool = False
-    """The interleaved schedule only where Megatron-LM 2021 runs it: p > 2 (`arguments.py`:
-    "pipeline-model-parallel size should be greater than 2 with interleaved schedule") and
-    m a multiple of p (`training.py`: "number of microbatches is not divisible by
-    pipeline-parallel size when using interleaved schedule")."""
-    blocking_p2p: bool = False
-    """Price point-to-point messages as blocking both ranks (`PlanContext.blocking_p2p`)."""
-    grad_reduce_bytes: float = GRAD_BYTES
-    """Bytes per gradient element in the data-parallel reduction
-    (`PlanContext.grad_reduce_bytes`; 2 for Megatron-LM 2021's fp16 all-reduce)."""
-    tied_reduce_at_step: bool = True
-    """Tied weights reduced over dp at STEP (this engine); False: with their stage's other
-    gradients (Megatron-LM; `PlanContext.tied_reduce_at_step`)."""
-    overlap_param_gather: bool = False
-    """Price ZeRO-1's parameter all-gather overlapped with the next step's forwards (the
-    engine's `overlap_param_gather`, `PlanContext.overlap_param_gather`); False: exposed."""
-    top: int = 10
-    """Configurations kept exactly ranked (the bound never skips one of them)."""
-    prune: bool = True
-    """Drop a configuration whose memory floor is over the device's, and skip one that its
-    lower bounds show can be neither in the top nor on the Pareto front; False: price every
-    configuration's exact memory and simulate every one that fits (the reference the tests
-    compare the pruned search with)."""
-    zb_auto_max: int = 1024
-    """zb-auto (a greedy search per configuration, ~p²·m work) only where p·m is at most
-    this; larger pipelines get the fixed zero-bubble schedules (zb-h1, zb-h2, zb-v)."""
-    searched_max: int = 32
-    """zb-v-auto and interleaved-zb (searches of several orders per configuration, 3-6×
-    zb-auto's time: 0.2 s at p·m = 128, 0.6 s at 512 here) only where p·m is at most this:
-    the 64-device search takes 6 s at 32, 9 s at 64, 15 s at 128."""
-
-    controllable_max: int = 1024
-    """v-half and v-min (built from a block, then squeezed: ~p²·m work, 9 s at p = 64,
-    m = 512 here, 3 s at p·m = 4096) only where p·m is at most this; larger pipelines get
-    the other V-shaped schedules (zb-v, dualpipev)."""
-
-    def __post_init__(self) -> None:
-        unknown = [name for name in self.schedules if name not in _TRAINING_SCHEDULES]
-        if unknown or not self.schedules:
-            raise PlanError(f"schedules {unknown or '(none)'} are not training schedules; "
-                            f"choose from {', '.join(_TRAINING_SCHEDULES)}")
-        for name in ("max_chunks", "top", "zb_auto_max", "searched_max", "controllable_max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"{name}={value!r} must be a whole number >= 1")
-        for name in ("tensor_parallel", "pipeline_parallel", "data_parallel",
-                     "microbatch_sizes"):
-            sizes = getattr(self, name)
-            if sizes is not None and (not sizes or any(
-                    isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes)):
-                raise PlanError(f"{name}={sizes!r} must be whole numbers >= 1")
-        if self.zero_stages is not None and (not self.zero_stages or any(
-                z not in (0, 1) or isinstance(z, bool) for z in self.zero_stages)):
-            raise PlanError(f"zero_stages={self.zero_stages!r} must be 0 and/or 1 (ZeRO-2/3 "
-                            f"would communicate every microbatch, refused with pipelines)")
-        for name in ("step_gradient_bytes", "update_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise PlanError(f"{name}={value!r} must be a number of bytes >= 0")
-        if isinstance(self.grad_reduce_bytes, bool) or not isinstance(
-                self.grad_reduce_bytes, int | float) or not self.grad_reduce_bytes > 0:
-            raise PlanError(f"grad_reduce_bytes={self.grad_reduce_bytes!r} must be a number "
-                            f"> 0 (4 for fp32 gradients, 2 for fp16)")
-        if self.recompute_choices is not None and (not self.recompute_choices or any(
-                not isinstance(x, bool) and x not in RECOMPUTE_CHOICES
-                for x in self.recompute_choices)):
-            raise PlanError(f"recompute_choices={self.recompute_choices!r} must be some of "
-                            f"{', '.join(RECOMPUTE_CHOICES)} (or False / True)")
-
-    def recompute_modes(self) -> tuple[str, ...]:
-        """The recomputation modes searched, by name (`RECOMPUTE_CHOICES`)."""
-        if self.recompute_choices is not None:
-            return tuple(dict.fromkeys(
-                ("full" if x else "none") if isinstance(x, bool) else x
-                for x in self.recompute_choices))
-        return RECOMPUTE_CHOICES if self.recompute else ("none",)
-
-
-RECOMPUTE_CHOICES = ("none", "selective", "full", "partial")
-"""The recomputation modes the search knows (`SearchOptions.recompute_choices`)."""
 
 
 def _recompute_options(mode: str, stage_layers: int) -> list[tuple[str, int]]:
@@ -208,12 +87,16 @@ def _chunk_options(name: str, pp: int, num_layers: int, max_chunks: int) -> list
 
 
 def _engine_refuses(options: SearchOptions, blocks: int, pp: int, name: str, chunks: int,
-                    m: int) -> bool:
-    """Whether the engine the options describe cannot run this point (`uniform_layers`:
-    p·v must divide the blocks; `interleaved_groups`: interleaving needs p > 2 and p | m)."""
+                    m: int) -> str:
+    """The rule of the engine the options describe that refuses this point ("" if none):
+    "uniform" (`uniform_layers`: p·v must divide the blocks) or "interleaved"
+    (`interleaved_groups`: interleaving needs p > 2 and p | m)."""
     if options.uniform_layers and blocks % (pp * chunks):
-        return True
-    return options.interleaved_groups and name == "interleaved" and (pp <= 2 or m % pp != 0)
+        return "uniform"
+    if options.interleaved_groups and name == "interleaved" and (
+            pp < options.interleaved_min_pp or m % pp != 0):
+        return "interleaved"
+    return ""
 
 
 def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
@@ -221,14 +104,17 @@ def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
     if options.tensor_parallel is not None:
         return list(options.tensor_parallel)
     if model.tensor_parallel_ok and model.heads is not None:
-        return [t for t in _divisors(cluster.devices_per_node) if model.heads % t == 0]
+        return [t for t in _divisors(cluster.devices_per_node) if not model.tp_refusals(t)]
     return [1]
 
 
 def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
-             options: SearchOptions) -> Iterator[PlanConfig]:
+             options: SearchOptions, log: SearchLog | None = None) -> Iterator[PlanConfig]:
+    """Every grid point the engine runs; `log` counts the others by reason."""
     devices, n = cluster.num_devices, len(model.layers)
     first, end = block_span(model.layers)
+    log = log if log is not None else SearchLog()
+    excluded = log.excluded
 
     def allowed(value: int, choices: tuple[int, ...] | None) -> bool:
         return choices is None or value in choices
@@ -238,26 +124,38 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
             continue
         for pp in _divisors(devices // tp):
             dp = devices // (tp * pp)
-            if pp > n or global_batch % dp or not allowed(pp, options.pipeline_parallel) \
+            if pp > n:
+                excluded["layers"] += 1
+                continue
+            log.grid.append((tp, pp, dp))
+            if global_batch % dp:
+                excluded["batch"] += 1
+                continue
+            if not allowed(pp, options.pipeline_parallel) \
                     or not allowed(dp, options.data_parallel):
+                excluded["filters"] += 1
                 continue
             names = ("1f1b",) if pp == 1 else options.schedules
             for name in names:
                 for chunks in _chunk_options(name, pp, n, options.max_chunks):
                     for b in _divisors(global_batch // dp):
                         if not allowed(b, options.microbatch_sizes):
+                            excluded["filters"] += 1
                             continue
                         m = global_batch // dp // b
-                        if _engine_refuses(options, end - first, pp, name, chunks, m):
+                        refused = _engine_refuses(options, end - first, pp, name, chunks, m)
+                        if refused:
+                            excluded[refused] += 1
                             continue
-                        if is_cost_aware(name) and pp * m > (
+                        if (is_cost_aware(name) and pp * m > (
                                 options.zb_auto_max if name == "zb-auto"
-                                else options.searched_max):
-                            continue
-                        if name in _CONTROLLABLE and pp * m > options.controllable_max:
+                                else options.searched_max)) or (
+                                name in CONTROLLABLE and pp * m > options.controllable_max):
+                            excluded["size"] += 1
                             continue
                         for zero in ((0, 1) if dp > 1 else (0,)):
                             if not allowed(zero, options.zero_stages):
+                                excluded["filters"] += 1
                                 continue
                             for mode in options.recompute_modes():
                                 for recompute, k in _recompute_options(
@@ -282,13 +180,15 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
         raise PlanError(f"tensor_parallel {list(tp_sizes)}: {model.name} has measured or "
                         f"cost-file layers, which cannot be split over tensor-parallel ranks; "
                         f"give a transformer shape, or tensor_parallel 1")
-    heads = model.heads
-    if heads is not None:
-        bad = [t for t in tp_sizes if heads % t]
-        if bad:
-            problems.append(f"tensor-parallel size {', '.join(map(str, bad))} does not divide "
-                            f"the model's {heads} attention heads (use one of "
-                            f"{', '.join(str(d) for d in _divisors(heads) if devices % d == 0)})")
+    if model.heads is not None:
+        valid = [d for d in _divisors(model.heads) if devices % d == 0
+                 and not model.tp_refusals(d)]
+        for t in tp_sizes:
+            refused = model.tp_refusals(t)
+            if refused:
+                problems.append(f"tensor-parallel size {t} does not divide the model's "
+                                f"{', '.join(refused)} (use one of "
+                                f"{', '.join(map(str, valid))})")
     for what, sizes in (("tensor-parallel", tp_sizes),
                         ("pipeline-parallel", options.pipeline_parallel or ()),
                         ("data-parallel", options.data_parallel or ())):
@@ -319,10 +219,11 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     result = PlanResult([])
     fitting: list[tuple[float, PlanConfig, float]] = []
     leanest: tuple[float, PlanConfig | None] = (float("inf"), None)
+    log = SearchLog()
     # Step 1: memory first. Every rank holds at least one microbatch's activations of each
     # of its stages at once (`PlanContext.memory`), a floor that prunes before any schedule
     # is made.
-    for config in _configs(model, cluster, global_batch, options):
+    for config in _configs(model, cluster, global_batch, options, log):
         result.considered += 1
         floor = bounds.memory_floor(config)
         if floor < leanest[0]:
@@ -350,10 +251,12 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         trace = context.held_trace(config)
         if trace is None and not is_cost_aware(config.schedule):
             result.refused_by_schedule += 1
+            log.refused = log.refused or config
             continue
         memory = context.memory(config, trace)
         if memory[0].total > cluster.device_memory:
             result.over_memory += 1
+            log.note_over(config, memory[0])
             continue
         if enough and bool((sizes[:count][faster] <= memory[0].total).any()):
             result.skipped_by_bound += 1
@@ -361,40 +264,18 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         prediction = context.predict(config, memory)
         if prediction is None:
             result.refused_by_schedule += 1
+            log.refused = log.refused or config
             continue
         result.predictions.append(prediction)
         times[count], sizes[count] = prediction.step_seconds, prediction.memory.total
         count += 1
     if not result.predictions:
-        raise _nothing_fits(result, cluster, global_batch, model, options)
+        first, end = block_span(model.layers)
+        raise nothing_fits(log, result.considered, result.leanest, cluster, global_batch,
+                           model, options, end - first)
     result.predictions.sort(key=lambda p: (p.step_seconds, p.memory.total, p.config))
     result.seconds = time.perf_counter() - started
     return result
-
-
-def _nothing_fits(result: PlanResult, cluster: ClusterSpec, global_batch: int,
-                  model: ModelProfile, options: SearchOptions) -> PlanError:
-    if result.leanest is None:
-        devices = cluster.num_devices
-        filters = [name for name in ("pipeline_parallel", "data_parallel", "microbatch_sizes",
-                                     "zero_stages", "recompute_choices", "tensor_parallel")
-                   if getattr(options, name) is not None]
-        dps = sorted({devices // (t * p) for t in _tensor_sizes(model, cluster, options)
-                      if devices % t == 0 for p in _divisors(devices // t)
-                      if p <= len(model.layers)})
-        return PlanError(
-            f"no configuration of {devices} devices splits a global batch of {global_batch} "
-            f"into schedules that accept it: its data-parallel size (devices / (tp · pp), "
-            f"here {', '.join(map(str, dps)) or 'none'}) must divide the global batch"
-            + (f", within the filters {', '.join(filters)}" if filters else "")
-            + f"; use a global batch divisible by {' or '.join(map(str, dps)) or 'one'}"
-            + (", or loosen the filters" if filters else ""))
-    config, memory = result.leanest
-    return PlanError(
-        f"{model.name} does not fit on {cluster.num_devices} × "
-        f"{cluster.device_memory / GIB:.1f} GiB devices: the leanest configuration "
-        f"({config.label()}) needs at least {memory.total / GIB:.1f} GiB per device; use devices "
-        f"with at least that much, more devices (--nodes), or a smaller model")
 
 
 def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
@@ -408,7 +289,10 @@ def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                        uniform_layers=options.uniform_layers, blocking_p2p=options.blocking_p2p,
                        grad_reduce_bytes=options.grad_reduce_bytes,
                        overlap_param_gather=options.overlap_param_gather,
-                       tied_reduce_at_step=options.tied_reduce_at_step)
+                       tied_reduce_at_step=options.tied_reduce_at_step,
+                       tp_overlap=options.tp_overlap, state_bytes=options.state_bytes,
+                       p2p_overlap_interleaved=options.p2p_overlap_interleaved,
+                       p2p_gather=options.p2p_gather)
 
 
 def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: PlanConfig,
@@ -435,12 +319,15 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
     if options is None:
         options = SearchOptions(overlap_grad_reduce=overlap_grad_reduce)
     first, end = block_span(model.layers)
-    if _engine_refuses(options, end - first, config.pp, config.schedule, config.chunks,
-                       config.num_microbatches):
-        raise PlanError(f"{config.label()}: the engine these options model cannot run it "
-                        f"(uniform_layers: p·v = {config.pp * config.chunks} must divide the "
-                        f"{end - first} blocks; interleaved_groups: interleaving needs p > 2 "
-                        f"and m a multiple of p)")
+    rule = _engine_refuses(options, end - first, config.pp, config.schedule, config.chunks,
+                           config.num_microbatches)
+    if rule:
+        raise PlanError(f"{config.label()}: the engine these options model cannot run it ("
+                        + (f"it splits the blocks evenly: p·v = {config.pp * config.chunks} "
+                           f"must divide the {end - first} blocks" if rule == "uniform" else
+                           f"it interleaves only at p >= {options.interleaved_min_pp} with m a "
+                           f"multiple of p: p "
+                           f"{config.pp}, m {config.num_microbatches}") + ")")
     refused = _outside_options(options, config)
     if refused:
         raise PlanError(f"{config.label()}: the engine these options model cannot run it "
@@ -462,8 +349,8 @@ def _outside_options(options: SearchOptions, config: PlanConfig) -> str:
     stage or recomputation mode. Where every training schedule is allowed, the unsearched
     ones may still be priced by name."""
     schedules = options.schedules
-    if set(_TRAINING_SCHEDULES) <= set(schedules):
-        schedules = schedules + _UNPRICED
+    if set(TRAINING_SCHEDULES) <= set(schedules):
+        schedules = schedules + UNPRICED
     mode = "partial" if config.recompute == "full" and config.recompute_layers else \
         config.recompute
     if config.schedule not in schedules:

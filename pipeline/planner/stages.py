@@ -15,7 +15,7 @@ from pipeline.planner.pricing import (
     layer_selective_seconds,
     layer_split_times,
     layer_times,
-    layer_tp_seconds,
+    layer_tp_pass_seconds,
 )
 from pipeline.planner.profile import LayerProfile
 
@@ -94,12 +94,14 @@ class StageTable:
     cluster: ClusterSpec
     precision: str
     tp: int
+    tp_overlap: str = "none"
+    """The engine's rule for hiding tensor-parallel collectives (`pricing.TP_OVERLAPS`)."""
     _priced: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict, compare=False)
 
     @classmethod
     def build(cls, layers: Sequence[LayerProfile], boundaries: Sequence[int],
               cluster: ClusterSpec, precision: str, tp: int, recompute: str,
-              recompute_layers: int = 0) -> StageTable:
+              recompute_layers: int = 0, tp_overlap: str = "none") -> StageTable:
         stages = tuple(tuple(layers[a:b]) for a, b in pairwise(boundaries))
         mode = (recompute, recompute_layers)
         return cls(
@@ -111,7 +113,7 @@ class StageTable:
             workspace=np.array([recompute_workspace(stage, tp, 1, *mode) for stage in stages]),
             boundary=np.array([stage[-1].output_bytes for stage in stages]),
             recompute=recompute, recompute_layers=recompute_layers, stages=stages,
-            cluster=cluster, precision=precision, tp=tp)
+            cluster=cluster, precision=precision, tp=tp, tp_overlap=tp_overlap)
 
     def _price(self, batch: int) -> tuple[np.ndarray, ...]:
         """Per stage at `batch` samples: forward, backward, I, W, tp collectives (both
@@ -125,12 +127,15 @@ class StageTable:
                 key = layer.shape if layer.shape is not None else id(layer)
                 if key not in cache:
                     args = (self.cluster, self.precision, batch, self.tp)
-                    times = layer_times(layer, *args)
+                    times = layer_times(layer, *args, self.tp_overlap)
+                    comm = layer_tp_pass_seconds(layer, self.cluster, self.precision, batch,
+                                                 self.tp, self.tp_overlap)
+                    # a recomputed forward's collectives are exposed again (Megatron's
+                    # recomputation reruns the layer, its all-gathers included)
                     again = {"none": 0.0, "full": times[0],
                              "selective": layer_selective_seconds(layer, *args)}
-                    cache[key] = (*times, *layer_split_times(layer, *args),
-                                  2 * layer_tp_seconds(layer, self.cluster, batch, self.tp),
-                                  again[self.recompute])
+                    cache[key] = (*times, *layer_split_times(layer, *args, self.tp_overlap),
+                                  sum(comm), again[self.recompute])
                 return cache[key]
 
             overhead = self.cluster.op_overhead  # the runtime's fixed cost, once per op

@@ -20,11 +20,17 @@ ACTIVATION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes of one activation element per precision."""
 
 
+MLP_KINDS = ("gelu", "swiglu", "geglu")
+NORM_KINDS = ("layernorm", "rmsnorm")
+BIAS_KINDS = ("all", "qkv", "none")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TransformerShape:
     """GPT-style decoder: embedding, `layers` blocks (attention + MLP, pre-norm), final norm
     and an output projection. Notation of Narayanan et al. 2021 / Korthikanti et al. 2022:
-    l layers, h hidden, a heads, s sequence, V vocabulary, b microbatch, t tensor parallel."""
+    l layers, h hidden, a heads, s sequence, V vocabulary, b microbatch, t tensor parallel;
+    f MLP width, d head size, k = kv_heads · d the key (and value) width."""
 
     layers: int
     hidden: int
@@ -35,24 +41,45 @@ class TransformerShape:
     """MLP inner width (0: 4 × hidden)."""
     kv_heads: int = 0
     """Key/value heads for grouped-query attention (0: = heads)."""
+    head_dim: int = 0
+    """Size of one attention head (0: hidden / heads; Gemma and Qwen3 give their own)."""
+    mlp: str = "gelu"
+    """gelu: two matrices h×f, f×h (GPT); swiglu: three, gate and up h×f, down f×h
+    (Llama: down(silu(gate(x)) · up(x)), Shazeer 2020); geglu: the same shapes with GELU
+    on the gate (Gemma)."""
+    norm: str = "layernorm"
+    """layernorm (scale and shift, 2h) or rmsnorm (scale only, h)."""
+    bias: str = "all"
+    """Linear biases: all (GPT), qkv (the query/key/value projection only: Qwen2), none."""
+    block_norms: int = 2
+    """Norms per block: 2 (pre-attention, pre-MLP), 4 with Gemma 2/3's post-norms."""
+    qk_norm: bool = False
+    """A norm of size d on each query and key head (Qwen3, Gemma 3)."""
     learned_positions: bool = True
-    """A learned position table of seq × hidden (GPT-2/3); False for rotary embeddings."""
+    """A learned position table of positions × hidden (GPT-2/3); False for rotary ones."""
+    positions: int = 0
+    """Rows of the learned position table (0: seq; GPT-2's n_positions)."""
     tied_embeddings: bool = False
     """The output projection reuses the embedding (counted once in the parameter total; a
     copy where the head's stage is on another rank, `LayerProfile.tied_params_split`)."""
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("layers", "hidden", "heads", "vocab", "seq"):
+        for name in ("layers", "hidden", "heads", "vocab", "seq", "block_norms"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r} must be a whole number >= 1")
-        for name in ("ffn", "kv_heads"):
+        for name in ("ffn", "kv_heads", "head_dim", "positions"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 problems.append(f"{name}={value!r} must be a whole number >= 0 (0: default)")
-        if not problems and self.hidden % self.heads:
-            problems.append(f"heads={self.heads} must divide hidden={self.hidden}")
+        for name, kinds in (("mlp", MLP_KINDS), ("norm", NORM_KINDS), ("bias", BIAS_KINDS)):
+            if getattr(self, name) not in kinds:
+                problems.append(f"{name}={getattr(self, name)!r} must be one of "
+                                f"{', '.join(kinds)}")
+        if not problems and not self.head_dim and self.hidden % self.heads:
+            problems.append(f"heads={self.heads} must divide hidden={self.hidden} (or give "
+                            f"head_dim)")
         if not problems and self.kv_heads and self.heads % self.kv_heads:
             problems.append(f"kv_heads={self.kv_heads} must divide heads={self.heads}")
         if problems:
@@ -61,33 +88,72 @@ class TransformerShape:
             object.__setattr__(self, "ffn", 4 * self.hidden)
         if not self.kv_heads:
             object.__setattr__(self, "kv_heads", self.heads)
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    @property
+    def q_width(self) -> int:
+        """Width of Q (and of attention's output): heads × head size."""
+        return self.heads * self.head_dim
 
     @property
     def kv_width(self) -> int:
         """Width of K (and of V): kv_heads × head size."""
-        return self.kv_heads * (self.hidden // self.heads)
+        return self.kv_heads * self.head_dim
+
+    @property
+    def gated(self) -> bool:
+        """A gated MLP (swiglu, geglu): three matrices."""
+        return self.mlp != "gelu"
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of h × f in the MLP: 2 (gelu), 3 (gated)."""
+        return 3 if self.gated else 2
+
+    def norm_parameters(self) -> int:
+        """Parameters of one norm over h."""
+        return (2 if self.norm == "layernorm" else 1) * self.hidden
+
+    def block_split_replicated(self) -> tuple[int, int]:
+        """(split over t, replicated over t) parameters of one block, as Megatron splits it:
+        the QKV and MLP-in matrices by columns with their biases, the output and MLP-out
+        matrices by rows (their biases are added after the all-reduce: whole on each rank);
+        norms whole on each rank."""
+        h, f, q, k = self.hidden, self.ffn, self.q_width, self.kv_width
+        column = h * (q + 2 * k) + (self.mlp_matrices - 1) * h * f
+        row = q * h + f * h
+        column_bias = (q + 2 * k) if self.bias != "none" else 0
+        if self.bias == "all":
+            column_bias += (self.mlp_matrices - 1) * f
+        row_bias = 2 * h if self.bias == "all" else 0
+        norms = self.block_norms * self.norm_parameters()
+        if self.qk_norm:
+            norms += (2 if self.norm == "layernorm" else 1) * 2 * self.head_dim
+        return column + row + column_bias, row_bias + norms
 
     def block_parameters(self) -> int:
-        """Weights and biases of one block. With ffn = 4h and no GQA this is 12h² + 13h, the
-        per-layer term of Narayanan et al. 2021, eq. (2): P = 12lh²(1 + 13/12h + (V+s)/12lh)."""
-        h, f, k = self.hidden, self.ffn, self.kv_width
-        attention = h * (h + 2 * k) + (h + 2 * k) + h * h + h  # QKV and output projections
-        mlp = h * f + f + f * h + h
-        norms = 2 * 2 * h  # two LayerNorms, scale and shift
-        return attention + mlp + norms
+        """Weights and biases of one block. With ffn = 4h, GELU, LayerNorm, biases and no
+        GQA this is 12h² + 13h, the per-layer term of Narayanan et al. 2021, eq. (2):
+        P = 12lh²(1 + 13/12h + (V+s)/12lh)."""
+        return sum(self.block_split_replicated())
+
+    def position_parameters(self) -> int:
+        """The learned position table's parameters (0 with rotary positions)."""
+        return (self.positions or self.seq) * self.hidden if self.learned_positions else 0
 
     def num_parameters(self) -> int:
         h = self.hidden
-        embedding = self.vocab * h + (self.seq * h if self.learned_positions else 0)
-        head = 2 * h + (0 if self.tied_embeddings else self.vocab * h)
+        embedding = self.vocab * h + self.position_parameters()
+        head = self.norm_parameters() + (0 if self.tied_embeddings else self.vocab * h)
         return embedding + self.layers * self.block_parameters() + head
 
     def block_flops_per_token(self) -> int:
         """Forward FLOPs of one block for one token: 2 per multiply-add of every weight
-        matrix, plus the attention scores QKᵀ and their product with V, 2·s·h each. With
-        ffn = 4h this is 24h² + 4sh (Narayanan et al. 2021, section 5.1)."""
-        h, f, k = self.hidden, self.ffn, self.kv_width
-        return 2 * (h * (h + 2 * k) + h * h + 2 * h * f) + 4 * self.seq * h
+        matrix, plus the attention scores QKᵀ and their product with V, 2·s·a·d each. With
+        ffn = 4h, GELU and no GQA this is 24h² + 4sh (Narayanan et al. 2021, section 5.1)."""
+        h, f, q, k = self.hidden, self.ffn, self.q_width, self.kv_width
+        return 2 * (h * (q + 2 * k) + q * h + self.mlp_matrices * h * f) + 4 * self.seq * q
 
     def flops_per_token(self) -> int:
         """Forward FLOPs of the whole model per token: blocks and the logits 2hV. Training
@@ -104,8 +170,16 @@ class TransformerShape:
         replicated over t and its part divided by t (from its values at t = 1 and t = 2).
 
         Elements of `element` bytes scale the 2-byte terms; masks stay one byte per element
-        (the accounting at (element/2)× with masks of 2/element bytes)."""
+        (the accounting at (element/2)× with masks of 2/element bytes). The accounting's
+        block has a GELU MLP and Q as wide as h; a SwiGLU MLP keeps one more s × f tensor
+        (gate and up outputs, and their product, the down projection's input: 3 where GELU
+        keeps 2), and Q and attention's output are q = a·d wide (Gemma, Qwen3: not h), all
+        split over t."""
         scale = element / 2
+        extra = 0.0
+        if recompute != "full":
+            extra = element * self.seq * ((self.ffn if self.gated else 0)
+                                          + 2 * (self.q_width - self.hidden))
 
         def at(t: int) -> float:
             return scale * layer_activation_bytes(
@@ -114,7 +188,7 @@ class TransformerShape:
                 dropout_mask_bytes=1 / scale, ffn=self.ffn, kv_width=self.kv_width)
 
         one, two = at(1), at(2)
-        return 2 * two - one, 2 * (one - two)
+        return 2 * two - one, 2 * (one - two) + extra
 
 
 def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
@@ -141,49 +215,69 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
 
     def kernels(role: Literal["embedding", "block", "head"]) -> LayerShape:
         return LayerShape(role, s, h, shape.heads, shape.kv_width, shape.ffn, vocab, element,
-                          "fused" if attention == "fused" else "eager", sequence_parallel)
+                          "fused" if attention == "fused" else "eager", sequence_parallel,
+                          head_dim=shape.head_dim, gated=shape.gated)
 
+    # Input embedding: its dropout's 1-byte mask, sh (Korthikanti et al. 2022, section 4.3:
+    # "sbhp/t" over the p microbatches 1F1B's first stage holds, split with sequence
+    # parallelism); a vocab-parallel table (Megatron)
     embedding = LayerProfile(
-        name="embedding", params_split=vocab * h,  # vocab-parallel (Megatron)
-        params_replicated=s * h if shape.learned_positions else 0,
+        name="embedding", params_split=vocab * h,
+        params_replicated=shape.position_parameters(),
+        held_split=s * h if sequence_parallel else 0.0,
+        held_replicated=0.0 if sequence_parallel else s * h,
         output_bytes=hidden_bytes, tp_allreduces=1, tp_allreduce_bytes=hidden_bytes,
         shape=kernels("embedding"))
-    block_weights = shape.block_parameters() - 4 * h  # all but the norms split over t
+    block_split, block_replicated = shape.block_split_replicated()
     block = kernels("block")
     blocks = [LayerProfile(
         name=f"block{index}", flops_split=s * shape.block_flops_per_token(),
-        params_split=block_weights, params_replicated=4 * h,
+        params_split=block_split, params_replicated=block_replicated,
         held_split=split, held_replicated=replicated, output_bytes=hidden_bytes,
         input_bytes=hidden_bytes, input_split=sequence_parallel,
         selective_held_split=selective - replicated,
-        selective_flops_split=4 * s * s * h, tp_allreduces=2, tp_allreduce_bytes=hidden_bytes,
+        selective_flops_split=4 * s * s * shape.q_width, tp_allreduces=2,
+        tp_allreduce_bytes=hidden_bytes,
         shape=block)
         for index in range(shape.layers)]
-    # Output layer: final norm input (sh) and fp32 logits for the cross entropy, 4sV/t bytes
-    # (Korthikanti et al. 2022, section 4.1, "output layer"); its input's gradient is
-    # all-reduced over tp in the backward (a column-parallel layer), priced as one pass.
+    # Output layer: the final norm's input and the projection's (2sh each) and the fp32
+    # logits for the cross entropy, 4sV/t: Korthikanti et al. 2022, section 4.3, "4sbh/t ·
+    # (1 + v/h)" with sequence parallelism, the norm's and projection's inputs whole on
+    # every tp rank without it. Its input's gradient is all-reduced over tp in the backward
+    # (a column-parallel layer), priced as one pass.
+    norm_and_projection = 2 * hidden_bytes
     head = LayerProfile(
         name="head", flops_split=2 * s * h * vocab,
-        params_split=0 if shape.tied_embeddings else vocab * h, params_replicated=2 * h,
+        params_split=0 if shape.tied_embeddings else vocab * h,
+        params_replicated=shape.norm_parameters(),
         tied_params_split=vocab * h if shape.tied_embeddings else 0,
-        held_split=4 * s * vocab, held_replicated=hidden_bytes, input_bytes=hidden_bytes,
+        held_split=4 * s * vocab + (norm_and_projection if sequence_parallel else 0.0),
+        held_replicated=0.0 if sequence_parallel else norm_and_projection,
+        input_bytes=hidden_bytes, input_split=sequence_parallel,
         output_bytes=4 * s, shape=kernels("head"))
+    divides = (("attention heads", shape.heads), ("key/value heads", shape.kv_heads),
+               ("MLP columns", shape.ffn))
     return ModelProfile((embedding, *blocks, head), name=_label(shape), heads=shape.heads,
-                        seq=s)
+                        seq=s, tp_divides=divides)
 
 
 def _label(shape: TransformerShape) -> str:
-    return (f"transformer l={shape.layers} h={shape.hidden} a={shape.heads} f={shape.ffn} "
-            f"V={shape.vocab} s={shape.seq}")
+    grouped = f" kv={shape.kv_heads}" if shape.kv_heads != shape.heads else ""
+    return (f"transformer l={shape.layers} h={shape.hidden} a={shape.heads}{grouped} "
+            f"f={shape.ffn}{'' if shape.mlp == 'gelu' else ' ' + shape.mlp} V={shape.vocab} "
+            f"s={shape.seq}{' tied' if shape.tied_embeddings else ''}")
 
 
-_INT_KEYS = {f.name for f in fields(TransformerShape)} - {"learned_positions", "tied_embeddings"}
-_BOOL_KEYS = {"learned_positions", "tied_embeddings"}
+_BOOL_KEYS = {"learned_positions", "tied_embeddings", "qk_norm"}
+_TEXT_KEYS = {"mlp", "norm", "bias"}
+_INT_KEYS = {f.name for f in fields(TransformerShape)} - _BOOL_KEYS - _TEXT_KEYS
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
 def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> TransformerShape:
-    """`layers=32,hidden=4096,heads=32,vocab=32000,seq=2048[,ffn=..,kv_heads=..]`, a JSON
-    file with those keys, or a mapping; `seq` overrides the sequence length."""
+    """`layers=32,hidden=4096,heads=32,vocab=32000,seq=2048[,ffn=..,kv_heads=..,
+    mlp=swiglu,tied_embeddings=true,..]` (every field of `TransformerShape`), a JSON file
+    with those keys, or a mapping; `seq` overrides the sequence length."""
     if isinstance(source, Mapping):
         values = dict(source)
     elif source.endswith(".json") or os.path.exists(source):
@@ -203,7 +297,13 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
                 raise PlanError(f"model shape gives {key}= twice ({source[:120]!r}); give "
                                 "each key once")
             if key in _BOOL_KEYS:
-                values[key] = text.strip().lower() in ("1", "true", "yes")
+                word = text.strip().lower()
+                if word not in _TRUE + _FALSE:
+                    raise PlanError(f"model shape {key}={text!r} must be true or false")
+                values[key] = word in _TRUE
+                continue
+            if key in _TEXT_KEYS:
+                values[key] = text.strip().lower()
                 continue
             try:
                 values[key] = int(text)
@@ -211,15 +311,16 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
                 raise PlanError(f"model shape {key}={text!r} must be a whole number") from None
     if seq is not None:
         values["seq"] = seq
-    explicit_zero = [key for key in ("ffn", "kv_heads") if values.get(key) == 0]
+    explicit_zero = [key for key in ("ffn", "kv_heads", "head_dim", "positions")
+                     if values.get(key) == 0]
     if explicit_zero:  # 0 is the dataclass's "use the default", not a size anyone means
         raise PlanError(f"model shape {', '.join(f'{key}=0' for key in explicit_zero)}: "
                         "must be >= 1; omit the key for the default (ffn 4 × hidden, "
-                        "kv_heads = heads)")
-    unknown = sorted(set(values) - _INT_KEYS - _BOOL_KEYS)
+                        "kv_heads = heads, head_dim = hidden / heads)")
+    unknown = sorted(set(values) - _INT_KEYS - _BOOL_KEYS - _TEXT_KEYS)
     if unknown:
         raise PlanError(f"model shape has unknown keys {unknown}; the keys are "
-                        f"{sorted(_INT_KEYS | _BOOL_KEYS)}")
+                        f"{sorted(_INT_KEYS | _BOOL_KEYS | _TEXT_KEYS)}")
     missing = sorted({"layers", "hidden", "heads", "vocab", "seq"} - set(values))
     if missing:
         raise PlanError(f"model shape lacks {missing} (give seq with --seq)")

@@ -47,8 +47,8 @@ def test_zero_and_recompute_filters_narrow_but_never_widen() -> None:
             with pytest.raises(PlanError, match=f"recompute_choices {mode}"):
                 engine_options("megatron-2021", recompute_choices=(mode,))
     assert engine_options("pipesched", zero_stages=(1,)) == {"zero_stages": (1,)}
-    with pytest.raises(PlanError, match="engine 'deepspeed' is not known"):
-        engine_options("deepspeed")
+    with pytest.raises(PlanError, match="engine 'torchtitan' is not known"):
+        engine_options("torchtitan")
 
 
 def test_a_search_under_megatron_2021_proposes_only_what_it_runs() -> None:

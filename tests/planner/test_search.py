@@ -77,14 +77,15 @@ def test_a_model_too_large_names_the_memory_it_needs() -> None:
     huge = transformer_profile(parse_shape("layers=96,hidden=12288,heads=96,vocab=51200,"
                                            "seq=2048"))
     with pytest.raises(PlanError,
-                       match=r"does not fit on 4 × 10\.0 GiB.*needs at least \d+\.\d GiB"):
+                       match=r"on 4 × 10\.0 GiB devices does not fit.*needs \d+\.\d GiB"):
         plan(huge, _cluster(10.0), 8, options=SearchOptions(max_chunks=2, recompute=False))
 
 
 def test_an_indivisible_batch_says_what_would_divide() -> None:
     one_layer = profile_from_cost_json({"layers": [{"forward": 1.0, "params": 4}]})
     cluster = _cluster(80.0, per_node=2)
-    with pytest.raises(PlanError, match="divisible by 2"):
+    with pytest.raises(PlanError, match=r"data-parallel size \(devices / \(tp · pp\): 2\) must "
+                                        r"divide the global batch 3, and none do"):
         plan(one_layer, cluster, 3)
 
 

@@ -1,0 +1,82 @@
+"""One point of the planner's search: what `PipelineEngine` and `pipesched train` are told."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.planner.errors import PlanError
+
+__all__ = ["RECOMPUTE_MODES", "PlanConfig"]
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+_RECOMPUTE_TAGS = {"none": "", "selective": " rs", "full": " rc"}
+
+
+@dataclass(frozen=True, order=True, kw_only=True)
+class PlanConfig:
+    """One point of the search: everything `PipelineEngine` and `pipesched train` are told."""
+
+    pp: int
+    tp: int
+    dp: int
+    schedule: str
+    chunks: int
+    microbatch_size: int
+    num_microbatches: int
+    zero_stage: int
+    recompute: str
+    """none, selective (attention's core) or full (whole layers); True / False are read as
+    full / none."""
+    recompute_layers: int = 0
+    """Partial recomputation: only the first k layers of each stage; 0: all of them."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, bool):
+            object.__setattr__(self, "recompute", "full" if self.recompute else "none")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise PlanError(f"recompute={self.recompute!r} must be one of "
+                            f"{', '.join(RECOMPUTE_MODES)}")
+        if isinstance(self.recompute_layers, bool) or not isinstance(self.recompute_layers, int) \
+                or self.recompute_layers < 0 or (self.recompute_layers and
+                                                 self.recompute == "none"):
+            raise PlanError(f"recompute_layers={self.recompute_layers!r} must be 0 (all) or the "
+                            f"k >= 1 first layers of each stage, with recompute selective or full")
+
+    @property
+    def recomputes(self) -> bool:
+        return self.recompute != "none"
+
+    def recompute_label(self) -> str:
+        """none, selective, full or partial-k (full on the first k layers of each stage)."""
+        if self.recompute_layers:
+            return f"{'partial' if self.recompute == 'full' else 'selective'}-" \
+                   f"{self.recompute_layers}"
+        return self.recompute
+
+    def engine_arguments(self) -> dict[str, Any]:
+        """Keyword arguments of `PipelineModule` (num_stages, chunks, recompute,
+        recompute_layers) and `PipelineEngine`."""
+        return {"num_stages": self.pp, "chunks": self.chunks, "recompute": self.recompute,
+                "recompute_layers": self.recompute_layers or None,
+                "schedule": self.schedule, "num_microbatches": self.num_microbatches,
+                "data_parallel": self.dp, "tensor_parallel": self.tp,
+                "zero_stage": self.zero_stage}
+
+    def train_command(self, global_batch: int) -> str:
+        """The `pipesched train` arguments of this configuration (the demo model: its CLI
+        has no tensor-parallel, ZeRO or recomputation switches, named when needed)."""
+        text = (f"pipesched train --schedule {self.schedule} --stages {self.pp} "
+                f"--chunks {self.chunks} --microbatches {self.num_microbatches} "
+                f"--data-parallel {self.dp} --batch-size {global_batch}")
+        extra = [name for name, on in (("tensor_parallel", self.tp > 1),
+                                       ("zero_stage", self.zero_stage > 0),
+                                       (f"recompute={self.recompute_label()}",
+                                        self.recomputes)) if on]
+        return text + (f"   # plus {', '.join(extra)}: PipelineEngine only" if extra else "")
+
+    def label(self) -> str:
+        v = f" v{self.chunks}" if self.chunks > 1 else ""
+        return (f"pp{self.pp} tp{self.tp} dp{self.dp} {self.schedule}{v} b{self.microbatch_size}"
+                f" m{self.num_microbatches} z{self.zero_stage}{_RECOMPUTE_TAGS[self.recompute]}"
+                f"{self.recompute_layers or ''}")

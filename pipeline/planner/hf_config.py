@@ -1,0 +1,111 @@
+"""A Hugging Face `config.json` as a transformer shape: read with json (bounded, no
+transformers needed), mapped per family to the fields of `TransformerShape`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pipeline.planner.errors import PlanError
+from pipeline.planner.input_files import read_input_json
+from pipeline.planner.transformer import TransformerShape
+
+__all__ = ["FAMILIES", "hf_model_type", "is_hf_config", "read_hf_config",
+           "shape_from_hf_config"]
+
+# model_type: what its modeling file builds that the config does not say, each family's
+# defaults (its `*Config.__init__`) for the keys a saved config.json may leave out.
+# Checked against the HF models' parameter counts in tests/planner/test_hf_shapes.py.
+_LLAMA = {"mlp": "swiglu", "norm": "rmsnorm", "bias": "none", "learned_positions": False,
+          "tied_embeddings": False}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "gpt2": {"mlp": "gelu", "norm": "layernorm", "bias": "all", "learned_positions": True,
+             "tied_embeddings": True},
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA | {"bias": "qkv"},
+    "qwen3": _LLAMA | {"qk_norm": True, "head_dim": 128},
+    "phi3": _LLAMA,
+    "gemma2": _LLAMA | {"mlp": "geglu", "block_norms": 4, "tied_embeddings": True,
+                        "head_dim": 256},
+    "gemma3_text": _LLAMA | {"mlp": "geglu", "block_norms": 4, "qk_norm": True,
+                             "tied_embeddings": True, "head_dim": 256},
+}
+"""The families `pipeline.interop.hf_layers.layers_from_hf` runs."""
+
+_GPT2_KEYS = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size",
+              "n_head": "num_attention_heads", "n_inner": "intermediate_size",
+              "n_positions": "max_position_embeddings"}
+
+
+def is_hf_config(document: Any) -> bool:
+    """Whether a JSON document is a HF model config (it names its `model_type`)."""
+    return isinstance(document, Mapping) and "model_type" in document
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The config of a HF model directory (its config.json) or of a config.json file."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if os.path.isdir(path) and not os.path.exists(file):
+        raise PlanError(f"model directory {path!r} holds no config.json; pass a HF model "
+                        "directory or its config.json")
+    document = read_input_json(file, "model config")
+    if not is_hf_config(document):
+        raise PlanError(f"{file!r} is not a HF config (no model_type); give a config.json "
+                        "saved by transformers")
+    return dict(document)
+
+
+def _whole(config: Mapping[str, Any], key: str, where: str) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{where}: {key}={value!r} must be a whole number >= 1")
+    return value
+
+
+def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
+                         where: str = "HF config") -> TransformerShape:
+    """The shape of the model a HF `config` builds; `seq` (default: its
+    max_position_embeddings) the training sequence length."""
+    family = config.get("model_type")
+    if family not in FAMILIES:
+        raise PlanError(f"{where}: model_type {family!r} is not one the planner reads; it "
+                        f"reads {', '.join(FAMILIES)} (or give the shape as "
+                        "layers=,hidden=,heads=,vocab=,seq=,...)")
+    values = dict(config)
+    if family == "gpt2":
+        values |= {new: values[old] for old, new in _GPT2_KEYS.items() if old in values}
+    experts = [key for key in ("num_local_experts", "num_experts", "n_routed_experts")
+               if values.get(key)]
+    if experts:
+        raise PlanError(f"{where}: a mixture of experts ({experts[0]}={values[experts[0]]}) "
+                        "is outside the planner's space (dense models only)")
+    defaults = FAMILIES[family]
+    biased = [key for key in ("attention_bias", "mlp_bias") if values.get(key)]
+    if biased:
+        raise PlanError(f"{where}: {', '.join(biased)} on a {family} model is not a shape the "
+                        "planner counts (its biases: all, qkv only, or none)")
+    hidden = _whole(values, "hidden_size", where)
+    heads = _whole(values, "num_attention_heads", where)
+    positions = _whole(values, "max_position_embeddings", where)
+    head_dim = values.get("head_dim") or defaults.get("head_dim") or 0
+    tied = values.get("tie_word_embeddings", defaults["tied_embeddings"])
+    fields = {key: value for key, value in defaults.items() if key != "head_dim"}
+    return TransformerShape(
+        **(fields | {"tied_embeddings": bool(tied)}),
+        layers=_whole(values, "num_hidden_layers", where), hidden=hidden, heads=heads,
+        vocab=_whole(values, "vocab_size", where), seq=seq or positions,
+        ffn=values.get("intermediate_size") or 4 * hidden,
+        kv_heads=values.get("num_key_value_heads") or heads, head_dim=head_dim,
+        positions=positions if defaults["learned_positions"] else 0)
+
+
+def hf_model_type(path: str) -> str | None:
+    """The model_type of `path` if it is a HF model directory or config.json, else None."""
+    if os.path.isdir(path):
+        return str(read_hf_config(path)["model_type"])
+    if not os.path.isfile(path):
+        return None
+    document = read_input_json(path, "model file")
+    return str(document["model_type"]) if is_hf_config(document) else None

@@ -1,0 +1,172 @@
+"""How to run a plan's pick on each engine: the launcher line (torchrun, deepspeed) and the
+Python entry or script arguments, tensor parallelism included."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from pipeline.planner.config import PlanConfig
+
+__all__ = ["HFSource", "LaunchTarget", "hf_source", "launch_lines"]
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """A HF model the plan was made for: its directory (config.json, safetensors) and how
+    many of `layers_from_hf`'s layers come before its blocks (GPT-2: wte and wpe, 2; the
+    others: the embedding, 1); after them come the final norm and the LM head."""
+
+    directory: str
+    leading: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchTarget:
+    """Where the pick will run: the engine, the model's transformer blocks, its HF source (if
+    any) and the cluster's shape."""
+
+    engine: str = "pipesched"
+    blocks: int = 0
+    hf: HFSource | None = None
+    nodes: int = 1
+    devices_per_node: int = 1
+
+
+def _torchrun(target: LaunchTarget, script: str) -> str:
+    return (f"torchrun --nnodes {target.nodes} --nproc-per-node {target.devices_per_node} "
+            f"--rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 {script}")
+
+
+def _hf_cuts(boundaries: tuple[int, ...], blocks: int, leading: int) -> list[int]:
+    """The planner's stage cuts (over embedding, blocks, head) as `layers_from_hf`'s layer
+    indices (over `leading` embedding layers, the blocks, the final norm and the head)."""
+    end = leading + blocks + 2
+
+    def one(cut: int) -> int:
+        if cut == 0:
+            return 0
+        return end if cut == blocks + 2 else cut - 1 + leading
+
+    return [one(cut) for cut in boundaries]
+
+
+def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, blocks: int,
+               boundaries: tuple[int, ...]) -> list[str]:
+    arguments = config.engine_arguments()
+    if target.hf is None:
+        text = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
+        return [f"PipelineModule/PipelineEngine: {text}", config.train_command(global_batch),
+                _torchrun(target, "your_script.py") + "   # one process per device"]
+    source = target.hf.directory
+    module = (f"num_stages={config.pp}, chunks={config.chunks}, loss_fn=hf.loss_fn, "
+              f"partition_method={_hf_cuts(boundaries, blocks, target.hf.leading)}, "
+              f"recompute={config.recompute!r}"
+              + (f", recompute_layers={config.recompute_layers}"
+                 if config.recompute_layers else ""))
+    engine = (f"schedule={config.schedule!r}, num_microbatches={config.num_microbatches}, "
+              f"data_parallel={config.dp}, tensor_parallel={config.tp}, "
+              f"zero_stage={config.zero_stage}")
+    per_replica = global_batch // config.dp
+    return [_torchrun(target, "train_hf.py"),
+            "train_hf.py (the Python entry, on every rank):",
+            "  import torch, transformers",
+            "  from pipeline import PipelineEngine, PipelineModule",
+            "  from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf",
+            "  from pipeline.interop.hf_weights import load_hf_weights",
+            f"  hf = layers_from_hf(transformers.AutoConfig.from_pretrained({source!r}))",
+            f"  module = PipelineModule(hf.layers, {module})",
+            f"  load_hf_weights(module, hf, {source!r})",
+            f"  engine = PipelineEngine(module, {engine}, "
+            "optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))",
+            f"  loss = engine.train_batch(ids, causal_lm_targets(ids))   # ids: this "
+            f"replica's {per_replica} sequences (dp rank engine.position.dp_rank)"]
+
+
+def _recompute_flags(config: PlanConfig) -> list[str]:
+    """Megatron-Core's recomputation flags (`arguments.py`)."""
+    if config.recompute == "selective":
+        return ["--recompute-granularity selective"]
+    if config.recompute == "full":
+        if config.recompute_layers:
+            return ["--recompute-granularity full --recompute-method block "
+                    f"--recompute-num-layers {config.recompute_layers}"]
+        return ["--recompute-granularity full --recompute-method uniform "
+                "--recompute-num-layers 1"]
+    return []
+
+
+def _megatron_core(config: PlanConfig, global_batch: int, target: LaunchTarget,
+                   blocks: int) -> list[str]:
+    flags = [f"--tensor-model-parallel-size {config.tp}",
+             f"--pipeline-model-parallel-size {config.pp}",
+             f"--micro-batch-size {config.microbatch_size}",
+             f"--global-batch-size {global_batch}"]
+    if config.schedule == "interleaved":
+        flags.append(f"--num-layers-per-virtual-pipeline-stage "
+                     f"{blocks // (config.pp * config.chunks)}")
+    if config.tp > 1:
+        flags.append("--sequence-parallel --tp-comm-overlap")
+    flags.append("--overlap-grad-reduce")
+    if config.zero_stage:
+        flags.append("--use-distributed-optimizer --overlap-param-gather")
+    flags += _recompute_flags(config)
+    return [_torchrun(target, "pretrain_gpt.py") + " " + " ".join(flags)
+            + "   # plus the model's flags (--num-layers, --hidden-size, ...) and --bf16"]
+
+
+def _megatron_2021(config: PlanConfig, global_batch: int, blocks: int) -> list[str]:
+    """Megatron-LM 2021's `pretrain_gpt.py` arguments (the flags of its SC'21 scripts,
+    `examples/sc21/CONFIG.sh` and `run_table_1.sh`)."""
+    flags = [f"--tensor-model-parallel-size {config.tp}",
+             f"--pipeline-model-parallel-size {config.pp}",
+             f"--micro-batch-size {config.microbatch_size}",
+             f"--global-batch-size {global_batch}"]
+    if config.schedule == "interleaved":
+        flags.append(f"--num-layers-per-virtual-pipeline-stage "
+                     f"{blocks // (config.pp * config.chunks)}")
+    if config.recompute == "full":
+        flags.append("--checkpoint-activations")
+    flags.append(f"--DDP-impl {'torch' if config.pp == 1 else 'local'}")
+    return ["Megatron-LM (2021) pretrain_gpt.py " + " ".join(flags)]
+
+
+def _deepspeed(config: PlanConfig, global_batch: int, target: LaunchTarget,
+               boundaries: tuple[int, ...]) -> list[str]:
+    ds_config = {"train_batch_size": global_batch,
+                 "train_micro_batch_size_per_gpu": config.microbatch_size,
+                 "gradient_accumulation_steps": config.num_microbatches,
+                 "zero_optimization": {"stage": config.zero_stage}, "bf16": {"enabled": True}}
+    module = (f"PipelineModule(layers, num_stages={config.pp}, "
+              f"topology=PipeModelDataParallelTopology(num_pp={config.pp}, "
+              f"num_mp={config.tp}, num_dp={config.dp}), partition_method=<cuts "
+              f"{list(boundaries)} of the planner's layers>, "
+              f"activation_checkpoint_interval={1 if config.recompute == 'full' else 0})")
+    return [f"deepspeed --num_nodes {target.nodes} --num_gpus {target.devices_per_node} "
+            f"train.py --deepspeed_config ds_config.json",
+            f"ds_config.json: {json.dumps(ds_config)}",
+            f"train.py: {module}; deepspeed.initialize(model=..., config='ds_config.json'); "
+            "engine.train_batch() per step"]
+
+
+def launch_lines(name: str, config: PlanConfig, global_batch: int, blocks: int, *,
+                 target: LaunchTarget | None = None,
+                 boundaries: tuple[int, ...] = ()) -> list[str]:
+    """How to run `config` on engine `name` (`blocks` transformer layers; `boundaries` the
+    planner's stage cuts): this engine's launcher line and Python entry (for a HF model, the
+    script that trains it, tp included), or the other engines' command lines."""
+    target = target or LaunchTarget(engine=name, blocks=blocks)
+    if name == "megatron-2021":
+        return _megatron_2021(config, global_batch, blocks)
+    if name == "megatron-core":
+        return _megatron_core(config, global_batch, target, blocks)
+    if name == "deepspeed":
+        return _deepspeed(config, global_batch, target, boundaries)
+    return _pipesched(config, global_batch, target, blocks, boundaries)
+
+
+def hf_source(path: str, model_type: str) -> HFSource:
+    """The HF source of a `--model` path (a directory or its config.json)."""
+    directory = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    return HFSource(directory, 2 if model_type == "gpt2" else 1)
