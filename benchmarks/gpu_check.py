@@ -167,8 +167,10 @@ def _predicted_bytes(shape: LlamaShape, batch: int) -> dict[str, Any]:
     cluster = dataclasses.replace(PRESETS["h100-80g"], devices_per_node=1)
     try:
         model = load_model(shape.planner_model(), precision="bf16")
-        prediction = price(model, cluster, batch, PlanConfig(1, 1, 1, "1f1b", 1, batch, 1, 0,
-                                                             "none"))
+        config = PlanConfig(pp=1, tp=1, dp=1, schedule="1f1b", chunks=1,
+                            microbatch_size=batch, num_microbatches=1, zero_stage=0,
+                            recompute="none")
+        prediction = price(model, cluster, batch, config)
     except PlanError as error:
         return {"error": str(error)}
     return {"bytes": prediction.memory.total, "breakdown": prediction.memory.to_dict()}
