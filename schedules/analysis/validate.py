@@ -4,7 +4,8 @@ The promise, exactly. A schedule is accepted if and only if:
 - every op names a stage, microbatch and peer in range, on the rank that owns the stage;
 - every (stage, microbatch) has exactly one F and, in a training schedule, either exactly one
   B (or OVERLAP_B, right after an F of another microbatch) or exactly one I and one W;
-- compute-only: the streams run to the end under their data dependencies (no deadlock);
+- compute-only (lowered=False): every op is F, B, I, W or OVERLAP_B (any other kind is
+  refused by name), and the streams run to the end under their data dependencies;
 - lowered: run with blocking (rendezvous) send/recv, every rank's compute ops come in a
   dependency-respecting order (F(s,i) after F(s-1,i) has run and arrived, I/B(s,i) after
   F(s,i) and after the gradient from s+1 has run and arrived, W(s,i) after I(s,i); the
@@ -23,7 +24,7 @@ from typing import NoReturn
 from schedules.analysis.dataflow import execute
 from schedules.ir.errors import ScheduleValidationError
 from schedules.ir.grid import format_grid
-from schedules.ir.instructions import Instruction, Kind
+from schedules.ir.instructions import COMPUTE_KINDS, Instruction, Kind
 from schedules.ir.schedule import Schedule
 
 __all__ = ["validate"]
@@ -49,6 +50,8 @@ def validate(schedule: Schedule) -> None:
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate needs a schedules.Schedule (e.g. Schedule.from_text(...)), "
                         f"got {schedule!r}")
+    if not schedule.lowered:
+        _check_compute_only(schedule)
     _check_structure(schedule)
     if schedule.lowered:
         _check_pairing(schedule)
@@ -61,6 +64,17 @@ def _fail(schedule: Schedule, rank: int, step: int, message: str) -> ScheduleVal
     where = f"rank {rank}, step {step} ({schedule.streams[rank][step]})"
     return ScheduleValidationError(f"{schedule.name}: {where}: {message}", rank=rank, step=step,
                                    grid=format_grid(schedule.streams, rank, step))
+
+
+def _check_compute_only(schedule: Schedule) -> None:
+    """A compute-only schedule (lowered=False) holds F, B, I, W and OVERLAP_B only."""
+    for rank, stream in enumerate(schedule.streams):
+        for step, op in enumerate(stream):
+            if op.kind not in COMPUTE_KINDS:
+                raise _fail(schedule, rank, step, f"{op.kind.value} in a compute-only schedule "
+                            "(lowered=False), which holds only F, B, I, W and OVERLAP_B; drop "
+                            "it (`lower` and `add_optimizer_step` add communication, loads, "
+                            "REDUCE_GRAD and STEP), or build the Schedule with lowered=True")
 
 
 def _check_structure(schedule: Schedule) -> None:
