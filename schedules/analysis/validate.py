@@ -7,7 +7,8 @@ The promise, exactly. A schedule is accepted if and only if:
 - compute-only (lowered=False): every op is F, B, I, W or OVERLAP_B (any other kind is
   refused by name), and the streams run to the end under their data dependencies;
 - lowered: run with blocking (rendezvous) send/recv, every rank's compute ops come in a
-  dependency-respecting order (F(s,i) after F(s-1,i) has run and arrived, I/B(s,i) after
+  dependency-respecting order (an overlapped pair F + OVERLAP_B is one op: the B's inputs
+  are there when its F starts, as the simulator runs it) (F(s,i) after F(s-1,i) has run and arrived, I/B(s,i) after
   F(s,i) and after the gradient from s+1 has run and arrived, W(s,i) after I(s,i); the
   first stage's forwards, and the last's in training, after LOAD), every send pairs with
   one matching recv in the same order on its peer, no rank is left blocked; and the
@@ -293,6 +294,31 @@ class _Rendezvous:
         self.positions[peer] += 1
         return peer
 
+    def _check_pair_inputs(self, rank: int, step: int) -> None:
+        """If the F at `step` opens an overlapped pair, the pair's backward must have its
+        inputs too: the pair runs as one op, started when the inputs of both are there,
+        and both outputs leave when it ends (the simulator's reading, `dataflow.execute`),
+        so the B cannot wait on anything received after the F."""
+        stream = self.schedule.streams[rank]
+        after = step + 1
+        while after < len(stream) and stream[after].kind not in COMPUTE_KINDS:
+            after += 1
+        if after == len(stream) or stream[after].kind is not _OB:
+            return
+        _, s, i, _ = stream[after]
+        index, placement = s * self.m + i, self.schedule.placement
+        ready = self.f_done[index] and (
+            s == self.schedule.num_stages - 1 or (
+                self.g_done[index + self.m] if placement[s + 1] == rank else self.got_b[index]))
+        if not ready:
+            forward = stream[step]
+            raise _fail(self.schedule, rank, step,
+                        f"the overlapped pair {forward} + {stream[after]} starts before "
+                        f"OVERLAP_B({s},{i})'s inputs (F({s},{i}) and the gradient from stage "
+                        f"{s + 1}) are there; a pair runs as one op that waits for the inputs "
+                        f"of both and lets both outputs leave when it ends: receive the "
+                        f"gradient before {forward}, or use B")
+
     def _compute(self, rank: int, step: int, op: Instruction) -> None:
         kind, s, i, _ = op
         m, placement, last = self.m, self.schedule.placement, self.schedule.num_stages - 1
@@ -305,6 +331,7 @@ class _Rendezvous:
             if (s == 0 or (s == last and self.trains)) and not self.loaded[index]:
                 raise _fail(self.schedule, rank, step, f"F({s},{i}) runs before LOAD of "
                             f"microbatch {i}")
+            self._check_pair_inputs(rank, step)
             self.f_done[index] = 1
         elif kind is _B or kind is _I or kind is _OB:
             if not self.f_done[index]:
