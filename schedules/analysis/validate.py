@@ -7,10 +7,11 @@ The promise, exactly. A schedule is accepted if and only if:
 - compute-only (lowered=False): every op is F, B, I, W or OVERLAP_B (any other kind is
   refused by name), and the streams run to the end under their data dependencies;
 - lowered: run with blocking (rendezvous) send/recv, every rank's compute ops come in a
-  dependency-respecting order (an overlapped pair F + OVERLAP_B is one op: the B's inputs
-  are there when its F starts, as the simulator runs it) (F(s,i) after F(s-1,i) has run and arrived, I/B(s,i) after
+  dependency-respecting order (F(s,i) after F(s-1,i) has run and arrived, I/B(s,i) after
   F(s,i) and after the gradient from s+1 has run and arrived, W(s,i) after I(s,i); the
-  first stage's forwards, and the last's in training, after LOAD), every send pairs with
+  first stage's forwards, and the last's in training, after LOAD; an overlapped pair
+  F + OVERLAP_B is one op, as the simulator runs it: the B's inputs are there when its F
+  starts), every send pairs with
   one matching recv in the same order on its peer, no rank is left blocked; and the
   optimizer part is either absent on every rank (`lower` without `add_optimizer_step`) or
   complete on every rank: exactly one REDUCE_GRAD per (rank, stage), after that stage's
