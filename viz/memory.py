@@ -56,9 +56,12 @@ class MemoryCurve:
 def in_flight(timeline: Timeline, *, in_bytes: bool = False) -> list[MemoryCurve]:
     """Per rank, the (stage, microbatch) activations held over time, counted or in bytes.
 
-    Same rule as `schedules.figures`: held from the start of F to the end of the last
-    backward op of that stage and microbatch (B, or W when split), or the end of F when
-    there is no backward; at equal times frees come first. Curves start at 0 at the first op.
+    Same count as `schedules.figures` (along each rank's order of ops): held from the start
+    of F to the end of the last backward op of that stage and microbatch (B, or W when
+    split), or the end of F when there is no backward. Events at one time are taken in the
+    rank's order of ops, so ops that take no time still hold what they hold: an instant
+    whose count rises and falls again is drawn as a spike to its highest value, then the
+    value after it. Curves start at 0 at the first op.
     """
     p = timeline.num_ranks
     mask = timeline.compute_mask()
@@ -66,29 +69,51 @@ def in_flight(timeline: Timeline, *, in_bytes: bool = False) -> list[MemoryCurve
     microbatch, start, end = timeline.microbatch[mask], timeline.start[mask], timeline.end[mask]
     if len(start) == 0:
         return [MemoryCurve(r, np.zeros(1), np.zeros(1)) for r in range(p)]
-    key = stage.astype(np.int64) * (int(microbatch.max()) + 1) + microbatch
+    # each op's place in its rank's order: by start, ties in row (stream) order
+    place = np.empty(len(start))
+    place[np.lexsort((np.arange(len(start)), start, rank))] = np.arange(len(start))
+    key = (rank.astype(np.int64) * (int(stage.max()) + 1) + stage) * (
+        int(microbatch.max()) + 1) + microbatch
     is_forward = kind == KIND_CODES[Kind.F]
+    is_w = kind == KIND_CODES[Kind.W]
+    frees = ~is_forward & ~((kind == KIND_CODES[Kind.I]) & np.isin(key, key[is_w]))
     release = np.full(int(key.max()) + 1, -np.inf)
-    np.maximum.at(release, key[~is_forward], end[~is_forward])
+    release_place = np.zeros(int(key.max()) + 1)
+    order = np.argsort(end[frees], kind="stable")  # the last freeing op wins
+    release[key[frees][order]] = end[frees][order]
+    release_place[key[frees][order]] = place[frees][order]
     freed = release[key[is_forward]]
-    freed = np.where(np.isfinite(freed), freed, end[is_forward])
+    freed_place = release_place[key[is_forward]]
+    alone = ~np.isfinite(freed)  # no backward: gone when the F ends, right after it
+    freed = np.where(alone, end[is_forward], freed)
+    freed_place = np.where(alone, place[is_forward] + 0.5, freed_place)
     size = np.ones(int(is_forward.sum()))
     if in_bytes and timeline.activation_bytes:
         size = np.asarray(timeline.activation_bytes, dtype=np.float64)[stage[is_forward]]
     event_rank = np.concatenate([rank[is_forward], rank[is_forward]])
     event_time = np.concatenate([start[is_forward], freed])
+    event_place = np.concatenate([place[is_forward], freed_place])
     delta = np.concatenate([size, -size])
-    order = np.lexsort((delta, event_time, event_rank))
+    order = np.lexsort((event_place, event_time, event_rank))
     event_rank, event_time, delta = event_rank[order], event_time[order], delta[order]
     bounds = np.searchsorted(event_rank, np.arange(p + 1))
     first = float(start.min())
     curves = []
     for r in range(p):
         times = event_time[bounds[r]:bounds[r + 1]]
-        running = np.cumsum(delta[bounds[r]:bounds[r + 1]])
-        last_at_time = np.append(times[1:] != times[:-1], True)  # value after all ties
-        curves.append(MemoryCurve(r, np.concatenate([[first], times[last_at_time]]),
-                                  np.concatenate([[0.0], np.round(running[last_at_time], 9)])))
+        running = np.round(np.cumsum(delta[bounds[r]:bounds[r + 1]]), 9)
+        new_time = np.concatenate([[True], times[1:] != times[:-1]]) if len(times) else \
+            np.zeros(0, dtype=bool)
+        groups = np.flatnonzero(new_time)
+        highest = np.maximum.reduceat(running, groups) if len(groups) else running
+        after = running[np.append(groups[1:] - 1, len(running) - 1)] if len(groups) else \
+            running
+        spike = highest > after  # drawn as the highest value, then the value after it
+        at = np.repeat(times[groups], 1 + spike)
+        values = np.ravel(np.column_stack([highest, after]))[
+            np.ravel(np.column_stack([np.ones(len(groups), bool), spike]))]
+        curves.append(MemoryCurve(r, np.concatenate([[first], at]),
+                                  np.concatenate([[0.0], values])))
     return curves
 
 

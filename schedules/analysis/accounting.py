@@ -171,10 +171,12 @@ def stream_peak(stream: Iterable[tuple[Kind, int, int]], saved: Sequence[float],
     A stage's microbatch is allocated at its F (`saved[stage]` bytes, plus `output[stage]`,
     the stage output kept as the backward's root) and freed by its last backward op (B, or W
     when split: I leaves what W reads). A rank runs one op at a time, so the peak depends on
-    the order only. With `free_sent_outputs`, an output the stage sends (`sends[stage]`) is
-    freed as soon as it is sent, right after its F: at most the newest one is held.
-    An I whose W never comes frees like a B. `HeldTrace` is the same count, vectorised over
-    every rank for the planner's search.
+    the order only (never on the clock: ops that take no time still run in stream order).
+    With `free_sent_outputs`, an output the stage sends (`sends[stage]`) is freed as soon as
+    it is sent, right after its F: at most the newest one is held. An I whose W never comes
+    frees like a B; an F with no backward op at all (inference) holds its activations only
+    while it runs. `HeldTrace` is the same count, vectorised over every rank for the
+    planner's search and for `schedules.figures`.
     """
     stages = len(saved)
     out = [0.0] * stages if output is None else [float(x) for x in output]
@@ -184,14 +186,17 @@ def stream_peak(stream: Iterable[tuple[Kind, int, int]], saved: Sequence[float],
     transient = [out[st] if free_sent_outputs and sent[st] else 0.0 for st in range(stages)]
     ops = list(stream)
     split = {(stage, i) for kind, stage, i in ops if kind is Kind.W}  # I then W: W frees
+    freed = {(stage, i) for kind, stage, i in ops
+             if kind in _RELEASES or (kind is Kind.I and (stage, i) not in split)}
     held, count, peak, peak_count = 0.0, 0, 0.0, 0
     for kind, stage, i in ops:
         if kind is Kind.F:
-            held += kept[stage]
-            count += 1
-            now = held + transient[stage]  # the newest output, until its send
-            if now > peak or (now == peak and count > peak_count):
-                peak, peak_count = now, count
+            now = held + kept[stage] + transient[stage]  # the newest output, until its send
+            if now > peak or (now == peak and count + 1 > peak_count):
+                peak, peak_count = now, count + 1
+            if (stage, i) in freed:  # else: no backward will read it, gone when F ends
+                held += kept[stage]
+                count += 1
         elif kind in _RELEASES or (kind is Kind.I and (stage, i) not in split):
             held -= kept[stage]
             count -= 1
@@ -202,13 +207,16 @@ def stream_peak(stream: Iterable[tuple[Kind, int, int]], saved: Sequence[float],
 class HeldTrace:
     """Every rank's ops in the rank's own order as +1 (F: a microbatch's activations of a
     stage arrive) or -1 (its last backward op, B, or W when the backward is split: they
-    leave), so the activations held are a running sum under any costs, as
-    `schedules.figures` counts them."""
+    leave), so the activations held are a running sum under any costs: `stream_peak`'s
+    count, which `schedules.figures` reads too. An F with no backward op (inference) is a
+    `spike`: held while it runs, 0 in `delta`."""
 
     stage: np.ndarray
     delta: np.ndarray
     lengths: np.ndarray
     """Ops per rank (the arrays hold rank 0's, then rank 1's, ...)."""
+    spike: np.ndarray | None = None
+    """1 on an F that nothing frees (held only while it runs); None: no such F."""
 
     @classmethod
     def of(cls, schedule: Schedule) -> HeldTrace:
@@ -219,17 +227,29 @@ class HeldTrace:
         columns = list(zip(*ops))  # kind, stage, microbatch columns, transposed in C
         # enum members are singletons: their ids are the fastest exact codes (no hashing)
         kind = np.fromiter(map(id, columns[0]), dtype=np.int64, count=len(ops))
-        stage = np.asarray(columns[1], dtype=np.int64)
-        rank = np.repeat(np.arange(len(lengths)), lengths)
-        key = (rank * schedule.num_stages + stage) * schedule.num_microbatches \
-            + np.asarray(columns[2])
-        is_w = kind == id(Kind.W)
-        release = (kind == id(Kind.B)) | (kind == id(Kind.OVERLAP_B)) | is_w | (
-            (kind == id(Kind.I)) & ~np.isin(key, key[is_w]))
-        return cls(stage, (kind == id(Kind.F)).astype(np.int64) - release, lengths)
+        return cls.of_columns(lengths, kind, np.asarray(columns[1], dtype=np.int64),
+                              np.asarray(columns[2], dtype=np.int64),
+                              schedule.num_stages, schedule.num_microbatches)
 
-    def _peaks(self, steps: np.ndarray) -> np.ndarray:
-        """Per rank, the largest running sum of `steps` (one value per op)."""
+    @classmethod
+    def of_columns(cls, lengths: np.ndarray, kind_ids: np.ndarray, stage: np.ndarray,
+                   microbatch: np.ndarray, num_stages: int, num_microbatches: int) -> HeldTrace:
+        """From columns of every rank's ops in order (rank 0's first, `lengths[r]` each);
+        `kind_ids[k]` is `id()` of the op's `Kind`."""
+        rank = np.repeat(np.arange(len(lengths)), lengths)
+        key = (rank * num_stages + stage) * num_microbatches + microbatch
+        is_w = kind_ids == id(Kind.W)
+        release = (kind_ids == id(Kind.B)) | (kind_ids == id(Kind.OVERLAP_B)) | is_w | (
+            (kind_ids == id(Kind.I)) & ~np.isin(key, key[is_w]))
+        forward = kind_ids == id(Kind.F)
+        spike = forward & ~np.isin(key, key[release])
+        delta = (forward & ~spike).astype(np.int64) - release
+        return cls(stage, delta, np.asarray(lengths, dtype=np.int64),
+                   spike.astype(np.int64) if spike.any() else None)
+
+    def _peaks(self, steps: np.ndarray, spikes: np.ndarray | None) -> np.ndarray:
+        """Per rank, the largest running sum of `steps` (one value per op), plus `spikes`
+        where they are."""
         peaks = np.zeros(len(self.lengths))
         busy = self.lengths > 0
         if not busy.any():
@@ -239,18 +259,21 @@ class HeldTrace:
         # every rank's running sum restarts at 0: subtract where the ranks before it ended
         before = np.concatenate([[0.0], running[ends[:-1] - 1]]) if len(ends) > 1 else \
             np.zeros(1)
-        peaks[busy] = np.maximum.reduceat(running - np.repeat(before, self.lengths),
-                                          (ends - self.lengths)[busy])
+        level = running - np.repeat(before, self.lengths)
+        if spikes is not None:
+            level = level + spikes
+        peaks[busy] = np.maximum.reduceat(level, (ends - self.lengths)[busy])
         return peaks
 
     def peaks(self) -> tuple[int, ...]:
         """Most (stage, microbatch) activations each rank holds at once."""
-        return tuple(int(x) for x in self._peaks(self.delta.astype(float)))
+        return tuple(int(x) for x in np.rint(self._peaks(self.delta.astype(float), self.spike)))
 
     def peak_bytes(self, stage_bytes: ArrayLike) -> np.ndarray:
         """Most activation bytes each rank holds at once, one microbatch of stage s being
         `stage_bytes[s]`: exact with several chunks per rank too."""
-        return self._peaks(self.delta * np.asarray(stage_bytes, dtype=float)[self.stage])
+        size = np.asarray(stage_bytes, dtype=float)[self.stage]
+        return self._peaks(self.delta * size, None if self.spike is None else self.spike * size)
 
 
 def held_peaks(schedule: Schedule) -> tuple[int, ...]:

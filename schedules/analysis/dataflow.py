@@ -53,9 +53,11 @@ def execute(
     gather still brings, `schedules.analysis.gather`); the time an F waits past its other
     inputs adds to its rank's `waited`.
     Ops must reference stages in range(len(placement)) and microbatches in range(m);
-    the validator checks that before calling this.
+    the validator checks that before calling this. Any other kind (LOAD, SEND/RECV,
+    REDUCE_GRAD, STEP) is read as what it is here: no work, a zero-length span at the
+    rank's clock (never as a backward of the stage or microbatch -1 it carries).
     """
-    kind_f, kind_w, kind_i, kind_ob = Kind.F, Kind.W, Kind.I, Kind.OVERLAP_B
+    kind_f, kind_b, kind_w, kind_i, kind_ob = Kind.F, Kind.B, Kind.W, Kind.I, Kind.OVERLAP_B
     num_ranks = len(streams)
     m = num_microbatches
     num_stages = len(placement)
@@ -149,7 +151,7 @@ def execute(
                     ready = dep
                 end = ready + weight[s]
                 done_key = -1
-            else:  # B or I
+            elif kind is kind_b or kind is kind_i or kind is kind_ob:  # a lone OVERLAP_B is a B
                 dep = f_end[index]
                 if dep < 0.0:
                     waiting.setdefault(index, []).append(rank)
@@ -168,6 +170,11 @@ def execute(
                 end = ready + (backward[s] if kind is kind_i else fused[s])
                 g_end[index] = end
                 done_key = grad_base + index
+            else:  # LOAD, SEND/RECV, REDUCE_GRAD, STEP: no compute, no dependency, no time
+                rank_starts.append(clock)
+                rank_ends.append(clock)
+                k += 1
+                continue
             rank_starts.append(ready)
             rank_ends.append(end)
             clock = end

@@ -213,7 +213,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
         raise TypeError(f"costs must be a schedules.CostModel or None, got {costs!r}")
     costs = costs or CostModel()
     forward, backward, weight, delay, act = costs.resolve(schedule.num_stages)
-    streams = schedule.compute_streams() if schedule.lowered else schedule.streams
+    streams = schedule.compute_streams()  # a non-compute op takes no time of its own
     gather = costs.gather if schedule.has_backward else None
     release = None
     if gather is not None and gather.overlap:

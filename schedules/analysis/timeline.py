@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from schedules.analysis.accounting import HeldTrace
 from schedules.ir.instructions import Kind
 
 __all__ = ["KINDS", "KIND_CODES", "Figures", "Span", "Timeline", "figures"]
@@ -114,8 +115,10 @@ class Figures:
     """1 - all busy compute / (ranks × makespan): the whole pipeline's idle share."""
     busy: tuple[float, ...]
     peak_activations: tuple[int, ...]
-    """Most (stage, microbatch) activations a rank holds at once: from the start of F to
-    the end of the last backward op (B, or W when the backward is split)."""
+    """Most (stage, microbatch) activations a rank holds at once, counted along the rank's
+    order of ops (`held_peaks`, `predict_memory` and the searches count the same): taken
+    at F, freed by the last backward op (B, or W when the backward is split); an F with
+    no backward (inference) holds its activation while it runs."""
     peak_activation_bytes: tuple[float, ...]
     step: float | None = None
     """With a simulated gradient reduction (`Timeline.reduction_ends`): from the first op's
@@ -184,39 +187,26 @@ def figures(timeline: Timeline) -> Figures:
                    step, exposed, timeline.exposed_gather)
 
 
+_KIND_IDS = np.array([id(kind) for kind in KINDS], dtype=np.int64)
+
+
 def _peak_activations(timeline: Timeline, rank: np.ndarray, kind: np.ndarray,
                       stage: np.ndarray, microbatch: np.ndarray, start: np.ndarray,
                       end: np.ndarray) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Peaks counted from each rank's order of ops (`HeldTrace`, `stream_peak`'s count),
+    never from the clock: ops that take no time start together but still run in their
+    stream's order. The order is by start time, ties kept in row order (a simulated
+    timeline lists each rank's ops in stream order)."""
     p = timeline.num_ranks
-    width = int(microbatch.max()) + 1
-    key = stage.astype(np.int64) * width + microbatch
-    size = int(key.max()) + 1
-    is_forward = kind == _F
-    release = np.full(size, -np.inf)
-    np.maximum.at(release, key[~is_forward], end[~is_forward])
-    forward_key = key[is_forward]
-    release_time = release[forward_key]
-    no_backward = ~np.isfinite(release_time)  # forward-only: freed when the F ends
-    release_time[no_backward] = end[is_forward][no_backward]
-    event_rank = np.concatenate([rank[is_forward], rank[is_forward]])
-    event_time = np.concatenate([start[is_forward], release_time])
-    delta = np.concatenate([np.ones(len(forward_key)), -np.ones(len(forward_key))])
-    per_stage = np.asarray(timeline.activation_bytes or (0.0,), dtype=np.float64)
-    stage_bytes = (per_stage[stage[is_forward]] if timeline.activation_bytes
-                   else np.zeros(len(forward_key)))
-    weight = np.concatenate([stage_bytes, -stage_bytes])
-    # Sort by rank, then time, frees before allocations at equal times (memory reused).
-    order = np.lexsort((delta, event_time, event_rank))
-    event_rank = event_rank[order]
-    counts, byte_peaks = [0] * p, [0.0] * p
-    bounds = np.searchsorted(event_rank, np.arange(p + 1))
-    running = np.cumsum(delta[order])
-    running_bytes = np.cumsum(weight[order])
-    for r in range(p):
-        lo, hi = int(bounds[r]), int(bounds[r + 1])
-        if hi > lo:
-            base = running[lo - 1] if lo else 0.0
-            base_bytes = running_bytes[lo - 1] if lo else 0.0
-            counts[r] = round(float(running[lo:hi].max() - base))
-            byte_peaks[r] = float(running_bytes[lo:hi].max() - base_bytes)
-    return tuple(counts), tuple(byte_peaks)
+    order = np.lexsort((np.arange(len(rank)), start, rank))
+    lengths = np.bincount(rank, minlength=p)
+    trace = HeldTrace.of_columns(
+        lengths, _KIND_IDS[kind[order]], stage[order].astype(np.int64),
+        microbatch[order].astype(np.int64), int(stage.max()) + 1, int(microbatch.max()) + 1)
+    counts = trace.peaks()
+    if not timeline.activation_bytes:
+        return counts, (0.0,) * p
+    per_stage = np.zeros(int(stage.max()) + 1)
+    known = min(len(per_stage), len(timeline.activation_bytes))
+    per_stage[:known] = timeline.activation_bytes[:known]
+    return counts, tuple(float(x) for x in trace.peak_bytes(per_stage))

@@ -4,11 +4,14 @@ The promise, exactly. A schedule is accepted if and only if:
 - every op names a stage, microbatch and peer in range, on the rank that owns the stage;
 - every (stage, microbatch) has exactly one F and, in a training schedule, either exactly one
   B (or OVERLAP_B, right after an F of another microbatch) or exactly one I and one W;
-- compute-only: the streams run to the end under their data dependencies (no deadlock);
+- compute-only (lowered=False): every op is F, B, I, W or OVERLAP_B (any other kind is
+  refused by name), and the streams run to the end under their data dependencies;
 - lowered: run with blocking (rendezvous) send/recv, every rank's compute ops come in a
   dependency-respecting order (F(s,i) after F(s-1,i) has run and arrived, I/B(s,i) after
   F(s,i) and after the gradient from s+1 has run and arrived, W(s,i) after I(s,i); the
-  first stage's forwards, and the last's in training, after LOAD), every send pairs with
+  first stage's forwards, and the last's in training, after LOAD; an overlapped pair
+  F + OVERLAP_B is one op, as the simulator runs it: the B's inputs are there when its F
+  starts), every send pairs with
   one matching recv in the same order on its peer, no rank is left blocked; and the
   optimizer part is either absent on every rank (`lower` without `add_optimizer_step`) or
   complete on every rank: exactly one REDUCE_GRAD per (rank, stage), after that stage's
@@ -23,7 +26,7 @@ from typing import NoReturn
 from schedules.analysis.dataflow import execute
 from schedules.ir.errors import ScheduleValidationError
 from schedules.ir.grid import format_grid
-from schedules.ir.instructions import Instruction, Kind
+from schedules.ir.instructions import COMPUTE_KINDS, Instruction, Kind
 from schedules.ir.schedule import Schedule
 
 __all__ = ["validate"]
@@ -49,6 +52,8 @@ def validate(schedule: Schedule) -> None:
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate needs a schedules.Schedule (e.g. Schedule.from_text(...)), "
                         f"got {schedule!r}")
+    if not schedule.lowered:
+        _check_compute_only(schedule)
     _check_structure(schedule)
     if schedule.lowered:
         _check_pairing(schedule)
@@ -61,6 +66,17 @@ def _fail(schedule: Schedule, rank: int, step: int, message: str) -> ScheduleVal
     where = f"rank {rank}, step {step} ({schedule.streams[rank][step]})"
     return ScheduleValidationError(f"{schedule.name}: {where}: {message}", rank=rank, step=step,
                                    grid=format_grid(schedule.streams, rank, step))
+
+
+def _check_compute_only(schedule: Schedule) -> None:
+    """A compute-only schedule (lowered=False) holds F, B, I, W and OVERLAP_B only."""
+    for rank, stream in enumerate(schedule.streams):
+        for step, op in enumerate(stream):
+            if op.kind not in COMPUTE_KINDS:
+                raise _fail(schedule, rank, step, f"{op.kind.value} in a compute-only schedule "
+                            "(lowered=False), which holds only F, B, I, W and OVERLAP_B; drop "
+                            "it (`lower` and `add_optimizer_step` add communication, loads, "
+                            "REDUCE_GRAD and STEP), or build the Schedule with lowered=True")
 
 
 def _check_structure(schedule: Schedule) -> None:
@@ -279,6 +295,31 @@ class _Rendezvous:
         self.positions[peer] += 1
         return peer
 
+    def _check_pair_inputs(self, rank: int, step: int) -> None:
+        """If the F at `step` opens an overlapped pair, the pair's backward must have its
+        inputs too: the pair runs as one op, started when the inputs of both are there,
+        and both outputs leave when it ends (the simulator's reading, `dataflow.execute`),
+        so the B cannot wait on anything received after the F."""
+        stream = self.schedule.streams[rank]
+        after = step + 1
+        while after < len(stream) and stream[after].kind not in COMPUTE_KINDS:
+            after += 1
+        if after == len(stream) or stream[after].kind is not _OB:
+            return
+        _, s, i, _ = stream[after]
+        index, placement = s * self.m + i, self.schedule.placement
+        ready = self.f_done[index] and (
+            s == self.schedule.num_stages - 1 or (
+                self.g_done[index + self.m] if placement[s + 1] == rank else self.got_b[index]))
+        if not ready:
+            forward = stream[step]
+            raise _fail(self.schedule, rank, step,
+                        f"the overlapped pair {forward} + {stream[after]} starts before "
+                        f"OVERLAP_B({s},{i})'s inputs (F({s},{i}) and the gradient from stage "
+                        f"{s + 1}) are there; a pair runs as one op that waits for the inputs "
+                        f"of both and lets both outputs leave when it ends: receive the "
+                        f"gradient before {forward}, or use B")
+
     def _compute(self, rank: int, step: int, op: Instruction) -> None:
         kind, s, i, _ = op
         m, placement, last = self.m, self.schedule.placement, self.schedule.num_stages - 1
@@ -291,6 +332,7 @@ class _Rendezvous:
             if (s == 0 or (s == last and self.trains)) and not self.loaded[index]:
                 raise _fail(self.schedule, rank, step, f"F({s},{i}) runs before LOAD of "
                             f"microbatch {i}")
+            self._check_pair_inputs(rank, step)
             self.f_done[index] = 1
         elif kind is _B or kind is _I or kind is _OB:
             if not self.f_done[index]:

@@ -21,22 +21,27 @@ then `proven` means optimal for the given costs. Otherwise they are rounded to a
 of at most 1/10000: the solver's proof holds for the rounded costs only
 (`optimal_for_rounded_costs`), `proven` stays False and `bound` is the rounded bound minus
 the most rounding any chain of ops can accumulate, a bound for the true costs.
-Memory on one axis of 3 ticks per time unit, so a stream order can realise it: a hold of
-a stage with F + I + W > 0 is [3·start F + 2, 3·end W + 1) (freed at an instant before
-anything is taken at it), one of a zero-cost stage [3·start F + 1, 3·end W + 2), which
-counts even when it lasts no time; ties in the order are broken the same way (frees,
-then zero-cost holds, then the rest). The latter is conservative (two zero-cost holds at
-one instant count twice), so with zero-cost stages `bound` is only the simple work bound.
+Memory is counted on the order, as every peak count here is (`stream_peak`): an
+activation is taken at its F and freed at its W in the rank's stream. Ops that take no
+time still run in an order, so memory and precedence are stated on a refined axis of R
+ticks per time unit (R = 1 + the ops of no time + 1): an op of length d > 0 starting at t
+occupies [R·t + R - 1, R·(t + d)), after everything that ends at t and after every op
+of no time at t; an op of no time at t occupies [R·t + k, R·t + k + 1) for a chosen
+k < R - 1, and a dependency between two ops of no time at one instant orders their k.
+Each rank's ops do not overlap on that axis, so their refined starts are the stream's
+order; the hold [refined start F, refined end W) counts exactly what the stream holds
+just after each F (a W of no time frees only if it comes before the F, which a chain of
+ops of no time may forbid: issue 34). The model is exact, zero-cost stages included.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from schedules.analysis.accounting import held_peaks
 from schedules.analysis.simulate import CostModel, simulate
 from schedules.analysis.timeline import figures
 from schedules.ir.errors import ScheduleConfigError
@@ -52,6 +57,7 @@ MAX_RANKS = 8
 MAX_MICROBATCHES = 16
 _EXACT_SCALE = 10**6  # largest common denominator solved without rounding
 _KINDS = (Kind.F, Kind.I, Kind.W)
+_Op = tuple[Kind, int, int]  # (kind, stage, microbatch)
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,7 @@ def solve_zb_optimal(num_ranks: int, num_microbatches: int, chunks: int = 1, *,
             start_from.num_microbatches == m:
         given = Schedule(start_from.name, m, placement, _split(start_from.compute_streams()))
         found = figures(simulate(given, costs))
-        if max(found.peak_activations) <= limit and found.makespan < hint_makespan:
+        if max(held_peaks(given)) <= limit and found.makespan < hint_makespan:
             hint_name, hint, hint_makespan = start_from.name, given, found.makespan
     return _Model(cp_model, placement, m, limit, costs).solve(
         hint, hint_name, hint_makespan, time_limit)
@@ -214,49 +220,75 @@ class _Model:
         # can gather: 3Sm ops, each followed by at most one delay.
         self.slack = 0.0 if self.exact else 3 * S * m * (max(errors[:3 * S]) + max(
             errors[3 * S:], default=0.0))
-        self.zero_cost = [sum(self.duration[k][s] for k in _KINDS) == 0 for s in range(S)]
+        # the refined axis (see the module): R ticks per time unit, R - 1 places at an
+        # instant for ops of no time, one more for the op of some length that starts there
+        zero_ops = sum(m for kind in _KINDS for s in range(S) if self.duration[kind][s] == 0)
+        self.refine = zero_ops + 2 if zero_ops else 1
+        # per op: its start, its end (start + length) and its refined start (tick), CP-SAT
+        # variables or expressions; `place` for ops of no time, their place at the instant
+        self.start: dict[_Op, Any] = {}
+        self.end: dict[_Op, Any] = {}
+        self.tick: dict[_Op, Any] = {}
+        self.place: dict[_Op, Any] = {}
+
+    def _precede(self, model: Any, before: _Op, after: _Op, delay: int = 0) -> None:
+        """`after` starts once `before` ended (plus `delay`), and after it on the refined axis."""
+        model.Add(self.start[after] >= self.end[before] + delay)
+        if not self.duration[before[0]][before[1]] and not self.duration[after[0]][after[1]]:
+            model.Add(self.tick[after] >= self.tick[before] + 1)  # both at one instant
 
     def solve(self, hint: Schedule, hint_name: str, hint_makespan: float,
               time_limit: float) -> SolvedSchedule:
-        cp, S, m, placement = self.cp_model, self.num_stages, self.m, self.placement
+        cp, S, m, placement, R = self.cp_model, self.num_stages, self.m, self.placement, \
+            self.refine
         model = cp.CpModel()
         horizon = math.ceil((hint_makespan + self.slack) * self.scale) + 1
-        start: dict[tuple[Kind, int, int], Any] = {}
-        end: dict[tuple[Kind, int, int], Any] = {}
+        refined_end: dict[_Op, Any] = {}
         by_rank: list[list[Any]] = [[] for _ in range(1 + max(placement))]
         for kind in _KINDS:
             for s in range(S):
                 for i in range(m):
                     key, size = (kind, s, i), self.duration[kind][s]
-                    start[key] = model.NewIntVar(0, horizon, f"start_{kind.value}{s}_{i}")
-                    end[key] = model.NewIntVar(0, horizon, f"end_{kind.value}{s}_{i}")
-                    by_rank[placement[s]].append(
-                        model.NewIntervalVar(start[key], size, end[key], f"op_{key}"))
+                    name = f"{kind.value}{s}_{i}"
+                    start = self.start[key] = model.NewIntVar(0, horizon, f"start_{name}")
+                    self.end[key] = start + size
+                    if size:  # [R·t + R - 1, R·(t + d)): after every op of no time at t
+                        self.tick[key] = R * start + (R - 1)
+                        refined_end[key] = R * (start + size)
+                        length = R * size - R + 1
+                    else:  # one of the R - 1 places of the instant
+                        place = self.place[key] = model.NewIntVar(0, R - 2, f"place_{name}")
+                        tick = self.tick[key] = model.NewIntVar(0, R * (horizon + 1),
+                                                                f"tick_{name}")
+                        model.Add(tick == R * start + place)
+                        refined_end[key] = self.tick[key] + 1
+                        length = 1
+                    by_rank[placement[s]].append(model.NewFixedSizeIntervalVar(
+                        self.tick[key], length, f"op_{name}"))
         for s in range(S):
             for i in range(m):
                 cross = self.delay[s] if s + 1 < S and placement[s + 1] != placement[s] else 0
                 if s + 1 < S:
-                    model.Add(start[Kind.F, s + 1, i] >= end[Kind.F, s, i] + cross)
-                    model.Add(start[Kind.I, s, i] >= end[Kind.I, s + 1, i] + cross)
-                model.Add(start[Kind.I, s, i] >= end[Kind.F, s, i])
-                model.Add(start[Kind.W, s, i] >= end[Kind.I, s, i])
+                    self._precede(model, (Kind.F, s, i), (Kind.F, s + 1, i), cross)
+                    self._precede(model, (Kind.I, s + 1, i), (Kind.I, s, i), cross)
+                self._precede(model, (Kind.F, s, i), (Kind.I, s, i))
+                self._precede(model, (Kind.I, s, i), (Kind.W, s, i))
                 if i + 1 < m:  # microbatch order within a stage
                     for kind in _KINDS:
-                        model.Add(start[kind, s, i + 1] >= end[kind, s, i])
+                        self._precede(model, (kind, s, i), (kind, s, i + 1))
         held: list[list[Any]] = [[] for _ in by_rank]
-        sizes: dict[tuple[int, int], Any] = {}
         for s in range(S):
-            taken, freed = (1, 2) if self.zero_cost[s] else (2, 1)  # ticks into the unit
             for i in range(m):
-                size = sizes[s, i] = model.NewIntVar(0, 3 * horizon + 2, f"held{s}_{i}")
-                held[placement[s]].append(model.NewIntervalVar(
-                    3 * start[Kind.F, s, i] + taken, size, 3 * end[Kind.W, s, i] + freed,
-                    f"held_{s}_{i}"))
+                taken, freed = self.tick[Kind.F, s, i], refined_end[Kind.W, s, i]
+                size = model.NewIntVar(1, R * (horizon + 1), f"held{s}_{i}")
+                held[placement[s]].append(model.NewIntervalVar(taken, size, freed,
+                                                               f"held_{s}_{i}"))
         for rank_ops, rank_held in zip(by_rank, held):
             model.AddNoOverlap(rank_ops)
             model.AddCumulative(rank_held, [1] * len(rank_held), self.limit)
         makespan = model.NewIntVar(0, horizon, "makespan")
-        model.AddMaxEquality(makespan, [end[Kind.W, s, i] for s in range(S) for i in range(m)])
+        model.AddMaxEquality(makespan, [self.end[Kind.W, s, i] for s in range(S)
+                                        for i in range(m)])
         # Redundant, for the bound: a rank cannot start before microbatch 0's forward
         # reaches its lowest stage, and then has all of its work to do.
         reach, self.simple_bound = 0, 0.0
@@ -270,7 +302,7 @@ class _Model:
             reach += self.duration[Kind.F][s] + (
                 self.delay[s] if s + 1 < S and placement[s + 1] != rank else 0)
         model.Minimize(makespan)
-        self._hint(model, hint, start, end, sizes, makespan)
+        self._hint(model, hint, makespan)
         solver = cp.CpSolver()
         # Deterministic: one worker, a fixed seed and a limit in the solver's deterministic
         # time (about seconds on one quiet core), so every rank that builds this schedule
@@ -285,20 +317,18 @@ class _Model:
         solver.parameters.cp_model_probing_level = 0
         status = solver.Solve(model)
         simple = self.simple_bound - self.slack
-        # The solver's bound is one for the true costs only when the model is exact: no
-        # rounding (else less the slack) and no conservative zero-cost holds.
-        solved = -math.inf if any(self.zero_cost) else \
-            solver.BestObjectiveBound() / self.scale - self.slack
-        bound = max(solved, simple)
+        # The solver's bound is one for the true costs when the model is exact (no
+        # rounding), else less the slack.
+        bound = max(solver.BestObjectiveBound() / self.scale - self.slack, simple)
         if status not in (cp.OPTIMAL, cp.FEASIBLE):
             return SolvedSchedule(_renamed(hint), hint_makespan,
                                   min(bound, hint_makespan), False, hint_name,
                                   kept_heuristic="no solution")
-        schedule = self._order(solver, start, end)
+        schedule = self._order(solver)
         found = figures(simulate(schedule, self.costs))
-        # Re-simulated, the solver's order can only be faster and within the limit; keep
-        # the heuristic if rounding or a tie says otherwise.
-        kept = "over the memory limit" if max(found.peak_activations) > self.limit else \
+        # Re-simulated, the solver's order can only be faster and within the limit (its
+        # memory is the order's, `held_peaks`); keep the heuristic if rounding says otherwise.
+        kept = "over the memory limit" if max(held_peaks(schedule)) > self.limit else \
             "slower" if found.makespan > hint_makespan else None
         if kept:
             schedule, makespan = _renamed(hint), hint_makespan
@@ -307,75 +337,67 @@ class _Model:
         # A proof covers the order returned only if that order, re-simulated, takes the
         # solver's optimum: a model that misses a delay or a dependency fails this.
         optimal = status == cp.OPTIMAL
-        proven = (optimal and self.exact and not any(self.zero_cost) and math.isclose(
+        proven = (optimal and self.exact and math.isclose(
             makespan, solver.ObjectiveValue() / self.scale, rel_tol=1e-9, abs_tol=1e-9)) or \
             makespan <= max(simple, 0.0) + 1e-12
         return SolvedSchedule(schedule, makespan, makespan if proven else min(bound, makespan),
                               proven, hint_name, kept_heuristic=kept,
                               optimal_for_rounded_costs=optimal and not self.exact)
 
-    def _hint(self, model: Any, hint: Schedule, start: dict[tuple[Kind, int, int], Any],
-              end: dict[tuple[Kind, int, int], Any], sizes: dict[tuple[int, int], Any],
-              makespan: Any) -> None:
-        """Every variable at the heuristic's value, so the solver starts from a solution."""
-        timeline = simulate(hint, self.costs)
-        at: dict[tuple[Kind, int, int], int] = {}
-        for span in timeline.spans():
-            key = (span.kind, span.stage, span.microbatch)
-            at[key] = round(span.start * self.scale)
-        for key, var in start.items():
+    def _hint(self, model: Any, hint: Schedule, makespan: Any) -> None:
+        """Every variable at the heuristic's value, so the solver starts from a solution:
+        its simulated starts, and for ops of no time at one instant, their places in one
+        order of the whole schedule that keeps every stream's order and every dependency."""
+        run = simulate(hint, self.costs)
+        at: dict[_Op, int] = {}
+        for span in run.spans():
+            at[span.kind, span.stage, span.microbatch] = round(span.start * self.scale)
+        for key, var in self.start.items():
             model.AddHint(var, at[key])
-            model.AddHint(end[key], at[key] + self.duration[key[0]][key[1]])
-        for (s, i), var in sizes.items():
-            held = at[Kind.W, s, i] + self.duration[Kind.W][s] - at[Kind.F, s, i]
-            model.AddHint(var, 3 * held + (1 if self.zero_cost[s] else -1))
+        places: dict[int, int] = {}
+        for key in _global_order(hint):
+            if not self.duration[key[0]][key[1]]:
+                place = places.get(at[key], 0)
+                places[at[key]] = place + 1
+                model.AddHint(self.place[key], place)
         model.AddHint(makespan, max(at[Kind.W, s, i] + self.duration[Kind.W][s]
-                                    for s, i in sizes))
+                                    for s in range(self.num_stages) for i in range(self.m)))
 
-    def _order(self, solver: Any, start: dict[tuple[Kind, int, int], Any],
-               end: dict[tuple[Kind, int, int], Any]) -> Schedule:
-        """Every op by start time, in one global order the rank streams inherit; ops that
-        start together in dependency order, preferring W (frees), then I, then the F of a
-        zero-cost stage, then any other F (takes memory), then ops that last."""
-        S, m = self.num_stages, self.m
-        at = {key: solver.Value(var) for key, var in start.items()}
-        ends = {key: solver.Value(var) for key, var in end.items()}
-
-        def needs(key: tuple[Kind, int, int]) -> list[tuple[Kind, int, int]]:
-            kind, s, i = key
-            found = [(kind, s, i - 1)] if i else []
-            if kind is Kind.F and s:
-                found.append((Kind.F, s - 1, i))
-            elif kind is Kind.I:
-                found.append((Kind.F, s, i))
-                if s + 1 < S:
-                    found.append((Kind.I, s + 1, i))
-            elif kind is Kind.W:
-                found.append((Kind.I, s, i))
-            return found
-
-        def priority(key: tuple[Kind, int, int]) -> tuple[int, int, int, int]:
-            kind, s, i = key
-            rank = {Kind.W: 0, Kind.I: 1}.get(kind, 2 if self.zero_cost[s] else 3)
-            return (int(ends[key] > at[key]), rank, s if kind is not Kind.I else -s, i)
-
-        groups: dict[int, list[tuple[Kind, int, int]]] = {}
-        for key, value in at.items():
-            groups.setdefault(value, []).append(key)
+    def _order(self, solver: Any) -> Schedule:
+        """Each rank's ops by their refined start: their order in the solver's solution
+        (distinct on a rank: its ops do not overlap on the refined axis)."""
+        ticks = sorted(self.tick, key=lambda key: solver.Value(self.tick[key]))
         streams: list[list[Instruction]] = [[] for _ in range(1 + max(self.placement))]
-        for time in sorted(groups):
-            group = set(groups[time])
-            waiting = {key: sum(dep in group for dep in needs(key)) for key in group}
-            heap = [(priority(key), key) for key, count in waiting.items() if count == 0]
-            heapq.heapify(heap)
-            while heap:
-                _, key = heapq.heappop(heap)
-                kind, s, i = key
-                streams[self.placement[s]].append(Instruction(kind, s, i, NONE))
-                for other in group:
-                    if key in needs(other):
-                        waiting[other] -= 1
-                        if waiting[other] == 0:
-                            heapq.heappush(heap, (priority(other), other))
-        assert sum(map(len, streams)) == 3 * S * m, "a tie group had a cycle"
-        return Schedule("zb-optimal", m, self.placement, tuple(map(tuple, streams)))
+        for kind, s, i in ticks:
+            streams[self.placement[s]].append(Instruction(kind, s, i, NONE))
+        return Schedule("zb-optimal", self.m, self.placement, tuple(map(tuple, streams)))
+
+
+def _global_order(schedule: Schedule) -> list[_Op]:
+    """One order of every op of `schedule` that keeps each rank's stream order and puts
+    every dependency first (Kahn's algorithm; the streams run, so there is one)."""
+    streams = [[(op.kind, op.stage, op.microbatch) for op in stream]
+               for stream in schedule.streams]
+    done: set[_Op] = set()
+    heads = [0] * len(streams)
+    order: list[_Op] = []
+    last = schedule.num_stages - 1
+    progress = True
+    while progress:
+        progress = False
+        for rank, stream in enumerate(streams):
+            while heads[rank] < len(stream):
+                kind, s, i = stream[heads[rank]]
+                if kind is Kind.F:
+                    needs = [(Kind.F, s - 1, i)] if s else []
+                elif kind is Kind.W:
+                    needs = [(Kind.I, s, i)]
+                else:
+                    needs = [(Kind.F, s, i)] + ([(Kind.I, s + 1, i)] if s < last else [])
+                if any(need not in done for need in needs):
+                    break
+                done.add((kind, s, i))
+                order.append((kind, s, i))
+                heads[rank] += 1
+                progress = True
+    return order

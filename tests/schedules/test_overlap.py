@@ -112,3 +112,57 @@ def test_a_lowered_pair_still_runs_after_fusing_nothing() -> None:
 def test_bad_overlap_is_refused() -> None:
     with pytest.raises(ScheduleConfigError, match="overlap must be"):
         CostModel(overlap=-0.5)
+
+
+# Issue 34, item 4: the pair below is F(0,1) overlapped with B(0,0), whose gradient comes
+# from B(1,0), which rank 1 runs after F(1,1), which needs the pair's own F output. Run as
+# one op (both outputs leave when the pair ends) it waits forever; the validator used to
+# accept it because it ran the F, sent its output, then received the gradient.
+_PAIR_WAITS_ON_ITSELF = """\
+rank 0: 0LOAD0 0F0 0SEND_F0@1 0LOAD1 0F1 0SEND_F1@1 0RECV_B0@1 0OVERLAP_B0 0RECV_B1@1 0B1
+rank 1: 1RECV_F0@0 1LOAD0 1F0 1RECV_F1@0 1LOAD1 1F1 1B0 1SEND_B0@0 1B1 1SEND_B1@0"""
+
+
+def test_a_lowered_pair_cannot_wait_on_its_own_forward_output() -> None:
+    schedule = Schedule.from_text(_PAIR_WAITS_ON_ITSELF)
+    with pytest.raises(ScheduleValidationError, match="overlapped pair"):
+        validate(schedule)
+    with pytest.raises(ScheduleValidationError, match="waits forever"):
+        simulate(schedule)
+    compute_only = Schedule("pair", 2, (0, 1), schedule.compute_streams())
+    with pytest.raises(ScheduleValidationError):
+        validate(compute_only)
+
+
+def _runs(schedule: Schedule) -> bool:
+    try:
+        simulate(schedule)
+    except ScheduleValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (3, 6)])
+def test_validator_and_simulator_agree_on_what_a_pair_may_wait_for(p: int, m: int) -> None:
+    """Move each RECV of a lowered DualPipeV-with-pairs to every place in its rank: every
+    order the validator accepts, the simulator runs, and the lowering's own order is one."""
+    base = lower(dualpipev(p, m, overlap=True))
+    validate(base)
+    accepted = refused_by_pair = 0
+    for rank, stream in enumerate(base.streams):
+        recvs = [k for k, op in enumerate(stream) if op.kind is Kind.RECV_B]
+        for k in recvs:
+            for place in range(max(0, k - 6), min(len(stream), k + 7)):
+                ops = list(stream)
+                ops.insert(place, ops.pop(k))
+                streams = list(base.streams)
+                streams[rank] = tuple(ops)
+                mutant = base.replace_streams(tuple(streams))
+                try:
+                    validate(mutant)
+                except ScheduleValidationError as error:
+                    refused_by_pair += "overlapped pair" in str(error)
+                    continue
+                accepted += 1
+                assert _runs(mutant), f"validator accepts, simulator stalls:\n{mutant.format()}"
+    assert accepted and refused_by_pair  # both verdicts are exercised

@@ -110,8 +110,18 @@ class _Run:
             return [("G", s, i)]
         return []
 
+    def pair_of(self, rank: int, op: Instruction) -> Instruction | None:
+        """The OVERLAP_B that an F opens a pair with: the rank's next compute op."""
+        if op.kind is not Kind.F:
+            return None
+        later = [x for x in self.streams[rank][self.heads[rank] + 1:] if x.kind in COMPUTE]
+        return later[0] if later and later[0].kind is Kind.OVERLAP_B else None
+
     def run_local(self, rank: int, op: Instruction) -> None:
-        missing = [need for need in self.needs(rank, op) if need not in self.done]
+        # a pair is one op: its F starts only once the inputs of both are there
+        paired = self.pair_of(rank, op)
+        wanted = self.needs(rank, op) + (self.needs(rank, paired) if paired else [])
+        missing = [need for need in wanted if need not in self.done]
         if missing:
             raise Refused(f"{op} on rank {rank} before {missing}")
         kind, s, i = op.kind, op.stage, op.microbatch
@@ -190,6 +200,20 @@ def _compute_runs(streams: Sequence[Sequence[Instruction]], placement: Sequence[
             while heads[rank] < len(stream):
                 op = stream[heads[rank]]
                 s, i = op.stage, op.microbatch
+                later = [x for x in stream[heads[rank] + 1:] if x.kind in COMPUTE]
+                if op.kind is Kind.F and later and later[0].kind is Kind.OVERLAP_B:
+                    # a pair is one op: it waits for the inputs of both, then makes both
+                    pair = later[0]
+                    ready = (s == 0 or ("F", s - 1, i) in done) and ("F", pair.stage,
+                                                                      pair.microbatch) in done
+                    ready = ready and (pair.stage == last or ("G", pair.stage + 1,
+                                                              pair.microbatch) in done)
+                    if not ready:
+                        break
+                    done.update([("F", s, i), ("G", pair.stage, pair.microbatch)])
+                    heads[rank] += 1 + stream[heads[rank] + 1:].index(pair) + 1
+                    moved = True
+                    continue
                 if op.kind is Kind.F:
                     ready, made = s == 0 or ("F", s - 1, i) in done, [("F", s, i)]
                 elif op.kind is Kind.W:
@@ -353,3 +377,14 @@ def test_both_refuse_a_rank_without_step(check: str) -> None:
     streams[1] = [op for op in streams[1] if op.kind is not Kind.STEP]
     verdict = validator_verdict if check == "validator" else independent_verdict
     assert not verdict(streams, base.placement, 2)
+
+
+def test_both_refuse_a_pair_whose_backward_waits_on_its_own_forward() -> None:
+    # issue 34, item 4: B(0,0)'s gradient needs F(1,1), which needs the pair's F(0,1) output
+    text = ("rank 0: 0LOAD0 0F0 0SEND_F0@1 0LOAD1 0F1 0SEND_F1@1 0RECV_B0@1 0OVERLAP_B0 "
+            "0RECV_B1@1 0B1\n"
+            "rank 1: 1RECV_F0@0 1LOAD0 1F0 1RECV_F1@0 1LOAD1 1F1 1B0 1SEND_B0@0 1B1 1SEND_B1@0")
+    lowered = Schedule.from_text(text)
+    for streams in (lowered.streams, lowered.compute_streams()):
+        assert not independent_verdict(streams, (0, 1), 2)
+        assert not validator_verdict(streams, (0, 1), 2)

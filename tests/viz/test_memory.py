@@ -50,3 +50,16 @@ def test_bytes_when_known_and_svg(tmp_path: Path) -> None:
 def test_bytes_asked_for_but_unknown_is_an_error() -> None:
     with pytest.raises(ValueError, match="activation_bytes"):
         plot_memory(simulated("1f1b", 2, 2), quantity="bytes")
+
+
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(["zb-h1", "1f1b", "zb-v", "forward-only"]), p=st.integers(1, 4),
+       m=st.integers(1, 6), free=st.lists(st.booleans(), min_size=8, max_size=8))
+def test_curve_peaks_follow_the_stream_when_ops_take_no_time(name: str, p: int, m: int,
+                                                             free: list[bool]) -> None:
+    # issue 34: ops of zero cost start together, yet still run (and hold) in stream order
+    from schedules import CostModel, generate_schedule, simulate
+    schedule = generate_schedule(name, p, m)
+    cost = [0.0 if free[s % 8] else 1.0 for s in range(schedule.num_stages)]
+    timeline = simulate(schedule, CostModel(forward=cost, backward=cost, weight=cost))
+    assert [c.peak for c in in_flight(timeline)] == list(figures(timeline).peak_activations)
