@@ -1,0 +1,127 @@
+"""The engine's optimizer as torch users drive it, on pp2 × dp2, against one process running
+plain torch: parameter groups split by ``p.ndim`` (with and without ZeRO-1), torch's LR
+schedulers on `engine.optimizer`, and parameters unfrozen after the engine was built.
+
+One 4-process launch runs every case; each returns this rank's largest parameter error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline import PipelineEngine, PipelineModule, launch
+from pipeline.model.reference import build_reference, reference_forward
+from tests.support.pipeline_models import mlp_batch, mlp_layers
+
+pytestmark = pytest.mark.multiprocess
+
+TOLERANCE = 2e-5
+STEPS, BATCH, MICROBATCHES = 3, 16, 4
+
+
+def _grouped_adamw(params: Any) -> torch.optim.Optimizer:
+    """The usual split: weight decay on matrices, none on biases (by the shape the user
+    sees: under ZeRO-1 the shards are flat, so a split by shard shape puts all in one)."""
+    params = list(params)
+    return torch.optim.AdamW([
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.5},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=0.05)
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.05)
+
+
+def _step_lr(optimizer: Any) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def _named(model: nn.ModuleList) -> dict[tuple[int, str], nn.Parameter]:
+    return {(index, name): param for index, layer in enumerate(model)
+            for name, param in layer.named_parameters()}
+
+
+def _reference(factory: Callable[[Any], torch.optim.Optimizer], scheduler: Any
+               ) -> dict[tuple[int, str], torch.Tensor]:
+    """Plain torch, one process, the full batch: the optimizer holds every parameter."""
+    model = build_reference(mlp_layers())
+    named = _named(model)
+    optimizer = factory(list(model.parameters()))
+    schedule = scheduler(optimizer) if scheduler is not None else None
+    for step in range(STEPS):
+        inputs, targets = mlp_batch(step, BATCH)
+        optimizer.zero_grad()
+        F.mse_loss(reference_forward(model, inputs), targets).backward()
+        optimizer.step()
+        if schedule is not None:
+            schedule.step()
+    return {key: param.detach().clone() for key, param in named.items()}
+
+
+def _engine_run(factory: Callable[[Any], torch.optim.Optimizer], scheduler: Any,
+                zero_stage: int) -> dict[str, Any]:
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=F.mse_loss)
+    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=MICROBATCHES,
+                            optimizer=factory, data_parallel=2, zero_stage=zero_stage)
+    schedule = scheduler(engine.optimizer) if scheduler is not None else None
+    share = BATCH // 2
+    lo = engine.position.dp_rank * share
+    for step in range(STEPS):
+        inputs, targets = mlp_batch(step, BATCH)
+        engine.train_batch(inputs[lo:lo + share], targets[lo:lo + share])
+        if schedule is not None:
+            schedule.step()
+    engine.finish_param_gather()
+    expected = _reference(factory, scheduler)
+    error = max(float((param.detach() - expected[key]).abs().max())
+                for key, param in module.named_layer_parameters())
+    moved = max(float((param.detach() - _named(build_reference(mlp_layers()))[key]).abs().max())
+                for key, param in module.named_layer_parameters())
+    lrs = [group["lr"] for group in engine.optimizer.param_groups] \
+        if engine.optimizer is not None else []
+    return {"error": error, "moved": moved, "lrs": lrs}
+
+
+CASES: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], Any, int]] = {
+    "groups/zero1": (_grouped_adamw, None, 1),
+    "groups/zero0": (_grouped_adamw, None, 0),
+    "step_lr/zero1": (_adam, _step_lr, 1),
+    "step_lr/zero0": (_adam, _step_lr, 0),
+}
+
+
+def _four_ranks(names: list[str]) -> dict[str, dict[str, Any]]:
+    results = {}
+    for name in names:
+        factory, scheduler, zero_stage = CASES[name]
+        results[name] = _engine_run(factory, scheduler, zero_stage)
+    return results
+
+
+@pytest.fixture(scope="module")
+def per_rank() -> list[dict[str, dict[str, Any]]]:
+    return launch(_four_ranks, 4, list(CASES), timeout=60, join_timeout=240)
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name.startswith("groups/")])
+def test_parameter_groups_split_by_ndim_train_as_one_torch_process(
+        per_rank: list[dict[str, dict[str, Any]]], name: str) -> None:
+    for rank, results in enumerate(per_rank):
+        result = results[name]
+        assert result["moved"] > 1e-3, f"rank {rank}: nothing trained"
+        assert result["error"] < TOLERANCE, f"rank {rank} {name}: {result['error']:.3g}"
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name.startswith("step_lr/")])
+def test_step_lr_on_engine_optimizer_trains_as_one_torch_process(
+        per_rank: list[dict[str, dict[str, Any]]], name: str) -> None:
+    for rank, results in enumerate(per_rank):
+        result = results[name]
+        assert result["lrs"] == [0.05 * 0.5**STEPS], (rank, result["lrs"])
+        assert result["error"] < TOLERANCE, f"rank {rank} {name}: {result['error']:.3g}"
