@@ -29,7 +29,11 @@ from pipeline.runtime.batch import (
     join_microbatches,
 )
 from pipeline.runtime.batch_vote import agree_on_batch
-from pipeline.runtime.checks import check_engine_arguments
+from pipeline.runtime.checks import (
+    check_engine_arguments,
+    trainable_change_problem,
+    trainable_parameters,
+)
 from pipeline.runtime.comm import Comm
 from pipeline.runtime.config import EngineConfig
 from pipeline.runtime.finite import FiniteFlag, first_nonfinite, nonfinite_error
@@ -136,6 +140,9 @@ class PipelineEngine:
         self.training = setup_training(module, self.schedule.placement, topology, groups,
                                        parallel, optimizer, gradient_reducer, link=local)
         """Reducer, optimizer, tied-weight sync, loss scaler and STEP of this rank."""
+        self._trainable = trainable_parameters(module)
+        """What the buckets and the optimizer were built over: a training step refuses a
+        change (`trainable_change_problem`)."""
         pipeline_group = groups.pp_group if groups is not None else None
         self.gradient_reducer = self.training.reducer
         self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group,
@@ -313,7 +320,9 @@ class PipelineEngine:
         agreed = agree_on_batch(self.comm, self.pp_rank, m, inputs, targets, data_iter,
                                 training=training, first=self.is_first_stage(),
                                 last=self.is_last_stage(),
-                                varying=self.config.dynamic_shapes)
+                                varying=self.config.dynamic_shapes,
+                                refusal=trainable_change_problem(self._trainable, self.module)
+                                if training else None)
         self._shapes.begin_step(agreed.layout)
         return agreed.microbatches, agreed.targets
 

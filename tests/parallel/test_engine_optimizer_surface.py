@@ -1,6 +1,6 @@
 """The engine's optimizer as torch users drive it, on pp2 × dp2, against one process running
 plain torch: parameter groups split by ``p.ndim`` (with and without ZeRO-1), torch's LR
-schedulers on `engine.optimizer`, and parameters unfrozen after the engine was built.
+schedulers on `engine.optimizer`; and a parameter unfrozen after the engine was built, refused.
 
 One 4-process launch runs every case; each returns this rank's largest parameter error.
 """
@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline import PipelineEngine, PipelineModule, launch
+from pipeline import LayerSpec, PipelineConfigError, PipelineEngine, PipelineModule, launch
 from pipeline.model.reference import build_reference, reference_forward
-from tests.support.pipeline_models import mlp_batch, mlp_layers
+from tests.support.pipeline_models import WIDTH, mlp_batch, mlp_layers
 
 pytestmark = pytest.mark.multiprocess
 
@@ -96,22 +96,55 @@ CASES: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], Any, int]] = {
 }
 
 
-def _four_ranks(names: list[str]) -> dict[str, dict[str, Any]]:
-    results = {}
+class FrozenBiasLinear(nn.Linear):
+    """A layer built with its bias frozen (the user unfreezes it later)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, width)
+        self.bias.requires_grad_(False)
+
+
+def _unfreeze(zero_stage: int) -> dict[str, Any]:
+    """Step 0 with layer 0's bias frozen, then `requires_grad_(True)` on it: the engine's
+    buckets and optimizer were built without it, so the step is refused on every rank."""
+    layers = mlp_layers()
+    layers[0] = LayerSpec(FrozenBiasLinear, WIDTH)
+    module = PipelineModule(layers, num_stages=2, loss_fn=F.mse_loss)
+    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=MICROBATCHES,
+                            optimizer=_adam, data_parallel=2, zero_stage=zero_stage)
+    inputs, targets = mlp_batch(0, BATCH // 2)
+    engine.train_batch(inputs, targets)
+    for (layer, name), param in module.named_layer_parameters():
+        if (layer, name) == (0, "bias"):
+            param.requires_grad_(True)
+    before = {key: p.detach().clone() for key, p in module.named_layer_parameters()}
+    try:
+        engine.train_batch(inputs, targets)
+    except PipelineConfigError as error:
+        message = str(error)
+    else:
+        message = ""
+    unchanged = all(torch.equal(p, before[key]) for key, p in module.named_layer_parameters())
+    return {"message": message, "unchanged": unchanged, "first": engine.is_first_stage()}
+
+
+def _four_ranks(names: list[str]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
     for name in names:
         factory, scheduler, zero_stage = CASES[name]
         results[name] = _engine_run(factory, scheduler, zero_stage)
+    results["unfreeze"] = [_unfreeze(zero_stage) for zero_stage in (0, 1)]
     return results
 
 
 @pytest.fixture(scope="module")
-def per_rank() -> list[dict[str, dict[str, Any]]]:
+def per_rank() -> list[dict[str, Any]]:
     return launch(_four_ranks, 4, list(CASES), timeout=60, join_timeout=240)
 
 
 @pytest.mark.parametrize("name", [name for name in CASES if name.startswith("groups/")])
 def test_parameter_groups_split_by_ndim_train_as_one_torch_process(
-        per_rank: list[dict[str, dict[str, Any]]], name: str) -> None:
+        per_rank: list[dict[str, Any]], name: str) -> None:
     for rank, results in enumerate(per_rank):
         result = results[name]
         assert result["moved"] > 1e-3, f"rank {rank}: nothing trained"
@@ -120,8 +153,22 @@ def test_parameter_groups_split_by_ndim_train_as_one_torch_process(
 
 @pytest.mark.parametrize("name", [name for name in CASES if name.startswith("step_lr/")])
 def test_step_lr_on_engine_optimizer_trains_as_one_torch_process(
-        per_rank: list[dict[str, dict[str, Any]]], name: str) -> None:
+        per_rank: list[dict[str, Any]], name: str) -> None:
     for rank, results in enumerate(per_rank):
         result = results[name]
         assert result["lrs"] == [0.05 * 0.5**STEPS], (rank, result["lrs"])
         assert result["error"] < TOLERANCE, f"rank {rank} {name}: {result['error']:.3g}"
+
+
+def test_parameter_unfrozen_after_the_engine_was_built_is_refused_on_every_rank(
+        per_rank: list[dict[str, Any]]) -> None:
+    """Regression: `requires_grad_(True)` after step 1 was accepted and the parameter never
+    trained (torch trains it when the optimizer holds every parameter)."""
+    for rank, results in enumerate(per_rank):
+        for zero_stage, result in enumerate(results["unfreeze"]):
+            assert result["unchanged"], (rank, zero_stage)
+            if result["first"]:
+                assert "requires_grad changed after the engine was built (layer 0 'bias' " \
+                       "unfrozen)" in result["message"], (rank, zero_stage, result["message"])
+            else:
+                assert "refused the batch" in result["message"], (rank, result["message"])
