@@ -11,6 +11,7 @@ copies. Both are found here, from the layer list, before any rank builds its sta
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,7 +57,11 @@ _FACTORY_FIX = ("its factory returns (or builds from) a module that already exis
 def _name(layer: Any) -> str:
     if isinstance(layer, LayerSpec):
         return repr(layer)
-    return getattr(layer, "__qualname__", type(layer).__name__)
+    if isinstance(layer, types.FunctionType | types.MethodType | types.BuiltinFunctionType
+                  | type):
+        return str(layer.__qualname__)
+    # an object's own __getattr__ may raise anything (a config's KeyError) for __qualname__
+    return type(layer).__qualname__
 
 
 def _found_in(layer: Any) -> tuple[list[tuple[str, Hidden]], str]:

@@ -12,7 +12,6 @@ from torch import nn
 
 from pipeline import LayerSpec, PipelineEngine, PipelineModule
 from pipeline.errors import PipelineConfigError, PipelineError
-from pipeline.runtime.loss_probe import summed_loss_problem
 from pipeline.model.reference import build_reference, reference_forward
 from pipeline.runtime.loss_normalization import (
     IGNORE_INDEX,
@@ -21,6 +20,7 @@ from pipeline.runtime.loss_normalization import (
     normalized_train_batch,
     token_cross_entropy,
 )
+from pipeline.runtime.loss_probe import summed_loss_problem
 from tests.support.equivalence import gathered_weights
 from tests.support.rank_harness import run_ranks
 
