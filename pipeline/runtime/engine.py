@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import socket
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -140,6 +141,8 @@ class PipelineEngine:
         self.training = setup_training(module, self.schedule.placement, topology, groups,
                                        parallel, optimizer, gradient_reducer, link=local)
         """Reducer, optimizer, tied-weight sync, loss scaler and STEP of this rank."""
+        self._warn_no_optimizer = optimizer is None and self.rank == 0
+        """train_batch without an optimizer computes gradients only: said once, by rank 0."""
         self._trainable = trainable_parameters(module)
         """What the buckets and the optimizer were built over: a training step refuses a
         change (`trainable_change_problem`)."""
@@ -260,6 +263,12 @@ class PipelineEngine:
                                       "PipelineModule(layers, num_stages, loss_fn=...) "
                                       "(eval_batch runs without one)")
         self._check_reduction()
+        if self._warn_no_optimizer:
+            self._warn_no_optimizer = False
+            warnings.warn("train_batch without an optimizer: the step computes and reduces "
+                          "gradients (engine.reduced_gradients()) but never updates the "
+                          "weights; pass PipelineEngine(..., optimizer=lambda params: "
+                          "torch.optim.SGD(params, lr=0.1)) to train", stacklevel=2)
         if is_summed(self.module.loss_fn):
             loss: float = run_normalized(self, self._train_step, inputs, targets, data_iter)
             return loss

@@ -7,6 +7,7 @@ One 4-process launch runs every case; each returns this rank's largest parameter
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -128,12 +129,26 @@ def _unfreeze(zero_stage: int) -> dict[str, Any]:
     return {"message": message, "unchanged": unchanged, "first": engine.is_first_stage()}
 
 
+def _without_optimizer() -> list[str]:
+    """Two train_batch calls with no optimizer: what they warned on this rank."""
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=F.mse_loss)
+    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=MICROBATCHES,
+                            data_parallel=2)
+    inputs, targets = mlp_batch(0, BATCH // 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            engine.train_batch(inputs, targets)
+    return [str(warning.message) for warning in caught]
+
+
 def _four_ranks(names: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in names:
         factory, scheduler, zero_stage = CASES[name]
         results[name] = _engine_run(factory, scheduler, zero_stage)
     results["unfreeze"] = [_unfreeze(zero_stage) for zero_stage in (0, 1)]
+    results["no_optimizer"] = _without_optimizer()
     return results
 
 
@@ -172,3 +187,10 @@ def test_parameter_unfrozen_after_the_engine_was_built_is_refused_on_every_rank(
                        "unfrozen)" in result["message"], (rank, zero_stage, result["message"])
             else:
                 assert "refused the batch" in result["message"], (rank, result["message"])
+
+
+def test_train_batch_without_an_optimizer_says_so_once(per_rank: list[dict[str, Any]]) -> None:
+    """Regression: train_batch with no optimizer silently never updated the weights."""
+    said = [[m for m in results["no_optimizer"] if "never updates the weights" in m]
+            for results in per_rank]
+    assert [len(messages) for messages in said] == [1, 0, 0, 0], said
