@@ -164,9 +164,11 @@ def find_shared_groups(layers: Sequence[Any]) -> list[SharedGroup]:
 
 def shared_layer_problems(groups: Sequence[SharedGroup]) -> list[str]:
     """One line per group of layers whose sharing a pipeline would silently break."""
-    return [f"layers {g.positions} share weights ({'; '.join(g.links)}): each pipeline stage "
-            "would train its own copy and the tie would be lost; list them as "
-            "TiedLayerSpec(key, factory, forward_fn=...) occurrences, or pass "
+    # wherever the partition puts them (one stage or several): positions own their weights
+    return [f"layers {g.positions} share weights ({'; '.join(g.links)}): a pipeline owns each "
+            "layer position's weights (per stage, on its rank), so one module at several "
+            "positions is a weight tie it must keep, which it does for tied layers only; list "
+            "them as TiedLayerSpec(key, factory, forward_fn=...) occurrences, or pass "
             "PipelineModule(..., tie_shared=True) to tie them as they are"
             for g in groups]
 

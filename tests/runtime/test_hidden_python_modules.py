@@ -110,3 +110,14 @@ def test_layer_whose_getattr_raises_key_error_is_refused_by_name() -> None:
     """Regression: the checker crashed with a bare KeyError: '__qualname__'."""
     with pytest.raises(PipelineConfigError, match=r"layer 1 \(_Config\) reaches LayerNorm"):
         PipelineModule([nn.Linear(4, 4), _Config(), nn.Linear(4, 4)], num_stages=2)
+
+
+def test_module_twice_inside_one_stage_is_refused_without_blaming_stages() -> None:
+    """Regression: the refusal said "each pipeline stage would train its own copy" for two
+    positions of one stage (num_stages=1: there is one stage)."""
+    block = nn.Linear(4, 4)
+    with pytest.raises(PipelineConfigError) as info:
+        PipelineModule([block, torch.tanh, block], num_stages=1)
+    message = str(info.value)
+    assert "layers [0, 2] share weights" in message and "tie_shared=True" in message
+    assert "each pipeline stage would train its own copy" not in message
