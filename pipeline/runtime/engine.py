@@ -18,7 +18,7 @@ from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, 
 from pipeline.device import default_device, synchronize
 from pipeline.errors import NonFiniteError, PipelineConfigError, PipelineStepError
 from pipeline.model.module import PipelineModule
-from pipeline.parallel.data_parallel import GradReducer
+from pipeline.parallel.data_parallel import GradReducer, broadcast_buffers
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
 from pipeline.parallel.local_p2p import open_local_link
 from pipeline.parallel.optimizer import OptimizerFactory
@@ -343,8 +343,12 @@ class PipelineEngine:
         m = schedule.num_microbatches
         self.progress.enter(f"{'train' if training else 'eval'}_batch of step "
                             f"{self.global_step + 1}", collective=True)
-        # 1. This rank's microbatches; every rank agrees the batch is usable.
+        # 1. This rank's microbatches; every rank agrees the batch is usable. The replicas
+        #    take dp rank 0's buffers (DDP's broadcast_buffers).
         microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
+        if self.config.parallel.broadcast_buffers and self.topology.dp > 1 \
+                and self.groups is not None:
+            broadcast_buffers(list(self.module.buffers()), self.groups.dp_group)
         # 2. Run this rank's stream.
         # the key an F's layers seed their dropout streams from (`pipeline.model.layer_rng`)
         state = StepState(microbatches, split_targets, training, step=self.global_step,
