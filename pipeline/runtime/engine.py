@@ -201,8 +201,9 @@ class PipelineEngine:
 
     @property
     def optimizer(self) -> RankOptimizer | None:
-        """A torch optimizer, or the `ShardedOptimizer` under ZeRO-1 (None: nothing to step);
-        STEP steps whatever is set here."""
+        """A torch optimizer, or the `ShardedOptimizer` under ZeRO-1 (a torch optimizer too,
+        holding the factory's groups: torch's LR schedulers take either); None: nothing to
+        step. STEP steps whatever is set here."""
         return self.training.optimizer
 
     @optimizer.setter
