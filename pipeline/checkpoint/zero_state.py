@@ -10,7 +10,8 @@ regions' parameters are recomputed here from the same `params_by_stage` the opti
 with, and checked against the live object (master shapes, each parameter's offset in its flat
 buffer) so a change in `pipeline.parallel.zero` fails loudly instead of scrambling the state. A
 saved piece is the overlap of one parameter's element range with one bucket's piece of this
-rank's shard; loading under another d (or from a checkpoint cut by the earlier one-range-per-
+rank's shard (the inner optimizer steps exactly these pieces, `pipeline.parallel.zero_groups`);
+loading under another d (or from a checkpoint cut by the earlier one-range-per-
 rank layout: the pieces do not depend on the layout) re-slices those pieces.
 """
 
@@ -62,7 +63,7 @@ def zero_layout(sharded: ShardedOptimizer,
         f"its regions are {sorted(layouts)}, the layout's {sorted(entries_by_stage)}"]
     regions = [ZeroRegion(entries, layouts[stage])
                for stage, (entries, _) in entries_by_stage.items() if stage in layouts]
-    masters = [tuple(m.shape) for m in _masters(sharded)]
+    masters = [tuple(m.shape) for m in sharded.masters()]
     shapes = [(r.layout.num_buckets, r.layout.piece) for r in regions]
     problems += [] if masters == shapes else [
         f"its master shards have shapes {masters}, the layout {shapes}"]
@@ -83,10 +84,6 @@ def zero_layout(sharded: ShardedOptimizer,
     return regions
 
 
-def _masters(sharded: ShardedOptimizer) -> list[torch.Tensor]:
-    return [p for group in sharded.optimizer.param_groups for p in group["params"]]
-
-
 def _overlaps(region: ZeroRegion, dp_rank: int) -> list[_Overlap]:
     """Where this rank's shard meets each parameter, one entry per bucket it meets."""
     return [(key, param, own, b, row) for key, param, offset in region.params
@@ -96,16 +93,17 @@ def _overlaps(region: ZeroRegion, dp_rank: int) -> list[_Overlap]:
 def export_zero(sharded: ShardedOptimizer, regions: Sequence[ZeroRegion]) -> list[dict[str, Any]]:
     """This rank's pieces: per parameter and bucket its shard range, master values and state."""
     sharded.finish_param_gather()
+    tensors = sharded.piece_tensors()
     pieces = []
-    for region, master in zip(regions, _masters(sharded)):
-        state = sharded.optimizer.state.get(master, {})
-        per_element = {n: v for n, v in state.items()
-                       if isinstance(v, torch.Tensor) and v.shape == master.shape
-                       and v.dim() > 0}
-        whole = {n: v for n, v in state.items() if n not in per_element}
+    for region, master in zip(regions, sharded.masters()):
         for key, param, own, b, row in _overlaps(region, sharded.dp_rank):
-            pieces.append(make_piece(key, param.shape, own.start, own.stop,
-                                     {n: v[b, row] for n, v in per_element.items()},
+            tensor = tensors[(id(param), b)]
+            state = sharded.optimizer.state.get(tensor, {})
+            per_element = {n: v for n, v in state.items()
+                           if isinstance(v, torch.Tensor) and v.shape == tensor.shape
+                           and v.dim() > 0}
+            whole = {n: v for n, v in state.items() if n not in per_element}
+            pieces.append(make_piece(key, param.shape, own.start, own.stop, per_element,
                                      whole, master=master.detach()[b, row]))
     return pieces
 
@@ -131,10 +129,12 @@ def import_zero(sharded: ShardedOptimizer, regions: Sequence[ZeroRegion],
     carry (a checkpoint from a plain optimizer) is taken from them in fp32.
     """
     sharded.finish_param_gather()
+    tensors = sharded.piece_tensors()
+    # torch's state_dict numbers the tensors of the inner optimizer's groups in order
+    index_of = {id(p): i for i, p in enumerate(
+        p for group in sharded.optimizer.param_groups for p in group["params"])}
     loaded: dict[int, dict[str, Any]] = {}
-    for index, (region, master) in enumerate(zip(regions, _masters(sharded))):
-        values: dict[str, torch.Tensor] = {}
-        whole: dict[str, Any] = {}
+    for region, master in zip(regions, sharded.masters()):
         for key, param, own, b, row in _overlaps(region, sharded.dp_rank):
             entry = state.get(key)
             mine = own if entry is None else slice(own.start - entry.start,
@@ -143,15 +143,14 @@ def import_zero(sharded: ShardedOptimizer, regions: Sequence[ZeroRegion],
             with torch.no_grad():
                 master[b, row] = (param.detach().reshape(-1)[own] if source is None
                                   else source).to(master.dtype)
-            if entry is None:
+            index = index_of.get(id(tensors[(id(param), b)]))
+            if entry is None or index is None:
                 continue
-            for name, flat in entry.sliced.items():
-                values.setdefault(name, torch.zeros(master.shape, dtype=flat.dtype))[b, row] \
-                    = flat[mine]
-            for name, value in entry.whole.items():
-                whole.setdefault(name, value)
-        if values or whole:
-            loaded[index] = {**values, **whole}
+            # each piece its own copy: torch keeps a loaded 'step' tensor as given, and a
+            # tensor shared by pieces would count one step per piece
+            loaded[index] = {**{name: flat[mine].clone() for name, flat in entry.sliced.items()},
+                             **{name: value.clone() if isinstance(value, torch.Tensor) else value
+                                for name, value in entry.whole.items()}}
     groups = sharded.optimizer.state_dict()["param_groups"]
     if hyper and len(hyper) == len(groups):
         groups = [{**saved, "params": group["params"]} for saved, group in zip(hyper, groups)]

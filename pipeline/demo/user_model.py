@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,6 +55,10 @@ def _import(module: str) -> Any:
         sys.modules.setdefault(path.stem, loaded)
         spec.loader.exec_module(loaded)
         return loaded
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        # `python -m` would import from here; the `pipesched` console script's path lacks it,
+        # and the message below tells the user to run from the module's directory
+        sys.path.append(os.getcwd())
     try:
         return importlib.import_module(module)
     except ImportError as error:

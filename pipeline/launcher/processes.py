@@ -368,7 +368,8 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     interrupted = payload[0] == "error" and payload[1].kind == "interrupted"
     if payload[0] == "error" and payload[1].kind in ("error", "exit"):
         report_failure(rank, payload[1].instruction, payload[1].message)  # stops the others
-    if payload[0] == "error" and not interrupted and not quiet:
+    if payload[0] == "error" and not interrupted and not quiet \
+            and not _is_config_mistake(payload[1].message):
         print(f"[pipesched] rank {rank}: {payload[1].traceback or payload[1].message}",
               file=sys.stderr, flush=True)
     if watchdog is not None:
@@ -443,7 +444,13 @@ def _stopped(workdir: str, rank: int, record: FailureRecord, quiet: bool) -> Non
     write_result(workdir, rank, ("error", RankReport(
         "stopped", f"stopped because {record.describe()}", time.time(),
         caused_by=record.rank)))
-    if not quiet:
+    if not quiet and not _is_config_mistake(record.message):
         print(f"[pipesched] rank {rank} stopping: {record.describe()}", file=sys.stderr,
               flush=True)
     os._exit(EXIT_PEER_FAILED)  # the main thread may be blocked in a receive forever
+
+
+def _is_config_mistake(message: str) -> bool:
+    """A `PipelineConfigError` (the same mistake on every rank, e.g. a typo'd schedule): the
+    error `launch` raises says it once, so no rank prints it (once per rank, 4-8 times)."""
+    return message.startswith(f"{PipelineConfigError.__name__}: ")

@@ -2,18 +2,22 @@
 
 A pipeline hands each stage's ``parameters()`` to its optimizer, so a weight a layer uses
 without registering it is never trained (and, built on another rank, is a separate copy).
-Such weights hide in a plain callable's closures, defaults, globals (and the attributes of
-imported modules its code names), bound ``self``, partials, the attributes or ``__slots__``
-of a callable object and of its class; and in a module layer's class attributes or plain
-(unregistered) attributes. Containers are followed to any depth; only hops from one
-function into the functions it names are bounded (`MAX_CALL_HOPS`), since those lead into
-libraries. A walk that meets more than `MAX_OBJECTS` objects stops with `WalkTooLarge`
-rather than passing a layer it has not checked.
+Such weights hide in a plain callable's closures, defaults, globals, bound ``self``,
+partials, the attributes or ``__slots__`` of a callable object and of its class; and in a
+module layer's class attributes or plain (unregistered) attributes. Wherever the walk meets a
+Python module (a global, a closure variable after ``import mylib`` in a builder, a local
+``types.ModuleType``, an instance attribute, ``importlib.import_module("mylib")`` of a loaded
+module in the code) it follows the module's attributes that the code it walked names.
+Containers are followed to any depth; only hops from one function into the functions it
+names are bounded (`MAX_CALL_HOPS`), since those lead into libraries. A walk that meets
+more than `MAX_OBJECTS` objects stops with `WalkTooLarge` rather than passing a layer it has
+not checked.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -56,6 +60,32 @@ def _code_names(code: types.CodeType) -> Iterator[str]:
             yield from _code_names(const)
 
 
+def _code_strings(code: types.CodeType) -> Iterator[str]:
+    """String constants of a function's code (and the code defined inside it)."""
+    for const in code.co_consts:
+        if isinstance(const, str):
+            yield const
+        elif isinstance(const, types.CodeType):
+            yield from _code_strings(const)
+
+
+def _call_function(cls: type) -> Any:
+    """The `__call__` a class's instances run (None for a builtin or inherited from object)."""
+    return next((vars(klass)["__call__"] for klass in cls.__mro__
+                 if "__call__" in vars(klass)), None)
+
+
+def _read_names(fn: Any) -> frozenset[str]:
+    """The names a callable's code reads (a function, a bound method, or an object's
+    `__call__`): which attributes of the modules it reaches it can use."""
+    if isinstance(fn, types.MethodType):
+        fn = fn.__func__
+    if not isinstance(fn, types.FunctionType):
+        fn = _call_function(type(fn))
+    return frozenset(_code_names(fn.__code__)) if isinstance(fn, types.FunctionType) \
+        else frozenset()
+
+
 def _module_attributes(module: types.ModuleType, names: frozenset[str], path: str,
                        depth: int = 0) -> Iterator[tuple[str, Any]]:
     """The attributes of an imported module that a function's code names (``mod.norm``),
@@ -75,8 +105,13 @@ def _slots(obj: Any) -> Iterator[tuple[str, Any]]:
     for cls in type(obj).__mro__:
         slots = vars(cls).get("__slots__", ())
         for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
-                yield f"slot {name!r}", getattr(obj, name)
+            if name in ("__dict__", "__weakref__"):
+                continue
+            try:  # an unset slot, read through the object's own __getattr__: anything
+                value = getattr(obj, name)
+            except Exception:
+                continue
+            yield f"slot {name!r}", value
 
 
 def _class_attributes(cls: type) -> Iterator[tuple[str, Any]]:
@@ -124,6 +159,10 @@ def _references(fn: Any) -> Iterator[tuple[str, Any]]:
                 yield from _module_attributes(value, read, f"global {name!r}")
             else:
                 yield f"global {name!r}", value
+        if read & {"import_module", "__import__"}:  # importlib.import_module("mylib")
+            for name in sorted(set(_code_strings(fn.__code__))):
+                if isinstance(sys.modules.get(name), types.ModuleType):
+                    yield f"imported module {name!r}", sys.modules[name]
         return
     if isinstance(fn, type | types.BuiltinFunctionType | types.ModuleType):
         return
@@ -132,10 +171,9 @@ def _references(fn: Any) -> Iterator[tuple[str, Any]]:
         if hasattr(fn, "__dict__") else iter(())
     yield from _slots(fn)
     yield from _class_attributes(type(fn))
-    call = next((vars(klass)["__call__"] for klass in type(fn).__mro__
-                 if "__call__" in vars(klass)), None)
+    call = _call_function(type(fn))
     if isinstance(call, types.FunctionType):
-        yield "its __call__", call
+        yield "__call__", call
 
 
 class _Walk:
@@ -145,6 +183,19 @@ class _Walk:
         self.found: list[tuple[str, Hidden]] = []
         self.seen: set[int] = set(registered)
         self.visited = 0
+        self.names: set[str] = set()
+        """Names the code walked so far reads: the attributes of a module it may use."""
+        self.modules: list[tuple[types.ModuleType, str, int]] = []
+        """Python modules met (with path and hops), followed once every name is known."""
+
+    def finish(self) -> list[tuple[str, Hidden]]:
+        """Follow the Python modules met into the attributes the walked code names; what
+        was found."""
+        while self.modules:
+            module, path, hops = self.modules.pop()
+            for how, value in _module_attributes(module, frozenset(self.names), path):
+                self.visit(value, how, hops)
+        return self.found
 
     def visit(self, obj: Any, path: str, hops: int) -> None:
         if isinstance(obj, _ATOMS) or id(obj) in self.seen:
@@ -165,9 +216,12 @@ class _Walk:
         elif isinstance(obj, dict):
             for key, item in obj.items():
                 self.visit(item, f"{path}[{key!r}]", hops)
-        elif isinstance(obj, type | types.ModuleType):
-            return  # a class is code; a module only through the names a function reads
+        elif isinstance(obj, types.ModuleType):
+            self.modules.append((obj, path, hops))  # through the names code reads: at finish
+        elif isinstance(obj, type):
+            return  # a class is code
         elif callable(obj):
+            self.names |= _read_names(obj)
             if hops < MAX_CALL_HOPS:
                 for how, ref in _references(obj):
                     self.visit(ref, f"{path} -> {how}", hops + 1)
@@ -183,9 +237,10 @@ def find_hidden_modules(fn: Any) -> list[tuple[str, Hidden]]:
     each, e.g. ``("closure variable 'norm'", LayerNorm(...))``. Raises `WalkTooLarge`."""
     walk = _Walk()
     walk.seen.add(id(fn))
+    walk.names |= _read_names(fn)
     for how, ref in _references(fn):
         walk.visit(ref, how, 1)
-    return walk.found
+    return walk.finish()
 
 
 def find_hidden_in_values(named: Iterable[tuple[str, Any]]) -> list[tuple[str, Hidden]]:
@@ -194,16 +249,17 @@ def find_hidden_in_values(named: Iterable[tuple[str, Any]]) -> list[tuple[str, H
     walk = _Walk()
     for how, value in named:
         walk.visit(value, how, 1)
-    return walk.found
+    return walk.finish()
 
 
 def find_hidden_in_class(cls: type) -> list[tuple[str, Hidden]]:
     """Trainable modules and tensors held as class attributes of `cls` (a layer's class):
     shared by every instance and registered by none."""
     walk = _Walk()
+    walk.names |= _read_names(getattr(cls, "forward", None))
     for how, value in _class_attributes(cls):
         walk.visit(value, how, 1)
-    return walk.found
+    return walk.finish()
 
 
 def find_hidden_in_module(layer: nn.Module) -> list[tuple[str, Hidden]]:
@@ -218,9 +274,10 @@ def find_hidden_in_module(layer: nn.Module) -> list[tuple[str, Hidden]]:
         prefix = f"{name}." if name else ""
         if type(module) not in classes:
             classes.add(type(module))
+            walk.names |= _read_names(getattr(type(module), "forward", None))
             for how, value in _class_attributes(type(module)):
                 walk.visit(value, how, 1)
         for attribute, value in vars(module).items():
             if attribute not in _MODULE_INTERNALS:
                 walk.visit(value, f"attribute {prefix}{attribute}", 1)
-    return walk.found
+    return walk.finish()

@@ -11,6 +11,7 @@ copies. Both are found here, from the layer list, before any rank builds its sta
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,7 +57,11 @@ _FACTORY_FIX = ("its factory returns (or builds from) a module that already exis
 def _name(layer: Any) -> str:
     if isinstance(layer, LayerSpec):
         return repr(layer)
-    return getattr(layer, "__qualname__", type(layer).__name__)
+    if isinstance(layer, types.FunctionType | types.MethodType | types.BuiltinFunctionType
+                  | type):
+        return str(layer.__qualname__)
+    # an object's own __getattr__ may raise anything (a config's KeyError) for __qualname__
+    return type(layer).__qualname__
 
 
 def _found_in(layer: Any) -> tuple[list[tuple[str, Hidden]], str]:
@@ -159,9 +164,11 @@ def find_shared_groups(layers: Sequence[Any]) -> list[SharedGroup]:
 
 def shared_layer_problems(groups: Sequence[SharedGroup]) -> list[str]:
     """One line per group of layers whose sharing a pipeline would silently break."""
-    return [f"layers {g.positions} share weights ({'; '.join(g.links)}): each pipeline stage "
-            "would train its own copy and the tie would be lost; list them as "
-            "TiedLayerSpec(key, factory, forward_fn=...) occurrences, or pass "
+    # wherever the partition puts them (one stage or several): positions own their weights
+    return [f"layers {g.positions} share weights ({'; '.join(g.links)}): a pipeline owns each "
+            "layer position's weights (per stage, on its rank), so one module at several "
+            "positions is a weight tie it must keep, which it does for tied layers only; list "
+            "them as TiedLayerSpec(key, factory, forward_fn=...) occurrences, or pass "
             "PipelineModule(..., tie_shared=True) to tie them as they are"
             for g in groups]
 

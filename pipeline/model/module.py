@@ -28,7 +28,12 @@ from pipeline.model.layer_rng import (
 )
 from pipeline.model.layers import Layer, build_layer, check_tied_specs, normalize_layers
 from pipeline.model.partitioning import PartitionMethod, stage_boundaries
-from pipeline.model.recompute import RecomputeMode, RecomputePolicy, selective_recompute
+from pipeline.model.recompute import (
+    ForwardOnce,
+    RecomputeMode,
+    RecomputePolicy,
+    selective_recompute,
+)
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.groups import ProcessGroups
 from schedules.ir.schedule import count_problem
@@ -93,7 +98,8 @@ class Stage(nn.Module):
             return self._run(tail, x, key)
         for start in range(0, count, policy.interval):
             segment = head[start:start + policy.interval]
-            x = checkpoint(self._run, segment, x, key, use_reentrant=False)
+            x = checkpoint(ForwardOnce(self._run, [layer for _, layer in segment]), segment,
+                           x, key, use_reentrant=False)
         return self._run(tail, x, key)
 
     def _run(self, layers: Sequence[tuple[int, nn.Module]], x: Any, key: ForwardKey | None

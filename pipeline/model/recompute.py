@@ -12,18 +12,20 @@ stage only, so memory can be traded for time in steps of one layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.errors import PipelineConfigError
 
-__all__ = ["RecomputeMode", "RecomputePolicy", "recompute_region", "selective_recompute"]
+__all__ = ["ForwardOnce", "RecomputeMode", "RecomputePolicy", "recompute_region",
+           "selective_recompute"]
 
 RecomputeMode = Literal["none", "selective", "full"]
 """none: keep every activation; selective: recompute the regions layers mark
@@ -95,6 +97,31 @@ def selective_recompute(enabled: bool) -> Iterator[None]:
         _SELECTIVE.reset(token)
 
 
+class ForwardOnce(Generic[_T]):
+    """`fn` whose later calls (torch's checkpoint recomputing it during the backward) leave
+    the buffers of `modules` as they were: BatchNorm's running statistics (and any buffer a
+    forward updates) count each microbatch once, as without recomputation. torch's own
+    checkpoint updates them again in the recompute."""
+
+    def __init__(self, fn: Callable[..., _T], modules: Sequence[nn.Module]) -> None:
+        self.fn = fn
+        self.modules = modules
+        self.called = False
+
+    def __call__(self, *args: Any) -> _T:
+        if not self.called:
+            self.called = True
+            return self.fn(*args)
+        saved = [(buffer, buffer.clone()) for module in self.modules
+                 for buffer in module.buffers()]
+        try:
+            return self.fn(*args)
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
+
 def recompute_region(fn: Callable[..., _T], *args: Any) -> _T:
     """``fn(*args)``, the part of a layer selective recomputation drops: under a stage whose
     policy selects this layer (and while gradients are recorded), only `args` are kept and
@@ -106,5 +133,7 @@ def recompute_region(fn: Callable[..., _T], *args: Any) -> _T:
     if not _SELECTIVE.get() or not torch.is_grad_enabled():
         return fn(*args)
     # the recompute runs outside this context: nested regions inside fn run plainly then
+    owner = getattr(fn, "__self__", None)  # a bound method of a module: keep its buffers
+    modules = [owner] if isinstance(owner, nn.Module) else []
     with selective_recompute(False):
-        return checkpoint(fn, *args, use_reentrant=False)
+        return checkpoint(ForwardOnce(fn, modules), *args, use_reentrant=False)

@@ -125,6 +125,13 @@ class ParallelConfig:
     the pieces other ranks own until the next forward or `PipelineEngine.finish_param_gather`
     (the engine's checkpoints and forwards complete the gathers themselves; a caller reading
     `module.parameters()` directly must call it)."""
+    broadcast_buffers: bool = True
+    """dp > 1: at the start of every step (train and eval) copy dp rank 0's module buffers
+    (BatchNorm's running statistics) to every replica, as DDP's ``broadcast_buffers`` does
+    before each forward, so the replicas evaluate alike; False lets each replica keep the
+    statistics of its own data. Once per step, not per microbatch: within a step each replica
+    updates its buffers from its own microbatches (equal to DDP's for modules whose training
+    forward does not read the buffers it updates, as BatchNorm's)."""
     gradient_clipping: float | None = None
     """Clip gradients to this global norm over every rank (None: no clipping)."""
     bucket_mb: float = DEFAULT_BUCKET_MB
@@ -151,6 +158,8 @@ class ParallelConfig:
             None if isinstance(self.overlap_grad_reduce, bool) else
             f"overlap_grad_reduce must be True or False, got {self.overlap_grad_reduce!r}",
             _overlap_param_gather_problem(self.overlap_param_gather, self.zero_stage),
+            None if isinstance(self.broadcast_buffers, bool) else
+            f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}",
         ]
         zero = _zero_stage_problem(self.zero_stage)
         found = [problem for problem in (*problems, zero) if problem is not None]

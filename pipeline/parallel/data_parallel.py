@@ -19,6 +19,7 @@ __all__ = [
     "GradReducer",
     "NoOpGradReducer",
     "OverlappingReducer",
+    "broadcast_buffers",
     "broadcast_parameters",
     "make_grad_reducer",
     "split_into_buckets",
@@ -222,3 +223,22 @@ def broadcast_parameters(params: Sequence[torch.nn.Parameter], group: ProcessGro
     with torch.no_grad():
         for param in params:
             dist.broadcast(param.data, src=source, group=group)
+
+
+def broadcast_buffers(buffers: Sequence[torch.Tensor], group: ProcessGroup | None) -> None:
+    """Copy dp rank 0's buffers to every replica (collective over `group`): DDP's
+    ``broadcast_buffers``. One broadcast per dtype, of the buffers laid end to end."""
+    if dist.get_world_size(group) == 1 or not buffers:
+        return
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in buffers:
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = torch.cat([buffer.reshape(-1) for buffer in same])
+            dist.broadcast(flat, src=source, group=group)
+            offset = 0
+            for buffer in same:
+                buffer.copy_(flat[offset:offset + buffer.numel()].view_as(buffer))
+                offset += buffer.numel()

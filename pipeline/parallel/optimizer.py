@@ -11,8 +11,9 @@ __all__ = ["OptimizerFactory", "build_optimizer", "check_optimizer_parameters",
            "make_optimizer"]
 
 OptimizerFactory = Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer]
-"""``lambda params: torch.optim.SGD(params, lr=0.1)``: called once with this rank's parameters
-(under ZeRO-1, with the fp32 shard tensors of this rank's part of them)."""
+"""``lambda params: torch.optim.SGD(params, lr=0.1)``: called once with this rank's parameters,
+which it may split into groups (``[{"params": [p for p in params if p.ndim > 1], ...}]``);
+under ZeRO-1 too (each group then steps its parameters' pieces of this rank's shard)."""
 
 
 def make_optimizer(optimizer: OptimizerFactory | torch.optim.Optimizer | None,

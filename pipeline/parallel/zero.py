@@ -23,9 +23,10 @@ blocking, or (`overlap_param_gather`) left in flight for the next forward to wai
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -37,13 +38,13 @@ from pipeline.parallel.optimizer import OptimizerFactory, build_optimizer
 from pipeline.parallel.param_gather import BucketKey, ParamGather
 from pipeline.parallel.precision import clip_coefficient, counts_in_norm, global_grad_norm
 from pipeline.parallel.tied_sync import TIED_REGION
+from pipeline.parallel.zero_collectives import COLLECTIVES, BucketReduction, Finish
+from pipeline.parallel.zero_groups import ShardPiece, carry_groups, cut_pieces
 from pipeline.parallel.zero_layout import ShardLayout
 
 __all__ = ["Collective", "ShardedOptimizer", "detect_reduce_scatter"]
 
 Collective = Literal["auto", "reduce_scatter", "reduce", "all_reduce", "all_to_all"]
-_Finish = Callable[[], None]
-"""Completes one pending collective's bookkeeping once its work handle is waited."""
 
 
 def detect_reduce_scatter(group: ProcessGroup | None) -> bool:
@@ -72,8 +73,10 @@ class _Region:
     """This rank's fp32 shard, (k, s), the inner optimizer steps: a strided view of
     `flat_param` when the parameters are fp32 (no second copy), an fp32 copy when they are
     bf16 / fp16."""
+    pieces: list[ShardPiece] = field(default_factory=list)
+    """Where each parameter meets the master: what the inner optimizer's groups hold."""
     grads: GradBuffer | None = None
-    pending: list[tuple[dist.Work, _Finish | None]] = field(default_factory=list)
+    pending: list[tuple[dist.Work, Finish | None]] = field(default_factory=list)
     """Launched bucket reductions, each with what to do once it arrived (all_to_all: sum)."""
     reduced: bool = False
 
@@ -84,8 +87,14 @@ class _Region:
         return self.grads.flat
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose state lives only on this rank's 1/d shard of the parameters.
+
+    The factory is called with the model's parameters (this rank's regions', in order) and
+    may split them into groups as over a plain model; each group then steps its
+    parameters' pieces of the shard (`pipeline.parallel.zero_groups`). `param_groups`,
+    `state` and `defaults` are the inner optimizer's own, so torch's LR schedulers drive it
+    (``StepLR(sharded, 10)``) as they drive any optimizer.
 
     Also a `GradReducer`: pass it to the engine as the reducer and the optimizer. Regions are
     keyed like the engine's stages (`params_by_stage`); `reduce_stage(key, params)` must name
@@ -164,8 +173,22 @@ class ShardedOptimizer:
             id(param): [(key, b) for b in region.layout.buckets_of(offset, param.numel())]
             for key, region in self._regions.items()
             for param, offset in zip(region.params, region.offsets)}
-        self.optimizer = build_optimizer(optimizer_factory,
-                                         [region.master for region in self._regions.values()])
+        params = [param for region in self._regions.values() for param in region.params]
+        self.optimizer = build_optimizer(optimizer_factory, params)
+        """The user's optimizer, its groups holding this rank's shard pieces."""
+        carry_groups(self.optimizer, [piece for region in self._regions.values()
+                                      for piece in region.pieces], params)
+        # torch.optim.Optimizer's surface, shared with the inner optimizer (its __init__
+        # would rebuild the groups): LR schedulers write `lr` into the inner's own groups
+        self.defaults = self.optimizer.defaults
+        self.state = self.optimizer.state
+        self.param_groups = self.optimizer.param_groups
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
     # -- the reducer role -------------------------------------------------------------------
 
@@ -214,10 +237,12 @@ class ShardedOptimizer:
             region.pending.clear()
             shard = region.layout.shard(region.flat_grad, self.dp_rank)
             region.master.grad = shard if shard.dtype == torch.float32 else shard.float()
+            for piece in region.pieces:
+                piece.tensor.grad = region.master.grad[piece.bucket, piece.row]
 
     # -- the optimizer role -----------------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Reduce what is not reduced yet, step the shard, all-gather updated parameters
         (left in flight with `overlap_param_gather`)."""
         self.wait()
@@ -328,6 +353,43 @@ class ShardedOptimizer:
             held["masters"].append(region.master)
         return held
 
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's `state_dict` (its tensors are this rank's pieces; the
+        engine's checkpoints save per parameter instead, loadable under any dp size)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what `state_dict` returned on this rank (same model, dp size and groups)."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: a ZeRO-1 region's layout is fixed when the optimizer is built."""
+        raise NotImplementedError(
+            "ShardedOptimizer cannot take a parameter group after it was built (the shards are "
+            "laid out then); return every group from the optimizer factory")
+
+    def masters(self) -> list[torch.Tensor]:
+        """Each region's fp32 (k, s) master shard, in region order."""
+        return [region.master for region in self._regions.values()]
+
+    def piece_tensors(self) -> dict[tuple[int, int], torch.nn.Parameter]:
+        """(id(parameter), bucket) -> the view of the master the inner optimizer steps."""
+        return {(id(piece.param), piece.bucket): piece.tensor
+                for region in self._regions.values() for piece in region.pieces}
+
+    def shard_state(self, name: str) -> list[torch.Tensor]:
+        """Each region's (k, s) shard of the per-element optimizer state `name` (e.g.
+        Adam's 'exp_avg'), zero where no piece holds it (padding, unstepped parameters)."""
+        shards = []
+        for region in self._regions.values():
+            shard = torch.zeros_like(region.master, dtype=torch.float32)
+            for piece in region.pieces:
+                value = self.optimizer.state.get(piece.tensor, {}).get(name)
+                if value is not None:
+                    shard[piece.bucket, piece.row] = value
+            shards.append(shard)
+        return shards
+
     def layouts(self) -> dict[int, ShardLayout]:
         """Region key -> where its buckets and this group's shards lie in its flat buffer."""
         return {key: region.layout for key, region in self._regions.items()}
@@ -359,7 +421,8 @@ class ShardedOptimizer:
         master = torch.nn.Parameter(shard if dtype == torch.float32
                                     else shard.to(torch.float32, copy=True).contiguous())
         region = _Region(params=params, offsets=offsets, layout=layout, flat_param=flat_param,
-                         master=master)
+                         master=master,
+                         pieces=cut_pieces(params, offsets, layout, self.dp_rank, master))
         last = layout.num_buckets - 1
         # the tail first: a backward makes the buffer's end final first
         region.grads = GradBuffer(params, offsets, layout.size, grad_dtype,
@@ -387,79 +450,9 @@ class ShardedOptimizer:
         if self.average:
             # Divide before summing, as DDP does, so fp16 sums stay in range.
             region.flat_grad[slice(*region.layout.bucket(b))].div_(self.dp_size)
-        if self.collective == "reduce":
-            region.pending += self._reduce_each(region, b)
-            return
-        launch = {"reduce_scatter": self._reduce_scatter, "all_to_all": self._exchange,
-                  "all_reduce": self._all_reduce}[self.collective]
-        region.pending.append(launch(region, b))
-
-    # One bucket b (d pieces of s elements, piece q owned by rank q), four ways; each returns
-    # the work and what to do when it has arrived.
-
-    def _own_piece(self, region: _Region, b: int) -> torch.Tensor:
-        return region.flat_grad[slice(*region.layout.owned(b, self.dp_rank))]
-
-    def _reduce_scatter(self, region: _Region, b: int) -> tuple[dist.Work, _Finish | None]:
-        layout = region.layout
-        pieces = [region.flat_grad[slice(*layout.owned(b, q))] for q in range(self.dp_size)]
-        self.stats.record("reduce_scatter", *pieces)
-        received = torch.empty_like(pieces[0])  # the output must not alias an input piece
-        work = dist.reduce_scatter(received, pieces, group=self.group, async_op=True)
-
-        def finish() -> None:
-            self._own_piece(region, b).copy_(received)
-        return _require(work), finish
-
-    def _reduce_each(self, region: _Region, b: int) -> list[tuple[dist.Work, _Finish | None]]:
-        """Sum each rank's piece into its owner, in place: no buffer; the other ranks' pieces
-        of this rank's buffer are left as scratch (only the own shard is read after)."""
-        works: list[tuple[dist.Work, _Finish | None]] = []
-        for owner in range(self.dp_size):
-            piece = region.flat_grad[slice(*region.layout.owned(b, owner))]
-            self.stats.record("reduce", piece)
-            dst = owner if self.group is None else dist.get_global_rank(self.group, owner)
-            works.append((_require(dist.reduce(piece, dst, group=self.group,
-                                               async_op=True)), None))
-        return works
-
-    def _exchange(self, region: _Region, b: int) -> tuple[dist.Work, _Finish | None]:
-        """Send rank q the piece of bucket b it owns, receive the other ranks' copies of ours,
-        add them to our own piece in place."""
-        d, me = self.dp_size, self.dp_rank
-        layout = region.layout
-        rows = region.flat_grad[slice(*layout.bucket(b))].view(d, layout.piece)
-        # Our own piece need not travel: sent to ourselves it would cost a piece in the
-        # receive buffer (half the bucket for d = 2). Without it the rest must be one tensor
-        # in rank order: a view when ours is the first or last row; a rank in the middle
-        # sends all rows (ours to itself) and sums them.
-        if d == 1 or 0 < me < d - 1:
-            pieces = rows
-        else:
-            pieces = rows[1:] if me == 0 else rows[:-1]
-        splits = [1] * d  # rows of `pieces`, one per rank
-        if pieces.shape[0] < d:
-            splits[me] = 0
-        received = torch.empty_like(pieces)
-        self.stats.record("all_to_all", pieces)
-        work = dist.all_to_all_single(received, pieces, output_split_sizes=splits,
-                                      input_split_sizes=splits, group=self.group,
-                                      async_op=True)
-
-        def finish() -> None:
-            shard = self._own_piece(region, b)
-            if received.shape[0] == d:  # ours came back among them
-                torch.sum(received, dim=0, out=shard)
-                return
-            for piece in received:
-                shard.add_(piece)
-        return _require(work), finish
-
-    def _all_reduce(self, region: _Region, b: int) -> tuple[dist.Work, _Finish | None]:
-        # Fallback: reduce the whole bucket; this rank's piece of it is then in place.
-        bucket = region.flat_grad[slice(*region.layout.bucket(b))]
-        self.stats.record("all_reduce", bucket)
-        return _require(dist.all_reduce(bucket, group=self.group, async_op=True)), None
+        bucket = BucketReduction(region.flat_grad, region.layout, b, self.dp_rank, self.group,
+                                 self.stats)
+        region.pending += COLLECTIVES[self.collective](bucket)
 
     def _norm_pieces(self, tp_rank: int) -> Iterable[torch.Tensor]:
         """Slices of the grad shards that belong to parameters counted in the norm."""
@@ -476,8 +469,3 @@ def _aliases(view: torch.Tensor, base: torch.Tensor) -> bool:
     """Whether `view` shares `base`'s memory (a view of it, not a copy)."""
     return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
-
-def _require(work: dist.Work | None) -> dist.Work:
-    if work is None:
-        raise RuntimeError("an async_op=True collective returned no work handle")
-    return work

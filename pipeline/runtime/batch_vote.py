@@ -31,18 +31,22 @@ class AgreedBatch:
 
 def agree_on_batch(comm: Comm, pp_rank: int, m: int, inputs: Any, targets: Any,
                    data_iter: Iterator[tuple[Any, Any]] | None, *, training: bool,
-                   first: bool, last: bool, varying: bool = False) -> AgreedBatch:
+                   first: bool, last: bool, varying: bool = False,
+                   refusal: Exception | None = None) -> AgreedBatch:
     """Split this rank's batch into `m` microbatches (or, from `data_iter`, pull the first
     of m pairs: the rest are pulled as the step loads them, `PulledMicrobatches`; a rank
     holding neither the first nor the last stage pulls none), then one all-reduce: every
     rank learns whether any refused its part, the layout digest, and both sample counts.
     Raises the same kind of error on every rank (its own problem, or the refusing ranks).
-    `varying`: pulled microbatches may change layout (every message carries a header)."""
-    problem: Exception | None = None
+    `varying`: pulled microbatches may change layout (every message carries a header);
+    `refusal`: a problem this rank found before the batch, refused the same way."""
+    problem: Exception | None = refusal
     split: list[Any] | None = None
     split_targets: list[Any] | None = None
     pulled: PulledMicrobatches | None = None
     try:
+        if problem is not None:
+            raise problem
         if data_iter is not None:
             if first or last:
                 pulled = PulledMicrobatches(data_iter, m, keep_inputs=first,

@@ -1,4 +1,5 @@
-"""`PipelineEngine`'s arguments checked before any collective or allocation, all at once."""
+"""`PipelineEngine`'s arguments checked before any collective or allocation, all at once;
+and what must not change between its steps (which parameters train)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import torch
 
 from pipeline.device import device_problem
 from pipeline.errors import PipelineConfigError
+from pipeline.model.module import PipelineModule
 from pipeline.parallel.groups import ProcessGroups
 from pipeline.parallel.topology import Topology
 
-__all__ = ["check_engine_arguments"]
+__all__ = ["check_engine_arguments", "trainable_change_problem", "trainable_parameters"]
 
 
 def check_engine_arguments(*, optimizer: object, topology: object, groups: object,
@@ -42,3 +44,27 @@ def check_engine_arguments(*, optimizer: object, topology: object, groups: objec
             problems.append(missing)
     if problems:
         raise PipelineConfigError("PipelineEngine: " + "; ".join(problems))
+
+
+def trainable_parameters(module: PipelineModule) -> frozenset[tuple[int, str]]:
+    """(layer, name) of this rank's parameters that require gradients now."""
+    return frozenset(key for key, param in module.named_layer_parameters()
+                     if param.requires_grad)
+
+
+def trainable_change_problem(built: frozenset[tuple[int, str]], module: PipelineModule
+                             ) -> PipelineConfigError | None:
+    """Why the next training step cannot run when `requires_grad` changed on this rank's
+    parameters since the engine was built: its gradient buckets, ZeRO-1 shards and optimizer
+    cover the parameters trainable then, so a parameter unfrozen later would never train (and
+    one frozen later would still be stepped by some optimizers)."""
+    now = trainable_parameters(module)
+    if now == built:
+        return None
+    changes = [f"layer {layer} {name!r} {'un' if key in now else ''}frozen"
+               for key in sorted(now ^ built) for layer, name in [key]]
+    return PipelineConfigError(
+        f"requires_grad changed after the engine was built ({', '.join(changes[:4])}"
+        f"{', ...' if len(changes) > 4 else ''}); the engine's gradient buckets and optimizer "
+        f"cover the parameters trainable when it was built: set requires_grad before building "
+        f"PipelineEngine, or build a new engine (and optimizer) after changing it")

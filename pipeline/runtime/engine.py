@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import socket
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +18,7 @@ from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, 
 from pipeline.device import default_device, synchronize
 from pipeline.errors import NonFiniteError, PipelineConfigError, PipelineStepError
 from pipeline.model.module import PipelineModule
-from pipeline.parallel.data_parallel import GradReducer
+from pipeline.parallel.data_parallel import GradReducer, broadcast_buffers
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
 from pipeline.parallel.local_p2p import open_local_link
 from pipeline.parallel.optimizer import OptimizerFactory
@@ -29,7 +30,11 @@ from pipeline.runtime.batch import (
     join_microbatches,
 )
 from pipeline.runtime.batch_vote import agree_on_batch
-from pipeline.runtime.checks import check_engine_arguments
+from pipeline.runtime.checks import (
+    check_engine_arguments,
+    trainable_change_problem,
+    trainable_parameters,
+)
 from pipeline.runtime.comm import Comm
 from pipeline.runtime.config import EngineConfig
 from pipeline.runtime.finite import FiniteFlag, first_nonfinite, nonfinite_error
@@ -136,6 +141,11 @@ class PipelineEngine:
         self.training = setup_training(module, self.schedule.placement, topology, groups,
                                        parallel, optimizer, gradient_reducer, link=local)
         """Reducer, optimizer, tied-weight sync, loss scaler and STEP of this rank."""
+        self._warn_no_optimizer = optimizer is None and self.rank == 0
+        """train_batch without an optimizer computes gradients only: said once, by rank 0."""
+        self._trainable = trainable_parameters(module)
+        """What the buckets and the optimizer were built over: a training step refuses a
+        change (`trainable_change_problem`)."""
         pipeline_group = groups.pp_group if groups is not None else None
         self.gradient_reducer = self.training.reducer
         self.comm = Comm(self.position.pipeline_ranks, self.device, pipeline_group,
@@ -191,8 +201,9 @@ class PipelineEngine:
 
     @property
     def optimizer(self) -> RankOptimizer | None:
-        """A torch optimizer, or the `ShardedOptimizer` under ZeRO-1 (None: nothing to step);
-        STEP steps whatever is set here."""
+        """A torch optimizer, or the `ShardedOptimizer` under ZeRO-1 (a torch optimizer too,
+        holding the factory's groups: torch's LR schedulers take either); None: nothing to
+        step. STEP steps whatever is set here."""
         return self.training.optimizer
 
     @optimizer.setter
@@ -253,6 +264,12 @@ class PipelineEngine:
                                       "PipelineModule(layers, num_stages, loss_fn=...) "
                                       "(eval_batch runs without one)")
         self._check_reduction()
+        if self._warn_no_optimizer:
+            self._warn_no_optimizer = False
+            warnings.warn("train_batch without an optimizer: the step computes and reduces "
+                          "gradients (engine.reduced_gradients()) but never updates the "
+                          "weights; pass PipelineEngine(..., optimizer=lambda params: "
+                          "torch.optim.SGD(params, lr=0.1)) to train", stacklevel=2)
         if is_summed(self.module.loss_fn):
             loss: float = run_normalized(self, self._train_step, inputs, targets, data_iter)
             return loss
@@ -313,7 +330,9 @@ class PipelineEngine:
         agreed = agree_on_batch(self.comm, self.pp_rank, m, inputs, targets, data_iter,
                                 training=training, first=self.is_first_stage(),
                                 last=self.is_last_stage(),
-                                varying=self.config.dynamic_shapes)
+                                varying=self.config.dynamic_shapes,
+                                refusal=trainable_change_problem(self._trainable, self.module)
+                                if training else None)
         self._shapes.begin_step(agreed.layout)
         return agreed.microbatches, agreed.targets
 
@@ -325,8 +344,12 @@ class PipelineEngine:
         m = schedule.num_microbatches
         self.progress.enter(f"{'train' if training else 'eval'}_batch of step "
                             f"{self.global_step + 1}", collective=True)
-        # 1. This rank's microbatches; every rank agrees the batch is usable.
+        # 1. This rank's microbatches; every rank agrees the batch is usable. The replicas
+        #    take dp rank 0's buffers (DDP's broadcast_buffers).
         microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
+        if self.config.parallel.broadcast_buffers and self.topology.dp > 1 \
+                and self.groups is not None:
+            broadcast_buffers(list(self.module.buffers()), self.groups.dp_group)
         # 2. Run this rank's stream.
         # the key an F's layers seed their dropout streams from (`pipeline.model.layer_rng`)
         state = StepState(microbatches, split_targets, training, step=self.global_step,

@@ -16,6 +16,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
+from pipeline.errors import PipelineConfigError
 from pipeline.model.layer_rng import forward_key
 from pipeline.model.module import LossFn, PipelineModule, Stage
 from pipeline.parallel.data_parallel import GradReducer, OverlappingReducer
@@ -25,6 +26,8 @@ from pipeline.runtime.batch import Batch, Layout, as_tensors
 from pipeline.runtime.comm import Comm, PendingRecv
 from pipeline.runtime.finite import all_finite
 from pipeline.runtime.lookahead import early_receives
+from pipeline.runtime.loss_normalization import is_summed
+from pipeline.runtime.loss_probe import summed_loss_problem
 from pipeline.runtime.saved_memory import hold_outputs
 from pipeline.runtime.send_release import MessageKey, send_witnesses
 from pipeline.runtime.shapes import ShapeBook
@@ -96,6 +99,8 @@ class Interpreter:
         self.trace = trace
         self.reducer = reducer
         self.loss_fn = loss_fn
+        self._loss_checked = is_summed(loss_fn)
+        """Whether the loss was probed for summing over items (a SummedLoss needs not be)."""
         self.optimizer_step = optimizer_step
         """STEP after the reducer's wait: its vote, then the step."""
         self.shares_loss = shares_loss
@@ -323,6 +328,11 @@ class Interpreter:
             raise TypeError(f"loss_fn {_name(self.loss_fn)} must return a one-element tensor "
                             f"(the microbatch's loss, to backpropagate), got {got}; return "
                             "e.g. F.mse_loss(outputs, targets), not loss.item()")
+        if not self._loss_checked:  # once: a lambda's reduction="sum" is seen only by calling
+            problem = summed_loss_problem(self.loss_fn, out, target, loss)
+            if problem is not None:
+                raise PipelineConfigError(problem)
+            self._loss_checked = float(loss.detach()) != 0.0
         return loss
 
     def _forward_done(self, s: int, i: int, out: Batch) -> None:

@@ -203,9 +203,9 @@ def _sharded_optimizer(module: PipelineModule, tied: TiedWeightSynchronizer | No
                        config: ParallelConfig) -> ShardedOptimizer:
     """ZeRO-1 over the dp group, one region per stage (tied weights in their own region,
     reduced after the owners' sum)."""
-    # the shards ZeRO-1 hands the factory are fp32 `nn.Parameter` masters
+    # the factory gets this rank's model parameters; its groups are carried onto the shards
     sharded = ShardedOptimizer(zero_regions(module, tied),
-                               lambda shards: factory(cast(list[nn.Parameter], shards)),
+                               lambda params: factory(cast(list[nn.Parameter], params)),
                                groups.dp_group, bucket_mb=config.bucket_mb,
                                overlap_param_gather=config.overlap_param_gather)
     if config.overlap_param_gather:

@@ -143,14 +143,14 @@ def _load_old_layout() -> None:
     state = assemble(_old_layout_pieces(named, 2, full),
                      wanted_ranges(replica.optimizer, regions), where="old layout")
     import_zero(replica.optimizer, regions, state, [], where="old layout")
-    (master,) = [p for group in replica.optimizer.optimizer.param_groups for p in group["params"]]
+    (master,) = replica.optimizer.masters()
     layout = replica.optimizer.layouts()[0]
     assert world_size == 2 and layout.num_buckets > 2, layout
     # the ownership oracle: rank r holds element i when (i mod d·s) // s == r
     width = world_size * layout.piece
     mine = [i for i in range(layout.size) if (i % width) // layout.piece == rank]
     for name in ("master", "exp_avg", "exp_avg_sq"):
-        loaded = master if name == "master" else replica.optimizer.optimizer.state[master][name]
+        loaded = master if name == "master" else replica.optimizer.shard_state(name)[0]
         expected = torch.tensor([float(full[name][i]) if i < numel else 0.0  # padding
                                  for i in mine])
         torch.testing.assert_close(loaded.detach().reshape(-1), expected, rtol=0, atol=0,

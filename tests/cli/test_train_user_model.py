@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,21 @@ def test_recipe_loads_from_a_file_path(tmp_path: Path) -> None:
 def test_bad_model_specs_name_the_fix(tmp_path: Path, suffix: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_recipe(f"{_write(tmp_path)}{suffix}")
+
+
+def test_module_name_imports_from_the_working_directory_without_it_on_the_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: `pipesched train --model my_model:build` run next to my_model.py failed (the
+    console script's sys.path has no working directory) while its message said to do that."""
+    _write(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_model", raising=False)
+    try:
+        recipe = load_recipe("my_model:build")
+    finally:
+        sys.modules.pop("my_model", None)
+    assert isinstance(recipe, ModelRecipe) and len(recipe.layers) == 5
 
 
 def test_unknown_module_names_the_fix() -> None:

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from pipeline import RankFailedError, launch
+from pipeline import PipelineConfigError, RankFailedError, launch
 from pipeline.launcher.results import RankReport, Result, failure_error
 
 _BOUND = 120.0  # join_timeout of the jobs that must end by themselves
@@ -37,6 +37,21 @@ def _sleep_on_rank_one() -> int:
     if dist.get_rank() == 1:
         time.sleep(600)
     return dist.get_rank()
+
+
+def _config_mistake_on_every_rank() -> int:
+    raise PipelineConfigError("PipelineEngine: schedule '1fb1' is not a registered schedule")
+
+
+@pytest.mark.multiprocess
+def test_a_config_mistake_on_every_rank_is_printed_once(capfd: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    """Regression: a typo'd schedule printed its message once per rank (37-96 lines)."""
+    with pytest.raises(RankFailedError, match="schedule '1fb1'") as caught:
+        launch(_config_mistake_on_every_rank, 4, timeout=30, join_timeout=_BOUND)
+    printed = capfd.readouterr().err
+    assert "1fb1" not in printed, printed  # the raised error says it, with a traceback
+    assert str(caught.value).count("pipeline.errors.PipelineConfigError:") == 1  # one rank's
 
 
 @pytest.mark.multiprocess

@@ -30,6 +30,22 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
                for v in state.values() if isinstance(v, torch.Tensor))
 
 
+def _owned(zero: ShardedOptimizer, stages: dict[int, list[nn.Parameter]], rank: int
+           ) -> tuple[int, int]:
+    """The oracle from the layout's definition: rank r owns flat element i of a region when
+    (i mod d·s) // s == r; a piece is one parameter's owned elements within one bucket."""
+    elements, pieces = 0, set()
+    for key, layout in zero.layouts().items():
+        start = 0
+        for index, param in enumerate(stages[key]):
+            for i in range(start, start + param.numel()):
+                if (i % (layout.dp_size * layout.piece)) // layout.piece == rank:
+                    elements += 1
+                    pieces.add((key, index, i // (layout.dp_size * layout.piece)))
+            start += param.numel()
+    return elements, len(pieces)
+
+
 def _check_zero(rank: int, world_size: int) -> None:
     torch.manual_seed(1)
     batches = [(torch.randn(8, 6), torch.randn(8, 5)) for _ in range(2)]
@@ -62,9 +78,10 @@ def _check_zero(rank: int, world_size: int) -> None:
             unsharded = _state_bytes(plain)
             bucket = int(BUCKET_MB * 2**20)
             assert zero.state_bytes() <= unsharded / world_size + bucket, (name, collective)
-            if name == "adam":  # exp_avg, exp_avg_sq over each rank's pieces: 4 buckets of
-                # 2 × 8 (63 elements) and 4 of 2 × 7 (50): 32 + 28 elements
-                assert zero.state_bytes() == 2 * 60 * 4 + 2 * 4  # + the two `step` scalars
+            if name == "adam":  # exp_avg, exp_avg_sq over the parameter elements this rank
+                # owns, and a `step` scalar per (parameter, bucket) piece
+                elements, pieces = _owned(zero, stages, rank)
+                assert zero.state_bytes() == 2 * elements * 4 + pieces * 4
     with pytest.raises(ValueError, match="reduce_stage\\(0\\) got 1 trainable"):
         zero.reduce_stage(0, [stages[0][0]])
     with pytest.raises(KeyError, match="stage 7 has no ZeRO region"):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from pipeline import LayerSpec, PipelineEngine, PipelineModule
-from pipeline.errors import PipelineConfigError
+from pipeline.errors import PipelineConfigError, PipelineError
 from pipeline.model.reference import build_reference, reference_forward
 from pipeline.runtime.loss_normalization import (
     IGNORE_INDEX,
@@ -20,6 +20,7 @@ from pipeline.runtime.loss_normalization import (
     normalized_train_batch,
     token_cross_entropy,
 )
+from pipeline.runtime.loss_probe import summed_loss_problem
 from tests.support.equivalence import gathered_weights
 from tests.support.rank_harness import run_ranks
 
@@ -45,6 +46,23 @@ def test_summed_loss_over_its_count_is_the_token_mean(kept: list[int], shift: bo
 
 def test_mean_loss_is_refused_with_the_fix() -> None:
     assert not is_summed(F.cross_entropy) and is_summed(token_cross_entropy())
+
+
+def test_summed_loss_probe_against_the_definition() -> None:
+    """The probe's oracle: a loss L is summed when L(batch twice) = 2 L(batch); a mean gives
+    L, and a loss that is neither (a root of a sum), or zero, is not called summed."""
+    out, y = torch.randn(6, 3), torch.randn(6, 3)
+    losses = {"mean": lambda o, t: F.mse_loss(o, t),
+              "sum": lambda o, t: F.mse_loss(o, t, reduction="sum"),
+              "root": lambda o, t: F.mse_loss(o, t, reduction="sum").sqrt(),
+              "zero": lambda o, t: (o - o).sum()}
+    for name, loss_fn in losses.items():
+        twice = float(loss_fn(torch.cat([out, out]), torch.cat([y, y])))
+        once = float(loss_fn(out, y))
+        summed = once != 0 and abs(twice - 2 * once) <= 1e-5 * abs(once)
+        found = summed_loss_problem(loss_fn, out, y, loss_fn(out, y))
+        assert (found is not None) == summed, (name, found)
+    assert summed_loss_problem(losses["sum"], out, y, losses["sum"](out, y)) is not None
 
 
 def _layers() -> list[object]:
@@ -132,6 +150,22 @@ def _check_plain_train_batch(rank: int, world_size: int) -> None:
         plain.train_batch(ids[:, 0], labels[:, 0])  # on every rank, before any message
     with pytest.raises(PipelineConfigError, match=r"reduction='sum'"):
         plain.eval_batch(ids[:, 0], labels[:, 0])
+
+
+def _train_hidden_sum(rank: int, world_size: int) -> None:
+    ids, labels = _padded_batch()
+    hidden = PipelineModule(_layers(), num_stages=2, loss_fn=lambda out, y: F.cross_entropy(
+        out.flatten(0, 1), y.flatten(), reduction="sum"))
+    engine = PipelineEngine(hidden, schedule="1f1b", num_microbatches=4, timeout=30)
+    engine.train_batch(ids, labels)
+
+
+@pytest.mark.multiprocess
+def test_summed_loss_in_a_lambda_is_refused() -> None:
+    """Regression: a lambda hides reduction="sum" from any attribute; it trained with the
+    loss ÷ m (31.02 vs 124.10). The last stage probes it on its first microbatch."""
+    with pytest.raises(PipelineError, match=r"sums over items: on a microbatch seen twice"):
+        run_ranks(_train_hidden_sum, 2)
 
 
 @pytest.mark.multiprocess

@@ -20,7 +20,8 @@ from pipeline.runtime.interpreter import Interpreter
 
 def _loss(loss_fn: object, out: object, target: object) -> torch.Tensor:
     """The interpreter's loss call, on a stand-in holding only what it reads."""
-    return Interpreter._loss(SimpleNamespace(loss_fn=loss_fn), out, target)  # type: ignore[arg-type]
+    return Interpreter._loss(SimpleNamespace(loss_fn=loss_fn, _loss_checked=True),  # type: ignore[arg-type]
+                             out, target)
 
 
 def test_an_optimizer_over_other_parameters_is_refused() -> None:
