@@ -81,8 +81,9 @@ class HFLayers:
 
     layers: list[Layer]
     """Pass to `PipelineModule(layers, ...)`: embedding, blocks, final norm, lm_head."""
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    """HF's shifted causal-LM loss (mean over tokens whose label is not -100)."""
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    """HF's shifted causal-LM loss (mean over tokens whose label is not -100; MoE
+    families: of (logits, balance), adding the carried load-balancing loss)."""
     names: tuple[tuple[str, str], ...]
     """Per layer: (prefix of its parameter names here, prefix of the same names in HF's
     state dict), e.g. ``("layer.", "model.layers.3.")``."""

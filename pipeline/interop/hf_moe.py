@@ -7,10 +7,11 @@ load and export as for the dense families; layers a family keeps dense
 (``mlp_only_layers``, ``decoder_sparse_step``) keep HF's MLP.
 
 Legend of the value between stages: ``(hidden, balance, position_ids[, attention_mask])``;
-``balance`` is a one-element fp32 tensor (1-d, so eval outputs join over microbatches), the load-balancing loss the MoE layers upstream added for
-this microbatch (`pipeline.moe.balance_loss`); it rides with the activations (and its
-gradient back) to the loss, which adds it to the language-model loss as HF does when the
-config sets ``output_router_logits``.
+``balance`` is a one-element fp32 tensor (1-d, so eval outputs join over microbatches),
+the load-balancing loss the MoE layers upstream added for this microbatch
+(`pipeline.moe.balance_loss`); it rides with the activations (and its gradient back) to the
+loss, which adds it to the language-model loss as HF does when the config sets
+``output_router_logits``.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class MoEBlock(nn.Module):
         hidden, balance, positions, *rest = value
         attention_mask = rest[0] if rest else None
         mask = self.mask_function(self.config, hidden, attention_mask, None, positions)
-        layer = self.layer
+        layer: Any = self.layer
         attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden),
                                       position_embeddings=self.rotary(hidden, positions),
                                       attention_mask=mask, position_ids=positions)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +16,9 @@ def expert_outputs(experts: nn.Module, tokens: torch.Tensor, counts: list[int]) 
     """Rows of `tokens` grouped by local expert (``counts[e]`` rows for expert e) through
     their gated FFNs: down(act(gate(x)) · up(x)), with HF's stacked weights
     ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] and its ``act_fn``."""
-    gate_up: torch.Tensor = experts.gate_up_proj
-    down: torch.Tensor = experts.down_proj
-    act: Callable[[torch.Tensor], torch.Tensor] = experts.act_fn
+    gate_up: Any = experts.gate_up_proj
+    down: Any = experts.down_proj
+    act: Callable[[torch.Tensor], torch.Tensor] = experts.act_fn  # type: ignore[assignment]
     outputs = []
     for expert, rows in enumerate(torch.split(tokens, counts)):
         if counts[expert] == 0:  # an expert with no token: nothing to compute

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,8 @@ class MoEFeedForward(nn.Module):
         layer's share of the load-balancing loss (0-d; 0 when the family adds none)."""
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
-        routing = route(F.linear(tokens, self.gate.weight), self.config.top_k,
+        router: Any = self.gate.weight
+        routing = route(F.linear(tokens, router), self.config.top_k,
                         normalize=self.config.normalize_top_k)
         out = self.dispatcher(self.experts, tokens, routing.experts, routing.weights)
         if self.shared_expert is not None and self.shared_expert_gate is not None:

@@ -1,0 +1,82 @@
+"""One training step of a tiny HF MoE model pipelined (pp × dp, optionally expert-parallel)
+against HF's own step on the whole batch, as relative differences (test helper)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeline import PipelineEngine, PipelineModule
+from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
+from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights
+from pipeline.moe.balance_loss import train_batch_balanced
+from tests.support.hf_models import token_batch
+from tests.support.hf_moe_models import (
+    plant_ties_and_an_idle_expert,
+    tiny_moe_config,
+    tiny_moe_model,
+)
+
+__all__ = ["moe_step_differences"]
+
+LEARNING_RATE = 0.1
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-12))
+
+
+def _hf_step(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    return float(out.loss), float(out.aux_loss)
+
+
+def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bool = False,
+                         top_k: int = 2, ties: bool = False, **engine: Any) -> dict[str, Any]:
+    """On every rank: the pipelined step (SGD, 4 microbatches per replica, 1F1B) of the tiny
+    `family` model against HF's on the concatenated batch of all replicas.
+
+    Returns the relative differences ``loss``, ``grad`` and ``param`` (worst over
+    parameters, over every rank) and HF's router logits ``routes`` (for the case's own
+    checks of ties and idle experts)."""
+    hf_model = tiny_moe_model(family, seed=3, top_k=top_k)
+    if ties:
+        plant_ties_and_an_idle_expert(hf_model)
+    ids, _ = token_batch(8 * dp, 8, seed=2)
+    labels = causal_lm_targets(ids)
+    replica = dist.get_rank() % dp  # Topology: rank = pp_rank · dp + dp_rank
+    hf = layers_from_hf(tiny_moe_config(family, top_k=top_k))
+    module = PipelineModule(hf.layers, num_stages=pp, loss_fn=hf.loss_fn,
+                            partition_method="uniform")
+    load_hf_weights(module, hf, hf_model.state_dict())
+    options: dict[str, Any] = {"data_parallel": dp, **engine}
+    if zero:
+        options["zero_stage"] = 1
+    pipelined = PipelineEngine(module, schedule="1f1b", num_microbatches=4, timeout=60,
+                               optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE),
+                               **options)
+    rows = slice(8 * replica, 8 * replica + 8)
+    loss = train_batch_balanced(pipelined, hf.balance, ids[rows], labels[rows])
+
+    expected, _ = _hf_step(hf_model, ids, labels)
+    with torch.no_grad():
+        routes = hf_model(input_ids=ids, output_router_logits=True).router_logits
+    reference = dict(hf_model.named_parameters())
+    grads = pipelined.reduced_gradients()
+    held = list(module.named_layer_parameters())
+    if len(grads) != len(held):
+        raise AssertionError(f"{family}: {len(held) - len(grads)} parameters got no gradient")
+    worst = torch.tensor(max((_relative(grad, reference[hf.hf_name(*key)].grad)
+                              for key, grad in grads.items()), default=0.0))
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    torch.optim.SGD(hf_model.parameters(), lr=LEARNING_RATE).step()
+    state = gather_hf_state_dict(module, hf)
+    missing = sorted(set(reference) - set(state))
+    if missing:
+        raise AssertionError(f"{family}: the export lacks {missing}")
+    param = max(_relative(state[name], reference[name]) for name in reference)
+    return {"loss": abs(loss - expected) / abs(expected), "grad": float(worst),
+            "param": param, "routes": routes}
