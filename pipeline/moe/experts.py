@@ -20,12 +20,12 @@ def expert_outputs(experts: nn.Module, tokens: torch.Tensor, counts: list[int]) 
     down: Any = experts.down_proj
     act: Callable[[torch.Tensor], torch.Tensor] = experts.act_fn  # type: ignore[assignment]
     outputs = []
+    # An expert with no token still runs on its 0 rows: the output stays in the autograd
+    # graph, so every rank of an expert-parallel group runs the same backward all-to-alls.
     for expert, rows in enumerate(torch.split(tokens, counts)):
-        if counts[expert] == 0:  # an expert with no token: nothing to compute
-            continue
         gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
         outputs.append(F.linear(act(gate) * up, down[expert]))
-    return torch.cat(outputs) if outputs else tokens.new_zeros((0, down.shape[1]))
+    return torch.cat(outputs)
 
 
 def group_by_expert(experts: torch.Tensor, num_experts: int
