@@ -30,7 +30,8 @@ from pipeline.moe.layer import MoEFeedForward
 from pipeline.parallel.groups import ProcessGroups
 from pipeline.parallel.param_marks import mark_expert_shard
 
-__all__ = ["AllToAllDispatcher", "expert_parallel_problem", "parallelize_experts"]
+__all__ = ["AllToAllDispatcher", "expert_major_order", "expert_parallel_problem",
+           "parallelize_experts"]
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 """The stacked expert tensors, experts along dim 0."""
@@ -75,6 +76,14 @@ def _exchange(rows: torch.Tensor, receive: list[int], send: list[int],
     return result
 
 
+def expert_major_order(matrix: torch.Tensor) -> torch.Tensor:
+    """The order that takes received rows from (source, local expert) blocks, `matrix[s, e]`
+    rows each, to (local expert, source) blocks: each expert's rows contiguous."""
+    sources, local = matrix.shape
+    cell = torch.arange(sources * local).repeat_interleave(matrix.reshape(-1))
+    return torch.argsort((cell % local) * sources + cell // local, stable=True)
+
+
 class AllToAllDispatcher:
     """Dispatch to and combine from the experts of an ep group (this rank holds experts
     first_expert .. first_expert + E/ep - 1)."""
@@ -99,9 +108,7 @@ class AllToAllDispatcher:
         receive = matrix.sum(1).tolist()
         # 2. Dispatch; regroup the received rows from (source, expert) to (expert, source).
         received = _exchange(hidden[token_of_slot], receive, send, self.group)
-        cell = torch.arange(self.ep * self.local).repeat_interleave(matrix.reshape(-1))
-        regroup = torch.argsort((cell % self.local) * self.ep + cell // self.local,
-                                stable=True)
+        regroup = expert_major_order(matrix)
         out = bank.expert_outputs(experts, received[regroup], matrix.sum(0).tolist())
         # 3. Combine: back to (source, expert) order, to the sources, weighted into tokens.
         returned = _exchange(out[torch.argsort(regroup)], send, receive, self.group)

@@ -6,9 +6,9 @@ import torch
 
 __all__ = [
     "expert_shard",
-    "mark_expert_shard",
     "is_tensor_parallel",
     "is_tied_duplicate",
+    "mark_expert_shard",
     "mark_tensor_parallel",
     "mark_tied_duplicate",
     "tensor_parallel_dim",
