@@ -101,11 +101,11 @@ def _expert_parallel_problem(config: ParallelConfig) -> str | None:
                 f"over dp replicas); choose among {[k for k in range(1, dp + 1) if dp % k == 0]}")
     unsupported = {"tensor_parallel > 1": config.tensor_parallel > 1,
                    "gradient_clipping": config.gradient_clipping is not None,
-                   "zero_stage=1": config.zero_stage == ZeroStage.OPTIMIZER_STATE}
+                   "overlap_param_gather": config.overlap_param_gather}
     named = [name for name, present in unsupported.items() if present]
     if named:
-        return (f"expert_parallel={ep} does not run with {', '.join(named)} yet (the expert "
-                "shards' norm and sharded state are not built); drop them or use "
+        return (f"expert_parallel={ep} does not run with {', '.join(named)} yet (the norm over "
+                "expert shards and their overlapped gathers are not built); drop them or use "
                 "expert_parallel=1")
     return None
 

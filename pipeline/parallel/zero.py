@@ -225,6 +225,11 @@ class ShardedOptimizer:
         # buffer would race the update
         self.param_gather.wait()
         self.optimizer.step()
+        self.publish()
+
+    def publish(self) -> None:
+        """After the inner optimizer stepped the masters: copy them into the parameters'
+        own shards (half parameters) and launch the all-gather of the updated parameters."""
         for region in self._regions.values():
             if not _aliases(region.master, region.flat_param):
                 region.layout.shard(region.flat_param, self.dp_rank).copy_(

@@ -39,6 +39,7 @@ from pipeline.parallel.expert_reduction import (
     broadcast_split,
     split_expert_parameters,
 )
+from pipeline.parallel.expert_zero import ExpertShardedOptimizer
 from pipeline.parallel.groups import ProcessGroups, check_world_size
 from pipeline.parallel.local_p2p import LocalLink
 from pipeline.parallel.optimizer import OptimizerFactory, make_optimizer
@@ -218,6 +219,11 @@ def _sharded_optimizer(module: PipelineModule, tied: TiedWeightSynchronizer | No
                        config: ParallelConfig) -> ShardedOptimizer:
     """ZeRO-1 over the dp group, one region per stage (tied weights in their own region,
     reduced after the owners' sum)."""
+    if groups.expert_dp_group is not None:  # expert states over their own group
+        return ExpertShardedOptimizer(zero_regions(module, tied),
+                                      lambda shards: factory(cast(list[nn.Parameter], shards)),
+                                      groups.dp_group, groups.expert_dp_group,
+                                      groups.topology.ep, bucket_mb=config.bucket_mb)
     # the shards ZeRO-1 hands the factory are fp32 `nn.Parameter` masters
     sharded = ShardedOptimizer(zero_regions(module, tied),
                                lambda shards: factory(cast(list[nn.Parameter], shards)),

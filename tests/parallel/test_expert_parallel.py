@@ -68,10 +68,11 @@ def _check_expert_parallel(rank: int, world_size: int) -> None:
     from tests.support.hf_moe_equivalence import moe_step_differences
 
     torch.set_num_threads(1)
-    cases = [("mixtral", 1, 4, 4), ("qwen2_moe", 2, 2, 2), ("qwen3_moe", 1, 4, 2)]
-    for family, pp, dp, ep in cases:
-        found = moe_step_differences(family, pp=pp, dp=dp, ep=ep)
-        assert _within(found), (family, pp, dp, ep, found)
+    cases = [("mixtral", 1, 4, 4, False), ("qwen2_moe", 2, 2, 2, True),
+             ("qwen3_moe", 1, 4, 2, True)]
+    for family, pp, dp, ep, zero in cases:
+        found = moe_step_differences(family, pp=pp, dp=dp, ep=ep, zero=zero)
+        assert _within(found), (family, pp, dp, ep, zero, found)
     # top-1 over tied routers: expert 3, alone on ep rank 3, gets no token
     found = moe_step_differences("mixtral", pp=1, dp=4, ep=4, top_k=1, ties=True)
     assert _within(found), found
@@ -90,8 +91,9 @@ def _check_expert_parallel(rank: int, world_size: int) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_expert_parallel_steps_equal_hf() -> None:
-    """Mixtral at ep=4 (dp=4), Qwen2-MoE at pp=2 × dp=2 × ep=2, Qwen3-MoE at ep=2 of dp=4
-    (expert gradients reduced over a 2-rank expert-dp group): loss, gradients (each rank's
+    """Mixtral at ep=4 (dp=4), Qwen2-MoE at pp=2 × dp=2 × ep=2 with ZeRO-1, Qwen3-MoE at
+    ep=2 of dp=4 with ZeRO-1 (expert gradients reduce-scattered over a 2-rank expert-dp
+    group, dense ones over dp): loss, gradients (each rank's
     expert shard against HF's rows) and weights after a step (gathered back to HF names)
     within 1e-5 of HF's; an idle expert alone on its rank; planted wrong experts (in the
     expert computation, and in regrouping the received rows) fail."""

@@ -13,6 +13,7 @@ from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights
 from pipeline.moe.balance_loss import train_batch_balanced
 from pipeline.parallel.param_marks import expert_shard
+from pipeline.parallel.zero import ShardedOptimizer
 from tests.support.hf_models import token_batch
 from tests.support.hf_moe_models import (
     plant_ties_and_an_idle_expert,
@@ -32,7 +33,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def _hf_step(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
-    return float(out.loss), float(out.aux_loss)
+    return float(out.loss.detach()), float(out.aux_loss.detach())
 
 
 def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bool = False,
@@ -59,6 +60,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
     pipelined = PipelineEngine(module, schedule="1f1b", num_microbatches=4, timeout=60,
                                optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE),
                                **options)
+    if zero != isinstance(pipelined.optimizer, ShardedOptimizer):
+        raise AssertionError(f"zero={zero} but the engine built {pipelined.optimizer!r}")
     rows = slice(8 * replica, 8 * replica + 8)
     loss = train_batch_balanced(pipelined, hf.balance, ids[rows], labels[rows])
 
