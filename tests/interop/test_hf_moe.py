@@ -102,6 +102,9 @@ def _check_equivalence(rank: int, world_size: int) -> None:
                            ("qwen3_moe", 2, 1)):
         found = moe_step_differences(family, pp=pp, dp=dp)
         assert _within(found), (family, pp, dp, found)
+    # padding: counted in neither the language-model loss nor the balancing loss
+    found = moe_step_differences("mixtral", pp=2, dp=1, padded=True)
+    assert _within(found), found
     # ties and an idle expert: top-1 over router rows (v, v, -v, 0)
     found = moe_step_differences("mixtral", pp=2, dp=1, top_k=1, ties=True)
     assert _within(found), found
@@ -120,5 +123,6 @@ def test_moe_families_step_as_hf_and_planted_bugs_fail() -> None:
     """Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE at pp=2, Qwen2-MoE at dp=2 (the
     balancing loss spans both replicas' tokens): loss with the balancing loss, every reduced
     gradient and every weight after one SGD step within 1e-5 of HF's step on the whole
-    batch; routing with ties and an expert that gets no token; the two planted bugs fail."""
+    batch; a padded batch; routing with ties and an expert that gets no token; the two
+    planted bugs fail."""
     run_ranks(_check_equivalence, 2, timeout=300)

@@ -30,28 +30,32 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-12))
 
 
-def _hf_step(model: Any, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
-    out = model(input_ids=ids, labels=labels)
+def _hf_step(model: Any, ids: torch.Tensor, mask: torch.Tensor | None,
+             labels: torch.Tensor) -> tuple[float, float]:
+    out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
     return float(out.loss.detach()), float(out.aux_loss.detach())
 
 
 def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bool = False,
-                         top_k: int = 2, ties: bool = False, **engine: Any) -> dict[str, Any]:
+                         top_k: int = 2, ties: bool = False, padded: bool = False,
+                         **engine: Any) -> dict[str, Any]:
     """On every rank: the pipelined step (SGD, 4 microbatches per replica, 1F1B) of the tiny
     `family` model against HF's on the concatenated batch of all replicas.
 
     Returns the relative differences ``loss``, ``grad`` and ``param`` (worst over
     parameters, over every rank) and HF's router logits ``routes`` (for the case's own
-    checks of ties and idle experts)."""
+    checks of ties and idle experts). `padded`: right-padded rows with their attention mask,
+    the token-summed loss (padding counts in neither loss, as in HF)."""
     hf_model = tiny_moe_model(family, seed=3, top_k=top_k)
     if ties:
         plant_ties_and_an_idle_expert(hf_model)
-    ids, _ = token_batch(8 * dp, 8, seed=2)
-    labels = causal_lm_targets(ids)
+    ids, mask = token_batch(8 * dp, 8, seed=2, padded=padded)
+    labels = causal_lm_targets(ids, mask if padded else None)
     replica = dist.get_rank() % dp  # Topology: rank = pp_rank · dp + dp_rank
     hf = layers_from_hf(tiny_moe_config(family, top_k=top_k))
-    module = PipelineModule(hf.layers, num_stages=pp, loss_fn=hf.loss_fn,
+    module = PipelineModule(hf.layers, num_stages=pp,
+                            loss_fn=hf.summed_loss if padded else hf.loss_fn,
                             partition_method="uniform")
     load_hf_weights(module, hf, hf_model.state_dict())
     options: dict[str, Any] = {"data_parallel": dp, "expert_parallel": ep, **engine}
@@ -63,9 +67,10 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
     if zero != isinstance(pipelined.optimizer, ShardedOptimizer):
         raise AssertionError(f"zero={zero} but the engine built {pipelined.optimizer!r}")
     rows = slice(8 * replica, 8 * replica + 8)
-    loss = train_batch_balanced(pipelined, hf.balance, ids[rows], labels[rows])
+    inputs = (ids[rows], mask[rows]) if padded else ids[rows]
+    loss = train_batch_balanced(pipelined, hf.balance, inputs, labels[rows])
 
-    expected, _ = _hf_step(hf_model, ids, labels)
+    expected, _ = _hf_step(hf_model, ids, mask if padded else None, labels)
     with torch.no_grad():
         routes = hf_model(input_ids=ids, output_router_logits=True).router_logits
     reference = dict(hf_model.named_parameters())
