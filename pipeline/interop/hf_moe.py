@@ -182,6 +182,12 @@ def _block(config: Any, index: int, balance: BalanceLoss | None) -> nn.Module:
     layer = _class(config, "DecoderLayer")(config, index)
     mlp = layer.mlp
     if hasattr(mlp, "experts"):
+        # HF allocates the stacked experts (and Qwen's router) uninitialised or zero and
+        # leaves them to its post_init; initialise them as its _init_weights does, so a
+        # model built from a config trains without loaded weights
+        with torch.no_grad():
+            for weight in (mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight):
+                weight.normal_(0.0, config.initializer_range)
         layer.mlp = MoEFeedForward(router_config(config), mlp.gate, mlp.experts,
                                    shared_expert=getattr(mlp, "shared_expert", None),
                                    shared_expert_gate=getattr(mlp, "shared_expert_gate", None),

@@ -4,15 +4,19 @@ refusals before any rank starts, and tiny HF MoE models stepping as HF does at e
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from pipeline.errors import PipelineConfigError
 from pipeline.moe import expert_parallel
 from pipeline.moe.expert_parallel import expert_parallel_problem
 from pipeline.parallel.config import ParallelConfig
 from pipeline.parallel.topology import Topology, TopologyError
+from schedules.analysis.accounting import expert_parallel_state_bytes
+from tests.support.hf_moe_models import tiny_moe_model
 from tests.support.rank_harness import run_ranks
 
 
@@ -63,6 +67,40 @@ def _source_major_order(matrix: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(matrix.sum()))
 
 
+def _state_bytes_against_accounting(accounting: Any = expert_parallel_state_bytes) -> float:
+    """One Adam step of tiny Mixtral at dp=4 × ep=2 with ZeRO-1: this rank's counted
+    model-state bytes over `accounting`'s prediction."""
+    from pipeline import PipelineEngine, PipelineModule
+    from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
+    from pipeline.moe.balance_loss import train_batch_balanced
+    from pipeline.parallel.model_state import count_model_states
+    from tests.support.hf_models import token_batch
+    from tests.support.hf_moe_models import tiny_moe_config
+
+    hf = layers_from_hf(tiny_moe_config("mixtral"))
+    module = PipelineModule(hf.layers, num_stages=1, loss_fn=hf.loss_fn)
+    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=2, data_parallel=4,
+                            expert_parallel=2, zero_stage=1, timeout=60,
+                            optimizer=lambda p: torch.optim.Adam(p, lr=1e-3))
+    ids, _ = token_batch(4, 8, seed=dist.get_rank())
+    train_batch_balanced(engine, hf.balance, ids, causal_lm_targets(ids))
+    counted = count_model_states(module, engine.optimizer).total
+    # the whole model's parameter counts, from the config (an independent count)
+    config = hf.config
+    experts = config.num_hidden_layers * config.num_local_experts * 3 * (
+        config.hidden_size * config.intermediate_size)
+    everything = sum(p.numel() for p in tiny_moe_model("mixtral").parameters())
+    predicted = accounting(everything - experts, experts, expert_parallel=2,
+                           data_parallel=4, zero_stage=1)
+    return counted / predicted
+
+
+def _experts_sharded_over_dp(dense: int, experts: int, **options: Any) -> float:
+    """Planted bug: the experts' optimizer state priced as sharded over all of dp."""
+    options["expert_parallel"] = 1
+    return expert_parallel_state_bytes(dense, experts // 2, **options)
+
+
 def _check_expert_parallel(rank: int, world_size: int) -> None:
     from tests.interop.test_hf_moe import _planted, _within
     from tests.support.hf_moe_equivalence import moe_step_differences
@@ -76,6 +114,9 @@ def _check_expert_parallel(rank: int, world_size: int) -> None:
     # top-1 over tied routers: expert 3, alone on ep rank 3, gets no token
     found = moe_step_differences("mixtral", pp=1, dp=4, ep=4, top_k=1, ties=True)
     assert _within(found), found
+    ratio = _state_bytes_against_accounting()
+    assert abs(ratio - 1) <= 0.02, ratio
+    assert abs(_state_bytes_against_accounting(_experts_sharded_over_dp) - 1) > 0.02
     with _planted("wrong expert in the combine"):
         found = moe_step_differences("mixtral", pp=1, dp=4, ep=2)
     assert not _within(found), found
@@ -96,5 +137,7 @@ def test_expert_parallel_steps_equal_hf() -> None:
     group, dense ones over dp): loss, gradients (each rank's
     expert shard against HF's rows) and weights after a step (gathered back to HF names)
     within 1e-5 of HF's; an idle expert alone on its rank; planted wrong experts (in the
-    expert computation, and in regrouping the received rows) fail."""
+    expert computation, and in regrouping the received rows) fail. Counted expert + dense
+    model-state bytes per rank (Adam, ZeRO-1) within 2 % of the accounting's prediction,
+    which fails when it shards the experts' state over all of dp."""
     run_ranks(_check_expert_parallel, 4, timeout=400)
