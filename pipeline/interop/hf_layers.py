@@ -393,8 +393,8 @@ def _default_attention(config: Any) -> str:
     return "sdpa" if getattr(pretrained, "_supports_sdpa", True) else "eager"
 
 
-def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = None
-                   ) -> HFLayers:
+def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = None,
+                   expert_parallel: int = 1) -> HFLayers:
     """A HF causal LM (a model, or a config to build from) as pipeline layers.
 
     From a config, every layer is a spec: a rank builds only the layers of its own stages
@@ -404,7 +404,8 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
     Inputs are ``input_ids`` or ``(input_ids, attention_mask)``; targets come from
     `causal_lm_targets`. Mixture-of-experts families come from their config only
     (`pipeline.interop.hf_moe.moe_layers_from_hf`); load a model's weights with
-    ``load_hf_weights(module, hf, model.state_dict())``.
+    ``load_hf_weights(module, hf, model.state_dict())``; `expert_parallel` (the engine's
+    ep) is checked against their experts.
     """
     transformers = _import_transformers()
     model: Any = model_or_config if isinstance(model_or_config, nn.Module) else None
@@ -420,7 +421,8 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
                 "model.state_dict())")
         moe = importlib.import_module("pipeline.interop.hf_moe")
         built: HFLayers = moe.moe_layers_from_hf(config,
-                                                 attn_implementation=attn_implementation)
+                                                 attn_implementation=attn_implementation,
+                                                 expert_parallel=expert_parallel)
         return built
     _check_supported(config)
     if model is None:

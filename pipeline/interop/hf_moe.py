@@ -38,6 +38,7 @@ from pipeline.interop.hf_recompute import mark_attention_cores
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.moe.balance_loss import BalanceLoss
+from pipeline.moe.expert_parallel import expert_parallel_problem
 from pipeline.moe.layer import MoEFeedForward, RouterConfig
 from pipeline.runtime.loss_normalization import SummedLoss, token_cross_entropy
 
@@ -210,12 +211,16 @@ def _is_sparse(config: Any, index: int) -> bool:
     return index not in config.mlp_only_layers and (index + 1) % config.decoder_sparse_step == 0
 
 
-def _check(config: Any) -> RouterConfig:
-    """Refuse what would silently differ from HF, before any rank builds anything."""
+def _check(config: Any, expert_parallel: int) -> RouterConfig:
+    """Refuse what would silently differ from HF, or could not be split, before any rank
+    builds anything."""
     try:
         routing = router_config(config)
     except ValueError as error:
         raise PipelineConfigError(f"{config.model_type}: {error}") from error
+    problem = expert_parallel_problem(routing.num_experts, routing.top_k, expert_parallel)
+    if problem is not None:
+        raise PipelineConfigError(f"{config.model_type}: {problem}")
     if getattr(config, "output_router_logits", False):
         noisy = {name: getattr(config, name, 0.0) or 0.0
                  for name in ("router_jitter_noise", "attention_dropout")}
@@ -228,15 +233,17 @@ def _check(config: Any) -> RouterConfig:
     return routing
 
 
-def moe_layers_from_hf(config: Any, *, attn_implementation: str | None = None) -> HFLayers:
+def moe_layers_from_hf(config: Any, *, attn_implementation: str | None = None,
+                       expert_parallel: int = 1) -> HFLayers:
     """A HF MoE causal LM's config as pipeline layers (every layer a spec; load weights
-    with `pipeline.interop.hf_weights.load_hf_weights`).
+    with `pipeline.interop.hf_weights.load_hf_weights`). `expert_parallel`: the engine's
+    ep, checked here against the experts so a bad one fails before ranks start.
 
     When the config sets ``output_router_logits``, the result's ``balance`` adds HF's
     load-balancing loss (``router_aux_loss_coef`` times it): train with
     `pipeline.moe.balance_loss.train_batch_balanced(engine, hf.balance, inputs, targets)`.
     """
-    routing = _check(config)
+    routing = _check(config, expert_parallel)
     config = copy.deepcopy(config)
     pretrained = _class(config, "PreTrainedModel")
     config._attn_implementation = (attn_implementation or config._attn_implementation

@@ -36,6 +36,12 @@ def test_top_k_above_the_experts_is_one_line_before_any_rank() -> None:
         layers_from_hf(config)
 
 
+def test_ep_not_dividing_the_experts_is_one_line_before_any_rank() -> None:
+    with pytest.raises(PipelineConfigError, match=r"expert_parallel=3 must divide the 4 "
+                                                  r"experts.*\[1, 2, 4\]"):
+        layers_from_hf(tiny_moe_config("qwen3_moe"), expert_parallel=3)
+
+
 def test_router_jitter_with_the_balancing_loss_is_refused() -> None:
     config = tiny_moe_config("mixtral")
     config.router_jitter_noise = 0.1
