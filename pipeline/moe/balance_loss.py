@@ -67,11 +67,14 @@ class BalanceLoss:
         self._rows.zero_()
         self.phase = "census"
 
-    def finish_census(self, replicas: int, num_microbatches: int) -> None:
-        """Sum T and R over every rank (each layer of each replica counted once), then fix
-        the scale of each layer's share for the training forward."""
-        totals = torch.cat([self._counts, self._rows.reshape(1)]).double()
+    def finish_census(self, replicas: int, num_microbatches: int,
+                      device: torch.device | None = None) -> None:
+        """Sum T and R over every rank (each layer of each replica counted once; on
+        `device`, where the default group's backend needs it), then fix the scale of each
+        layer's share for the training forward."""
+        totals = torch.cat([self._counts, self._rows.reshape(1)]).double().to(device)
         dist.all_reduce(totals)
+        totals = totals.cpu()
         self._counts = totals[:-1].float()
         rows = float(totals[-1])
         if rows <= 0:
@@ -92,7 +95,7 @@ def _balanced(run: Callable[..., Any], engine: Any, balance: BalanceLoss | None,
     balance.begin_census()
     try:
         engine.eval_batch(inputs)
-        balance.finish_census(engine.topology.dp, engine.num_microbatches)
+        balance.finish_census(engine.topology.dp, engine.num_microbatches, engine.device)
         return run(inputs, targets)
     finally:
         balance.end_step()
