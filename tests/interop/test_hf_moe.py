@@ -104,10 +104,10 @@ def _planted(bug: str | None) -> Iterator[None]:
 
 def _check_equivalence(rank: int, world_size: int) -> None:
     torch.set_num_threads(1)
-    for family, pp, dp in (("mixtral", 2, 1), ("qwen2_moe", 2, 1), ("qwen2_moe", 1, 2),
-                           ("qwen3_moe", 2, 1)):
-        found = moe_step_differences(family, pp=pp, dp=dp)
-        assert _within(found), (family, pp, dp, found)
+    for family, pp, dp, tied in (("mixtral", 2, 1, False), ("qwen2_moe", 2, 1, False),
+                                 ("qwen2_moe", 1, 2, False), ("qwen3_moe", 2, 1, True)):
+        found = moe_step_differences(family, pp=pp, dp=dp, tied=tied)
+        assert _within(found), (family, pp, dp, tied, found)
     # padding: counted in neither the language-model loss nor the balancing loss
     found = moe_step_differences("mixtral", pp=2, dp=1, padded=True)
     assert _within(found), found
@@ -126,9 +126,9 @@ def _check_equivalence(rank: int, world_size: int) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_moe_families_step_as_hf_and_planted_bugs_fail() -> None:
-    """Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE at pp=2, Qwen2-MoE at dp=2 (the
-    balancing loss spans both replicas' tokens): loss with the balancing loss, every reduced
-    gradient and every weight after one SGD step within 1e-5 of HF's step on the whole
-    batch; a padded batch; routing with ties and an expert that gets no token; the two
-    planted bugs fail."""
+    """Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE (tied embeddings) at pp=2, Qwen2-MoE
+    at dp=2 (the balancing loss spans both replicas' tokens): loss with the balancing loss,
+    every reduced gradient and every weight after one SGD step within 1e-5 of HF's step on
+    the whole batch; a padded batch; routing with ties and an expert that gets no token; the
+    two planted bugs fail."""
     run_ranks(_check_equivalence, 2, timeout=300)

@@ -39,6 +39,7 @@ def _hf_step(model: Any, ids: torch.Tensor, mask: torch.Tensor | None,
 
 def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bool = False,
                          top_k: int = 2, ties: bool = False, padded: bool = False,
+                         tied: bool = False,
                          **engine: Any) -> dict[str, Any]:
     """On every rank: the pipelined step (SGD, 4 microbatches per replica, 1F1B) of the tiny
     `family` model against HF's on the concatenated batch of all replicas.
@@ -47,13 +48,13 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
     parameters, over every rank) and HF's router logits ``routes`` (for the case's own
     checks of ties and idle experts). `padded`: right-padded rows with their attention mask,
     the token-summed loss (padding counts in neither loss, as in HF)."""
-    hf_model = tiny_moe_model(family, seed=3, top_k=top_k)
+    hf_model = tiny_moe_model(family, seed=3, top_k=top_k, tied=tied)
     if ties:
         plant_ties_and_an_idle_expert(hf_model)
     ids, mask = token_batch(8 * dp, 8, seed=2, padded=padded)
     labels = causal_lm_targets(ids, mask if padded else None)
     replica = dist.get_rank() % dp  # Topology: rank = pp_rank · dp + dp_rank
-    hf = layers_from_hf(tiny_moe_config(family, top_k=top_k))
+    hf = layers_from_hf(tiny_moe_config(family, top_k=top_k, tied=tied))
     module = PipelineModule(hf.layers, num_stages=pp,
                             loss_fn=hf.summed_loss if padded else hf.loss_fn,
                             partition_method="uniform")
