@@ -19,10 +19,10 @@ TOP_LEVEL: dict[str, frozenset[str]] = {
     "pipeline": frozenset({"schedules", "partition", "viz"}),
 }
 # pipeline's rooms, lowest first: cli -> demo -> rehearsal -> planner -> interop -> runtime ->
-# checkpoint -> model -> parallel -> launcher -> supervision -> the shared leaves
+# moe -> checkpoint -> model -> parallel -> launcher -> supervision -> the shared leaves
 # (pipeline/*.py: errors, device, limits, files).
-ROOMS = ("", "supervision", "launcher", "parallel", "model", "checkpoint", "runtime", "interop",
-         "planner", "rehearsal", "demo", "cli")
+ROOMS = ("", "supervision", "launcher", "parallel", "model", "checkpoint", "moe", "runtime",
+         "interop", "planner", "rehearsal", "demo", "cli")
 
 
 def _imports(path: Path, *, runtime_only: bool = False) -> list[str]:

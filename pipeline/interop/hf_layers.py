@@ -6,7 +6,8 @@ embeddings, LayerNorm blocks, lm_head always tied to ``wte``) and the Llama shap
 (scaled by sqrt(hidden) for Gemma), rotary positions (one per layer type for Gemma 3), RMSNorm
 blocks, sliding-window layers where the config says so, lm_head tied when
 ``tie_word_embeddings``, logits soft-capped when ``final_logit_softcapping`` is set).
-Mixture-of-experts families are refused (see `layers_from_hf`). Needs ``transformers``
+Mixture-of-experts families (``mixtral``, ``qwen2_moe``, ``qwen3_moe``) are built by
+`pipeline.interop.hf_moe`; other MoE families are refused. Needs ``transformers``
 (``pip install pipesched[hf]``, tested from 5.9 to 5.24); the core never imports it.
 
 Legend of the value between stages: ``(hidden, position_ids)`` or, when the inputs came as
@@ -34,6 +35,7 @@ from pipeline.interop.hf_decoding import LayerCache, cache_argument, decoding_ma
 from pipeline.interop.hf_recompute import mark_attention_cores
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
+from pipeline.moe.balance_loss import BalanceLoss
 from pipeline.runtime.loss_normalization import SummedLoss, token_cross_entropy
 
 __all__ = ["IGNORE_INDEX", "HFLayers", "causal_lm_loss", "causal_lm_targets", "layers_from_hf"]
@@ -67,7 +69,9 @@ _LLAMA_SHAPED = {
                            rotary_per_layer_type=True)}
 """model_type -> its family's classes."""
 SUPPORTED = ("gpt2", *_LLAMA_SHAPED)
-_SLIDING_BY_CONFIG = ("mistral", "phi3")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""Mixture-of-experts model types, built by `pipeline.interop.hf_moe`."""
+_SLIDING_BY_CONFIG = ("mistral", "phi3", "mixtral")
 """Families whose every layer slides when ``sliding_window`` is set (no ``layer_types``)."""
 
 
@@ -77,8 +81,9 @@ class HFLayers:
 
     layers: list[Layer]
     """Pass to `PipelineModule(layers, ...)`: embedding, blocks, final norm, lm_head."""
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    """HF's shifted causal-LM loss (mean over tokens whose label is not -100)."""
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+    """HF's shifted causal-LM loss (mean over tokens whose label is not -100; MoE
+    families: of (logits, balance), adding the carried load-balancing loss)."""
     names: tuple[tuple[str, str], ...]
     """Per layer: (prefix of its parameter names here, prefix of the same names in HF's
     state dict), e.g. ``("layer.", "model.layers.3.")``."""
@@ -88,6 +93,10 @@ class HFLayers:
     """The same loss summed over tokens with their count: with
     `pipeline.runtime.loss_normalization.normalized_train_batch` the loss of a padded batch
     is weighted by tokens over microbatches and replicas, as HF computes it on the batch."""
+    balance: BalanceLoss | None = None
+    """Mixture-of-experts families with ``output_router_logits``: HF's router
+    load-balancing loss, added to the loss when the step runs through
+    `pipeline.moe.balance_loss.train_batch_balanced` (None: the family adds none)."""
 
     def hf_name(self, layer: int, name: str) -> str:
         """The HF state-dict key of parameter `name` of global layer `layer`."""
@@ -359,11 +368,9 @@ def _check_supported(config: Any) -> None:
     experts = _experts(config)
     if experts > 1:
         raise PipelineConfigError(
-            f"layers_from_hf refuses mixture-of-experts model type {config.model_type!r} "
-            f"({experts} experts): HF adds its routers' auxiliary load-balancing loss, "
-            "computed over every layer's router logits at once, to the language-model loss "
-            "(output_router_logits=True), and the pipeline carries no router logits between "
-            "stages, so training would silently differ; covered dense types: "
+            f"layers_from_hf covers the mixture-of-experts model types {', '.join(MOE)}, "
+            f"not {config.model_type!r} ({experts} experts): its router, expert layout and "
+            "load-balancing loss are not mapped; covered dense types: "
             f"{', '.join(SUPPORTED)}")
     if config.model_type == "gemma3":
         raise PipelineConfigError(
@@ -386,8 +393,8 @@ def _default_attention(config: Any) -> str:
     return "sdpa" if getattr(pretrained, "_supports_sdpa", True) else "eager"
 
 
-def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = None
-                   ) -> HFLayers:
+def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = None,
+                   expert_parallel: int = 1) -> HFLayers:
     """A HF causal LM (a model, or a config to build from) as pipeline layers.
 
     From a config, every layer is a spec: a rank builds only the layers of its own stages
@@ -395,8 +402,10 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
     the layers are the model's own modules (every rank already holds the whole model). The
     input embedding and lm_head are one `TiedLayerSpec` key when the config ties them.
     Inputs are ``input_ids`` or ``(input_ids, attention_mask)``; targets come from
-    `causal_lm_targets`. Mixture-of-experts configs are refused (their router loss spans
-    all layers).
+    `causal_lm_targets`. Mixture-of-experts families come from their config only
+    (`pipeline.interop.hf_moe.moe_layers_from_hf`); load a model's weights with
+    ``load_hf_weights(module, hf, model.state_dict())``; `expert_parallel` (the engine's
+    ep) is checked against their experts.
     """
     transformers = _import_transformers()
     model: Any = model_or_config if isinstance(model_or_config, nn.Module) else None
@@ -404,6 +413,17 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
     if not isinstance(config, transformers.PretrainedConfig):
         raise TypeError(f"layers_from_hf needs a transformers model or config, got "
                         f"{type(model_or_config).__name__}")
+    if config.model_type in MOE:
+        if model is not None:
+            raise PipelineConfigError(
+                f"layers_from_hf builds {config.model_type!r} from its config only (its MoE "
+                "layers replace HF's): pass model.config, then load_hf_weights(module, hf, "
+                "model.state_dict())")
+        moe = importlib.import_module("pipeline.interop.hf_moe")
+        built: HFLayers = moe.moe_layers_from_hf(config,
+                                                 attn_implementation=attn_implementation,
+                                                 expert_parallel=expert_parallel)
+        return built
     _check_supported(config)
     if model is None:
         config = copy.deepcopy(config)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_layers import HFLayers
 from pipeline.model.module import PipelineModule
+from pipeline.parallel.param_marks import expert_shard
 
 __all__ = ["gather_hf_state_dict", "hf_state_dict", "load_hf_weights", "read_hf_tensors",
            "save_hf_checkpoint"]
@@ -70,6 +71,9 @@ def _load_now(module: PipelineModule, hf: HFLayers, source: WeightSource) -> lis
     with torch.no_grad():
         for ((layer, name), param), key in zip(held, keys):
             value = tensors[key]
+            shard = expert_shard(param)
+            if shard is not None:  # an expert-parallel shard: its experts of the whole layer
+                value = value[shard[0]:shard[0] + param.shape[0]]
             if tuple(value.shape) != tuple(param.shape):
                 problems.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, "
                                 f"{tuple(param.shape)} in layer {layer} ({name})")
@@ -97,7 +101,8 @@ def load_hf_weights(module: PipelineModule, hf: HFLayers, source: WeightSource) 
 
 
 def hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torch.Tensor]:
-    """This rank's parameters under their HF names (detached CPU copies)."""
+    """This rank's parameters under their HF names (detached CPU copies; an expert-parallel
+    shard holds only this rank's experts: `gather_hf_state_dict` joins them)."""
     return {hf.hf_name(layer, name): param.detach().cpu().clone()
             for (layer, name), param in module.named_layer_parameters()}
 
@@ -108,9 +113,21 @@ def gather_hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torc
     A tied lm_head appears under ``lm_head.weight`` too, as ``hf_model.state_dict()`` has
     it, so ``hf_model.load_state_dict(gather_hf_state_dict(...))`` loads strictly.
     """
+    shards = {hf.hf_name(layer, name): shard
+              for (layer, name), param in module.named_layer_parameters()
+              if (shard := expert_shard(param)) is not None}
     parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, hf_state_dict(module, hf))
-    merged = {key: value for part in parts for key, value in part.items()}
+    dist.all_gather_object(parts, (hf_state_dict(module, hf), shards))
+    merged: dict[str, torch.Tensor] = {}
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    for state, starts in parts:
+        for key, value in state.items():
+            if key in starts:  # expert-parallel shards: experts in order along dim 0
+                pieces.setdefault(key, {})[starts[key][0]] = value
+            else:
+                merged[key] = value
+    for key, by_first in pieces.items():
+        merged[key] = torch.cat([by_first[first] for first in sorted(by_first)])
     tied_key = hf.names[-1][1] + "weight"
     if tied_key != "lm_head.weight" and tied_key in merged:
         merged["lm_head.weight"] = merged[tied_key]

@@ -90,6 +90,26 @@ def _overlap_param_gather_problem(value: object, zero_stage: object) -> str | No
     return None
 
 
+def _expert_parallel_problem(config: ParallelConfig) -> str | None:
+    ep = config.expert_parallel
+    problem = count_problem("expert_parallel", ep)
+    if problem is not None or ep == 1:
+        return problem
+    dp = config.data_parallel
+    if dp is not None and dp % ep:
+        return (f"expert_parallel={ep} must divide data_parallel={dp} (the experts are split "
+                f"over dp replicas); choose among {[k for k in range(1, dp + 1) if dp % k == 0]}")
+    unsupported = {"tensor_parallel > 1": config.tensor_parallel > 1,
+                   "gradient_clipping": config.gradient_clipping is not None,
+                   "overlap_param_gather": config.overlap_param_gather}
+    named = [name for name, present in unsupported.items() if present]
+    if named:
+        return (f"expert_parallel={ep} does not run with {', '.join(named)} yet (the norm over "
+                "expert shards and their overlapped gathers are not built); drop them or use "
+                "expert_parallel=1")
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How the engine trains beyond the pipeline itself. Every field is checked here, once,
@@ -101,6 +121,10 @@ class ParallelConfig:
     tensor_parallel: int = 1
     """Ranks splitting each stage's tensors (tp); the model's layers must be tensor-parallel
     layers (e.g. `LayerSpec(ColumnParallelLinear, ...)`) to gain from it."""
+    expert_parallel: int = 1
+    """Ranks splitting each MoE layer's experts (ep), carved from dp: ep consecutive
+    replicas exchange tokens by all-to-all (`pipeline.moe.expert_parallel`); ep must divide
+    data_parallel and every MoE layer's expert count."""
     zero_stage: ZeroStage = ZeroStage.DISABLED
     """`ZeroStage.OPTIMIZER_STATE` shards optimizer state over dp (ZeRO-1); the ints 0 and 1
     are accepted and converted."""
@@ -160,6 +184,7 @@ class ParallelConfig:
             _overlap_param_gather_problem(self.overlap_param_gather, self.zero_stage),
             None if isinstance(self.broadcast_buffers, bool) else
             f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}",
+            _expert_parallel_problem(self),
         ]
         zero = _zero_stage_problem(self.zero_stage)
         found = [problem for problem in (*problems, zero) if problem is not None]

@@ -43,6 +43,11 @@ class ProcessGroups:
     """Every rank: the fp16 overflow vote and ZeRO gradient norms span it."""
     mesh: DeviceMesh | None
     """The ("pp", "dp", "tp") DeviceMesh when groups were built on one, else None."""
+    ep_group: ProcessGroup | None = None
+    """The replicas splitting this stage's experts (all-to-all); None when ep = 1."""
+    expert_dp_group: ProcessGroup | None = None
+    """The replicas holding this rank's experts (their gradients' reduction); None when
+    ep = 1 (then it is dp_group)."""
 
     @property
     def rank(self) -> int:
@@ -93,10 +98,16 @@ def create_process_groups(topology: Topology, *, use_device_mesh: bool = True) -
     world_group = dist.group.WORLD
     if world_group is None:  # only when the default group was destroyed meanwhile
         raise RuntimeError("the default process group disappeared while creating groups")
+    ep_group = expert_dp_group = None
+    if topology.ep > 1:
+        ep_group = _own_group(topology.all_ep_groups(), position.ep_group)
+        expert_dp_group = _own_group(topology.all_expert_dp_groups(),
+                                     position.expert_dp_group)
     groups = ProcessGroups(topology=topology, position=position, pp_group=pp_group,
                            dp_group=dp_group, tp_group=tp_group,
                            model_parallel_group=model_parallel_group,
-                           world_group=world_group, mesh=mesh)
+                           world_group=world_group, mesh=mesh, ep_group=ep_group,
+                           expert_dp_group=expert_dp_group)
     _check_members(groups)
     return groups
 

@@ -1,4 +1,5 @@
-"""The pp × dp × tp process grid as one immutable value (tp innermost, pp outermost).
+"""The pp × dp × tp process grid as one immutable value (tp innermost, pp outermost), with
+expert parallelism (ep) carved from each stage's data-parallel ranks.
 
 Pure Python: the same value names every rank's neighbours and groups before any process
 group exists, so configuration errors surface before processes start.
@@ -34,6 +35,14 @@ class RankPosition:
     """Ranks holding the same stage and tensor shard: gradients are reduced over them."""
     tp_group: tuple[int, ...]
     """Ranks that split this stage's tensors."""
+    ep_rank: int = 0
+    """Which 1/ep of each MoE layer's experts this rank holds (dp_rank mod ep)."""
+    ep_group: tuple[int, ...] = ()
+    """The ep consecutive dp replicas that split the experts between them: tokens are
+    dispatched and combined over them (all-to-all)."""
+    expert_dp_group: tuple[int, ...] = ()
+    """Ranks holding the same experts (same ep_rank, dp / ep of them): expert gradients are
+    reduced over them only."""
 
 
 @dataclass(frozen=True)
@@ -47,12 +56,21 @@ class Topology:
     pp: int
     dp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert parallelism: each stage's dp replicas form dp / ep groups of ep consecutive
+    replicas that split every MoE layer's experts (ep divides dp; DeepSpeed-MoE and
+    Megatron-Core carve it from dp the same way)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp"):
+        for name in ("pp", "dp", "tp", "ep"):
             problem = count_problem(name, getattr(self, name))
             if problem is not None:
                 raise TopologyError(problem)
+        if self.dp % self.ep:
+            raise TopologyError(
+                f"expert parallelism ep={self.ep} must divide data parallelism dp={self.dp} "
+                f"(the experts are split over dp replicas); choose ep among "
+                f"{[k for k in range(1, self.dp + 1) if self.dp % k == 0]}")
 
     @property
     def world_size(self) -> int:
@@ -75,12 +93,18 @@ class Topology:
         tp_rank = rank % self.tp
         dp_rank = (rank // self.tp) % self.dp
         pp_rank = rank // (self.tp * self.dp)
+        ep_rank, first_replica = dp_rank % self.ep, dp_rank - dp_rank % self.ep
         return RankPosition(
             rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
             is_first_stage=pp_rank == 0, is_last_stage=pp_rank == self.pp - 1,
             pipeline_ranks=tuple(self.rank_of(k, dp_rank, tp_rank) for k in range(self.pp)),
             dp_group=tuple(self.rank_of(pp_rank, d, tp_rank) for d in range(self.dp)),
             tp_group=tuple(self.rank_of(pp_rank, dp_rank, t) for t in range(self.tp)),
+            ep_rank=ep_rank,
+            ep_group=tuple(self.rank_of(pp_rank, first_replica + e, tp_rank)
+                           for e in range(self.ep)),
+            expert_dp_group=tuple(self.rank_of(pp_rank, d, tp_rank)
+                                  for d in range(ep_rank, self.dp, self.ep)),
         )
 
     def all_dp_groups(self) -> list[tuple[int, ...]]:
@@ -92,6 +116,17 @@ class Topology:
         """Every tensor-parallel group, in a fixed order."""
         return [self.position(self.rank_of(k, d, 0)).tp_group
                 for k in range(self.pp) for d in range(self.dp)]
+
+    def all_ep_groups(self) -> list[tuple[int, ...]]:
+        """Every expert-parallel group, in a fixed order."""
+        return [self.position(self.rank_of(k, d, t)).ep_group
+                for k in range(self.pp) for t in range(self.tp)
+                for d in range(0, self.dp, self.ep)]
+
+    def all_expert_dp_groups(self) -> list[tuple[int, ...]]:
+        """Every expert-data-parallel group, in a fixed order."""
+        return [self.position(self.rank_of(k, e, t)).expert_dp_group
+                for k in range(self.pp) for t in range(self.tp) for e in range(self.ep)]
 
     def all_pipeline_groups(self) -> list[tuple[int, ...]]:
         """Every pipeline (pp) group, in a fixed order."""

@@ -173,22 +173,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
             id(param): [(key, b) for b in region.layout.buckets_of(offset, param.numel())]
             for key, region in self._regions.items()
             for param, offset in zip(region.params, region.offsets)}
-        params = [param for region in self._regions.values() for param in region.params]
+        params = self.model_parameters()
         self.optimizer = build_optimizer(optimizer_factory, params)
         """The user's optimizer, its groups holding this rank's shard pieces."""
-        carry_groups(self.optimizer, [piece for region in self._regions.values()
-                                      for piece in region.pieces], params)
-        # torch.optim.Optimizer's surface, shared with the inner optimizer (its __init__
-        # would rebuild the groups): LR schedulers write `lr` into the inner's own groups
-        self.defaults = self.optimizer.defaults
-        self.state = self.optimizer.state
-        self.param_groups = self.optimizer.param_groups
+        carry_groups(self.optimizer, self.shard_pieces(), params)
+        self.share_surface(self.optimizer)
+
+    def share_surface(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take `optimizer`'s torch.optim.Optimizer surface as this one's (its __init__ would
+        rebuild the groups): LR schedulers write `lr` into the inner's own groups."""
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.state = optimizer.state
+        self.param_groups = optimizer.param_groups
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         self._optimizer_state_dict_pre_hooks = OrderedDict()
         self._optimizer_state_dict_post_hooks = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    def model_parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's model parameters held here, in region order (what the factory gets)."""
+        return [param for region in self._regions.values() for param in region.params]
+
+    def shard_pieces(self) -> list[ShardPiece]:
+        """Where each of them meets this rank's shard (what the inner optimizer steps)."""
+        return [piece for region in self._regions.values() for piece in region.pieces]
 
     # -- the reducer role -------------------------------------------------------------------
 
@@ -250,6 +261,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # buffer would race the update
         self.param_gather.wait()
         self.optimizer.step()
+        self.publish()
+
+    def publish(self) -> None:
+        """After the inner optimizer stepped the masters: copy them into the parameters'
+        own shards (half parameters) and launch the all-gather of the updated parameters."""
         for region in self._regions.values():
             if not _aliases(region.master, region.flat_param):
                 region.layout.shard(region.flat_param, self.dp_rank).copy_(

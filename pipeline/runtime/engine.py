@@ -18,6 +18,7 @@ from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, 
 from pipeline.device import default_device, synchronize
 from pipeline.errors import NonFiniteError, PipelineConfigError, PipelineStepError
 from pipeline.model.module import PipelineModule
+from pipeline.moe.expert_parallel import parallelize_experts
 from pipeline.parallel.data_parallel import GradReducer, broadcast_buffers
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
 from pipeline.parallel.local_p2p import open_local_link
@@ -135,6 +136,8 @@ class PipelineEngine:
         self.groups = groups
         """pp/dp/tp process groups (None for a pure pipeline: the world is the pipeline)."""
         module.materialize(self.schedule.stages_of(self.pp_rank), self.device, groups=groups)
+        if topology.ep > 1 and groups is not None:  # each MoE layer keeps its 1/ep experts
+            parallelize_experts(module, groups)
         # over the world (not the pipeline group): STEP's vote spans every rank
         local = open_local_link(None, self.config.timeout) \
             if self.config.local_p2p and self.device.type == "cpu" else None
@@ -447,6 +450,11 @@ class PipelineEngine:
         return info
 
     def _checkpoint_parts(self) -> CheckpointParts:
+        if self.topology.ep > 1:  # the same on every rank: all refuse before any message
+            raise PipelineConfigError(
+                f"engine checkpoints do not hold expert-parallel shards yet (ep="
+                f"{self.topology.ep}): export with pipeline.interop.hf_weights."
+                "save_hf_checkpoint (it gathers every expert), or train with ep=1")
         optimizer: Any = self.optimizer
         regions = (zero_regions(self.module, self.training.tied)
                    if isinstance(optimizer, ShardedOptimizer) else None)

@@ -34,6 +34,12 @@ from pipeline.parallel.data_parallel import (
     broadcast_parameters,
     make_grad_reducer,
 )
+from pipeline.parallel.expert_reduction import (
+    ExpertSplitReducer,
+    broadcast_split,
+    split_expert_parameters,
+)
+from pipeline.parallel.expert_zero import ExpertShardedOptimizer
 from pipeline.parallel.groups import ProcessGroups, check_world_size
 from pipeline.parallel.local_p2p import LocalLink
 from pipeline.parallel.optimizer import OptimizerFactory, make_optimizer
@@ -78,15 +84,19 @@ def resolve_topology(world_size: int, num_stages: int, topology: Topology | None
                     f"tensor_parallel={tp}; launch a multiple of {pp * tp} ranks or change "
                     f"num_stages / tensor_parallel")
             dp = world_size // (pp * tp)
-        topology = Topology(pp, dp, tp)  # sizes are checked ints >= 1 (ParallelConfig)
+        try:  # sizes are checked ints >= 1 (ParallelConfig); ep must divide dp
+            topology = Topology(pp, dp, tp, config.expert_parallel)
+        except TopologyError as error:
+            raise PipelineConfigError(str(error)) from error
     else:
         asked = {"num_stages": (topology.pp, pp), "data_parallel": (topology.dp,
                                                                     config.data_parallel),
-                 "tensor_parallel": (topology.tp, tp)}
+                 "tensor_parallel": (topology.tp, tp),
+                 "expert_parallel": (topology.ep, config.expert_parallel)}
         clashes = [f"{name}={mine} but the topology has {theirs}"
                    for name, (theirs, mine) in asked.items()
-                   if mine is not None and mine != theirs and not (name == "tensor_parallel"
-                                                                   and mine == 1)]
+                   if mine is not None and mine != theirs and not (
+                       name in ("tensor_parallel", "expert_parallel") and mine == 1)]
         if clashes:
             raise PipelineConfigError(f"topology {topology} disagrees with the arguments: "
                                       f"{'; '.join(clashes)}; pass only one of them")
@@ -141,7 +151,10 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
         tied = TiedWeightSynchronizer(module.tied_parameters(),
                                       create_tied_groups(topology, owners))
     # 2. One starting value: dp replicas copy dp rank 0, tied copies their primary owner.
-    if groups is not None:
+    expert_dp_group = None if groups is None else groups.expert_dp_group
+    if groups is not None and expert_dp_group is not None:
+        broadcast_split(params, groups.dp_group, expert_dp_group)
+    elif groups is not None:
         broadcast_parameters(params, groups.dp_group)
     if tied is not None:
         tied.broadcast_initial()
@@ -171,6 +184,9 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
         built = make_optimizer(optimizer, params)
         if config.overlap_grad_reduce and isinstance(reducer, BucketedGradReducer):
             _watch_stages(reducer, module, tied)
+        if expert_dp_group is not None and gradient_reducer is None:
+            reducer = ExpertSplitReducer(reducer, expert_dp_group, topology.ep,
+                                         bucket_mb=config.bucket_mb)
         view = ReplicatedGrads(params, None if groups is None
                                else groups.model_parallel_group, tp_rank)
     if tied is not None:
@@ -193,9 +209,9 @@ def _watch_stages(reducer: BucketedGradReducer, module: PipelineModule,
     """DDP's overlap: each stage's buckets launch from its last backward's gradient hooks
     (tied weights excepted: they are reduced at STEP, after their owners' sum)."""
     tied_ids = {id(p) for p in tied.params} if tied is not None else set()
-    for stage in module.stages:
-        reducer.watch(int(stage), [p for p in module.stage_parameters(int(stage))
-                                   if id(p) not in tied_ids])
+    for stage in module.stages:  # expert shards are not the dp reducer's (ExpertSplitReducer)
+        dense, _ = split_expert_parameters(module.stage_parameters(int(stage)))
+        reducer.watch(int(stage), [p for p in dense if id(p) not in tied_ids])
 
 
 def _sharded_optimizer(module: PipelineModule, tied: TiedWeightSynchronizer | None,
@@ -203,6 +219,11 @@ def _sharded_optimizer(module: PipelineModule, tied: TiedWeightSynchronizer | No
                        config: ParallelConfig) -> ShardedOptimizer:
     """ZeRO-1 over the dp group, one region per stage (tied weights in their own region,
     reduced after the owners' sum)."""
+    if groups.expert_dp_group is not None:  # expert states over their own group
+        return ExpertShardedOptimizer(zero_regions(module, tied),
+                                      lambda params: factory(cast(list[nn.Parameter], params)),
+                                      groups.dp_group, groups.expert_dp_group,
+                                      groups.topology.ep, bucket_mb=config.bucket_mb)
     # the factory gets this rank's model parameters; its groups are carried onto the shards
     sharded = ShardedOptimizer(zero_regions(module, tied),
                                lambda params: factory(cast(list[nn.Parameter], params)),

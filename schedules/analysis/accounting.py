@@ -22,8 +22,8 @@ from schedules.ir.instructions import Kind
 from schedules.ir.schedule import Schedule
 
 __all__ = ["AttentionKind", "HeldTrace", "ParameterBytes", "Precision", "RecomputeKind",
-           "StreamPeak", "held_peaks", "layer_activation_bytes", "model_state_bytes",
-           "stage_activation_bytes", "stream_peak"]
+           "StreamPeak", "expert_parallel_state_bytes", "held_peaks", "layer_activation_bytes",
+           "model_state_bytes", "stage_activation_bytes", "stream_peak"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 RecomputeKind = Literal["none", "selective", "full"]
@@ -83,6 +83,27 @@ def model_state_bytes(precision: Precision = "fp32", *, zero_stage: int = 0,
     sharded += 4.0 * (optimizer_factor - 2.0)  # the table's Adam moments are 8 of it
     return ParameterBytes(parameters, gradients,
                            sharded / data_parallel if zero_stage == 1 else sharded)
+
+
+def expert_parallel_state_bytes(dense_parameters: int, expert_parameters: int, *,
+                                expert_parallel: int, data_parallel: int,
+                                precision: Precision = "fp32", zero_stage: int = 0,
+                                optimizer_factor: float = 2.0) -> float:
+    """Model-state bytes of one rank whose stages hold `dense_parameters` (replicated over
+    the d data-parallel replicas) and MoE layers of `expert_parameters` experts' weights in
+    all, split over e = `expert_parallel` of those replicas: it holds 1/e of the experts,
+    each replicated over d / e ranks, and ZeRO-1 shards each part's optimizer state over its
+    own group (dense over d, experts over d / e)."""
+    if isinstance(expert_parallel, bool) or not isinstance(expert_parallel, int) \
+            or expert_parallel < 1 or data_parallel % expert_parallel:
+        raise ScheduleConfigError(f"expert_parallel must be an int >= 1 dividing "
+                                  f"data_parallel={data_parallel}, got {expert_parallel!r}")
+    dense = model_state_bytes(precision, zero_stage=zero_stage, data_parallel=data_parallel,
+                              optimizer_factor=optimizer_factor)
+    experts = model_state_bytes(precision, zero_stage=zero_stage,
+                                data_parallel=data_parallel // expert_parallel,
+                                optimizer_factor=optimizer_factor)
+    return dense_parameters * dense.total + expert_parameters / expert_parallel * experts.total
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, *,

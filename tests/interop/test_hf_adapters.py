@@ -62,15 +62,13 @@ def test_unsupported_model_type_names_the_covered_ones() -> None:
         layers_from_hf(config)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_mixture_of_experts_is_refused_naming_the_router_loss(family: str) -> None:
+def test_an_unmapped_mixture_of_experts_family_names_the_covered_ones() -> None:
     import transformers
 
-    config_class = {"mixtral": transformers.MixtralConfig,
-                    "qwen2_moe": transformers.Qwen2MoeConfig}[family]
-    config = config_class(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
-    with pytest.raises(PipelineConfigError, match=r"mixture-of-experts.*auxiliary"):
+    config = transformers.OlmoeConfig(hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=50, num_experts=4)
+    with pytest.raises(PipelineConfigError, match=r"mixtral, qwen2_moe, qwen3_moe.*'olmoe'"):
         layers_from_hf(config)
 
 

@@ -1,0 +1,273 @@
+"""HF mixture-of-experts causal LMs as pipeline layers (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+`pipeline.interop.hf_layers.layers_from_hf` hands these families here. Each decoder layer is
+HF's own, with its ``mlp`` swapped for `pipeline.moe.layer.MoEFeedForward` holding HF's
+router, stacked experts and (Qwen2-MoE) gated shared expert under HF's names, so weights
+load and export as for the dense families; layers a family keeps dense
+(``mlp_only_layers``, ``decoder_sparse_step``) keep HF's MLP.
+
+Legend of the value between stages: ``(hidden, balance, position_ids[, attention_mask])``;
+``balance`` is a one-element fp32 tensor (1-d, so eval outputs join over microbatches),
+the load-balancing loss the MoE layers upstream added for this microbatch
+(`pipeline.moe.balance_loss`); it rides with the activations (and its gradient back) to the
+loss, which adds it to the language-model loss as HF does when the config sets
+``output_router_logits``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.errors import PipelineConfigError
+from pipeline.interop.hf_layers import (
+    IGNORE_INDEX,
+    HFLayers,
+    _embed,
+    _mask_function,
+    causal_lm_loss,
+)
+from pipeline.interop.hf_recompute import mark_attention_cores
+from pipeline.model.layers import Layer, LayerSpec
+from pipeline.model.tied import TiedLayerSpec
+from pipeline.moe.balance_loss import BalanceLoss
+from pipeline.moe.expert_parallel import expert_parallel_problem
+from pipeline.moe.layer import MoEFeedForward, RouterConfig
+from pipeline.runtime.loss_normalization import SummedLoss, token_cross_entropy
+
+__all__ = ["MOE_FAMILIES", "MoEBlock", "moe_layers_from_hf", "router_config"]
+
+MOE_FAMILIES = {"mixtral": ("mixtral", "Mixtral"), "qwen2_moe": ("qwen2_moe", "Qwen2Moe"),
+                "qwen3_moe": ("qwen3_moe", "Qwen3Moe")}
+"""model_type -> (``transformers.models.<module>``, class-name prefix)."""
+
+
+def router_config(config: Any) -> RouterConfig:
+    """The family's routing: E experts, top-k, and whether the k weights are renormalised."""
+    mixtral = config.model_type == "mixtral"
+    return RouterConfig(
+        num_experts=config.num_local_experts if mixtral else config.num_experts,
+        top_k=config.num_experts_per_tok,
+        normalize_top_k=True if mixtral else bool(config.norm_topk_prob))
+
+
+def _modeling(config: Any) -> Any:
+    module = MOE_FAMILIES[config.model_type][0]
+    return importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+
+
+def _class(config: Any, name: str) -> Any:
+    return getattr(_modeling(config), MOE_FAMILIES[config.model_type][1] + name)
+
+
+# -- the layers -----------------------------------------------------------------------------
+
+def _with_balance(value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    hidden, positions, *rest = value
+    return (hidden, hidden.new_zeros(1, dtype=torch.float32), positions, *rest)
+
+
+def _moe_embed(embedding: nn.Module, x: Any) -> tuple[torch.Tensor, ...]:
+    return _with_balance(_embed(embedding, x))
+
+
+class MoEEmbedding(nn.Module):
+    """The token embedding (untied): input_ids or (input_ids, mask) in, the tuple out."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, x: Any) -> tuple[torch.Tensor, ...]:
+        return _moe_embed(self.embedding, x)
+
+
+class MoEBlock(nn.Module):
+    """One HF decoder layer on the carried tuple: attention, then its MLP or MoE, adding the
+    MoE's balancing-loss share to the carried scalar. (Training and evaluation; the KV-cache
+    decoding of `pipeline.runtime.decoding` is not wired for MoE families.)"""
+
+    def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any],
+                 rotary: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        self.config = config
+        self.mask_function = mask_function
+
+    def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, balance, positions, *rest = value
+        attention_mask = rest[0] if rest else None
+        mask = self.mask_function(self.config, hidden, attention_mask, None, positions)
+        layer: Any = self.layer
+        attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden),
+                                      position_embeddings=self.rotary(hidden, positions),
+                                      attention_mask=mask, position_ids=positions)
+        hidden = hidden + attended
+        normed = layer.post_attention_layernorm(hidden)
+        if isinstance(layer.mlp, MoEFeedForward):
+            mixed, share = layer.mlp(normed, attention_mask)
+            balance = balance + share
+        else:
+            mixed = layer.mlp(normed)
+        return (hidden + mixed, balance, positions, *rest)
+
+
+class MoEFinalNorm(nn.Module):
+    """The final norm: the carried tuple in, (normalised hidden, balance) out."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.norm(value[0]), value[1]
+
+
+class MoEHead(nn.Module):
+    """The untied lm_head: (hidden, balance) -> (logits, balance)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, value: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head(value[0]), value[1]
+
+
+def _tied_moe_head(embedding: nn.Module, value: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    weight: Any = embedding.weight
+    return F.linear(value[0], weight), value[1]
+
+
+# -- the losses -----------------------------------------------------------------------------
+
+def moe_causal_lm_loss(outputs: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+                       ) -> torch.Tensor:
+    """HF's causal-LM loss of the logits plus the carried balancing loss."""
+    return causal_lm_loss(outputs[0], labels) + outputs[1].sum()
+
+
+class BalancedSummedLoss(SummedLoss):
+    """`token_cross_entropy` (summed, counted, scaled per step) plus the balancing loss,
+    which `BalanceLoss` already scales for the engine's normalisation."""
+
+    def __init__(self) -> None:
+        tokens = token_cross_entropy(ignore_index=IGNORE_INDEX, shift=True)
+        super().__init__(tokens.loss_sum, tokens.count, tokens.name + " + balancing loss")
+
+    def __call__(self, outputs: Any, targets: Any) -> torch.Tensor:
+        return self.loss_sum(outputs[0], targets) * self.scale + outputs[1].sum()
+
+
+# -- building -------------------------------------------------------------------------------
+
+def _embedding(config: Any) -> nn.Module:
+    return nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+
+
+def _untied_embedding(config: Any) -> nn.Module:
+    return MoEEmbedding(_embedding(config))
+
+
+def _block(config: Any, index: int, balance: BalanceLoss | None) -> nn.Module:
+    layer = _class(config, "DecoderLayer")(config, index)
+    mlp = layer.mlp
+    if hasattr(mlp, "experts"):
+        # HF allocates the stacked experts (and Qwen's router) uninitialised or zero and
+        # leaves them to its post_init; initialise them as its _init_weights does, so a
+        # model built from a config trains without loaded weights
+        with torch.no_grad():
+            for weight in (mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight):
+                weight.normal_(0.0, config.initializer_range)
+        layer.mlp = MoEFeedForward(router_config(config), mlp.gate, mlp.experts,
+                                   shared_expert=getattr(mlp, "shared_expert", None),
+                                   shared_expert_gate=getattr(mlp, "shared_expert_gate", None),
+                                   balance=balance)
+    return MoEBlock(layer, config, _mask_function(config, index),
+                    _class(config, "RotaryEmbedding")(config=config))
+
+
+def _final_norm(config: Any) -> nn.Module:
+    return MoEFinalNorm(_class(config, "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps))
+
+
+def _lm_head(config: Any) -> nn.Module:
+    return MoEHead(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+
+def _is_sparse(config: Any, index: int) -> bool:
+    if config.model_type == "mixtral":
+        return True
+    return index not in config.mlp_only_layers and (index + 1) % config.decoder_sparse_step == 0
+
+
+def _check(config: Any, expert_parallel: int) -> RouterConfig:
+    """Refuse what would silently differ from HF, or could not be split, before any rank
+    builds anything."""
+    try:
+        routing = router_config(config)
+    except ValueError as error:
+        raise PipelineConfigError(f"{config.model_type}: {error}") from error
+    problem = expert_parallel_problem(routing.num_experts, routing.top_k, expert_parallel)
+    if problem is not None:
+        raise PipelineConfigError(f"{config.model_type}: {problem}")
+    if getattr(config, "output_router_logits", False):
+        noisy = {name: getattr(config, name, 0.0) or 0.0
+                 for name in ("router_jitter_noise", "attention_dropout")}
+        noisy = {name: value for name, value in noisy.items() if value > 0}
+        if noisy:
+            raise PipelineConfigError(
+                f"{config.model_type} with output_router_logits=True and {noisy}: the "
+                "balancing loss is exact only when a census forward sees the routes the "
+                "training forward takes (pipeline.moe.balance_loss); set them to 0.0")
+    return routing
+
+
+def moe_layers_from_hf(config: Any, *, attn_implementation: str | None = None,
+                       expert_parallel: int = 1) -> HFLayers:
+    """A HF MoE causal LM's config as pipeline layers (every layer a spec; load weights
+    with `pipeline.interop.hf_weights.load_hf_weights`). `expert_parallel`: the engine's
+    ep, checked here against the experts so a bad one fails before ranks start.
+
+    When the config sets ``output_router_logits``, the result's ``balance`` adds HF's
+    load-balancing loss (``router_aux_loss_coef`` times it): train with
+    `pipeline.moe.balance_loss.train_batch_balanced(engine, hf.balance, inputs, targets)`.
+    """
+    routing = _check(config, expert_parallel)
+    config = copy.deepcopy(config)
+    pretrained = _class(config, "PreTrainedModel")
+    config._attn_implementation = (attn_implementation or config._attn_implementation
+                                   or ("sdpa" if getattr(pretrained, "_supports_sdpa", True)
+                                       else "eager"))
+    balance = (BalanceLoss(routing.num_experts, float(config.router_aux_loss_coef))
+               if getattr(config, "output_router_logits", False) else None)
+    mark_attention_cores()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    make_embedding = functools.partial(_embedding, config)
+    layers: list[Layer] = [TiedLayerSpec("embed_tokens", make_embedding, forward_fn=_moe_embed)
+                           if tied else LayerSpec(_untied_embedding, config)]
+    names = [("module." if tied else "embedding.", "model.embed_tokens.")]
+    for index in range(config.num_hidden_layers):
+        layers.append(LayerSpec(_block, config, index,
+                                balance if _is_sparse(config, index) else None))
+        names.append(("layer.", f"model.layers.{index}."))
+    layers.append(LayerSpec(_final_norm, config))
+    names.append(("norm.", "model.norm."))
+    if tied:
+        layers.append(TiedLayerSpec("embed_tokens", make_embedding, forward_fn=_tied_moe_head))
+        names.append(("module.", "model.embed_tokens."))
+    else:
+        layers.append(LayerSpec(_lm_head, config))
+        names.append(("head.", "lm_head."))
+    return HFLayers(layers, moe_causal_lm_loss, tuple(names), config, BalancedSummedLoss(),
+                    balance=balance)

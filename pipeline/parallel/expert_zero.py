@@ -1,0 +1,158 @@
+"""ZeRO-1 with expert parallelism: dense state sharded over dp, expert shards' state over
+their expert-data-parallel group, one torch optimizer stepping both."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+
+from pipeline.errors import PipelineConfigError
+from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
+from pipeline.parallel.expert_reduction import split_expert_parameters
+from pipeline.parallel.optimizer import OptimizerFactory, build_optimizer
+from pipeline.parallel.param_gather import BucketKey
+from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.parallel.zero_groups import carry_groups
+from pipeline.parallel.zero_layout import ShardLayout
+
+__all__ = ["ExpertShardedOptimizer"]
+
+
+class _ExpertShards(ShardedOptimizer):
+    """ZeRO-1 of expert shards over the expert-dp group: each bucket averaged over its
+    dp / ep ranks and divided by ep (why: `pipeline.parallel.expert_reduction`)."""
+
+    def __init__(self, *args: object, ep: int, **kwargs: object) -> None:
+        self.ep = ep
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _launch_bucket(self, region: object, b: int) -> None:
+        grad: torch.Tensor = region.flat_grad  # type: ignore[attr-defined]
+        layout: ShardLayout = region.layout  # type: ignore[attr-defined]
+        grad[slice(*layout.bucket(b))].div_(self.ep)
+        super()._launch_bucket(region, b)  # type: ignore[arg-type]
+
+
+class _GatherClock:
+    """Seconds both halves blocked on their parameter all-gathers (the engine reads it)."""
+
+    def __init__(self, *halves: ShardedOptimizer) -> None:
+        self.halves = halves
+
+    @property
+    def wait_seconds(self) -> float:
+        return sum(half.param_gather.wait_seconds for half in self.halves)
+
+
+class ExpertShardedOptimizer(ShardedOptimizer):
+    """Two `ShardedOptimizer`s, dense (over dp) and experts (over the expert-dp group),
+    seen by the engine as one: reducer and optimizer. The inner optimizer is the user's one
+    optimizer over every parameter, its groups carried onto both halves' shard pieces, so a
+    learning-rate scheduler sees every parameter. Not covered yet: gradient clipping,
+    overlapped parameter gathers and engine checkpoints (refused before they run)."""
+
+    def __init__(self, params_by_stage: Mapping[int, Sequence[torch.nn.Parameter]],
+                 optimizer_factory: OptimizerFactory, dp_group: ProcessGroup,
+                 expert_dp_group: ProcessGroup, ep: int, *,
+                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        dense: dict[int, list[torch.nn.Parameter]] = {}
+        experts: dict[int, list[torch.nn.Parameter]] = {}
+        for key, params in params_by_stage.items():
+            dense[key], experts[key] = split_expert_parameters(params)
+
+        def placeholder(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+            # never stepped: `step` steps the user's one optimizer over both halves
+            return torch.optim.SGD(list(params), lr=0.0)
+
+        self.dense = ShardedOptimizer(dense, placeholder, dp_group, bucket_mb=bucket_mb)
+        self.experts = (_ExpertShards(experts, placeholder, expert_dp_group, ep=ep,
+                                      bucket_mb=bucket_mb)
+                        if any(experts.values()) else None)
+        self.halves = [h for h in (self.dense, self.experts) if h is not None]
+        # the user's factory sees every parameter (dense and expert, as torch would); its
+        # groups are carried onto both halves' shard pieces
+        params = [p for half in self.halves for p in half.model_parameters()]
+        optimizer = build_optimizer(optimizer_factory, params)
+        carry_groups(optimizer, [piece for half in self.halves for piece in half.shard_pieces()],
+                     params)
+        for half in self.halves:
+            half.share_surface(optimizer)
+        self.share_surface(optimizer)
+        self.group, self.dp_size, self.dp_rank = (self.dense.group, self.dense.dp_size,
+                                                  self.dense.dp_rank)
+        self.stats = self.dense.stats
+        self.param_gather = _GatherClock(*self.halves)  # type: ignore[assignment]
+        self._expert_ids = {id(p) for params in experts.values() for p in params}
+
+    def _split(self, params: Sequence[torch.nn.Parameter]
+               ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        return ([p for p in params if id(p) not in self._expert_ids],
+                [p for p in params if id(p) in self._expert_ids])
+
+    def reduce_stage(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None:
+        dense, experts = self._split(params)
+        self.dense.reduce_stage(stage_index, dense)
+        if self.experts is not None:
+            self.experts.reduce_stage(stage_index, experts)
+
+    def last_backward(self, stage_index: int) -> None:
+        for half in self.halves:
+            half.last_backward(stage_index)
+
+    def wait(self) -> None:
+        for half in self.halves:
+            half.wait()
+
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for half in self.halves:
+            half.wait()
+            half.param_gather.wait()
+        self.optimizer.step()
+        for half in self.halves:
+            half.publish()
+
+    def finish_param_gather(self) -> None:
+        for half in self.halves:
+            half.finish_param_gather()
+
+    def watch_forward(self, modules: Iterable[torch.nn.Module]) -> None:
+        raise PipelineConfigError("overlap_param_gather does not run with expert parallelism "
+                                  "yet; set overlap_param_gather=False")
+
+    def buckets_of(self, param: torch.nn.Parameter) -> list[BucketKey]:
+        return []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for half in self.halves:
+            half.zero_grad(set_to_none)
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [shard for half in self.halves for shard in half.grad_shards()]
+
+    def gather_grads(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its reduced gradient (an expert shard's: this rank's experts)."""
+        return {key: grad for half in self.halves for key, grad in half.gather_grads().items()}
+
+    def clip_grad_norm_(self, max_norm: float, group: ProcessGroup | None, *,
+                        tp_rank: int = 0) -> torch.Tensor:
+        raise PipelineConfigError("gradient clipping does not run with expert parallelism "
+                                  "yet; set gradient_clipping=None")
+
+    def master_bytes(self) -> int:
+        return sum(half.master_bytes() for half in self.halves)
+
+    def gradient_buffer_bytes(self) -> int:
+        return sum(half.gradient_buffer_bytes() for half in self.halves)
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        held: dict[str, list[torch.Tensor]] = {"parameters": [], "gradients": [],
+                                               "masters": []}
+        for half in self.halves:
+            for kind, tensors in half.held_tensors().items():
+                held[kind] += tensors
+        return held
+
+    def layouts(self) -> dict[int, ShardLayout]:
+        raise PipelineConfigError("engine checkpoints do not hold expert-parallel shards yet")

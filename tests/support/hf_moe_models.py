@@ -1,0 +1,54 @@
+"""Tiny HF mixture-of-experts causal LMs built from configs, for the MoE tests (test helper)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MOE_FAMILIES", "plant_ties_and_an_idle_expert", "tiny_moe_config",
+           "tiny_moe_model"]
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+VOCAB = 50
+
+
+def tiny_moe_config(family: str, *, top_k: int = 2, coefficient: float = 0.5,
+                    tied: bool = False) -> Any:
+    """2 layers, hidden 32, 4 experts of width 16, the balancing loss on with a coefficient
+    large enough to move the gradients visibly; Qwen2-MoE with its gated shared expert and
+    HF's default norm_topk_prob=False, Qwen3-MoE with norm_topk_prob=True."""
+    import transformers
+
+    shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+                 tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+                 num_experts_per_tok=top_k, output_router_logits=True,
+                 router_aux_loss_coef=coefficient)
+    if family == "mixtral":
+        return transformers.MixtralConfig(**shape, intermediate_size=16, num_local_experts=4)
+    if family == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(**shape, intermediate_size=24,
+                                           moe_intermediate_size=16, num_experts=4,
+                                           shared_expert_intermediate_size=24)
+    return transformers.Qwen3MoeConfig(**shape, intermediate_size=24, moe_intermediate_size=16,
+                                       num_experts=4, head_dim=8, norm_topk_prob=True)
+
+
+def tiny_moe_model(family: str, *, seed: int = 0, **options: Any) -> nn.Module:
+    """The HF model of `tiny_moe_config`, seeded (the same on every rank)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(tiny_moe_config(family, **options))
+
+
+def plant_ties_and_an_idle_expert(model: nn.Module) -> None:
+    """Every router's rows become (v, v, -v, 0) for one random v: experts 0 and 1 always tie,
+    and with top-1 routing expert 3 (logit 0, between s and -s) never gets a token."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = layer.mlp.gate.weight
+            v = torch.randn(gate.shape[1]) * 4
+            gate.copy_(torch.stack([v, v, -v, torch.zeros_like(v)]))
