@@ -63,7 +63,7 @@ class VocabSlot:
         self.vocab_start = 0
 
 
-def shard_parameter(param: nn.Parameter, dim: int, blocks: tuple[int, ...],
+def shard_parameter(param: torch.Tensor, dim: int, blocks: tuple[int, ...],
                     group: ProcessGroup | None) -> nn.Parameter:
     """A new parameter holding this rank's part of `param` (see `ShardLayout`)."""
     rank, size = tp_rank_and_size(group)
@@ -76,13 +76,13 @@ class RowParallel(nn.Module):
     """A Linear (or GPT-2 Conv1D, `transposed`) split by input features: this rank's partial
     product leaves the region (summed over tp), then the bias is added once."""
 
-    def __init__(self, full: nn.Module, region: Region, *, transposed: bool = False) -> None:
+    def __init__(self, full: Any, region: Region, *, transposed: bool = False) -> None:
         super().__init__()
         self.region, self.transposed = region, transposed
-        weight: nn.Parameter = full.weight  # type: ignore[assignment]
+        weight: nn.Parameter = full.weight
         self.weight = shard_parameter(weight, 0 if transposed else 1,
                                       (weight.shape[0 if transposed else 1],), region.group)
-        self.bias: nn.Parameter | None = full.bias  # type: ignore[assignment]
+        self.bias: nn.Parameter | None = full.bias
         if self.bias is not None and region.sequence_parallel:  # added to 1/t of the tokens
             sum_gradient_over_tensor_parallel(self.bias, region.group)
 
@@ -97,7 +97,7 @@ class HeadRows(nn.Module):
     each kv head serves t / kv ranks), computing only the rows of the head this rank's query
     heads read; its gradient is summed over tp (each rank fills only its head's rows)."""
 
-    def __init__(self, full: nn.Linear, rows: slice, group: ProcessGroup | None) -> None:
+    def __init__(self, full: Any, rows: slice, group: ProcessGroup | None) -> None:
         super().__init__()
         self.weight, self.bias, self.rows = full.weight, full.bias, rows
         for param in (self.weight, self.bias):
@@ -115,7 +115,7 @@ class ParallelEmbedding(nn.Module):
     summed (g), or with sequence parallelism reduce-scattered over the sequence. Keeps HF's
     ``padding_idx`` and Gemma's ``embed_scale``; also the tied output head's weight."""
 
-    def __init__(self, full: nn.Embedding, region: Region) -> None:
+    def __init__(self, full: Any, region: Region) -> None:
         super().__init__()
         self.region = region
         self.num_embeddings = full.num_embeddings
@@ -150,7 +150,7 @@ def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, region: Region, slo
 class ParallelLMHead(nn.Module):
     """An untied lm_head split by vocabulary rows: logits stay split for the loss."""
 
-    def __init__(self, full: nn.Linear, region: Region, slot: VocabSlot) -> None:
+    def __init__(self, full: Any, region: Region, slot: VocabSlot) -> None:
         super().__init__()
         self.region, self.slot = region, slot
         self.weight = shard_parameter(full.weight, 0, (full.out_features,), region.group)

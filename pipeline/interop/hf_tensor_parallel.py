@@ -201,7 +201,7 @@ def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) 
     assert isinstance(block, HFBlock)
     check_tensor_parallel_size(plan.config, size)
     region = Region(group, plan.sequence_parallel)
-    layer = block.layer
+    layer: Any = block.layer
     if plan.config.model_type == "gpt2":
         _split_gpt2(layer, plan.config, region)
         attention, mlp = layer.attn, layer.mlp
@@ -219,7 +219,7 @@ def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) 
     return ParallelHFBlock(block, plan.sequence_parallel, size)
 
 
-def _column(linear: nn.Module, blocks: tuple[int, ...], region: Region, *,
+def _column(linear: Any, blocks: tuple[int, ...], region: Region, *,
             transposed: bool = False) -> None:
     """Keep this rank's output features of `linear` (a Linear, or a Conv1D if `transposed`)."""
     linear.weight = shard_parameter(linear.weight, 1 if transposed else 0, blocks,
@@ -230,7 +230,7 @@ def _column(linear: nn.Module, blocks: tuple[int, ...], region: Region, *,
     setattr(linear, "nf" if transposed else "out_features", width)
 
 
-def _split_attention(attention: nn.Module, config: Any, region: Region, rank: int,
+def _split_attention(attention: Any, config: Any, region: Region, rank: int,
                      size: int) -> None:
     heads, kv_heads, _ = _shape(config)
     head_dim = attention.head_dim
@@ -262,7 +262,7 @@ def _split_attention(attention: nn.Module, config: Any, region: Region, rank: in
     attention.config.num_key_value_heads = local_kv
 
 
-def _split_mlp(mlp: nn.Module, region: Region) -> None:
+def _split_mlp(mlp: Any, region: Region) -> None:
     if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate;up fused
         width = mlp.gate_up_proj.out_features // 2
         _column(mlp.gate_up_proj, (width, width), region)
@@ -272,7 +272,7 @@ def _split_mlp(mlp: nn.Module, region: Region) -> None:
     mlp.down_proj = RowParallel(mlp.down_proj, region)
 
 
-def _split_gpt2(block: nn.Module, config: Any, region: Region) -> None:
+def _split_gpt2(block: Any, config: Any, region: Region) -> None:
     attention, mlp = block.attn, block.mlp
     width = config.n_embd
     size = tp_rank_and_size(region.group)[1]

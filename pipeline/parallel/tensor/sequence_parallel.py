@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed import ProcessGroup
 
 from pipeline.parallel.tensor.collectives import tp_rank_and_size
@@ -125,7 +124,7 @@ def scatter_sequence(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.
     return out
 
 
-def sum_gradient_over_tensor_parallel(param: nn.Parameter, group: ProcessGroup | None) -> None:
+def sum_gradient_over_tensor_parallel(param: torch.Tensor, group: ProcessGroup | None) -> None:
     """Sum `param`'s gradient over the tp group each time autograd computes it (once per
     backward, also in a split backward's W and under recomputation), so every tp rank holds
     the whole parameter's whole gradient; a tensor hook, as the parameter is read inside

@@ -69,7 +69,7 @@ class ShardLayout:
 
 def mark_sharded(param: _T, layout: ShardLayout) -> _T:
     """Record that `param` is `layout`'s part of a full tensor (a tp slice along its dim)."""
-    mark_tensor_parallel(param, layout.dim)
+    mark_tensor_parallel(param, layout.dim)  # type: ignore[arg-type]
     setattr(param, _LAYOUT, layout)
     return param
 
