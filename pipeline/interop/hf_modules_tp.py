@@ -115,6 +115,8 @@ class ParallelEmbedding(nn.Module):
     summed (g), or with sequence parallelism reduce-scattered over the sequence. Keeps HF's
     ``padding_idx`` and Gemma's ``embed_scale``; also the tied output head's weight."""
 
+    pipesched_splits_vocabulary = True  # as the tied head (pipeline.runtime.generation)
+
     def __init__(self, full: Any, region: Region) -> None:
         super().__init__()
         self.region = region
@@ -149,6 +151,8 @@ def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, region: Region, slo
 
 class ParallelLMHead(nn.Module):
     """An untied lm_head split by vocabulary rows: logits stay split for the loss."""
+
+    pipesched_splits_vocabulary = True  # pipeline.runtime.generation.SPLITS_VOCABULARY
 
     def __init__(self, full: Any, region: Region, slot: VocabSlot) -> None:
         super().__init__()
