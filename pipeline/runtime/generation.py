@@ -101,11 +101,9 @@ def _choice(inference: Inference) -> Callable[[torch.Tensor], torch.Tensor]:
     tp: only the last token's slices are gathered (b × vocab numbers), never all logits."""
     engine = inference.engine
     module = engine.module
-    last = module.num_layers - 1
-    held = [stage.layers[str(last)] for stage in module.stages.values()
-            if str(last) in stage.layers]
-    splits = any(getattr(part, SPLITS_VOCABULARY, False) for layer in held
-                 for part in layer.modules())
+    last_stage = module.total_stages - 1
+    held = module.stage(last_stage).modules() if str(last_stage) in module.stages else ()
+    splits = any(getattr(part, SPLITS_VOCABULARY, False) for part in held)
     if engine.groups is None or engine.topology.tp == 1 or not splits:
         return _last_token_choice
     group = engine.groups.tp_group
