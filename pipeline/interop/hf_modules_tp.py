@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_layers import HFBlock
 from pipeline.parallel.tensor.collectives import (
     copy_to_tensor_parallel_region,
@@ -179,8 +180,10 @@ class ParallelHFBlock(HFBlock):
             return super().forward(value)
         hidden, positions, *rest = value
         if len(rest) == 2:
-            raise NotImplementedError("decoding with sequence parallelism: build the "
-                                      "layers without sequence_parallel to generate")
+            raise PipelineConfigError("generation with sequence parallelism is not "
+                                      "supported: build the layers with "
+                                      "tensor_parallel_hf(hf, sequence_parallel=False) to "
+                                      "generate")
         attention_mask = rest[0] if rest else None
         batch, _, width = hidden.shape
         whole = hidden[:, :1].expand(batch, hidden.shape[SEQUENCE_DIM] * self.size, width)

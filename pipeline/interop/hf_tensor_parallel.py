@@ -124,8 +124,11 @@ def check_tensor_parallel_size(config: Any, tp: int) -> None:
 
 # -- layer factories (built on the owning rank, with its tp group) ---------------------------
 
-def _built(original: LayerSpec, size: int) -> nn.Module:
-    """The plain layer; a copy when it is a given model's own module about to be sliced."""
+def _built(original: LayerSpec, size: int, config: Any) -> nn.Module:
+    """The plain layer; a copy when it is a given model's own module about to be sliced.
+    Every layer checks the tp size, so every rank refuses a bad one while it builds."""
+    if size > 1:
+        check_tensor_parallel_size(config, size)
     module = original.build()
     return copy.deepcopy(module) if size > 1 and _from_model(original) else module
 
@@ -138,6 +141,7 @@ def _embedding(make: Any, plan: _Plan, group: ProcessGroup | None = None) -> nn.
     full = make()
     if tp_rank_and_size(group)[1] == 1:
         return full
+    check_tensor_parallel_size(plan.config, tp_rank_and_size(group)[1])
     return ParallelEmbedding(full, Region(group, plan.sequence_parallel))
 
 
@@ -155,7 +159,7 @@ def _parallel_tied_head(module: nn.Module, hidden: torch.Tensor, *, plan: _Plan,
 
 def _head(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
     _, size = tp_rank_and_size(group)
-    module = _built(original, size)
+    module = _built(original, size, plan.config)
     if size == 1:
         return module
     region = Region(group, plan.sequence_parallel)
@@ -169,7 +173,7 @@ def _replicated(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = N
     """The final norm (and GPT-2's positions): whole on every rank; with sequence
     parallelism each rank sees its part of the tokens, so gradients are summed."""
     _, size = tp_rank_and_size(group)
-    module = _built(original, size)
+    module = _built(original, size, plan.config)
     if size == 1:
         return module
     if plan.sequence_parallel:
@@ -195,11 +199,10 @@ class _SequencePositions(GPT2Positions):
 
 def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
     rank, size = tp_rank_and_size(group)
-    block = _built(original, size)
+    block = _built(original, size, plan.config)
     if size == 1:
         return block
     assert isinstance(block, HFBlock)
-    check_tensor_parallel_size(plan.config, size)
     region = Region(group, plan.sequence_parallel)
     layer: Any = block.layer
     if plan.config.model_type == "gpt2":

@@ -30,7 +30,7 @@ from tests.support.rank_harness import run_ranks
 TOLERANCE = 1e-5
 
 WORLD_4 = [  # pp 2 × tp 2
-    TPCase("gpt2", 2, sequence_parallel=True),
+    TPCase("gpt2", 2, sequence_parallel=True, export=True),
     TPCase("phi3", 2, sequence_parallel=True),
     TPCase("gemma2", 2, schedule="zb-h1"),
     TPCase("qwen3", 2, recompute="selective", tied=False),
@@ -39,7 +39,8 @@ WORLD_4 = [  # pp 2 × tp 2
 WORLD_8 = [  # pp 2 × tp 4 (the kv heads, 2, replicated per pair of ranks), pp 2 × dp 2 × tp 2
     TPCase("llama", 4),
     TPCase("mistral", 4, sequence_parallel=True, recompute="selective"),
-    TPCase("gemma3_text", 2, dp=2, zero=True, sequence_parallel=True),
+    TPCase("gemma3_text", 2, dp=2, zero=True, sequence_parallel=True, tied=False,
+           export=True),
 ]
 
 
@@ -62,7 +63,7 @@ PLANTED = {"fused-as-one-block": ("_column", _fused_as_one_block),
 
 def _check(errors: dict[str, float], case: TPCase) -> None:
     assert errors["sharded"] == 1.0, f"{case.label()}: nothing was split"
-    for what in ("loss", "grad", "param"):
+    for what in ("loss", "grad", "param", "export"):
         assert errors[what] < TOLERANCE, f"{case.label()}: {what} relative error {errors}"
 
 

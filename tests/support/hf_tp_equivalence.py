@@ -12,7 +12,11 @@ import torch.distributed as dist
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
-from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights
+from pipeline.interop.hf_weights import (
+    gather_hf_state_dict,
+    load_hf_weights,
+    save_hf_checkpoint,
+)
 from pipeline.parallel.tensor.shard_layout import layout_of
 from tests.support.hf_models import tiny_config, tiny_model, token_batch
 
@@ -33,6 +37,9 @@ class TPCase:
     recompute: str = "none"
     schedule: str = "1f1b"
     tied: bool = True
+    export: bool = False
+    """Also write the trained weights with `save_hf_checkpoint` and reload them with
+    ``from_pretrained`` (strict): ``export`` is the relative error of its logits."""
     engine: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -57,6 +64,24 @@ def _relative(errors: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         sums[1] += want.double().pow(2).sum()
     dist.all_reduce(sums)
     return float(sums[0].sqrt() / sums[1].sqrt())
+
+
+def _export_error(module: PipelineModule, hf: Any, hf_model: Any, ids: torch.Tensor) -> float:
+    import transformers
+
+    with tempfile.TemporaryDirectory() as directory:
+        box = [directory]
+        dist.broadcast_object_list(box, src=0)
+        save_hf_checkpoint(module, hf, box[0])
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            box[0], output_loading_info=True)
+        problems = {k: v for k, v in info.items() if v}
+        if problems:
+            raise AssertionError(f"from_pretrained did not load the export strictly: {problems}")
+        with torch.no_grad():
+            got, want = reloaded(input_ids=ids).logits, hf_model(input_ids=ids).logits
+        dist.barrier()
+    return float((got - want).norm() / want.norm())
 
 
 def tp_step_errors(case: TPCase) -> dict[str, float]:
@@ -111,6 +136,8 @@ def tp_step_errors(case: TPCase) -> dict[str, float]:
     param_error = _relative(param_pairs) if dist.get_rank() == 0 else _relative([])
     box_error = [param_error]
     dist.broadcast_object_list(box_error, src=0)
-    return {"loss": abs(loss - expected.item()) / abs(expected.item()), "grad": grad,
+    export = _export_error(module, hf, hf_model, ids) if case.export else 0.0
+    return {"export": export, "loss": abs(loss - expected.item()) / abs(expected.item()),
+            "grad": grad,
             "param": float(box_error[0]),
             "sharded": float(any(layout_of(p) is not None for p in module.parameters()))}
