@@ -96,9 +96,9 @@ def _size_problems(config: Any, tp: int) -> list[str]:
     if heads % tp:
         problems.append(f"{heads} attention heads")
     if kv_heads % tp and (tp % kv_heads or config.model_type == "phi3"):
-        problems.append(f"{kv_heads} key/value heads (split when tp divides them, else "
-                        "replicated when they divide tp; Phi-3 fuses them into qkv_proj, "
-                        "so tp must divide them)")
+        problems.append(f"{kv_heads} key/value heads (" + (
+            "Phi-3's fused qkv_proj: tp must divide them)" if config.model_type == "phi3"
+            else "tp must divide them or be a multiple of them)"))
     if ffn % tp:
         problems.append(f"FFN width {ffn}")
     return problems
