@@ -33,7 +33,7 @@ WORLD_4 = [  # pp 2 × tp 2
     TPCase("gpt2", 2, sequence_parallel=True, export=True),
     TPCase("phi3", 2, sequence_parallel=True),
     TPCase("gemma2", 2, schedule="zb-h1"),
-    TPCase("qwen3", 2, recompute="selective", tied=False),
+    TPCase("qwen3", 2, recompute="selective", tied=False, from_model=True),
     TPCase("qwen2", 2, tied=False, schedule="zb-h1", sequence_parallel=True),
 ]
 WORLD_8 = [  # pp 2 × tp 4 (the kv heads, 2, replicated per pair of ranks), pp 2 × dp 2 × tp 2
@@ -107,7 +107,7 @@ def test_every_family_and_feature_is_in_the_matrix() -> None:
                                                            for c in cases)
     assert any(c.zero and c.dp == 2 for c in cases)
     assert any(c.recompute == "selective" for c in cases)
-    assert any(c.schedule == "zb-h1" for c in cases)
+    assert any(c.schedule == "zb-h1" for c in cases) and any(c.from_model for c in cases)
     assert all(c.world <= 8 for c in cases)
 
 

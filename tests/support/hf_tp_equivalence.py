@@ -37,6 +37,10 @@ class TPCase:
     recompute: str = "none"
     schedule: str = "1f1b"
     tied: bool = True
+    from_model: bool = False
+    """Split the HF model's own modules (``layers_from_hf(model)``; each rank slices a copy,
+    leaving the model, here also the reference, whole) instead of building from the config
+    and loading the checkpoint."""
     export: bool = False
     """Also write the trained weights with `save_hf_checkpoint` and reload them with
     ``from_pretrained`` (strict): ``export`` is the relative error of its logits."""
@@ -51,7 +55,7 @@ class TPCase:
                  "sp" if self.sequence_parallel else "", "zero1" if self.zero else "",
                  self.recompute if self.recompute != "none" else "",
                  self.schedule if self.schedule != "1f1b" else "",
-                 "" if self.tied else "untied"]
+                 "" if self.tied else "untied", "from-model" if self.from_model else ""]
         return "-".join(p for p in parts if p)
 
 
@@ -94,8 +98,8 @@ def tp_step_errors(case: TPCase) -> dict[str, float]:
     hf_model = tiny_model(case.family, tied=case.tied, seed=3)
     ids, _ = token_batch(8, 8, seed=2)
     labels = causal_lm_targets(ids)
-    hf = tensor_parallel_hf(layers_from_hf(tiny_config(case.family, tied=case.tied)),
-                            sequence_parallel=case.sequence_parallel)
+    source = hf_model if case.from_model else tiny_config(case.family, tied=case.tied)
+    hf = tensor_parallel_hf(layers_from_hf(source), sequence_parallel=case.sequence_parallel)
     module = PipelineModule(hf.layers, num_stages=2, loss_fn=hf.loss_fn,
                             partition_method="uniform", recompute=case.recompute)
     with tempfile.TemporaryDirectory() as directory:
@@ -104,7 +108,8 @@ def tp_step_errors(case: TPCase) -> dict[str, float]:
         if dist.get_rank() == 0:
             hf_model.save_pretrained(box[0])
         dist.barrier()
-        load_hf_weights(module, hf, box[0])
+        if not case.from_model:
+            load_hf_weights(module, hf, box[0])
         engine = PipelineEngine(module, schedule=case.schedule, num_microbatches=2,
                                 tensor_parallel=case.tp, data_parallel=case.dp,
                                 zero_stage=1 if case.zero else 0, timeout=60,
