@@ -18,11 +18,13 @@ the plain layer with the same seed, and keeps this rank's slice (Megatron, Shoey
                 and its gradient is summed over tp (so are Qwen3's / Gemma 3's per-head
                 q_norm / k_norm, which see 1/t of the heads)
 
-Why our Megatron-style autograd operators and not DTensor's ``parallelize_module``: see
-`pipeline.parallel.tensor.collectives` (DTensor gradients break the flat ZeRO-1 and
-bucket buffers, which ``torch.cat`` them to full size; module outputs are
-``AsyncCollectiveTensor``s a hand-driven P2P pipeline cannot send; tied embeddings across
-stages and sliced loads are one slice each with plain tensors). HF modules are reused, not
+Why our Megatron-style autograd operators and not DTensor's ``parallelize_module``
+(`pipeline.parallel.tensor.collectives` has the whole case; re-checked on torch 2.13, gloo,
+CPU: a Linear pair under Colwise/RowwiseParallel returns an ``AsyncCollectiveTensor`` and
+its gradients are DTensors whose ``torch.cat`` is the full 76-element tensor where each
+rank holds 40): the engine's flat ZeRO-1 and bucket buffers would hold unsharded
+gradients, P2P sends need plain completed tensors, and tied embeddings across stages and
+sliced loads are one slice each with plain tensors. HF modules are reused, not
 rewritten: projections are swapped for slices under the same names, so loading, exporting
 and checkpoints map by HF name, and soft-capping, sliding windows and rotary stay HF's.
 """
