@@ -149,3 +149,44 @@ def test_shard_layout_parts_tile_the_full_tensor(blocks: list[int], size: int,
         # each block's parts differ by at most one row (tensor_split)
         for (lo, hi), block in zip(layout.ranges(), blocks):
             assert hi - lo in (block // size, -(-block // size))
+
+
+def test_a_tensor_parallel_slice_is_read_from_safetensors_without_the_whole_tensor(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import safetensors
+    from safetensors.torch import save_file
+
+    from pipeline.interop.hf_weights import read_hf_tensors
+
+    full = torch.arange(12 * 3, dtype=torch.float32).reshape(12, 3)  # a fused (6; 6) block
+    save_file({"w": full, "b": full[0].clone()}, str(tmp_path / "model.safetensors"))
+    whole_reads: list[str] = []
+    opened = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.handle = opened(*args, **kwargs)
+
+        def __enter__(self) -> Recording:
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *args: Any) -> None:
+            self.handle.__exit__(*args)
+
+        def keys(self) -> Any:
+            return self.inner.keys()
+
+        def get_tensor(self, key: str) -> torch.Tensor:
+            whole_reads.append(key)
+            return self.inner.get_tensor(key)
+
+        def get_slice(self, key: str) -> Any:
+            return self.inner.get_slice(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    layout = ShardLayout(0, (6, 6), 1, 2)
+    tensors = read_hf_tensors(tmp_path, ["w", "b"], {"w": layout})
+    assert torch.equal(tensors["w"], layout.shard(full))  # rows 3-5 and 9-11
+    assert torch.equal(tensors["w"], torch.cat([full[3:6], full[9:12]]))
+    assert whole_reads == ["b"]  # only the replicated tensor was read whole
