@@ -31,6 +31,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     add_schedule_arguments(parser, defaults=("1f1b", 4, 8), memory_limit=False)
     parser.add_argument("--data-parallel", type=positive_int, default=1, metavar="D",
                         help="pipeline replicas; P × D processes in all (default 1)")
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="T",
+                        help="tensor-parallel size: each stage's layers split over T ranks "
+                             "(P × D × T local ranks); needs a --model whose recipe splits "
+                             "(e.g. tensor_parallel_hf layers) and says which T it can take")
     parser.add_argument("--steps", type=positive_int, default=30, metavar="N",
                         help="training steps (default 30)")
     parser.add_argument("--batch-size", type=positive_int, default=32, metavar="B",
@@ -71,7 +75,12 @@ def _check_args(args: argparse.Namespace) -> int:
     chunks = schedule.chunks
     from pipeline.limits import check_local_ranks
 
-    check_local_ranks(args.stages * args.data_parallel, "--stages × --data-parallel")
+    check_local_ranks(args.stages * args.data_parallel * args.tp,
+                      "--stages × --data-parallel × --tp")
+    if args.tp > 1 and args.model is None:
+        raise ValueError(f"--tp {args.tp}: the demo model has no tensor-parallel form; pass "
+                         "--model with a recipe of split layers (e.g. tensor_parallel_hf's), "
+                         "or --tp 1")
     per_replica, left = divmod(args.batch_size, args.data_parallel)
     if left or per_replica % args.microbatches:
         raise ValueError(
@@ -88,6 +97,14 @@ def _check_args(args: argparse.Namespace) -> int:
                              f"{args.stages} stages × {chunks} chunks; use fewer --stages")
         check_recipe(args.model, args.recipe, stages=args.stages, chunks=chunks,
                      batch_size=args.batch_size)
+        if args.tp > 1:
+            if args.recipe.check_tensor_parallel is None:
+                raise ValueError(f"--tp {args.tp}: --model {args.model}'s recipe has no "
+                                 "check_tensor_parallel, so it does not say its layers split "
+                                 "over tp; set it (for tensor_parallel_hf layers: "
+                                 "functools.partial(check_tensor_parallel_size, config)) or "
+                                 "use --tp 1")
+            args.recipe.check_tensor_parallel(args.tp)
     layers = args.blocks + 2
     if args.model is None:  # a user's model (--model) has no size flags to estimate from
         check_footprint(TinyLMConfig(width=args.width, blocks=args.blocks, seq_len=args.seq_len,
@@ -157,13 +174,15 @@ def run(args: argparse.Namespace) -> int:
     # 2. Train on P × D local processes.
     config = TrainConfig(stages=args.stages, schedule=args.schedule,
                          microbatches=args.microbatches, chunks=chunks,
-                         data_parallel=args.data_parallel, steps=args.steps,
+                         data_parallel=args.data_parallel, tensor_parallel=args.tp,
+                         steps=args.steps,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, model=model,
                          user_model=args.model,
                          boundaries=tuple(part.boundaries), timeout=args.timeout)
-    world = args.stages * args.data_parallel
+    world = args.stages * args.data_parallel * args.tp
     print(f"training {args.schedule} on {world} CPU ranks (p={args.stages}, "
-          f"dp={args.data_parallel}, v={chunks}, m={args.microbatches}), {args.steps} steps")
+          f"dp={args.data_parallel}, tp={args.tp}, v={chunks}, m={args.microbatches}), "
+          f"{args.steps} steps")
     try:
         report: TrainReport | None = launch(train_rank, world, config,
                                             timeout=args.timeout, quiet=True)[0]

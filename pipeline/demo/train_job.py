@@ -33,6 +33,8 @@ class TrainConfig:
     """Model chunks per rank (v); p·v stages in all."""
     data_parallel: int = 1
     """Replicas of the pipeline; each gets its own slice of every batch."""
+    tensor_parallel: int = 1
+    """Ranks each stage's layers are split over (the user model's layers must split)."""
     steps: int = 30
     batch_size: int = 32
     """Global batch (all data-parallel replicas together)."""
@@ -107,7 +109,7 @@ def train_rank(config: TrainConfig) -> TrainReport | None:
     engine = PipelineEngine(module, schedule=config.schedule,
                             num_microbatches=config.microbatches,
                             optimizer=lambda params: torch.optim.Adam(params, lr=config.lr),
-                            timeout=config.timeout)
+                            timeout=config.timeout, tensor_parallel=config.tensor_parallel)
     replica = engine.position.dp_rank
     per_replica = config.batch_size // config.data_parallel
     progress = ProgressBar(config.steps) if rank == 0 and config.progress else None

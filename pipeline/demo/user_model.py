@@ -40,6 +40,10 @@ class ModelRecipe:
     """``loss_fn(outputs, targets)`` -> the mean loss of a microbatch."""
     batch: Callable[[int, int], tuple[Any, Any]]
     """``batch(step, batch_size)`` -> (inputs, targets); the same for a step on every rank."""
+    check_tensor_parallel: Callable[[int], None] | None = None
+    """Raises ValueError when the layers cannot split over ``--tp`` ranks (for
+    `tensor_parallel_hf` layers: ``functools.partial(check_tensor_parallel_size, config)``);
+    called before any rank starts. None: ``--tp`` above 1 is refused."""
 
 
 def _import(module: str) -> Any:
@@ -97,13 +101,16 @@ def load_recipe(spec: str) -> ModelRecipe:
         if missing:
             raise ValueError(f"--model: {spec} returned a dict without {missing}; return "
                              "ModelRecipe(layers=..., loss_fn=..., batch=...)")
-        recipe = ModelRecipe(recipe["layers"], recipe["loss_fn"], recipe["batch"])
+        recipe = ModelRecipe(recipe["layers"], recipe["loss_fn"], recipe["batch"],
+                             recipe.get("check_tensor_parallel"))
     if not isinstance(recipe, ModelRecipe):
         raise ValueError(f"--model: {spec} returned {type(recipe).__name__}; return "
                          "pipeline.demo.user_model.ModelRecipe(layers=..., loss_fn=..., "
                          "batch=...)")
-    if not callable(recipe.loss_fn) or not callable(recipe.batch):
-        raise ValueError(f"--model: {spec}: loss_fn and batch must be callables")
+    if not callable(recipe.loss_fn) or not callable(recipe.batch) or not (
+            recipe.check_tensor_parallel is None or callable(recipe.check_tensor_parallel)):
+        raise ValueError(f"--model: {spec}: loss_fn, batch and check_tensor_parallel must be "
+                         "callables")
     return recipe
 
 

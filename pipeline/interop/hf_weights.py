@@ -15,6 +15,7 @@ from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_layers import HFLayers
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.param_marks import expert_shard
+from pipeline.parallel.tensor.shard_layout import ShardLayout, layout_of, mark_sharded
 
 __all__ = ["gather_hf_state_dict", "hf_state_dict", "load_hf_weights", "read_hf_tensors",
            "save_hf_checkpoint"]
@@ -24,9 +25,13 @@ WeightSource = str | Path | Mapping[str, torch.Tensor]
 dict (``hf_model.state_dict()``)."""
 
 
-def read_hf_tensors(directory: str | Path, keys: list[str]) -> dict[str, torch.Tensor]:
+def read_hf_tensors(directory: str | Path, keys: list[str],
+                    layouts: Mapping[str, ShardLayout] | None = None) -> dict[str, torch.Tensor]:
     """Only `keys` from the safetensors files of a local checkpoint directory (each file is
-    opened lazily: tensors this rank does not hold are never read)."""
+    opened lazily: tensors this rank does not hold are never read); a key with a layout in
+    `layouts` (a tensor-parallel slice) reads only this rank's rows (safetensors
+    ``get_slice``), not the whole tensor."""
+    layouts = layouts or {}
     from safetensors import safe_open
 
     root = Path(directory)
@@ -49,24 +54,40 @@ def read_hf_tensors(directory: str | Path, keys: list[str]) -> dict[str, torch.T
         with safe_open(str(root / name), framework="pt") as handle:
             present = set(handle.keys())
             missing += [key for key in wanted if key not in present]
-            tensors.update({key: handle.get_tensor(key) for key in wanted if key in present})
+            tensors.update({key: _read(handle, key, layouts.get(key)) for key in wanted
+                            if key in present})
     if missing:
         raise PipelineConfigError(f"{root} lacks {sorted(missing)}; is it a checkpoint of the "
                                   "same model type and size as the config?")
     return tensors
 
 
+def _read(handle: Any, key: str, layout: ShardLayout | None) -> torch.Tensor:
+    """The whole tensor, or only `layout`'s pieces of it (each a slice along its dim)."""
+    if layout is None:
+        return handle.get_tensor(key)
+    lazy = handle.get_slice(key)
+    rank = len(lazy.get_shape())
+    pieces = [lazy[tuple([slice(None)] * layout.dim + [slice(lo, hi)]
+                         + [slice(None)] * (rank - layout.dim - 1))]
+              for lo, hi in layout.ranges()]
+    return torch.cat(pieces, dim=layout.dim)
+
+
 def _load_now(module: PipelineModule, hf: HFLayers, source: WeightSource) -> list[str]:
     held = list(module.named_layer_parameters())
     keys = [hf.hf_name(layer, name) for (layer, name), _ in held]
+    layouts = {key: layout for ((_, _), param), key in zip(held, keys)
+               if (layout := layout_of(param)) is not None}
     if isinstance(source, Mapping):
         missing = sorted({key for key in keys if key not in source})
         if missing:
             raise PipelineConfigError(f"the state dict lacks {missing}; pass the state dict "
                                       "of the same model type and size as the config")
-        tensors = {key: source[key] for key in keys}
+        tensors = {key: source[key] if key not in layouts else layouts[key].shard(source[key])
+                   for key in keys}
     else:
-        tensors = read_hf_tensors(source, sorted(set(keys)))
+        tensors = read_hf_tensors(source, sorted(set(keys)), layouts)
     problems = []
     with torch.no_grad():
         for ((layer, name), param), key in zip(held, keys):
@@ -101,14 +122,39 @@ def load_hf_weights(module: PipelineModule, hf: HFLayers, source: WeightSource) 
 
 
 def hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torch.Tensor]:
-    """This rank's parameters under their HF names (detached CPU copies; an expert-parallel
-    shard holds only this rank's experts: `gather_hf_state_dict` joins them)."""
-    return {hf.hf_name(layer, name): param.detach().cpu().clone()
+    """This rank's parameters under their HF names (detached CPU copies; a tensor-parallel
+    slice is this rank's slice, `layout_of` it says which; an expert-parallel shard holds only
+    this rank's experts: `gather_hf_state_dict` joins both)."""
+    return {hf.hf_name(layer, name): _with_layout(param.detach().cpu().clone(), param)
             for (layer, name), param in module.named_layer_parameters()}
 
 
+def _with_layout(copy: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    layout = layout_of(param)
+    if layout is not None:
+        mark_sharded(copy, layout)
+    return copy
+
+
+def _merge(parts: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """One state dict from every rank's: whole tensors as they are, tp slices merged."""
+    merged: dict[str, torch.Tensor] = {}
+    slices: dict[str, dict[int, tuple[ShardLayout, torch.Tensor]]] = {}
+    for part in parts:
+        for key, (value, layout) in part.items():
+            if layout is None:
+                merged[key] = value
+            else:
+                slices.setdefault(key, {})[layout.rank] = (layout, value)
+    for key, by_rank in slices.items():
+        layout = by_rank[0][0]
+        merged[key] = layout.merge([by_rank[r][1] for r in range(layout.size)])
+    return merged
+
+
 def gather_hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torch.Tensor]:
-    """The whole model's HF state dict on every rank (a collective over the default group).
+    """The whole model's HF state dict on every rank (a collective over the default group);
+    tensor-parallel slices are merged back into whole tensors.
 
     A tied lm_head appears under ``lm_head.weight`` too, as ``hf_model.state_dict()`` has
     it, so ``hf_model.load_state_dict(gather_hf_state_dict(...))`` loads strictly.
@@ -117,15 +163,14 @@ def gather_hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torc
               for (layer, name), param in module.named_layer_parameters()
               if (shard := expert_shard(param)) is not None}
     parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (hf_state_dict(module, hf), shards))
-    merged: dict[str, torch.Tensor] = {}
+    mine = {key: (value, layout_of(value)) for key, value in hf_state_dict(module, hf).items()}
+    dist.all_gather_object(parts, (mine, shards))
+    merged = _merge([state for state, _ in parts])
     pieces: dict[str, dict[int, torch.Tensor]] = {}
     for state, starts in parts:
-        for key, value in state.items():
+        for key, (value, _) in state.items():
             if key in starts:  # expert-parallel shards: experts in order along dim 0
                 pieces.setdefault(key, {})[starts[key][0]] = value
-            else:
-                merged[key] = value
     for key, by_first in pieces.items():
         merged[key] = torch.cat([by_first[first] for first in sorted(by_first)])
     tied_key = hf.names[-1][1] + "weight"

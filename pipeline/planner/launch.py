@@ -69,6 +69,9 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
               f"data_parallel={config.dp}, tensor_parallel={config.tp}, "
               f"zero_stage={config.zero_stage}")
     per_replica = global_batch // config.dp
+    split = (["  from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf",
+              "  hf = tensor_parallel_hf(hf)   # each tp rank keeps its slice of every layer"]
+             if config.tp > 1 else [])
     return [_torchrun(target, "train_hf.py"),
             "train_hf.py (the Python entry, on every rank):",
             "  import torch, transformers",
@@ -76,6 +79,7 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
             "  from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf",
             "  from pipeline.interop.hf_weights import load_hf_weights",
             f"  hf = layers_from_hf(transformers.AutoConfig.from_pretrained({source!r}))",
+            *split,
             f"  module = PipelineModule(hf.layers, {module})",
             f"  load_hf_weights(module, hf, {source!r})",
             f"  engine = PipelineEngine(module, {engine}, "

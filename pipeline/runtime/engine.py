@@ -25,6 +25,7 @@ from pipeline.parallel.local_p2p import open_local_link
 from pipeline.parallel.optimizer import OptimizerFactory
 from pipeline.parallel.rank_optimizer import RankOptimizer
 from pipeline.parallel.small_reduce import small_all_reduce
+from pipeline.parallel.tensor.split_check import check_layers_split
 from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.batch import (
@@ -138,6 +139,8 @@ class PipelineEngine:
         module.materialize(self.schedule.stages_of(self.pp_rank), self.device, groups=groups)
         if topology.ep > 1 and groups is not None:  # each MoE layer keeps its 1/ep experts
             parallelize_experts(module, groups)
+        check_layers_split(((int(key), layer) for stage in self.stage_ids
+                            for key, layer in module.stage(stage).layers.items()), topology.tp)
         # over the world (not the pipeline group): STEP's vote spans every rank
         local = open_local_link(None, self.config.timeout) \
             if self.config.local_p2p and self.device.type == "cpu" else None

@@ -18,7 +18,7 @@ whole sequence (``use_cache=False``). Positions count real tokens only, as HF's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -29,7 +29,7 @@ from pipeline.errors import PipelineConfigError
 if TYPE_CHECKING:
     from pipeline.runtime.inference import Inference
 
-__all__ = ["CachedDecoding", "greedy_generate"]
+__all__ = ["SPLITS_VOCABULARY", "CachedDecoding", "greedy_generate"]
 
 
 @runtime_checkable
@@ -91,6 +91,31 @@ def _last_token_choice(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1, :].argmax(dim=-1)
 
 
+SPLITS_VOCABULARY = "pipesched_splits_vocabulary"
+"""Attribute of a last layer whose logits are its tp rank's slice of the vocabulary (in tp
+rank order, e.g. `pipeline.interop.hf_tensor_parallel`'s heads)."""
+
+
+def _choice(inference: Inference) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`_last_token_choice`, over the whole vocabulary when the last layer splits it over
+    tp: only the last token's slices are gathered (b × vocab numbers), never all logits."""
+    engine = inference.engine
+    module = engine.module
+    last_stage = module.total_stages - 1
+    held = module.stage(last_stage).modules() if str(last_stage) in module.stages else ()
+    splits = any(getattr(part, SPLITS_VOCABULARY, False) for part in held)
+    if engine.groups is None or engine.topology.tp == 1 or not splits:
+        return _last_token_choice
+    group = engine.groups.tp_group
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:
+        parts: list[Any] = [None] * engine.topology.tp
+        dist.all_gather_object(parts, logits[:, -1, :].detach().cpu(), group=group)
+        return torch.cat(parts, dim=-1).argmax(dim=-1)
+
+    return choose
+
+
 def greedy_generate(inference: Inference, input_ids: torch.Tensor, max_new_tokens: int, *,
                     attention_mask: torch.Tensor | None = None,
                     eos_token_id: int | Sequence[int] | None = None,
@@ -124,6 +149,7 @@ def greedy_generate(inference: Inference, input_ids: torch.Tensor, max_new_token
     eos_ids = torch.tensor(eos, dtype=input_ids.dtype)
     for layer in layers:
         layer.reset_decoding_cache()
+    choice = _choice(inference)
     try:
         for step in range(max_new_tokens):
             if cached:  # the prompt once, then only the newest token
@@ -133,7 +159,7 @@ def greedy_generate(inference: Inference, input_ids: torch.Tensor, max_new_token
                 x = (tokens, mask, positions)
             else:
                 x = tokens if attention_mask is None else (tokens, mask)
-            chosen = inference.eval_reduce(x, _last_token_choice,
+            chosen = inference.eval_reduce(x, choice,
                                            num_microbatches=num_microbatches)
             next_token = chosen.to(tokens.dtype)
             if eos:

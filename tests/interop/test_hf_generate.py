@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_layers import HFBlock, layers_from_hf
+from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.interop.hf_weights import load_hf_weights
 from pipeline.runtime.generation import greedy_generate
 from pipeline.runtime.inference import Inference
@@ -41,14 +42,17 @@ def _hf_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
     return out
 
 
-def _check_family(world_size: int, family: str) -> None:
+def _check_family(world_size: int, family: str, tp: int = 1) -> None:
     hf_model = tiny_model(family, seed=7)
     hf_model.generation_config.eos_token_id = None
     hf = layers_from_hf(tiny_config(family))
-    module = PipelineModule(hf.layers, num_stages=world_size, loss_fn=hf.loss_fn,
+    if tp > 1:
+        hf = tensor_parallel_hf(hf)
+    module = PipelineModule(hf.layers, num_stages=world_size // tp, loss_fn=hf.loss_fn,
                             partition_method="uniform")
     load_hf_weights(module, hf, hf_model.state_dict())
-    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=2, timeout=60)
+    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=2, timeout=60,
+                            tensor_parallel=tp)
     inference = Inference(engine)
     ids, mask = _left_padded_prompts()
     free = _hf_generate(hf_model, ids, mask, None)
@@ -83,15 +87,24 @@ def _check_family(world_size: int, family: str) -> None:
     assert lengths[-1] < ids.shape[1] + NEW_TOKENS, (family, lengths)  # stopped early
 
 
-def _check_generation(rank: int, world_size: int, families: tuple[str, ...]) -> None:
+def _check_generation(rank: int, world_size: int, families: tuple[str, ...],
+                      tp: int = 1) -> None:
+    torch.set_num_threads(1)
     for family in families:
-        _check_family(world_size, family)
+        _check_family(world_size, family, tp)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_greedy_generation_equals_hf_generate_on_every_family() -> None:
     run_ranks(_check_generation, 2, FAMILIES, timeout=400)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_greedy_generation_at_tp2_equals_hf_generate() -> None:
+    # grouped-query attention (kv heads split), soft-capping and a sliding window
+    run_ranks(_check_generation, 4, ("gemma2",), 2, timeout=400)
 
 
 def _check_refusals(rank: int, world_size: int) -> None:

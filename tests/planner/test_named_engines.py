@@ -163,6 +163,7 @@ def test_a_hf_pick_prints_the_torchrun_line_and_a_python_entry_whose_cuts_fit_th
     assert code == 0
     assert "torchrun --nnodes 1 --nproc-per-node 8" in out and "train_hf.py" in out
     assert "tensor_parallel=2" in out and f"from_pretrained({str(tmp_path)!r})" in out
+    assert "hf = tensor_parallel_hf(hf)" in out  # tp > 1: the split form of the layers
     cuts = json.loads(out.split("partition_method=")[1].split("]")[0] + "]")
     hf = layers_from_hf(config)
     assert cuts[0] == 0 and cuts[-1] == len(hf.layers) == 6 + 3

@@ -1,0 +1,203 @@
+"""Tensor-parallel pieces of a HF model: a vocab-parallel embedding and head, a row-parallel
+projection, a head-selecting projection, and the block that enters and leaves tp regions.
+
+Each is built from the full HF module and keeps this rank's slice (`ShardLayout`), so its
+parameter names are HF's (``self_attn.o_proj.weight``) and loads / exports map by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from pipeline.errors import PipelineConfigError
+from pipeline.interop.hf_layers import HFBlock
+from pipeline.parallel.tensor.collectives import (
+    copy_to_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    tp_rank_and_size,
+)
+from pipeline.parallel.tensor.sequence_parallel import (
+    SEQUENCE_DIM,
+    gather_sequence,
+    reduce_scatter_sequence,
+    sum_gradient_over_tensor_parallel,
+)
+from pipeline.parallel.tensor.shard_layout import ShardLayout, mark_sharded
+
+__all__ = ["HeadRows", "ParallelEmbedding", "ParallelHFBlock", "ParallelLMHead", "Region",
+           "RowParallel", "VocabSlot", "shard_parameter"]
+
+
+@dataclass(frozen=True)
+class Region:
+    """How a rank enters a column-parallel region and leaves a row-parallel one."""
+
+    group: ProcessGroup | None
+    sequence_parallel: bool
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """f (identity; all-reduce backward), or with sequence parallelism all-gather the
+        sequence (reduce-scatter backward)."""
+        if self.sequence_parallel:
+            return gather_sequence(x, self.group)
+        return copy_to_tensor_parallel_region(x, self.group)
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        """g (all-reduce; identity backward), or reduce-scatter over the sequence."""
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(y, self.group)
+        return reduce_from_tensor_parallel_region(y, self.group)
+
+
+class VocabSlot:
+    """Where the vocab-parallel head tells the loss its tp group and vocabulary offset (set
+    on every forward of the head, read by the loss just after, on the last stage)."""
+
+    def __init__(self) -> None:
+        self.group: ProcessGroup | None = None
+        self.vocab_start = 0
+
+
+def shard_parameter(param: torch.Tensor, dim: int, blocks: tuple[int, ...],
+                    group: ProcessGroup | None) -> nn.Parameter:
+    """A new parameter holding this rank's part of `param` (see `ShardLayout`)."""
+    rank, size = tp_rank_and_size(group)
+    layout = ShardLayout(dim, blocks, rank, size)
+    return mark_sharded(nn.Parameter(layout.shard(param.detach()),
+                                     requires_grad=param.requires_grad), layout)
+
+
+class RowParallel(nn.Module):
+    """A Linear (or GPT-2 Conv1D, `transposed`) split by input features: this rank's partial
+    product leaves the region (summed over tp), then the bias is added once."""
+
+    def __init__(self, full: Any, region: Region, *, transposed: bool = False) -> None:
+        super().__init__()
+        self.region, self.transposed = region, transposed
+        weight: nn.Parameter = full.weight
+        self.weight = shard_parameter(weight, 0 if transposed else 1,
+                                      (weight.shape[0 if transposed else 1],), region.group)
+        self.bias: nn.Parameter | None = full.bias
+        if self.bias is not None and region.sequence_parallel:  # added to 1/t of the tokens
+            sum_gradient_over_tensor_parallel(self.bias, region.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = x @ self.weight if self.transposed else F.linear(x, self.weight)
+        y = self.region.leave(partial)
+        return y if self.bias is None else y + self.bias
+
+
+class HeadRows(nn.Module):
+    """A key or value projection every tp rank holds whole (tp does not divide the kv heads:
+    each kv head serves t / kv ranks), computing only the rows of the head this rank's query
+    heads read; its gradient is summed over tp (each rank fills only its head's rows)."""
+
+    def __init__(self, full: Any, rows: slice, group: ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight, self.bias, self.rows = full.weight, full.bias, rows
+        for param in (self.weight, self.bias):
+            if param is not None:
+                sum_gradient_over_tensor_parallel(param, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias[self.rows]
+        return F.linear(x, self.weight[self.rows], bias)
+
+
+class ParallelEmbedding(nn.Module):
+    """The token embedding with its vocabulary rows split over tp (`torch.tensor_split`
+    parts): each rank looks up the ids in its range, zeros elsewhere, then the parts are
+    summed (g), or with sequence parallelism reduce-scattered over the sequence. Keeps HF's
+    ``padding_idx`` and Gemma's ``embed_scale``; also the tied output head's weight."""
+
+    pipesched_splits_vocabulary = True  # as the tied head (pipeline.runtime.generation)
+
+    def __init__(self, full: Any, region: Region) -> None:
+        super().__init__()
+        self.region = region
+        self.num_embeddings = full.num_embeddings
+        self.weight = shard_parameter(full.weight, 0, (full.num_embeddings,), region.group)
+        rank, size = tp_rank_and_size(region.group)
+        (self.vocab_start, self.vocab_end), = ShardLayout(
+            0, (full.num_embeddings,), rank, size).ranges()
+        pad = full.padding_idx
+        self.padding_idx = pad - self.vocab_start if pad is not None and \
+            self.vocab_start <= pad < self.vocab_end else None
+        scale = getattr(full, "embed_scale", None)
+        self.embed_scale: torch.Tensor | None
+        self.register_buffer("embed_scale", None if scale is None else scale.clone(),
+                             persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight, self.padding_idx)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(self.weight.dtype)
+        return self.region.leave(out.masked_fill(outside.unsqueeze(-1), 0.0))
+
+
+def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, region: Region, slot: VocabSlot,
+                 vocab_start: int) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits (the full sequence), telling `slot`."""
+    slot.group, slot.vocab_start = region.group, vocab_start
+    return F.linear(region.enter(hidden), weight)
+
+
+class ParallelLMHead(nn.Module):
+    """An untied lm_head split by vocabulary rows: logits stay split for the loss."""
+
+    pipesched_splits_vocabulary = True  # pipeline.runtime.generation.SPLITS_VOCABULARY
+
+    def __init__(self, full: Any, region: Region, slot: VocabSlot) -> None:
+        super().__init__()
+        self.region, self.slot = region, slot
+        self.weight = shard_parameter(full.weight, 0, (full.out_features,), region.group)
+        rank, size = tp_rank_and_size(region.group)
+        (self.vocab_start, _), = ShardLayout(0, (full.out_features,), rank, size).ranges()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return vocab_logits(hidden, self.weight, self.region, self.slot, self.vocab_start)
+
+
+class ParallelHFBlock(HFBlock):
+    """`HFBlock` whose decoder layer was split over tp. With sequence parallelism the
+    carried hidden states hold 1/t of the sequence; the mask is built for the whole one."""
+
+    def __init__(self, block: HFBlock, sequence_parallel: bool, size: int) -> None:
+        super().__init__(block.layer, block.config, block.mask_function, block.rotary,
+                         block.rotary_layer_type)
+        self.sequence_parallel, self.size = sequence_parallel, size
+
+    def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if not self.sequence_parallel:
+            return super().forward(value)
+        hidden, positions, *rest = value
+        if len(rest) == 2:
+            raise PipelineConfigError("generation with sequence parallelism is not "
+                                      "supported: build the layers with "
+                                      "tensor_parallel_hf(hf, sequence_parallel=False) to "
+                                      "generate")
+        attention_mask = rest[0] if rest else None
+        batch, _, width = hidden.shape
+        whole = hidden[:, :1].expand(batch, hidden.shape[SEQUENCE_DIM] * self.size, width)
+        mask = self.mask_function(self.config, whole, attention_mask, None, positions)
+        return (self.attend(hidden, mask, positions, None), positions, *rest)
+
+
+def enter_on_call(module: nn.Module, region: Region) -> None:
+    """Pass `module`'s hidden-states input (first positional or ``hidden_states=``) through
+    ``region.enter`` on every call."""
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (region.enter(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": region.enter(kwargs["hidden_states"])}
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)

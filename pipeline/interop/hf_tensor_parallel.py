@@ -1,0 +1,364 @@
+"""`tensor_parallel_hf(hf)`: the tensor-parallel form of a `layers_from_hf` model.
+
+As torchtitan's ``parallelize_llama``, one function takes the model and returns it
+parallelised; nothing is threaded through the engine. Every layer becomes a spec whose
+factory receives the rank's tp group at build time (`pipeline.model.build_context`), builds
+the plain layer with the same seed, and keeps this rank's slice (Megatron, Shoeybi et al.
+2019 §3; Korthikanti et al. 2022 for sequence parallelism):
+
+    embedding   vocabulary rows split; the parts summed (g) / reduce-scattered (SP)
+    attention   q (k, v) rows split by heads; key/value heads split when tp divides them,
+                else held whole and each rank uses its query heads' kv head (as vLLM and
+                Megatron-Core with fewer query groups than tp); o_proj split by columns
+    MLP         gate, up (Phi-3's fused gate_up, GPT-2's c_fc) by rows; down by columns
+    GPT-2       the fused c_attn Conv1D cut per Q / K / V block, by heads
+    head        vocabulary rows split (tied: the embedding's own slice); logits stay split
+    loss        vocab-parallel cross entropy: three per-token all-reduces, no gathered logits
+    norms       whole on every rank; with sequence parallelism each sees 1/t of the tokens
+                and its gradient is summed over tp (so are Qwen3's / Gemma 3's per-head
+                q_norm / k_norm, which see 1/t of the heads)
+
+Why our Megatron-style autograd operators and not DTensor's ``parallelize_module``
+(`pipeline.parallel.tensor.collectives` has the whole case; re-checked on torch 2.13, gloo,
+CPU: a Linear pair under Colwise/RowwiseParallel returns an ``AsyncCollectiveTensor`` and
+its gradients are DTensors whose ``torch.cat`` is the full 76-element tensor where each
+rank holds 40): the engine's flat ZeRO-1 and bucket buffers would hold unsharded
+gradients, P2P sends need plain completed tensors, and tied embeddings across stages and
+sliced loads are one slice each with plain tensors. HF modules are reused, not
+rewritten: projections are swapped for slices under the same names, so loading, exporting
+and checkpoints map by HF name, and soft-capping, sliding windows and rotary stay HF's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from pipeline.errors import PipelineConfigError
+from pipeline.interop.hf_layers import (
+    IGNORE_INDEX,
+    GPT2Positions,
+    HFBlock,
+    HFEmbedding,
+    HFLayers,
+    SoftCappedHead,
+    _soft_cap,
+    _tied_head,
+    causal_lm_loss,
+)
+from pipeline.interop.hf_modules_tp import (
+    HeadRows,
+    ParallelEmbedding,
+    ParallelHFBlock,
+    ParallelLMHead,
+    Region,
+    RowParallel,
+    VocabSlot,
+    enter_on_call,
+    shard_parameter,
+    vocab_logits,
+)
+from pipeline.model.layers import Layer, LayerSpec
+from pipeline.model.tied import TiedLayerSpec
+from pipeline.parallel.tensor.collectives import tp_rank_and_size
+from pipeline.parallel.tensor.sequence_parallel import sum_gradient_over_tensor_parallel
+from pipeline.parallel.tensor.split_check import mark_replicated
+from pipeline.parallel.tensor.vocab_cross_entropy import vocab_parallel_token_losses
+from pipeline.runtime.loss_normalization import SummedLoss
+
+__all__ = ["check_tensor_parallel_size", "tensor_parallel_hf", "valid_tensor_parallel_sizes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    config: Any
+    sequence_parallel: bool
+    slot: VocabSlot = dataclasses.field(compare=False)
+
+
+def _shape(config: Any) -> tuple[int, int, int]:
+    """(query heads, key/value heads, FFN width) of a supported config."""
+    if config.model_type == "gpt2":
+        ffn = config.n_inner or 4 * config.n_embd
+        return config.n_head, config.n_head, ffn
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, \
+        config.intermediate_size
+
+
+def _size_problems(config: Any, tp: int) -> list[str]:
+    heads, kv_heads, ffn = _shape(config)
+    problems = []
+    if heads % tp:
+        problems.append(f"{heads} attention heads")
+    if kv_heads % tp and (tp % kv_heads or config.model_type == "phi3"):
+        problems.append(f"{kv_heads} key/value heads (" + (
+            "Phi-3's fused qkv_proj: tp must divide them)" if config.model_type == "phi3"
+            else "tp must divide them or be a multiple of them)"))
+    if ffn % tp:
+        problems.append(f"FFN width {ffn}")
+    return problems
+
+
+def valid_tensor_parallel_sizes(config: Any, up_to: int = 64) -> list[int]:
+    """The tp sizes up to `up_to` that `tensor_parallel_hf` can split `config` over (the
+    vocabulary splits over any tp: its parts may differ by one row)."""
+    return [tp for tp in range(1, up_to + 1) if not _size_problems(config, tp)]
+
+
+def check_tensor_parallel_size(config: Any, tp: int) -> None:
+    """Raise `PipelineConfigError` (one line: the value, what it does not divide, the valid
+    sizes) when `tensor_parallel_hf` cannot split `config` over `tp` ranks."""
+    problems = _size_problems(config, tp)
+    if problems:
+        valid = valid_tensor_parallel_sizes(config)
+        raise PipelineConfigError(
+            f"tensor parallel size {tp} does not divide {config.model_type}'s "
+            f"{'; '.join(problems)}; valid tensor parallel sizes: "
+            f"{', '.join(map(str, valid))}")
+
+
+# -- layer factories (built on the owning rank, with its tp group) ---------------------------
+
+def _built(original: LayerSpec, size: int, config: Any) -> nn.Module:
+    """The plain layer; a copy when it is a given model's own module about to be sliced.
+    Every layer checks the tp size, so every rank refuses a bad one while it builds."""
+    if size > 1:
+        check_tensor_parallel_size(config, size)
+    module = original.build()
+    return copy.deepcopy(module) if size > 1 and _from_model(original) else module
+
+
+def _from_model(original: LayerSpec) -> bool:
+    return any(isinstance(arg, nn.Module) for arg in original.args)
+
+
+def _embedding(make: Any, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
+    full = make()
+    if tp_rank_and_size(group)[1] == 1:
+        return full
+    check_tensor_parallel_size(plan.config, tp_rank_and_size(group)[1])
+    return ParallelEmbedding(full, Region(group, plan.sequence_parallel))
+
+
+def _untied_embedding(make: Any, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
+    return HFEmbedding(_embedding(make, plan, group))
+
+
+def _parallel_tied_head(module: nn.Module, hidden: torch.Tensor, *, plan: _Plan,
+                        softcap: float | None) -> torch.Tensor:
+    if not isinstance(module, ParallelEmbedding):
+        return _tied_head(module, hidden, softcap=softcap)
+    return _soft_cap(vocab_logits(hidden, module.weight, module.region, plan.slot,
+                                  module.vocab_start), softcap)
+
+
+def _head(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
+    _, size = tp_rank_and_size(group)
+    module = _built(original, size, plan.config)
+    if size == 1:
+        return module
+    region = Region(group, plan.sequence_parallel)
+    if isinstance(module, SoftCappedHead):
+        return SoftCappedHead(ParallelLMHead(module.head, region, plan.slot), module.softcap)
+    return ParallelLMHead(module, region, plan.slot)
+
+
+def _replicated(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None
+                ) -> nn.Module:
+    """The final norm (and GPT-2's positions): whole on every rank; with sequence
+    parallelism each rank sees its part of the tokens, so gradients are summed."""
+    _, size = tp_rank_and_size(group)
+    module = _built(original, size, plan.config)
+    if size == 1:
+        return module
+    if plan.sequence_parallel:
+        for param in module.parameters():
+            sum_gradient_over_tensor_parallel(param, group)
+        if isinstance(module, GPT2Positions):
+            module = _SequencePositions(module, group)
+    return mark_replicated(module)
+
+
+class _SequencePositions(GPT2Positions):
+    """GPT-2's positions added to this rank's part of the sequence."""
+
+    def __init__(self, positions: GPT2Positions, group: ProcessGroup | None) -> None:
+        super().__init__(positions.wpe, positions.drop.p)
+        self.rank, self.size = tp_rank_and_size(group)
+
+    def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, positions, *rest = value
+        mine = positions.chunk(self.size, dim=-1)[self.rank]
+        return (self.drop(hidden + self.wpe(mine)), positions, *rest)
+
+
+def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
+    rank, size = tp_rank_and_size(group)
+    block = _built(original, size, plan.config)
+    if size == 1:
+        return block
+    assert isinstance(block, HFBlock)
+    region = Region(group, plan.sequence_parallel)
+    layer: Any = block.layer
+    if plan.config.model_type == "gpt2":
+        _split_gpt2(layer, plan.config, region)
+        attention, mlp = layer.attn, layer.mlp
+    else:
+        _split_attention(layer.self_attn, plan.config, region, rank, size)
+        _split_mlp(layer.mlp, region)
+        attention, mlp = layer.self_attn, layer.mlp
+    enter_on_call(attention, region)
+    enter_on_call(mlp, region)
+    if plan.sequence_parallel:  # norms and residual-side weights see 1/t of the tokens
+        inside = {id(p) for part in (attention, mlp) for p in part.parameters()}
+        for param in layer.parameters():
+            if id(param) not in inside:
+                sum_gradient_over_tensor_parallel(param, group)
+    return ParallelHFBlock(block, plan.sequence_parallel, size)
+
+
+def _column(linear: Any, blocks: tuple[int, ...], region: Region, *,
+            transposed: bool = False) -> None:
+    """Keep this rank's output features of `linear` (a Linear, or a Conv1D if `transposed`)."""
+    linear.weight = shard_parameter(linear.weight, 1 if transposed else 0, blocks,
+                                    region.group)
+    if linear.bias is not None:
+        linear.bias = shard_parameter(linear.bias, 0, blocks, region.group)
+    width = sum(blocks) // tp_rank_and_size(region.group)[1]
+    setattr(linear, "nf" if transposed else "out_features", width)
+
+
+def _split_attention(attention: Any, config: Any, region: Region, rank: int,
+                     size: int) -> None:
+    heads, kv_heads, _ = _shape(config)
+    head_dim = attention.head_dim
+    local_kv = kv_heads // size if kv_heads % size == 0 else 1
+    if hasattr(attention, "qkv_proj"):  # Phi-3: Q;K;V fused
+        _column(attention.qkv_proj, (heads * head_dim, kv_heads * head_dim,
+                                     kv_heads * head_dim), region)
+    else:
+        _column(attention.q_proj, (heads * head_dim,), region)
+        for name in ("k_proj", "v_proj"):
+            linear = getattr(attention, name)
+            if kv_heads % size == 0:
+                _column(linear, (kv_heads * head_dim,), region)
+            else:  # each kv head serves size // kv_heads consecutive ranks
+                head = rank // (size // kv_heads)
+                setattr(attention, name, HeadRows(
+                    linear, slice(head * head_dim, (head + 1) * head_dim), region.group))
+    attention.o_proj = RowParallel(attention.o_proj, region)
+    for name in ("q_norm", "k_norm"):  # per-head norms shared by the heads of every rank
+        norm = getattr(attention, name, None)
+        if norm is not None:
+            for param in norm.parameters():
+                sum_gradient_over_tensor_parallel(param, region.group)
+    attention.num_key_value_groups = (heads // size) // local_kv
+    if hasattr(attention, "num_key_value_heads"):
+        attention.num_key_value_heads = local_kv
+    attention.config = copy.copy(attention.config)  # Phi-3 cuts its fused output by these
+    attention.config.num_attention_heads = heads // size
+    attention.config.num_key_value_heads = local_kv
+
+
+def _split_mlp(mlp: Any, region: Region) -> None:
+    if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate;up fused
+        width = mlp.gate_up_proj.out_features // 2
+        _column(mlp.gate_up_proj, (width, width), region)
+    else:
+        _column(mlp.gate_proj, (mlp.gate_proj.out_features,), region)
+        _column(mlp.up_proj, (mlp.up_proj.out_features,), region)
+    mlp.down_proj = RowParallel(mlp.down_proj, region)
+
+
+def _split_gpt2(block: Any, config: Any, region: Region) -> None:
+    attention, mlp = block.attn, block.mlp
+    width = config.n_embd
+    size = tp_rank_and_size(region.group)[1]
+    _column(attention.c_attn, (width, width, width), region, transposed=True)
+    attention.split_size = width // size
+    attention.num_heads = config.n_head // size
+    attention.c_proj = RowParallel(attention.c_proj, region, transposed=True)
+    _column(mlp.c_fc, (mlp.c_fc.nf,), region, transposed=True)
+    mlp.c_proj = RowParallel(mlp.c_proj, region, transposed=True)
+
+
+# -- the loss --------------------------------------------------------------------------------
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def _token_losses(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    return vocab_parallel_token_losses(logits, _shifted(labels), plan.slot.vocab_start,
+                                       plan.slot.group, IGNORE_INDEX)
+
+
+def _split(plan: _Plan, logits: torch.Tensor) -> bool:
+    """Whether the logits are a vocabulary slice (an engine rank at tp > 1), not whole."""
+    return logits.shape[-1] != plan.config.vocab_size
+
+
+def _mean_loss(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if not _split(plan, logits):
+        return causal_lm_loss(logits, labels)
+    losses, counted = _token_losses(plan, logits, labels)
+    return losses.sum() / counted.sum()
+
+
+def _summed_loss(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if not _split(plan, logits):
+        return causal_lm_loss(logits, labels) * (_shifted(labels) != IGNORE_INDEX).sum()
+    return _token_losses(plan, logits, labels)[0].sum()
+
+
+def _count(labels: torch.Tensor) -> torch.Tensor:
+    return (_shifted(labels) != IGNORE_INDEX).sum()
+
+
+# -- the transform ---------------------------------------------------------------------------
+
+def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False) -> HFLayers:
+    """`hf` with every layer split over the tp group it is built with (tp = 1, as in the
+    single-process reference: the plain layers). Train with
+    ``PipelineEngine(PipelineModule(tp_hf.layers, ...), tensor_parallel=t)``; the loss is
+    the vocab-parallel cross entropy. `sequence_parallel` keeps 1/t of the sequence between
+    the tp regions (batches' lengths must divide by t)."""
+    plan = _Plan(hf.config, sequence_parallel, VocabSlot())
+    gpt2 = hf.config.model_type == "gpt2"
+    first_block = 2 if gpt2 else 1
+    last_block = len(hf.layers) - 3
+    layers: list[Layer] = []
+    for index, layer in enumerate(hf.layers):
+        if isinstance(layer, TiedLayerSpec):  # embedding and tied head: one module, sliced
+            head = index == len(hf.layers) - 1
+            forward_fn = functools.partial(
+                _parallel_tied_head, plan=plan,
+                softcap=getattr(hf.config, "final_logit_softcapping", None)) if head \
+                else layer.forward_fn
+            layers.append(TiedLayerSpec(layer.key, _embedding, layer.cls, plan,
+                                        forward_fn=forward_fn))
+            continue
+        if not isinstance(layer, LayerSpec):
+            raise TypeError(f"layer {index} of the HF layers is {type(layer).__name__}, not a "
+                            "spec; pass layers_from_hf's result unchanged")
+        if index == 0:
+            layers.append(LayerSpec(_untied_embedding, layer.args[0], plan))
+        elif first_block <= index <= last_block:
+            layers.append(LayerSpec(_block, layer, plan))
+        elif index == len(hf.layers) - 1:
+            layers.append(LayerSpec(_head, layer, plan))
+        else:  # GPT-2's positions, the final norm
+            layers.append(LayerSpec(_replicated, layer, plan))
+    summed = SummedLoss(functools.partial(_summed_loss, plan), _count,
+                        "vocab-parallel token cross entropy, ignore_index=-100, shifted")
+    return dataclasses.replace(hf, layers=layers, loss_fn=functools.partial(_mean_loss, plan),
+                               summed_loss=summed)
+
