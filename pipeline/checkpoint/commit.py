@@ -26,7 +26,7 @@ from pipeline.errors import CheckpointError
 
 __all__ = ["abandon", "commit", "latest_name", "latest_status", "sweep"]
 
-_LEFTOVER = re.compile(r"step_\d{6,}\.(partial|old)-[0-9a-f]+|\.latest\.tmp-\d+")
+_LEFTOVER = re.compile(r"step_\d{6,}\.(partial|old)-[0-9a-f]+|\.latest\.tmp-\d+(-[0-9a-f]+)?")
 
 
 def latest_name(root: str) -> str | None:
@@ -122,7 +122,7 @@ def sweep(root: str) -> None:
         name = os.path.basename(path)
         if not _LEFTOVER.fullmatch(name) or path == resolved:
             continue
-        if name.startswith(".latest.tmp-"):
-            remove_quietly(path)
+        if name.startswith(".latest.tmp-") or os.path.islink(path):
+            remove_quietly(path)  # a symlink goes itself: nothing is removed through it
         elif resolved != "":
             shutil.rmtree(path, ignore_errors=True)

@@ -209,7 +209,8 @@ def _optimizer_payload(parts: CheckpointParts) -> dict[str, Any]:
 
 
 def _write_files(staging: str, parts: CheckpointParts) -> list[FileEntry]:
-    os.makedirs(staging, exist_ok=True)
+    if parts.rank != 0:  # rank 0 made it, fresh (os.mkdir in save_checkpoint)
+        os.makedirs(staging, exist_ok=True)
     entries = []
     for name, role, layers, make in _payloads(parts):
         data = _serialize(make())
@@ -240,8 +241,10 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
         try:
             os.makedirs(root, exist_ok=True)
             lock_root(root)  # this job's root from now on; see root_lock for why a lock
+            os.mkdir(staging)  # fresh: a name planted there (a symlink) fails the save
         except OSError as error:
-            problem = CheckpointError(f"cannot create {root}: {error}", path=root)
+            problem = CheckpointError(f"cannot create {error.filename or root}: {error}",
+                                      path=root)
         except CheckpointError as error:
             problem = error
     agree(problem, "taking the checkpoint directory")  # before any rank writes into it
