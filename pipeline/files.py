@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import stat
-from typing import Any
+from typing import Any, BinaryIO
 
-__all__ = ["UnreadableInputError", "read_json_file", "read_regular_file"]
+__all__ = ["UnreadableInputError", "loads_json", "open_regular_file", "read_json_file",
+           "read_regular_file"]
 
 
 class UnreadableInputError(ValueError):
@@ -27,25 +28,32 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
-    """The bytes of `path`, at most `limit` of them. Refused before reading: anything but a
-    regular file (reading a FIFO waits for a writer forever, /dev/zero never ends) and a file
-    over `limit` bytes. `OSError` if it cannot be opened at all."""
+def open_regular_file(path: str | os.PathLike[str]) -> BinaryIO:
+    """`path` opened for binary reading if it is a regular file: anything else is refused with
+    `UnreadableInputError` before it is read (reading a FIFO waits for a writer forever,
+    /dev/zero never ends). `OSError` if it cannot be opened at all."""
     shown = os.fspath(path)
     mode = os.stat(shown).st_mode  # before open: opening a FIFO for reading would block
     if not stat.S_ISREG(mode):
         raise UnreadableInputError(f"{shown} is {_kind(mode)}, not a regular file; pass the path "
                                    "of a regular file")
     # O_NONBLOCK: should it have become a FIFO since the stat, the open still returns at once
-    descriptor = os.open(shown, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(descriptor, "rb") as handle:
-        mode = os.fstat(descriptor).st_mode
-        if not stat.S_ISREG(mode):
-            raise UnreadableInputError(f"{shown} is {_kind(mode)}, not a regular file")
+    descriptor = os.open(shown, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        raise UnreadableInputError(f"{shown} is {_kind(mode)}, not a regular file")
+    return os.fdopen(descriptor, "rb")
+
+
+def read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of `path`, at most `limit` of them (see `open_regular_file`); a file over
+    `limit` bytes is refused with `UnreadableInputError`."""
+    with open_regular_file(path) as handle:
         data = handle.read(limit + 1)
     if len(data) > limit:
-        raise UnreadableInputError(f"{shown} is over {limit:,} bytes, too large for what it "
-                                   "must hold; pass the right file")
+        raise UnreadableInputError(f"{os.fspath(path)} is over {limit:,} bytes, too large for "
+                                   "what it must hold; pass the right file")
     return data
 
 
@@ -66,8 +74,12 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def read_json_file(path: str | os.PathLike[str], limit: int) -> Any:
     """The JSON document in `path` (read as `read_regular_file` does); `UnreadableInputError`
     for text that is not UTF-8 JSON or is nested too deeply to parse."""
-    shown = os.fspath(path)
-    data = read_regular_file(path, limit)
+    return loads_json(read_regular_file(path, limit), os.fspath(path))
+
+
+def loads_json(data: bytes, shown: str) -> Any:
+    """The JSON document in `data` (from `shown`), each key given once; `UnreadableInputError`
+    for text that is not UTF-8 JSON, gives a key twice, or is nested too deeply to parse."""
     try:
         return json.loads(data.decode("utf-8"), object_pairs_hook=_refuse_duplicates)
     except UnicodeDecodeError as error:

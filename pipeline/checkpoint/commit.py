@@ -19,9 +19,9 @@ from pipeline.checkpoint.atomic_files import (
     fsync_directory,
     read_pointer,
     remove_quietly,
-    write_pointer,
 )
 from pipeline.checkpoint.manifest import LATEST, MANIFEST, resolve_checkpoint
+from pipeline.checkpoint.pointer import write_latest
 from pipeline.errors import CheckpointError
 
 __all__ = ["abandon", "commit", "latest_name", "latest_status", "sweep"]
@@ -47,8 +47,9 @@ def _names(name: str | None) -> str:
 
 
 def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str,
-           reach: Callable[[str], None]) -> CheckpointError | None:
-    """Write the manifest, rename `staging` to `root/final_name`, point `latest` at it, sweep.
+           reach: Callable[[str], None], run_id: str) -> CheckpointError | None:
+    """Write the manifest, rename `staging` to `root/final_name`, point `latest` at it (signed
+    for `run_id` with a key: `pipeline.checkpoint.pointer`), sweep.
     None on success; otherwise the error to report, with the disk already cleaned up.
     `reach` fires the owner's armed fault points (`pipeline.supervision.faults`)."""
     previous = latest_name(root)
@@ -63,7 +64,7 @@ def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str
             path=staging)
     try:
         reach("checkpoint.latest")
-        write_pointer(os.path.join(root, LATEST), final_name)
+        write_latest(os.path.join(root, LATEST), final_name, run_id, manifest)
     except OSError as error:
         if previous == final_name:  # a re-saved step: `latest` already names the new copy
             sweep(root)

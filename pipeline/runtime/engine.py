@@ -6,7 +6,7 @@ import math
 import socket
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -404,13 +404,17 @@ class PipelineEngine:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> CheckpointInfo:
+    def save_checkpoint(self, directory: str, *,
+                        extra_files: Mapping[str, bytes] | None = None) -> CheckpointInfo:
         """Save weights (per global layer), optimizer state (per parameter, ZeRO shards with
         their offsets), loss scaler, generators and `global_step` under
         ``directory/step_<global_step>/`` and point ``directory/latest`` at it, crash-safely
-        (a collective: every rank calls it). See `pipeline.checkpoint.save`."""
+        (a collective: every rank calls it). See `pipeline.checkpoint.save`. `extra_files`
+        (name -> bytes) go into the step directory too, listed and signed in its manifest."""
         self.progress.enter("save_checkpoint", collective=True)
-        info = save_checkpoint(directory, self._checkpoint_parts())
+        parts = self._checkpoint_parts()
+        parts.extra_files = dict(extra_files or {})
+        info = save_checkpoint(directory, parts)
         self.progress.enter(f"between steps, after step {self.global_step}")
         return info
 
