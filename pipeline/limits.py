@@ -8,7 +8,7 @@ import os
 from pipeline.errors import PipelineConfigError
 
 __all__ = ["MAX_RUN_SECONDS", "MAX_TIMEOUT", "RANK_BYTES", "check_local_ranks",
-           "check_run_seconds", "check_timeout", "max_local_ranks"]
+           "check_run_seconds", "check_timeout", "host_memory_bytes", "max_local_ranks"]
 
 MAX_TIMEOUT = 30 * 24 * 3600.0
 """Longest timeout, in seconds, a wait may be given (30 days): torch keeps timeouts as
@@ -31,13 +31,17 @@ def check_timeout(seconds: object, name: str = "timeout") -> float:
     return float(seconds)
 
 
+def host_memory_bytes() -> int:
+    """This host's physical memory (1,024 ranks' worth where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return 1024 * RANK_BYTES
+
+
 def max_local_ranks() -> int:
     """How many ranks this host can start: its memory over `RANK_BYTES` (at least 8)."""
-    try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return 1024
-    return max(8, memory // RANK_BYTES)
+    return max(8, host_memory_bytes() // RANK_BYTES)
 
 
 def check_local_ranks(count: int, what: str = "world_size") -> None:

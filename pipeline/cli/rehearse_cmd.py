@@ -81,18 +81,27 @@ def format_memory(predicted: list[RankMemory], measured: list[RankMemory]) -> st
     return "\n".join(lines)
 
 
-def _check_emulated_memory(layers: list[Any], microbatches: int) -> None:
-    """Refuse, before any rank starts, emulated weights and activations this host cannot
-    hold (costs of 1e300 bytes ended in a C++ allocation failure on the ranks)."""
-    from pipeline.limits import RANK_BYTES, max_local_ranks
+def _check_emulated_memory(spec: Any) -> None:
+    """Refuse, before any rank starts, a rehearsal whose ranks together would not fit in this
+    host's memory: every rank's parameters, gradients, Adam state and activation peak under
+    the schedule (the one accounting, `schedules.analysis.memory.predict_memory`, which the
+    report's predicted column shows), times the replicas, plus each process's own
+    `RANK_BYTES`. Counting parameters once let a rank reach 15.6 GB on a host this refused
+    nothing for; costs of 1e300 bytes ended in a C++ allocation failure on the ranks."""
+    from pipeline.limits import RANK_BYTES, host_memory_bytes
+    from schedules.analysis.memory import predict_memory
 
-    needed = 4 * sum(layer.param_elements + microbatches * layer.output_elements
-                     for layer in layers)
-    memory = max_local_ranks() * RANK_BYTES
-    if needed > memory:
-        raise ValueError(f"the costs file's params and activations would take about "
-                         f"{needed:.3g} bytes once emulated, over this host's {memory:.3g}; "
-                         "raise --bytes-scale or give costs in bytes")
+    schedule = build_schedule(spec.schedule, spec.stages, spec.microbatches, spec.chunks)
+    per_rank = predict_memory(schedule, spec.memory_model())
+    needed = spec.data_parallel * (sum(rank.total for rank in per_rank)
+                                   + spec.stages * RANK_BYTES)
+    memory = host_memory_bytes()
+    if not needed <= memory:  # also inf and NaN
+        states = sum(rank.params + rank.gradients + rank.optimizer for rank in per_rank)
+        raise ValueError(f"the costs file's params, gradients, Adam state and activations "
+                         f"would take about {needed:.3g} bytes once emulated, over this "
+                         f"host's {memory:.3g} (model state {spec.data_parallel * states:.3g} "
+                         "of it); raise --bytes-scale or give costs in bytes")
 
 
 def _spec(args: argparse.Namespace) -> Any:
@@ -114,14 +123,15 @@ def _spec(args: argparse.Namespace) -> Any:
     part = partition_graph(graph, args.stages * chunks, method=method, type_pattern=pattern)
     layers = emulation_costs(graph, weight_fraction=args.weight_fraction,
                              bytes_scale=args.bytes_scale, time_scale=args.time_scale)
-    _check_emulated_memory(layers, args.microbatches)
-    args.out.mkdir(parents=True, exist_ok=True)
-    check_output_path(args.out / "rehearsal.png", FIGURE_FORMATS)
-    check_output_path(args.out / "trace.json", TRACE_FORMATS)
-    return RehearsalSpec(layers=tuple(layers), boundaries=tuple(part.boundaries),
+    spec = RehearsalSpec(layers=tuple(layers), boundaries=tuple(part.boundaries),
                          schedule=args.schedule, stages=args.stages, chunks=chunks,
                          microbatches=args.microbatches, data_parallel=args.data_parallel,
                          zero_stage=args.zero_stage, steps=args.steps)
+    _check_emulated_memory(spec)
+    args.out.mkdir(parents=True, exist_ok=True)
+    check_output_path(args.out / "rehearsal.png", FIGURE_FORMATS)
+    check_output_path(args.out / "trace.json", TRACE_FORMATS)
+    return spec
 
 
 def _for_plot(timeline: Timeline, name: str, saved: tuple[float, ...]) -> Timeline:
