@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import stat
 from typing import Any, BinaryIO
 
-__all__ = ["UnreadableInputError", "loads_json", "open_regular_file", "read_json_file",
-           "read_regular_file"]
+__all__ = ["InputFileType", "OutputFileType", "UnreadableInputError", "loads_json",
+           "open_regular_file", "read_json_file", "read_regular_file"]
 
 
 class UnreadableInputError(ValueError):
@@ -95,3 +96,59 @@ def loads_json(data: bytes, shown: str) -> Any:
         raise UnreadableInputError(f"{shown} is nested too deeply to be read as JSON") from None
     except ValueError as error:  # e.g. an integer over 4,300 digits (int_max_str_digits)
         raise UnreadableInputError(f"{shown} cannot be read as JSON: {error}") from None
+
+
+class InputFileType:
+    """argparse type of every flag that names a file to read: checked when the command line
+    is parsed, before any work starts, as the command will read it (a regular file of at most
+    `limit` bytes, a JSON document when `json_document`), so a FIFO, a device, a huge or a
+    deeply nested file is one line of error, never a hang or a traceback. The command reads
+    it again with the same bounds. `or_text`: a value naming no file is passed on as text (a
+    built-in name or an inline shape); `suffix_separator`: the file is the part before the
+    last separator (``f.py:build``). Returns the value unchanged."""
+
+    def __init__(self, limit: int, *, json_document: bool = False, or_text: bool = False,
+                 suffix_separator: str | None = None) -> None:
+        self.limit = limit
+        self.json_document = json_document
+        self.or_text = or_text
+        self.suffix_separator = suffix_separator
+        self.__name__ = "input file"  # argparse names the type in its messages
+
+    def __call__(self, text: str) -> str:
+        path = text
+        if self.suffix_separator is not None and self.suffix_separator in text:
+            path = text.rsplit(self.suffix_separator, 1)[0]
+        if self.or_text and not os.path.lexists(path):
+            return text
+        try:
+            data = read_regular_file(path, self.limit)
+            if self.json_document:
+                loads_json(data, path)
+        except UnreadableInputError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        except FileNotFoundError:
+            return text  # the command says what it needs, as for any missing file
+        except OSError as error:
+            raise argparse.ArgumentTypeError(f"cannot read {path}: {error.strerror}") from None
+        return text
+
+
+class OutputFileType:
+    """argparse type of a flag naming a file to write: refused when the name exists and is
+    not a regular file (writing into a FIFO waits for a reader forever, a device swallows
+    it). Returns the path."""
+
+    __name__ = "output file"
+
+    def __call__(self, text: str) -> Any:
+        from pathlib import Path
+
+        try:
+            mode = os.stat(text).st_mode
+        except OSError:
+            return Path(text)  # a new file: the command creates it
+        if not stat.S_ISREG(mode):
+            raise argparse.ArgumentTypeError(f"{text} is {_kind(mode)}, not a regular file; "
+                                             "name a new or regular file to write")
+        return Path(text)

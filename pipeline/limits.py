@@ -7,7 +7,8 @@ import os
 
 from pipeline.errors import PipelineConfigError
 
-__all__ = ["MAX_RUN_SECONDS", "MAX_TIMEOUT", "RANK_BYTES", "check_local_ranks",
+__all__ = ["MAX_COUNT", "MAX_INPUT_BYTES", "MAX_NUMBER", "MAX_RUN_SECONDS", "MAX_SOURCE_BYTES",
+           "MAX_TIMEOUT", "RANK_BYTES", "check_local_ranks",
            "check_run_seconds", "check_timeout", "host_memory_bytes", "max_local_ranks"]
 
 MAX_TIMEOUT = 30 * 24 * 3600.0
@@ -19,6 +20,16 @@ RANK_BYTES = 150 << 20
 imported), for the estimate of how many ranks this host can start."""
 MAX_RUN_SECONDS = 7 * 24 * 3600.0
 """Longest run, in estimated seconds, the command line starts (a week)."""
+MAX_COUNT = 2**40
+"""Largest count any command-line flag takes (about 10^12): steps, ranks, microbatches,
+sizes and repeats beyond it are typos, and each command bounds its own work further."""
+MAX_NUMBER = 1e15
+"""Largest magnitude of any other number on the command line (a cost, a scale, a factor):
+beyond it sums overflow to inf and outputs print 300-digit numbers."""
+MAX_INPUT_BYTES = 64 << 20
+"""Largest input file any command reads (a costs file, a schedule, a cluster, a profile)."""
+MAX_SOURCE_BYTES = 16 << 20
+"""Largest Python file `train --model FILE.py:FUNCTION` imports."""
 
 
 def check_timeout(seconds: object, name: str = "timeout") -> float:

@@ -10,22 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.options import add_schedule_arguments, positive_float, positive_int
+from pipeline.cli.options import add_schedule_arguments, fraction, positive_float, positive_int
+from pipeline.files import InputFileType
+from pipeline.limits import MAX_INPUT_BYTES
 from schedules import SCHEDULES, Timeline, build_schedule, figures, simulate
 from schedules.analysis.memory import RankMemory
 
 _MAX_REHEARSAL_SECONDS = 3600.0  # a rehearsal previews a run: an hour of emulated steps at most
 __all__ = ["format_memory", "register", "run"]
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -37,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                     "under the simulated ones (nominal costs, and with this machine's host "
                     "work and P2P measured on the run), with memory per rank predicted and "
                     "measured.")
-    parser.add_argument("--costs", type=Path, required=True, metavar="FILE",
+    parser.add_argument("--costs", type=InputFileType(MAX_INPUT_BYTES, json_document=True),
+                        required=True, metavar="FILE",
                         help="per-layer costs: partitioner JSON (seconds, bytes)")
     add_schedule_arguments(parser, memory_limit=False)
     parser.add_argument("--data-parallel", type=positive_int, default=1, metavar="D",
@@ -47,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--partition", default="balanced", metavar="METHOD",
                         help="how to cut the layers: balanced (default), uniform, parameters, "
                              "type:<regex>")
-    parser.add_argument("--weight-fraction", type=_fraction, default=0.5, metavar="F",
+    parser.add_argument("--weight-fraction", type=fraction, default=0.5, metavar="F",
                         help="share of each layer's backward that is W (default 0.5)")
     parser.add_argument("--time-scale", type=positive_float, default=1.0, metavar="X",
                         help="multiply every time by X (default 1)")

@@ -14,8 +14,11 @@ from pipeline.cli.options import (
     add_schedule_arguments,
     non_negative_float,
     positive_int,
+    seed_int,
     timeout_seconds,
 )
+from pipeline.files import InputFileType
+from pipeline.limits import MAX_SOURCE_BYTES
 from schedules import Figures, figures, generate_schedule, simulate
 
 __all__ = ["register", "run"]
@@ -44,11 +47,12 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="balanced (profiled costs, default), uniform, parameters or "
                              "type:<regex>")
     parser.add_argument("--model", metavar="MODULE:FUNCTION", default=None,
+                        type=InputFileType(MAX_SOURCE_BYTES, or_text=True, suffix_separator=":"),
                         help="train your own layer list instead of the demo LM: FUNCTION() "
                              "returns pipeline.demo.user_model.ModelRecipe(layers, loss_fn, "
                              "batch); MODULE is a module name or a .py path (--blocks, "
                              "--width, --seq-len are then unused)")
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
+    parser.add_argument("--seed", type=seed_int, default=0, help="model and data seed")
     parser.add_argument("--timeout", type=timeout_seconds, default=120.0, metavar="SECONDS",
                         help="how long any wait between ranks may take before the run fails "
                              "naming the rank that stopped progressing (default 120)")
