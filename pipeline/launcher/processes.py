@@ -230,9 +230,11 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
     launcher = identity_of(os.getpid())
     cleanup = [workdir, *_owned_directories(context)]
     reaper = Reaper(cleanup)  # before any rank: from now on nothing outlives this process
-    init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
+    # A path, not a file:// URL: a '#', '?' or newline in TMPDIR would end or bend the URL
+    # (the rendezvous escaped to a shorter path, went stale, and later launches hung)
+    rendezvous = os.path.join(workdir, "rendezvous")
     processes = [context.Process(target=_worker, name=f"pipesched-rank-{rank}", args=(
-        rank, world_size, init_method, backend or default_backend(), timeout, threads, fn,
+        rank, world_size, rendezvous, backend or default_backend(), timeout, threads, fn,
         args, workdir, launcher, cleanup, quiet)) for rank in range(world_size)]
     try:
         with _signals_deferred():  # a rank started but not yet known could not be stopped
@@ -317,7 +319,7 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None
     return None, first_failed
 
 
-def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
+def _worker(rank: int, world_size: int, rendezvous: str, backend: str, timeout: float,
             threads: int | None, fn: Callable[..., Any], args: tuple[Any, ...],
             workdir: str, launcher: ProcessIdentity, cleanup: list[str], quiet: bool) -> None:
     die_with_parent(launcher)  # even while blocked in C holding the GIL
@@ -328,9 +330,10 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     payload: Result
     watchdog: Watchdog | None = None
     try:
-        _check_rendezvous(init_method, launcher)
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=world_size, timeout=process_group_timeout(timeout))
+        _check_rendezvous(rendezvous, launcher)
+        store = dist.FileStore(rendezvous, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=process_group_timeout(timeout))
         watchdog = Watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record,
                                                                    quiet))
         watchdog.start()
@@ -370,10 +373,10 @@ def _interrupted(results: list[Result | None]) -> bool:
     return "interrupted" in kinds and not kinds & {"error", "exit"}
 
 
-def _check_rendezvous(init_method: str, launcher: ProcessIdentity) -> None:
+def _check_rendezvous(rendezvous: str, launcher: ProcessIdentity) -> None:
     """End now if the launcher is gone or removed the rendezvous directory: torch's
     `FileStore` would otherwise retry the missing file for 300 s holding the GIL."""
-    if not os.path.isdir(os.path.dirname(init_method.removeprefix("file://"))) or \
+    if not os.path.isdir(os.path.dirname(rendezvous)) or \
             not is_running(launcher):
         os._exit(EXIT_LAUNCHER_GONE)
 
