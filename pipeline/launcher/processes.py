@@ -241,7 +241,9 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
             for process in processes:
                 process.start()
                 reaper.watch(process.pid)
-        still_running, first_failed = _supervise(processes, grace, join_timeout)
+        still_running, first_failed = _supervise(
+            processes, grace, join_timeout,
+            silent=lambda rank: not os.path.exists(os.path.join(workdir, f"rank{rank}.result")))
         for process in processes:
             process.join(timeout=5)  # killed ranks: read their real exit codes
         results = [read_result(workdir, rank) for rank in range(world_size)]
@@ -288,11 +290,13 @@ def _signals_deferred() -> Iterator[None]:
             signal.raise_signal(held)
 
 
-def _supervise(processes: list[Any], grace: float, join_timeout: float | None
-               ) -> tuple[list[int] | None, list[int]]:
+def _supervise(processes: list[Any], grace: float, join_timeout: float | None,
+               silent: Callable[[int], bool]) -> tuple[list[int] | None, list[int]]:
     """Wait for every rank; once one fails, kill the rest after `grace` seconds, and every
     rank on the deadline. Returns the ranks still running at the deadline (None when it did
-    not pass) and the ranks seen failing first (in the same wake-up)."""
+    not pass) and the ranks seen failing first (in the same wake-up). A rank that ended with
+    code 0 but `silent` (no result: ``os._exit(0)`` mid-step) failed too: the errors its
+    peers then raise ("Connection closed by peer") are its echo."""
     deadline = None if join_timeout is None else time.monotonic() + join_timeout
     failed_at: float | None = None
     first_failed: list[int] = []
@@ -313,9 +317,11 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None
         ended = [p for p in alive if not p.is_alive()]
         for process in ended:
             alive.remove(process)
-        if failed_at is None and any(p.exitcode != 0 for p in ended):
+        failing = [processes.index(p) for p in ended
+                   if p.exitcode != 0 or silent(processes.index(p))]
+        if failed_at is None and failing:
             failed_at = time.monotonic()
-            first_failed = [processes.index(p) for p in ended if p.exitcode != 0]
+            first_failed = failing
     return None, first_failed
 
 
