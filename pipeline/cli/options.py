@@ -10,11 +10,30 @@ from schedules import SCHEDULES, CostModel, GradReduction, ParamGather
 from schedules.analysis.reduction import ring_reduction_time
 from schedules.ir.limits import MAX_COST, check_schedule_size
 
-__all__ = ["BUCKET_BYTES", "MAX_SEARCHED_WORK", "add_cost_arguments", "add_gather_arguments",
-           "add_reduction_arguments", "add_schedule_arguments", "check_size", "chunks_of",
-           "cost_model", "cost_number", "fraction", "grad_reduction", "non_negative_float",
-           "param_gather", "positive_float", "positive_int", "seed_int", "timeout_seconds"]
+__all__ = [
+    "BUCKET_BYTES",
+    "MAX_SEARCHED_WORK",
+    "MIN_TIMEOUT",
+    "add_cost_arguments",
+    "add_gather_arguments",
+    "add_reduction_arguments",
+    "add_schedule_arguments",
+    "check_size",
+    "chunks_of",
+    "cost_model",
+    "cost_number",
+    "fraction",
+    "grad_reduction",
+    "non_negative_float",
+    "param_gather",
+    "positive_float",
+    "positive_int",
+    "seed_int",
+    "timeout_seconds",
+]
 
+MIN_TIMEOUT = 1.0
+"""Shortest timeout the command line takes, in seconds."""
 BUCKET_BYTES = 25 * 2**20
 """The engine's default gradient bucket (`ParallelConfig.bucket_mb`, DDP's 25 MiB)."""
 
@@ -94,6 +113,9 @@ def timeout_seconds(text: str) -> float:
     from pipeline.limits import MAX_TIMEOUT
 
     value = positive_float(text)
+    if value < MIN_TIMEOUT:  # 1e-9 was accepted and then blamed a rank for the wait
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_TIMEOUT:g} second (no wait "
+                                         f"between ranks is shorter), got {_shown(text)}")
     if value > MAX_TIMEOUT:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT:g} seconds (30 days), "
                                          f"got {text!r}")

@@ -72,6 +72,9 @@ def _check_args(args: argparse.Namespace) -> int:
     from pipeline.demo.language_model import TinyLMConfig
 
     schedule = generate_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
+    if not schedule.has_backward:  # it ended in "the step ended holding {'saved': 2}"
+        raise ValueError(f"--schedule {args.schedule} runs forwards only (inference): train "
+                         "needs a schedule with a backward, e.g. 1f1b, interleaved or zb-h1")
     chunks = schedule.chunks
     from pipeline.limits import check_local_ranks
 
