@@ -122,9 +122,18 @@ def report_run_failure(command: str, error: BaseException, out: Path | None) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pipesched` console script."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(arguments)
+    except KeyboardInterrupt:  # during the imports and parsing, before a command runs
+        named = arguments[0] if arguments and arguments[0] in COMMAND_MODULES else None
+        print(f"pipesched{' ' + named if named else ''}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(arguments: list[str]) -> int:
     from pipeline.errors import RankFailedError
 
-    arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(arguments[0] if arguments else None)
     args = parser.parse_args(arguments)
     try:

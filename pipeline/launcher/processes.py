@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from pipeline.device import default_backend, process_group_timeout
 from pipeline.errors import PipelineConfigError
+from pipeline.launcher.forkserver_guard import GUARD_ENV
 from pipeline.launcher.results import (
     RankReport,
     Result,
@@ -64,7 +65,8 @@ __all__ = ["launch"]
 T = TypeVar("T")
 _GRACE = 5.0  # seconds the other ranks get to stop by themselves once one has failed
 _STARTED = "pipesched/ranks-started"  # store counter: ranks whose process group is up
-_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim",
+_PRELOAD = ("pipeline.launcher.forkserver_guard",  # first: before torch's long import
+            "torch", "torch.distributed", "torch._dynamo", "torch.optim",
             "pipeline.runtime.engine")
 
 
@@ -198,20 +200,26 @@ def _context(start_method: str | None) -> Any:
 
 
 def _start_fork_server_deaf_to_ctrl_c() -> None:
-    """Start the fork server (and resource tracker) with SIGINT ignored, as they inherit it
-    across exec: a Ctrl-C on the terminal reaches the whole process group, and the fork
-    server, still importing torch, printed a KeyboardInterrupt traceback; its ranks inherit
-    the same, so the launcher alone answers Ctrl-C (one line) and ends them."""
+    """Start the fork server (and resource tracker) deaf to SIGINT: a Ctrl-C on the terminal
+    reaches the whole process group, and the fork server, still importing torch, printed a
+    KeyboardInterrupt traceback; its ranks inherit the same, so the launcher alone answers
+    Ctrl-C (one line) and ends them."""
     from multiprocessing import forkserver
 
     if threading.current_thread() is not threading.main_thread():
         forkserver.ensure_running()
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGINT blocked, not ignored: an ignored signal is discarded, so a Ctrl-C in this window
+    # was lost; a blocked one stays pending and raises KeyboardInterrupt here once unblocked.
+    # The fork server inherits the blocked mask (deaf while it starts) and its first preload,
+    # `forkserver_guard`, ignores SIGINT for good and unblocks it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    os.environ[GUARD_ENV] = str(os.getpid())  # the fork server dies with this process
     try:
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        os.environ.pop(GUARD_ENV, None)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _owned_directories(context: Any) -> list[str]:
