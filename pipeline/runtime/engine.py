@@ -376,8 +376,12 @@ class PipelineEngine:
         """Where the step's inf/NaN first appeared, agreed over the pipeline (a collective)."""
         mine = first_nonfinite(self._finite_flags)
         found = [where for where in self.comm.all_gather_object(mine) if where is not None]
-        return nonfinite_error(min(found) if found else None, loss, self.global_step,
-                               skipped=self.training.step.nonfinite)
+        error = nonfinite_error(min(found) if found else None, loss, self.global_step,
+                                skipped=self.training.step.nonfinite)
+        if error.stage >= 0:  # every rank raises it: the launcher names the stage's rank
+            error.caused_by = self.comm.pipeline_ranks[  # type: ignore[attr-defined]
+                self.schedule.placement[error.stage]]
+        return error
 
     def _failure(self, schedule: Schedule, step: int, op: Instruction,
                  error: Exception) -> PipelineStepError:
