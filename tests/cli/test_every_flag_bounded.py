@@ -203,3 +203,16 @@ def test_validate_has_a_work_limit(tmp_path: Path, capsys: pytest.CaptureFixture
     path.write_text(build_schedule("1f1b", MAX_VALIDATED_RANKS + 1, 1).format())
     assert main(["validate", str(path)]) == 2
     assert f"{MAX_VALIDATED_RANKS + 1:,} ranks, over the" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_cost_file_with_an_absurd_forward_time(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # regression: a forward of 1e300 s printed a 300-digit plan with exit 0
+    costs = tmp_path / "costs.json"
+    costs.write_text('{"layers": [{"name": "a", "forward": 1e300, "backward": 1, '
+                     '"params": 4, "activation": 4}, {"name": "b", "forward": 1, '
+                     '"backward": 1, "params": 4, "activation": 4}]}')
+    assert main(["plan", "--model", str(costs), "--cluster", "a100-80g",
+                 "--global-batch", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "forward 1e+300, over 1e+15" in err and "Traceback" not in err, err
