@@ -86,6 +86,8 @@ def input_cases(root: Path) -> list[list[str]]:
         "partition": (["partition", "--costs", _COSTS, "--stages", "4"],
                       ("--stages", "--microbatches", "--memory-cap", "--speeds",
                        "--bandwidth", "--boundaries")),
+        "simulate-overlap": (["simulate", "--schedule", "dualpipev-overlap", "--stages", "2",
+                              "--microbatches", "4"], ("--overlap",)),
         "plan": (["plan", "--model", _SHAPE, "--cluster", "a100-80g", "--global-batch", "8"],
                  ("--global-batch", "--nodes", "--seq", "--cost-batch", "--top",
                   "--tensor-parallel")),
@@ -111,6 +113,24 @@ def input_cases(root: Path) -> list[list[str]]:
         cases.append(["rehearse", "--costs", path, "--schedule", "1f1b", "--stages", "2",
                       "--microbatches", "2", "--out", out])
         cases.append(["train", "--model", f"{path}:build", "--out", out, "--steps", "1"])
+        cases.append(["plan", "--model", _SHAPE, "--cluster", "a100-80g", "--global-batch",
+                      "8", "--device-profile", path])
+        cases.append(["profile-device", "--output", path, "--sizes", "8", "--repeats", "1",
+                      "--ranks", "1"])
+    for flag, values in (("--repeats", ("1000000", "1000000000000")),
+                         ("--sizes", ("20000", "100000", "8,8,8,8,8,8,8,8,8", "0,1"))):
+        for value in values:
+            cases.append(["profile-device", "--output", os.path.join(out, "dev.json"),
+                          "--ranks", "1", flag, value])
+    for extra in (["--seed", str(-10**30)], ["--timeout", "1e-9"],
+                  ["--schedule", "forward-only"]):
+        cases.append(["train", "--stages", "2", "--microbatches", "2", "--steps", "1",
+                      "--batch-size", "4", "--blocks", "2", "--out", out, *extra])
+    cases.append(["simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
+                  "--optimizer-factor", "1e308", "--json"])
+    cases.append(["partition", "--costs", _COSTS, "--stages", "4", "--bandwidth", "1e-300"])
+    cases.append(["plan", "--model", _SHAPE, "--cluster", "a100-80g", "--global-batch", "8",
+                  "--price", "pp2,rc,rc2"])
     for shape in ("layers=2,hidden=64,heads=4,vocab=100,seq=32,ffn=0",
                   "layers=2,layers=3,hidden=64,heads=4,vocab=100,seq=32",
                   "layers=1000000000000,hidden=64,heads=4,vocab=100,seq=32",

@@ -7,8 +7,9 @@ import os
 
 from pipeline.errors import PipelineConfigError
 
-__all__ = ["MAX_RUN_SECONDS", "MAX_TIMEOUT", "RANK_BYTES", "check_local_ranks",
-           "check_run_seconds", "check_timeout", "max_local_ranks"]
+__all__ = ["MAX_COUNT", "MAX_INPUT_BYTES", "MAX_NUMBER", "MAX_RUN_SECONDS", "MAX_SOURCE_BYTES",
+           "MAX_TIMEOUT", "RANK_BYTES", "check_local_ranks",
+           "check_run_seconds", "check_timeout", "host_memory_bytes", "max_local_ranks"]
 
 MAX_TIMEOUT = 30 * 24 * 3600.0
 """Longest timeout, in seconds, a wait may be given (30 days): torch keeps timeouts as
@@ -19,6 +20,16 @@ RANK_BYTES = 150 << 20
 imported), for the estimate of how many ranks this host can start."""
 MAX_RUN_SECONDS = 7 * 24 * 3600.0
 """Longest run, in estimated seconds, the command line starts (a week)."""
+MAX_COUNT = 2**40
+"""Largest count any command-line flag takes (about 10^12): steps, ranks, microbatches,
+sizes and repeats beyond it are typos, and each command bounds its own work further."""
+MAX_NUMBER = 1e15
+"""Largest magnitude of any other number on the command line (a cost, a scale, a factor):
+beyond it sums overflow to inf and outputs print 300-digit numbers."""
+MAX_INPUT_BYTES = 64 << 20
+"""Largest input file any command reads (a costs file, a schedule, a cluster, a profile)."""
+MAX_SOURCE_BYTES = 16 << 20
+"""Largest Python file `train --model FILE.py:FUNCTION` imports."""
 
 
 def check_timeout(seconds: object, name: str = "timeout") -> float:
@@ -31,13 +42,17 @@ def check_timeout(seconds: object, name: str = "timeout") -> float:
     return float(seconds)
 
 
+def host_memory_bytes() -> int:
+    """This host's physical memory (1,024 ranks' worth where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return 1024 * RANK_BYTES
+
+
 def max_local_ranks() -> int:
     """How many ranks this host can start: its memory over `RANK_BYTES` (at least 8)."""
-    try:
-        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return 1024
-    return max(8, memory // RANK_BYTES)
+    return max(8, host_memory_bytes() // RANK_BYTES)
 
 
 def check_local_ranks(count: int, what: str = "world_size") -> None:

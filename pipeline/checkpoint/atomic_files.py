@@ -2,20 +2,30 @@
 
 POSIX `rename` replaces a name atomically, but only the directory's fsync makes the rename
 itself durable; without the file's fsync a power loss can leave the new name pointing at
-zero-filled blocks. So every write is: bytes to ``.<name>.tmp-<pid>``, fsync the file,
-rename over `name`, fsync the directory (the sequence SQLite and etcd use).
+zero-filled blocks. So every write is: bytes to ``.<name>.tmp-<pid>-<random>``, fsync the
+file, rename over `name`, fsync the directory (the sequence SQLite and etcd use).
+
+Never through a planted name: the temporary file is created with
+``O_CREAT | O_EXCL | O_NOFOLLOW``, so a symlink (or any file) already under that name makes
+the write fail rather than write into what it points at, and the rename replaces the name
+`path` itself (a symlink there is replaced, its target untouched).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import secrets
 from collections.abc import Callable
 
-from pipeline.files import read_regular_file
+from pipeline.files import UnreadableInputError, open_regular_file, read_regular_file
 
-__all__ = ["atomic_write", "fsync_directory", "read_pointer", "remove_quietly", "sha256_bytes",
-           "sha256_file", "write_pointer"]
+__all__ = ["CREATE_FLAGS", "atomic_write", "fsync_directory", "read_pointer", "read_pointer_lines",
+           "remove_quietly", "sha256_bytes", "sha256_file", "temporary_name", "write_lines"]
+
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+"""How every file pipesched writes is created: a new file, never an existing name or the
+target of a symlink planted under that name."""
 
 _CHUNK = 1 << 20
 
@@ -24,12 +34,19 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: str) -> str:
-    """Hex sha256 of a file, read in 1 MiB chunks (checkpoint files can be large)."""
+def sha256_file(path: str, limit: int) -> str:
+    """Hex sha256 of a regular file of at most `limit` bytes, read in 1 MiB chunks (checkpoint
+    files can be large); `UnreadableInputError` for anything else (a FIFO would block, a
+    device never end), without blocking."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
+    with open_regular_file(path) as handle:
+        remaining = limit + 1
+        while remaining and (chunk := handle.read(min(_CHUNK, remaining))):
             digest.update(chunk)
+            remaining -= len(chunk)
+    if not remaining:
+        raise UnreadableInputError(f"{path} is over {limit:,} bytes, more than its manifest "
+                                   "records: the file was replaced")
     return digest.hexdigest()
 
 
@@ -52,7 +69,7 @@ def atomic_write(path: str, data: bytes, *,
     disk must not keep what it could not finish.
     """
     directory, name = os.path.split(path)
-    temporary = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    temporary = os.path.join(directory, temporary_name(name))
     try:
         _write_durably(temporary, data)
     except OSError:
@@ -68,9 +85,15 @@ def atomic_write(path: str, data: bytes, *,
     fsync_directory(directory or ".")
 
 
+def temporary_name(name: str) -> str:
+    """A fresh hidden name beside `name` (pid and random: not guessable, never reused)."""
+    return f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+
+
 def _write_durably(path: str, data: bytes) -> None:
-    """`data` into a new file `path`, on disk when this returns (tests fill the disk here)."""
-    with open(path, "wb") as handle:
+    """`data` into a new file `path`, on disk when this returns (tests fill the disk here);
+    `FileExistsError` if anything, a symlink included, is already named `path`."""
+    with os.fdopen(os.open(path, CREATE_FLAGS, 0o644), "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
@@ -84,12 +107,18 @@ def remove_quietly(path: str) -> None:
         pass
 
 
-def write_pointer(path: str, target: str) -> None:
-    """Atomically make the one-line file `path` name `target` (the `latest` pointer)."""
-    atomic_write(path, (target + "\n").encode())
+def write_lines(path: str, lines: list[str]) -> None:
+    """Atomically make the small text file `path` hold `lines` (the `latest` pointer)."""
+    atomic_write(path, "".join(line + "\n" for line in lines).encode())
+
+
+def read_pointer_lines(path: str) -> list[str]:
+    """The lines of a pointer file; OSError/UnicodeError if unreadable, and
+    `UnreadableInputError` (a ValueError) if not a small regular file (a FIFO would block)."""
+    return read_regular_file(path, 4096).decode("utf-8").strip().splitlines()
 
 
 def read_pointer(path: str) -> str:
-    """The name a pointer file holds (stripped); OSError/UnicodeError if unreadable, and
-    `UnreadableInputError` (a ValueError) if not a small regular file (a FIFO would block)."""
-    return read_regular_file(path, 4096).decode("utf-8").strip()
+    """The name a pointer file holds (its first line, stripped; see `read_pointer_lines`)."""
+    lines = read_pointer_lines(path)
+    return lines[0].strip() if lines else ""

@@ -19,14 +19,14 @@ from pipeline.checkpoint.atomic_files import (
     fsync_directory,
     read_pointer,
     remove_quietly,
-    write_pointer,
 )
 from pipeline.checkpoint.manifest import LATEST, MANIFEST, resolve_checkpoint
+from pipeline.checkpoint.pointer import write_latest
 from pipeline.errors import CheckpointError
 
 __all__ = ["abandon", "commit", "latest_name", "latest_status", "sweep"]
 
-_LEFTOVER = re.compile(r"step_\d{6,}\.(partial|old)-[0-9a-f]+|\.latest\.tmp-\d+")
+_LEFTOVER = re.compile(r"step_\d{6,}\.(partial|old)-[0-9a-f]+|\.latest\.tmp-\d+(-[0-9a-f]+)?")
 
 
 def latest_name(root: str) -> str | None:
@@ -47,8 +47,9 @@ def _names(name: str | None) -> str:
 
 
 def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str,
-           reach: Callable[[str], None]) -> CheckpointError | None:
-    """Write the manifest, rename `staging` to `root/final_name`, point `latest` at it, sweep.
+           reach: Callable[[str], None], run_id: str) -> CheckpointError | None:
+    """Write the manifest, rename `staging` to `root/final_name`, point `latest` at it (signed
+    for `run_id` with a key: `pipeline.checkpoint.pointer`), sweep.
     None on success; otherwise the error to report, with the disk already cleaned up.
     `reach` fires the owner's armed fault points (`pipeline.supervision.faults`)."""
     previous = latest_name(root)
@@ -63,7 +64,7 @@ def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str
             path=staging)
     try:
         reach("checkpoint.latest")
-        write_pointer(os.path.join(root, LATEST), final_name)
+        write_latest(os.path.join(root, LATEST), final_name, run_id, manifest)
     except OSError as error:
         if previous == final_name:  # a re-saved step: `latest` already names the new copy
             sweep(root)
@@ -122,7 +123,7 @@ def sweep(root: str) -> None:
         name = os.path.basename(path)
         if not _LEFTOVER.fullmatch(name) or path == resolved:
             continue
-        if name.startswith(".latest.tmp-"):
-            remove_quietly(path)
+        if name.startswith(".latest.tmp-") or os.path.islink(path):
+            remove_quietly(path)  # a symlink goes itself: nothing is removed through it
         elif resolved != "":
             shutil.rmtree(path, ignore_errors=True)

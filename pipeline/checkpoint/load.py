@@ -41,6 +41,7 @@ from pipeline.checkpoint.save import (
 )
 from pipeline.checkpoint.zero_state import ZeroRegion, import_zero, wanted_ranges, zero_layout
 from pipeline.errors import CheckpointError
+from pipeline.files import UnreadableInputError, read_regular_file
 from pipeline.parallel.zero import ShardedOptimizer
 
 __all__ = ["load_checkpoint"]
@@ -89,9 +90,10 @@ def load_checkpoint(path: str, parts: CheckpointParts, *,
 def _read(step_dir: str, entry: FileEntry) -> Any:
     """A file's contents after checking its size and sha256 against the manifest."""
     path = os.path.join(step_dir, entry.path)
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read()
+    try:  # a regular file of at most the recorded size: never a FIFO's wait, /dev/zero's flood
+        data = read_regular_file(path, entry.size)
+    except UnreadableInputError as error:
+        raise CheckpointError(f"{error}; load an earlier step directory", path=path) from None
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error.strerror}", path=path) from None
     if len(data) != entry.size or sha256_bytes(data) != entry.sha256:

@@ -20,13 +20,15 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.checkpoint.atomic_files import read_pointer, sha256_bytes, sha256_file
+from pipeline.checkpoint.pointer import check_pointer
 from pipeline.checkpoint.signing import sign, signing_key, verify_signature
 from pipeline.errors import CheckpointError
-from pipeline.files import UnreadableInputError, read_regular_file
+from pipeline.files import UnreadableInputError, loads_json, read_regular_file
 
 __all__ = ["FORMAT", "LATEST", "MANIFEST", "VERSION", "FileEntry", "Manifest", "dump_manifest",
            "parse_manifest", "read_manifest", "resolve_checkpoint", "step_name", "verify_files"]
@@ -35,11 +37,12 @@ FORMAT = "pipesched-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
-ROLES = ("layer", "optimizer", "rng")
+ROLES = ("layer", "optimizer", "rng", "client")
 _STEP_NAME = re.compile(r"step_\d{6,}")
 _STEP_PREFIX = re.compile(r"step_(\d{6,})(\.|$)")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_RUN_ID = re.compile(r"([0-9a-f]{16})?")
 _ROLE = re.compile("|".join(ROLES))
 _MAX_MANIFEST_BYTES = 64 << 20
 
@@ -58,7 +61,7 @@ class FileEntry:
     sha256: str
     size: int
     role: str
-    """'layer', 'optimizer' or 'rng'."""
+    """'layer', 'optimizer', 'rng' or 'client' (the DeepSpeed layer's client state)."""
     rank: int
     """Global rank that wrote it."""
     layers: tuple[int, ...]
@@ -83,6 +86,10 @@ class Manifest:
     optimizer_class: str
     loss_scaler: dict[str, float] | None
     files: tuple[FileEntry, ...]
+    run_id: str = ""
+    """The run that saved it (16 hex digits, kept across a job's saves and resumes into one
+    root; "" in checkpoints from before run ids): signed with the rest, and checked against
+    the signed `latest` (`pipeline.checkpoint.pointer`)."""
 
 
 def dump_manifest(manifest: Manifest) -> bytes:
@@ -134,12 +141,10 @@ def _short(value: object) -> str:
 
 def parse_manifest(raw: bytes | str, *, where: str = MANIFEST) -> Manifest:
     """Read and check a manifest; `CheckpointError` naming `where` and every bad field."""
-    try:
-        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-        doc = json.loads(text)
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CheckpointError(f"{where} is not valid JSON ({type(error).__name__}: "
-                              f"{str(error)[:120]}); the save was torn or the file was edited: "
+    try:  # each key once: json's default would keep the last of two "step" keys
+        doc = loads_json(raw.encode() if isinstance(raw, str) else raw, where)
+    except UnreadableInputError as error:
+        raise CheckpointError(f"{str(error)[:240]}; the save was torn or the file was edited: "
                               "load an earlier step directory", path=where) from None
     if not isinstance(doc, dict):
         raise CheckpointError(f"{where} holds a {type(doc).__name__}, not a manifest object",
@@ -171,7 +176,8 @@ def parse_manifest(raw: bytes | str, *, where: str = MANIFEST) -> Manifest:
         num_microbatches=read.integer(doc, "num_microbatches", 1),
         optimizer=read.text(doc, "optimizer", re.compile("none|torch|zero")),
         optimizer_class=read.text(doc, "optimizer_class"),
-        loss_scaler=_loss_scaler(doc.get("loss_scaler"), read), files=_files(doc, read))
+        loss_scaler=_loss_scaler(doc.get("loss_scaler"), read), files=_files(doc, read),
+        run_id=read.text(doc, "run_id", _RUN_ID) if "run_id" in doc else "")
     if manifest.world_size != math.prod(manifest.topology):
         read.problems.append(f"world_size={manifest.world_size} is not pp·dp·tp of topology "
                              f"{list(manifest.topology)}")
@@ -244,14 +250,23 @@ def verify_files(step_dir: str, entries: tuple[FileEntry, ...], *,
     for entry in entries:
         path = os.path.join(step_dir, entry.path)
         try:
-            size = os.path.getsize(path)
+            status = os.stat(path)
         except OSError:
             raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; load an "
                                   "earlier step directory", path=path) from None
-        if size != entry.size:
-            raise CheckpointError(f"{path} has {size} bytes, the manifest says {entry.size}: "
-                                  "the file is truncated or was replaced", path=path)
-        if checksums and sha256_file(path) != entry.sha256:
+        if not stat.S_ISREG(status.st_mode):  # a FIFO would block the read, /dev/zero not end
+            raise CheckpointError(f"{path} is not a regular file (a FIFO, a device or a "
+                                  "directory was put there); load an earlier step directory",
+                                  path=path)
+        if status.st_size != entry.size:
+            raise CheckpointError(f"{path} has {status.st_size} bytes, the manifest says "
+                                  f"{entry.size}: the file is truncated or was replaced",
+                                  path=path)
+        try:
+            digest = sha256_file(path, entry.size) if checksums else entry.sha256
+        except (OSError, UnreadableInputError) as error:
+            raise CheckpointError(f"cannot check {path}: {error}", path=path) from None
+        if digest != entry.sha256:
             raise CheckpointError(f"{path} fails its sha256 check: the file is corrupt; load "
                                   "an earlier step directory", path=path)
 
@@ -283,13 +298,21 @@ def resolve_checkpoint(path: str) -> str:
                               "such as step_000042; rewrite it or pass a step directory",
                               path=pointer)
     target = os.path.join(path, name)
-    if os.path.isdir(target):
-        return target
-    # A save that replaced an existing step directory crashed between its two renames: the
-    # new copy (.partial-) or the old one (.old-) is complete (see `pipeline.checkpoint.commit`).
-    for pattern in (".partial-*", ".old-*"):
-        for candidate in sorted(glob.glob(os.path.join(path, name + pattern))):
-            if os.path.isfile(os.path.join(candidate, MANIFEST)):
-                return candidate
-    raise CheckpointError(f"{pointer} names {name!r} but {target} does not exist; pass a "
-                          "step directory explicitly", path=pointer)
+    if not os.path.isdir(target):
+        # A save that replaced an existing step directory crashed between its two renames:
+        # the new copy (.partial-) or the old one (.old-) is complete (`checkpoint.commit`).
+        candidates = [candidate for pattern in (".partial-*", ".old-*")
+                      for candidate in sorted(glob.glob(os.path.join(path, name + pattern)))
+                      if os.path.isfile(os.path.join(candidate, MANIFEST))]
+        if not candidates:
+            raise CheckpointError(f"{pointer} names {name!r} but {target} does not exist; "
+                                  "pass a step directory explicitly", path=pointer)
+        target = candidates[0]
+    if signing_key() is not None:  # the signed `latest` names this run's manifest
+        manifest = os.path.join(target, MANIFEST)
+        try:
+            raw = read_regular_file(manifest, _MAX_MANIFEST_BYTES)
+        except (OSError, UnreadableInputError) as error:
+            raise CheckpointError(f"cannot read {manifest}: {error}", path=manifest) from None
+        check_pointer(pointer, name, parse_manifest(raw, where=manifest).run_id, raw)
+    return target

@@ -29,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+import stat
 
 from pipeline.errors import CheckpointError
 
@@ -86,10 +87,20 @@ def lock_root(root: str) -> None:
     if key in _held:
         return
     path = os.path.join(root, LOCK_NAME)
-    try:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # close-on-exec (PEP 446)
+    try:  # O_NOFOLLOW: a symlink planted under the lock's name is refused, never written
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError as error:
-        raise CheckpointError(f"cannot open the lock file {path}: {error}", path=path) from None
+        raise CheckpointError(f"cannot open the lock file {path}: {error}; if it is a "
+                              "symlink, remove it (the lock is always a plain file)",
+                              path=path) from None
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+        # a hard link to another file (or a FIFO) under the lock's name: its holder's pid
+        # would be written into that file
+        os.close(descriptor)
+        raise CheckpointError(f"the lock file {path} is not a plain file with one name (a "
+                              "hard link or a special file was put there); remove it and save "
+                              "again", path=path)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

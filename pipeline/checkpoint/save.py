@@ -26,6 +26,7 @@ What a crash leaves, the next save sweeps (under the lock, so never another job'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import os
@@ -40,8 +41,9 @@ from torch import nn
 
 from pipeline.checkpoint.atomic_files import atomic_write, sha256_bytes
 from pipeline.checkpoint.commit import abandon, commit, latest_status
-from pipeline.checkpoint.manifest import FileEntry, Manifest, dump_manifest, step_name
+from pipeline.checkpoint.manifest import LATEST, FileEntry, Manifest, dump_manifest, step_name
 from pipeline.checkpoint.optimizer_state import export_torch_optimizer, hyperparameters, param_keys
+from pipeline.checkpoint.pointer import read_run_id
 from pipeline.checkpoint.rng_state import capture_rng
 from pipeline.checkpoint.root_lock import CheckpointRootLockedError, lock_root
 from pipeline.checkpoint.zero_state import export_zero, zero_layout
@@ -82,6 +84,9 @@ class CheckpointParts:
     num_microbatches: int = 1
     faults: FaultPoints | None = None
     """Fault points a test armed for this save (the engine passes its `faults`)."""
+    extra_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
+    """More files this rank writes into the step directory, by name: listed (and signed) in
+    the manifest with the role 'client' (the DeepSpeed layer's client state)."""
 
     def reach(self, point: str) -> None:
         """Fire `point` if a test armed it (see `pipeline.supervision.faults`)."""
@@ -184,6 +189,8 @@ def _payloads(parts: CheckpointParts) -> list[tuple[str, str, tuple[int, ...], C
         files.append((optimizer_file(parts.rank), "optimizer", tuple(sorted(layers)),
                       lambda: _optimizer_payload(parts)))
     files.append((rng_file(parts.rank), "rng", (), capture_rng))
+    for name, data in parts.extra_files.items():
+        files.append((name, "client", (), functools.partial(bytes, data)))
     return files
 
 
@@ -209,10 +216,12 @@ def _optimizer_payload(parts: CheckpointParts) -> dict[str, Any]:
 
 
 def _write_files(staging: str, parts: CheckpointParts) -> list[FileEntry]:
-    os.makedirs(staging, exist_ok=True)
+    if parts.rank != 0:  # rank 0 made it, fresh (os.mkdir in save_checkpoint)
+        os.makedirs(staging, exist_ok=True)
     entries = []
     for name, role, layers, make in _payloads(parts):
-        data = _serialize(make())
+        value = make()
+        data = value if isinstance(value, bytes) else _serialize(value)
         atomic_write(os.path.join(staging, name), data,
                      before_rename=lambda: parts.reach("checkpoint.file"))
         entries.append(FileEntry(name, sha256_bytes(data), len(data), role, parts.rank, layers))
@@ -234,14 +243,19 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
         parts.optimizer.finish_param_gather()  # the weights written are the updated ones
     final_name = step_name(parts.step)
     token = _all_gather(secrets.token_hex(4) if parts.rank == 0 else None)[0]
+    # the run this root belongs to: the one `latest` records, else a new one
+    run_id = (read_run_id(os.path.join(root, LATEST)) or secrets.token_hex(8)) \
+        if parts.rank == 0 else ""
     staging = os.path.join(root, f"{final_name}.partial-{token}")
     problem: CheckpointError | None = None
     if parts.rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
             lock_root(root)  # this job's root from now on; see root_lock for why a lock
+            os.mkdir(staging)  # fresh: a name planted there (a symlink) fails the save
         except OSError as error:
-            problem = CheckpointError(f"cannot create {root}: {error}", path=root)
+            problem = CheckpointError(f"cannot create {error.filename or root}: {error}",
+                                      path=root)
         except CheckpointError as error:
             problem = error
     agree(problem, "taking the checkpoint directory")  # before any rank writes into it
@@ -262,14 +276,14 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
     gathered = _all_gather(entries)
     if parts.rank == 0:
         manifest = _manifest(parts, [entry for rank_entries in gathered
-                                     for entry in rank_entries])
+                                     for entry in rank_entries], run_id)
         problem = commit(root, staging, final_name, dump_manifest(manifest), token,
-                         parts.reach)
+                         parts.reach, run_id)
     agree(problem, "committing the checkpoint")
     return CheckpointInfo(os.path.join(root, final_name), parts.step)
 
 
-def _manifest(parts: CheckpointParts, entries: list[FileEntry]) -> Manifest:
+def _manifest(parts: CheckpointParts, entries: list[FileEntry], run_id: str) -> Manifest:
     topology = parts.topology
     return Manifest(
         step=parts.step, world_size=topology.world_size,
@@ -278,4 +292,4 @@ def _manifest(parts: CheckpointParts, entries: list[FileEntry]) -> Manifest:
         num_microbatches=parts.num_microbatches, optimizer=parts.optimizer_kind,
         optimizer_class=parts.optimizer_class,
         loss_scaler=None if parts.loss_scaler is None else parts.loss_scaler.state_dict(),
-        files=tuple(sorted(entries, key=lambda entry: entry.path)))
+        files=tuple(sorted(entries, key=lambda entry: entry.path)), run_id=run_id)

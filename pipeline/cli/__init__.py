@@ -92,6 +92,18 @@ def _one_line(command: str, error: BaseException) -> None:
     print(f"pipesched {command}: error: {first_line}", file=sys.stderr)
 
 
+def _write_failure(out: Path | None, text: str) -> str:
+    """Write `text` to ``out/failure.txt``; the clause pointing at it ("" if not written)."""
+    if out is None:
+        return ""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "failure.txt").write_text(text)
+    except OSError:
+        return ""
+    return f" (full report: {out / 'failure.txt'})"
+
+
 def report_run_failure(command: str, error: BaseException, out: Path | None) -> int:
     """Print a launched job's failure as one line (the full report, tracebacks included, in
     ``out/failure.txt`` when `out` is given) and return `EXIT_RUN_FAILED`."""
@@ -110,16 +122,35 @@ def report_run_failure(command: str, error: BaseException, out: Path | None) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pipesched` console script."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(arguments)
+    except KeyboardInterrupt:  # during the imports and parsing, before a command runs
+        named = arguments[0] if arguments and arguments[0] in COMMAND_MODULES else None
+        print(f"pipesched{' ' + named if named else ''}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(arguments: list[str]) -> int:
     from pipeline.errors import RankFailedError
 
-    arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(arguments[0] if arguments else None)
     args = parser.parse_args(arguments)
     try:
         code: int = args.func(args)
     except RankFailedError as error:
         return report_run_failure(args.command, error, None)
+    except BrokenPipeError:  # `pipesched ... | head -1`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the flush at exit must not fail again
+        os.close(devnull)
+        return 0
     except (ValueError, OSError) as error:
+        details = getattr(error, "details", None)  # UserCodeError: the user's --model raised
+        if isinstance(details, str):
+            where = _write_failure(getattr(args, "out", None), details)
+            print(f"pipesched {args.command}: error: {error}{where}", file=sys.stderr)
+            return EXIT_INPUT
         _one_line(args.command, error)
         rest = str(error).splitlines()[1:]
         if rest:

@@ -8,7 +8,13 @@ import sys
 from typing import Any
 
 from pipeline.cli import UsageError
-from pipeline.cli.options import add_cost_arguments, add_schedule_arguments, check_size, cost_model
+from pipeline.cli.options import (
+    add_cost_arguments,
+    add_schedule_arguments,
+    check_size,
+    cost_model,
+    timeout_seconds,
+)
 from pipeline.cli.output_paths import figure_path
 from schedules import (
     SCHEDULES,
@@ -61,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         f"{DEFAULT_SCHEDULES}; known: {', '.join(SCHEDULES)})")
     add_schedule_arguments(parser, single=False)
     add_cost_arguments(parser)
-    parser.add_argument("--optimality-gap", type=float, nargs="?", const=10.0, default=None,
+    parser.add_argument("--optimality-gap", type=timeout_seconds, nargs="?", const=10.0,
+                        default=None,
                         metavar="SECONDS",
                         help=f"add an '{GAP_COLUMN}' column: each schedule's makespan above the "
                              "optimum (zb-optimal, CP-SAT) for its placement and its own peak "

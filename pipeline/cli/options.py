@@ -5,28 +5,80 @@ from __future__ import annotations
 import argparse
 import math
 
+from pipeline.limits import MAX_COUNT, MAX_NUMBER
 from schedules import SCHEDULES, CostModel, GradReduction, ParamGather
 from schedules.analysis.reduction import ring_reduction_time
 from schedules.ir.limits import MAX_COST, check_schedule_size
 
-__all__ = ["BUCKET_BYTES", "MAX_SEARCHED_WORK", "add_cost_arguments", "add_gather_arguments",
-           "add_reduction_arguments", "add_schedule_arguments", "check_size", "chunks_of",
-           "cost_model", "cost_number", "grad_reduction", "non_negative_float", "param_gather",
-           "positive_float", "positive_int", "timeout_seconds"]
+__all__ = [
+    "BUCKET_BYTES",
+    "MAX_SEARCHED_WORK",
+    "MIN_TIMEOUT",
+    "add_cost_arguments",
+    "add_gather_arguments",
+    "add_reduction_arguments",
+    "add_schedule_arguments",
+    "check_size",
+    "chunks_of",
+    "cost_model",
+    "cost_number",
+    "fraction",
+    "grad_reduction",
+    "non_negative_float",
+    "param_gather",
+    "positive_float",
+    "positive_int",
+    "seed_int",
+    "timeout_seconds",
+]
 
+MIN_TIMEOUT = 1.0
+"""Shortest timeout the command line takes, in seconds."""
 BUCKET_BYTES = 25 * 2**20
 """The engine's default gradient bucket (`ParallelConfig.bucket_mb`, DDP's 25 MiB)."""
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an int >= 1, with an error naming the value."""
+    """argparse type: an int in 1..`MAX_COUNT`, with an error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:  # a word, or over 4,300 digits (int_max_str_digits)
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got "
+                                         f"{_shown(text)}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT:,} (2^40), got "
+                                         f"{_shown(text)}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """argparse type of a random seed: a whole number torch takes, in [-2^63, 2^63)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {_shown(text)}") \
+            from None
+    if not -2**63 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"a seed must be in [-2^63, 2^63), got {_shown(text)}")
     return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got "
+                                         f"{_shown(text)}") from None
+    if not 0.0 <= value <= 1.0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {_shown(text)}")
+    return value
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:37] + "...")
 
 
 def positive_float(text: str) -> float:
@@ -38,13 +90,21 @@ def positive_float(text: str) -> float:
 
 
 def non_negative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
+    """argparse type: a finite number in 0..`MAX_NUMBER`."""
+    value = _finite_non_negative(text)
+    if value > MAX_NUMBER:
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is over {MAX_NUMBER:g}, the largest "
+                                         "number a flag takes; use a larger unit")
+    return value
+
+
+def _finite_non_negative(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {_shown(text)}")
     return value
 
 
@@ -53,6 +113,9 @@ def timeout_seconds(text: str) -> float:
     from pipeline.limits import MAX_TIMEOUT
 
     value = positive_float(text)
+    if value < MIN_TIMEOUT:  # 1e-9 was accepted and then blamed a rank for the wait
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_TIMEOUT:g} second (no wait "
+                                         f"between ranks is shorter), got {_shown(text)}")
     if value > MAX_TIMEOUT:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT:g} seconds (30 days), "
                                          f"got {text!r}")
@@ -62,7 +125,7 @@ def timeout_seconds(text: str) -> float:
 def cost_number(text: str) -> float:
     """argparse type of a cost option: a number in 0..`MAX_COST`, so that sums of millions of
     op times stay finite (1e308 would print a makespan of inf and NaN figures)."""
-    value = non_negative_float(text)
+    value = _finite_non_negative(text)
     if value > MAX_COST:
         raise argparse.ArgumentTypeError(
             f"{text!r} is over the largest cost we simulate, {MAX_COST:g} "
@@ -116,7 +179,7 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
                        help="delay on every cross-rank dependency (default 0)")
     group.add_argument("--activation-bytes", type=cost_number, default=0.0,
                        metavar="BYTES", help="bytes of one microbatch's activation per stage")
-    group.add_argument("--overlap", type=non_negative_float, default=1.0, metavar="FRACTION",
+    group.add_argument("--overlap", type=fraction, default=1.0, metavar="FRACTION",
                        help="time of an overlapped F&B pair (dualpipev-overlap) as a fraction "
                             "of F + B back to back (default 1: no gain)")
 

@@ -15,7 +15,10 @@ from partition import (
     parse_schedule_memory,
     partition_graph,
 )
+from pipeline.cli.options import positive_int
 from pipeline.cli.output_paths import figure_path
+from pipeline.files import InputFileType
+from pipeline.limits import MAX_INPUT_BYTES, MAX_NUMBER
 
 __all__ = ["parse_bytes", "parse_cuts", "parse_numbers", "register", "run"]
 
@@ -43,21 +46,29 @@ def parse_bytes(text: str) -> float:
             raise ValueError(text)
         number = float(match.group(1))
         unit = (match.group(2) or "").lower()
-        return number * (_BINARY[unit] if unit.endswith("i") else _UNITS[unit])
+        value = number * (_BINARY[unit] if unit.endswith("i") else _UNITS[unit])
     except ValueError as error:
         raise InvalidOptionError(
             f"{text!r} is not a byte size; write e.g. 17179869184, 16GiB, 1.5e9 or 512MB"
         ) from error
+    if not 1 <= value <= MAX_NUMBER:  # also inf and NaN; 1e-300 printed 300-digit times
+        raise InvalidOptionError(f"{text!r} is {value:g} bytes, outside 1..{MAX_NUMBER:g}; "
+                                 "give a byte size such as 16GiB or 25e9")
+    return value
 
 
 def parse_numbers(text: str, what: str) -> list[float]:
     """A comma-separated list of numbers such as ``"0,4,9,12"`` or ``"1,1,0.5"``."""
     try:
-        return [float(item) for item in text.split(",") if item.strip()]
+        numbers = [float(item) for item in text.split(",") if item.strip()]
     except ValueError as error:
         raise InvalidOptionError(
             f"--{what} {text!r} must be comma-separated numbers, e.g. 0,4,9,12 or 1,1,0.5,1"
         ) from error
+    if not all(abs(number) <= MAX_NUMBER for number in numbers):  # also inf and NaN
+        raise InvalidOptionError(f"--{what} {text[:60]!r}: every number must be finite and at "
+                                 f"most {MAX_NUMBER:g} in size")
+    return numbers
 
 
 def parse_cuts(text: str) -> list[int]:
@@ -110,8 +121,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--costs", required=True, metavar="FILE.json", help="per-layer cost file")
-    parser.add_argument("--stages", required=True, type=int, metavar="P", help="pipeline stages")
+    parser.add_argument("--costs", required=True, type=InputFileType(MAX_INPUT_BYTES,
+                                                                      json_document=True),
+                        metavar="FILE.json", help="per-layer cost file")
+    parser.add_argument("--stages", required=True, type=positive_int, metavar="P",
+                        help="pipeline stages")
     parser.add_argument(
         "--method",
         default="balanced",
@@ -132,7 +146,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "default) or gpipe (all M)",
     )
     parser.add_argument(
-        "--microbatches", type=int, metavar="M", help="microbatches per step (default: P)"
+        "--microbatches", type=positive_int, metavar="M", help="microbatches per step (default: P)"
     )
     parser.add_argument(
         "--speeds", metavar="S0,...", help="relative speed of each stage (default: all 1)"

@@ -9,6 +9,8 @@ from typing import Any
 
 from pipeline.cli.options import positive_int
 from pipeline.cli.output_paths import figure_path
+from pipeline.files import InputFileType
+from pipeline.limits import MAX_COUNT, MAX_INPUT_BYTES
 
 __all__ = ["register", "run"]
 
@@ -62,8 +64,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "plan", help="find the fastest parallel configuration for a model on a cluster",
         description=_DESCRIPTION, epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, metavar="MODEL")
-    parser.add_argument("--cluster", required=True, metavar="CLUSTER")
+    parser.add_argument("--model", required=True, metavar="MODEL",
+                        type=InputFileType(MAX_INPUT_BYTES, json_document=True, or_text=True))
+    parser.add_argument("--cluster", required=True, metavar="CLUSTER",
+                        type=InputFileType(MAX_INPUT_BYTES, json_document=True, or_text=True))
     parser.add_argument("--global-batch", type=positive_int, required=True, metavar="B",
                         help="samples (sequences) per optimizer step, all replicas together")
     parser.add_argument("--seq", type=positive_int, default=None, metavar="S",
@@ -117,6 +121,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "--tp-comm-overlap) or deepspeed (its pipeline engine: 1F1B, "
                              "ZeRO-0/1); see ENGINES below")
     parser.add_argument("--device-profile", default=None, metavar="FILE",
+                        type=InputFileType(MAX_INPUT_BYTES, json_document=True),
                         help="price GEMMs and links from `pipesched profile-device` output")
     parser.add_argument("--price", default=None, metavar="CONFIG",
                         help="price one configuration, e.g. pp4,tp1,dp16,1f1b,b1 (see below)")
@@ -147,8 +152,9 @@ def _sizes(text: str | None, what: str = "tensor-parallel") -> tuple[int, ...] |
         sizes = tuple(int(name) for name in names)
     except ValueError:
         raise ValueError(f"--{what} {text!r} must be whole numbers, e.g. 1,2,4") from None
-    if any(size < 1 for size in sizes):
-        raise ValueError(f"--{what} {text!r} must be whole numbers >= 1")
+    if any(not 1 <= size <= MAX_COUNT for size in sizes):
+        raise ValueError(f"--{what} {str(text)[:60]!r} must be whole numbers in "
+                         f"1..{MAX_COUNT:,}")
     return sizes
 
 
@@ -179,6 +185,16 @@ def _recompute(args: argparse.Namespace) -> tuple[str, ...] | None:
     return tuple(dict.fromkeys(names))
 
 
+def _price_setting(item: str, schedules: Any) -> str:
+    """What a --price item sets: 'schedule', 'recomputation' or its size's prefix."""
+    if item in schedules:
+        return "schedule"
+    if item in ("rc", "recompute", "rs", "selective") or item.startswith("rc"):
+        return "recomputation"
+    return next((prefix for prefix in ("pp", "tp", "dp", "b", "v", "z")
+                 if item.startswith(prefix)), item)
+
+
 def parse_config(text: str, devices: int, global_batch: int) -> Any:
     """`pp4,tp1,dp16,1f1b,b1[,v2][,z1][,rc|rs|rcK]` as a `PlanConfig`: two of pp, tp, dp fix
     the third (their product is the devices); b defaults to 1, the schedule to 1f1b; m =
@@ -189,7 +205,13 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
 
     sizes: dict[str, int] = {}
     schedule, recompute, recompute_layers = "1f1b", "none", 0
+    seen: dict[str, str] = {}  # what each item sets -> the item that set it
     for item in (part.strip() for part in text.split(",") if part.strip()):
+        setting = _price_setting(item, SCHEDULES)
+        if setting in seen:  # "rc,rc2" or "pp4,pp8": which one was meant?
+            raise ValueError(f"--price {text!r}: {seen[setting]!r} and {item!r} both set the "
+                             f"{setting}; give it once")
+        seen[setting] = item
         if item in SCHEDULES:
             schedule = item
             continue

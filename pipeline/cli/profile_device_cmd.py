@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from pipeline.cli.options import positive_int
+from pipeline.files import OutputFileType
 
-__all__ = ["register", "run"]
+__all__ = ["MAX_GEMM_SIZE", "MAX_REPEATS", "MAX_SIZES", "register", "run"]
+
+MAX_GEMM_SIZE = 8192
+"""Largest GEMM dimension profiled (three 8192² fp32 matrices: 805 MB)."""
+MAX_SIZES = 8
+"""Most GEMM dimensions: every m × n × k combination of them is timed (8³ = 512 GEMMs)."""
+MAX_REPEATS = 100
+"""Most timed runs of each kernel."""
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -20,8 +27,22 @@ def _sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected sizes such as 256,1024, got {text!r}") \
             from None
     if not sizes or any(size < 1 for size in sizes):
-        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1, got {text[:60]!r}")
+    if max(sizes) > MAX_GEMM_SIZE or len(sizes) > MAX_SIZES:
+        # every m × n × k combination is timed: 20,000 ran past 300 s, 100,000 ran out of
+        # memory allocating its matrices
+        raise argparse.ArgumentTypeError(
+            f"at most {MAX_SIZES} sizes of at most {MAX_GEMM_SIZE:,} each (every m × n × k "
+            f"of them is timed), got {len(sizes)} up to {max(sizes):,}")
     return sizes
+
+
+def _repeats(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_REPEATS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_REPEATS} timed runs per kernel (the "
+                                         f"fastest is kept), got {value:,}")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -31,12 +52,12 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                     "over --ranks local ranks on this machine's device (a GPU if there is "
                     "one, else the CPU), and write them as a device profile for "
                     "`pipesched plan --device-profile FILE`.")
-    parser.add_argument("--output", type=Path, required=True, metavar="FILE")
+    parser.add_argument("--output", type=OutputFileType(), required=True, metavar="FILE")
     parser.add_argument("--sizes", type=_sizes, default=(64, 256, 1024), metavar="SIZES",
                         help="GEMM dimensions to combine (default 64,256,1024)")
     parser.add_argument("--ranks", type=positive_int, default=2, metavar="N",
                         help="local ranks for the collectives (1: none measured)")
-    parser.add_argument("--repeats", type=positive_int, default=3, metavar="N",
+    parser.add_argument("--repeats", type=_repeats, default=3, metavar="N",
                         help="timed runs of each kernel, the fastest kept")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
     parser.set_defaults(func=run)

@@ -10,22 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.options import add_schedule_arguments, positive_float, positive_int
+from pipeline.cli.options import add_schedule_arguments, fraction, positive_float, positive_int
+from pipeline.files import InputFileType
+from pipeline.limits import MAX_INPUT_BYTES
 from schedules import SCHEDULES, Timeline, build_schedule, figures, simulate
 from schedules.analysis.memory import RankMemory
 
 _MAX_REHEARSAL_SECONDS = 3600.0  # a rehearsal previews a run: an hour of emulated steps at most
 __all__ = ["format_memory", "register", "run"]
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -37,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                     "under the simulated ones (nominal costs, and with this machine's host "
                     "work and P2P measured on the run), with memory per rank predicted and "
                     "measured.")
-    parser.add_argument("--costs", type=Path, required=True, metavar="FILE",
+    parser.add_argument("--costs", type=InputFileType(MAX_INPUT_BYTES, json_document=True),
+                        required=True, metavar="FILE",
                         help="per-layer costs: partitioner JSON (seconds, bytes)")
     add_schedule_arguments(parser, memory_limit=False)
     parser.add_argument("--data-parallel", type=positive_int, default=1, metavar="D",
@@ -47,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--partition", default="balanced", metavar="METHOD",
                         help="how to cut the layers: balanced (default), uniform, parameters, "
                              "type:<regex>")
-    parser.add_argument("--weight-fraction", type=_fraction, default=0.5, metavar="F",
+    parser.add_argument("--weight-fraction", type=fraction, default=0.5, metavar="F",
                         help="share of each layer's backward that is W (default 0.5)")
     parser.add_argument("--time-scale", type=positive_float, default=1.0, metavar="X",
                         help="multiply every time by X (default 1)")
@@ -81,18 +74,27 @@ def format_memory(predicted: list[RankMemory], measured: list[RankMemory]) -> st
     return "\n".join(lines)
 
 
-def _check_emulated_memory(layers: list[Any], microbatches: int) -> None:
-    """Refuse, before any rank starts, emulated weights and activations this host cannot
-    hold (costs of 1e300 bytes ended in a C++ allocation failure on the ranks)."""
-    from pipeline.limits import RANK_BYTES, max_local_ranks
+def _check_emulated_memory(spec: Any) -> None:
+    """Refuse, before any rank starts, a rehearsal whose ranks together would not fit in this
+    host's memory: every rank's parameters, gradients, Adam state and activation peak under
+    the schedule (the one accounting, `schedules.analysis.memory.predict_memory`, which the
+    report's predicted column shows), times the replicas, plus each process's own
+    `RANK_BYTES`. Counting parameters once let a rank reach 15.6 GB on a host this refused
+    nothing for; costs of 1e300 bytes ended in a C++ allocation failure on the ranks."""
+    from pipeline.limits import RANK_BYTES, host_memory_bytes
+    from schedules.analysis.memory import predict_memory
 
-    needed = 4 * sum(layer.param_elements + microbatches * layer.output_elements
-                     for layer in layers)
-    memory = max_local_ranks() * RANK_BYTES
-    if needed > memory:
-        raise ValueError(f"the costs file's params and activations would take about "
-                         f"{needed:.3g} bytes once emulated, over this host's {memory:.3g}; "
-                         "raise --bytes-scale or give costs in bytes")
+    schedule = build_schedule(spec.schedule, spec.stages, spec.microbatches, spec.chunks)
+    per_rank = predict_memory(schedule, spec.memory_model())
+    needed = spec.data_parallel * (sum(rank.total for rank in per_rank)
+                                   + spec.stages * RANK_BYTES)
+    memory = host_memory_bytes()
+    if not needed <= memory:  # also inf and NaN
+        states = sum(rank.params + rank.gradients + rank.optimizer for rank in per_rank)
+        raise ValueError(f"the costs file's params, gradients, Adam state and activations "
+                         f"would take about {needed:.3g} bytes once emulated, over this "
+                         f"host's {memory:.3g} (model state {spec.data_parallel * states:.3g} "
+                         "of it); raise --bytes-scale or give costs in bytes")
 
 
 def _spec(args: argparse.Namespace) -> Any:
@@ -114,14 +116,15 @@ def _spec(args: argparse.Namespace) -> Any:
     part = partition_graph(graph, args.stages * chunks, method=method, type_pattern=pattern)
     layers = emulation_costs(graph, weight_fraction=args.weight_fraction,
                              bytes_scale=args.bytes_scale, time_scale=args.time_scale)
-    _check_emulated_memory(layers, args.microbatches)
-    args.out.mkdir(parents=True, exist_ok=True)
-    check_output_path(args.out / "rehearsal.png", FIGURE_FORMATS)
-    check_output_path(args.out / "trace.json", TRACE_FORMATS)
-    return RehearsalSpec(layers=tuple(layers), boundaries=tuple(part.boundaries),
+    spec = RehearsalSpec(layers=tuple(layers), boundaries=tuple(part.boundaries),
                          schedule=args.schedule, stages=args.stages, chunks=chunks,
                          microbatches=args.microbatches, data_parallel=args.data_parallel,
                          zero_stage=args.zero_stage, steps=args.steps)
+    _check_emulated_memory(spec)
+    args.out.mkdir(parents=True, exist_ok=True)
+    check_output_path(args.out / "rehearsal.png", FIGURE_FORMATS)
+    check_output_path(args.out / "trace.json", TRACE_FORMATS)
+    return spec
 
 
 def _for_plot(timeline: Timeline, name: str, saved: tuple[float, ...]) -> Timeline:

@@ -14,8 +14,11 @@ from pipeline.cli.options import (
     add_schedule_arguments,
     non_negative_float,
     positive_int,
+    seed_int,
     timeout_seconds,
 )
+from pipeline.files import InputFileType
+from pipeline.limits import MAX_SOURCE_BYTES
 from schedules import Figures, figures, generate_schedule, simulate
 
 __all__ = ["register", "run"]
@@ -48,11 +51,12 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="balanced (profiled costs, default), uniform, parameters or "
                              "type:<regex>")
     parser.add_argument("--model", metavar="MODULE:FUNCTION", default=None,
+                        type=InputFileType(MAX_SOURCE_BYTES, or_text=True, suffix_separator=":"),
                         help="train your own layer list instead of the demo LM: FUNCTION() "
                              "returns pipeline.demo.user_model.ModelRecipe(layers, loss_fn, "
                              "batch); MODULE is a module name or a .py path (--blocks, "
                              "--width, --seq-len are then unused)")
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed")
+    parser.add_argument("--seed", type=seed_int, default=0, help="model and data seed")
     parser.add_argument("--timeout", type=timeout_seconds, default=120.0, metavar="SECONDS",
                         help="how long any wait between ranks may take before the run fails "
                              "naming the rank that stopped progressing (default 120)")
@@ -72,6 +76,9 @@ def _check_args(args: argparse.Namespace) -> int:
     from pipeline.demo.language_model import TinyLMConfig
 
     schedule = generate_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
+    if not schedule.has_backward:  # it ended in "the step ended holding {'saved': 2}"
+        raise ValueError(f"--schedule {args.schedule} runs forwards only (inference): train "
+                         "needs a schedule with a backward, e.g. 1f1b, interleaved or zb-h1")
     chunks = schedule.chunks
     from pipeline.limits import check_local_ranks
 

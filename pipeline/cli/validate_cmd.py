@@ -4,20 +4,20 @@ runs — every microbatch computed once, no deadlock — or say where it breaks.
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
 from pipeline.cli.options import positive_int
+from pipeline.files import InputFileType, UnreadableInputError, open_regular_file
 from schedules import Schedule, add_optimizer_step, lower, parse_torch_csv, validate
 from schedules.ir.errors import ScheduleParseError
 from schedules.ir.limits import check_schedule_size
-from viz.output import file_kind
 
-__all__ = ["read_schedule_file", "register", "run"]
+__all__ = ["MAX_VALIDATED_RANKS", "read_schedule_file", "register", "run"]
 
 _MAX_BYTES = 16 << 20  # far above any real schedule; a bigger file is the wrong file
+MAX_VALIDATED_RANKS = 16_384
+"""Most ranks a schedule file may have for `validate` (the work limit of its checks)."""
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
@@ -27,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                     "line) or as torch.distributed.pipelining's CSV, lower it as the engine "
                     "would, and validate it: exit 0 if it runs, 2 with the first violation "
                     "(and the rank × step grid) if it would deadlock or skip a microbatch.")
-    parser.add_argument("file", type=Path, help="schedule file (.csv: torch's format)")
+    parser.add_argument("file", type=InputFileType(_MAX_BYTES), metavar="FILE",
+                        help="schedule file (.csv: torch's format)")
     parser.add_argument("--format", choices=("auto", "text", "csv"), default="auto",
                         help="auto (default): .csv files are torch's CSV, others our text")
     parser.add_argument("--microbatches", type=positive_int, default=None, metavar="M",
@@ -49,6 +50,11 @@ def read_schedule_file(path: Path, form: str = "auto",
     csv = form == "csv" or (form == "auto" and path.suffix.lower() == ".csv")
     schedule = (parse_torch_csv(text, name=path.name, num_microbatches=num_microbatches) if csv
                 else Schedule.from_text(text, name=path.name, num_microbatches=num_microbatches))
+    if schedule.num_ranks > MAX_VALIDATED_RANKS:  # the checks' work grows faster than p
+        raise ScheduleParseError(
+            f"{path} has {schedule.num_ranks:,} ranks, over the {MAX_VALIDATED_RANKS:,} "
+            "`validate` checks (its work grows faster than the rank count: 100,000 ranks "
+            "took over two minutes); validate a smaller pipeline of the same shape")
     if not schedule.lowered:
         validate(schedule)  # a skipped microbatch named as such, before lowering trips on it
         check_schedule_size(schedule.num_ranks, schedule.num_microbatches, schedule.chunks,
@@ -60,20 +66,17 @@ def read_schedule_file(path: Path, form: str = "auto",
 
 
 def _read_regular_file(path: Path, limit: int) -> bytes:
-    """Up to `limit` bytes of `path`, refusing anything but a regular file: reading a named
-    pipe would wait for a writer forever, a device may never end."""
-    try:  # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    """Up to `limit` bytes of `path` through `pipeline.files` (a regular file only: reading
+    a named pipe would wait for a writer forever, a device may never end)."""
+    try:
+        with open_regular_file(path) as handle:
+            return handle.read(limit)
+    except UnreadableInputError as error:
+        raise ScheduleParseError(f"cannot read {_shown(path)}: {error}; save the schedule to "
+                                 "a file first") from None
     except OSError as error:
         raise ScheduleParseError(f"cannot read {_shown(path)}: {error.strerror or error}; "
                                  "give the path of a schedule file") from None
-    mode = os.fstat(descriptor).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(descriptor)
-        raise ScheduleParseError(f"cannot read {_shown(path)}: it is {file_kind(mode)}, "
-                                 "not a regular file; save the schedule to a file first")
-    with os.fdopen(descriptor, "rb") as handle:
-        return handle.read(limit)
 
 
 def _shown(path: Path) -> str:
@@ -82,7 +85,7 @@ def _shown(path: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    schedule = read_schedule_file(args.file, args.format, args.microbatches)
+    schedule = read_schedule_file(Path(args.file), args.format, args.microbatches)
     validate(schedule)
     print(f"{args.file}: valid — {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
           f"{schedule.num_microbatches} microbatches, {schedule.num_instructions} instructions")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from pipeline.model.module import PipelineModule
 from pipeline.runtime.engine import PipelineEngine
 from schedules import Timeline
 
-__all__ = ["ProgressBar", "TrainConfig", "TrainReport", "train_rank"]
+__all__ = ["ProgressBar", "TrainConfig", "TrainReport", "discard_stdout", "train_rank"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,14 @@ class TrainReport:
     """Most activations each pipeline rank held in the last step."""
 
 
+def discard_stdout() -> None:
+    """Send what is still written to stdout nowhere: its reader has gone (a closed pipe),
+    and the flush at exit must not fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 class ProgressBar:
     """A one-line progress bar on a terminal; one line per tenth of the run otherwise."""
 
@@ -82,11 +91,14 @@ class ProgressBar:
         filled = self.width * done // self.total
         bar = "#" * filled + "." * (self.width - filled)
         text = f"[{bar}] step {done}/{self.total}  loss {loss:.4f}  {1000 * seconds:.0f} ms/step"
-        if self.live:
-            end = "\n" if done == self.total else ""
-            print(f"\r{text}", end=end, flush=True)
-        elif done == 1 or done == self.total or done % max(1, self.total // 10) == 0:
-            print(text, flush=True)
+        try:
+            if self.live:
+                end = "\n" if done == self.total else ""
+                print(f"\r{text}", end=end, flush=True)
+            elif done == 1 or done == self.total or done % max(1, self.total // 10) == 0:
+                print(text, flush=True)
+        except BrokenPipeError:  # `pipesched train | head -1`: a closed pipe is not a fault
+            discard_stdout()
 
 
 def _demo_batch(config: TrainConfig, step: int, batch_size: int) -> tuple[Any, Any]:

@@ -27,7 +27,39 @@ import torch
 
 from pipeline.model.module import PipelineModule
 
-__all__ = ["ModelRecipe", "check_recipe", "load_recipe", "rows_of"]
+__all__ = ["ModelRecipe", "UserCodeError", "check_recipe", "load_recipe", "rows_of"]
+
+
+class UserCodeError(ValueError):
+    """The user's `--model` code raised (or does not compile): the message is one line
+    naming the file, the line and the exception; `details` holds the whole traceback."""
+
+    def __init__(self, message: str, details: str) -> None:
+        super().__init__(message)
+        self.details = details
+
+
+_LIBRARIES = tuple(str(Path(root).resolve()) for root in
+                   {sys.prefix, sys.base_prefix, str(Path(__file__).resolve().parents[2])})
+
+
+def _user_code_error(spec: str, doing: str, error: BaseException) -> UserCodeError:
+    """One line for an exception raised by the user's code: the innermost frame outside
+    Python, its libraries and pipesched (where the user's own code went wrong)."""
+    import traceback
+
+    details = "".join(traceback.format_exception(error))
+    if isinstance(error, SyntaxError):
+        place = f"{error.filename}:{error.lineno}"
+    else:
+        frames = traceback.extract_tb(error.__traceback__)
+        own = [frame for frame in frames
+               if not str(Path(frame.filename).resolve()).startswith(_LIBRARIES)]
+        frame = (own or frames)[-1] if frames else None
+        place = f"{frame.filename}:{frame.lineno}" if frame is not None else spec
+    text = str(error).splitlines()[0] if str(error) else ""
+    return UserCodeError(f"--model {spec}: {doing} raised {type(error).__name__} at {place}"
+                         f"{': ' + text if text else ''}", details)
 
 
 @dataclass(frozen=True)
@@ -79,6 +111,10 @@ def load_recipe(spec: str) -> ModelRecipe:
                          f"{spec!r}")
     try:
         module = _import(module_name)
+    except ValueError:
+        raise
+    except Exception as error:  # the user's module: any exception, one line
+        raise _user_code_error(spec, f"importing {module_name}", error) from None
     except SystemExit as stop:
         raise ValueError(f"--model: importing {module_name} called sys.exit({stop.code!r}); "
                          "a model module must define functions, not run a program "
@@ -92,6 +128,8 @@ def load_recipe(spec: str) -> ModelRecipe:
                          f"callables there: {', '.join(found) or 'none'}")
     try:
         recipe = function()
+    except Exception as error:  # the user's function: any exception, one line
+        raise _user_code_error(spec, f"{function_name}()", error) from None
     except SystemExit as stop:  # would end `pipesched train` with its code and no output
         raise ValueError(f"--model: {spec} called sys.exit({stop.code!r}) instead of returning "
                          "a ModelRecipe; return ModelRecipe(layers=..., loss_fn=..., "

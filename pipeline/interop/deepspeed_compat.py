@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from pipeline.checkpoint.atomic_files import sha256_bytes
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.ds_config import (
     DSConfig,
@@ -270,14 +271,15 @@ class DeepSpeedPipelineEngine:
         if tag is not None:
             warnings.warn("save_checkpoint(tag=) is ignored: checkpoints are step_<N>",
                           stacklevel=2)
-        info = self.engine.save_checkpoint(save_dir)
-        if self.global_rank == 0:
-            extra = {"client_state": dict(client_state or {}),
-                     "lr_scheduler": None if self.lr_scheduler is None
-                     else self.lr_scheduler.state_dict(),
-                     "global_samples": self.global_samples}
-            write_client_state(Path(info.directory), extra)
-        dist.barrier()
+        extra_files = {}
+        if self.global_rank == 0:  # inside the step directory, listed (and signed) in its
+            # manifest, written before the commit: a resume reads nothing unchecked
+            extra_files[CLIENT_STATE] = client_state_bytes(
+                {"client_state": dict(client_state or {}),
+                 "lr_scheduler": None if self.lr_scheduler is None
+                 else self.lr_scheduler.state_dict(),
+                 "global_samples": self.global_samples})
+        self.engine.save_checkpoint(save_dir, extra_files=extra_files)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None,
@@ -295,59 +297,44 @@ class DeepSpeedPipelineEngine:
         return info.directory, dict(extra.get("client_state", {}))
 
 
-_CLIENT_STATE = "client_state.pt"
-_CLIENT_STATE_BYTES = 256 << 20
+CLIENT_STATE = "client_state.pt"
+"""The client state's file in a step directory (role 'client' in its manifest)."""
 
 
-def _client_signed_bytes(step_dir: Path, data: bytes) -> bytes:
-    """What a client state's signature covers: its bytes and its step's manifest, so that
-    a signed client state cannot be moved to another step directory."""
-    from pipeline.checkpoint.atomic_files import sha256_bytes
-
-    manifest = (step_dir / "manifest.json").read_bytes()
-    return sha256_bytes(manifest).encode() + sha256_bytes(data).encode()
-
-
-def write_client_state(step_dir: Path, extra: dict[str, Any]) -> None:
-    """Save `extra` (plain types and tensors) beside the checkpoint, signed when a key is
-    set (`pipeline.checkpoint.signing`)."""
-    from pipeline.checkpoint.signing import sign, signing_key
-
+def client_state_bytes(extra: dict[str, Any]) -> bytes:
+    """`extra` (plain types and tensors) as the bytes of `CLIENT_STATE`."""
     buffer = io.BytesIO()
     torch.save(extra, buffer)
-    data = buffer.getvalue()
-    (step_dir / _CLIENT_STATE).write_bytes(data)
-    key = signing_key()
-    if key is not None:
-        (step_dir / (_CLIENT_STATE + ".sig")).write_text(
-            sign(_client_signed_bytes(step_dir, data), key))
+    return buffer.getvalue()
 
 
 def read_client_state(step_dir: Path) -> dict[str, Any]:
-    """The client state saved beside a checkpoint ({} if none), read safely: bounded, with
-    ``weights_only=True`` (tensors and plain containers only: a crafted file runs no
-    code), and, with a signing key set, only if signed by it."""
-    from pipeline.checkpoint.signing import signing_key, verify_signature
+    """The client state saved in a step directory ({} if its manifest lists none), read
+    safely: a regular file of the size and sha256 its (signed) manifest records, loaded with
+    ``weights_only=True`` (tensors and plain containers only: a crafted file runs no code)."""
+    from pipeline.checkpoint.manifest import read_manifest
+    from pipeline.checkpoint.signing import KEY_ENV, signing_key
     from pipeline.errors import CheckpointError
-    from pipeline.files import read_regular_file
+    from pipeline.files import UnreadableInputError, read_regular_file
 
-    path = step_dir / _CLIENT_STATE
-    if not path.exists():
-        return {}
+    path = step_dir / CLIENT_STATE
+    entry = next((entry for entry in read_manifest(str(step_dir)).files
+                  if entry.path == CLIENT_STATE), None)
+    if entry is None:
+        if not path.exists():
+            return {}
+        if signing_key() is not None:  # written beside the manifest by an older pipesched
+            raise CheckpointError(
+                f"{path} is not listed in its manifest, so the signature does not cover it, "
+                f"and {KEY_ENV} is set; save the checkpoint again with this pipesched, or "
+                "load it without the key only if you trust where it came from", path=str(path))
     try:
-        data = read_regular_file(path, _CLIENT_STATE_BYTES)
-    except (OSError, ValueError) as error:
+        data = read_regular_file(path, entry.size if entry is not None else _CLIENT_STATE_BYTES)
+    except (OSError, UnreadableInputError) as error:
         raise CheckpointError(f"cannot read {path}: {error}", path=str(path)) from None
-    key = signing_key()
-    if key is not None:
-        signature_path = step_dir / (_CLIENT_STATE + ".sig")
-        try:
-            signature: str | None = read_regular_file(signature_path, 1024).decode().strip()
-        except (OSError, ValueError):
-            signature = None
-        refusal = verify_signature(_client_signed_bytes(step_dir, data), signature, key)
-        if refusal is not None:
-            raise CheckpointError(f"{path}: {refusal}", path=str(path))
+    if entry is not None and (len(data) != entry.size or sha256_bytes(data) != entry.sha256):
+        raise CheckpointError(f"{path} fails its sha256 check: it was altered or is corrupt; "
+                              "load an earlier step directory", path=str(path))
     try:
         extra = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as error:  # torch.load raises many types; all mean the same here
@@ -359,6 +346,10 @@ def read_client_state(step_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} holds a {type(extra).__name__}, not the client-state "
                               "dict save_checkpoint writes", path=str(path))
     return extra
+
+
+_CLIENT_STATE_BYTES = 256 << 20
+"""The most an unlisted (older, unsigned) client state may hold."""
 
 
 def _shut_down(engine: PipelineEngine) -> None:

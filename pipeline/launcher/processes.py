@@ -38,6 +38,7 @@ from pipeline.device import (
     process_group_timeout,
 )
 from pipeline.errors import PipelineConfigError
+from pipeline.launcher.forkserver_guard import GUARD_ENV
 from pipeline.launcher.results import (
     RankReport,
     Result,
@@ -70,7 +71,8 @@ __all__ = ["launch"]
 T = TypeVar("T")
 _GRACE = 5.0  # seconds the other ranks get to stop by themselves once one has failed
 _STARTED = "pipesched/ranks-started"  # store counter: ranks whose process group is up
-_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim",
+_PRELOAD = ("pipeline.launcher.forkserver_guard",  # first: before torch's long import
+            "torch", "torch.distributed", "torch._dynamo", "torch.optim",
             "pipeline.runtime.engine")
 
 
@@ -212,20 +214,26 @@ def _context(start_method: str | None) -> Any:
 
 
 def _start_fork_server_deaf_to_ctrl_c() -> None:
-    """Start the fork server (and resource tracker) with SIGINT ignored, as they inherit it
-    across exec: a Ctrl-C on the terminal reaches the whole process group, and the fork
-    server, still importing torch, printed a KeyboardInterrupt traceback; its ranks inherit
-    the same, so the launcher alone answers Ctrl-C (one line) and ends them."""
+    """Start the fork server (and resource tracker) deaf to SIGINT: a Ctrl-C on the terminal
+    reaches the whole process group, and the fork server, still importing torch, printed a
+    KeyboardInterrupt traceback; its ranks inherit the same, so the launcher alone answers
+    Ctrl-C (one line) and ends them."""
     from multiprocessing import forkserver
 
     if threading.current_thread() is not threading.main_thread():
         forkserver.ensure_running()
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGINT blocked, not ignored: an ignored signal is discarded, so a Ctrl-C in this window
+    # was lost; a blocked one stays pending and raises KeyboardInterrupt here once unblocked.
+    # The fork server inherits the blocked mask (deaf while it starts) and its first preload,
+    # `forkserver_guard`, ignores SIGINT for good and unblocks it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    os.environ[GUARD_ENV] = str(os.getpid())  # the fork server dies with this process
     try:
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        os.environ.pop(GUARD_ENV, None)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _owned_directories(context: Any) -> list[str]:
@@ -244,9 +252,11 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
     launcher = identity_of(os.getpid())
     cleanup = [workdir, *_owned_directories(context)]
     reaper = Reaper(cleanup)  # before any rank: from now on nothing outlives this process
-    init_method = f"file://{os.path.join(workdir, 'rendezvous')}"
+    # A path, not a file:// URL: a '#', '?' or newline in TMPDIR would end or bend the URL
+    # (the rendezvous escaped to a shorter path, went stale, and later launches hung)
+    rendezvous = os.path.join(workdir, "rendezvous")
     processes = [context.Process(target=_worker, name=f"pipesched-rank-{rank}", args=(
-        rank, world_size, init_method, backend or default_backend(world_size), timeout,
+        rank, world_size, rendezvous, backend or default_backend(world_size), timeout,
         threads, fn,
         args, workdir, launcher, cleanup, quiet)) for rank in range(world_size)]
     try:
@@ -254,7 +264,9 @@ def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout
             for process in processes:
                 process.start()
                 reaper.watch(process.pid)
-        still_running, first_failed = _supervise(processes, grace, join_timeout)
+        still_running, first_failed = _supervise(
+            processes, grace, join_timeout,
+            silent=lambda rank: not os.path.exists(os.path.join(workdir, f"rank{rank}.result")))
         for process in processes:
             process.join(timeout=5)  # killed ranks: read their real exit codes
         results = [read_result(workdir, rank) for rank in range(world_size)]
@@ -301,11 +313,13 @@ def _signals_deferred() -> Iterator[None]:
             signal.raise_signal(held)
 
 
-def _supervise(processes: list[Any], grace: float, join_timeout: float | None
-               ) -> tuple[list[int] | None, list[int]]:
+def _supervise(processes: list[Any], grace: float, join_timeout: float | None,
+               silent: Callable[[int], bool]) -> tuple[list[int] | None, list[int]]:
     """Wait for every rank; once one fails, kill the rest after `grace` seconds, and every
     rank on the deadline. Returns the ranks still running at the deadline (None when it did
-    not pass) and the ranks seen failing first (in the same wake-up)."""
+    not pass) and the ranks seen failing first (in the same wake-up). A rank that ended with
+    code 0 but `silent` (no result: ``os._exit(0)`` mid-step) failed too: the errors its
+    peers then raise ("Connection closed by peer") are its echo."""
     deadline = None if join_timeout is None else time.monotonic() + join_timeout
     failed_at: float | None = None
     first_failed: list[int] = []
@@ -326,13 +340,15 @@ def _supervise(processes: list[Any], grace: float, join_timeout: float | None
         ended = [p for p in alive if not p.is_alive()]
         for process in ended:
             alive.remove(process)
-        if failed_at is None and any(p.exitcode != 0 for p in ended):
+        failing = [processes.index(p) for p in ended
+                   if p.exitcode != 0 or silent(processes.index(p))]
+        if failed_at is None and failing:
             failed_at = time.monotonic()
-            first_failed = [processes.index(p) for p in ended if p.exitcode != 0]
+            first_failed = failing
     return None, first_failed
 
 
-def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout: float,
+def _worker(rank: int, world_size: int, rendezvous: str, backend: str, timeout: float,
             threads: int | None, fn: Callable[..., Any], args: tuple[Any, ...],
             workdir: str, launcher: ProcessIdentity, cleanup: list[str], quiet: bool) -> None:
     die_with_parent(launcher)  # even while blocked in C holding the GIL
@@ -343,9 +359,10 @@ def _worker(rank: int, world_size: int, init_method: str, backend: str, timeout:
     payload: Result
     watchdog: Watchdog | None = None
     try:
-        _check_rendezvous(init_method, launcher)
-        dist.init_process_group(_prepared(backend, world_size, rank), init_method=init_method,
-                                rank=rank, world_size=world_size,
+        _check_rendezvous(rendezvous, launcher)
+        store = dist.FileStore(rendezvous, world_size)
+        dist.init_process_group(_prepared(backend, world_size, rank), store=store, rank=rank,
+                                world_size=world_size,
                                 timeout=process_group_timeout(timeout))
         watchdog = Watchdog(rank, on_peer_failure=lambda record: _stopped(workdir, rank, record,
                                                                    quiet))
@@ -387,10 +404,10 @@ def _interrupted(results: list[Result | None]) -> bool:
     return "interrupted" in kinds and not kinds & {"error", "exit"}
 
 
-def _check_rendezvous(init_method: str, launcher: ProcessIdentity) -> None:
+def _check_rendezvous(rendezvous: str, launcher: ProcessIdentity) -> None:
     """End now if the launcher is gone or removed the rendezvous directory: torch's
     `FileStore` would otherwise retry the missing file for 300 s holding the GIL."""
-    if not os.path.isdir(os.path.dirname(init_method.removeprefix("file://"))) or \
+    if not os.path.isdir(os.path.dirname(rendezvous)) or \
             not is_running(launcher):
         os._exit(EXIT_LAUNCHER_GONE)
 

@@ -101,6 +101,12 @@ def failure_error(results: list[Result | None], codes: tuple[int | None, ...],
                 f"rank {rank} was killed by signal {-code} ({_signal_name(code)}) without "
                 f"reporting an error; every other rank was stopped ({summary})",
                 rank=rank, exit_codes=codes)
+    for rank in first_failed:
+        if results[rank] is None and codes[rank] == 0:
+            return RankFailedError(
+                f"rank {rank} exited with code 0 without returning a result (did fn call "
+                f"os._exit?) while the others still ran: their errors followed from it "
+                f"({summary})", rank=rank, exit_codes=codes)
     own = _reports(results, ("error", "exit"))
     if own:
         rank, report = own[0]

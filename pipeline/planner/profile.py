@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.limits import MAX_NUMBER
 from pipeline.planner.errors import PlanError
 from pipeline.planner.kernels import LayerShape
 
@@ -156,7 +157,12 @@ def profile_from_cost_json(source: str | os.PathLike[str] | Mapping[str, Any], *
     graph = graph_from_json(source)
     layers = []
     previous = 0.0
-    for cost in graph.layers:
+    for index, cost in enumerate(graph.layers):
+        for field in ("forward", "backward", "params", "activation"):
+            if getattr(cost, field) > MAX_NUMBER:  # 1e300 s printed a 300-digit plan
+                raise PlanError(f"layer {index} ({cost.name}) of the cost file has {field} "
+                                f"{getattr(cost, field):g}, over {MAX_NUMBER:g}: give seconds "
+                                "and bytes of one layer")
         per_sample = cost.activation / cost_batch
         layers.append(LayerProfile(
             name=cost.name, params_replicated=cost.params / 4, held_replicated=per_sample,

@@ -88,9 +88,13 @@ def agree_on_batch(comm: Comm, pp_rank: int, m: int, inputs: Any, targets: Any,
                                   "their error); nothing was run")
     if samples and target_samples and samples != target_samples:
         # they would pair the wrong samples per microbatch, or broadcast into a wrong loss
-        raise PipelineConfigError(f"inputs hold {samples} samples but targets "
-                                  f"{target_samples}; pass one target per input sample "
-                                  f"(same size in dim 0); nothing was run")
+        mismatch = PipelineConfigError(
+            f"inputs hold {samples} samples but targets {target_samples}; pass one target "
+            f"per input sample (same size in dim 0); nothing was run")
+        # every rank raises this; the launcher names the rank whose data it is (the first
+        # stage's, pipeline rank 0), not whichever rank reported first (a middle one)
+        mismatch.caused_by = comm.pipeline_ranks[0]  # type: ignore[attr-defined]
+        raise mismatch
     if pulled is not None:
         return AgreedBatch(agreed, pulled.inputs if first else None,
                            pulled.targets if last else None)

@@ -7,7 +7,7 @@ import socket
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -405,8 +405,12 @@ class PipelineEngine:
         """Where the step's inf/NaN first appeared, agreed over the pipeline (a collective)."""
         mine = first_nonfinite(self._finite_flags)
         found = [where for where in self.comm.all_gather_object(mine) if where is not None]
-        return nonfinite_error(min(found) if found else None, loss, self.global_step,
-                               skipped=self.training.step.nonfinite)
+        error = nonfinite_error(min(found) if found else None, loss, self.global_step,
+                                skipped=self.training.step.nonfinite)
+        if error.stage >= 0:  # every rank raises it: the launcher names the stage's rank
+            error.caused_by = self.comm.pipeline_ranks[  # type: ignore[attr-defined]
+                self.schedule.placement[error.stage]]
+        return error
 
     def _failure(self, schedule: Schedule, step: int, op: Instruction,
                  error: Exception) -> PipelineStepError:
@@ -433,13 +437,17 @@ class PipelineEngine:
 
     # -- checkpoints -----------------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str) -> CheckpointInfo:
+    def save_checkpoint(self, directory: str, *,
+                        extra_files: Mapping[str, bytes] | None = None) -> CheckpointInfo:
         """Save weights (per global layer), optimizer state (per parameter, ZeRO shards with
         their offsets), loss scaler, generators and `global_step` under
         ``directory/step_<global_step>/`` and point ``directory/latest`` at it, crash-safely
-        (a collective: every rank calls it). See `pipeline.checkpoint.save`."""
+        (a collective: every rank calls it). See `pipeline.checkpoint.save`. `extra_files`
+        (name -> bytes) go into the step directory too, listed and signed in its manifest."""
         self.progress.enter("save_checkpoint", collective=True)
-        info = save_checkpoint(directory, self._checkpoint_parts())
+        parts = self._checkpoint_parts()
+        parts.extra_files = dict(extra_files or {})
+        info = save_checkpoint(directory, parts)
         self.progress.enter(f"between steps, after step {self.global_step}")
         return info
 

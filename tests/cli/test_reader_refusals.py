@@ -154,7 +154,7 @@ def test_a_fifo_as_costs_or_schedule_file_is_refused_not_waited_on(
     assert "named pipe (FIFO), not a regular file" in err
     err = refused_without_blocking(capsys, schedule, "validate", str(schedule))
     assert "named pipe (FIFO), not a regular file" in err
-    assert "it is a character device" in refused(capsys, "validate", "/dev/zero")
+    assert "/dev/zero is a device, not a regular file" in refused(capsys, "validate", "/dev/zero")
 
 
 def test_a_400_digit_integer_in_the_cost_file_exits_2(

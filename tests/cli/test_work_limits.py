@@ -122,3 +122,27 @@ def test_partition_refuses_speeds_a_million_times_apart(capsys: pytest.CaptureFi
     assert "the fastest stage is 1e+308 times the slowest" in capsys.readouterr().err
     assert main(["partition", "--costs", _COSTS, "--stages", "4", "--speeds",
                  "1e-6,1,1,1"]) == 0
+
+
+def test_rehearse_counts_gradients_and_optimizer_state_against_host_memory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # regression: the check counted parameters once (no gradients, no Adam moments): a
+    # costs file describing 8 GB of parameters passed and a rank reached 15.6 GB
+    import json
+
+    import pipeline.limits
+
+    layers = json.loads(Path(_COSTS).read_text())["layers"]
+    param_bytes = sum(layer["params"] for layer in layers)  # fp32 weights, bytes_scale 1
+    activation_bytes = 4 * sum(layer["activation"] for layer in layers)  # every mb held
+    # oracle, from the definition: fp32 Adam holds weights + gradients + 2 moments = 4x
+    model_state = 4 * param_bytes
+    memory = 3 * param_bytes  # holds what the old check counted, not the model state
+    assert param_bytes + activation_bytes < memory < model_state
+    monkeypatch.setattr(pipeline.limits, "host_memory_bytes", lambda: memory)
+    code = main(["rehearse", "--costs", _COSTS, "--schedule", "1f1b", "--stages", "2",
+                 "--microbatches", "4", "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "over this host's" in err and f"model state {model_state:.3g}" in err

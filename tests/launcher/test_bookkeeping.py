@@ -23,6 +23,13 @@ def _os_exit_on_rank_one() -> int:
     return dist.get_rank()
 
 
+def _os_exit_on_rank_one_mid_collective() -> int:
+    if dist.get_rank() == 1:
+        os._exit(0)
+    dist.barrier()  # rank 0 waits for rank 1: "Connection closed by peer"
+    return dist.get_rank()
+
+
 def _unpicklable_on_rank_one() -> object:
     return threading.Lock() if dist.get_rank() == 1 else 0
 
@@ -61,6 +68,16 @@ def test_os_exit_zero_is_not_a_type_error() -> None:
                                               r"a result \(did fn call os\._exit\?\)") as caught:
         launch(_os_exit_on_rank_one, 2, timeout=30, join_timeout=_BOUND)
     assert caught.value.rank == 1 and caught.value.exit_codes == (0, 0)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_leaving_with_os_exit_zero_mid_step_is_named_not_the_survivor() -> None:
+    # regression: "rank 0 failed: ... Connection closed by peer" named the survivor
+    with pytest.raises(RankFailedError, match=r"rank 1 exited with code 0 without returning "
+                                              r"a result .* while the others still ran"
+                       ) as caught:
+        launch(_os_exit_on_rank_one_mid_collective, 2, timeout=30, join_timeout=_BOUND)
+    assert caught.value.rank == 1
 
 
 @pytest.mark.multiprocess
