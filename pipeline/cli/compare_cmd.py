@@ -171,7 +171,9 @@ def run(args: argparse.Namespace) -> int:
                          allow_nan=False))  # never JSON that parsers refuse
     else:
         print(f"p={args.stages}  m={args.microbatches}  (same per-rank costs for every "
-              "schedule; a chunk of v costs 1/v)\n")
+              "schedule; a chunk of v costs 1/v and holds 1/v of a stage's activations: "
+              "\"8 × 1/2\" is 4 stages' memory; the bubble rate counts the busiest rank's "
+              "idle time within its span, the idle fraction every rank's)\n")
         table = comparison_table(timelines, results)
         if plans:
             print(format_table([(*row, gap) for row, gap in zip(table, gaps)],
