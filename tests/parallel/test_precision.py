@@ -102,3 +102,21 @@ def test_fp16_overflow_on_one_rank_makes_every_rank_skip() -> None:
 @pytest.mark.multiprocess
 def test_global_norm_clipping_counts_tensor_parallel_replicas_once() -> None:
     run_ranks(_check_clip_over_tensor_parallel_ranks, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("planted", [None, float("nan"), float("inf"), -float("inf")])
+def test_holds_nonfinite_equals_the_elementwise_definition(dtype: torch.dtype,
+                                                           planted: float | None) -> None:
+    """The min/max check (no full-size temporaries) against "some element is not finite",
+    element by element; an empty tensor holds nothing."""
+    from pipeline.parallel.precision import holds_nonfinite
+
+    generator = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(shape, generator=generator).to(dtype) * 1e3
+               for shape in ((5, 7), (0,), (13,), (2, 3, 4))]
+    if planted is not None:
+        tensors[3].view(-1)[17] = planted
+    expected = any(not torch.isfinite(value).item() for t in tensors for value in t.flatten())
+    assert holds_nonfinite(tensors) == expected == (planted is not None)
+    assert holds_nonfinite([]) is False and holds_nonfinite([torch.empty(0)]) is False
