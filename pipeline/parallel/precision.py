@@ -100,12 +100,37 @@ def counts_in_norm(param: torch.Tensor, tp_rank: int) -> bool:
     return (is_tensor_parallel(param) or tp_rank == 0) and not is_tied_duplicate(param)
 
 
+_NORM_BLOCK = 1 << 16
+"""Elements per fp32 partial norm in `_square_sum`."""
+
+
+def _square_sum(grad: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of `grad` in fp32, in one pass and without a temporary of its size.
+
+    ``grad.float().pow(2).sum()`` allocates the square (and an fp32 copy of a bf16 gradient)
+    and took most of the non-compute time of DeepSpeed's AlexNet step here; one
+    ``vector_norm`` per tensor, torch's ``clip_grad_norm_`` arithmetic, accumulates a 37M-element
+    gradient with a relative error of 5e-3 on CPU. Norms of 64K-element blocks, squared and
+    summed: 4e-7, at the speed of one ``vector_norm`` (a tensor of one block is exactly
+    torch's)."""
+    flat = grad.detach().reshape(-1)
+    rows = flat.numel() // _NORM_BLOCK
+    parts = []
+    if rows:
+        parts.append(torch.linalg.vector_norm(flat[:rows * _NORM_BLOCK].view(rows, _NORM_BLOCK),
+                                              dim=1, dtype=torch.float32))
+    if flat.numel() % _NORM_BLOCK:
+        parts.append(torch.linalg.vector_norm(flat[rows * _NORM_BLOCK:],
+                                              dtype=torch.float32).reshape(1))
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=grad.device)
+    return torch.cat(parts).pow(2).sum()
+
+
 def global_grad_norm(grads: Iterable[torch.Tensor], group: ProcessGroup | None) -> torch.Tensor:
     """L2 norm of `grads` summed over every rank of `group` (fp32 accumulation)."""
-    # per-tensor norms in fp32 (no fp32 copy or squared temporary of a gradient), then their
-    # squares summed: torch.nn.utils.clip_grad_norm_'s arithmetic
-    norms = [torch.linalg.vector_norm(grad.detach(), dtype=torch.float32) for grad in grads]
-    total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), dtype=torch.float32)
+    squares = [_square_sum(grad) for grad in grads]
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float32)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return total.sqrt()
