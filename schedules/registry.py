@@ -66,7 +66,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zb-h2": ScheduleSpec(lambda p, m, v: zb_h2(p, m), (1, 1), 1,
                           "Zero Bubble H2: 2p-1 microbatches of memory, bubble (p-1)(F+B-2W)"),
     "zb-v": ScheduleSpec(lambda p, m, v: zb_v(p, m), (2, 2), 2,
-                         "Zero Bubble V: 2 chunks in a V, no bubble at 1F1B's memory if F=B=W",
+                         "Zero Bubble V: 2 chunks in a V, no bubble at 1F1B's activation memory "
+                         "(2p half-stage activations) if F=B=W",
                          placement=_v_shape),
     "dualpipev": ScheduleSpec(lambda p, m, v: dualpipev(p, m), (2, 2), 2,
                               "DeepSeek DualPipeV: V placement, F of one microbatch with B of "

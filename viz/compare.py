@@ -19,7 +19,8 @@ __all__ = ["TABLE_COLUMNS", "comparison_table", "plot_comparison"]
 
 TABLE_COLUMNS = ("schedule", "v", "makespan", "bubble rate", "idle fraction",
                  "peak activations", "peak bytes")
-"""Header of `comparison_table`; "peak ..." are the largest over ranks (rank 0 for 1F1B)."""
+"""Header of `comparison_table`; "peak ..." are the largest over ranks (rank 0 for 1F1B);
+peak activations of a v-chunk schedule are written "count × 1/v" (each is 1/v of a stage)."""
 _PANEL_TITLE = 0.32  # inches above each panel for its name
 _TABLE_ROW = 0.24  # inches per table row
 
@@ -34,9 +35,16 @@ def comparison_table(timelines: Sequence[Timeline],
         peak_bytes = max(result.peak_activation_bytes, default=0.0)
         rows.append((timeline.name or "timeline", str(timeline.chunks),
                      f"{result.makespan * scale:.4g} {unit}", f"{result.bubble_rate:.1%}",
-                     f"{result.idle_fraction:.1%}", str(max(result.peak_activations, default=0)),
+                     f"{result.idle_fraction:.1%}",
+                     _activations(max(result.peak_activations, default=0), timeline.chunks),
                      format_bytes(peak_bytes) if peak_bytes else "-"))
     return rows
+
+
+def _activations(count: int, chunks: int) -> str:
+    """A peak count of (stage, microbatch) activations; with v chunks each is 1/v of a stage
+    (the same layers split v ways), so "8 × 1/2" holds what 4 whole stages' do."""
+    return str(count) if chunks == 1 else f"{count} × 1/{chunks}"
 
 
 def _check(timelines: Sequence[Timeline]) -> None:

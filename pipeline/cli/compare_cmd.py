@@ -114,7 +114,13 @@ def optimality_gaps(schedules: list[Schedule], results: list[Figures],
     # Each solve starts from the first schedule of its problem; a later, faster one with
     # the same placement and memory gets its own solve, so no row shows a negative gap.
     plans: list[SolvedSchedule | None] = []
+    total = sum(1 for schedule in schedules if schedule.has_backward)
     for schedule, result, cost in zip(schedules, results, costs):
+        if schedule.has_backward:  # a solve takes up to time_limit: say where it stands
+            done = sum(1 for plan in plans if plan is not None)
+            print(f"pipesched compare: optimality gap {done + 1}/{total} ({schedule.name}), "
+                  f"at most {(total - done) * time_limit:.0f} s left", file=sys.stderr,
+                  flush=True)
         if not schedule.has_backward:
             plans.append(None)
             continue
@@ -178,7 +184,9 @@ def run(args: argparse.Namespace) -> int:
                          allow_nan=False))  # never JSON that parsers refuse
     else:
         print(f"p={args.stages}  m={args.microbatches}  (same per-rank costs for every "
-              "schedule; a chunk of v costs 1/v)\n")
+              "schedule; a chunk of v costs 1/v and holds 1/v of a stage's activations: "
+              "\"8 × 1/2\" is 4 stages' memory; the bubble rate counts the busiest rank's "
+              "idle time within its span, the idle fraction every rank's)\n")
         table = comparison_table(timelines, results)
         if plans:
             print(format_table([(*row, gap) for row, gap in zip(table, gaps)],

@@ -4,6 +4,7 @@ with a schedule, and write the measured timeline, a Perfetto trace and a summary
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -123,15 +124,21 @@ def _check_args(args: argparse.Namespace) -> int:
                          f"least {args.stages * chunks - 2}")
     from viz import FIGURE_FORMATS, TRACE_FORMATS, check_output_path
 
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {args.out}: cannot create the directory "
+                         f"({error.strerror or error}); pass a writable --out DIR") from None
     for name in ("timeline.png", "loss.png"):
         check_output_path(args.out / name, FIGURE_FORMATS)
     check_output_path(args.out / "trace.json", TRACE_FORMATS)
     return chunks
 
 
-def _partition(args: argparse.Namespace, config: Any, num_stages: int) -> Any:
-    """Profile every layer on one microbatch in this process and partition by measured cost."""
+def _partition(args: argparse.Namespace, config: Any, num_stages: int
+               ) -> tuple[Any, tuple[float, ...]]:
+    """Profile every layer on one microbatch in this process and partition by measured cost;
+    also each stage's activation bytes per microbatch (its layers' measured saved tensors)."""
     import torch
 
     from partition import graph_from_layers, parse_method, partition_graph
@@ -151,7 +158,11 @@ def _partition(args: argparse.Namespace, config: Any, num_stages: int) -> Any:
         layers = [spec.build() for spec in lm_layers(config)]
         sample, _ = synthetic_batch(0, microbatch, config, seed=args.seed)
     graph = graph_from_layers(layers, sample, repeats=5)
-    return partition_graph(graph, num_stages, method=method, type_pattern=pattern)
+    part = partition_graph(graph, num_stages, method=method, type_pattern=pattern)
+    activation = graph.array("activation")
+    held = tuple(float(activation[start:stop].sum())
+                 for start, stop in zip(part.boundaries, part.boundaries[1:]))
+    return part, held
 
 
 def _summary_line(label: str, result: Figures) -> str:
@@ -173,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     model = TinyLMConfig(width=args.width, blocks=args.blocks, seq_len=args.seq_len,
                          heads=_heads(args.width))
     # 1. Partition on measured per-layer costs (one process, before any rank starts).
-    part = _partition(args, model, args.stages * chunks)
+    part, stage_activation_bytes = _partition(args, model, args.stages * chunks)
     # Every step runs each stage's work for every microbatch: the slowest stage bounds it.
     check_run_seconds(args.steps * args.microbatches * max(part.compute),
                       f"--steps {args.steps:,}")
@@ -198,10 +209,14 @@ def run(args: argparse.Namespace) -> int:
     if report is None:
         raise RuntimeError("rank 0 returned no report")
     # 3. Measured last step against the simulator fed with the measured op costs.
-    measured = figures(report.timeline)
+    # The measured timeline has each op's times; its activation bytes per stage and
+    # microbatch are the profiled layers' (so peak_activation_bytes is measured, not 0).
+    timeline = dataclasses.replace(report.timeline, activation_bytes=stage_activation_bytes)
+    measured = figures(timeline)
     schedule = generate_schedule(args.schedule, args.stages, args.microbatches, chunks)
-    simulated = figures(simulate(schedule, measured_costs(report.timeline).cost_model(
-        schedule.num_stages)))
+    simulated = figures(dataclasses.replace(simulate(schedule, measured_costs(
+        report.timeline).cost_model(schedule.num_stages)),
+        activation_bytes=stage_activation_bytes))
     out: Path = args.out
     plot_timeline(report.timeline, out / "timeline.png")
     write_trace(report.timeline, out / "trace.json")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import io
 import os
 import random
 import sys
@@ -30,16 +29,20 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from pipeline.checkpoint.atomic_files import sha256_bytes
+from pipeline.device import default_device
 from pipeline.errors import PipelineConfigError
+from pipeline.interop.ds_client_state import CLIENT_STATE, client_state_bytes, read_client_state
+from pipeline.interop.ds_clipping import ClipNorm, check_clip_norm, use_clip_norm
 from pipeline.interop.ds_config import (
     DSConfig,
     make_optimizer_factory,
     make_scheduler,
     read_ds_config,
 )
+from pipeline.interop.ds_module import PipelineModule, built_early
+from pipeline.interop.ds_param_groups import optimizer_for_initialize
 from pipeline.model.layers import LayerSpec
-from pipeline.model.module import PipelineModule
+from pipeline.model.module import PipelineModule as LazyPipelineModule
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.engine import PipelineEngine
@@ -47,7 +50,8 @@ from pipeline.runtime.inference import Inference
 from pipeline.runtime.loss_normalization import is_summed
 
 __all__ = ["DeepSpeedPipelineEngine", "LayerSpec", "PipelineModule", "RepeatingLoader",
-           "TiedLayerSpec", "add_config_arguments", "init_distributed", "initialize", "runtime"]
+           "TiedLayerSpec", "add_config_arguments", "init_distributed", "initialize",
+           "read_client_state", "runtime"]
 
 
 class RepeatingLoader:
@@ -297,61 +301,6 @@ class DeepSpeedPipelineEngine:
         return info.directory, dict(extra.get("client_state", {}))
 
 
-CLIENT_STATE = "client_state.pt"
-"""The client state's file in a step directory (role 'client' in its manifest)."""
-
-
-def client_state_bytes(extra: dict[str, Any]) -> bytes:
-    """`extra` (plain types and tensors) as the bytes of `CLIENT_STATE`."""
-    buffer = io.BytesIO()
-    torch.save(extra, buffer)
-    return buffer.getvalue()
-
-
-def read_client_state(step_dir: Path) -> dict[str, Any]:
-    """The client state saved in a step directory ({} if its manifest lists none), read
-    safely: a regular file of the size and sha256 its (signed) manifest records, loaded with
-    ``weights_only=True`` (tensors and plain containers only: a crafted file runs no code)."""
-    from pipeline.checkpoint.manifest import read_manifest
-    from pipeline.checkpoint.signing import KEY_ENV, signing_key
-    from pipeline.errors import CheckpointError
-    from pipeline.files import UnreadableInputError, read_regular_file
-
-    path = step_dir / CLIENT_STATE
-    entry = next((entry for entry in read_manifest(str(step_dir)).files
-                  if entry.path == CLIENT_STATE), None)
-    if entry is None:
-        if not path.exists():
-            return {}
-        if signing_key() is not None:  # written beside the manifest by an older pipesched
-            raise CheckpointError(
-                f"{path} is not listed in its manifest, so the signature does not cover it, "
-                f"and {KEY_ENV} is set; save the checkpoint again with this pipesched, or "
-                "load it without the key only if you trust where it came from", path=str(path))
-    try:
-        data = read_regular_file(path, entry.size if entry is not None else _CLIENT_STATE_BYTES)
-    except (OSError, UnreadableInputError) as error:
-        raise CheckpointError(f"cannot read {path}: {error}", path=str(path)) from None
-    if entry is not None and (len(data) != entry.size or sha256_bytes(data) != entry.sha256):
-        raise CheckpointError(f"{path} fails its sha256 check: it was altered or is corrupt; "
-                              "load an earlier step directory", path=str(path))
-    try:
-        extra = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as error:  # torch.load raises many types; all mean the same here
-        raise CheckpointError(
-            f"{path} cannot be read safely ({type(error).__name__}: {str(error)[:200]}); "
-            "client_state must hold tensors and plain Python values (dict, list, str, "
-            "numbers), which load without running code", path=str(path)) from None
-    if not isinstance(extra, dict):
-        raise CheckpointError(f"{path} holds a {type(extra).__name__}, not the client-state "
-                              "dict save_checkpoint writes", path=str(path))
-    return extra
-
-
-_CLIENT_STATE_BYTES = 256 << 20
-"""The most an unlisted (older, unsigned) client state may hold."""
-
-
 def _shut_down(engine: PipelineEngine) -> None:
     """At exit of a script run under torchrun (no `pipeline.launch` to clean up): stop the
     engine's watchdog before the process group it polls goes away (else the store client can
@@ -369,18 +318,50 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
                               "--deepspeed_config path (add_config_arguments(parser))")
 
 
-def initialize(args: Any = None, model: PipelineModule | None = None,
+_DEEPSPEED_OPTIONS: dict[str, Any] = {"distributed_port": None, "dist_init_required": None,
+                                      "mpu": None, "mesh_param": None}
+"""DeepSpeed's other ``initialize`` keywords, accepted at the value that changes nothing here
+(any port: the process group comes from the launcher's environment)."""
+
+
+def _check_deepspeed_options(options: Mapping[str, Any]) -> None:
+    """Refuse keywords that would be dropped silently (a typo, or a DeepSpeed feature the
+    port does not have)."""
+    problems = []
+    for key, value in options.items():
+        if key not in _DEEPSPEED_OPTIONS:
+            problems.append(f"{key}= is not an initialize() keyword here (DeepSpeed's are "
+                            f"{sorted(_DEEPSPEED_OPTIONS)}; ours: schedule, clip_norm, "
+                            "dynamic_shapes, timeout)")
+        elif key in ("mpu", "mesh_param") and value is not None:
+            problems.append(f"{key}= is not available: the pipeline's pp × dp grid comes from "
+                            "num_stages and the world size")
+    if problems:
+        raise PipelineConfigError("; ".join(problems))
+
+
+def initialize(args: Any = None, model: LazyPipelineModule | None = None,
                optimizer: Any = None, model_parameters: Any = None,
                training_data: Dataset[Any] | None = None, lr_scheduler: Any = None,
                collate_fn: Any = None, config: str | Path | Mapping[str, Any] | None = None,
                config_params: Any = None, *, schedule: str = "1f1b",
-               timeout: float = 300.0, **_: Any
+               clip_norm: ClipNorm = "global", dynamic_shapes: bool = False,
+               timeout: float = 300.0, **deepspeed_options: Any
                ) -> tuple[DeepSpeedPipelineEngine, Any, DataLoader[Any] | None, Any]:
     """DeepSpeed's ``initialize`` for a `PipelineModule`: (engine, optimizer, training
-    dataloader, lr_scheduler). `model_parameters` is not needed: each rank's optimizer
-    takes its own stages' parameters once they are built. `schedule` picks any of our
-    schedules (DeepSpeed has only 1F1B)."""
-    if not isinstance(model, PipelineModule):
+    dataloader, lr_scheduler). `model_parameters` (tensors or parameter groups) and a
+    client `optimizer` are honoured as DeepSpeed honours them
+    (`pipeline.interop.ds_param_groups`); both need the module built at construction
+    (this module's `PipelineModule`, made after `init_distributed`). Without them each
+    rank's optimizer takes its own stages' parameters once they are built. `schedule`
+    picks any of our schedules (DeepSpeed has only 1F1B). `clip_norm` says which
+    gradients the clipping norm counts: "global" (default: every stage's, as one process
+    computes it) or "first_stage" (stage 0's only, as DeepSpeed 0.19.8's fp32 pipeline
+    does: `pipeline.interop.ds_clipping`), to reproduce a DeepSpeed run step for step.
+    `dynamic_shapes` is the engine's (microbatches of varying shapes, e.g. a short last
+    one). DeepSpeed's other keywords are accepted at values that change nothing here."""
+    _check_deepspeed_options(deepspeed_options)
+    if not isinstance(model, LazyPipelineModule):
         raise TypeError(f"initialize(model=) needs a PipelineModule, got "
                         f"{type(model).__name__}; wrap the layers: PipelineModule(layers=..., "
                         "num_stages=..., loss_fn=...)")
@@ -395,18 +376,24 @@ def initialize(args: Any = None, model: PipelineModule | None = None,
     if ds.no_effect and dist.get_rank() == 0:
         print(f"[pipesched] ds_config keys that only tune DeepSpeed's communication (nothing "
               f"computed changes): {list(ds.no_effect)}", file=sys.stderr)
+    check_clip_norm(clip_norm, zero_stage=ds.zero_stage, precision=ds.precision)
     if optimizer is not None and ds.optimizer is not None:
         raise PipelineConfigError("an optimizer is both in the config and passed to "
                                   "initialize(optimizer=); keep one")
-    factory = optimizer if optimizer is not None else (
-        make_optimizer_factory(ds.optimizer) if ds.optimizer is not None else None)
+    factory = optimizer_for_initialize(
+        optimizer, model_parameters,
+        make_optimizer_factory(ds.optimizer) if ds.optimizer is not None else None, model,
+        zero_stage=ds.zero_stage)
+    if built_early(model):
+        model.to(default_device())  # in place: the optimizer's tensors stay the module's
     engine = PipelineEngine(
         model, schedule=schedule, num_microbatches=ds.gradient_accumulation_steps,
         optimizer=factory, data_parallel=world // model.num_stages, zero_stage=ds.zero_stage,
-        precision=ds.precision,
+        precision=ds.precision, dynamic_shapes=dynamic_shapes,
         gradient_clipping=ds.gradient_clipping, initial_loss_scale=ds.initial_loss_scale,
         loss_scale_window=ds.loss_scale_window, timeout=timeout)
     atexit.register(_shut_down, engine)
+    use_clip_norm(engine, clip_norm)
     wrapped = DeepSpeedPipelineEngine(engine, ds, training_data=training_data,
                                       collate_fn=collate_fn)
     torch_optimizer = wrapped._torch_optimizer()

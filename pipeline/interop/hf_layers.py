@@ -24,6 +24,7 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -194,8 +195,12 @@ class HFBlock(nn.Module):
     tokens; `reset_decoding_cache` drops them (`pipeline.runtime.decoding` calls it)."""
 
     def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any],
-                 rotary: nn.Module | None, rotary_layer_type: str | None = None) -> None:
+                 rotary: nn.Module | None, rotary_layer_type: str | None = None, *,
+                 generation_eos: tuple[int, ...] = ()) -> None:
         super().__init__()
+        self.generation_eos_token_id = generation_eos
+        """The EOS ids of the model's generation config (HF's ``generate`` stops on them
+        when it is given none): `greedy_generate`'s default."""
         self.layer = layer
         self.rotary = rotary
         self.rotary_layer_type = rotary_layer_type
@@ -253,13 +258,36 @@ def _import_transformers() -> Any:
                           "(or pip install transformers safetensors)") from error
 
 
+def _attend_everywhere(batch: Any, head: Any, q: Any, kv: Any) -> torch.Tensor:
+    """Gemma 3's bidirectional full attention: every pair (padding still masked)."""
+    return torch.tensor(True, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
+class _WithinWindow:
+    """Gemma 3's bidirectional sliding attention: pairs closer than the window either way."""
+
+    window: int
+
+    def __call__(self, batch: Any, head: Any, q: Any, kv: Any) -> Any:
+        return abs(q - kv) < self.window
+
+
 def _mask_function(config: Any, index: int) -> Callable[..., Any]:
     masks = importlib.import_module("transformers.masking_utils")
     layer_types = getattr(config, "layer_types", None)
     sliding = (layer_types[index] == "sliding_attention") if layer_types else (
         config.model_type in _SLIDING_BY_CONFIG
         and getattr(config, "sliding_window", None) is not None)
-    return masks.create_sliding_window_causal_mask if sliding else masks.create_causal_mask
+    mask = masks.create_sliding_window_causal_mask if sliding else masks.create_causal_mask
+    if getattr(config, "use_bidirectional_attention", False):
+        # Gemma3TextModel.forward: the causal masks OR'ed with "every pair" (full attention)
+        # or "closer than the window on either side" (sliding); the layers' own is_causal
+        # follows the flag already
+        window = config.sliding_window
+        extra = _WithinWindow(window) if sliding else _attend_everywhere
+        return functools.partial(mask, or_mask_function=extra)
+    return mask
 
 
 def _existing(module: nn.Module) -> Callable[[], nn.Module]:
@@ -291,6 +319,7 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
     """The layer list and its name prefixes; from `model`'s modules when given (no copy),
     else as specs each rank builds only for its own stages."""
     n, kind = config.num_hidden_layers, config.model_type
+    eos = _generation_eos(config, model)
     tied = bool(getattr(config, "tie_word_embeddings", kind == "gpt2"))
     softcap = getattr(config, "final_logit_softcapping", None)
     modeling = _modeling(config)
@@ -304,7 +333,7 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
         layers.append(LayerSpec(_gpt2_positions, config, model))
         names.append(("wpe.", "transformer.wpe."))
     for index in range(n):
-        layers.append(LayerSpec(_block, modeling, config, index, model))
+        layers.append(LayerSpec(_block, modeling, config, index, model, eos))
         names.append(("layer.", f"{root}{'h' if kind == 'gpt2' else 'layers'}.{index}."))
     layers.append(LayerSpec(_final_norm, modeling, config, model))
     names.append(("norm.", f"{root}{'ln_f' if kind == 'gpt2' else 'norm'}."))
@@ -319,24 +348,42 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
     return layers, names
 
 
+def _generation_eos(config: Any, model: Any) -> tuple[int, ...]:
+    """The EOS ids HF's ``generate`` stops on by default: the model's generation config; for
+    a config, the ``generation_config.json`` beside it (as ``from_pretrained`` reads it),
+    else the config's own EOS (``GenerationConfig.from_model_config``)."""
+    generation = importlib.import_module("transformers.generation")
+    found = getattr(model, "generation_config", None) if model is not None else None
+    if found is None:
+        source = Path(str(getattr(config, "_name_or_path", "") or ""))
+        found = generation.GenerationConfig.from_pretrained(source) \
+            if (source / "generation_config.json").is_file() else \
+            generation.GenerationConfig.from_model_config(config)
+    eos = found.eos_token_id
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+
+
 def _gpt2_positions(config: Any, model: Any) -> nn.Module:
     wpe = model.transformer.wpe if model is not None else nn.Embedding(config.n_positions,
                                                                        config.n_embd)
     return GPT2Positions(wpe, config.embd_pdrop)
 
 
-def _block(modeling: Any, config: Any, index: int, model: Any) -> nn.Module:
+def _block(modeling: Any, config: Any, index: int, model: Any,
+           generation_eos: tuple[int, ...] = ()) -> nn.Module:
     if config.model_type == "gpt2":
         layer = model.transformer.h[index] if model is not None else modeling.GPT2Block(
             config, layer_idx=index)
-        return HFBlock(layer, config, _mask_function(config, index), None)
+        return HFBlock(layer, config, _mask_function(config, index), None,
+                       generation_eos=generation_eos)
     family = _LLAMA_SHAPED[config.model_type]
     layer = model.model.layers[index] if model is not None else getattr(
         modeling, f"{family.prefix}DecoderLayer")(config, index)
     rotary = model.model.rotary_emb if model is not None else getattr(
         modeling, f"{family.prefix}RotaryEmbedding")(config=config)
     layer_type = config.layer_types[index] if family.rotary_per_layer_type else None
-    return HFBlock(layer, config, _mask_function(config, index), rotary, layer_type)
+    return HFBlock(layer, config, _mask_function(config, index), rotary, layer_type,
+                   generation_eos=generation_eos)
 
 
 def _final_norm(modeling: Any, config: Any, model: Any) -> nn.Module:
@@ -376,6 +423,11 @@ def _check_supported(config: Any) -> None:
         raise PipelineConfigError(
             "layers_from_hf covers Gemma 3's text model, not the image-text 'gemma3': pass "
             "its config.text_config (model type 'gemma3_text', Gemma3ForCausalLM)")
+    if getattr(config, "use_bidirectional_attention", False) and \
+            config.model_type != "gemma3_text":
+        raise PipelineConfigError(
+            f"use_bidirectional_attention=True is covered for 'gemma3_text' only, got "
+            f"{config.model_type!r}: its masks would be built causally")
     if config.model_type not in SUPPORTED:
         raise PipelineConfigError(
             f"layers_from_hf covers model types {', '.join(SUPPORTED)}; got "

@@ -86,6 +86,26 @@ def _checked(input_ids: Any, max_new_tokens: Any, attention_mask: Any, eos_token
     return mask.to(input_ids.dtype), eos
 
 
+def _default_eos(inference: Inference) -> list[int]:
+    """The EOS ids HF's ``generate`` would stop on: those a layer of the model declares
+    (``generation_eos_token_id``, e.g. `layers_from_hf`'s blocks, from the checkpoint's
+    generation config), agreed over the pipeline (a rank may hold no such layer)."""
+    declared_here = (getattr(m, "generation_eos_token_id", None)
+                     for m in inference.engine.module.modules())
+    mine: list[int] | None = next((list(e) for e in declared_here if e is not None), None)
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine or []
+    engine = inference.engine
+    group = engine.groups.pp_group if engine.groups is not None else None
+    found: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, mine, group=group)
+    declared = [eos for eos in found if eos is not None]
+    if any(eos != declared[0] for eos in declared):
+        raise PipelineConfigError(f"the pipeline's layers declare different EOS ids "
+                                  f"{declared}; pass greedy_generate(eos_token_id=...)")
+    return declared[0] if declared else []
+
+
 def _last_token_choice(logits: torch.Tensor) -> torch.Tensor:
     """The greedy next token of every row from the last stage's logits (b, q, vocab)."""
     return logits[:, -1, :].argmax(dim=-1)
@@ -126,13 +146,16 @@ def greedy_generate(inference: Inference, input_ids: torch.Tensor, max_new_token
     the same tokens, those of HF's ``generate(do_sample=False)``.
 
     `attention_mask` marks real tokens (0 for left padding, prompts of different lengths).
-    A row that produced an EOS token (any of `eos_token_id`) is padded with `pad_token_id`
+    A row that produced an EOS token (any of `eos_token_id`; default, as HF's: the model's
+    generation config, which `layers_from_hf`'s blocks carry) is padded with `pad_token_id`
     (default: the first EOS id) from then on; generation stops when every row has. With
     `use_cache` (default: when the model's layers keep a decoding cache) each step after
     the prompt forwards only the new token; ``use_cache=False`` re-runs the sequence.
     """
     mask, eos = _checked(input_ids, max_new_tokens, attention_mask, eos_token_id,
                          pad_token_id)
+    if eos_token_id is None:
+        eos = _default_eos(inference)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     layers = _cached_layers(inference)
     supported = _pipeline_supports_cache(inference, bool(layers))

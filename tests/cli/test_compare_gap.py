@@ -25,6 +25,9 @@ def test_the_gap_column_is_zero_for_an_optimal_schedule_and_positive_for_1f1b() 
     gaps = {row.split()[0]: row.split()[-1] for row in rows}
     assert gaps["zb-h2"] == "0.0%"  # zero bubble at unit costs: nothing to gain
     assert gaps["1f1b"].endswith("%") and float(gaps["1f1b"].rstrip("%")) > 0
+    # each solve (up to --optimality-gap seconds) is announced with what is left at most
+    assert "optimality gap 1/2 (1f1b), at most 40 s left" in done.stderr
+    assert "optimality gap 2/2 (zb-h2), at most 20 s left" in done.stderr
 
 
 @needs_solver

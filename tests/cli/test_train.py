@@ -29,6 +29,14 @@ def test_train_writes_timeline_trace_loss_and_summary(tmp_path: Path) -> None:
     assert summary["boundaries"][-1] == 4
     assert 0 <= summary["measured"]["bubble_rate"] < 1
     assert summary["peak_activations_measured"] == [2, 1]
+    # bytes too (they were 0.0 on every rank): the peak count times the stage's profiled
+    # activation bytes, the same per activation measured and simulated
+    for measured, simulated in zip(summary["measured"]["ranks"],
+                                   summary["simulated_from_measured_costs"]["ranks"]):
+        assert measured["peak_activation_bytes"] > 0
+        per_activation = measured["peak_activation_bytes"] / measured["peak_activations"]
+        assert simulated["peak_activation_bytes"] == pytest.approx(
+            simulated["peak_activations"] * per_activation)
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -37,10 +45,12 @@ def test_train_writes_timeline_trace_loss_and_summary(tmp_path: Path) -> None:
     (["--stages", "8"], "cannot fill 8 stages"),
     (["--schedule", "1f1b", "--chunks", "2"], "takes chunks in 1"),
     (["--partition", "fastest"], "fastest"),
+    (["--out", "/proc/forbidden/out"], "--out /proc/forbidden/out: cannot create"),
 ])
 def test_train_refuses_bad_input_before_starting(tmp_path: Path, args: list[str],
                                                  message: str) -> None:
-    done = run_cli("train", *TINY, *args, "--out", str(tmp_path), timeout=120)
+    out = [] if "--out" in args else ["--out", str(tmp_path)]
+    done = run_cli("train", *TINY, *args, *out, timeout=120)
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr

@@ -72,7 +72,8 @@ def _check_family(world_size: int, family: str, tp: int = 1) -> None:
         for use_cache in (True, False):
             steps.clear()
             tokens = greedy_generate(inference, ids, NEW_TOKENS, attention_mask=mask,
-                                     eos_token_id=eos, pad_token_id=PAD,
+                                     eos_token_id=eos if eos is not None else [],
+                                     pad_token_id=PAD,
                                      use_cache=use_cache, num_microbatches=2)
             assert torch.equal(tokens, expected), (family, eos, use_cache, tokens, expected)
             # This rank's blocks saw the prompt, then with the cache one token per step,

@@ -36,6 +36,8 @@ def test_table_holds_makespan_bubble_and_peak_activations_per_schedule() -> None
     assert [r[0] for r in rows] == ["gpipe", "1f1b", "interleaved"]
     assert rows[1][2] == f"{figures(timelines[1]).makespan:.4g} units"
     assert rows[0][5] == "8" and rows[1][5] == "4"  # GPipe holds m, 1F1B holds p on rank 0
+    # interleaved (v = 2): each activation is half a stage's, said in the cell
+    assert rows[2][5] == f"{max(figures(timelines[2]).peak_activations)} × 1/2"
     table = plot_comparison(timelines).axes[-1].tables[0]
     cells = table.get_celld()
     for r, row in enumerate(rows, start=1):
