@@ -382,8 +382,7 @@ def initialize(args: Any = None, model: LazyPipelineModule | None = None,
                                   "initialize(optimizer=); keep one")
     factory = optimizer_for_initialize(
         optimizer, model_parameters,
-        make_optimizer_factory(ds.optimizer) if ds.optimizer is not None else None, model,
-        zero_stage=ds.zero_stage)
+        make_optimizer_factory(ds.optimizer) if ds.optimizer is not None else None, model)
     if built_early(model):
         model.to(default_device())  # in place: the optimizer's tensors stay the module's
     engine = PipelineEngine(

@@ -11,13 +11,12 @@ DeepSpeed 0.19.8 (``DeepSpeedEngine._configure_optimizer``):
 
 Here the same, over this rank's stage (`pipeline.interop.ds_module` builds it at
 construction so that ``model.parameters()`` holds it, as DeepSpeed's module does). Under
-ZeRO-1 the engine's optimizer steps flat shards, which carry one set of settings: groups
-that differ in their settings are refused there rather than flattened into one.
+ZeRO-1 the factory gets the same model parameters and the engine carries the optimizer's
+groups onto its shards (`pipeline.parallel.zero_groups`), as DeepSpeed's ZeRO keeps them.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -76,29 +75,14 @@ def _has_own_settings(groups: ParamGroups) -> bool:
     return any(set(group) - {"params"} for group in groups)
 
 
-def _settings_of(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{key: value for key, value in group.items() if key != "params"}
-            for group in optimizer.param_groups]
-
-
-def _client_instance(optimizer: torch.optim.Optimizer, module: PipelineModule,
-                     zero_stage: int) -> OptimizerFactory:
+def _client_instance(optimizer: torch.optim.Optimizer, module: PipelineModule
+                     ) -> OptimizerFactory:
     """A factory honouring a client optimizer as DeepSpeed does (empty groups removed)."""
     optimizer.param_groups[:] = [group for group in optimizer.param_groups if group["params"]]
     if not optimizer.param_groups:
         raise PipelineConfigError(f"initialize(optimizer={type(optimizer).__name__}) holds no "
                                   f"parameters; {_BUILD_FIRST}")
     _check_owned(optimizer.param_groups, module, "initialize(optimizer=)")
-    if zero_stage:
-        settings = _settings_of(optimizer)
-        if any(s != settings[0] for s in settings):
-            raise PipelineConfigError(
-                "zero_optimization.stage=1 steps flat shards with one set of settings, but "
-                f"the optimizer's {len(settings)} groups differ ({settings}); use stage 0")
-        cls = type(optimizer)
-        accepted = inspect.signature(cls).parameters
-        kwargs = {key: value for key, value in settings[0].items() if key in accepted}
-        return lambda shards: cls(shards, **kwargs)
 
     def factory(_: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         return optimizer  # the client's own object, as DeepSpeed steps it
@@ -106,12 +90,12 @@ def _client_instance(optimizer: torch.optim.Optimizer, module: PipelineModule,
 
 
 def optimizer_for_initialize(optimizer: ClientOptimizer | None, model_parameters: Any,
-                             config_factory: OptimizerFactory | None, module: PipelineModule,
-                             *, zero_stage: int) -> OptimizerFactory | None:
+                             config_factory: OptimizerFactory | None, module: PipelineModule
+                             ) -> OptimizerFactory | None:
     """The engine's optimizer factory for ``initialize(optimizer=, model_parameters=)`` and
     the config's optimizer (`config_factory`, built over a list of tensors or groups)."""
     if isinstance(optimizer, torch.optim.Optimizer):
-        return _client_instance(optimizer, module, zero_stage)
+        return _client_instance(optimizer, module)
     groups = param_groups(model_parameters)
     if groups is not None and not any(group["params"] for group in groups):
         if _has_own_settings(groups):
@@ -122,20 +106,6 @@ def optimizer_for_initialize(optimizer: ClientOptimizer | None, model_parameters
     if build is None or groups is None:
         return build
     _check_owned(groups, module, "model_parameters")
-    if zero_stage:
-        listed = {id(p) for group in groups for p in group["params"]}
-        left_out = [p for p in module.parameters() if p.requires_grad and id(p) not in listed]
-        if left_out:
-            raise PipelineConfigError(
-                f"zero_optimization.stage=1 steps every trainable parameter, but "
-                f"model_parameters leaves {len(left_out)} of this rank's out; list them all, "
-                "or set requires_grad=False on those not to train")
-        if _has_own_settings(groups):
-            raise PipelineConfigError(
-                "zero_optimization.stage=1 steps flat shards with one set of settings, but "
-                "model_parameters' groups set their own "
-                f"{sorted({k for g in groups for k in g if k != 'params'})}; use stage 0")
-        return build  # one group of every parameter: the engine's shards as they are
     chosen = groups
 
     def factory(_: Sequence[torch.Tensor]) -> torch.optim.Optimizer:

@@ -114,13 +114,15 @@ def _check_groups(rank: int, world: int) -> None:
     short = iter([(inputs[:2], labels[:2]), (inputs[2:4], labels[2:4]),
                   (inputs[4:6], labels[4:6]), (inputs[6:7], labels[6:7])])
     assert torch.isfinite(engine.train_batch(data_iter=short))
-    # ZeRO-1 steps flat shards with one set of settings: differing groups are refused
+    # ZeRO-1 keeps each group's settings on its shards, as without ZeRO
     zero = _config(optimizer=ADAMW, zero_optimization={"stage": 1})
-    module = deepspeed.PipelineModule(layers=_layers(), num_stages=1,
+    module = deepspeed.PipelineModule(layers=_layers(), num_stages=2,
                                       loss_fn=nn.CrossEntropyLoss())
-    with pytest.raises(PipelineConfigError, match="stage=1 steps flat shards"):
-        deepspeed.initialize(model=module, config=zero,
-                             model_parameters=split_groups(module.named_parameters()))
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, config=zero, model_parameters=split_groups(module.named_parameters()))
+    _train(engine)
+    _assert_same(engine, _torch_run(lambda m: torch.optim.AdamW(
+        split_groups(m.named_parameters()), lr=0.05, weight_decay=0.1, eps=1e-8)))
 
 
 @pytest.mark.multiprocess
