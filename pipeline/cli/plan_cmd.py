@@ -89,6 +89,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="tensor parallelism with sequence parallelism (norms, dropout and "
                              "their activations split over tp)")
+    parser.add_argument("--tp-comm-overlap", action="store_true",
+                        help="price the blocks' tensor-parallel collectives beside their GEMMs "
+                             "(the engine's ParallelTransformerBlock(overlap=True); default: "
+                             "exposed whole)")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="price ZeRO-1's parameter all-gather overlapped with the next "
                              "step's forwards (the engine's overlap_param_gather; default: "
@@ -236,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
     precision = args.precision or cluster.precision
     model = load_model(args.model, seq=args.seq, precision=precision,
                        cost_batch=args.cost_batch, attention=args.attention,
-                       sequence_parallel=args.sequence_parallel)
+                       sequence_parallel=args.sequence_parallel,
+                       tp_comm_overlap=args.tp_comm_overlap)
     first, end = block_span(model.layers)
     launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first}
     header = (f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "

@@ -16,8 +16,8 @@ from typing import Literal
 
 from pipeline.planner.cluster import ClusterSpec
 
-__all__ = ["KernelTimes", "LayerShape", "attention_core_seconds", "gemm_seconds",
-           "layer_kernel_times"]
+__all__ = ["KernelTimes", "LayerShape", "attention_core_seconds", "block_linear_times",
+           "gemm_seconds", "layer_kernel_times"]
 
 # CUTLASS/cuBLAS tile shapes for 16-bit GEMMs on Ampere/Hopper and the share of a full
 # tile's throughput each reaches (smaller tiles reuse less of what they load). A GEMM takes
@@ -45,6 +45,11 @@ class LayerShape:
     attention: Literal["fused", "eager"] = "fused"
     sequence_parallel: bool = False
     """Norms, dropout and residuals run on s/t tokens per tp rank (Korthikanti et al. 2022)."""
+    tp_comm_overlap: bool = False
+    """The block's tp collectives run beside its GEMMs as the engine's overlapped layers do
+    (`schedules.analysis.tp_overlap`; Megatron-Core's --tp-comm-overlap)."""
+    tp_overlap_chunks: int = 2
+    """Slices the overlapped forward pipelines its collectives in."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,7 @@ def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int
                  cluster: ClusterSpec, precision: str) -> list[tuple[float, float, float]]:
     """A pre-norm block: LN, QKV, attention core, projection, dropout + residual, LN, FC1,
     bias-GeLU, FC2, dropout + residual (Megatron's kernels, biases fused)."""
-    e, s, h, k = shape.element, shape.seq, shape.hidden, shape.kv_width
+    e, s, h = shape.element, shape.seq, shape.hidden
     width = math.ceil(shape.ffn / tp)
     heads = math.ceil(shape.heads / tp)
     head_size = h // shape.heads
@@ -155,15 +160,25 @@ def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int
     norm = _stream_seconds(2 * local * h * e, cluster)
     dropout_add = _stream_seconds(local * h * (3 * e + 1), cluster)
     parts = [(norm, 1.5 * norm, 0.0), (dropout_add, dropout_add, 0.0)] * 2
-    parts.append(_linear(tokens, h, math.ceil((h + 2 * k) / tp), cluster, precision, e))
-    parts.append(_linear(tokens, math.ceil(h / tp), h, cluster, precision, e))
-    parts.append(_linear(tokens, h, width, cluster, precision, e))
-    parts.append(_linear(tokens, width, h, cluster, precision, e))
+    parts += [times for _, times in block_linear_times(shape, batch, tp, cluster, precision)]
     gelu = _stream_seconds(2 * tokens * width * e, cluster)
     parts.append((gelu, 1.5 * gelu, 0.0))
     parts.append(_attention(shape.attention, batch * heads, s, head_size, e, cluster,
                             precision))
     return parts
+
+
+def block_linear_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,
+                       precision: str
+                       ) -> list[tuple[Literal["column", "row"], tuple[float, float, float]]]:
+    """A block's four tensor-parallel linears in order (qkv, proj, fc1, fc2), each its kind
+    and (forward, input gradient, weight gradient) GEMM seconds on one of `tp` ranks."""
+    e, h, k = shape.element, shape.hidden, shape.kv_width
+    tokens, width = batch * shape.seq, math.ceil(shape.ffn / tp)
+    return [("column", _linear(tokens, h, math.ceil((h + 2 * k) / tp), cluster, precision, e)),
+            ("row", _linear(tokens, math.ceil(h / tp), h, cluster, precision, e)),
+            ("column", _linear(tokens, h, width, cluster, precision, e)),
+            ("row", _linear(tokens, width, h, cluster, precision, e))]
 
 
 def _attention(kind: str, batch: int, s: int, d: int, e: int, cluster: ClusterSpec,

@@ -14,11 +14,12 @@ __all__ = ["MAX_INPUT_BYTES", "load_model", "read_input_json"]
 
 def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
                cost_batch: int = 1, attention: str = "fused",
-               sequence_parallel: bool = False) -> ModelProfile:
+               sequence_parallel: bool = False, tp_comm_overlap: bool = False
+               ) -> ModelProfile:
     """`text` is a cost JSON file (a top-level "layers" list, partition/README.md), a JSON
     file of a transformer shape, or a shape written inline
     (``layers=24,hidden=2048,heads=16,vocab=50257,seq=2048``); `attention` and
-    `sequence_parallel` as `transformer_profile` takes them."""
+    `sequence_parallel` and `tp_comm_overlap` as `transformer_profile` takes them."""
     if os.path.exists(text):
         document = read_input_json(text, "model file")
         if isinstance(document, dict) and isinstance(document.get("layers"), list):
@@ -37,7 +38,8 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
         shape = parse_shape(text, seq=seq)
     _check_layers(shape.layers, text)  # before a profile of that many layers is built
     return transformer_profile(shape, precision, attention=attention,
-                               sequence_parallel=sequence_parallel)
+                               sequence_parallel=sequence_parallel,
+                               tp_comm_overlap=tp_comm_overlap)
 
 
 def _check_layers(count: int, text: str) -> None:

@@ -7,11 +7,16 @@ from __future__ import annotations
 import math
 
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.kernels import attention_core_seconds, layer_kernel_times
+from pipeline.planner.kernels import (
+    attention_core_seconds,
+    block_linear_times,
+    layer_kernel_times,
+)
 from pipeline.planner.profile import LayerProfile
+from schedules.analysis.tp_overlap import ParallelLinearCosts, linears_exposed
 
 __all__ = ["allreduce_seconds", "layer_selective_seconds", "layer_split_times", "layer_times",
-           "layer_tp_seconds",
+           "layer_tp_pass_seconds", "layer_tp_seconds",
            "p2p_seconds", "ring_allreduce_seconds", "tree_allreduce_seconds"]
 
 
@@ -78,6 +83,29 @@ def layer_tp_seconds(layer: LayerProfile, cluster: ClusterSpec, batch: int, tp: 
                                                    cluster)
 
 
+def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: str,
+                          batch: int, tp: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the tensor-parallel collectives one microbatch leaves
+    exposed. A block whose shape has `tp_comm_overlap`, on the kernel model: its linears'
+    GEMMs hide them by the engine's rule (`schedules.analysis.tp_overlap`), each all-reduce
+    (or, with sequence parallelism, each all-gather / reduce-scatter: half its bytes) priced
+    by the network model, whole and in `tp_overlap_chunks` slices. Otherwise all of one
+    pass's collectives, each pass (`layer_tp_seconds`)."""
+    whole = layer_tp_seconds(layer, cluster, batch, tp)
+    shape = layer.shape
+    if not whole or shape is None or shape.role != "block" or not shape.tp_comm_overlap \
+            or not _kernel_model(layer, cluster):
+        return whole, whole
+    chunks, halves = shape.tp_overlap_chunks, 2 if shape.sequence_parallel else 1
+    nbytes = layer.tp_allreduce_bytes * batch
+    collective = allreduce_seconds(nbytes, tp, 1, cluster) / halves
+    chunk = allreduce_seconds(nbytes / chunks, tp, 1, cluster) / halves
+    linears = [ParallelLinearCosts(kind, *times, collective=collective, chunk_collective=chunk)
+               for kind, times in block_linear_times(shape, batch, tp, cluster, precision)]
+    return linears_exposed(linears, sequence_parallel=shape.sequence_parallel, overlap=True,
+                           chunks=chunks)
+
+
 def layer_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch: int,
                 tp: int) -> tuple[float, float]:
     """(forward, full backward) seconds of one microbatch of `batch` samples on one tp
@@ -90,7 +118,10 @@ def layer_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch
     if _kernel_model(layer, cluster):
         assert layer.shape is not None
         kernels = layer_kernel_times(layer.shape, batch, tp, cluster, precision)
-        return kernels.forward + comm, kernels.input_grad + kernels.weight_grad + comm
+        forward_comm, backward_comm = layer_tp_pass_seconds(layer, cluster, precision, batch,
+                                                            tp)
+        return (kernels.forward + forward_comm,
+                kernels.input_grad + kernels.weight_grad + backward_comm)
     if layer.forward_seconds is not None:
         forward = layer.forward_fixed + layer.forward_seconds * batch
         backward = layer.backward_fixed + (layer.backward_seconds or 0.0) * batch
@@ -110,7 +141,8 @@ def layer_split_times(layer: LayerProfile, cluster: ClusterSpec, precision: str,
     if _kernel_model(layer, cluster):
         assert layer.shape is not None
         kernels = layer_kernel_times(layer.shape, batch, tp, cluster, precision)
-        return kernels.input_grad + comm, kernels.weight_grad
+        _, backward_comm = layer_tp_pass_seconds(layer, cluster, precision, batch, tp)
+        return kernels.input_grad + backward_comm, kernels.weight_grad
     if layer.split_seconds is None:
         _, backward = layer_times(layer, cluster, precision, batch, tp)
         return comm + (backward - comm) / 2, (backward - comm) / 2
@@ -129,7 +161,7 @@ def layer_selective_seconds(layer: LayerProfile, cluster: ClusterSpec, precision
         assert layer.shape is not None
         return attention_core_seconds(layer.shape, batch, tp, cluster, precision)
     forward, _ = layer_times(layer, cluster, precision, batch, tp)
-    forward -= layer_tp_seconds(layer, cluster, batch, tp)
+    forward -= layer_tp_pass_seconds(layer, cluster, precision, batch, tp)[0]
     share = layer.selective_flops_split / tp / max(
         layer.flops_split / tp + layer.flops_replicated, layer.selective_flops_split / tp)
     return forward * share

@@ -15,7 +15,7 @@ from pipeline.planner.pricing import (
     layer_selective_seconds,
     layer_split_times,
     layer_times,
-    layer_tp_seconds,
+    layer_tp_pass_seconds,
 )
 from pipeline.planner.profile import LayerProfile
 
@@ -129,7 +129,7 @@ class StageTable:
                     again = {"none": 0.0, "full": times[0],
                              "selective": layer_selective_seconds(layer, *args)}
                     cache[key] = (*times, *layer_split_times(layer, *args),
-                                  2 * layer_tp_seconds(layer, self.cluster, batch, self.tp),
+                                  sum(layer_tp_pass_seconds(layer, *args)),
                                   again[self.recompute])
                 return cache[key]
 

@@ -118,14 +118,16 @@ class TransformerShape:
 
 
 def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
-                        attention: str = "fused", sequence_parallel: bool = False
-                        ) -> ModelProfile:
+                        attention: str = "fused", sequence_parallel: bool = False,
+                        tp_comm_overlap: bool = False) -> ModelProfile:
     """Embedding, the blocks and the head as pipeline layers, each priced per sample.
 
     `attention` "fused" (FlashAttention: the s × s scores are never stored, the backward
     recomputes them) or "eager" (scores, softmax and its dropout mask saved: Korthikanti's
     5as²). `sequence_parallel` splits the norms', dropouts' and residuals' activations over
-    t too (Korthikanti et al. 2022, section 4.2.2: sbh(34 + 5as/h)/t)."""
+    t too (Korthikanti et al. 2022, section 4.2.2: sbh(34 + 5as/h)/t). `tp_comm_overlap`
+    prices the blocks' tp collectives beside their GEMMs, as the engine's overlapped layers
+    run them (`pricing.layer_tp_pass_seconds`)."""
     if precision not in ACTIVATION_BYTES:
         raise PlanError(f"precision {precision!r} is not one of {sorted(ACTIVATION_BYTES)}")
     if attention not in ("fused", "eager"):
@@ -141,7 +143,8 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
 
     def kernels(role: Literal["embedding", "block", "head"]) -> LayerShape:
         return LayerShape(role, s, h, shape.heads, shape.kv_width, shape.ffn, vocab, element,
-                          "fused" if attention == "fused" else "eager", sequence_parallel)
+                          "fused" if attention == "fused" else "eager", sequence_parallel,
+                          tp_comm_overlap)
 
     embedding = LayerProfile(
         name="embedding", params_split=vocab * h,  # vocab-parallel (Megatron)

@@ -163,7 +163,7 @@ class RowParallelLinear(nn.Module):
             y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
         if self.bias is None:
             return y
-        bias = self.bias
+        bias: torch.Tensor = self.bias
         if self.sequence_parallel:
             bias = reduce_grad_over_tensor_parallel(bias, self.group)
         return y + bias
@@ -278,12 +278,16 @@ class ParallelTransformerBlock(nn.Module):
         self.ln2 = nn.LayerNorm(full.hidden)
         self.ln1.load_state_dict(full.ln1.state_dict())
         self.ln2.load_state_dict(full.ln2.state_dict())
-        options = {"sequence_parallel": sequence_parallel, "overlap": overlap,
-                   "chunks": chunks, "ops": ops}
-        self.qkv = ColumnParallelLinear.from_full(full.qkv, group, fused_parts=3, **options)
-        self.proj = RowParallelLinear.from_full(full.proj, group, **options)
-        self.fc1 = ColumnParallelLinear.from_full(full.fc1, group, **options)
-        self.fc2 = RowParallelLinear.from_full(full.fc2, group, **options)
+        sp = sequence_parallel
+        self.qkv = ColumnParallelLinear.from_full(full.qkv, group, fused_parts=3,
+                                                  sequence_parallel=sp, overlap=overlap,
+                                                  chunks=chunks, ops=ops)
+        self.proj = RowParallelLinear.from_full(full.proj, group, sequence_parallel=sp,
+                                                overlap=overlap, chunks=chunks, ops=ops)
+        self.fc1 = ColumnParallelLinear.from_full(full.fc1, group, sequence_parallel=sp,
+                                                  overlap=overlap, chunks=chunks, ops=ops)
+        self.fc2 = RowParallelLinear.from_full(full.fc2, group, sequence_parallel=sp,
+                                               overlap=overlap, chunks=chunks, ops=ops)
 
     @classmethod
     def from_full(cls, full: TransformerBlock, group: ProcessGroup | None, *,
