@@ -25,9 +25,9 @@ from pipeline.parallel.tensor.overlap import (
     REAL_OPS,
     TensorParallelOps,
     column_parallel_linear,
+    reduce_grad,
     row_parallel_linear,
 )
-from pipeline.parallel.tensor.sequence import reduce_grad_over_tensor_parallel
 
 __all__ = [
     "ColumnParallelLinear",
@@ -101,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
                    ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel or self.overlap:
+        if self.sequence_parallel or self.overlap or self.ops is not REAL_OPS:
             y = column_parallel_linear(x, self.weight, self.group,
                                        sequence_parallel=self.sequence_parallel,
                                        overlap=self.overlap, chunks=self.chunks, ops=self.ops)
@@ -155,7 +155,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        if self.sequence_parallel or self.overlap:
+        if self.sequence_parallel or self.overlap or self.ops is not REAL_OPS:
             y = row_parallel_linear(x, self.weight, self.group,
                                     sequence_parallel=self.sequence_parallel,
                                     overlap=self.overlap, chunks=self.chunks, ops=self.ops)
@@ -165,7 +165,7 @@ class RowParallelLinear(nn.Module):
             return y
         bias: torch.Tensor = self.bias
         if self.sequence_parallel:
-            bias = reduce_grad_over_tensor_parallel(bias, self.group)
+            bias = reduce_grad(bias, self.group, self.ops)
         return y + bias
 
 
@@ -274,6 +274,7 @@ class ParallelTransformerBlock(nn.Module):
         self.local_heads = _divide(full.num_heads, size, "num_heads")
         _divide(full.ffn_hidden, size, "ffn_hidden")
         self.causal, self.group, self.sequence_parallel = full.causal, group, sequence_parallel
+        self.ops = ops
         self.ln1 = nn.LayerNorm(full.hidden)
         self.ln2 = nn.LayerNorm(full.hidden)
         self.ln1.load_state_dict(full.ln1.state_dict())
@@ -302,8 +303,8 @@ class ParallelTransformerBlock(nn.Module):
         if not self.sequence_parallel:
             return norm(x)
         return F.layer_norm(x, norm.normalized_shape,
-                            reduce_grad_over_tensor_parallel(norm.weight, self.group),
-                            reduce_grad_over_tensor_parallel(norm.bias, self.group), norm.eps)
+                            reduce_grad(norm.weight, self.group, self.ops),
+                            reduce_grad(norm.bias, self.group, self.ops), norm.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(self._norm(self.ln1, x)).chunk(3, dim=-1)

@@ -36,13 +36,14 @@ from torch.distributed import ProcessGroup
 from pipeline.parallel.tensor.collectives import tp_rank_and_size
 from pipeline.parallel.tensor.sequence import (
     SEQUENCE_DIM,
+    reduce_grad_over_tensor_parallel,
     start_all_gather,
     start_all_reduce,
     start_reduce_scatter,
 )
 
-__all__ = ["REAL_OPS", "Collective", "Pending", "TensorParallelOps", "column_parallel_linear",
-           "row_parallel_linear"]
+__all__ = ["REAL_OPS", "Collective", "Gemm", "Pending", "TensorParallelOps",
+           "column_parallel_linear", "reduce_grad", "row_parallel_linear"]
 
 
 class Collective(Enum):
@@ -224,4 +225,26 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group: ProcessGro
     sequence_parallel = sequence_parallel and tp_rank_and_size(group)[1] > 1
     out: torch.Tensor = _RowLinear.apply(x, weight, group, sequence_parallel, overlap, chunks,
                                          dim, ops)
+    return out
+
+
+class _ReduceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, parameter: torch.Tensor, group: ProcessGroup | None,
+                ops: TensorParallelOps) -> torch.Tensor:
+        ctx.group, ctx.ops = group, ops
+        return parameter.view_as(parameter)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.ops.start(Collective.ALL_REDUCE, grad, ctx.group, 0).wait(), None, None
+
+
+def reduce_grad(parameter: torch.Tensor, group: ProcessGroup | None,
+                ops: TensorParallelOps = REAL_OPS) -> torch.Tensor:
+    """`sequence.reduce_grad_over_tensor_parallel` through `ops` (an emulated device times
+    the all-reduce too); with the real ops, that function itself."""
+    if ops is REAL_OPS:
+        return reduce_grad_over_tensor_parallel(parameter, group)
+    out: torch.Tensor = _ReduceGrad.apply(parameter, group, ops)
     return out
