@@ -86,14 +86,17 @@ def layer_tp_seconds(layer: LayerProfile, cluster: ClusterSpec, batch: int, tp: 
 def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: str,
                           batch: int, tp: int) -> tuple[float, float]:
     """(forward, backward) seconds of the tensor-parallel collectives one microbatch leaves
-    exposed. A block whose shape has `tp_comm_overlap`, on the kernel model: its linears'
-    GEMMs hide them by the engine's rule (`schedules.analysis.tp_overlap`), each all-reduce
-    (or, with sequence parallelism, each all-gather / reduce-scatter: half its bytes) priced
-    by the network model, whole and in `tp_overlap_chunks` slices. Otherwise all of one
-    pass's collectives, each pass (`layer_tp_seconds`)."""
+    exposed. A block on the kernel model whose shape has `tp_comm_overlap` or
+    `sequence_parallel`: the engine's rule (`schedules.analysis.tp_overlap`) over its linears,
+    each all-reduce (or, with sequence parallelism, each all-gather / reduce-scatter: half its
+    bytes) priced by the network model, whole and in `tp_overlap_chunks` slices; its GEMMs
+    hide them with overlap; without, sequence parallelism pays the column layers' re-gather of
+    their input in the backward too. Otherwise all of one pass's collectives, each pass
+    (`layer_tp_seconds`)."""
     whole = layer_tp_seconds(layer, cluster, batch, tp)
     shape = layer.shape
-    if not whole or shape is None or shape.role != "block" or not shape.tp_comm_overlap \
+    if not whole or shape is None or shape.role != "block" \
+            or not (shape.tp_comm_overlap or shape.sequence_parallel) \
             or not _kernel_model(layer, cluster):
         return whole, whole
     chunks, halves = shape.tp_overlap_chunks, 2 if shape.sequence_parallel else 1
@@ -102,8 +105,8 @@ def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: 
     chunk = allreduce_seconds(nbytes / chunks, tp, 1, cluster) / halves
     linears = [ParallelLinearCosts(kind, *times, collective=collective, chunk_collective=chunk)
                for kind, times in block_linear_times(shape, batch, tp, cluster, precision)]
-    return linears_exposed(linears, sequence_parallel=shape.sequence_parallel, overlap=True,
-                           chunks=chunks)
+    return linears_exposed(linears, sequence_parallel=shape.sequence_parallel,
+                           overlap=shape.tp_comm_overlap, chunks=chunks)
 
 
 def layer_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch: int,
