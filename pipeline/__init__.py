@@ -65,6 +65,8 @@ _LAZY: dict[str, str] = {
     "ParallelTransformerBlock": "pipeline.parallel.tensor.layers",
     "TransformerBlock": "pipeline.parallel.tensor.layers",
     "parallel_lm_logits": "pipeline.parallel.tensor.layers",
+    "ScatterSequence": "pipeline.parallel.tensor.sequence",
+    "GatherSequence": "pipeline.parallel.tensor.sequence",
 }
 
 __all__ = sorted(_LAZY)

@@ -109,6 +109,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="tensor parallelism with sequence parallelism (norms, dropout and "
                              "their activations split over tp)")
+    parser.add_argument("--tp-comm-overlap", action="store_true",
+                        help="price the blocks' tensor-parallel collectives beside their GEMMs "
+                             "(the engine's ParallelTransformerBlock(overlap=True); default: "
+                             "exposed whole); --engine pipesched only")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="price ZeRO-1's parameter all-gather overlapped with the next "
                              "step's forwards (the engine's overlap_param_gather; default: "
@@ -278,6 +282,13 @@ def run(args: argparse.Namespace) -> int:
     if (args.nodes is not None and args.nodes > MAX_DEVICES) or \
             args.global_batch > MAX_GLOBAL_BATCH:  # before a cluster is calibrated
         check_plan_work(1, args.nodes or 1, 1, (1,), args.global_batch, (), 1)
+    if args.tp_comm_overlap and args.engine != "pipesched":
+        raise ValueError(f"--tp-comm-overlap prices pipesched's overlapped tensor-parallel "
+                         f"layers, not --engine {args.engine}'s "
+                         + ("(megatron-core prices its own --tp-comm-overlap already)"
+                            if args.engine == "megatron-core" else "(it runs none)")
+                         + "; drop --tp-comm-overlap")
+    tp_overlap = "pipesched" if args.tp_comm_overlap else None
     cluster = resolve_cluster(args.cluster, nodes=args.nodes)
     if args.device_profile:
         from pipeline.planner.device_profile import apply_device_profile
@@ -300,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     if args.price:
         config = parse_config(args.price, cluster.num_devices, args.global_batch)
         engine = engine_options(args.engine, overlap_param_gather=args.overlap_param_gather
-                                or None)
+                                or None, tp_overlap=tp_overlap)
         prediction = price(model, cluster, args.global_batch, config, precision=precision,
                            options=SearchOptions(**engine))
         if args.json:
@@ -318,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         pipeline_parallel=_sizes(args.pp, "pp"), data_parallel=_sizes(args.dp, "dp"),
         microbatch_sizes=_sizes(args.microbatch_size, "microbatch-size"),
         zero_stages=_zero_stages(args.zero), recompute_choices=_recompute(args), top=args.top,
-        overlap_param_gather=args.overlap_param_gather or None))
+        overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap))
     tensor_parallel = options.tensor_parallel or (
         divisors(cluster.devices_per_node) if model.tensor_parallel_ok else (1,))
     check_plan_work(len(model.layers), cluster.nodes, cluster.devices_per_node, tensor_parallel,

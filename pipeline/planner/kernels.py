@@ -49,6 +49,9 @@ class LayerShape:
     """Size of one attention head (0: hidden / heads)."""
     gated: bool = False
     """A SwiGLU MLP: gate and up (h → 2f, one column-parallel GEMM), silu(gate)·up, down."""
+    tp_overlap_chunks: int = 2
+    """Slices an overlapped block (`pricing.TP_OVERLAPS` "pipesched") pipelines its
+    collectives in, the engine's `chunks` default."""
 
     @property
     def head_size(self) -> int:

@@ -13,6 +13,7 @@ from pipeline.planner.kernels import (
     layer_kernel_times,
 )
 from pipeline.planner.profile import LayerProfile
+from schedules.analysis.tp_overlap import ParallelLinearCosts, linears_exposed
 
 __all__ = ["TP_OVERLAPS", "allreduce_seconds", "layer_selective_seconds", "layer_split_times",
            "layer_times", "layer_tp_pass_seconds", "layer_tp_seconds",
@@ -82,10 +83,12 @@ def layer_tp_seconds(layer: LayerProfile, cluster: ClusterSpec, batch: int, tp: 
                                                    cluster)
 
 
-TP_OVERLAPS = ("none", "megatron-core")
+TP_OVERLAPS = ("none", "megatron-core", "pipesched")
 """How an engine hides its tensor-parallel collectives behind GEMMs
-(`layer_tp_pass_seconds`): none (every collective exposed: this engine today, Megatron-LM
-2021, DeepSpeed), megatron-core (--tp-comm-overlap)."""
+(`layer_tp_pass_seconds`): none (every collective exposed: this engine's default,
+Megatron-LM 2021, DeepSpeed), megatron-core (--tp-comm-overlap), pipesched (this engine's
+overlapped layers, `ParallelTransformerBlock(overlap=True)`; `pipesched plan
+--tp-comm-overlap`)."""
 
 
 def _ring_exchange(gemm: float, collective: float, tp: int) -> float:
@@ -98,6 +101,24 @@ def _ring_exchange(gemm: float, collective: float, tp: int) -> float:
     return (tp - 1) * max(0.0, step - piece)
 
 
+def _pipesched_exposed(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch: int,
+                       tp: int) -> tuple[float, float]:
+    """This engine's overlapped block (`pipeline.parallel.tensor.overlap`) by its rule,
+    `schedules.analysis.tp_overlap`, over the block's linears (`kernels.block_linear_times`):
+    each all-reduce (or, with sequence parallelism, each all-gather / reduce-scatter: half
+    its bytes) priced by the network model, whole and in `tp_overlap_chunks` slices."""
+    shape = layer.shape
+    assert shape is not None
+    chunks, halves = shape.tp_overlap_chunks, 2 if shape.sequence_parallel else 1
+    nbytes = layer.tp_allreduce_bytes * batch
+    collective = allreduce_seconds(nbytes, tp, 1, cluster) / halves
+    chunk = allreduce_seconds(nbytes / chunks, tp, 1, cluster) / halves
+    linears = [ParallelLinearCosts(kind, *times, collective=collective, chunk_collective=chunk)
+               for kind, times in block_linear_times(shape, batch, tp, cluster, precision)]
+    return linears_exposed(linears, sequence_parallel=shape.sequence_parallel, overlap=True,
+                           chunks=chunks)
+
+
 def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: str,
                           batch: int, tp: int, overlap: str = "none") -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch's tensor-parallel collectives left
@@ -106,7 +127,13 @@ def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: 
 
     none: all of them (`layer_tp_seconds`, each pass; under sequence parallelism the backward
     also re-gathers the two column-parallel linears' inputs for their weight gradients,
-    Megatron's `LinearWithGradAccumulationAndAsyncCommunication`: 1.5×). megatron-core:
+    Megatron's `LinearWithGradAccumulationAndAsyncCommunication` and this engine's
+    sequence-parallel layers: 1.5×, what `schedules.analysis.tp_overlap` gives without
+    overlap). pipesched: this engine's overlapped layers, with or without sequence
+    parallelism, on a block with a shape on the kernel model (`_pipesched_exposed`): a
+    column layer's reduction beside its weight-gradient GEMM (and its input's re-gather
+    beside the input-gradient GEMM), the other collectives pipelined in
+    `tp_overlap_chunks` slices against their GEMMs. megatron-core:
     Megatron-Core's
     --tp-comm-overlap (Transformer Engine's userbuffers; it requires sequence parallelism,
     `arguments.py`: "Tensor parallel communication/GEMM overlap can happen only when
@@ -116,13 +143,18 @@ def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: 
     column-parallel linear's input re-gather beside its input-gradient GEMM and the input
     gradient's reduce-scatter beside its weight-gradient GEMM (bulk overlap: max(0, q - g)
     each), a row-parallel linear's output-gradient gather pipelined against its input-
-    gradient GEMM. Elsewhere (embedding, head, no sequence parallelism): exposed whole."""
+    gradient GEMM. Elsewhere (embedding, head, no sequence parallelism for megatron-core):
+    exposed whole."""
     if overlap not in TP_OVERLAPS:
         raise ValueError(f"tp overlap {overlap!r} must be one of {', '.join(TP_OVERLAPS)}")
     whole = layer_tp_seconds(layer, cluster, batch, tp)
     shape = layer.shape
-    if not whole or shape is None or shape.role != "block" or not shape.sequence_parallel \
+    if not whole or shape is None or shape.role != "block" \
             or not _kernel_model(layer, cluster):
+        return whole, whole
+    if overlap == "pipesched":
+        return _pipesched_exposed(layer, cluster, precision, batch, tp)
+    if not shape.sequence_parallel:
         return whole, whole
     if overlap == "none":  # the backward re-gathers each column-parallel linear's input
         return whole, 1.5 * whole
@@ -194,7 +226,7 @@ def layer_selective_seconds(layer: LayerProfile, cluster: ClusterSpec, precision
         assert layer.shape is not None
         return attention_core_seconds(layer.shape, batch, tp, cluster, precision)
     forward, _ = layer_times(layer, cluster, precision, batch, tp)
-    forward -= layer_tp_seconds(layer, cluster, batch, tp)
+    forward -= layer_tp_pass_seconds(layer, cluster, precision, batch, tp)[0]
     share = layer.selective_flops_split / tp / max(
         layer.flops_split / tp + layer.flops_replicated, layer.selective_flops_split / tp)
     return forward * share

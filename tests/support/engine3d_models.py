@@ -22,6 +22,7 @@ from pipeline.parallel.tensor.layers import (
     VocabParallelEmbedding,
     parallel_lm_logits,
 )
+from pipeline.parallel.tensor.sequence import GatherSequence, ScatterSequence
 from tests.support.pipeline_models import mlp_batch, mlp_layers
 
 __all__ = ["CASES", "Case", "Spike", "run_case", "shard_of", "spike_layers"]
@@ -68,6 +69,24 @@ def tensor_parallel_layers() -> list[Any]:
             LayerSpec(ColumnParallelLinear, WIDTH, FFN), F.gelu,
             LayerSpec(RowParallelLinear, FFN, WIDTH),
             LayerSpec(ParallelTransformerBlock, WIDTH, HEADS, ffn_hidden=FFN),
+            LayerSpec(ColumnParallelLinear, WIDTH, VOCAB, gather_output=True)]
+
+
+def _sequence_batch(seed: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)  # 6 tokens: divisible by tp = 2
+    return (torch.randint(0, VOCAB, (batch, 6), generator=generator),
+            torch.randint(0, VOCAB, (batch, 6), generator=generator))
+
+
+def sequence_parallel_layers() -> list[Any]:
+    """Blocks with sequence parallelism between a scatter and a gather of the sequence, one
+    with its collectives overlapped: stage boundaries carry each tp rank's slice."""
+    return [LayerSpec(VocabParallelEmbedding, VOCAB, WIDTH), LayerSpec(ScatterSequence),
+            LayerSpec(ParallelTransformerBlock, WIDTH, HEADS, ffn_hidden=FFN,
+                      sequence_parallel=True, overlap=True),
+            LayerSpec(ParallelTransformerBlock, WIDTH, HEADS, ffn_hidden=FFN,
+                      sequence_parallel=True),
+            LayerSpec(GatherSequence),
             LayerSpec(ColumnParallelLinear, WIDTH, VOCAB, gather_output=True)]
 
 
@@ -119,6 +138,7 @@ MODELS = {
     "tied": Model(tied_layers, _token_loss, _token_batch),
     "tp": Model(tensor_parallel_layers, _token_loss, _token_batch),
     "tied-tp": Model(tied_tensor_parallel_layers, _token_loss, _token_batch),
+    "tp-sp": Model(sequence_parallel_layers, _token_loss, _sequence_batch),
 }
 
 
@@ -155,6 +175,8 @@ class Case:
 CASES = [
     Case("pp2×dp2", "mlp", {"data_parallel": 2}),
     Case("pp2×tp2 +clip", "tp", {"tensor_parallel": 2, "gradient_clipping": 0.05}),
+    Case("pp2×tp2 sequence parallel + overlap, zb-h1", "tp-sp", {"tensor_parallel": 2},
+         schedule="zb-h1", optimizer="adam"),
     Case("pp2×dp2 ZeRO-1 +clip", "mlp", {"data_parallel": 2, "zero_stage": 1,
                                          "gradient_clipping": 0.05, "bucket_mb": 2**-10},
          optimizer="adam"),

@@ -21,6 +21,13 @@ from pipeline.parallel.tensor.collectives import (
     scatter_to_tensor_parallel_region,
     tp_rank_and_size,
 )
+from pipeline.parallel.tensor.overlap import (
+    REAL_OPS,
+    TensorParallelOps,
+    column_parallel_linear,
+    reduce_grad,
+    row_parallel_linear,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -52,17 +59,29 @@ class ColumnParallelLinear(nn.Module):
     Input passes through f (identity forward, all-reduce backward); the output stays split
     unless `gather_output`. `fused_parts` > 1 splits each of that many stacked output blocks
     separately (a fused Q;K;V projection keeps whole heads on each rank).
+
+    `sequence_parallel`: the input is this rank's slice of the sequence, all-gathered here
+    (backward: reduce-scattered). `overlap`: the collectives run beside the GEMMs
+    (`overlap.column_parallel_linear`, `chunks` slices of the forward gather).
     """
 
     def __init__(self, in_features: int, out_features: int, group: ProcessGroup | None, *,
                  bias: bool = True, gather_output: bool = False, fused_parts: int = 1,
-                 full: nn.Linear | None = None) -> None:
+                 full: nn.Linear | None = None, sequence_parallel: bool = False,
+                 overlap: bool = False, chunks: int = 2,
+                 ops: TensorParallelOps = REAL_OPS) -> None:
         super().__init__()
         rank, size = tp_rank_and_size(group)
         _divide(out_features, size * fused_parts, "out_features / fused_parts · tp")
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True with sequence_parallel=True: a gathered "
+                             "output leaves the sequence-parallel region; gather it with "
+                             "gather_from_sequence_parallel_region instead")
         if full is None:
             full = nn.Linear(in_features, out_features, bias=bias)
         self.group, self.gather_output = group, gather_output
+        self.sequence_parallel, self.overlap, self.chunks, self.ops = (
+            sequence_parallel, overlap, chunks, ops)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(_rows(full.weight.detach(), size, rank, fused_parts))
         mark_tensor_parallel(self.weight, 0)
@@ -73,12 +92,22 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_full(cls, full: nn.Linear, group: ProcessGroup | None, *,
-                  gather_output: bool = False, fused_parts: int = 1) -> ColumnParallelLinear:
+                  gather_output: bool = False, fused_parts: int = 1,
+                  sequence_parallel: bool = False, overlap: bool = False, chunks: int = 2,
+                  ops: TensorParallelOps = REAL_OPS) -> ColumnParallelLinear:
         return cls(full.in_features, full.out_features, group, bias=full.bias is not None,
-                   gather_output=gather_output, fused_parts=fused_parts, full=full)
+                   gather_output=gather_output, fused_parts=fused_parts, full=full,
+                   sequence_parallel=sequence_parallel, overlap=overlap, chunks=chunks,
+                   ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
+        if self.sequence_parallel or self.overlap or self.ops is not REAL_OPS:
+            y = column_parallel_linear(x, self.weight, self.group,
+                                       sequence_parallel=self.sequence_parallel,
+                                       overlap=self.overlap, chunks=self.chunks, ops=self.ops)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -87,17 +116,25 @@ class RowParallelLinear(nn.Module):
 
     The bias is added once, after the all-reduce, so it is replicated (not a tp slice) and
     its gradient is identical on every tp rank.
+
+    `sequence_parallel`: the sum is reduce-scattered along the sequence (each rank keeps its
+    slice; the bias's gradient is all-reduced over tp). `overlap`: the output is made in
+    `chunks` column slices, each one's collective beside the next one's GEMM.
     """
 
     def __init__(self, in_features: int, out_features: int, group: ProcessGroup | None, *,
                  bias: bool = True, input_is_parallel: bool = True,
-                 full: nn.Linear | None = None) -> None:
+                 full: nn.Linear | None = None, sequence_parallel: bool = False,
+                 overlap: bool = False, chunks: int = 2,
+                 ops: TensorParallelOps = REAL_OPS) -> None:
         super().__init__()
         rank, size = tp_rank_and_size(group)
         _divide(in_features, size, "in_features")
         if full is None:
             full = nn.Linear(in_features, out_features, bias=bias)
         self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel, self.overlap, self.chunks, self.ops = (
+            sequence_parallel, overlap, chunks, ops)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(full.weight.detach().chunk(size, dim=1)[rank].clone())
         mark_tensor_parallel(self.weight, 1)
@@ -107,15 +144,29 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_full(cls, full: nn.Linear, group: ProcessGroup | None, *,
-                  input_is_parallel: bool = True) -> RowParallelLinear:
+                  input_is_parallel: bool = True, sequence_parallel: bool = False,
+                  overlap: bool = False, chunks: int = 2,
+                  ops: TensorParallelOps = REAL_OPS) -> RowParallelLinear:
         return cls(full.in_features, full.out_features, group, bias=full.bias is not None,
-                   input_is_parallel=input_is_parallel, full=full)
+                   input_is_parallel=input_is_parallel, full=full,
+                   sequence_parallel=sequence_parallel, overlap=overlap, chunks=chunks,
+                   ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
-        y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
-        return y if self.bias is None else y + self.bias
+        if self.sequence_parallel or self.overlap or self.ops is not REAL_OPS:
+            y = row_parallel_linear(x, self.weight, self.group,
+                                    sequence_parallel=self.sequence_parallel,
+                                    overlap=self.overlap, chunks=self.chunks, ops=self.ops)
+        else:
+            y = reduce_from_tensor_parallel_region(F.linear(x, self.weight), self.group)
+        if self.bias is None:
+            return y
+        bias: torch.Tensor = self.bias
+        if self.sequence_parallel:
+            bias = reduce_grad(bias, self.group, self.ops)
+        return y + bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -198,11 +249,21 @@ class ParallelTransformerBlock(nn.Module):
     """`TransformerBlock` with attention heads and MLP columns split over tp (Megatron §3):
     qkv and fc1 column-parallel, proj and fc2 row-parallel, so one all-reduce forward and one
     backward per sub-layer. Layer norms are replicated: their inputs are identical on every
-    tp rank, hence so are their gradients."""
+    tp rank, hence so are their gradients.
+
+    `sequence_parallel` (Korthikanti et al. 2022): the block's input and output are this
+    rank's slice of the sequence (dim 1, `sequence.SEQUENCE_DIM`); norms and residuals run on
+    the slice, an all-gather precedes qkv and fc1, a reduce-scatter follows proj and fc2, and
+    the norms' gradients are all-reduced over tp. Enter and leave with
+    `sequence.ScatterSequence` / `sequence.GatherSequence` around the blocks.
+    `overlap`: the collectives run beside the GEMMs (`overlap`, `chunks` slices); `ops` is
+    the GEMM / collective seam (emulated devices replace it)."""
 
     def __init__(self, hidden: int, num_heads: int, group: ProcessGroup | None, *,
                  ffn_hidden: int | None = None, causal: bool = True,
-                 full: TransformerBlock | None = None) -> None:
+                 full: TransformerBlock | None = None, sequence_parallel: bool = False,
+                 overlap: bool = False, chunks: int = 2,
+                 ops: TensorParallelOps = REAL_OPS) -> None:
         super().__init__()
         _, size = tp_rank_and_size(group)
         if full is None:
@@ -212,23 +273,41 @@ class ParallelTransformerBlock(nn.Module):
                              f" but hidden={hidden}, num_heads={num_heads} were asked for")
         self.local_heads = _divide(full.num_heads, size, "num_heads")
         _divide(full.ffn_hidden, size, "ffn_hidden")
-        self.causal = full.causal
+        self.causal, self.group, self.sequence_parallel = full.causal, group, sequence_parallel
+        self.ops = ops
         self.ln1 = nn.LayerNorm(full.hidden)
         self.ln2 = nn.LayerNorm(full.hidden)
         self.ln1.load_state_dict(full.ln1.state_dict())
         self.ln2.load_state_dict(full.ln2.state_dict())
-        self.qkv = ColumnParallelLinear.from_full(full.qkv, group, fused_parts=3)
-        self.proj = RowParallelLinear.from_full(full.proj, group)
-        self.fc1 = ColumnParallelLinear.from_full(full.fc1, group)
-        self.fc2 = RowParallelLinear.from_full(full.fc2, group)
+        sp = sequence_parallel
+        self.qkv = ColumnParallelLinear.from_full(full.qkv, group, fused_parts=3,
+                                                  sequence_parallel=sp, overlap=overlap,
+                                                  chunks=chunks, ops=ops)
+        self.proj = RowParallelLinear.from_full(full.proj, group, sequence_parallel=sp,
+                                                overlap=overlap, chunks=chunks, ops=ops)
+        self.fc1 = ColumnParallelLinear.from_full(full.fc1, group, sequence_parallel=sp,
+                                                  overlap=overlap, chunks=chunks, ops=ops)
+        self.fc2 = RowParallelLinear.from_full(full.fc2, group, sequence_parallel=sp,
+                                               overlap=overlap, chunks=chunks, ops=ops)
 
     @classmethod
-    def from_full(cls, full: TransformerBlock, group: ProcessGroup | None
-                  ) -> ParallelTransformerBlock:
-        return cls(full.hidden, full.num_heads, group, full=full)
+    def from_full(cls, full: TransformerBlock, group: ProcessGroup | None, *,
+                  sequence_parallel: bool = False, overlap: bool = False, chunks: int = 2,
+                  ops: TensorParallelOps = REAL_OPS) -> ParallelTransformerBlock:
+        return cls(full.hidden, full.num_heads, group, full=full,
+                   sequence_parallel=sequence_parallel, overlap=overlap, chunks=chunks,
+                   ops=ops)
+
+    def _norm(self, norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        """`norm(x)`; on a sequence slice its weights' gradients are all-reduced over tp."""
+        if not self.sequence_parallel:
+            return norm(x)
+        return F.layer_norm(x, norm.normalized_shape,
+                            reduce_grad(norm.weight, self.group, self.ops),
+                            reduce_grad(norm.bias, self.group, self.ops), norm.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = self.qkv(self._norm(self.ln1, x)).chunk(3, dim=-1)
         x = x + self.proj(_attention(q, k, v, self.local_heads, self.causal))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(F.gelu(self.fc1(self._norm(self.ln2, x))))
 
