@@ -8,11 +8,15 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["STAGED_PER_DEVICE", "accelerator_rng_states", "backend_reason", "copy_from_host",
-           "default_backend", "default_device", "device_memory_allocated", "device_problem",
-           "host_buffer_like", "peak_memory_allocated", "process_group_timeout",
+__all__ = ["NCCL_PER_DEVICE", "STAGED_PER_DEVICE", "accelerator_rng_states", "backend_reason",
+           "copy_from_host", "default_backend", "default_device", "device_memory_allocated",
+           "device_problem", "host_buffer_like", "peak_memory_allocated", "process_group_timeout",
            "release_cached_memory", "reset_peak_memory", "seed_accelerator_rng",
            "set_accelerator_rng_states", "stage_to_host", "synchronize"]
+
+NCCL_PER_DEVICE = "cpu:gloo,cuda:nccl"
+"""A GPU per rank: CUDA tensors over NCCL, the CPU tensors of the step's small agreements (the
+batch and finite votes, shape headers' bookkeeping) over gloo, which NCCL cannot carry."""
 
 STAGED_PER_DEVICE = "cpu:gloo,cuda:pipesched_staged"
 """Ranks sharing a GPU: CPU tensors over gloo, CUDA tensors staged through pinned host memory
@@ -24,7 +28,8 @@ def _has_cuda() -> bool:
 
 
 def default_backend(ranks_on_host: int | None = None) -> str:
-    """``gloo`` without CUDA; ``nccl`` when every rank of this host has a GPU of its own;
+    """``gloo`` without CUDA; `NCCL_PER_DEVICE` when every rank of this host has a GPU of its
+    own;
     `STAGED_PER_DEVICE` when more ranks than GPUs share the host, since NCCL refuses two
     ranks on one GPU ("Duplicate GPU detected"). `ranks_on_host` defaults to torchrun's
     LOCAL_WORLD_SIZE (1 when unset)."""
@@ -32,7 +37,7 @@ def default_backend(ranks_on_host: int | None = None) -> str:
         return "gloo"
     if ranks_on_host is None:
         ranks_on_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return "nccl" if ranks_on_host <= torch.cuda.device_count() else STAGED_PER_DEVICE
+    return NCCL_PER_DEVICE if ranks_on_host <= torch.cuda.device_count() else STAGED_PER_DEVICE
 
 
 def backend_reason(backend: str, ranks_on_host: int) -> str:

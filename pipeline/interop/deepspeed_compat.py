@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from pipeline.device import default_device
+from pipeline.device import default_backend, default_device
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.ds_client_state import CLIENT_STATE, client_state_bytes, read_client_state
 from pipeline.interop.ds_clipping import ClipNorm, check_clip_norm, use_clip_norm
@@ -44,6 +44,7 @@ from pipeline.interop.ds_param_groups import optimizer_for_initialize
 from pipeline.model.layers import LayerSpec
 from pipeline.model.module import PipelineModule as LazyPipelineModule
 from pipeline.model.tied import TiedLayerSpec
+from pipeline.parallel.staged_backend import backend_available
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.engine import PipelineEngine
 from pipeline.runtime.inference import Inference
@@ -84,12 +85,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def init_distributed(dist_backend: str = "gloo", **kwargs: Any) -> None:
     """Initialise the default process group from the launcher's environment (torchrun's or
-    DeepSpeed's RANK / WORLD_SIZE / MASTER_ADDR). NCCL without CUDA becomes gloo."""
+    DeepSpeed's RANK / WORLD_SIZE / MASTER_ADDR). NCCL becomes what `default_backend` picks:
+    gloo without CUDA, gloo beside NCCL for CPU tensors, the staged path on a shared GPU."""
     if dist.is_initialized():
         return
-    backend = dist_backend
-    if backend == "nccl" and not torch.cuda.is_available():
-        backend = "gloo"
+    backend = default_backend() if dist_backend == "nccl" else dist_backend
+    backend_available(backend)  # registers the staged backend where it is named
     for name, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                           ("MASTER_PORT", "29500"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(name, default)

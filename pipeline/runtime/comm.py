@@ -130,7 +130,7 @@ class Comm:
         self.device = device
         self.group = group
         self._sends: list[PostedSend] = []  # in posting order
-        self.grouped = dist.get_backend(group) == "nccl"
+        self.grouped = device.type == "cuda" and "nccl" in str(dist.get_backend(group))
         """Messages go out in `batch_isend_irecv` groups (`flush`): NCCL's need; gloo
         posts each at once."""
         self._queued: list[tuple[Any, _QueuedWork]] = []

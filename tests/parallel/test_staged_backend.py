@@ -11,7 +11,7 @@ import torch
 
 from pipeline import PipelineConfigError, launch
 from pipeline import device as device_module
-from pipeline.device import STAGED_PER_DEVICE, backend_reason, default_backend
+from pipeline.device import NCCL_PER_DEVICE, STAGED_PER_DEVICE, backend_reason, default_backend
 from tests.support.device_tier import REHEARSAL_BACKEND
 from tests.support.engine3d_models import Case, run_case
 
@@ -24,7 +24,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("cuda", "gpus", "ranks", "expected"), [
-    (False, 0, 4, "gloo"), (True, 1, 1, "nccl"), (True, 4, 4, "nccl"),
+    (False, 0, 4, "gloo"), (True, 1, 1, NCCL_PER_DEVICE), (True, 4, 4, NCCL_PER_DEVICE),
     (True, 1, 2, STAGED_PER_DEVICE), (True, 2, 8, STAGED_PER_DEVICE)])
 def test_backend_is_nccl_only_where_every_rank_has_its_own_gpu(
         monkeypatch: pytest.MonkeyPatch, cuda: bool, gpus: int, ranks: int,
