@@ -105,14 +105,17 @@ class InputFileType:
     deeply nested file is one line of error, never a hang or a traceback. The command reads
     it again with the same bounds. `or_text`: a value naming no file is passed on as text (a
     built-in name or an inline shape); `suffix_separator`: the file is the part before the
-    last separator (``f.py:build``). Returns the value unchanged."""
+    last separator (``f.py:build``); `directory_file`: a directory stands for that file inside
+    it (an HF model directory's ``config.json``). Returns the value unchanged."""
 
     def __init__(self, limit: int, *, json_document: bool = False, or_text: bool = False,
-                 suffix_separator: str | None = None) -> None:
+                 suffix_separator: str | None = None, directory_file: str | None = None
+                 ) -> None:
         self.limit = limit
         self.json_document = json_document
         self.or_text = or_text
         self.suffix_separator = suffix_separator
+        self.directory_file = directory_file
         self.__name__ = "input file"  # argparse names the type in its messages
 
     def __call__(self, text: str) -> str:
@@ -121,6 +124,8 @@ class InputFileType:
             path = text.rsplit(self.suffix_separator, 1)[0]
         if self.or_text and not os.path.lexists(path):
             return text
+        if self.directory_file is not None and os.path.isdir(path):
+            path = os.path.join(path, self.directory_file)
         try:
             data = read_regular_file(path, self.limit)
             if self.json_document:

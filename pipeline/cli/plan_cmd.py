@@ -65,7 +65,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         description=_DESCRIPTION, epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, metavar="MODEL",
-                        type=InputFileType(MAX_INPUT_BYTES, json_document=True, or_text=True))
+                        type=InputFileType(MAX_INPUT_BYTES, json_document=True, or_text=True,
+                                           directory_file="config.json"))
     parser.add_argument("--cluster", required=True, metavar="CLUSTER",
                         type=InputFileType(MAX_INPUT_BYTES, json_document=True, or_text=True))
     parser.add_argument("--global-batch", type=positive_int, required=True, metavar="B",

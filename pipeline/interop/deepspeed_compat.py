@@ -44,11 +44,11 @@ from pipeline.interop.ds_param_groups import optimizer_for_initialize
 from pipeline.model.layers import LayerSpec
 from pipeline.model.module import PipelineModule as LazyPipelineModule
 from pipeline.model.tied import TiedLayerSpec
-from pipeline.parallel.staged_backend import backend_available
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.engine import PipelineEngine
 from pipeline.runtime.inference import Inference
 from pipeline.runtime.loss_normalization import is_summed
+from pipeline.staged_backend import backend_available
 
 __all__ = ["DeepSpeedPipelineEngine", "LayerSpec", "PipelineModule", "RepeatingLoader",
            "TiedLayerSpec", "add_config_arguments", "init_distributed", "initialize",

@@ -47,7 +47,7 @@ from pipeline.launcher.results import (
     write_result,
 )
 from pipeline.limits import MAX_TIMEOUT, check_local_ranks
-from pipeline.parallel.staged_backend import backend_available
+from pipeline.staged_backend import backend_available
 from pipeline.supervision.failure import EXIT_PEER_FAILED, FailureRecord, Watchdog, report_failure
 from pipeline.supervision.orphans import (
     EXIT_LAUNCHER_GONE,

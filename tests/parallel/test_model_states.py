@@ -33,20 +33,41 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
 
-def _expected_bytes(sizes: list[int], precision: str, zero: int, d: int) -> int:
+def _stepped_pieces(sizes: list[int], buckets: int, piece: int, d: int, rank: int
+                    ) -> tuple[int, int]:
+    """(elements, tensors) Adam steps on `rank` under ZeRO-1: the parameters, laid end to end,
+    meet the rank's piece [b·d·s + r·s, b·d·s + (r+1)·s) of each bucket b; each meeting is one
+    tensor the user's groups step (padding belongs to none)."""
+    elements = tensors = 0
+    offset = 0
+    for size in sizes:
+        for b in range(buckets):
+            start = b * d * piece + rank * piece
+            overlap = min(offset + size, start + piece) - max(offset, start)
+            if overlap > 0:
+                elements += overlap
+                tensors += 1
+        offset += size
+    return elements, tensors
+
+
+def _expected_bytes(sizes: list[int], precision: str, zero: int, d: int, rank: int) -> int:
     """The oracle: bytes a rank must hold after a step whose stage has parameters of `sizes`
     elements, from the definitions (Adam: two fp32 moments and a 4-byte step per tensor it
     steps; ZeRO-1: one flat region of k equal buckets of d·s elements, each split d ways,
     k = ceil(n / B) for buckets of B = d·floor(bucket bytes / (gradient bytes · d))
-    elements, s = ceil(n / (k·d)): a rank steps S = k·s elements)."""
+    elements, s = ceil(n / (k·d)): a rank holds S = k·s elements of masters, and Adam steps
+    the parameters' pieces of them, `_stepped_pieces`)."""
     n = sum(sizes)
     if zero == 0:  # fp32 parameters (autocast for bf16 / fp16), fp32 .grad, Adam
         return 4 * n + 4 * n + 8 * n + 4 * len(sizes)
     param_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
     grad_bytes = 2 if precision == "fp16" else 4  # fp32 main gradients except fp16's
     buckets = math.ceil(n / (d * max(1, int(BUCKET_MB * 2**20) // (grad_bytes * d))))
-    shard = buckets * math.ceil(n / (buckets * d))
-    total = d * shard * (param_bytes + grad_bytes) + 8 * shard + 4  # buffers, moments, step
+    piece = math.ceil(n / (buckets * d))
+    shard = buckets * piece
+    stepped, tensors = _stepped_pieces(sizes, buckets, piece, d, rank)
+    total = d * shard * (param_bytes + grad_bytes) + 8 * stepped + 4 * tensors  # + moments, steps
     if precision != "fp32":
         total += 4 * shard  # the fp32 master (a view of the parameters in fp32)
     if precision == "fp16":
@@ -76,7 +97,8 @@ def _count_states() -> list[dict[str, Any]]:
                              "zero": zero, "counted": counted.total,
                              "per_parameter": counted.per_parameter,
                              "expected": _expected_bytes(sizes, precision, zero,
-                                                         engine.topology.dp),
+                                                         engine.topology.dp,
+                                                         engine.position.dp_rank),
                              "skipped": engine.last_step_skipped,
                              "grads_on_params": any(p.grad is not None
                                                     for p in module.parameters())})

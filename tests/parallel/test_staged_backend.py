@@ -49,7 +49,7 @@ def test_an_unknown_backend_per_device_is_refused_before_any_rank_starts() -> No
 
 def _staged_cases(plant_missing_copy_back: bool) -> list[dict[str, Any]]:
     if plant_missing_copy_back:  # a planted bug: received bytes never reach the tensor
-        from pipeline.parallel import staged_backend
+        from pipeline import staged_backend
         staged_backend.copy_from_host = lambda tensor, host: None
     try:
         return [run_case(case) for case in CASES]
