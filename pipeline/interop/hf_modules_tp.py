@@ -22,10 +22,10 @@ from pipeline.parallel.tensor.collectives import (
     reduce_from_tensor_parallel_region,
     tp_rank_and_size,
 )
-from pipeline.parallel.tensor.sequence_parallel import (
+from pipeline.parallel.tensor.sequence import (
     SEQUENCE_DIM,
-    gather_sequence,
-    reduce_scatter_sequence,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     sum_gradient_over_tensor_parallel,
 )
 from pipeline.parallel.tensor.shard_layout import ShardLayout, mark_sharded
@@ -44,14 +44,14 @@ class Region:
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """f (identity; all-reduce backward), or with sequence parallelism all-gather the
         sequence (reduce-scatter backward)."""
-        if self.sequence_parallel:
-            return gather_sequence(x, self.group)
+        if self.sequence_parallel:  # contiguous: HF's Conv1D views its input
+            return gather_from_sequence_parallel_region(x, self.group).contiguous()
         return copy_to_tensor_parallel_region(x, self.group)
 
     def leave(self, y: torch.Tensor) -> torch.Tensor:
         """g (all-reduce; identity backward), or reduce-scatter over the sequence."""
-        if self.sequence_parallel:
-            return reduce_scatter_sequence(y, self.group)
+        if self.sequence_parallel:  # (batch, seq, hidden) order in memory, as HF's own
+            return reduce_scatter_to_sequence_parallel_region(y, self.group).contiguous()
         return reduce_from_tensor_parallel_region(y, self.group)
 
 

@@ -67,7 +67,7 @@ from pipeline.interop.hf_modules_tp import (
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.tensor.collectives import tp_rank_and_size
-from pipeline.parallel.tensor.sequence_parallel import sum_gradient_over_tensor_parallel
+from pipeline.parallel.tensor.sequence import sum_gradient_over_tensor_parallel
 from pipeline.parallel.tensor.split_check import mark_replicated
 from pipeline.parallel.tensor.vocab_cross_entropy import vocab_parallel_token_losses
 from pipeline.runtime.loss_normalization import SummedLoss

@@ -14,7 +14,9 @@ tensor parallelism alone. `scatter_to_sequence_parallel_region` enters the seque
 part (keep my slice; backward all-gather) and `gather_from_sequence_parallel_region(...,
 reduce_grads=False)` leaves it for a consumer that is replicated (backward: keep my slice).
 Parameters used on the slices (the norms' weights, a row-parallel layer's bias) get only this
-slice's gradient: `reduce_grad_over_tensor_parallel` all-reduces it in the backward.
+slice's gradient: `reduce_grad_over_tensor_parallel` all-reduces it in the backward where we
+write the forward, `sum_gradient_over_tensor_parallel` (a tensor hook) where the parameter is
+read inside a module we do not own (a HF model's norms).
 
 The sequence dimension is an argument (`SEQUENCE_DIM`, 1 for the engine's (batch, seq,
 hidden) layers; Megatron's (seq, batch, hidden) uses 0). `start_all_gather` /
@@ -50,10 +52,12 @@ __all__ = [
     "start_all_gather",
     "start_all_reduce",
     "start_reduce_scatter",
+    "sum_gradient_over_tensor_parallel",
 ]
 
 SEQUENCE_DIM = 1
 """The sequence dimension of the engine's activations, (batch, seq, hidden)."""
+_SUMMED = "pipesched_tp_summed_gradient"
 
 
 def split_sequence(tensor: torch.Tensor, parts: int, index: int, dim: int = SEQUENCE_DIM
@@ -205,6 +209,22 @@ def reduce_grad_over_tensor_parallel(parameter: torch.Tensor, group: ProcessGrou
     whole sequence's gradient on every tp rank (Megatron reduces these once a step instead;
     per backward keeps them exact under any schedule, split backward and ZeRO included)."""
     return copy_to_tensor_parallel_region(parameter, group)
+
+
+def sum_gradient_over_tensor_parallel(param: torch.Tensor, group: ProcessGroup | None) -> None:
+    """Sum `param`'s gradient over the tp group each time autograd computes it (once per
+    backward, also in a split backward's W and under recomputation), so every tp rank holds
+    the whole parameter's whole gradient. `reduce_grad_over_tensor_parallel` as a tensor
+    hook, for a parameter read inside a module we do not own (a HF model's norms, a per-head
+    norm over 1/t of the heads); registering it twice on one parameter is a no-op."""
+    if tp_rank_and_size(group)[1] == 1 or getattr(param, _SUMMED, False):
+        return
+
+    def all_reduce(grad: torch.Tensor) -> torch.Tensor:
+        return start_all_reduce(grad, group, async_op=False).wait()
+
+    param.register_hook(all_reduce)
+    setattr(param, _SUMMED, True)
 
 
 class ScatterSequence(nn.Module):
