@@ -101,8 +101,8 @@ def _recompute_flags(config: PlanConfig) -> list[str]:
     return []
 
 
-def _megatron_core(config: PlanConfig, global_batch: int, target: LaunchTarget,
-                   blocks: int) -> list[str]:
+def _megatron_parallel_flags(config: PlanConfig, global_batch: int, blocks: int) -> list[str]:
+    """The parallel sizes, batch and interleaving flags both Megatron engines share."""
     flags = [f"--tensor-model-parallel-size {config.tp}",
              f"--pipeline-model-parallel-size {config.pp}",
              f"--micro-batch-size {config.microbatch_size}",
@@ -110,6 +110,12 @@ def _megatron_core(config: PlanConfig, global_batch: int, target: LaunchTarget,
     if config.schedule == "interleaved":
         flags.append(f"--num-layers-per-virtual-pipeline-stage "
                      f"{blocks // (config.pp * config.chunks)}")
+    return flags
+
+
+def _megatron_core(config: PlanConfig, global_batch: int, target: LaunchTarget,
+                   blocks: int) -> list[str]:
+    flags = _megatron_parallel_flags(config, global_batch, blocks)
     if config.tp > 1:
         flags.append("--sequence-parallel --tp-comm-overlap")
     flags.append("--overlap-grad-reduce")
@@ -123,13 +129,7 @@ def _megatron_core(config: PlanConfig, global_batch: int, target: LaunchTarget,
 def _megatron_2021(config: PlanConfig, global_batch: int, blocks: int) -> list[str]:
     """Megatron-LM 2021's `pretrain_gpt.py` arguments (the flags of its SC'21 scripts,
     `examples/sc21/CONFIG.sh` and `run_table_1.sh`)."""
-    flags = [f"--tensor-model-parallel-size {config.tp}",
-             f"--pipeline-model-parallel-size {config.pp}",
-             f"--micro-batch-size {config.microbatch_size}",
-             f"--global-batch-size {global_batch}"]
-    if config.schedule == "interleaved":
-        flags.append(f"--num-layers-per-virtual-pipeline-stage "
-                     f"{blocks // (config.pp * config.chunks)}")
+    flags = _megatron_parallel_flags(config, global_batch, blocks)
     if config.recompute == "full":
         flags.append("--checkpoint-activations")
     flags.append(f"--DDP-impl {'torch' if config.pp == 1 else 'local'}")
