@@ -92,11 +92,12 @@ def test_an_unpicklable_result_raises_instead_of_returning_error_dicts() -> None
 @pytest.mark.multiprocess
 def test_join_timeout_names_the_running_rank_with_real_exit_codes() -> None:
     # regression: the error blamed rank 0 with exit codes (None, None)
-    # join_timeout counts from the start: leave a loaded machine time to start both ranks
+    # join_timeout counts from the start: 20 s leaves a loaded machine time to start both
+    # ranks (about 3 s on an idle one) without making the suite wait a minute
     with pytest.raises(RankFailedError, match=r"rank 1 was still running when "
-                                              r"join_timeout=60s passed \(running: \[1\], "
+                                              r"join_timeout=20s passed \(running: \[1\], "
                                               r"finished: \[0\]\)") as caught:
-        launch(_sleep_on_rank_one, 2, timeout=30, join_timeout=60)
+        launch(_sleep_on_rank_one, 2, timeout=30, join_timeout=20)
     assert caught.value.rank == 1
     assert caught.value.exit_codes == (0, -9)
 
