@@ -446,7 +446,7 @@ def _default_attention(config: Any) -> str:
 
 
 def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = None,
-                   expert_parallel: int = 1) -> HFLayers:
+                   expert_parallel: int = 1, capacity_factor: float | None = None) -> HFLayers:
     """A HF causal LM (a model, or a config to build from) as pipeline layers.
 
     From a config, every layer is a spec: a rank builds only the layers of its own stages
@@ -457,7 +457,8 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
     `causal_lm_targets`. Mixture-of-experts families come from their config only
     (`pipeline.interop.hf_moe.moe_layers_from_hf`); load a model's weights with
     ``load_hf_weights(module, hf, model.state_dict())``; `expert_parallel` (the engine's
-    ep) is checked against their experts.
+    ep) is checked against their experts; `capacity_factor` drops tokens over each
+    expert's capacity (`pipeline.moe.capacity`; None: dropless, as HF; dense: refused).
     """
     transformers = _import_transformers()
     model: Any = model_or_config if isinstance(model_or_config, nn.Module) else None
@@ -474,9 +475,13 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
         moe = importlib.import_module("pipeline.interop.hf_moe")
         built: HFLayers = moe.moe_layers_from_hf(config,
                                                  attn_implementation=attn_implementation,
-                                                 expert_parallel=expert_parallel)
+                                                 expert_parallel=expert_parallel,
+                                                 capacity_factor=capacity_factor)
         return built
     _check_supported(config)
+    if capacity_factor is not None:
+        raise PipelineConfigError(f"capacity_factor={capacity_factor} applies to mixture-of-"
+                                  f"experts models; {config.model_type!r} is dense: drop it")
     if model is None:
         config = copy.deepcopy(config)
         config._attn_implementation = (attn_implementation or config._attn_implementation
