@@ -1,4 +1,4 @@
-"""HF mixture-of-experts causal LMs as pipeline layers (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""HF mixture-of-experts causal LMs as pipeline layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE).
 
 `pipeline.interop.hf_layers.layers_from_hf` hands these families here. Each decoder layer is
 HF's own, with its ``mlp`` swapped for `pipeline.moe.layer.MoEFeedForward` holding HF's
@@ -34,6 +34,7 @@ from pipeline.interop.hf_layers import (
     _mask_function,
     causal_lm_loss,
 )
+from pipeline.interop.hf_moe_families import COVERED_MOE
 from pipeline.interop.hf_recompute import mark_attention_cores
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
@@ -45,8 +46,7 @@ from pipeline.runtime.loss_normalization import SummedLoss, token_cross_entropy
 
 __all__ = ["MOE_FAMILIES", "MoEBlock", "moe_layers_from_hf", "router_config"]
 
-MOE_FAMILIES = {"mixtral": ("mixtral", "Mixtral"), "qwen2_moe": ("qwen2_moe", "Qwen2Moe"),
-                "qwen3_moe": ("qwen3_moe", "Qwen3Moe")}
+MOE_FAMILIES = COVERED_MOE
 """model_type -> (``transformers.models.<module>``, class-name prefix)."""
 
 
@@ -211,7 +211,7 @@ def _lm_head(config: Any) -> nn.Module:
 
 
 def _is_sparse(config: Any, index: int) -> bool:
-    if config.model_type == "mixtral":
+    if config.model_type in ("mixtral", "olmoe"):  # every layer sparse
         return True
     return index not in config.mlp_only_layers and (index + 1) % config.decoder_sparse_step == 0
 
