@@ -93,7 +93,7 @@ def _differences(make: Callable[[float | None, str], MoEFeedForward], seed: int)
         out, _ = layer(tokens, None)
         expected, dropped = _oracle(_layer(factor, policy), tokens, factor, policy)
         assert dropped > 0, (factor, policy)  # the case must drop something
-        worst.append(float((out - expected).abs().max()))
+        worst.append(float((out.detach() - expected).abs().max()))
     return worst
 
 
