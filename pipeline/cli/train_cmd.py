@@ -39,6 +39,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="tensor-parallel size: each stage's layers split over T ranks "
                              "(P × D × T local ranks); needs a --model whose recipe splits "
                              "(e.g. tensor_parallel_hf layers) and says which T it can take")
+    parser.add_argument("--expert-parallel", type=positive_int, default=1, metavar="E",
+                        help="expert-parallel size: each MoE layer's experts split over E of "
+                             "the --data-parallel replicas (E divides D and the experts); "
+                             "needs a --model with MoE layers (default 1)")
     parser.add_argument("--steps", type=positive_int, default=30, metavar="N",
                         help="training steps (default 30)")
     parser.add_argument("--batch-size", type=positive_int, default=32, metavar="B",
@@ -89,6 +93,17 @@ def _check_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp {args.tp}: the demo model has no tensor-parallel form; pass "
                          "--model with a recipe of split layers (e.g. tensor_parallel_hf's), "
                          "or --tp 1")
+    if args.expert_parallel > 1:
+        if args.model is None:
+            raise ValueError(f"--expert-parallel {args.expert_parallel}: the demo model has no "
+                             "experts; pass --model with MoE layers (e.g. "
+                             "examples/hf_moe_recipe.py:build), or --expert-parallel 1")
+        if args.data_parallel % args.expert_parallel:
+            sizes = [k for k in range(1, args.data_parallel + 1) if args.data_parallel % k == 0]
+            raise ValueError(
+                f"--expert-parallel {args.expert_parallel} must divide --data-parallel "
+                f"{args.data_parallel} (the experts are split over data-parallel replicas); "
+                f"choose among {sizes}")
     per_replica, left = divmod(args.batch_size, args.data_parallel)
     if left or per_replica % args.microbatches:
         raise ValueError(
@@ -153,6 +168,7 @@ def _partition(args: argparse.Namespace, config: Any, num_stages: int
 
         layers = [build_layer(layer, k, base_seed=args.seed)
                   for k, layer in enumerate(args.recipe.layers)]
+        _check_experts(layers, args.expert_parallel)  # still before any rank starts
         sample, _ = args.recipe.batch(0, microbatch)
     else:
         layers = [spec.build() for spec in lm_layers(config)]
@@ -163,6 +179,21 @@ def _partition(args: argparse.Namespace, config: Any, num_stages: int
     held = tuple(float(activation[start:stop].sum())
                  for start, stop in zip(part.boundaries, part.boundaries[1:]))
     return part, held
+
+
+def _check_experts(layers: list[Any], ep: int) -> None:
+    """The --model's MoE layers against --expert-parallel; a load-balancing loss (which
+    needs `train_batch_balanced`, not the demo's `train_batch`) is refused."""
+    from pipeline.moe.expert_parallel import check_expert_layers
+    from pipeline.moe.layer import MoEFeedForward
+
+    check_expert_layers(layers, ep)
+    if any(isinstance(m, MoEFeedForward) and m.balance is not None
+           for layer in layers for m in layer.modules()):
+        raise ValueError("--model's MoE layers add HF's load-balancing loss "
+                         "(output_router_logits=True), which pipesched train does not run "
+                         "(it needs pipeline.moe.balance_loss.train_batch_balanced): build the "
+                         "config with output_router_logits=False")
 
 
 def _summary_line(label: str, result: Figures) -> str:
@@ -193,13 +224,15 @@ def run(args: argparse.Namespace) -> int:
     config = TrainConfig(stages=args.stages, schedule=args.schedule,
                          microbatches=args.microbatches, chunks=chunks,
                          data_parallel=args.data_parallel, tensor_parallel=args.tp,
+                         expert_parallel=args.expert_parallel,
                          steps=args.steps,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, model=model,
                          user_model=args.model,
                          boundaries=tuple(part.boundaries), timeout=args.timeout)
     world = args.stages * args.data_parallel * args.tp
     print(f"training {args.schedule} on {world} CPU ranks (p={args.stages}, "
-          f"dp={args.data_parallel}, tp={args.tp}, v={chunks}, m={args.microbatches}), "
+          f"dp={args.data_parallel}, tp={args.tp}, ep={args.expert_parallel}, v={chunks}, "
+          f"m={args.microbatches}), "
           f"{args.steps} steps")
     try:
         report: TrainReport | None = launch(train_rank, world, config,

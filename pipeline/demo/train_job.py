@@ -36,6 +36,8 @@ class TrainConfig:
     """Replicas of the pipeline; each gets its own slice of every batch."""
     tensor_parallel: int = 1
     """Ranks each stage's layers are split over (the user model's layers must split)."""
+    expert_parallel: int = 1
+    """Replicas each MoE layer's experts are split over (carved from data_parallel)."""
     steps: int = 30
     batch_size: int = 32
     """Global batch (all data-parallel replicas together)."""
@@ -121,7 +123,8 @@ def train_rank(config: TrainConfig) -> TrainReport | None:
     engine = PipelineEngine(module, schedule=config.schedule,
                             num_microbatches=config.microbatches,
                             optimizer=lambda params: torch.optim.Adam(params, lr=config.lr),
-                            timeout=config.timeout, tensor_parallel=config.tensor_parallel)
+                            timeout=config.timeout, tensor_parallel=config.tensor_parallel,
+                            expert_parallel=config.expert_parallel)
     replica = engine.position.dp_rank
     per_replica = config.batch_size // config.data_parallel
     progress = ProgressBar(config.steps) if rank == 0 and config.progress else None

@@ -6,7 +6,7 @@ embeddings, LayerNorm blocks, lm_head always tied to ``wte``) and the Llama shap
 (scaled by sqrt(hidden) for Gemma), rotary positions (one per layer type for Gemma 3), RMSNorm
 blocks, sliding-window layers where the config says so, lm_head tied when
 ``tie_word_embeddings``, logits soft-capped when ``final_logit_softcapping`` is set).
-Mixture-of-experts families (``mixtral``, ``qwen2_moe``, ``qwen3_moe``) are built by
+Mixture-of-experts families (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``) come from
 `pipeline.interop.hf_moe`; other MoE families are refused. Needs ``transformers``
 (``pip install pipesched[hf]``, tested from 5.9 to 5.24); the core never imports it.
 
@@ -33,6 +33,7 @@ from torch import nn
 
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_decoding import LayerCache, cache_argument, decoding_mask
+from pipeline.interop.hf_moe_families import COVERED_MOE, moe_refusal
 from pipeline.interop.hf_recompute import mark_attention_cores
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
@@ -70,7 +71,7 @@ _LLAMA_SHAPED = {
                            rotary_per_layer_type=True)}
 """model_type -> its family's classes."""
 SUPPORTED = ("gpt2", *_LLAMA_SHAPED)
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE = tuple(COVERED_MOE)
 """Mixture-of-experts model types, built by `pipeline.interop.hf_moe`."""
 _SLIDING_BY_CONFIG = ("mistral", "phi3", "mixtral")
 """Families whose every layer slides when ``sliding_window`` is set (no ``layer_types``)."""
@@ -414,11 +415,8 @@ def _experts(config: Any) -> int:
 def _check_supported(config: Any) -> None:
     experts = _experts(config)
     if experts > 1:
-        raise PipelineConfigError(
-            f"layers_from_hf covers the mixture-of-experts model types {', '.join(MOE)}, "
-            f"not {config.model_type!r} ({experts} experts): its router, expert layout and "
-            "load-balancing loss are not mapped; covered dense types: "
-            f"{', '.join(SUPPORTED)}")
+        raise PipelineConfigError(f"{moe_refusal(config.model_type, experts)}; covered "
+                                  f"dense types: {', '.join(SUPPORTED)}")
     if config.model_type == "gemma3":
         raise PipelineConfigError(
             "layers_from_hf covers Gemma 3's text model, not the image-text 'gemma3': pass "
@@ -446,7 +444,7 @@ def _default_attention(config: Any) -> str:
 
 
 def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = None,
-                   expert_parallel: int = 1) -> HFLayers:
+                   expert_parallel: int = 1, capacity_factor: float | None = None) -> HFLayers:
     """A HF causal LM (a model, or a config to build from) as pipeline layers.
 
     From a config, every layer is a spec: a rank builds only the layers of its own stages
@@ -457,7 +455,8 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
     `causal_lm_targets`. Mixture-of-experts families come from their config only
     (`pipeline.interop.hf_moe.moe_layers_from_hf`); load a model's weights with
     ``load_hf_weights(module, hf, model.state_dict())``; `expert_parallel` (the engine's
-    ep) is checked against their experts.
+    ep) is checked against their experts; `capacity_factor` drops tokens over each
+    expert's capacity (`pipeline.moe.capacity`; None: dropless, as HF; dense: refused).
     """
     transformers = _import_transformers()
     model: Any = model_or_config if isinstance(model_or_config, nn.Module) else None
@@ -474,9 +473,13 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
         moe = importlib.import_module("pipeline.interop.hf_moe")
         built: HFLayers = moe.moe_layers_from_hf(config,
                                                  attn_implementation=attn_implementation,
-                                                 expert_parallel=expert_parallel)
+                                                 expert_parallel=expert_parallel,
+                                                 capacity_factor=capacity_factor)
         return built
     _check_supported(config)
+    if capacity_factor is not None:
+        raise PipelineConfigError(f"capacity_factor={capacity_factor} applies to mixture-of-"
+                                  f"experts models; {config.model_type!r} is dense: drop it")
     if model is None:
         config = copy.deepcopy(config)
         config._attn_implementation = (attn_implementation or config._attn_implementation

@@ -1,4 +1,4 @@
-"""HF mixture-of-experts causal LMs as pipeline layers (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""HF mixture-of-experts causal LMs as pipeline layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE).
 
 `pipeline.interop.hf_layers.layers_from_hf` hands these families here. Each decoder layer is
 HF's own, with its ``mlp`` swapped for `pipeline.moe.layer.MoEFeedForward` holding HF's
@@ -34,28 +34,32 @@ from pipeline.interop.hf_layers import (
     _mask_function,
     causal_lm_loss,
 )
+from pipeline.interop.hf_moe_families import COVERED_MOE
 from pipeline.interop.hf_recompute import mark_attention_cores
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.moe.balance_loss import BalanceLoss
+from pipeline.moe.capacity import DropPolicy
 from pipeline.moe.expert_parallel import expert_parallel_problem
 from pipeline.moe.layer import MoEFeedForward, RouterConfig
 from pipeline.runtime.loss_normalization import SummedLoss, token_cross_entropy
 
 __all__ = ["MOE_FAMILIES", "MoEBlock", "moe_layers_from_hf", "router_config"]
 
-MOE_FAMILIES = {"mixtral": ("mixtral", "Mixtral"), "qwen2_moe": ("qwen2_moe", "Qwen2Moe"),
-                "qwen3_moe": ("qwen3_moe", "Qwen3Moe")}
+MOE_FAMILIES = COVERED_MOE
 """model_type -> (``transformers.models.<module>``, class-name prefix)."""
 
 
-def router_config(config: Any) -> RouterConfig:
-    """The family's routing: E experts, top-k, and whether the k weights are renormalised."""
+def router_config(config: Any, capacity_factor: float | None = None,
+                  drop_policy: DropPolicy = "probs") -> RouterConfig:
+    """The family's routing: E experts, top-k, and whether the k weights are renormalised;
+    dropless unless `capacity_factor` is given (`pipeline.moe.capacity`)."""
     mixtral = config.model_type == "mixtral"
     return RouterConfig(
         num_experts=config.num_local_experts if mixtral else config.num_experts,
         top_k=config.num_experts_per_tok,
-        normalize_top_k=True if mixtral else bool(config.norm_topk_prob))
+        normalize_top_k=True if mixtral else bool(config.norm_topk_prob),
+        capacity_factor=capacity_factor, drop_policy=drop_policy)
 
 
 def _modeling(config: Any) -> Any:
@@ -179,7 +183,8 @@ def _untied_embedding(config: Any) -> nn.Module:
     return MoEEmbedding(_embedding(config))
 
 
-def _block(config: Any, index: int, balance: BalanceLoss | None) -> nn.Module:
+def _block(config: Any, index: int, balance: BalanceLoss | None,
+           routing: RouterConfig) -> nn.Module:
     layer = _class(config, "DecoderLayer")(config, index)
     mlp = layer.mlp
     if hasattr(mlp, "experts"):
@@ -189,7 +194,7 @@ def _block(config: Any, index: int, balance: BalanceLoss | None) -> nn.Module:
         with torch.no_grad():
             for weight in (mlp.experts.gate_up_proj, mlp.experts.down_proj, mlp.gate.weight):
                 weight.normal_(0.0, config.initializer_range)
-        layer.mlp = MoEFeedForward(router_config(config), mlp.gate, mlp.experts,
+        layer.mlp = MoEFeedForward(routing, mlp.gate, mlp.experts,
                                    shared_expert=getattr(mlp, "shared_expert", None),
                                    shared_expert_gate=getattr(mlp, "shared_expert_gate", None),
                                    balance=balance)
@@ -206,16 +211,17 @@ def _lm_head(config: Any) -> nn.Module:
 
 
 def _is_sparse(config: Any, index: int) -> bool:
-    if config.model_type == "mixtral":
+    if config.model_type in ("mixtral", "olmoe"):  # every layer sparse
         return True
     return index not in config.mlp_only_layers and (index + 1) % config.decoder_sparse_step == 0
 
 
-def _check(config: Any, expert_parallel: int) -> RouterConfig:
+def _check(config: Any, expert_parallel: int, capacity_factor: float | None,
+           drop_policy: DropPolicy) -> RouterConfig:
     """Refuse what would silently differ from HF, or could not be split, before any rank
     builds anything."""
     try:
-        routing = router_config(config)
+        routing = router_config(config, capacity_factor, drop_policy)
     except ValueError as error:
         raise PipelineConfigError(f"{config.model_type}: {error}") from error
     problem = expert_parallel_problem(routing.num_experts, routing.top_k, expert_parallel)
@@ -234,16 +240,19 @@ def _check(config: Any, expert_parallel: int) -> RouterConfig:
 
 
 def moe_layers_from_hf(config: Any, *, attn_implementation: str | None = None,
-                       expert_parallel: int = 1) -> HFLayers:
+                       expert_parallel: int = 1, capacity_factor: float | None = None,
+                       drop_policy: DropPolicy = "probs") -> HFLayers:
     """A HF MoE causal LM's config as pipeline layers (every layer a spec; load weights
     with `pipeline.interop.hf_weights.load_hf_weights`). `expert_parallel`: the engine's
     ep, checked here against the experts so a bad one fails before ranks start.
+    `capacity_factor` (None: dropless, as HF) and `drop_policy`: token dropping as
+    Megatron-Core's (`pipeline.moe.capacity`); HF has none, so a step then differs from HF's.
 
     When the config sets ``output_router_logits``, the result's ``balance`` adds HF's
     load-balancing loss (``router_aux_loss_coef`` times it): train with
     `pipeline.moe.balance_loss.train_batch_balanced(engine, hf.balance, inputs, targets)`.
     """
-    routing = _check(config, expert_parallel)
+    routing = _check(config, expert_parallel, capacity_factor, drop_policy)
     config = copy.deepcopy(config)
     pretrained = _class(config, "PreTrainedModel")
     config._attn_implementation = (attn_implementation or config._attn_implementation
@@ -259,7 +268,7 @@ def moe_layers_from_hf(config: Any, *, attn_implementation: str | None = None,
     names = [("module." if tied else "embedding.", "model.embed_tokens.")]
     for index in range(config.num_hidden_layers):
         layers.append(LayerSpec(_block, config, index,
-                                balance if _is_sparse(config, index) else None))
+                                balance if _is_sparse(config, index) else None, routing))
         names.append(("layer.", f"model.layers.{index}."))
     layers.append(LayerSpec(_final_norm, config))
     names.append(("norm.", "model.norm."))

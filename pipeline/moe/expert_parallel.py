@@ -17,6 +17,7 @@ Autograd runs the same exchanges backwards (`_Exchange`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -30,8 +31,8 @@ from pipeline.moe.layer import MoEFeedForward
 from pipeline.parallel.groups import ProcessGroups
 from pipeline.parallel.param_marks import mark_expert_shard
 
-__all__ = ["AllToAllDispatcher", "expert_major_order", "expert_parallel_problem",
-           "parallelize_experts"]
+__all__ = ["AllToAllDispatcher", "check_expert_layers", "expert_major_order",
+           "expert_parallel_problem", "parallelize_experts"]
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 """The stacked expert tensors, experts along dim 0."""
@@ -47,6 +48,20 @@ def expert_parallel_problem(num_experts: int, top_k: int, ep: int) -> str | None
                 f"(each ep rank holds E / ep); choose among "
                 f"{[k for k in range(1, num_experts + 1) if num_experts % k == 0]}")
     return None
+
+
+def check_expert_layers(modules: Iterable[nn.Module], ep: int) -> None:
+    """Refuse, in one line, built layers whose MoE layers cannot split over ep ranks (or,
+    at ep > 1, that hold none); for callers holding layers before any rank starts."""
+    layers = [m for module in modules for m in module.modules()
+              if isinstance(m, MoEFeedForward)]
+    if ep > 1 and not layers:
+        raise PipelineConfigError(f"expert_parallel={ep} but the model has no MoE layers "
+                                  "(pipeline.moe.layer.MoEFeedForward) to split; use 1")
+    for layer in layers:
+        problem = expert_parallel_problem(layer.config.num_experts, layer.config.top_k, ep)
+        if problem is not None:
+            raise PipelineConfigError(problem)
 
 
 class _Exchange(torch.autograd.Function):

@@ -31,9 +31,14 @@ def expert_outputs(experts: nn.Module, tokens: torch.Tensor, counts: list[int]) 
 def group_by_expert(experts: torch.Tensor, num_experts: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The order that sorts the n·k (token, choice) slots by expert (stable: by token within
-    an expert) and the slots per expert ([E])."""
+    an expert) and the slots per expert ([E]). Slots marked `num_experts` (dropped over
+    capacity, `pipeline.moe.capacity`) sort last and are left out of the order."""
     flat = experts.reshape(-1)
-    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat, minlength=num_experts + 1)
+    order = torch.argsort(flat, stable=True)
+    if counts[num_experts]:
+        order = order[:flat.numel() - int(counts[num_experts])]
+    return order, counts[:num_experts]
 
 
 class Dispatcher(Protocol):
@@ -45,7 +50,8 @@ class Dispatcher(Protocol):
 
 class LocalDispatcher:
     """Every expert on this rank: sort the slots by expert, run each expert once on its rows,
-    scale by the combine weights and add back to the tokens (no capacity: nothing dropped)."""
+    scale by the combine weights and add back to the tokens (slots dropped over capacity
+    are skipped)."""
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.moe.balance_loss import BalanceLoss
+from pipeline.moe.capacity import DropPolicy, expert_capacity, mark_dropped
 from pipeline.moe.experts import Dispatcher, LocalDispatcher
 from pipeline.moe.routing import route, router_statistics
 
@@ -27,11 +28,26 @@ class RouterConfig:
     normalize_top_k: bool
     """Divide the k chosen probabilities by their sum (Mixtral always; Qwen-MoE's
     ``norm_topk_prob``)."""
+    capacity_factor: float | None = None
+    """None: dropless. Otherwise each expert takes at most ceil(capacity_factor · n · k / E)
+    of the n tokens a rank routes per microbatch and the rest of its slots are dropped
+    (Megatron-Core's ``--moe-expert-capacity-factor``; `pipeline.moe.capacity`)."""
+    drop_policy: DropPolicy = "probs"
+    """Which slots an over-full expert keeps: "probs" (the largest combine weights,
+    Megatron-Core's default) or "position" (the first tokens)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts} (the "
                              "number of experts); lower num_experts_per_tok")
+        factor = self.capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(
+                factor, (int, float)) or not 0 < factor < float("inf")):
+            raise ValueError(f"capacity_factor must be a positive number or None (dropless), "
+                             f"got {factor!r}; Megatron-Core's runs use 1.0 to 2.0")
+        if self.drop_policy not in ("probs", "position"):
+            raise ValueError(f"drop_policy must be 'probs' or 'position', got "
+                             f"{self.drop_policy!r}")
 
 
 class MoEFeedForward(nn.Module):
@@ -65,7 +81,14 @@ class MoEFeedForward(nn.Module):
         router: Any = self.gate.weight
         routing = route(F.linear(tokens, router), self.config.top_k,
                         normalize=self.config.normalize_top_k)
-        out = self.dispatcher(self.experts, tokens, routing.experts, routing.weights)
+        chosen = routing.experts
+        config = self.config
+        if config.capacity_factor is not None:
+            capacity = expert_capacity(tokens.shape[0], config.top_k, config.num_experts,
+                                       config.capacity_factor)
+            chosen = mark_dropped(chosen, routing.weights, config.num_experts, capacity,
+                                  config.drop_policy)
+        out = self.dispatcher(self.experts, tokens, chosen, routing.weights)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(tokens)
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * shared

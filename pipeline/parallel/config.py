@@ -99,14 +99,10 @@ def _expert_parallel_problem(config: ParallelConfig) -> str | None:
     if dp is not None and dp % ep:
         return (f"expert_parallel={ep} must divide data_parallel={dp} (the experts are split "
                 f"over dp replicas); choose among {[k for k in range(1, dp + 1) if dp % k == 0]}")
-    unsupported = {"tensor_parallel > 1": config.tensor_parallel > 1,
-                   "gradient_clipping": config.gradient_clipping is not None,
-                   "overlap_param_gather": config.overlap_param_gather}
-    named = [name for name, present in unsupported.items() if present]
-    if named:
-        return (f"expert_parallel={ep} does not run with {', '.join(named)} yet (the norm over "
-                "expert shards and their overlapped gathers are not built); drop them or use "
-                "expert_parallel=1")
+    if config.tensor_parallel > 1:
+        return (f"expert_parallel={ep} does not run with tensor_parallel="
+                f"{config.tensor_parallel} yet (experts are not split over tp); use one of "
+                "them")
     return None
 
 

@@ -13,6 +13,7 @@ from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
 from pipeline.parallel.expert_reduction import split_expert_parameters
 from pipeline.parallel.optimizer import OptimizerFactory, build_optimizer
 from pipeline.parallel.param_gather import BucketKey
+from pipeline.parallel.precision import clip_coefficient, global_grad_norm
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.parallel.zero_groups import carry_groups
 from pipeline.parallel.zero_layout import ShardLayout
@@ -50,13 +51,15 @@ class ExpertShardedOptimizer(ShardedOptimizer):
     """Two `ShardedOptimizer`s, dense (over dp) and experts (over the expert-dp group),
     seen by the engine as one: reducer and optimizer. The inner optimizer is the user's one
     optimizer over every parameter, its groups carried onto both halves' shard pieces, so a
-    learning-rate scheduler sees every parameter. Not covered yet: gradient clipping,
-    overlapped parameter gathers and engine checkpoints (refused before they run)."""
+    learning-rate scheduler sees every parameter. Gradient clipping takes one norm over both
+    halves; overlapped parameter gathers run per half. Not covered yet: engine checkpoints
+    (refused before they run)."""
 
     def __init__(self, params_by_stage: Mapping[int, Sequence[torch.nn.Parameter]],
                  optimizer_factory: OptimizerFactory, dp_group: ProcessGroup,
                  expert_dp_group: ProcessGroup, ep: int, *,
-                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB,
+                 overlap_param_gather: bool = False) -> None:
         dense: dict[int, list[torch.nn.Parameter]] = {}
         experts: dict[int, list[torch.nn.Parameter]] = {}
         for key, params in params_by_stage.items():
@@ -66,9 +69,11 @@ class ExpertShardedOptimizer(ShardedOptimizer):
             # never stepped: `step` steps the user's one optimizer over both halves
             return torch.optim.SGD(list(params), lr=0.0)
 
-        self.dense = ShardedOptimizer(dense, placeholder, dp_group, bucket_mb=bucket_mb)
+        self.dense = ShardedOptimizer(dense, placeholder, dp_group, bucket_mb=bucket_mb,
+                                      overlap_param_gather=overlap_param_gather)
         self.experts = (_ExpertShards(experts, placeholder, expert_dp_group, ep=ep,
-                                      bucket_mb=bucket_mb)
+                                      bucket_mb=bucket_mb,
+                                      overlap_param_gather=overlap_param_gather)
                         if any(experts.values()) else None)
         self.halves = [h for h in (self.dense, self.experts) if h is not None]
         # the user's factory sees every parameter (dense and expert, as torch would); its
@@ -118,11 +123,17 @@ class ExpertShardedOptimizer(ShardedOptimizer):
             half.finish_param_gather()
 
     def watch_forward(self, modules: Iterable[torch.nn.Module]) -> None:
-        raise PipelineConfigError("overlap_param_gather does not run with expert parallelism "
-                                  "yet; set overlap_param_gather=False")
+        """With `overlap_param_gather`: each module's forward waits for its dense buckets
+        (gathered over dp) and its expert buckets (over the expert-dp group), each half's
+        own hooks."""
+        modules = list(modules)
+        for half in self.halves:
+            half.watch_forward(modules)
 
     def buckets_of(self, param: torch.nn.Parameter) -> list[BucketKey]:
-        return []
+        """The buckets holding `param` in the half that holds it (keys are per half)."""
+        half = self.experts if id(param) in self._expert_ids else self.dense
+        return [] if half is None else half.buckets_of(param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for half in self.halves:
@@ -137,8 +148,17 @@ class ExpertShardedOptimizer(ShardedOptimizer):
 
     def clip_grad_norm_(self, max_norm: float, group: ProcessGroup | None, *,
                         tp_rank: int = 0) -> torch.Tensor:
-        raise PipelineConfigError("gradient clipping does not run with expert parallelism "
-                                  "yet; set gradient_clipping=None")
+        """Clip both halves' shards by one global norm; `group` spans every rank (the dense
+        shards are disjoint over dp, the expert shards over the expert-dp group and the ep
+        ranks hold different experts: no element is counted twice)."""
+        self.wait()
+        pieces = [piece for half in self.halves
+                  for piece in half._norm_pieces(tp_rank)]
+        total = global_grad_norm(pieces, group)
+        coefficient = clip_coefficient(total, max_norm)
+        for shard in self.grad_shards():
+            shard.mul_(coefficient)
+        return total
 
     def master_bytes(self) -> int:
         return sum(half.master_bytes() for half in self.halves)

@@ -34,6 +34,7 @@ from pipeline.parallel.data_parallel import (
     broadcast_parameters,
     make_grad_reducer,
 )
+from pipeline.parallel.expert_clipping import ExpertReplicatedGrads
 from pipeline.parallel.expert_reduction import (
     ExpertSplitReducer,
     broadcast_split,
@@ -189,6 +190,10 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
                                          bucket_mb=config.bucket_mb)
         view = ReplicatedGrads(params, None if groups is None
                                else groups.model_parallel_group, tp_rank)
+        if groups is not None and expert_dp_group is not None:
+            view = ExpertReplicatedGrads(params, groups.world_group,
+                                         dp_rank=groups.position.dp_rank, ep=topology.ep,
+                                         tp_rank=tp_rank)
     if tied is not None:
         reducer = TiedGradReducer(reducer, tied)
     # 4. Precision: fp16's overflow vote spans every rank.
@@ -219,16 +224,20 @@ def _sharded_optimizer(module: PipelineModule, tied: TiedWeightSynchronizer | No
                        config: ParallelConfig) -> ShardedOptimizer:
     """ZeRO-1 over the dp group, one region per stage (tied weights in their own region,
     reduced after the owners' sum)."""
-    if groups.expert_dp_group is not None:  # expert states over their own group
-        return ExpertShardedOptimizer(zero_regions(module, tied),
-                                      lambda params: factory(cast(list[nn.Parameter], params)),
-                                      groups.dp_group, groups.expert_dp_group,
-                                      groups.topology.ep, bucket_mb=config.bucket_mb)
     # the factory gets this rank's model parameters; its groups are carried onto the shards
-    sharded = ShardedOptimizer(zero_regions(module, tied),
-                               lambda params: factory(cast(list[nn.Parameter], params)),
-                               groups.dp_group, bucket_mb=config.bucket_mb,
-                               overlap_param_gather=config.overlap_param_gather)
+    sharded: ShardedOptimizer
+    if groups.expert_dp_group is not None:  # expert states over their own group
+        sharded = ExpertShardedOptimizer(zero_regions(module, tied),
+                                         lambda params: factory(cast(list[nn.Parameter],
+                                                                     params)),
+                                         groups.dp_group, groups.expert_dp_group,
+                                         groups.topology.ep, bucket_mb=config.bucket_mb,
+                                         overlap_param_gather=config.overlap_param_gather)
+    else:
+        sharded = ShardedOptimizer(zero_regions(module, tied),
+                                   lambda params: factory(cast(list[nn.Parameter], params)),
+                                   groups.dp_group, bucket_mb=config.bucket_mb,
+                                   overlap_param_gather=config.overlap_param_gather)
     if config.overlap_param_gather:
         # each layer's forward waits for its own buckets; `state_dict` completes them all
         layers = [layer for key in module.stages

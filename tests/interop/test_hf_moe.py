@@ -1,4 +1,4 @@
-"""HF mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) pipelined: one step equals
+"""HF mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) pipelined: one step equals
 HF's, the load-balancing loss included; planted bugs in the combine and the balancing loss
 fail the same comparison."""
 
@@ -108,6 +108,9 @@ def _check_equivalence(rank: int, world_size: int) -> None:
                                  ("qwen2_moe", 1, 2, False), ("qwen3_moe", 2, 1, True)):
         found = moe_step_differences(family, pp=pp, dp=dp, tied=tied)
         assert _within(found), (family, pp, dp, tied, found)
+    # OLMoE (q/k norms, clamped qkv, every layer sparse) with its experts split over ep 2
+    found = moe_step_differences("olmoe", pp=1, dp=2, ep=2)
+    assert _within(found), found
     # padding: counted in neither the language-model loss nor the balancing loss
     found = moe_step_differences("mixtral", pp=2, dp=1, padded=True)
     assert _within(found), found
@@ -127,8 +130,8 @@ def _check_equivalence(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_moe_families_step_as_hf_and_planted_bugs_fail() -> None:
     """Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE (tied embeddings) at pp=2, Qwen2-MoE
-    at dp=2 (the balancing loss spans both replicas' tokens): loss with the balancing loss,
-    every reduced gradient and every weight after one SGD step within 1e-5 of HF's step on
-    the whole batch; a padded batch; routing with ties and an expert that gets no token; the
-    two planted bugs fail."""
+    at dp=2 (the balancing loss spans both replicas' tokens), OLMoE at dp=2 × ep=2: loss
+    with the balancing loss, every reduced gradient and every weight after one SGD step
+    within 1e-5 of HF's step on the whole batch; a padded batch; routing with ties and an
+    expert that gets no token; the two planted bugs fail."""
     run_ranks(_check_equivalence, 2, timeout=300)

@@ -42,23 +42,41 @@ def test_ep_groups_match_their_definition(pp: int, dp: int, tp: int, ep: int) ->
 
 
 def test_ep_not_dividing_dp_is_one_line_before_ranks_start() -> None:
-    with pytest.raises(TopologyError, match=r"ep=3 must divide .* dp=4.*\[1, 2, 4\]"):
+    with pytest.raises(TopologyError, match=r"ep=3 must divide .* dp=4.*\[1, 2, 4\]") as raised:
         Topology(1, 4, 1, 3)
+    assert "\n" not in str(raised.value)
     with pytest.raises(PipelineConfigError, match=r"expert_parallel=3 must divide "
-                                                  r"data_parallel=4"):
+                                                  r"data_parallel=4") as refused:
         ParallelConfig(data_parallel=4, expert_parallel=3)
+    assert "\n" not in str(refused.value)
+
+
+def test_built_layers_are_checked_against_ep_in_one_line() -> None:
+    """`check_expert_layers` (the CLI's check of a --model's layers before any rank): no MoE
+    layer at ep > 1, and experts ep does not divide, are refused; fitting ones pass."""
+    from pipeline.moe.expert_parallel import check_expert_layers
+    from pipeline.moe.layer import MoEFeedForward, RouterConfig
+
+    def moe(experts: int) -> torch.nn.Module:
+        config = RouterConfig(num_experts=experts, top_k=2, normalize_top_k=True)
+        return torch.nn.Sequential(MoEFeedForward(config, torch.nn.Linear(4, experts),
+                                                  torch.nn.Module()))
+
+    check_expert_layers([torch.nn.Linear(2, 2), moe(4)], 2)
+    check_expert_layers([torch.nn.Linear(2, 2)], 1)
+    with pytest.raises(PipelineConfigError, match=r"expert_parallel=2 but the model has no "
+                                                  r"MoE layers"):
+        check_expert_layers([torch.nn.Linear(2, 2)], 2)
+    with pytest.raises(PipelineConfigError, match=r"expert_parallel=4 must divide the 6 "
+                                                  r"experts") as refused:
+        check_expert_layers([moe(4), moe(6)], 4)
+    assert "\n" not in str(refused.value)
 
 
 def test_ep_not_dividing_the_experts_and_top_k_above_them_are_named() -> None:
     assert expert_parallel_problem(8, 2, 4) is None
     assert "must divide the 6 experts" in str(expert_parallel_problem(6, 2, 4))
     assert "top_k 7 must be in 1..6" in str(expert_parallel_problem(6, 7, 2))
-
-
-def test_ep_with_what_it_does_not_run_with_yet_is_refused() -> None:
-    with pytest.raises(PipelineConfigError, match=r"expert_parallel=2 does not run with "
-                                                  r"gradient_clipping"):
-        ParallelConfig(data_parallel=2, expert_parallel=2, gradient_clipping=1.0)
 
 
 def _source_major_order(matrix: torch.Tensor) -> torch.Tensor:

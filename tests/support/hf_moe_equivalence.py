@@ -31,15 +31,20 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _hf_step(model: Any, ids: torch.Tensor, mask: torch.Tensor | None,
-             labels: torch.Tensor) -> tuple[float, float]:
+             labels: torch.Tensor, clip: float | None) -> tuple[float, float | None]:
+    """HF's loss and gradients (clipped by torch's clip_grad_norm_ when `clip` is given:
+    then also the norm before clipping)."""
+    model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
-    return float(out.loss.detach()), float(out.aux_loss.detach())
+    norm = (None if clip is None
+            else float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+    return float(out.loss.detach()), norm
 
 
 def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bool = False,
                          top_k: int = 2, ties: bool = False, padded: bool = False,
-                         tied: bool = False,
+                         tied: bool = False, clip: float | None = None, steps: int = 1,
                          **engine: Any) -> dict[str, Any]:
     """On every rank: the pipelined step (SGD, 4 microbatches per replica, 1F1B) of the tiny
     `family` model against HF's on the concatenated batch of all replicas.
@@ -47,7 +52,10 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
     Returns the relative differences ``loss``, ``grad`` and ``param`` (worst over
     parameters, over every rank) and HF's router logits ``routes`` (for the case's own
     checks of ties and idle experts). `padded`: right-padded rows with their attention mask,
-    the token-summed loss (padding counts in neither loss, as in HF)."""
+    the token-summed loss (padding counts in neither loss, as in HF). `clip`: the engine's
+    gradient_clipping against torch's clip_grad_norm_ on HF's model (then also ``norm``, the
+    relative difference of the norms before clipping). `steps`: steps taken (the last one's
+    loss and gradients compared; the weights after all of them)."""
     hf_model = tiny_moe_model(family, seed=3, top_k=top_k, tied=tied)
     if ties:
         plant_ties_and_an_idle_expert(hf_model)
@@ -59,7 +67,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
                             loss_fn=hf.summed_loss if padded else hf.loss_fn,
                             partition_method="uniform")
     load_hf_weights(module, hf, hf_model.state_dict())
-    options: dict[str, Any] = {"data_parallel": dp, "expert_parallel": ep, **engine}
+    options: dict[str, Any] = {"data_parallel": dp, "expert_parallel": ep,
+                               "gradient_clipping": clip, **engine}
     if zero:
         options["zero_stage"] = 1
     pipelined = PipelineEngine(module, schedule="1f1b", num_microbatches=4, timeout=60,
@@ -69,9 +78,12 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
         raise AssertionError(f"zero={zero} but the engine built {pipelined.optimizer!r}")
     rows = slice(8 * replica, 8 * replica + 8)
     inputs = (ids[rows], mask[rows]) if padded else ids[rows]
-    loss = train_batch_balanced(pipelined, hf.balance, inputs, labels[rows])
-
-    expected, _ = _hf_step(hf_model, ids, mask if padded else None, labels)
+    hf_optimizer = torch.optim.SGD(hf_model.parameters(), lr=LEARNING_RATE)
+    for step in range(steps):
+        if step:
+            hf_optimizer.step()
+        loss = train_batch_balanced(pipelined, hf.balance, inputs, labels[rows])
+        expected, norm = _hf_step(hf_model, ids, mask if padded else None, labels, clip)
     with torch.no_grad():
         routes = hf_model(input_ids=ids, output_router_logits=True).router_logits
     reference = dict(hf_model.named_parameters())
@@ -88,11 +100,16 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
                            else 0.0)
     worst = torch.tensor(max(differences, default=0.0))
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    torch.optim.SGD(hf_model.parameters(), lr=LEARNING_RATE).step()
+    hf_optimizer.step()
     state = gather_hf_state_dict(module, hf)
     missing = sorted(set(reference) - set(state))
     if missing:
         raise AssertionError(f"{family}: the export lacks {missing}")
     param = max(_relative(state[name], reference[name]) for name in reference)
-    return {"loss": abs(loss - expected) / abs(expected), "grad": float(worst),
-            "param": param, "routes": routes}
+    found = {"loss": abs(loss - expected) / abs(expected), "grad": float(worst),
+             "param": param, "routes": routes}
+    if norm is not None:
+        measured = pipelined.training.step.grad_norm
+        found["norm"] = abs(float(measured or 0.0) - norm) / norm
+        found["clipped"] = norm > clip
+    return found

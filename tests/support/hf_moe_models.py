@@ -10,7 +10,7 @@ from torch import nn
 __all__ = ["MOE_FAMILIES", "plant_ties_and_an_idle_expert", "tiny_moe_config",
            "tiny_moe_model"]
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 VOCAB = 50
 
 
@@ -18,7 +18,8 @@ def tiny_moe_config(family: str, *, top_k: int = 2, coefficient: float = 0.5,
                     tied: bool = False) -> Any:
     """2 layers, hidden 32, 4 experts of width 16, the balancing loss on with a coefficient
     large enough to move the gradients visibly; Qwen2-MoE with its gated shared expert and
-    HF's default norm_topk_prob=False, Qwen3-MoE with norm_topk_prob=True."""
+    HF's default norm_topk_prob=False, Qwen3-MoE with norm_topk_prob=True, OLMoE with its
+    clip_qkv set low enough to clamp."""
     import transformers
 
     shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -32,6 +33,9 @@ def tiny_moe_config(family: str, *, top_k: int = 2, coefficient: float = 0.5,
         return transformers.Qwen2MoeConfig(**shape, intermediate_size=24,
                                            moe_intermediate_size=16, num_experts=4,
                                            shared_expert_intermediate_size=24)
+    if family == "olmoe":  # every layer sparse, q/k norms, clip_qkv on
+        return transformers.OlmoeConfig(**shape, intermediate_size=16, num_experts=4,
+                                        clip_qkv=0.5)
     return transformers.Qwen3MoeConfig(**shape, intermediate_size=24, moe_intermediate_size=16,
                                        num_experts=4, head_dim=8, norm_topk_prob=True)
 

@@ -1,0 +1,39 @@
+"""`pipesched train --expert-parallel`: sizes that cannot split are one line before any rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.cli_helpers import run_cli
+
+RECIPE = "examples/hf_moe_recipe.py:build"
+
+
+def _one_line_refusal(*args: str) -> str:
+    result = run_cli("train", *args, "--steps", "1", "--batch-size", "12",
+                     "--microbatches", "2")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "training" not in result.stdout, result
+    assert lines[0].startswith("pipesched train: error: "), lines
+    return lines[0]
+
+
+def test_ep_not_dividing_dp_is_one_line_naming_the_valid_sizes() -> None:
+    line = _one_line_refusal("--model", RECIPE, "--stages", "1", "--data-parallel", "3",
+                             "--expert-parallel", "2")
+    assert "--expert-parallel 2 must divide --data-parallel 3" in line
+    assert line.endswith("choose among [1, 3]"), line
+
+
+def test_ep_not_dividing_the_experts_is_one_line() -> None:
+    pytest.importorskip("transformers")
+    line = _one_line_refusal("--model", RECIPE, "--stages", "1", "--data-parallel", "3",
+                             "--expert-parallel", "3")
+    assert "expert_parallel=3 must divide the 4 experts" in line and "[1, 2, 4]" in line
+
+
+def test_ep_on_the_demo_model_is_refused() -> None:
+    line = _one_line_refusal("--stages", "1", "--data-parallel", "2",
+                             "--expert-parallel", "2")
+    assert "--expert-parallel 2: the demo model has no experts" in line
