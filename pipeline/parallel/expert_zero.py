@@ -50,8 +50,9 @@ class ExpertShardedOptimizer(ShardedOptimizer):
     """Two `ShardedOptimizer`s, dense (over dp) and experts (over the expert-dp group),
     seen by the engine as one: reducer and optimizer. The inner optimizer is the user's one
     optimizer over every parameter, its groups carried onto both halves' shard pieces, so a
-    learning-rate scheduler sees every parameter. Not covered yet: gradient clipping,
-    overlapped parameter gathers and engine checkpoints (refused before they run)."""
+    learning-rate scheduler sees every parameter. Not covered yet: gradient clipping and
+    overlapped parameter gathers (refused before they run). Checkpoints read each half
+    (`pipeline.checkpoint.zero_state`)."""
 
     def __init__(self, params_by_stage: Mapping[int, Sequence[torch.nn.Parameter]],
                  optimizer_factory: OptimizerFactory, dp_group: ProcessGroup,
@@ -155,4 +156,5 @@ class ExpertShardedOptimizer(ShardedOptimizer):
         return held
 
     def layouts(self) -> dict[int, ShardLayout]:
-        raise PipelineConfigError("engine checkpoints do not hold expert-parallel shards yet")
+        raise PipelineConfigError("an ExpertShardedOptimizer has two layouts, one per half: "
+                                  "read .dense.layouts() and .experts.layouts()")
