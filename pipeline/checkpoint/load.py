@@ -205,7 +205,8 @@ def _read_weights(step_dir: str, manifest: Manifest, parts: CheckpointParts
         if not expected:
             continue
         read = _slice_reader(step_dir, manifest, index)
-        path = os.path.join(step_dir, layer_file(index))
+        path = os.path.join(step_dir, layer_file(
+            index, grid.base_tp if manifest.topology[2] > 1 else None))
         cuts = {name: cut_of(param) for name, param in layer.named_parameters()}
         saved = set(read((grid.base_tp, 0)))  # the layer's own file names every entry saved
         mismatched = sorted(saved ^ set(expected))

@@ -86,22 +86,30 @@ class SavedGrid:
     base_tp: int
     """tp slice to read a parameter whole on every tp rank from: this rank's own under the
     same tp (the same bytes it wrote), else 0."""
+    recorded: bool = True
+    """False for a checkpoint saved at tp > 1 before splits were recorded: each rank reads
+    its own tp slice as it is (the loader refuses it under another tp)."""
 
     @classmethod
     def of(cls, manifest: Manifest, tp: int, tp_rank: int) -> SavedGrid:
         return cls({(s.layer, s.name): s for s in manifest.splits},
-                   tp_rank if manifest.topology[2] == tp else 0)
+                   tp_rank if manifest.topology[2] == tp else 0,
+                   bool(manifest.splits) or manifest.topology[2] == 1)
 
-    def slices(self, key: ParamKey, cut: Cut | None) -> tuple[SavedSplit | None, list[Slice]]:
-        """The saved split of `key` and the slices to read: this rank's own when the cut is
-        the same, else every saved slice (to merge)."""
+    def slices(self, key: ParamKey, cut: Cut | None
+               ) -> tuple[SavedSplit | None, list[Slice], bool]:
+        """The saved split of `key`, the slices to read, and whether this rank's part is
+        exactly the one slice read (no merge, no cut): its own when the cut is the same,
+        else every saved slice (to merge)."""
         split = self.splits.get(key)
         if split is None:
-            return None, [(self.base_tp, 0)]
-        coordinates = [cut.layout.rank] if cut is not None and cut.same_cut(split) \
-            else list(range(split.size))
+            return None, [(self.base_tp, 0)], cut is None or not self.recorded
+        if cut is not None and cut.same_cut(split):
+            coordinates, direct = [cut.layout.rank], True
+        else:
+            coordinates, direct = list(range(split.size)), False
         return split, [(c, 0) if split.axis == "tp" else (self.base_tp, c)
-                       for c in coordinates]
+                       for c in coordinates], direct
 
 
 def _recut(split: SavedSplit | None, parts: Sequence[torch.Tensor], cut: Cut | None,
@@ -116,12 +124,6 @@ def _recut(split: SavedSplit | None, parts: Sequence[torch.Tensor], cut: Cut | N
                               "load it into the same model", path=where) from None
 
 
-def _is_direct(split: SavedSplit | None, cut: Cut | None) -> bool:
-    """Whether this rank's slice is exactly one saved slice (no merge, no cut)."""
-    return (split is None and cut is None) or (
-        split is not None and cut is not None and cut.same_cut(split))
-
-
 def reshard_layer(index: int, expected: Mapping[str, torch.Tensor],
                   cuts: Mapping[str, Cut | None], grid: SavedGrid,
                   read: Callable[[Slice], Mapping[str, torch.Tensor]], *, where: str
@@ -132,7 +134,7 @@ def reshard_layer(index: int, expected: Mapping[str, torch.Tensor],
     state = {}
     for name in expected:
         cut = cuts.get(name)
-        split, slices = grid.slices((index, name), cut)
+        split, slices, direct = grid.slices((index, name), cut)
         parts = []
         for slice_ in slices:
             saved = read(slice_)
@@ -141,7 +143,7 @@ def reshard_layer(index: int, expected: Mapping[str, torch.Tensor],
                                       f"slice (tp, ep) = {slice_}; load it into the same "
                                       "model", path=where)
             parts.append(saved[name])
-        state[name] = parts[0] if _is_direct(split, cut) and len(parts) == 1 \
+        state[name] = parts[0] if direct \
             else _recut(split, parts, cut, f"layer {index} {name!r}", where)
     return state
 
@@ -175,9 +177,9 @@ def assemble_resharded(pieces: Iterable[tuple[Slice, Mapping[str, Any]]],
             by_key.setdefault(key, {}).setdefault(slice_, []).append(piece)
     result: dict[ParamKey, Assembled] = {}
     for key, (start, stop) in wanted.items():
-        split, slices = grid.slices(key, cuts.get(key))
+        split, slices, direct = grid.slices(key, cuts.get(key))
         found = by_key.get(key, {})
-        if _is_direct(split, cuts.get(key)):
+        if direct:
             result.update(assemble(found.get(slices[0], []), {key: (start, stop)},
                                    where=where))
             continue
