@@ -48,6 +48,8 @@ def _run(rank: int, world_size: int, root: str) -> None:
     for case in CASES:
         for result in reshard_differences(case, root):
             label = f"{case.model} {case.saved.label()} -> {result['layout']}"
+            if rank == 0:  # shown with pytest -s
+                print(f"{label}: loss {result['loss']:.1e}, weights {result['param']:.1e}")
             assert result["step"] == 1 and result["compared"] > 0, (label, result)
             if max(result["loss"], result["param"]) > TOLERANCE:
                 failures.append(f"{label}: {result}")
