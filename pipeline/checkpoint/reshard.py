@@ -119,7 +119,7 @@ def _recut(split: SavedSplit | None, parts: Sequence[torch.Tensor], cut: Cut | N
         full = parts[0] if split is None else \
             ShardLayout(split.dim, split.blocks, 0, split.size).merge(list(parts))
         return full if cut is None else cut.layout.shard(full)
-    except (ValueError, RuntimeError) as error:
+    except (ValueError, RuntimeError, IndexError) as error:
         raise CheckpointError(f"{where}: {what} cannot be re-cut for this job ({error}); "
                               "load it into the same model", path=where) from None
 
