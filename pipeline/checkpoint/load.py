@@ -1,4 +1,6 @@
-"""Load a checkpoint into this rank's part of any partition: verify everything, then apply.
+"""Load a checkpoint into this rank's part of any (pp, tp, dp, ep): verify everything, then apply.
+
+Under another tp or ep the saved slices are merged and re-cut (`pipeline.checkpoint.reshard`).
 
 Two phases, each ending in a vote of all ranks (`agree`): first every rank resolves the
 directory, checks the manifest and that every listed file is present with its size, reads
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +30,10 @@ from pipeline.checkpoint.manifest import (
 from pipeline.checkpoint.optimizer_state import (
     Assembled,
     ParamKey,
-    assemble,
     import_torch_optimizer,
     param_keys,
 )
+from pipeline.checkpoint.reshard import SavedGrid, Slice, assemble_resharded, cut_of, reshard_layer
 from pipeline.checkpoint.rng_state import check_rng, restore_rng
 from pipeline.checkpoint.save import (
     CheckpointInfo,
@@ -42,6 +45,7 @@ from pipeline.checkpoint.save import (
 from pipeline.checkpoint.zero_state import ZeroRegion, import_zero, wanted_ranges, zero_layout
 from pipeline.errors import CheckpointError
 from pipeline.files import UnreadableInputError, read_regular_file
+from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
 
 __all__ = ["load_checkpoint"]
@@ -121,7 +125,8 @@ def _prepare(path: str, parts: CheckpointParts, load_optimizer: bool) -> _Prepar
             state, hyper, regions = _read_optimizer(step_dir, manifest, parts)
         rng = None
         topology = parts.topology
-        if manifest.topology == (topology.pp, topology.dp, topology.tp):
+        if manifest.topology == (topology.pp, topology.dp, topology.tp) \
+                and manifest.ep == topology.ep:
             entry = next((e for e in manifest.files if e.path == rng_file(parts.rank)), None)
             rng = None if entry is None else check_rng(
                 _read(step_dir, entry), where=os.path.join(step_dir, entry.path))
@@ -143,10 +148,11 @@ def _check_fits(manifest: Manifest, parts: CheckpointParts, step_dir: str,
         problems.append(f"it holds {manifest.num_layers} layers, the module has "
                         f"{module.num_layers}: load it into the same layer list")
     saved_tp = manifest.topology[2]
-    if saved_tp != topology.tp and max(saved_tp, topology.tp) > 1:
-        problems.append(f"it was saved with tensor-parallel size {saved_tp}, this job has "
-                        f"{topology.tp}: re-sharding tensor-parallel weights is not supported, "
-                        f"load with tp={saved_tp}")
+    if saved_tp != topology.tp and saved_tp > 1 and not manifest.splits:
+        problems.append(f"it was saved with tensor-parallel size {saved_tp} by a pipesched "
+                        "that did not record how parameters were split, this job has "
+                        f"{topology.tp}: load it with tp={saved_tp} (then save again to "
+                        "re-shard)")
     if (load_optimizer and manifest.optimizer != "none" and parts.optimizer_kind != "none"
             and manifest.optimizer_class != parts.optimizer_class):
         problems.append(f"its optimizer is {manifest.optimizer_class}, this job's "
@@ -169,24 +175,45 @@ def _check_scaler(manifest: Manifest, parts: CheckpointParts, step_dir: str) -> 
                               "settings", path=step_dir)
 
 
+def _slice_reader(step_dir: str, manifest: Manifest, index: int
+                  ) -> Callable[[Slice], dict[str, torch.Tensor]]:
+    """Reads (once each) the saved files of layer `index` by (tp, ep) slice."""
+    by_name = {entry.path: entry for entry in manifest.files}
+    files: dict[Slice, dict[str, torch.Tensor]] = {}
+
+    def read(slice_: Slice) -> dict[str, torch.Tensor]:
+        if slice_ not in files:
+            tp_rank, ep_rank = slice_
+            name = layer_file(index, tp_rank if manifest.topology[2] > 1 else None, ep_rank)
+            if name not in by_name:
+                raise CheckpointError(f"{step_dir} has no weights of layer {index} ({name}); "
+                                      "was it saved from the same layer list?",
+                                      path=os.path.join(step_dir, name))
+            files[slice_] = _read(step_dir, by_name[name])
+        return files[slice_]
+
+    return read
+
+
 def _read_weights(step_dir: str, manifest: Manifest, parts: CheckpointParts
                   ) -> dict[int, dict[str, torch.Tensor]]:
-    tp_rank = parts.topology.position(parts.rank).tp_rank if parts.topology.tp > 1 else None
-    by_name = {entry.path: entry for entry in manifest.files}
+    grid = SavedGrid.of(manifest, parts.topology.tp,
+                        parts.topology.position(parts.rank).tp_rank)
     weights = {}
     for index, layer in sorted(parts.layers.items()):
         expected = layer.state_dict()
         if not expected:
             continue
-        name = layer_file(index, tp_rank)
-        path = os.path.join(step_dir, name)
-        if name not in by_name:
-            raise CheckpointError(f"{step_dir} has no weights of layer {index} ({name}); was "
-                                  "it saved from the same layer list?", path=path)
-        state = _read(step_dir, by_name[name])
-        mismatched = sorted(set(state) ^ set(expected)) + [
-            f"{n}: saved {tuple(v.shape)}, here {tuple(expected[n].shape)}"
-            for n, v in state.items() if n in expected and v.shape != expected[n].shape]
+        read = _slice_reader(step_dir, manifest, index)
+        path = os.path.join(step_dir, layer_file(
+            index, grid.base_tp if manifest.topology[2] > 1 else None))
+        cuts = {name: cut_of(param) for name, param in layer.named_parameters()}
+        saved = set(read((grid.base_tp, 0)))  # the layer's own file names every entry saved
+        mismatched = sorted(saved ^ set(expected))
+        state = {} if mismatched else reshard_layer(index, expected, cuts, grid, read,
+                                                    where=path)
+        mismatched += [f"{n}: saved {tuple(v.shape)}, here {tuple(expected[n].shape)}"
+                       for n, v in state.items() if v.shape != expected[n].shape]
         if mismatched:
             raise CheckpointError(f"{path} does not fit layer {index}: {mismatched[:4]}; load "
                                   "it into the same model", path=path)
@@ -199,12 +226,18 @@ def _read_optimizer(step_dir: str, manifest: Manifest, parts: CheckpointParts
                                list[ZeroRegion] | None]:
     """The assembled state of every parameter this rank holds, from the files that have it."""
     mine = set(parts.layers)
-    saved_tp = manifest.topology[2]
+    pp, dp, saved_tp = manifest.topology
+    saved = Topology(pp, dp, saved_tp, manifest.ep)
     tp_rank = parts.topology.position(parts.rank).tp_rank
+    grid = SavedGrid.of(manifest, parts.topology.tp, tp_rank)
+    # under the same tp a rank reads only its own tp rank's files, else every one (to merge)
     files = [entry for entry in manifest.files if entry.role == "optimizer"
-             and mine & set(entry.layers) and entry.rank % saved_tp == tp_rank % saved_tp]
+             and mine & set(entry.layers)
+             and (saved_tp != parts.topology.tp or entry.rank % saved_tp == tp_rank)]
     payloads = [_read(step_dir, entry) for entry in files]
-    pieces = [piece for payload in payloads for piece in payload["pieces"]]
+    positions = [saved.position(entry.rank) for entry in files]
+    pieces = [((position.tp_rank, position.ep_rank), piece)
+              for position, payload in zip(positions, payloads) for piece in payload["pieces"]]
     hyper = list(payloads[0]["hyper"]) if payloads else []
     keys = param_keys(parts.module.named_layer_parameters())
     regions = None
@@ -228,8 +261,9 @@ def _read_optimizer(step_dir: str, manifest: Manifest, parts: CheckpointParts
         raise CheckpointError(f"{files[0].path} in {step_dir}: its optimizer hyperparameters are "
                               "not a list of mappings; it was not written by this pipesched",
                               path=os.path.join(step_dir, files[0].path))
-    state = assemble(pieces, wanted, where=step_dir)
     shapes = {key: tuple(param.shape) for key, param in parts.module.named_layer_parameters()}
+    cuts = {key: cut_of(param) for key, param in parts.module.named_layer_parameters()}
+    state = assemble_resharded(pieces, wanted, cuts, shapes, grid, where=step_dir)
     wrong = [f"layer {key[0]} {key[1]!r}: saved {entry.shape}, here {shapes[key]}"
              for key, entry in state.items() if key in shapes and entry.shape != shapes[key]]
     if wrong:

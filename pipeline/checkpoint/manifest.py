@@ -30,8 +30,9 @@ from pipeline.checkpoint.signing import sign, signing_key, verify_signature
 from pipeline.errors import CheckpointError
 from pipeline.files import UnreadableInputError, loads_json, read_regular_file
 
-__all__ = ["FORMAT", "LATEST", "MANIFEST", "VERSION", "FileEntry", "Manifest", "dump_manifest",
-           "parse_manifest", "read_manifest", "resolve_checkpoint", "step_name", "verify_files"]
+__all__ = ["FORMAT", "LATEST", "MANIFEST", "VERSION", "FileEntry", "Manifest", "SavedSplit",
+           "dump_manifest", "parse_manifest", "read_manifest", "resolve_checkpoint", "step_name",
+           "verify_files"]
 
 FORMAT = "pipesched-checkpoint"
 VERSION = 1
@@ -44,6 +45,7 @@ _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _RUN_ID = re.compile(r"([0-9a-f]{16})?")
 _ROLE = re.compile("|".join(ROLES))
+_AXIS = re.compile("tp|ep")
 _MAX_MANIFEST_BYTES = 64 << 20
 
 
@@ -69,6 +71,22 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class SavedSplit:
+    """How the saving job cut one parameter over its tensor- or expert-parallel ranks: rank
+    i of `size` along `axis` held its part of each of `blocks` along `dim`
+    (`pipeline.parallel.tensor.shard_layout.ShardLayout`; experts: dim 0, one block of E)."""
+
+    layer: int
+    name: str
+    """The parameter's name inside its layer."""
+    axis: str
+    """'tp' (the slice file of tp rank i) or 'ep' (the expert file of ep rank i)."""
+    dim: int
+    blocks: tuple[int, ...]
+    size: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     """Everything a loader needs to know before opening a checkpoint file."""
 
@@ -90,6 +108,11 @@ class Manifest:
     """The run that saved it (16 hex digits, kept across a job's saves and resumes into one
     root; "" in checkpoints from before run ids): signed with the rest, and checked against
     the signed `latest` (`pipeline.checkpoint.pointer`)."""
+    ep: int = 1
+    """Expert parallelism of the saving job (1 in checkpoints from before it was recorded)."""
+    splits: tuple[SavedSplit, ...] = ()
+    """Every parameter saved as tp or ep slices, and how it was cut (`pipeline.checkpoint.
+    reshard` merges them under another tp or ep)."""
 
 
 def dump_manifest(manifest: Manifest) -> bytes:
@@ -177,7 +200,8 @@ def parse_manifest(raw: bytes | str, *, where: str = MANIFEST) -> Manifest:
         optimizer=read.text(doc, "optimizer", re.compile("none|torch|zero")),
         optimizer_class=read.text(doc, "optimizer_class"),
         loss_scaler=_loss_scaler(doc.get("loss_scaler"), read), files=_files(doc, read),
-        run_id=read.text(doc, "run_id", _RUN_ID) if "run_id" in doc else "")
+        run_id=read.text(doc, "run_id", _RUN_ID) if "run_id" in doc else "",
+        ep=read.integer(doc, "ep", 1) if "ep" in doc else 1, splits=_splits(doc, read))
     if manifest.world_size != math.prod(manifest.topology):
         read.problems.append(f"world_size={manifest.world_size} is not pp·dp·tp of topology "
                              f"{list(manifest.topology)}")
@@ -197,6 +221,26 @@ def _loss_scaler(value: object, read: _Reader) -> dict[str, float] | None:
         read.problems.append(f"loss_scaler={_short(value)} is not null or a mapping of numbers")
         return None
     return {key: float(number) for key, number in value.items()}
+
+
+def _splits(doc: dict[str, Any], read: _Reader) -> tuple[SavedSplit, ...]:
+    raw = doc.get("splits", [])
+    if not isinstance(raw, list):
+        read.problems.append(f"splits={_short(raw)} is not a list")
+        return ()
+    splits = []
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict):
+            read.problems.append(f"splits[{index}]={_short(item)} is not an object")
+            continue
+        split = SavedSplit(layer=read.integer(item, "layer"), name=read.text(item, "name"),
+                           axis=read.text(item, "axis", _AXIS), dim=read.integer(item, "dim"),
+                           blocks=read.integers(item, "blocks"),
+                           size=read.integer(item, "size", 1))
+        if not split.blocks:
+            read.problems.append(f"splits[{index}] has no blocks")
+        splits.append(split)
+    return tuple(splits)
 
 
 def _files(doc: dict[str, Any], read: _Reader) -> tuple[FileEntry, ...]:

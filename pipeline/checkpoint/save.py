@@ -1,9 +1,12 @@
 """Save a training checkpoint so that a crash at any moment leaves a loadable one.
 
-What is saved (layout in `pipeline.checkpoint.manifest`): weights per global layer, optimizer
-state per (layer, parameter) and element range (`pipeline.checkpoint.optimizer_state`, ZeRO-1
-shards through `pipeline.checkpoint.zero_state`), every rank's random generators, the loss scaler
-and step counter, and a manifest with the topology and a sha256 per file.
+What is saved (layout in `pipeline.checkpoint.manifest`): weights per global layer (per tp
+slice, and the experts of each ep rank: `pipeline.checkpoint.reshard` says why per slice and
+how a load under another tp or ep re-cuts them), optimizer state per (layer, parameter) and
+element range (`pipeline.checkpoint.optimizer_state`, ZeRO-1 shards through
+`pipeline.checkpoint.zero_state`), every rank's random generators, the loss scaler and step
+counter, and a manifest with the topology, how each split parameter was cut and a sha256 per
+file.
 
 Why a crash cannot tear it — the order of a save (a collective: every rank calls it)::
 
@@ -41,14 +44,23 @@ from torch import nn
 
 from pipeline.checkpoint.atomic_files import atomic_write, sha256_bytes
 from pipeline.checkpoint.commit import abandon, commit, latest_status
-from pipeline.checkpoint.manifest import LATEST, FileEntry, Manifest, dump_manifest, step_name
+from pipeline.checkpoint.manifest import (
+    LATEST,
+    FileEntry,
+    Manifest,
+    SavedSplit,
+    dump_manifest,
+    step_name,
+)
 from pipeline.checkpoint.optimizer_state import export_torch_optimizer, hyperparameters, param_keys
 from pipeline.checkpoint.pointer import read_run_id
+from pipeline.checkpoint.reshard import module_splits
 from pipeline.checkpoint.rng_state import capture_rng
 from pipeline.checkpoint.root_lock import CheckpointRootLockedError, lock_root
 from pipeline.checkpoint.zero_state import export_zero, zero_layout
 from pipeline.errors import CheckpointError
 from pipeline.model.module import PipelineModule
+from pipeline.parallel.param_marks import expert_shard
 from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.supervision.faults import FaultPoints
@@ -123,10 +135,13 @@ class CheckpointInfo:
     """False after a load into another topology (each rank keeps its own generators)."""
 
 
-def layer_file(index: int, tp_rank: int | None = None) -> str:
-    """File name of layer `index`'s weights (per tensor-parallel rank when tp > 1)."""
+def layer_file(index: int, tp_rank: int | None = None, ep_rank: int = 0) -> str:
+    """File name of layer `index`'s weights (per tensor-parallel rank when tp > 1); with
+    `ep_rank` > 0 the experts that expert-parallel rank holds (ep rank 0's are in the
+    layer's own file)."""
     shard = "" if tp_rank is None else f"-tp_{tp_rank:02d}"
-    return f"layer_{index:02d}{shard}-model_states.pt"
+    experts = f"-ep_{ep_rank:02d}" if ep_rank else ""
+    return f"layer_{index:02d}{shard}{experts}-model_states.pt"
 
 
 def optimizer_file(rank: int) -> str:
@@ -178,16 +193,22 @@ def _payloads(parts: CheckpointParts) -> list[tuple[str, str, tuple[int, ...], C
     tp_rank = position.tp_rank if parts.topology.tp > 1 else None
     files: list[tuple[str, str, tuple[int, ...], Callable[[], Any]]] = []
     layers = parts.layers
-    if position.dp_rank == 0:  # data-parallel replicas hold the same weights
-        for index, layer in sorted(layers.items()):
-            state = layer.state_dict()
-            if state:  # a parameter-free layer has nothing to keep
-                files.append((layer_file(index, tp_rank), "layer", (index,),
-                              functools.partial(_compact, state)))
+    # data-parallel replicas hold the same weights, but for the experts: the first ep
+    # replicas (dp ranks 0 .. ep-1) hold different ones (ep rank 0's are in the layer file)
+    ep_rank = position.ep_rank if position.dp_rank < parts.topology.ep else -1
+    for index, layer in sorted(layers.items()):
+        state = layer.state_dict()
+        if ep_rank > 0:
+            experts = {name for name, param in layer.named_parameters()
+                       if expert_shard(param) is not None}
+            state = {name: value for name, value in state.items() if name in experts}
+        if state and ep_rank >= 0:  # a parameter-free layer has nothing to keep
+            files.append((layer_file(index, tp_rank, max(ep_rank, 0)), "layer", (index,),
+                          functools.partial(_compact, state)))
     kind = parts.optimizer_kind
-    if kind == "zero" or (kind == "torch" and position.dp_rank == 0):
+    if kind == "zero" or (kind == "torch" and ep_rank >= 0):
         files.append((optimizer_file(parts.rank), "optimizer", tuple(sorted(layers)),
-                      lambda: _optimizer_payload(parts)))
+                      lambda: _optimizer_payload(parts, experts_only=ep_rank > 0)))
     files.append((rng_file(parts.rank), "rng", (), capture_rng))
     for name, data in parts.extra_files.items():
         files.append((name, "client", (), functools.partial(bytes, data)))
@@ -199,7 +220,9 @@ def _compact(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in state.items()}
 
 
-def _optimizer_payload(parts: CheckpointParts) -> dict[str, Any]:
+def _optimizer_payload(parts: CheckpointParts, experts_only: bool = False) -> dict[str, Any]:
+    """This rank's optimizer pieces; `experts_only`: a plain optimizer on ep rank > 0, whose
+    dense state ep rank 0 saves."""
     keys = param_keys(parts.module.named_layer_parameters())
     optimizer = parts.optimizer
     if isinstance(optimizer, ShardedOptimizer):
@@ -211,8 +234,13 @@ def _optimizer_payload(parts: CheckpointParts) -> dict[str, Any]:
                 "hyper": hyperparameters(optimizer.optimizer),
                 "pieces": export_zero(optimizer, regions)}
     assert optimizer is not None  # _payloads writes this file only with an optimizer
+    pieces = export_torch_optimizer(optimizer, keys)
+    if experts_only:
+        experts = {keys[id(param)] for _, param in parts.module.named_layer_parameters()
+                   if expert_shard(param) is not None}
+        pieces = [piece for piece in pieces if (piece["layer"], piece["name"]) in experts]
     return {"kind": "torch", "class": parts.optimizer_class,
-            "hyper": hyperparameters(optimizer), "pieces": export_torch_optimizer(optimizer, keys)}
+            "hyper": hyperparameters(optimizer), "pieces": pieces}
 
 
 def _write_files(staging: str, parts: CheckpointParts) -> list[FileEntry]:
@@ -273,17 +301,21 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
             abandon(root, staging)
         raise CheckpointError(f"{error}; nothing was committed, the staging directory is "
                               f"removed and {latest_status(root)}", path=error.path) from None
-    gathered = _all_gather(entries)
+    gathered = _all_gather((entries, module_splits(parts.module.named_layer_parameters())))
     if parts.rank == 0:
-        manifest = _manifest(parts, [entry for rank_entries in gathered
-                                     for entry in rank_entries], run_id)
+        splits = {(split.layer, split.name): split for _, rank_splits in gathered
+                  for split in rank_splits}
+        manifest = _manifest(parts, [entry for rank_entries, _ in gathered
+                                     for entry in rank_entries], run_id,
+                             tuple(splits[key] for key in sorted(splits)))
         problem = commit(root, staging, final_name, dump_manifest(manifest), token,
                          parts.reach, run_id)
     agree(problem, "committing the checkpoint")
     return CheckpointInfo(os.path.join(root, final_name), parts.step)
 
 
-def _manifest(parts: CheckpointParts, entries: list[FileEntry], run_id: str) -> Manifest:
+def _manifest(parts: CheckpointParts, entries: list[FileEntry], run_id: str,
+              splits: tuple[SavedSplit, ...]) -> Manifest:
     topology = parts.topology
     return Manifest(
         step=parts.step, world_size=topology.world_size,
@@ -292,4 +324,5 @@ def _manifest(parts: CheckpointParts, entries: list[FileEntry], run_id: str) -> 
         num_microbatches=parts.num_microbatches, optimizer=parts.optimizer_kind,
         optimizer_class=parts.optimizer_class,
         loss_scaler=None if parts.loss_scaler is None else parts.loss_scaler.state_dict(),
-        files=tuple(sorted(entries, key=lambda entry: entry.path)), run_id=run_id)
+        files=tuple(sorted(entries, key=lambda entry: entry.path)), run_id=run_id,
+        ep=topology.ep, splits=splits)

@@ -27,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
     verify_files(step_dir, manifest.files)
     pp, dp, tp = manifest.topology
     total = sum(entry.size for entry in manifest.files)
-    print(f"{step_dir}: complete — step {manifest.step}, pp={pp} dp={dp} tp={tp}, "
+    experts = f" ep={manifest.ep}" if manifest.ep > 1 else ""
+    print(f"{step_dir}: complete — step {manifest.step}, pp={pp} dp={dp} tp={tp}{experts}, "
           f"{len(manifest.files)} files, {total} bytes verified")
     return 0

@@ -52,8 +52,8 @@ class ExpertShardedOptimizer(ShardedOptimizer):
     seen by the engine as one: reducer and optimizer. The inner optimizer is the user's one
     optimizer over every parameter, its groups carried onto both halves' shard pieces, so a
     learning-rate scheduler sees every parameter. Gradient clipping takes one norm over both
-    halves; overlapped parameter gathers run per half. Not covered yet: engine checkpoints
-    (refused before they run)."""
+    halves; overlapped parameter gathers run per half; checkpoints read each half
+    (`pipeline.checkpoint.zero_state`)."""
 
     def __init__(self, params_by_stage: Mapping[int, Sequence[torch.nn.Parameter]],
                  optimizer_factory: OptimizerFactory, dp_group: ProcessGroup,
@@ -175,4 +175,5 @@ class ExpertShardedOptimizer(ShardedOptimizer):
         return held
 
     def layouts(self) -> dict[int, ShardLayout]:
-        raise PipelineConfigError("engine checkpoints do not hold expert-parallel shards yet")
+        raise PipelineConfigError("an ExpertShardedOptimizer has two layouts, one per half: "
+                                  "read .dense.layouts() and .experts.layouts()")

@@ -461,11 +461,6 @@ class PipelineEngine:
         return info
 
     def _checkpoint_parts(self) -> CheckpointParts:
-        if self.topology.ep > 1:  # the same on every rank: all refuse before any message
-            raise PipelineConfigError(
-                f"engine checkpoints do not hold expert-parallel shards yet (ep="
-                f"{self.topology.ep}): export with pipeline.interop.hf_weights."
-                "save_hf_checkpoint (it gathers every expert), or train with ep=1")
         optimizer: Any = self.optimizer
         regions = (zero_regions(self.module, self.training.tied)
                    if isinstance(optimizer, ShardedOptimizer) else None)

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pipeline.parallel.param_marks import mark_tensor_parallel
 from pipeline.parallel.tensor.collectives import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
@@ -28,6 +27,7 @@ from pipeline.parallel.tensor.overlap import (
     reduce_grad,
     row_parallel_linear,
 )
+from pipeline.parallel.tensor.shard_layout import ShardLayout, mark_sharded
 
 __all__ = [
     "ColumnParallelLinear",
@@ -83,12 +83,14 @@ class ColumnParallelLinear(nn.Module):
         self.sequence_parallel, self.overlap, self.chunks, self.ops = (
             sequence_parallel, overlap, chunks, ops)
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(_rows(full.weight.detach(), size, rank, fused_parts))
-        mark_tensor_parallel(self.weight, 0)
+        # how the rows were cut (each fused block separately), for checkpoints under another tp
+        layout = ShardLayout(0, (out_features // fused_parts,) * fused_parts, rank, size)
+        self.weight = mark_sharded(
+            nn.Parameter(_rows(full.weight.detach(), size, rank, fused_parts)), layout)
         self.bias: nn.Parameter | None = None
         if full.bias is not None:
-            self.bias = nn.Parameter(_rows(full.bias.detach(), size, rank, fused_parts))
-            mark_tensor_parallel(self.bias, 0)
+            self.bias = mark_sharded(
+                nn.Parameter(_rows(full.bias.detach(), size, rank, fused_parts)), layout)
 
     @classmethod
     def from_full(cls, full: nn.Linear, group: ProcessGroup | None, *,
@@ -136,8 +138,9 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel, self.overlap, self.chunks, self.ops = (
             sequence_parallel, overlap, chunks, ops)
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(full.weight.detach().chunk(size, dim=1)[rank].clone())
-        mark_tensor_parallel(self.weight, 1)
+        self.weight = mark_sharded(
+            nn.Parameter(full.weight.detach().chunk(size, dim=1)[rank].clone()),
+            ShardLayout(1, (in_features,), rank, size))
         self.bias: nn.Parameter | None = None
         if full.bias is not None:
             self.bias = nn.Parameter(full.bias.detach().clone())
@@ -183,8 +186,9 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
-        self.weight = nn.Parameter(full.weight.detach()[self.vocab_start:self.vocab_end].clone())
-        mark_tensor_parallel(self.weight, 0)
+        self.weight = mark_sharded(
+            nn.Parameter(full.weight.detach()[self.vocab_start:self.vocab_end].clone()),
+            ShardLayout(0, (num_embeddings,), rank, size))
 
     @classmethod
     def from_full(cls, full: nn.Embedding, group: ProcessGroup | None
