@@ -1,4 +1,4 @@
-"""Emulated all-to-all lane: exchanges queue one at a time, and a wait already over costs nothing."""
+"""Emulated all-to-all lane: exchanges queue one at a time; a wait already over costs nothing."""
 
 from __future__ import annotations
 
