@@ -63,6 +63,11 @@ GATHER_LABEL = "gather"
 rows of a timeline with `gather_ends`)."""
 _GATHER_COLOUR = "#16a085"
 _GATHER_CODE = KIND_CODES[Kind.STEP]
+ALL_TO_ALL_LABEL = "all-to-all"
+"""Label of the bar container holding a simulated expert all-to-all's parts (ALL_TO_ALL rows,
+`CostModel.all_to_all`)."""
+_ALL_TO_ALL_COLOUR = "#d35400"
+_ALL_TO_ALL_CODE = KIND_CODES[Kind.ALL_TO_ALL]
 _ORDER = (Kind.F, Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W)
 
 
@@ -173,7 +178,8 @@ def draw_timeline(ax: Axes, timeline: Timeline, axis: TimeAxis, *, width_inches:
         _draw_labels(ax, left, width, timeline.rank[select], timeline.microbatch[select],
                      colours, points_per_unit, row_points)
 
-    if timeline.reduction_ends or timeline.gather_ends:
+    if timeline.reduction_ends or timeline.gather_ends or \
+            (timeline.kind == _ALL_TO_ALL_CODE).any():
         _draw_reduction(ax, timeline, axis)
     if show_comm:
         _draw_comm(ax, timeline, axis)
@@ -193,10 +199,11 @@ def draw_timeline(ax: Axes, timeline: Timeline, axis: TimeAxis, *, width_inches:
 
 
 def _draw_reduction(ax: Axes, timeline: Timeline, axis: TimeAxis) -> None:
-    """A simulated gradient reduction: its buckets as a band along the top of each row (the
-    rank's communication lane, under and after its compute)."""
+    """A simulated gradient reduction, parameter gather or expert all-to-all: its parts as a
+    band along the top of each row (the rank's communication lane, under its compute)."""
     lanes = [(_REDUCE_CODE, REDUCE_LABEL, _REDUCE_COLOUR, timeline.reduction_ends),
-             (_GATHER_CODE, GATHER_LABEL, _GATHER_COLOUR, timeline.gather_ends)]
+             (_GATHER_CODE, GATHER_LABEL, _GATHER_COLOUR, timeline.gather_ends),
+             (_ALL_TO_ALL_CODE, ALL_TO_ALL_LABEL, _ALL_TO_ALL_COLOUR, True)]
     for code, label, colour, present in lanes:
         select = timeline.kind == code
         if present and select.any():
@@ -216,6 +223,7 @@ def _draw_comm(ax: Axes, timeline: Timeline, axis: TimeAxis) -> None:
         other &= timeline.kind != _REDUCE_CODE
     if timeline.gather_ends:
         other &= timeline.kind != _GATHER_CODE
+    other &= timeline.kind != _ALL_TO_ALL_CODE
     for select, label, colour in ((is_comm, "comm", COMM_COLOUR), (other, "other", "#8e44ad")):
         if select.any():
             add_bars(ax, timeline.rank[select] + BAR_HEIGHT / 2 - _COMM_HEIGHT / 2,

@@ -27,6 +27,7 @@ from torch.distributed import ProcessGroup
 
 from pipeline.errors import PipelineConfigError
 from pipeline.moe import experts as bank
+from pipeline.moe.interleave import hand_over
 from pipeline.moe.layer import MoEFeedForward
 from pipeline.parallel.groups import ProcessGroups
 from pipeline.parallel.param_marks import mark_expert_shard
@@ -64,8 +65,17 @@ def check_expert_layers(modules: Iterable[nn.Module], ep: int) -> None:
             raise PipelineConfigError(problem)
 
 
+def _all_to_all(out: torch.Tensor, rows: torch.Tensor, receive: list[int], send: list[int],
+                group: ProcessGroup) -> None:
+    work = dist.all_to_all_single(out, rows, receive, send, group=group, async_op=True)
+    if work is not None:
+        hand_over(work)
+
+
 class _Exchange(torch.autograd.Function):
-    """all_to_all_single whose backward is the reverse exchange. Our own because
+    """all_to_all_single whose backward is the reverse exchange, both launched asynchronously
+    and waited through `interleave.hand_over` (an overlapped pair's other microbatch computes
+    meanwhile). Our own because
     torch.distributed.nn's is deprecated and the functional collectives' autograd variant
     is private API."""
 
@@ -74,13 +84,13 @@ class _Exchange(torch.autograd.Function):
                 group: ProcessGroup) -> torch.Tensor:
         ctx.receive, ctx.send, ctx.group = receive, send, group
         out = rows.new_empty((sum(receive), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
+        _all_to_all(out, rows.contiguous(), receive, send, group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+        _all_to_all(back, grad.contiguous(), ctx.send, ctx.receive, ctx.group)
         return back, None, None, None
 
 
@@ -102,6 +112,9 @@ def expert_major_order(matrix: torch.Tensor) -> torch.Tensor:
 class AllToAllDispatcher:
     """Dispatch to and combine from the experts of an ep group (this rank holds experts
     first_expert .. first_expert + E/ep - 1)."""
+
+    all_to_all_inside = True
+    """Its dispatch and combine wait through `interleave.hand_over`."""
 
     def __init__(self, group: ProcessGroup, num_experts: int, ep: int) -> None:
         self.group = group

@@ -19,6 +19,7 @@ from pipeline.device import default_device, synchronize
 from pipeline.errors import NonFiniteError, PipelineConfigError, PipelineStepError
 from pipeline.model.module import PipelineModule
 from pipeline.moe.expert_parallel import parallelize_experts
+from pipeline.moe.interleave import has_expert_all_to_all
 from pipeline.parallel.data_parallel import GradReducer, broadcast_buffers
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
 from pipeline.parallel.local_p2p import open_local_link
@@ -168,7 +169,8 @@ class PipelineEngine:
             precision=parallel.precision, loss_scale=self.training.loss_scale,
             progress=self.progress, shares_loss=self.position.tp_rank == 0,
             overlap_grad_reduce=parallel.overlap_grad_reduce,
-            free_sent_outputs=self.config.free_sent_outputs)
+            free_sent_outputs=self.config.free_sent_outputs,
+            interleave_pairs=has_expert_all_to_all(module))
         self._last_schedule: Schedule = self.schedule
         self._finite_flags: list[FiniteFlag] = []
         self.last_stats: StepStats | None = None

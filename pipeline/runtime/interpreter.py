@@ -19,6 +19,7 @@ from torch import nn
 from pipeline.errors import PipelineConfigError
 from pipeline.model.layer_rng import forward_key
 from pipeline.model.module import LossFn, PipelineModule, Stage
+from pipeline.moe.interleave import run_interleaved
 from pipeline.parallel.data_parallel import GradReducer, OverlappingReducer
 from pipeline.parallel.optimizer_step import OptimizerStep
 from pipeline.parallel.precision import Precision, autocast
@@ -40,6 +41,7 @@ from pipeline.runtime.stage_tensors import (
     make_leaves,
 )
 from pipeline.runtime.step_state import SavedForward, StepState
+from pipeline.runtime.stream_scan import interleavable_pairs, last_backwards, pair_spans
 from pipeline.runtime.trace import Trace
 from pipeline.supervision.progress import ProgressRecord, StallError, explain_stall
 from schedules import Instruction, Kind
@@ -88,7 +90,8 @@ class Interpreter:
                  precision: Precision = "fp32",
                  loss_scale: Callable[[], float] = lambda: 1.0,
                  progress: ProgressRecord | None = None, shares_loss: bool = True,
-                 overlap_grad_reduce: bool = False, free_sent_outputs: bool = True) -> None:
+                 overlap_grad_reduce: bool = False, free_sent_outputs: bool = True,
+                 interleave_pairs: bool = False) -> None:
         self.module = module
         self.pp_rank = pp_rank
         self.placement = tuple(placement)
@@ -123,6 +126,12 @@ class Interpreter:
         """What this rank does, for stall probes (the engine's record, read by its watchdog)."""
         self.overlap = overlap_grad_reduce and isinstance(reducer, OverlappingReducer)
         """Whether each stage's last B tells the reducer to launch buckets from its hooks."""
+        self.interleave_pairs = interleave_pairs
+        """Run each overlapped pair's F and B interleaved at their all-to-alls
+        (`pipeline.moe.interleave`); else F, then B."""
+        self.pair_handovers = 0
+        """Times an overlapped pair's all-to-all ran under the other microbatch's compute."""
+        self._pairs: tuple[Sequence[Instruction], dict[int, int]] = ((), {})
         self.op_start = 0.0
         self._early: tuple[Sequence[Instruction], dict[int, list[int]]] = ((), {})
         self._witnesses: tuple[object, dict[MessageKey, list[MessageKey]]] = ((), {})
@@ -153,7 +162,10 @@ class Interpreter:
         early = self._early[1]
         if self.overlap and self._last[0] is not stream:
             self._last = (stream, last_backwards(stream))
-        posted: set[int] = set()  # receives already posted ahead of their place
+        if self.interleave_pairs and self._pairs[0] is not stream:
+            self._pairs = (stream, interleavable_pairs(stream))
+        pairs = self._pairs[1] if self.interleave_pairs else {}
+        posted: set[int] = set()  # receives posted ahead of their place; B run in a pair
         try:
             for step, op in enumerate(stream):
                 if step in posted:
@@ -163,7 +175,11 @@ class Interpreter:
                         break  # the later ones wait too: a peer's messages match in order
                     self._run_one(k, stream[k], state)
                     posted.add(k)
-                self._run_one(step, op, state)
+                if step in pairs:
+                    self._run_pair(step, op, pairs[step], stream[pairs[step]], state)
+                    posted.add(pairs[step])
+                else:
+                    self._run_one(step, op, state)
         finally:
             self.state = StepState(None, None, True)  # hold nothing between steps
 
@@ -177,6 +193,31 @@ class Interpreter:
                     self.execute(op)
             else:  # a recompute in B gets the key through its checkpointed segment
                 self.execute(op)
+        except Exception as error:
+            raise InstructionFailed(step, op) from error
+
+    def _run_pair(self, step: int, op: Instruction, b_step: int, b_op: Instruction,
+                  state: StepState) -> None:
+        """F and its OVERLAP_B taking turns at their all-to-alls (`run_interleaved`)."""
+        try:
+            if self.overlap and b_step in self._last[1]:
+                cast(OverlappingReducer, self.reducer).last_backward(b_op.stage)
+            saved, grads = self._backward_inputs(b_op)  # here: it may wait on a receive
+            self.progress.execute(op)
+            self.comm.flush()
+            start, forward_end = _now(), [0.0]
+
+            def forward() -> None:
+                with forward_key(state.step, state.first_microbatch + op.microbatch,
+                                 self.device):
+                    self.forward(op)
+                forward_end[0] = _now()
+
+            self.pair_handovers += run_interleaved(
+                lambda: self._apply_backward(b_op, saved, grads), forward)
+            f_span, b_span = pair_spans(start, forward_end[0], _now())
+            self.trace.record(op.kind, op.stage, op.microbatch, *f_span)
+            self.trace.record(b_op.kind, b_op.stage, b_op.microbatch, *b_span)
         except Exception as error:
             raise InstructionFailed(step, op) from error
 
@@ -363,12 +404,18 @@ class Interpreter:
             self.state.send_b[(s, i)] = grads
 
     def backward(self, op: Instruction) -> None:
-        s, i = op.stage, op.microbatch
-        saved = self.state.saved.pop((s, i))
-        grads = self._root_grads(s, i, saved)
+        self._apply_backward(op, *self._backward_inputs(op))
+
+    def _backward_inputs(self, op: Instruction
+                         ) -> tuple[SavedForward, list[torch.Tensor] | None]:
+        saved = self.state.saved.pop((op.stage, op.microbatch))
+        return saved, self._root_grads(op.stage, op.microbatch, saved)
+
+    def _apply_backward(self, op: Instruction, saved: SavedForward,
+                        grads: list[torch.Tensor] | None) -> None:
         if saved.roots:
             torch.autograd.backward(saved.roots, grads)
-        self._pass_input_grads(s, i, saved.leaves)
+        self._pass_input_grads(op.stage, op.microbatch, saved.leaves)
 
     def input_grad(self, op: Instruction) -> None:
         s, i = op.stage, op.microbatch
@@ -447,19 +494,3 @@ class Interpreter:
             share += torch.stack(state.losses).sum().double().cpu() / self.m
         return share
 
-
-def last_backwards(stream: Sequence[Instruction]) -> dict[int, int]:
-    """Step index -> stage of each stage's last fused backward (B) before its REDUCE_GRAD.
-
-    A stage whose last backward op is a split W is left out: its W runs layer by layer, so
-    a weight shared by two layers would be accumulated after its bucket launched."""
-    last: dict[int, tuple[int, Kind]] = {}
-    found: dict[int, int] = {}
-    for k, op in enumerate(stream):
-        if op.kind in (Kind.B, Kind.OVERLAP_B, Kind.I, Kind.W):
-            last[op.stage] = (k, op.kind)
-        elif op.kind is Kind.REDUCE_GRAD and op.stage in last:
-            index, kind = last[op.stage]
-            if kind is not Kind.I and kind is not Kind.W:
-                found[index] = op.stage
-    return found

@@ -7,14 +7,15 @@ another rank). Dependencies of stage s, microbatch i (S stages):
     B|I(s,i)    <- F(s,i), B|I(s+1,i)        (the latter absent for s = S-1)
     W(s,i)      <- I(s,i)
 An F followed on its rank by an OVERLAP_B (DualPipe's overlapped F&B pair) starts when the
-inputs of both are there and lasts `overlap` × (F + B); both outputs leave at its end.
+inputs of both are there and lasts `overlap` × (F + B), or what `pair` says (an expert
+all-to-all interleaved, `schedules.analysis.all_to_all`); both outputs leave at its end.
 Written as an event loop (a rank runs until it blocks, then waits on the op it needs)
 rather than with networkx because it must execute ~1M ops a second for the planner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from schedules.ir.instructions import Instruction, Kind
@@ -43,12 +44,13 @@ def execute(
     delay: Sequence[float],
     overlap: float = 1.0,
     release: dict[int, float] | None = None,
+    pair: Callable[[int, int], tuple[float, float]] | None = None,
 ) -> Execution:
     """Execute compute-only `streams`; per-stage costs, `delay[s]` on the s ↔ s+1 edge.
 
     A fused B costs backward[s] + weight[s]; I costs backward[s]; W costs weight[s]; a pair
     F(s) + OVERLAP_B(s') costs overlap × (forward[s] + backward[s'] + weight[s']), shown as
-    two spans in that proportion.
+    two spans in that proportion; given `pair`, `pair(s, s')` is the pair's (F span, B span).
     `release` maps an F's key s·m + i to a time it cannot start before (the parameters a
     gather still brings, `schedules.analysis.gather`); the time an F waits past its other
     inputs adds to its rank's `waited`.
@@ -112,8 +114,13 @@ def execute(
                 if release is not None and release.get(index, ready) > ready:
                     waited[rank] += release[index] - ready
                     ready = release[index]
-                split = ready + overlap * forward[s]
-                end = split + overlap * fused[s2]
+                if pair is None:
+                    split = ready + overlap * forward[s]
+                    end = split + overlap * fused[s2]
+                else:
+                    forward_part, backward_part = pair(s, s2)
+                    split = ready + forward_part
+                    end = split + backward_part
                 f_end[index] = end
                 g_end[index2] = end
                 rank_starts.append(ready)

@@ -19,7 +19,7 @@ is the engine's (`pipeline.parallel.data_parallel`, `pipeline.parallel.zero`):
   reduce-scatter needs only that bucket final; ZeRO-1 differs in the time only (a
   reduce-scatter, half an all-reduce's traffic: `ring_reduction_time`). A stage whose last
   backward op is a split I or W launches everything at its REDUCE_GRAD: the engine's hooks
-  skip those (`pipeline.runtime.interpreter.last_backwards`).
+  skip those (`pipeline.runtime.stream_scan.last_backwards`).
 - "after_backward" (`overlap_grad_reduce=False`): all k buckets at the stage's REDUCE_GRAD,
   i.e. when the compute op before it in the rank's stream ends (`add_optimizer_step` puts
   it right after the stage's last backward, so one chunk's reduction overlaps the next

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from schedules.analysis.all_to_all import ExpertAllToAll, op_spans, overlapped_pair
 from schedules.analysis.dataflow import Execution, execute
 from schedules.analysis.gather import forward_release, gather_lane
 from schedules.analysis.reduction import (
@@ -164,6 +165,11 @@ class CostModel:
     """The data-parallel gradient reduction; None: none (the timeline holds compute only)."""
     gather: ParamGather | None = None
     """ZeRO-1's parameter all-gather after the step; None: none."""
+    all_to_all: ExpertAllToAll | None = None
+    """The MoE stages' expert all-to-all inside each F and B (I), on each rank's all-to-all
+    lane: exposed in an op run alone (F costs forward + all_to_all.forward), interleaved with
+    the other op's compute in an overlapped pair (`schedules.analysis.all_to_all`, which then
+    prices the pair instead of `overlap`); None: none."""
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "weight", "activation_bytes"):
@@ -183,6 +189,16 @@ class CostModel:
         if self.gather is not None and not isinstance(self.gather, ParamGather):
             raise ScheduleConfigError(f"gather must be a schedules.ParamGather or None, "
                                       f"got {self.gather!r}")
+        if self.all_to_all is not None:
+            if not isinstance(self.all_to_all, ExpertAllToAll):
+                raise ScheduleConfigError(f"all_to_all must be a schedules.analysis.all_to_all."
+                                          f"ExpertAllToAll or None, got {self.all_to_all!r}")
+            _check_per_stage("all_to_all.forward", self.all_to_all.forward)
+            _check_per_stage("all_to_all.backward", self.all_to_all.backward)
+            if self.overlap != 1.0:
+                raise ScheduleConfigError(
+                    f"give overlap={self.overlap!r} or all_to_all, not both: with the expert "
+                    "all-to-all the overlapped pair is priced from it (overlap must stay 1)")
 
     def resolve(self, num_stages: int) -> tuple[list[float], list[float], list[float],
                                                  list[float], list[float]]:
@@ -218,8 +234,18 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     release = None
     if gather is not None and gather.overlap:
         release = _first_forward_release(schedule, streams, gather, forward)
+    compute_forward, compute_backward = forward, backward
+    pair = None
+    if costs.all_to_all is not None:
+        a2a_forward = _per_stage("all_to_all.forward", costs.all_to_all.forward,
+                                 schedule.num_stages)
+        a2a_backward = _per_stage("all_to_all.backward", costs.all_to_all.backward,
+                                  schedule.num_stages)
+        pair = _pair_pricer(forward, backward, weight, a2a_forward, a2a_backward)
+        forward = [f + a for f, a in zip(forward, a2a_forward)]
+        backward = [b + a for b, a in zip(backward, a2a_backward)]
     run = execute(streams, schedule.placement, schedule.num_microbatches, forward, backward,
-                  weight, delay, costs.overlap, release)
+                  weight, delay, costs.overlap, release, pair)
     if run.stuck:
         rank, step = min(run.stuck.items())
         raise ScheduleValidationError(
@@ -252,6 +278,9 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
         joined(run.starts, np.float64), ends,
         name=schedule.name, num_microbatches=schedule.num_microbatches, chunks=schedule.chunks,
         activation_bytes=tuple(act))
+    if costs.all_to_all is not None:
+        timeline = _with_all_to_all(timeline, streams, run, compute_forward, compute_backward,
+                                    weight, a2a_forward, a2a_backward)
     if gather is None:
         if costs.reduction is None or not schedule.has_backward:
             return timeline
@@ -264,6 +293,69 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
         reduce_gradients(schedule, run, costs.reduction, free_at=free)
     timeline = timeline if lanes is None else _with_reduction(timeline, lanes)
     return _with_gather(timeline, schedule, run, gathers, gather.overlap, lanes)
+
+
+def _pair_pricer(forward: Sequence[float], backward: Sequence[float], weight: Sequence[float],
+                 a2a_forward: Sequence[float], a2a_backward: Sequence[float]
+                 ) -> Callable[[int, int], tuple[float, float]]:
+    """(F span, B span) of an overlapped pair F(s) + OVERLAP_B(s2): the pair's time from
+    `overlapped_pair`, shown split in proportion of the two ops' compute."""
+    cache: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def price(s: int, s2: int) -> tuple[float, float]:
+        if (s, s2) not in cache:
+            fused = backward[s2] + weight[s2]
+            total = overlapped_pair(forward[s], a2a_forward[s], fused, a2a_backward[s2]).end
+            share = forward[s] / (forward[s] + fused) if forward[s] + fused > 0 else 0.5
+            cache[(s, s2)] = (total * share, total * (1 - share))
+        return cache[(s, s2)]
+    return price
+
+
+def _with_all_to_all(timeline: Timeline, streams: Sequence[Sequence[Instruction]],
+                     run: Execution, forward: Sequence[float], backward: Sequence[float],
+                     weight: Sequence[float], a2a_forward: Sequence[float],
+                     a2a_backward: Sequence[float]) -> Timeline:
+    """`timeline` with an ALL_TO_ALL row per all-to-all part that takes time, on each rank's
+    all-to-all lane (`schedules.analysis.all_to_all`: `op_spans` for an op alone, the
+    pair's lane for an overlapped pair)."""
+    rows: list[tuple[int, int, int, float, float]] = []
+    for rank, stream in enumerate(streams):
+        starts, k, n = run.starts[rank], 0, len(stream)
+        while k < n:
+            kind, s, i, _ = stream[k]
+            if kind is Kind.F and k + 1 < n and stream[k + 1][0] is Kind.OVERLAP_B:
+                s2, i2 = stream[k + 1][1], stream[k + 1][2]
+                laid = overlapped_pair(forward[s], a2a_forward[s], backward[s2] + weight[s2],
+                                       a2a_backward[s2])
+                owner = {"F": (s, i), "B": (s2, i2)}
+                rows += [(rank, *owner[part.op], starts[k] + part.start, starts[k] + part.end)
+                         for part in laid.lane]
+                k += 2
+                continue
+            if kind is Kind.F:
+                parts = op_spans("F", forward[s], a2a_forward[s])
+            elif kind in (Kind.B, Kind.I, Kind.OVERLAP_B):
+                compute = backward[s] + (0.0 if kind is Kind.I else weight[s])
+                parts = op_spans("B", compute, a2a_backward[s])
+            else:
+                parts = ()
+            rows += [(rank, s, i, starts[k] + part.start, starts[k] + part.end)
+                     for part in parts]
+            k += 1
+    rows = [row for row in rows if row[4] > row[3]]
+    columns = list(zip(*rows)) if rows else [()] * 5
+    code = KIND_CODES[Kind.ALL_TO_ALL]
+
+    def column(base: np.ndarray, values: Sequence[float]) -> np.ndarray:
+        return np.concatenate([base, np.asarray(values, dtype=base.dtype)])
+
+    return replace(
+        timeline, rank=column(timeline.rank, columns[0]),
+        kind=column(timeline.kind, [code] * len(rows)),
+        stage=column(timeline.stage, columns[1]),
+        microbatch=column(timeline.microbatch, columns[2]),
+        start=column(timeline.start, columns[3]), end=column(timeline.end, columns[4]))
 
 
 def _first_forward_release(schedule: Schedule, streams: Sequence[Sequence[Instruction]],

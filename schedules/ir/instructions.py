@@ -44,6 +44,10 @@ class Kind(Enum):
     # F&B pair, torch's OVERLAP_F_B): the pair costs one overlapped time, both outputs leave
     # when it ends. The two must be of different microbatches; an engine may run F then B.
     OVERLAP_B = "OVERLAP_B"
+    # A stage's expert all-to-all (MoE dispatch / combine) inside an F or B of a microbatch:
+    # a simulated timeline's row on the rank's all-to-all lane, never an instruction of a
+    # stream (the engine runs it inside the op; `schedules.analysis.all_to_all`).
+    ALL_TO_ALL = "ALL_TO_ALL"
 
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP_B})
@@ -96,6 +100,7 @@ _NEEDS = {  # which fields each kind carries: (stage, microbatch, peer)
     Kind.SEND_B: (True, True, True), Kind.RECV_B: (True, True, True),
     Kind.LOAD: (True, True, False), Kind.REDUCE_GRAD: (True, False, False),
     Kind.STEP: (False, False, False), Kind.OVERLAP_B: (True, True, False),
+    Kind.ALL_TO_ALL: (True, True, False),
 }
 
 

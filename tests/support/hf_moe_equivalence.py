@@ -45,17 +45,19 @@ def _hf_step(model: Any, ids: torch.Tensor, mask: torch.Tensor | None,
 def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bool = False,
                          top_k: int = 2, ties: bool = False, padded: bool = False,
                          tied: bool = False, clip: float | None = None, steps: int = 1,
+                         schedule: str = "1f1b",
                          **engine: Any) -> dict[str, Any]:
-    """On every rank: the pipelined step (SGD, 4 microbatches per replica, 1F1B) of the tiny
+    """On every rank: the pipelined step (SGD, 4 microbatches per replica, `schedule`) of the tiny
     `family` model against HF's on the concatenated batch of all replicas.
 
     Returns the relative differences ``loss``, ``grad`` and ``param`` (worst over
-    parameters, over every rank) and HF's router logits ``routes`` (for the case's own
-    checks of ties and idle experts). `padded`: right-padded rows with their attention mask,
-    the token-summed loss (padding counts in neither loss, as in HF). `clip`: the engine's
-    gradient_clipping against torch's clip_grad_norm_ on HF's model (then also ``norm``, the
-    relative difference of the norms before clipping). `steps`: steps taken (the last one's
-    loss and gradients compared; the weights after all of them)."""
+    parameters, over every rank), HF's router logits ``routes`` (for the case's own
+    checks of ties and idle experts) and ``handovers``, how often this rank's overlapped pairs
+    ran an all-to-all under the other microbatch's compute. `padded`: right-padded rows with
+    their attention mask, the token-summed loss (padding counts in neither loss, as in HF).
+    `clip`: the engine's gradient_clipping against torch's clip_grad_norm_ on HF's model (then
+    also ``norm``, the relative difference of the norms before clipping). `steps`: steps taken
+    (the last one's loss and gradients compared; the weights after all of them)."""
     hf_model = tiny_moe_model(family, seed=3, top_k=top_k, tied=tied)
     if ties:
         plant_ties_and_an_idle_expert(hf_model)
@@ -63,7 +65,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
     labels = causal_lm_targets(ids, mask if padded else None)
     replica = dist.get_rank() % dp  # Topology: rank = pp_rank · dp + dp_rank
     hf = layers_from_hf(tiny_moe_config(family, top_k=top_k, tied=tied))
-    module = PipelineModule(hf.layers, num_stages=pp,
+    chunks = 2 if schedule.startswith("dualpipev") else 1
+    module = PipelineModule(hf.layers, num_stages=pp, chunks=chunks,
                             loss_fn=hf.summed_loss if padded else hf.loss_fn,
                             partition_method="uniform")
     load_hf_weights(module, hf, hf_model.state_dict())
@@ -71,7 +74,7 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
                                "gradient_clipping": clip, **engine}
     if zero:
         options["zero_stage"] = 1
-    pipelined = PipelineEngine(module, schedule="1f1b", num_microbatches=4, timeout=60,
+    pipelined = PipelineEngine(module, schedule=schedule, num_microbatches=4, timeout=60,
                                optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE),
                                **options)
     if zero != isinstance(pipelined.optimizer, ShardedOptimizer):
@@ -107,7 +110,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
         raise AssertionError(f"{family}: the export lacks {missing}")
     param = max(_relative(state[name], reference[name]) for name in reference)
     found = {"loss": abs(loss - expected) / abs(expected), "grad": float(worst),
-             "param": param, "routes": routes}
+             "param": param, "routes": routes,
+             "handovers": pipelined._interpreter.pair_handovers}  # the engine's own count
     if norm is not None:
         measured = pipelined.training.step.grad_norm
         found["norm"] = abs(float(measured or 0.0) - norm) / norm
