@@ -43,7 +43,9 @@ def main() -> None:
     print("\nactivation bytes one decoder layer saves per tp rank (fp32, s 16, b 2, tp 2)")
     print(f"{'family':<7}{'SP':>4}{'counted':>9}{'eager HF':>10}{'error':>9}"
           f"{'Korthikanti':>12}{'error':>9}")
-    for row in (r for r in rows if r["kind"] == "activations" and r["rank"] == 0):
+    layers = {(r["family"], r["sequence_parallel"]): r for r in rows  # each tp group's rank 0
+              if r["kind"] == "activations" and r["rank"] == 0}
+    for row in layers.values():
         print(f"{row['family']:<7}{'on' if row['sequence_parallel'] else 'off':>4}"
               f"{row['counted']:>9}{row['predicted']:>10.0f}"
               f"{_error(row['counted'], row['predicted']):>9}{row['korthikanti']:>12.0f}"
