@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_layers import HFBlock
 from pipeline.parallel.tensor.collectives import (
     copy_to_tensor_parallel_region,
@@ -31,28 +30,49 @@ from pipeline.parallel.tensor.sequence import (
 from pipeline.parallel.tensor.shard_layout import ShardLayout, mark_sharded
 
 __all__ = ["HeadRows", "ParallelEmbedding", "ParallelHFBlock", "ParallelLMHead", "Region",
-           "RowParallel", "VocabSlot", "shard_parameter"]
+           "RowParallel", "SequenceSwitch", "VocabSlot", "shard_parameter"]
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Region:
     """How a rank enters a column-parallel region and leaves a row-parallel one."""
 
     group: ProcessGroup | None
     sequence_parallel: bool
+    whole_sequence: bool = False
+    """Set while generating (`SequenceSwitch`): the sequence-parallel parts see the whole
+    sequence, as Megatron runs inference without sequence parallelism (the same weights;
+    a decoding step's one new token cannot be split over t ranks)."""
+
+    @property
+    def splits_sequence(self) -> bool:
+        """Whether the carried hidden states hold 1/t of the sequence now."""
+        return self.sequence_parallel and not self.whole_sequence
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """f (identity; all-reduce backward), or with sequence parallelism all-gather the
         sequence (reduce-scatter backward)."""
-        if self.sequence_parallel:  # contiguous: HF's Conv1D views its input
+        if self.splits_sequence:  # contiguous: HF's Conv1D views its input
             return gather_from_sequence_parallel_region(x, self.group).contiguous()
         return copy_to_tensor_parallel_region(x, self.group)
 
     def leave(self, y: torch.Tensor) -> torch.Tensor:
         """g (all-reduce; identity backward), or reduce-scatter over the sequence."""
-        if self.sequence_parallel:  # (batch, seq, hidden) order in memory, as HF's own
+        if self.splits_sequence:  # (batch, seq, hidden) order in memory, as HF's own
             return reduce_scatter_to_sequence_parallel_region(y, self.group).contiguous()
         return reduce_from_tensor_parallel_region(y, self.group)
+
+
+class SequenceSwitch:
+    """A module whose `region` generation can run over the whole sequence: it calls
+    ``pipesched_whole_sequence(True)`` on every module that has it before decoding and
+    ``(False)`` after (`pipeline.runtime.generation.WHOLE_SEQUENCE`). The block's attention
+    and MLP hooks share the block's region, so one switch turns the whole block."""
+
+    region: Region
+
+    def pipesched_whole_sequence(self, whole: bool) -> None:
+        self.region.whole_sequence = whole
 
 
 class VocabSlot:
@@ -73,7 +93,7 @@ def shard_parameter(param: torch.Tensor, dim: int, blocks: tuple[int, ...],
                                      requires_grad=param.requires_grad), layout)
 
 
-class RowParallel(nn.Module):
+class RowParallel(SequenceSwitch, nn.Module):
     """A Linear (or GPT-2 Conv1D, `transposed`) split by input features: this rank's partial
     product leaves the region (summed over tp), then the bias is added once."""
 
@@ -110,7 +130,7 @@ class HeadRows(nn.Module):
         return F.linear(x, self.weight[self.rows], bias)
 
 
-class ParallelEmbedding(nn.Module):
+class ParallelEmbedding(SequenceSwitch, nn.Module):
     """The token embedding with its vocabulary rows split over tp (`torch.tensor_split`
     parts): each rank looks up the ids in its range, zeros elsewhere, then the parts are
     summed (g), or with sequence parallelism reduce-scattered over the sequence. Keeps HF's
@@ -150,7 +170,7 @@ def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, region: Region, slo
     return F.linear(region.enter(hidden), weight)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(SequenceSwitch, nn.Module):
     """An untied lm_head split by vocabulary rows: logits stay split for the loss."""
 
     pipesched_splits_vocabulary = True  # pipeline.runtime.generation.SPLITS_VOCABULARY
@@ -166,24 +186,21 @@ class ParallelLMHead(nn.Module):
         return vocab_logits(hidden, self.weight, self.region, self.slot, self.vocab_start)
 
 
-class ParallelHFBlock(HFBlock):
+class ParallelHFBlock(SequenceSwitch, HFBlock):
     """`HFBlock` whose decoder layer was split over tp. With sequence parallelism the
-    carried hidden states hold 1/t of the sequence; the mask is built for the whole one."""
+    carried hidden states hold 1/t of the sequence; the mask is built for the whole one.
+    While generating (`SequenceSwitch`) it runs as a plain tp block, cache included."""
 
-    def __init__(self, block: HFBlock, sequence_parallel: bool, size: int) -> None:
+    def __init__(self, block: HFBlock, region: Region, size: int) -> None:
         super().__init__(block.layer, block.config, block.mask_function, block.rotary,
-                         block.rotary_layer_type)
-        self.sequence_parallel, self.size = sequence_parallel, size
+                         block.rotary_layer_type,
+                         generation_eos=block.generation_eos_token_id)
+        self.region, self.size = region, size
 
     def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        if not self.sequence_parallel:
+        if not self.region.splits_sequence:
             return super().forward(value)
         hidden, positions, *rest = value
-        if len(rest) == 2:
-            raise PipelineConfigError("generation with sequence parallelism is not "
-                                      "supported: build the layers with "
-                                      "tensor_parallel_hf(hf, sequence_parallel=False) to "
-                                      "generate")
         attention_mask = rest[0] if rest else None
         batch, _, width = hidden.shape
         whole = hidden[:, :1].expand(batch, hidden.shape[SEQUENCE_DIM] * self.size, width)

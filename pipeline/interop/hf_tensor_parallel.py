@@ -59,6 +59,7 @@ from pipeline.interop.hf_modules_tp import (
     ParallelLMHead,
     Region,
     RowParallel,
+    SequenceSwitch,
     VocabSlot,
     enter_on_call,
     shard_parameter,
@@ -186,14 +187,18 @@ def _replicated(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = N
     return mark_replicated(module)
 
 
-class _SequencePositions(GPT2Positions):
-    """GPT-2's positions added to this rank's part of the sequence."""
+class _SequencePositions(SequenceSwitch, GPT2Positions):
+    """GPT-2's positions added to this rank's part of the sequence (all of it while
+    generating, `SequenceSwitch`)."""
 
     def __init__(self, positions: GPT2Positions, group: ProcessGroup | None) -> None:
         super().__init__(positions.wpe, positions.drop.p)
+        self.region = Region(group, sequence_parallel=True)
         self.rank, self.size = tp_rank_and_size(group)
 
     def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if not self.region.splits_sequence:
+            return super().forward(value)
         hidden, positions, *rest = value
         mine = positions.chunk(self.size, dim=-1)[self.rank]
         return (self.drop(hidden + self.wpe(mine)), positions, *rest)
@@ -221,7 +226,7 @@ def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) 
         for param in layer.parameters():
             if id(param) not in inside:
                 sum_gradient_over_tensor_parallel(param, group)
-    return ParallelHFBlock(block, plan.sequence_parallel, size)
+    return ParallelHFBlock(block, region, size)
 
 
 def _column(linear: Any, blocks: tuple[int, ...], region: Region, *,

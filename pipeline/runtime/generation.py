@@ -29,7 +29,7 @@ from pipeline.errors import PipelineConfigError
 if TYPE_CHECKING:
     from pipeline.runtime.inference import Inference
 
-__all__ = ["SPLITS_VOCABULARY", "CachedDecoding", "greedy_generate"]
+__all__ = ["SPLITS_VOCABULARY", "WHOLE_SEQUENCE", "CachedDecoding", "greedy_generate"]
 
 
 @runtime_checkable
@@ -116,6 +116,20 @@ SPLITS_VOCABULARY = "pipesched_splits_vocabulary"
 rank order, e.g. `pipeline.interop.hf_tensor_parallel`'s heads)."""
 
 
+WHOLE_SEQUENCE = "pipesched_whole_sequence"
+"""Method ``(whole: bool) -> None`` of a layer that holds 1/t of the sequence under sequence
+parallelism: generation calls it with True before decoding and False after, so the layers
+run over the whole sequence meanwhile (Megatron's inference: no sequence parallelism, the
+same weights; e.g. `pipeline.interop.hf_modules_tp.SequenceSwitch`)."""
+
+
+def _whole_sequence(inference: Inference, whole: bool) -> None:
+    for module in inference.engine.module.modules():
+        switch = getattr(module, WHOLE_SEQUENCE, None)
+        if callable(switch):
+            switch(whole)
+
+
 def _choice(inference: Inference) -> Callable[[torch.Tensor], torch.Tensor]:
     """`_last_token_choice`, over the whole vocabulary when the last layer splits it over
     tp: only the last token's slices are gathered (b × vocab numbers), never all logits."""
@@ -173,6 +187,7 @@ def greedy_generate(inference: Inference, input_ids: torch.Tensor, max_new_token
     for layer in layers:
         layer.reset_decoding_cache()
     choice = _choice(inference)
+    _whole_sequence(inference, True)
     try:
         for step in range(max_new_tokens):
             if cached:  # the prompt once, then only the newest token
@@ -195,6 +210,7 @@ def greedy_generate(inference: Inference, input_ids: torch.Tensor, max_new_token
                 if not bool(unfinished.any()):
                     break
     finally:
+        _whole_sequence(inference, False)
         for layer in layers:
             layer.reset_decoding_cache()
     return tokens

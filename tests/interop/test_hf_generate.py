@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_layers import HFBlock, layers_from_hf
+from pipeline.interop.hf_modules_tp import SequenceSwitch
 from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.interop.hf_weights import load_hf_weights
 from pipeline.runtime.generation import greedy_generate
@@ -42,12 +43,13 @@ def _hf_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
     return out
 
 
-def _check_family(world_size: int, family: str, tp: int = 1) -> None:
+def _check_family(world_size: int, family: str, tp: int = 1,
+                  sequence_parallel: bool = False) -> None:
     hf_model = tiny_model(family, seed=7)
     hf_model.generation_config.eos_token_id = None
     hf = layers_from_hf(tiny_config(family))
     if tp > 1:
-        hf = tensor_parallel_hf(hf)
+        hf = tensor_parallel_hf(hf, sequence_parallel=sequence_parallel)
     module = PipelineModule(hf.layers, num_stages=world_size // tp, loss_fn=hf.loss_fn,
                             partition_method="uniform")
     load_hf_weights(module, hf, hf_model.state_dict())
@@ -85,14 +87,17 @@ def _check_family(world_size: int, family: str, tp: int = 1) -> None:
                 assert len(decoded) == per_step * (NEW_TOKENS - 1), steps
     for hook in hooks:
         hook.remove()
+    if sequence_parallel:  # generation ran the layers over the whole sequence, then back
+        switched = [m.region for m in module.modules() if isinstance(m, SequenceSwitch)]
+        assert switched and all(r.splits_sequence for r in switched), family
     assert lengths[-1] < ids.shape[1] + NEW_TOKENS, (family, lengths)  # stopped early
 
 
 def _check_generation(rank: int, world_size: int, families: tuple[str, ...],
-                      tp: int = 1) -> None:
+                      tp: int = 1, sequence_parallel: bool = False) -> None:
     torch.set_num_threads(1)
     for family in families:
-        _check_family(world_size, family, tp)
+        _check_family(world_size, family, tp, sequence_parallel)
 
 
 @pytest.mark.multiprocess
@@ -106,6 +111,14 @@ def test_greedy_generation_equals_hf_generate_on_every_family() -> None:
 def test_greedy_generation_at_tp2_equals_hf_generate() -> None:
     # grouped-query attention (kv heads split), soft-capping and a sliding window
     run_ranks(_check_generation, 4, ("gemma2",), 2, timeout=400)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_greedy_generation_at_tp2_with_sequence_parallelism_equals_hf_generate() -> None:
+    # layers split for sequence-parallel training decode over the whole sequence (GPT-2:
+    # its positions layer switches too); a prompt of 8 and single new tokens alike
+    run_ranks(_check_generation, 4, ("gpt2",), 2, True, timeout=400)
 
 
 def _check_refusals(rank: int, world_size: int) -> None:

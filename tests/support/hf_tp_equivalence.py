@@ -36,6 +36,8 @@ class TPCase:
     zero: bool = False
     recompute: str = "none"
     schedule: str = "1f1b"
+    chunks: int = 1
+    """Stages per pipeline rank (2: interleaved, zb-v)."""
     tied: bool = True
     from_model: bool = False
     """Split the HF model's own modules (``layers_from_hf(model)``; each rank slices a copy,
@@ -55,6 +57,8 @@ class TPCase:
                  "sp" if self.sequence_parallel else "", "zero1" if self.zero else "",
                  self.recompute if self.recompute != "none" else "",
                  self.schedule if self.schedule != "1f1b" else "",
+                 f"v{self.chunks}" if self.chunks > 1 else "",
+                 "half" if self.engine.get("half_parameters") else "",
                  "" if self.tied else "untied", "from-model" if self.from_model else ""]
         return "-".join(p for p in parts if p)
 
@@ -100,7 +104,7 @@ def tp_step_errors(case: TPCase) -> dict[str, float]:
     labels = causal_lm_targets(ids)
     source = hf_model if case.from_model else tiny_config(case.family, tied=case.tied)
     hf = tensor_parallel_hf(layers_from_hf(source), sequence_parallel=case.sequence_parallel)
-    module = PipelineModule(hf.layers, num_stages=2, loss_fn=hf.loss_fn,
+    module = PipelineModule(hf.layers, num_stages=2, chunks=case.chunks, loss_fn=hf.loss_fn,
                             partition_method="uniform", recompute=case.recompute)
     with tempfile.TemporaryDirectory() as directory:
         box = [directory]
