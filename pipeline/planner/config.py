@@ -35,8 +35,7 @@ class PlanConfig:
     (ep divides dp and the experts; 1 for a dense model)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1 \
-                or self.dp % self.ep:
+        if type(self.ep) is not int or (self.ep != 1 and (self.ep < 1 or self.dp % self.ep)):
             valid = ", ".join(str(k) for k in range(1, self.dp + 1) if self.dp % k == 0)
             raise PlanError(f"ep={self.ep!r} must be a whole number >= 1 dividing dp={self.dp} "
                             f"(the experts are split over dp replicas); use one of {valid}")

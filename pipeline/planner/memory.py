@@ -142,15 +142,9 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
         parameters, gradients, optimizer = state_bytes
         optimizer = optimizer / dp if zero else optimizer
     gradients += extra_gradient_bytes
-    experts = np.zeros(ranks) if stage_expert_params is None else np.bincount(
-        where, weights=np.asarray(stage_expert_params, dtype=float), minlength=ranks)
-    own = expert_state_bytes("fp32", expert_parallel=expert_parallel, data_parallel=dp,
-                             zero_stage=min(zero, 1))
-    expert_bytes = np.array([own.parameters, own.gradients + extra_gradient_bytes
-                             / expert_parallel, own.optimizer])
-    if state_bytes is not None:  # another engine's bytes, split and sharded alike
-        expert_bytes = np.array(state_bytes) / expert_parallel
-        expert_bytes[2] *= expert_parallel / dp if zero else 1.0
+    experts, expert_bytes = _expert_states(where, ranks, stage_expert_params, expert_parallel,
+                                           dp=dp, zero=zero, state_bytes=state_bytes,
+                                           extra_gradient_bytes=extra_gradient_bytes)
     held = activations + (workspace if recompute else 0.0)
     more = np.zeros(ranks) if stage_gradient_bytes is None else np.bincount(
         where, weights=np.asarray(stage_gradient_bytes, dtype=float), minlength=ranks)
@@ -169,3 +163,26 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                                  + mine * (expert_bytes[1] + step_bytes)),
                            float(params[rank] * optimizer + mine * expert_bytes[2]),
                            float(held[rank])), rank
+
+
+def _expert_states(where: np.ndarray, ranks: int, stage_expert_params: ArrayLike | None,
+                   expert_parallel: int, *, dp: int, zero: int,
+                   state_bytes: tuple[float, float, float] | None,
+                   extra_gradient_bytes: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the routed experts' parameters of its stages (all E), and the (parameter,
+    gradient, optimizer) bytes a rank holds per such parameter: 1/ep of each, the optimizer
+    state sharded over dp / ep under ZeRO-1 (`expert_state_bytes`); another engine's
+    `state_bytes` split and sharded alike. Zeros for a dense model."""
+    if stage_expert_params is None:
+        return np.zeros(ranks), np.zeros(3)
+    experts = np.bincount(where, weights=np.asarray(stage_expert_params, dtype=float),
+                          minlength=ranks)
+    if state_bytes is not None:
+        expert_bytes = np.array(state_bytes) / expert_parallel
+        expert_bytes[2] *= expert_parallel / dp if zero else 1.0
+        return experts, expert_bytes
+    own = expert_state_bytes("fp32", expert_parallel=expert_parallel, data_parallel=dp,
+                             zero_stage=min(zero, 1))
+    return experts, np.array([own.parameters,
+                              own.gradients + extra_gradient_bytes / expert_parallel,
+                              own.optimizer])

@@ -256,7 +256,8 @@ class PlanContext:
                                 table.workspace * b, placement, dp=config.dp,
                                 zero=config.zero_stage, recompute=config.recomputes,
                                 stage_gradient_bytes=self.tied_grad_bytes(config),
-                                stage_expert_params=table.experts, expert_parallel=config.ep,
+                                stage_expert_params=table.experts if self.model.experts
+                                else None, expert_parallel=config.ep,
                                 **self.engine_bytes(config))
 
     def tied_grad_bytes(self, config: PlanConfig) -> np.ndarray | None:
@@ -301,8 +302,11 @@ class PlanContext:
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
         return self.rank_sums(config)[0]
 
-    def rank_experts(self, config: PlanConfig) -> np.ndarray:
-        """Per rank: the routed experts' parameters of its stages (all E of each layer)."""
+    def rank_experts(self, config: PlanConfig) -> np.ndarray | None:
+        """Per rank: the routed experts' parameters of its stages (all E of each layer);
+        None for a dense model."""
+        if not self.model.experts:
+            return None
         return np.bincount(_placement(config), weights=self.table(config).experts,
                            minlength=config.pp)
 
