@@ -287,3 +287,12 @@ def test_plan_prints_ep_in_the_pick_and_its_launch_line(
     assert config.engine_arguments()["expert_parallel"] == 4
     assert "expert_parallel" not in replace(config, ep=1).engine_arguments()
     assert any("expert_parallel=4" in line for line in launch_lines("pipesched", config, 16, 8))
+
+
+def test_ep_refusal_catches_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    # planted: the request's expert checks skipped; the search then refuses for another
+    # reason that does not name the experts ep fails to divide
+    monkeypatch.setattr(search, "_expert_problems", lambda model, options: [])
+    with pytest.raises(PlanError) as caught:
+        REFUSALS[0][1]()
+    assert "does not divide the model's 6 experts" not in str(caught.value)
