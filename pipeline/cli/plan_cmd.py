@@ -22,8 +22,11 @@ layers with the exact partitioner, simulate each schedule, and rank by predicted
 MODEL: a transformer shape (layers=,hidden=,heads=,vocab=,seq=[,ffn=,kv_heads=,head_dim=,
 mlp=gelu|swiglu|geglu,norm=layernorm|rmsnorm,bias=all|qkv|none,tied_embeddings=true,
 learned_positions=false,...]), a JSON file with those keys, a Hugging Face config.json or
-model directory (GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3; --seq defaults to its
-max_position_embeddings), or a partitioner cost JSON (times per --cost-batch samples).
+model directory (GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the mixtures of
+experts Mixtral, Qwen2-MoE, Qwen3-MoE; --seq defaults to its max_position_embeddings), or a
+partitioner cost JSON (times per --cost-batch samples). A mixture of experts as a shape:
+experts=,topk=,expert_ffn=[,shared_ffn=,shared_gate=true,sparse_step=,dense_layers=0;5];
+the search then tries every expert-parallel size ep (--ep) dividing dp and the experts.
 CLUSTER: a100-80g, h100-80g, a800-80g (8 devices a node; --nodes sets how many nodes),
 local (this machine, calibrated in a few seconds), or a JSON file (see CLUSTER FILES below).
 """
@@ -55,7 +58,8 @@ ENGINES
 PRICING ONE CONFIGURATION
   --price pp4,tp2,dp8,1f1b,b1 prints one configuration's full breakdown. Items: ppN, tpN,
   dpN (two of the three are enough), bN (microbatch size, default 1), a schedule name
-  (default 1f1b), vN (chunks per rank), z0/z1 (ZeRO stage), rc (full recomputation).
+  (default 1f1b), vN (chunks per rank), z0/z1 (ZeRO stage), rc (full recomputation), epN
+  (expert parallelism of a mixture-of-experts model, dividing dp and the experts).
 """
 
 
@@ -94,6 +98,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="comma-separated tensor-parallel sizes (= --tensor-parallel)")
     parser.add_argument("--dp", default=None, metavar="SIZES",
                         help="comma-separated data-parallel sizes to consider")
+    parser.add_argument("--ep", default=None, metavar="SIZES",
+                        help="comma-separated expert-parallel sizes for a mixture-of-experts "
+                             "model (default: every divisor of dp that divides the experts)")
     parser.add_argument("--microbatch-size", default=None, metavar="SIZES",
                         help="comma-separated microbatch sizes (samples) to consider")
     parser.add_argument("--zero", default=None, metavar="STAGES",
@@ -196,12 +203,12 @@ def _price_setting(item: str, schedules: Any) -> str:
         return "schedule"
     if item in ("rc", "recompute", "rs", "selective") or item.startswith("rc"):
         return "recomputation"
-    return next((prefix for prefix in ("pp", "tp", "dp", "b", "v", "z")
+    return next((prefix for prefix in ("pp", "tp", "dp", "ep", "b", "v", "z")
                  if item.startswith(prefix)), item)
 
 
 def parse_config(text: str, devices: int, global_batch: int) -> Any:
-    """`pp4,tp1,dp16,1f1b,b1[,v2][,z1][,rc|rs|rcK]` as a `PlanConfig`: two of pp, tp, dp fix
+    """`pp4,tp1,dp16,1f1b,b1[,v2][,z1][,ep4][,rc|rs|rcK]` as a `PlanConfig`: two of pp, tp, dp fix
     the third (their product is the devices); b defaults to 1, the schedule to 1f1b; m =
     global batch / (dp · b); rc full recomputation, rs selective, rcK full on the first K
     layers of each stage (partial)."""
@@ -226,13 +233,13 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
         if item.startswith("rc") and item[2:].isdigit() and int(item[2:]) >= 1:
             recompute, recompute_layers = "full", int(item[2:])
             continue
-        for prefix in ("pp", "tp", "dp", "b", "v", "z"):
+        for prefix in ("pp", "tp", "dp", "ep", "b", "v", "z"):
             if item.startswith(prefix) and item[len(prefix):].isdigit() \
                     and int(item[len(prefix):]) >= (0 if prefix == "z" else 1):
                 sizes[prefix] = int(item[len(prefix):])
                 break
         else:
-            raise ValueError(f"--price {text!r}: item {item!r} is none of ppN, tpN, dpN, bN, "
+            raise ValueError(f"--price {text!r}: item {item!r} is none of ppN, tpN, dpN, epN, bN, "
                              f"vN, z0, z1, rc, rs, rcK or a schedule ({', '.join(SCHEDULES)})")
     if len([key for key in ("pp", "tp", "dp") if key in sizes]) < 2:
         raise ValueError(f"--price {text!r} needs at least two of ppN, tpN, dpN")
@@ -255,7 +262,7 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
                       chunks=chunks, microbatch_size=b,
                       num_microbatches=global_batch // (sizes["dp"] * b),
                       zero_stage=sizes.get("z", 0), recompute=recompute,
-                      recompute_layers=recompute_layers)
+                      recompute_layers=recompute_layers, ep=sizes.get("ep", 1))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -328,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         args.engine, schedules=_names(args.schedules, "schedules"),
         tensor_parallel=_sizes(args.tp or args.tensor_parallel, tp_flag),
         pipeline_parallel=_sizes(args.pp, "pp"), data_parallel=_sizes(args.dp, "dp"),
+        expert_parallel=_sizes(args.ep, "ep"),
         microbatch_sizes=_sizes(args.microbatch_size, "microbatch-size"),
         zero_stages=_zero_stages(args.zero), recompute_choices=_recompute(args), top=args.top,
         overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap))

@@ -44,7 +44,7 @@ class SearchBounds:
         warm = config.schedule if config.schedule in _WARM else None
         key = (config.pp, config.chunks, config.tp, config.recompute, config.recompute_layers,
                schedule_placement(config.schedule, config.pp, config.chunks),
-               config.microbatch_size, config.zero_stage, config.dp, warm)
+               config.microbatch_size, config.zero_stage, config.dp, warm, config.ep)
         if key not in self._floors:
             self._floors[key] = self._floor(config)
         return self._floors[key]
@@ -65,6 +65,8 @@ class SearchBounds:
         memory, _ = peak_rank_memory(params, held, np.zeros(config.pp), ranks, dp=config.dp,
                                      zero=config.zero_stage, recompute=False,
                                      stage_gradient_bytes=tied,
+                                     stage_expert_params=self.context.rank_experts(config),
+                                     expert_parallel=config.ep,
                                      **self.context.engine_bytes(config))
         return memory.total
 

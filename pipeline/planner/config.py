@@ -30,8 +30,15 @@ class PlanConfig:
     full / none."""
     recompute_layers: int = 0
     """Partial recomputation: only the first k layers of each stage; 0: all of them."""
+    ep: int = 1
+    """Expert parallelism: ep of each stage's dp replicas split every MoE layer's experts
+    (ep divides dp and the experts; 1 for a dense model)."""
 
     def __post_init__(self) -> None:
+        if type(self.ep) is not int or (self.ep != 1 and (self.ep < 1 or self.dp % self.ep)):
+            valid = ", ".join(str(k) for k in range(1, self.dp + 1) if self.dp % k == 0)
+            raise PlanError(f"ep={self.ep!r} must be a whole number >= 1 dividing dp={self.dp} "
+                            f"(the experts are split over dp replicas); use one of {valid}")
         if isinstance(self.recompute, bool):
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
         if self.recompute not in RECOMPUTE_MODES:
@@ -61,7 +68,8 @@ class PlanConfig:
                 "recompute_layers": self.recompute_layers or None,
                 "schedule": self.schedule, "num_microbatches": self.num_microbatches,
                 "data_parallel": self.dp, "tensor_parallel": self.tp,
-                "zero_stage": self.zero_stage}
+                "zero_stage": self.zero_stage} | (
+                    {"expert_parallel": self.ep} if self.ep > 1 else {})
 
     def train_command(self, global_batch: int) -> str:
         """The `pipesched train` arguments of this configuration (the demo model: its CLI
@@ -70,6 +78,7 @@ class PlanConfig:
                 f"--chunks {self.chunks} --microbatches {self.num_microbatches} "
                 f"--data-parallel {self.dp} --batch-size {global_batch}")
         extra = [name for name, on in (("tensor_parallel", self.tp > 1),
+                                       (f"expert_parallel={self.ep}", self.ep > 1),
                                        ("zero_stage", self.zero_stage > 0),
                                        (f"recompute={self.recompute_label()}",
                                         self.recomputes)) if on]
@@ -77,6 +86,8 @@ class PlanConfig:
 
     def label(self) -> str:
         v = f" v{self.chunks}" if self.chunks > 1 else ""
-        return (f"pp{self.pp} tp{self.tp} dp{self.dp} {self.schedule}{v} b{self.microbatch_size}"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"pp{self.pp} tp{self.tp} dp{self.dp}{ep} {self.schedule}{v} "
+                f"b{self.microbatch_size}"
                 f" m{self.num_microbatches} z{self.zero_stage}{_RECOMPUTE_TAGS[self.recompute]}"
                 f"{self.recompute_layers or ''}")

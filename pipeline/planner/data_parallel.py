@@ -31,22 +31,42 @@ def stage_buckets(table: StageTable, params: np.ndarray | None = None) -> list[i
 
 
 def grad_reduction(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int, zero_stage: int,
-                   grad_reduce_bytes: float, overlap: bool, params: np.ndarray | None = None
-                   ) -> GradReduction | None:
+                   grad_reduce_bytes: float, overlap: bool, params: np.ndarray | None = None,
+                   ep: int = 1) -> GradReduction | None:
     """Each stage's data-parallel reduction for the simulator, which places it on the rank's
     timeline by the engine's rule (buckets launched from the hooks of the stage's last fused
     backward as they become final, one after another on one stream; only what cannot hide
     behind that backward is exposed). ZeRO-1 reduce-scatters: half an all-reduce's traffic.
     Without `overlap`, everything starts once the rank's pipeline has drained (Narayanan et
     al. 2021). `params`: per stage, default `table.params` (`tied.stage_params` adds
-    a tied copy). None where dp = 1."""
+    a tied copy). The routed experts' gradients (`StageTable.experts`): with the rest at
+    ep = 1; above, each rank's 1/ep of them over the dp / ep ranks holding the same experts
+    (`Topology.expert_dp_group`: tp · ep ranks apart), after the dense ones on the same
+    stream. None where dp = 1."""
     if dp == 1:
         return None
     held = table.params if params is None else params
-    seconds = [allreduce_seconds(float(count) * grad_reduce_bytes, dp, tp, cluster)
-               / (2 if zero_stage else 1) for count in held]
-    return GradReduction(time=seconds, buckets=stage_buckets(table, held),
+    held, experts = _with_experts(held, table.experts, ep)
+
+    def reduce(count: float, group: int, stride: int) -> float:
+        if not count:  # no experts here: no second collective, not even its latency
+            return 0.0
+        return allreduce_seconds(count * grad_reduce_bytes, group, stride, cluster) \
+            / (2 if zero_stage else 1)
+
+    seconds = [reduce(float(count), dp, tp) + reduce(float(mine), dp // ep, tp * ep)
+               for count, mine in zip(held, experts, strict=True)]
+    return GradReduction(time=seconds, buckets=stage_buckets(table, held + experts),
                          start="overlap" if overlap else "after_flush")
+
+
+def _with_experts(params: np.ndarray, experts: np.ndarray, ep: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(parameters reduced over dp, expert parameters one rank holds, reduced over dp / ep):
+    at ep = 1 the experts are replicated like the rest and reduced with them."""
+    if ep == 1:
+        return params + experts, np.zeros(len(params))
+    return params, experts / ep
 
 
 def _gather_seconds(params: float, dp: int, tp: int, cluster: ClusterSpec) -> float:
@@ -63,7 +83,8 @@ def param_gather(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
     dp = 1."""
     if not zero_stage or dp == 1:
         return None
-    held = table.params if params is None else params
+    # experts with the rest: the engine runs overlap_param_gather at ep = 1 only
+    held = (table.params if params is None else params) + table.experts
     return ParamGather(time=[_gather_seconds(float(x), dp, tp, cluster) for x in held],
                        buckets=stage_buckets(table, held), overlap=True,
                        layers=[len(stage) for stage in table.stages])
@@ -71,12 +92,21 @@ def param_gather(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
 
 def update_seconds(rank_params: np.ndarray, cluster: ClusterSpec, *, dp: int, tp: int,
                    zero_stage: int, overlap_param_gather: bool,
-                   update_bytes: float = ADAM_UPDATE_BYTES) -> tuple[np.ndarray, np.ndarray]:
+                   update_bytes: float = ADAM_UPDATE_BYTES,
+                   rank_experts: np.ndarray | None = None, ep: int = 1
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """Per rank: optimizer step seconds and the ZeRO-1 all-gather seconds exposed after it
-    (blocking: all of it; with `overlap_param_gather` none here, the simulator places it)."""
-    shard = rank_params / (dp if zero_stage else 1)
+    (blocking: all of it; with `overlap_param_gather` none here, the simulator places it).
+    `rank_experts`: the routed experts' parameters per rank (all E), of which it steps 1/ep,
+    ZeRO-1's shard of them 1/(dp / ep), gathered over that group."""
+    experts = np.zeros(len(rank_params)) if rank_experts is None else rank_experts
+    rank_params, experts = _with_experts(rank_params, experts, ep)
+    shard = rank_params / (dp if zero_stage else 1) + experts / (dp // ep if zero_stage else 1)
     step = cluster.op_overhead + shard * update_bytes / cluster.memory_bandwidth
     if not zero_stage or overlap_param_gather:
         return step, np.zeros(len(rank_params))
     # ZeRO-1: reduce-scatter before the step (overlapped), all-gather after it (exposed)
-    return step, np.array([_gather_seconds(x, dp, tp, cluster) for x in rank_params])
+    return step, np.array([_gather_seconds(x, dp, tp, cluster)
+                           + (_gather_seconds(mine, dp // ep, tp * ep, cluster) if mine
+                              else 0.0)
+                           for x, mine in zip(rank_params, experts, strict=True)])

@@ -16,11 +16,12 @@ from pipeline.planner.profile import ModelProfile
 __all__ = ["EXCLUSIONS", "SearchLog", "nothing_fits"]
 
 GIB = 2**30
-EXCLUSIONS = ("layers", "batch", "filters", "uniform", "interleaved", "size")
+EXCLUSIONS = ("layers", "batch", "filters", "uniform", "interleaved", "size", "experts")
 """Why the enumeration skips a grid point before pricing it: more stages than layers, a
 data-parallel size that does not divide the global batch, the user's filters, the engine's
 even layer split (`uniform_layers`), its interleaving rule (`interleaved_groups`), a
-searched schedule's size cap (`zb_auto_max`, `searched_max`, `controllable_max`)."""
+searched schedule's size cap (`zb_auto_max`, `searched_max`, `controllable_max`), no
+expert-parallel size asked for that divides both dp and the experts."""
 
 
 @dataclass
@@ -59,8 +60,10 @@ def _memory_fix(memory: MemoryBreakdown, options: SearchOptions) -> str:
         return "activations are the largest part: " + ", ".join(
             [*more, "a smaller --seq", fixed])
     zero = options.zero_stages is not None and 1 not in options.zero_stages
+    experts = ["allow larger expert parallelism (--ep)"] \
+        if options.expert_parallel is not None else []
     return ("the model's state (parameters, gradients, optimizer) is the largest part: "
-            + ", ".join((["allow ZeRO-1 (--zero 0,1)"] if zero else [])
+            + ", ".join((["allow ZeRO-1 (--zero 0,1)"] if zero else []) + experts
                         + ["more devices (--nodes)", "a smaller model"]))
 
 
@@ -72,7 +75,7 @@ def nothing_fits(log: SearchLog, considered: int, leanest: tuple[PlanConfig,
     where = f"{model.name} on {devices} × {device / GIB:.1f} GiB devices"
     if not considered or leanest is None:
         return PlanError(f"no configuration of {where}: " + _exclusions(
-            log, global_batch, options, blocks, len(model.layers)))
+            log, global_batch, options, blocks, len(model.layers), model.experts))
     config, floor = leanest
     if floor.total > device:
         return PlanError(
@@ -95,7 +98,7 @@ def nothing_fits(log: SearchLog, considered: int, leanest: tuple[PlanConfig,
 
 
 def _exclusions(log: SearchLog, global_batch: int, options: SearchOptions, blocks: int,
-                layers: int) -> str:
+                layers: int, experts: int = 0) -> str:
     """What bound the enumeration, with its figures: the engine's even split, then the
     global batch's divisibility among the pipeline sizes left, then the rest."""
     excluded = log.excluded
@@ -124,6 +127,14 @@ def _exclusions(log: SearchLog, global_batch: int, options: SearchOptions, block
     if excluded["interleaved"]:
         texts.append(f"the engine interleaves only at p >= {options.interleaved_min_pp} "
                      f"with m a multiple of p (interleaved_groups)")
+    if excluded["experts"]:
+        dps = sorted({dp for _, _, dp in grid if global_batch % dp == 0})
+        valid = sorted({ep for dp in dps for ep in range(1, dp + 1)
+                        if dp % ep == 0 and experts % ep == 0})
+        texts.append(f"expert parallelism: ep must divide dp (the experts are split over dp "
+                     f"replicas) and the {experts} experts; the expert-parallel sizes asked "
+                     f"({_list(list(options.expert_parallel or ()))}) divide none of the "
+                     f"data-parallel sizes left ({_list(dps)}); use one of {_list(valid)}")
     if excluded["size"]:
         texts.append("a searched schedule's size cap (p·m over zb_auto_max, searched_max or "
                      "controllable_max)")

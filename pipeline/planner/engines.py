@@ -36,7 +36,8 @@ MEGATRON_LM_2021: MappingProxyType[str, Any] = MappingProxyType({
     "zero_stages": (0,), "overlap_grad_reduce": False,
     "overlap_grad_reduce_unpipelined": True, "step_gradient_bytes": 4.0,
     "uniform_layers": True, "interleaved_groups": True, "blocking_p2p": True,
-    "grad_reduce_bytes": 2.0, "update_bytes": 52.0, "tied_reduce_at_step": False})
+    "grad_reduce_bytes": 2.0, "update_bytes": 52.0, "tied_reduce_at_step": False,
+    "prices_experts": False})
 """Megatron-LM as Narayanan et al. 2021 ran it (SC'21; the code of April 2021, commit
 f32a638d2d, and the paper's scripts `examples/sc21/`):
 - its two schedules, interleaving only at p > 2 with m a multiple of p
@@ -77,7 +78,8 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
     "uniform_layers": True, "interleaved_groups": True, "interleaved_min_pp": 2,
     "blocking_p2p": True, "p2p_overlap_interleaved": True, "p2p_gather": False,
     "grad_reduce_bytes": 4.0, "update_bytes": 38.0, "tied_reduce_at_step": False,
-    "tp_overlap": "megatron-core", "state_bytes": (2.0, 4.0, 12.0)})
+    "tp_overlap": "megatron-core", "state_bytes": (2.0, 4.0, 12.0),
+    "prices_experts": False})
 """Megatron-Core as its current scripts run it (`MEGATRON_CORE_COMMIT`;
 `examples/llama/train_llama3_8b_h100_fp8.sh`: --sequence-parallel
 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather, and
@@ -106,7 +108,9 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
   `arguments.py` allows only with sequence parallelism: `ENGINE_PROFILES`), priced by
   `pricing.layer_tp_pass_seconds`;
 - the tied word embeddings' gradient reduced with the rest (`tied_reduce_at_step` False).
-Not modelled: context parallelism, FP8, FSDP (`OUTSIDE_SPACE`)."""
+Not modelled: context parallelism, FP8, FSDP (`OUTSIDE_SPACE`); its mixture-of-experts runs
+(--expert-model-parallel-size, grouped GEMMs, its token dispatchers) are not priced
+(`prices_experts` False): a MoE model is refused for it."""
 
 DEEPSPEED_COMMIT = "38327e07f6cd39b63418f60cedd1651b0be3e7c3"
 """The microsoft/DeepSpeed commit (2025-02-21) `DEEPSPEED` is read from."""
@@ -115,7 +119,7 @@ DEEPSPEED: MappingProxyType[str, Any] = MappingProxyType({
     "schedules": ("1f1b",), "recompute_choices": ("none", "full"), "zero_stages": (0, 1),
     "overlap_grad_reduce": False, "blocking_p2p": True, "p2p_gather": True,
     "grad_reduce_bytes": 4.0, "update_bytes": 38.0, "tied_reduce_at_step": False,
-    "state_bytes": (2.0, 6.0, 12.0)})
+    "state_bytes": (2.0, 6.0, 12.0), "prices_experts": False})
 """DeepSpeed's pipeline engine (`deepspeed/runtime/pipe/`, `DEEPSPEED_COMMIT`):
 - one schedule, `TrainSchedule`: 1F1B (`schedule.py`);
 - ZeRO 0 or 1 (`engine.py`: "ZeRO-2 and ZeRO-3 are incompatible with pipeline

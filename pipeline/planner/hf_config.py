@@ -9,6 +9,7 @@ from typing import Any
 
 from pipeline.planner.errors import PlanError
 from pipeline.planner.input_files import read_input_json
+from pipeline.planner.moe_shape import ExpertShape
 from pipeline.planner.transformer import TransformerShape
 
 __all__ = ["FAMILIES", "hf_model_type", "is_hf_config", "read_hf_config",
@@ -31,8 +32,36 @@ FAMILIES: dict[str, dict[str, Any]] = {
                         "head_dim": 256},
     "gemma3_text": _LLAMA | {"mlp": "geglu", "block_norms": 4, "qk_norm": True,
                              "tied_embeddings": True, "head_dim": 256},
+    "mixtral": _LLAMA,
+    "qwen2_moe": _LLAMA | {"bias": "qkv"},
+    "qwen3_moe": _LLAMA | {"qk_norm": True, "head_dim": 128},
 }
 """The families `pipeline.interop.hf_layers.layers_from_hf` runs."""
+
+_MOE: dict[str, dict[str, Any]] = {
+    # model_type: (config key or keys -> ExpertShape field, with the config class's default)
+    "mixtral": {"experts": (("num_local_experts", "num_experts"), 8),
+                "topk": (("num_experts_per_tok",), 2),
+                "expert_ffn": (("intermediate_size",), 14336)},
+    "qwen2_moe": {"experts": (("num_experts", "num_local_experts"), 60),
+                  "topk": (("num_experts_per_tok",), 4),
+                  "expert_ffn": (("moe_intermediate_size",), 1408),
+                  "shared_ffn": (("shared_expert_intermediate_size",), 5632),
+                  "sparse_step": (("decoder_sparse_step",), 1),
+                  "dense_layers": (("mlp_only_layers",), ())},
+    "qwen3_moe": {"experts": (("num_experts", "num_local_experts"), 128),
+                  "topk": (("num_experts_per_tok",), 8),
+                  "expert_ffn": (("moe_intermediate_size",), 768),
+                  "sparse_step": (("decoder_sparse_step",), 1),
+                  "dense_layers": (("mlp_only_layers",), ())},
+}
+"""The mixture-of-experts families `pipeline.interop.hf_moe` runs: where their config holds
+each `ExpertShape` field, and its default (the `*Config.__init__` of transformers 5).
+Qwen2-MoE's shared expert is gated (`shared_expert_gate`); Qwen's dense blocks (mlp_only_layers,
+or off the decoder_sparse_step) have an MLP of intermediate_size; Mixtral's experts are
+intermediate_size wide and every block has them."""
+_DENSE_FFN = {"mixtral": None, "qwen2_moe": 5632, "qwen3_moe": 6144}
+"""intermediate_size defaults of the MoE families' dense blocks (Mixtral has none)."""
 
 _GPT2_KEYS = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size",
               "n_head": "num_attention_heads", "n_inner": "intermediate_size",
@@ -78,10 +107,13 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
         values |= {new: values[old] for old, new in _GPT2_KEYS.items() if old in values}
     experts = [key for key in ("num_local_experts", "num_experts", "n_routed_experts")
                if values.get(key)]
-    if experts:
+    if experts and family not in _MOE:
         raise PlanError(f"{where}: a mixture of experts ({experts[0]}={values[experts[0]]}) "
-                        "is outside the planner's space (dense models only)")
+                        f"in a {family} config is not a shape the planner reads (its MoE "
+                        f"families: {', '.join(_MOE)})")
     defaults = FAMILIES[family]
+    if family == "qwen2_moe":  # transformers 5 names its attention bias qkv_bias
+        defaults = defaults | {"bias": "qkv" if values.get("qkv_bias", True) else "none"}
     biased = [key for key in ("attention_bias", "mlp_bias") if values.get(key)]
     if biased:
         raise PlanError(f"{where}: {', '.join(biased)} on a {family} model is not a shape the "
@@ -92,13 +124,31 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
     head_dim = values.get("head_dim") or defaults.get("head_dim") or 0
     tied = values.get("tie_word_embeddings", defaults["tied_embeddings"])
     fields = {key: value for key, value in defaults.items() if key != "head_dim"}
+    moe = _expert_shape(family, values, where)
+    ffn = values.get("intermediate_size") or _DENSE_FFN.get(family) or 4 * hidden
     return TransformerShape(
         **(fields | {"tied_embeddings": bool(tied)}),
         layers=_whole(values, "num_hidden_layers", where), hidden=hidden, heads=heads,
         vocab=_whole(values, "vocab_size", where), seq=seq or positions,
-        ffn=values.get("intermediate_size") or 4 * hidden,
+        ffn=moe.expert_ffn if family == "mixtral" and moe is not None else ffn,
         kv_heads=values.get("num_key_value_heads") or heads, head_dim=head_dim,
-        positions=positions if defaults["learned_positions"] else 0)
+        positions=positions if defaults["learned_positions"] else 0, moe=moe)
+
+
+def _expert_shape(family: str, values: Mapping[str, Any], where: str) -> ExpertShape | None:
+    """The experts of a MoE family's config (`_MOE`); None for a dense family."""
+    if family not in _MOE:
+        return None
+    fields: dict[str, Any] = {}
+    for name, (keys, default) in _MOE[family].items():
+        found = next((values[key] for key in keys if values.get(key) is not None), default)
+        fields[name] = tuple(found) if name == "dense_layers" else found
+    if family == "qwen2_moe":
+        fields["shared_gate"] = True
+    try:
+        return ExpertShape(**fields)
+    except PlanError as error:
+        raise PlanError(f"{where}: {error}") from None
 
 
 def hf_model_type(path: str) -> str | None:

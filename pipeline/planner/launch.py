@@ -67,7 +67,9 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
                  if config.recompute_layers else ""))
     engine = (f"schedule={config.schedule!r}, num_microbatches={config.num_microbatches}, "
               f"data_parallel={config.dp}, tensor_parallel={config.tp}, "
-              f"zero_stage={config.zero_stage}")
+              f"zero_stage={config.zero_stage}"
+              + (f", expert_parallel={config.ep}" if config.ep > 1 else ""))
+    experts = f", expert_parallel={config.ep}" if config.ep > 1 else ""
     per_replica = global_batch // config.dp
     split = (["  from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf",
               "  hf = tensor_parallel_hf(hf)   # each tp rank keeps its slice of every layer"]
@@ -78,7 +80,8 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
             "  from pipeline import PipelineEngine, PipelineModule",
             "  from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf",
             "  from pipeline.interop.hf_weights import load_hf_weights",
-            f"  hf = layers_from_hf(transformers.AutoConfig.from_pretrained({source!r}))",
+            f"  hf = layers_from_hf(transformers.AutoConfig.from_pretrained({source!r})"
+            f"{experts})",
             *split,
             f"  module = PipelineModule(hf.layers, {module})",
             f"  load_hf_weights(module, hf, {source!r})",

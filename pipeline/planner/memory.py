@@ -18,7 +18,12 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from pipeline.planner.profile import LayerProfile
-from schedules.analysis.accounting import HeldTrace, held_peaks, model_state_bytes
+from schedules.analysis.accounting import (
+    HeldTrace,
+    expert_state_bytes,
+    held_peaks,
+    model_state_bytes,
+)
 from schedules.analysis.accounting import stage_activation_bytes as accounting_stage_bytes
 
 __all__ = ["PARAM_BYTES", "HeldTrace", "MemoryBreakdown", "held_peaks", "peak_rank_memory",
@@ -99,7 +104,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                      zero: int, recompute: bool, extra_gradient_bytes: float = 0.0,
                      step_gradient_bytes: float = 0.0,
                      stage_gradient_bytes: ArrayLike | None = None,
-                     state_bytes: tuple[float, float, float] | None = None
+                     state_bytes: tuple[float, float, float] | None = None,
+                     stage_expert_params: ArrayLike | None = None, expert_parallel: int = 1
                      ) -> tuple[MemoryBreakdown, int]:
     """Memory of the pipeline rank holding the most, and that rank.
 
@@ -136,14 +142,47 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
         parameters, gradients, optimizer = state_bytes
         optimizer = optimizer / dp if zero else optimizer
     gradients += extra_gradient_bytes
+    experts, expert_bytes = _expert_states(where, ranks, stage_expert_params, expert_parallel,
+                                           dp=dp, zero=zero, state_bytes=state_bytes,
+                                           extra_gradient_bytes=extra_gradient_bytes)
     held = activations + (workspace if recompute else 0.0)
     more = np.zeros(ranks) if stage_gradient_bytes is None else np.bincount(
         where, weights=np.asarray(stage_gradient_bytes, dtype=float), minlength=ranks)
-    during = params * (parameters + gradients + optimizer) + more + held
-    at_step = params * (parameters + gradients + step_gradient_bytes + optimizer) + more
+    states = experts * expert_bytes.sum()
+    during = params * (parameters + gradients + optimizer) + states + more + held
+    at_step = params * (parameters + gradients + step_gradient_bytes + optimizer) + states \
+        + experts * step_gradient_bytes / expert_parallel + more
     rank = int(np.argmax(np.maximum(during, at_step)))
+    step_bytes = 0.0
     if at_step[rank] > during[rank]:  # the optimizer step's peak: no activations left
         gradients, held = gradients + step_gradient_bytes, np.zeros(ranks)
-    return MemoryBreakdown(float(params[rank] * parameters),
-                           float(params[rank] * gradients + more[rank]),
-                           float(params[rank] * optimizer), float(held[rank])), rank
+        step_bytes = step_gradient_bytes / expert_parallel
+    mine = experts[rank]
+    return MemoryBreakdown(float(params[rank] * parameters + mine * expert_bytes[0]),
+                           float(params[rank] * gradients + more[rank]
+                                 + mine * (expert_bytes[1] + step_bytes)),
+                           float(params[rank] * optimizer + mine * expert_bytes[2]),
+                           float(held[rank])), rank
+
+
+def _expert_states(where: np.ndarray, ranks: int, stage_expert_params: ArrayLike | None,
+                   expert_parallel: int, *, dp: int, zero: int,
+                   state_bytes: tuple[float, float, float] | None,
+                   extra_gradient_bytes: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the routed experts' parameters of its stages (all E), and the (parameter,
+    gradient, optimizer) bytes a rank holds per such parameter: 1/ep of each, the optimizer
+    state sharded over dp / ep under ZeRO-1 (`expert_state_bytes`); another engine's
+    `state_bytes` split and sharded alike. Zeros for a dense model."""
+    if stage_expert_params is None:
+        return np.zeros(ranks), np.zeros(3)
+    experts = np.bincount(where, weights=np.asarray(stage_expert_params, dtype=float),
+                          minlength=ranks)
+    if state_bytes is not None:
+        expert_bytes = np.array(state_bytes) / expert_parallel
+        expert_bytes[2] *= expert_parallel / dp if zero else 1.0
+        return experts, expert_bytes
+    own = expert_state_bytes("fp32", expert_parallel=expert_parallel, data_parallel=dp,
+                             zero_stage=min(zero, 1))
+    return experts, np.array([own.parameters,
+                              own.gradients + extra_gradient_bytes / expert_parallel,
+                              own.optimizer])

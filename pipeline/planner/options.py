@@ -39,6 +39,12 @@ class SearchOptions:
     """dp sizes to try; None: every size the devices and the global batch allow."""
     microbatch_sizes: tuple[int, ...] | None = None
     """Samples per microbatch to try; None: every divisor of a replica's batch."""
+    expert_parallel: tuple[int, ...] | None = None
+    """ep sizes to try for a mixture-of-experts model; None: every divisor of dp that
+    divides the experts (`expert_parallel.expert_sizes`)."""
+    prices_experts: bool = True
+    """The engine's mixture-of-experts runs are priced (this engine's expert parallelism);
+    False: a MoE model is refused by name for this engine."""
     zero_stages: tuple[int, ...] | None = None
     """ZeRO stages to try (0, 1); None: both where dp > 1."""
     recompute_choices: tuple[str | bool, ...] | None = None
@@ -120,7 +126,7 @@ class SearchOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a whole number >= 1")
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel",
-                     "microbatch_sizes"):
+                     "microbatch_sizes", "expert_parallel"):
             sizes = getattr(self, name)
             if sizes is not None and (not sizes or any(
                     isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes)):

@@ -15,12 +15,13 @@ from partition import LayerCost, chain_graph, partition_graph
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.config import PlanConfig
 from pipeline.planner.errors import PlanError
+from pipeline.planner.expert_parallel import expert_all_to_all
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.p2p import blocking_p2p
 from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
-from pipeline.planner.stages import StageTable, uniform_boundaries
+from pipeline.planner.stages import StageCosts, StageTable, uniform_boundaries
 from pipeline.planner.tied import (
     stage_params,
     tied_allreduce_seconds,
@@ -37,6 +38,7 @@ from schedules import (
     generate_schedule,
     simulate,
 )
+from schedules.analysis.all_to_all import ExpertAllToAll
 
 __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_limit",
            "schedule_placement"]
@@ -58,7 +60,8 @@ class Prediction:
     memory_rank: int
     breakdown: dict[str, float]
     """Seconds of the step by cause on the rank that finishes last: compute, recomputation,
-    tp_comm, bubble (idle and P2P waits; with `blocking_p2p` the messages), dp_comm
+    tp_comm, ep_comm (the expert all-to-all, exposed), bubble (idle and P2P waits; with
+    `blocking_p2p` the messages), dp_comm
     (exposed), tied_comm (`tied.py`, waits included), optimizer. They sum to `step_seconds`."""
     boundaries: tuple[int, ...]
 
@@ -253,6 +256,8 @@ class PlanContext:
                                 table.workspace * b, placement, dp=config.dp,
                                 zero=config.zero_stage, recompute=config.recomputes,
                                 stage_gradient_bytes=self.tied_grad_bytes(config),
+                                stage_expert_params=table.experts if self.model.experts
+                                else None, expert_parallel=config.ep,
                                 **self.engine_bytes(config))
 
     def tied_grad_bytes(self, config: PlanConfig) -> np.ndarray | None:
@@ -297,12 +302,20 @@ class PlanContext:
     def _rank_params(self, config: PlanConfig) -> np.ndarray:
         return self.rank_sums(config)[0]
 
+    def rank_experts(self, config: PlanConfig) -> np.ndarray | None:
+        """Per rank: the routed experts' parameters of its stages (all E of each layer);
+        None for a dense model."""
+        if not self.model.experts:
+            return None
+        return np.bincount(_placement(config), weights=self.table(config).experts,
+                           minlength=config.pp)
+
     def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
         """Per rank: optimizer step seconds, the exposed seconds around it (ZeRO-1's
         all-gather, this engine's tied-region reduction) and the tied copies' all-reduce
         before it (`tied.tied_allreduce_seconds`), per partition, placement, dp and ZeRO."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
-               _placement(config), config.dp, config.zero_stage)
+               _placement(config), config.dp, config.zero_stage, config.ep)
         if key not in self._updates:
             self._updates[key] = self._price_update(config)
         return self._updates[key]
@@ -314,7 +327,8 @@ class PlanContext:
         step, exposed = data_parallel.update_seconds(
             self._rank_params(config), self.cluster, dp=config.dp, tp=config.tp,
             zero_stage=config.zero_stage, overlap_param_gather=self.overlap_param_gather,
-            update_bytes=self.update_bytes)
+            update_bytes=self.update_bytes, rank_experts=self.rank_experts(config),
+            ep=config.ep)
         if self.tied_reduce_at_step:  # the tied region's reduction at STEP, exposed
             held = np.bincount(placement, weights=tied_held(table, placement),
                                minlength=config.pp)
@@ -336,7 +350,9 @@ class PlanContext:
             if plain is None:
                 return None
             split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
-        costs = table.costs(config.microbatch_size, split)
+        all_to_all = expert_all_to_all(table, self.cluster, batch=config.microbatch_size,
+                                       ep=config.ep, tp=config.tp)
+        costs = _with_all_to_all(table.costs(config.microbatch_size, split), all_to_all)
         p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
         # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
         # over NVLink (Narayanan et al. 2021, section 4.1)
@@ -385,8 +401,11 @@ class PlanContext:
         busy = m * float(costs.total[mine].sum())
         tp_comm = m * float(costs.tp_comm[mine].sum())
         recompute = m * float(costs.recompute[mine].sum())
-        breakdown = {"compute": busy - tp_comm - recompute, "recomputation": recompute,
-                     "tp_comm": tp_comm, "bubble": float(rank_end[last] - busy - waited[last]),
+        ep_comm = 0.0 if all_to_all is None else m * float(
+            (np.add(all_to_all.forward, all_to_all.backward))[mine].sum())
+        breakdown = {"compute": busy - tp_comm - recompute - ep_comm,
+                     "recomputation": recompute, "tp_comm": tp_comm, "ep_comm": ep_comm,
+                     "bubble": float(rank_end[last] - busy - waited[last]),
                      "dp_comm": float(ready[last] - rank_end[last] + exposed[last]
                                       + waited[last]),
                      "tied_comm": float(synced[last] - ready[last]),
@@ -405,7 +424,19 @@ class PlanContext:
             params = params - tied_held(table, _placement(config))
         return data_parallel.grad_reduction(
             table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
-            grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap, params=params)
+            grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap, params=params,
+            ep=config.ep)
+
+
+def _with_all_to_all(costs: StageCosts, all_to_all: ExpertAllToAll | None) -> StageCosts:
+    """The stage costs with the expert all-to-all inside them, exposed: its forward seconds
+    added to each F, its backward ones to each I (a fused B = I + W carries them too).
+    Until the simulator has its own all-to-all lane (`CostModel.all_to_all`), the one
+    place the planner hands it to the simulator."""
+    if all_to_all is None:
+        return costs
+    return replace(costs, forward=costs.forward + np.asarray(all_to_all.forward),
+                   input_grad=costs.input_grad + np.asarray(all_to_all.backward))
 
 
 def is_cost_aware(name: str) -> bool:

@@ -35,6 +35,12 @@ class LayerProfile:
     is on another rank than the first layer's, the two copies' gradients all-reduced once
     a step (Megatron-LM's `word_embeddings` on the last stage; the engine's
     `TiedLayerSpec`, `pipeline.parallel.tied_sync`)."""
+    expert_params: float = 0.0
+    """Parameters (a count) of the layer's routed experts: split over the ep ranks of an
+    expert-parallel group (not over tp), their gradients reduced over dp / ep."""
+    all_to_all_bytes: float = 0.0
+    """Bytes per sample of one expert all-to-all (the dispatch of each token's hidden state
+    to its k experts; the combine returns as many, the backward repeats both)."""
     held_split: float = 0.0
     """Bytes per sample the forward saves for the backward, split over tp."""
     held_replicated: float = 0.0
@@ -120,6 +126,8 @@ class ModelProfile:
     """(what, size) a tensor-parallel size must divide besides the heads: a transformer's
     key/value heads and MLP width (Megatron-Core splits each evenly, `divide()` asserting
     it)."""
+    experts: int = 0
+    """Routed experts of each MoE layer (ep must divide them); 0: a dense model."""
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -127,7 +135,7 @@ class ModelProfile:
 
     @property
     def num_parameters(self) -> float:
-        return sum(layer.params(1) for layer in self.layers)
+        return sum(layer.params(1) + layer.expert_params for layer in self.layers)
 
     @property
     def flops_per_sample(self) -> float:

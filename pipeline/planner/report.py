@@ -17,8 +17,9 @@ __all__ = ["format_breakdown", "format_table", "gap_parts", "loss_reason", "plan
 
 GIB = 2**30
 # cause of a step's time -> the word the table uses for it
-_CAUSES = {"bubble": "bubble", "tp_comm": "communication", "dp_comm": "communication",
-           "tied_comm": "communication", "recomputation": "recomputation",
+_CAUSES = {"bubble": "bubble", "tp_comm": "communication", "ep_comm": "communication",
+           "dp_comm": "communication", "tied_comm": "communication",
+           "recomputation": "recomputation",
            "compute": "compute", "optimizer": "optimizer"}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -13,6 +13,7 @@ from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.diagnose import SearchLog, nothing_fits
 from pipeline.planner.errors import PlanError
+from pipeline.planner.expert_parallel import expert_sizes
 from pipeline.planner.memory import MemoryBreakdown
 from pipeline.planner.options import (
     CONTROLLABLE,
@@ -103,6 +104,8 @@ def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
                   options: SearchOptions) -> list[int]:
     if options.tensor_parallel is not None:
         return list(options.tensor_parallel)
+    if model.experts:  # the engine runs MoE layers unsplit (`check_request`)
+        return [1]
     if model.tensor_parallel_ok and model.heads is not None:
         return [t for t in _divisors(cluster.devices_per_node) if not model.tp_refusals(t)]
     return [1]
@@ -135,6 +138,11 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                     or not allowed(dp, options.data_parallel):
                 excluded["filters"] += 1
                 continue
+            eps = expert_sizes(dp, model.experts, options.expert_parallel, tp=tp,
+                               overlap_param_gather=options.overlap_param_gather)
+            if not eps:
+                excluded["experts"] += 1
+                continue
             names = ("1f1b",) if pp == 1 else options.schedules
             for name in names:
                 for chunks in _chunk_options(name, pp, n, options.max_chunks):
@@ -160,10 +168,12 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                             for mode in options.recompute_modes():
                                 for recompute, k in _recompute_options(
                                         mode, -(-n // (pp * chunks))):
-                                    yield PlanConfig(pp=pp, tp=tp, dp=dp, schedule=name,
-                                                     chunks=chunks, microbatch_size=b,
-                                                     num_microbatches=m, zero_stage=zero,
-                                                     recompute=recompute, recompute_layers=k)
+                                    for ep in eps:
+                                        yield PlanConfig(
+                                            pp=pp, tp=tp, dp=dp, schedule=name, chunks=chunks,
+                                            microbatch_size=b, num_microbatches=m,
+                                            zero_stage=zero, recompute=recompute,
+                                            recompute_layers=k, ep=ep)
 
 
 def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
@@ -200,8 +210,48 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
     if bad:
         problems.append(f"data-parallel size {', '.join(map(str, bad))} does not divide the "
                         f"global batch {global_batch}")
+    problems += _expert_problems(model, options)
     if problems:
         raise PlanError("; ".join(problems))
+
+
+def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
+    """What of the request the engine cannot run with the model's experts: an engine whose
+    MoE runs are not priced, tp > 1 with experts, an ep size that is not 1 for a dense
+    model, that does not divide the experts or any of the data-parallel sizes asked for, or
+    comes with overlap_param_gather."""
+    sizes, experts = options.expert_parallel or (), model.experts
+    if not experts:
+        bad = [size for size in sizes if size > 1]
+        return [f"expert-parallel size {', '.join(map(str, bad))}: {model.name} has no "
+                "experts (use --ep 1 or give a mixture-of-experts model)"] if bad else []
+    if not options.prices_experts:
+        return [f"{model.name} is a mixture of experts; the engine these options model "
+                "(--engine) has its MoE runs unpriced: plan it with --engine pipesched"]
+    problems = []
+    if any(size > 1 for size in options.tensor_parallel or ()):
+        problems.append(f"tensor-parallel size {', '.join(map(str, options.tensor_parallel or ()))}"
+                        f": the engine runs mixture-of-experts layers at tp 1 "
+                        f"(tensor_parallel_hf splits dense layers only, and expert_parallel "
+                        f"refuses tensor_parallel > 1); use --tp 1 and --ep for the experts")
+    valid = [k for k in range(1, experts + 1) if experts % k == 0]
+    bad = [size for size in sizes if experts % size]
+    if bad:
+        problems.append(f"expert-parallel size {', '.join(map(str, bad))} does not divide "
+                        f"the model's {experts} experts (each ep rank holds E / ep); use one "
+                        f"of {', '.join(map(str, valid))}")
+    if options.data_parallel is not None:
+        bad = [size for size in sizes if not any(dp % size == 0 for dp in options.data_parallel)]
+        if bad:
+            dps = ", ".join(map(str, options.data_parallel))
+            fits = [k for k in valid if any(dp % k == 0 for dp in options.data_parallel)]
+            problems.append(f"expert-parallel size {', '.join(map(str, bad))} divides none of "
+                            f"the data-parallel sizes {dps} (ep is carved from dp); use one "
+                            f"of {', '.join(map(str, fits))}")
+    if options.overlap_param_gather and any(size > 1 for size in sizes):
+        problems.append("expert-parallel size above 1 with overlap_param_gather: the engine "
+                        "runs expert parallelism without it; drop --overlap-param-gather")
+    return problems
 
 
 @gc_paused  # millions of small tuples and arrays, no cycles: collections find nothing
@@ -303,9 +353,11 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
     `memory.total` with the device's. `options` gives the engine the search would model
     (its pricing fields and its rules, e.g. Megatron-LM's uniform split); without them,
     this engine with `overlap_grad_reduce`."""
-    check_request(model, cluster, global_batch, SearchOptions(
-        tensor_parallel=(config.tp,), pipeline_parallel=(config.pp,),
-        data_parallel=(config.dp,)))
+    if options is None:
+        options = SearchOptions(overlap_grad_reduce=overlap_grad_reduce)
+    check_request(model, cluster, global_batch, replace(
+        options, tensor_parallel=(config.tp,), pipeline_parallel=(config.pp,),
+        data_parallel=(config.dp,), expert_parallel=(config.ep,)))
     if config.pp * config.tp * config.dp != cluster.num_devices:
         raise PlanError(f"{config.label()} uses {config.pp * config.tp * config.dp} devices; "
                         f"the cluster has {cluster.num_devices} (pp · tp · dp must equal it)")
@@ -316,8 +368,6 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
     if config.pp * config.chunks > len(model.layers):
         raise PlanError(f"{config.label()}: {config.pp * config.chunks} stages need as many "
                         f"layers; {model.name} has {len(model.layers)}")
-    if options is None:
-        options = SearchOptions(overlap_grad_reduce=overlap_grad_reduce)
     first, end = block_span(model.layers)
     rule = _engine_refuses(options, end - first, config.pp, config.schedule, config.chunks,
                            config.num_microbatches)

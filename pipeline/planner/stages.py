@@ -96,6 +96,12 @@ class StageTable:
     tp: int
     tp_overlap: str = "none"
     """The engine's rule for hiding tensor-parallel collectives (`pricing.TP_OVERLAPS`)."""
+    experts: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Routed experts' parameters per stage (all E of each MoE layer: ep splits them)."""
+    all_to_all: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Bytes per sample of one all-to-all, summed over each stage's MoE layers."""
+    moe_layers: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """MoE layers per stage (each pays its all-to-alls' latency)."""
     _priced: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -113,7 +119,12 @@ class StageTable:
             workspace=np.array([recompute_workspace(stage, tp, 1, *mode) for stage in stages]),
             boundary=np.array([stage[-1].output_bytes for stage in stages]),
             recompute=recompute, recompute_layers=recompute_layers, stages=stages,
-            cluster=cluster, precision=precision, tp=tp, tp_overlap=tp_overlap)
+            cluster=cluster, precision=precision, tp=tp, tp_overlap=tp_overlap,
+            experts=np.array([sum(layer.expert_params for layer in stage) for stage in stages]),
+            all_to_all=np.array([sum(layer.all_to_all_bytes for layer in stage)
+                                 for stage in stages]),
+            moe_layers=np.array([sum(layer.all_to_all_bytes > 0 for layer in stage)
+                                 for stage in stages]))
 
     def _price(self, batch: int) -> tuple[np.ndarray, ...]:
         """Per stage at `batch` samples: forward, backward, I, W, tp collectives (both

@@ -4,13 +4,14 @@ bytes from the standard formulas (cited at each one)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from pipeline.planner.errors import PlanError
 from pipeline.planner.input_files import read_input_json
 from pipeline.planner.kernels import LayerShape
+from pipeline.planner.moe_shape import MOE_KEYS, ExpertShape
 from pipeline.planner.profile import LayerProfile, ModelProfile
 from schedules.analysis.accounting import AttentionKind, RecomputeKind, layer_activation_bytes
 
@@ -62,6 +63,9 @@ class TransformerShape:
     tied_embeddings: bool = False
     """The output projection reuses the embedding (counted once in the parameter total; a
     copy where the head's stage is on another rank, `LayerProfile.tied_params_split`)."""
+    moe: ExpertShape | None = None
+    """A mixture of experts in the blocks `ExpertShape.is_sparse` names (their MLP); None:
+    a dense model."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -82,6 +86,9 @@ class TransformerShape:
                             f"head_dim)")
         if not problems and self.kv_heads and self.heads % self.kv_heads:
             problems.append(f"kv_heads={self.kv_heads} must divide heads={self.heads}")
+        if self.moe is not None and self.bias == "all":
+            problems.append("bias='all' with experts: no mixture-of-experts family has MLP "
+                            "biases; use bias=qkv or none")
         if problems:
             raise PlanError("transformer shape: " + "; ".join(problems))
         if not self.ffn:
@@ -142,11 +149,40 @@ class TransformerShape:
         """The learned position table's parameters (0 with rotary positions)."""
         return (self.positions or self.seq) * self.hidden if self.learned_positions else 0
 
+    def is_sparse(self, index: int) -> bool:
+        """Whether block `index` (from 0) has experts."""
+        return self.moe is not None and self.moe.is_sparse(index)
+
+    def moe_block_parameters(self) -> tuple[int, int, int]:
+        """(split over t, replicated, experts) parameters of a MoE block: its attention and
+        norms as a dense block's, its router, shared expert and gate held whole, its E
+        experts (`ExpertShape.expert_parameters`, split over ep, not over t: the engine runs
+        MoE layers at t = 1)."""
+        assert self.moe is not None
+        split, replicated = self.block_split_replicated()
+        h, matrices = self.hidden, self.mlp_matrices
+        return (split - matrices * h * self.ffn,
+                replicated + self.moe.dense_parameters(h, matrices),
+                self.moe.expert_parameters(h, matrices))
+
+    def layer_parameters(self, index: int) -> int:
+        """Parameters of block `index`, experts included."""
+        return sum(self.moe_block_parameters()) if self.is_sparse(index) else \
+            self.block_parameters()
+
+    def moe_block_flops_per_token(self) -> int:
+        """Forward FLOPs per token of a MoE block: a dense block whose MLP is k·f_e + f_s
+        wide (each token runs its k experts and the shared one), plus the router and the
+        shared expert's gate."""
+        assert self.moe is not None
+        return (replace(self, ffn=self.moe.active_ffn, moe=None).block_flops_per_token()
+                + self.moe.router_flops_per_token(self.hidden))
+
     def num_parameters(self) -> int:
         h = self.hidden
         embedding = self.vocab * h + self.position_parameters()
         head = self.norm_parameters() + (0 if self.tied_embeddings else self.vocab * h)
-        return embedding + self.layers * self.block_parameters() + head
+        return embedding + sum(self.layer_parameters(i) for i in range(self.layers)) + head
 
     def block_flops_per_token(self) -> int:
         """Forward FLOPs of one block for one token: 2 per multiply-add of every weight
@@ -157,8 +193,12 @@ class TransformerShape:
 
     def flops_per_token(self) -> int:
         """Forward FLOPs of the whole model per token: blocks and the logits 2hV. Training
-        costs 3× this (backward = 2× forward), 4× with full recomputation."""
-        return self.layers * self.block_flops_per_token() + 2 * self.hidden * self.vocab
+        costs 3× this (backward = 2× forward), 4× with full recomputation. A MoE block
+        counts its top-k and shared experts only."""
+        sparse = sum(map(self.is_sparse, range(self.layers)))
+        return ((self.layers - sparse) * self.block_flops_per_token()
+                + (sparse and sparse * self.moe_block_flops_per_token())
+                + 2 * self.hidden * self.vocab)
 
     def block_activation_bytes(self, element: int, *, attention: AttentionKind = "eager",
                                recompute: RecomputeKind = "none",
@@ -208,15 +248,29 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
     s, h, vocab = shape.seq, shape.hidden, shape.vocab
     hidden_bytes = s * h * element
     kind: AttentionKind = "fused" if attention == "fused" else "eager"
-    replicated, split = shape.block_activation_bytes(element, attention=kind,
-                                                     sequence_parallel=sequence_parallel)
-    selective = sum(shape.block_activation_bytes(element, recompute="selective",
-                                                 sequence_parallel=sequence_parallel))
 
-    def kernels(role: Literal["embedding", "block", "head"]) -> LayerShape:
-        return LayerShape(role, s, h, shape.heads, shape.kv_width, shape.ffn, vocab, element,
+    def kernels(role: Literal["embedding", "block", "head"], ffn: int = shape.ffn
+                ) -> LayerShape:
+        return LayerShape(role, s, h, shape.heads, shape.kv_width, ffn, vocab, element,
                           "fused" if attention == "fused" else "eager", sequence_parallel,
                           head_dim=shape.head_dim, gated=shape.gated)
+
+    def block(of: TransformerShape) -> LayerProfile:
+        """A block of shape `of`, dense (a MoE block is one whose MLP is k·f_e + f_s wide,
+        `_moe_block`)."""
+        replicated, split = of.block_activation_bytes(element, attention=kind,
+                                                      sequence_parallel=sequence_parallel)
+        selective = sum(of.block_activation_bytes(element, recompute="selective",
+                                                  sequence_parallel=sequence_parallel))
+        block_split, block_replicated = of.block_split_replicated()
+        return LayerProfile(
+            name="block", flops_split=s * of.block_flops_per_token(),
+            params_split=block_split, params_replicated=block_replicated,
+            held_split=split, held_replicated=replicated, output_bytes=hidden_bytes,
+            input_bytes=hidden_bytes, input_split=sequence_parallel,
+            selective_held_split=selective - replicated,
+            selective_flops_split=4 * s * s * of.q_width, tp_allreduces=2,
+            tp_allreduce_bytes=hidden_bytes, shape=kernels("block", of.ffn))
 
     # Input embedding: its dropout's 1-byte mask, sh (Korthikanti et al. 2022, section 4.3:
     # "sbhp/t" over the p microbatches 1F1B's first stage holds, split with sequence
@@ -228,18 +282,10 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
         held_replicated=0.0 if sequence_parallel else s * h,
         output_bytes=hidden_bytes, tp_allreduces=1, tp_allreduce_bytes=hidden_bytes,
         shape=kernels("embedding"))
-    block_split, block_replicated = shape.block_split_replicated()
-    block = kernels("block")
-    blocks = [LayerProfile(
-        name=f"block{index}", flops_split=s * shape.block_flops_per_token(),
-        params_split=block_split, params_replicated=block_replicated,
-        held_split=split, held_replicated=replicated, output_bytes=hidden_bytes,
-        input_bytes=hidden_bytes, input_split=sequence_parallel,
-        selective_held_split=selective - replicated,
-        selective_flops_split=4 * s * s * shape.q_width, tp_allreduces=2,
-        tp_allreduce_bytes=hidden_bytes,
-        shape=block)
-        for index in range(shape.layers)]
+    dense = block(shape)
+    sparse = _moe_block(shape, block, element) if shape.moe is not None else dense
+    blocks = [replace(sparse if shape.is_sparse(index) else dense, name=f"block{index}")
+              for index in range(shape.layers)]
     # Output layer: the final norm's input and the projection's (2sh each) and the fp32
     # logits for the cross entropy, 4sV/t: Korthikanti et al. 2022, section 4.3, "4sbh/t ·
     # (1 + v/h)" with sequence parallelism, the norm's and projection's inputs whole on
@@ -258,26 +304,50 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
     divides = (("attention heads", shape.heads), ("key/value heads", shape.kv_heads),
                ("MLP columns", shape.ffn))
     return ModelProfile((embedding, *blocks, head), name=_label(shape), heads=shape.heads,
-                        seq=s, tp_divides=divides)
+                        seq=s, tp_divides=divides,
+                        experts=shape.moe.experts if shape.moe is not None else 0)
+
+
+def _moe_block(shape: TransformerShape, block: Callable[[TransformerShape], LayerProfile],
+               element: int) -> LayerProfile:
+    """A MoE block as the dense `block` of a k·f_e + f_s wide MLP (its FLOPs, kernels and
+    kept activations: each token's k expert and shared MLP passes, whose inputs and
+    intermediates the backward needs), with its own parameters (router, shared expert and
+    gate with the rest, the E experts apart: split over ep) and its all-to-all: each token's
+    hidden state sent to its k experts, s·k·h elements per sample each way
+    (`expert_parallel.expert_all_to_all`). The router's logits and the dispatch's index
+    bookkeeping are not counted in the activations (E and k words per token against
+    k·(3f_e) of the experts' own)."""
+    assert shape.moe is not None
+    active = replace(shape, ffn=shape.moe.active_ffn, moe=None)
+    split, replicated, experts = shape.moe_block_parameters()
+    return replace(block(active), flops_split=shape.seq * shape.moe_block_flops_per_token(),
+                   params_split=split, params_replicated=replicated, expert_params=experts,
+                   all_to_all_bytes=shape.seq * shape.moe.topk * shape.hidden * element)
 
 
 def _label(shape: TransformerShape) -> str:
     grouped = f" kv={shape.kv_heads}" if shape.kv_heads != shape.heads else ""
     return (f"transformer l={shape.layers} h={shape.hidden} a={shape.heads}{grouped} "
             f"f={shape.ffn}{'' if shape.mlp == 'gelu' else ' ' + shape.mlp} V={shape.vocab} "
-            f"s={shape.seq}{' tied' if shape.tied_embeddings else ''}")
+            f"s={shape.seq}{' tied' if shape.tied_embeddings else ''}"
+            f"{shape.moe.label() if shape.moe is not None else ''}")
 
 
-_BOOL_KEYS = {"learned_positions", "tied_embeddings", "qk_norm"}
+_BOOL_KEYS = {"learned_positions", "tied_embeddings", "qk_norm", "shared_gate"}
 _TEXT_KEYS = {"mlp", "norm", "bias"}
-_INT_KEYS = {f.name for f in fields(TransformerShape)} - _BOOL_KEYS - _TEXT_KEYS
+_LIST_KEYS = {"dense_layers"}
+_INT_KEYS = ({f.name for f in fields(TransformerShape)} | set(MOE_KEYS)) - _BOOL_KEYS \
+    - _TEXT_KEYS - _LIST_KEYS - {"moe"}
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
 def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> TransformerShape:
     """`layers=32,hidden=4096,heads=32,vocab=32000,seq=2048[,ffn=..,kv_heads=..,
-    mlp=swiglu,tied_embeddings=true,..]` (every field of `TransformerShape`), a JSON file
-    with those keys, or a mapping; `seq` overrides the sequence length."""
+    mlp=swiglu,tied_embeddings=true,..]` (every field of `TransformerShape`; a mixture of
+    experts with `ExpertShape`'s: experts=8,topk=2,expert_ffn=14336[,shared_ffn=..,
+    shared_gate=true,sparse_step=..,dense_layers=0;5]), a JSON file with those keys, or a
+    mapping; `seq` overrides the sequence length."""
     if isinstance(source, Mapping):
         values = dict(source)
     elif source.endswith(".json") or os.path.exists(source):
@@ -305,6 +375,13 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
             if key in _TEXT_KEYS:
                 values[key] = text.strip().lower()
                 continue
+            if key in _LIST_KEYS:  # block indices; ";" apart, as "," separates the keys
+                try:
+                    values[key] = [int(part) for part in text.split(";") if part.strip()]
+                except ValueError:
+                    raise PlanError(f"model shape {key}={text!r} must be block indices "
+                                    f"separated by ';', e.g. {key}=0;5") from None
+                continue
             try:
                 values[key] = int(text)
             except ValueError:
@@ -317,11 +394,27 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
         raise PlanError(f"model shape {', '.join(f'{key}=0' for key in explicit_zero)}: "
                         "must be >= 1; omit the key for the default (ffn 4 × hidden, "
                         "kv_heads = heads, head_dim = hidden / heads)")
-    unknown = sorted(set(values) - _INT_KEYS - _BOOL_KEYS - _TEXT_KEYS)
+    known = _INT_KEYS | _BOOL_KEYS | _TEXT_KEYS | _LIST_KEYS
+    unknown = sorted(set(values) - known)
     if unknown:
-        raise PlanError(f"model shape has unknown keys {unknown}; the keys are "
-                        f"{sorted(_INT_KEYS | _BOOL_KEYS | _TEXT_KEYS)}")
+        raise PlanError(f"model shape has unknown keys {unknown}; the keys are {sorted(known)}")
     missing = sorted({"layers", "hidden", "heads", "vocab", "seq"} - set(values))
     if missing:
         raise PlanError(f"model shape lacks {missing} (give seq with --seq)")
-    return TransformerShape(**values)
+    moe = _expert_shape(values)  # takes its keys out of `values`
+    return TransformerShape(**values, moe=moe)
+
+
+def _expert_shape(values: dict[str, Any]) -> ExpertShape | None:
+    """The `ExpertShape` keys taken out of `values` (None when it has none)."""
+    given = {key: values.pop(key) for key in MOE_KEYS if key in values}
+    if not given:
+        return None
+    missing = [key for key in ("experts", "topk", "expert_ffn") if key not in given]
+    if missing:
+        raise PlanError(f"model shape gives {', '.join(sorted(given))} but not "
+                        f"{', '.join(missing)}: a mixture of experts needs experts=, topk= and "
+                        "expert_ffn= (e.g. experts=8,topk=2,expert_ffn=14336)")
+    if isinstance(given.get("dense_layers"), list):
+        given["dense_layers"] = tuple(given["dense_layers"])
+    return ExpertShape(**given)

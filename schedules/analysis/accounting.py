@@ -22,8 +22,9 @@ from schedules.ir.instructions import Kind
 from schedules.ir.schedule import Schedule
 
 __all__ = ["AttentionKind", "HeldTrace", "ParameterBytes", "Precision", "RecomputeKind",
-           "StreamPeak", "expert_parallel_state_bytes", "held_peaks", "layer_activation_bytes",
-           "model_state_bytes", "stage_activation_bytes", "stream_peak"]
+           "StreamPeak", "expert_parallel_state_bytes", "expert_state_bytes", "held_peaks",
+           "layer_activation_bytes", "model_state_bytes", "stage_activation_bytes",
+           "stream_peak"]
 
 Precision = Literal["fp32", "bf16", "fp16"]
 RecomputeKind = Literal["none", "selective", "full"]
@@ -85,6 +86,24 @@ def model_state_bytes(precision: Precision = "fp32", *, zero_stage: int = 0,
                            sharded / data_parallel if zero_stage == 1 else sharded)
 
 
+def expert_state_bytes(precision: Precision = "fp32", *, expert_parallel: int,
+                       data_parallel: int, zero_stage: int = 0,
+                       optimizer_factor: float = 2.0) -> ParameterBytes:
+    """Bytes one rank holds per expert parameter of the model (all E experts counted) when
+    e = `expert_parallel` of the d data-parallel replicas split the experts: 1/e of each
+    part, ZeRO-1 sharding the optimizer state over the expert-data-parallel group (d / e
+    ranks holding the same experts)."""
+    if isinstance(expert_parallel, bool) or not isinstance(expert_parallel, int) \
+            or expert_parallel < 1 or data_parallel % expert_parallel:
+        raise ScheduleConfigError(f"expert_parallel must be an int >= 1 dividing "
+                                  f"data_parallel={data_parallel}, got {expert_parallel!r}")
+    own = model_state_bytes(precision, zero_stage=zero_stage,
+                            data_parallel=data_parallel // expert_parallel,
+                            optimizer_factor=optimizer_factor)
+    return ParameterBytes(own.parameters / expert_parallel, own.gradients / expert_parallel,
+                          own.optimizer / expert_parallel)
+
+
 def expert_parallel_state_bytes(dense_parameters: int, expert_parameters: int, *,
                                 expert_parallel: int, data_parallel: int,
                                 precision: Precision = "fp32", zero_stage: int = 0,
@@ -93,17 +112,13 @@ def expert_parallel_state_bytes(dense_parameters: int, expert_parameters: int, *
     the d data-parallel replicas) and MoE layers of `expert_parameters` experts' weights in
     all, split over e = `expert_parallel` of those replicas: it holds 1/e of the experts,
     each replicated over d / e ranks, and ZeRO-1 shards each part's optimizer state over its
-    own group (dense over d, experts over d / e)."""
-    if isinstance(expert_parallel, bool) or not isinstance(expert_parallel, int) \
-            or expert_parallel < 1 or data_parallel % expert_parallel:
-        raise ScheduleConfigError(f"expert_parallel must be an int >= 1 dividing "
-                                  f"data_parallel={data_parallel}, got {expert_parallel!r}")
+    own group (dense over d, experts over d / e; `expert_state_bytes`)."""
+    experts = expert_state_bytes(precision, expert_parallel=expert_parallel,
+                                 data_parallel=data_parallel, zero_stage=zero_stage,
+                                 optimizer_factor=optimizer_factor)
     dense = model_state_bytes(precision, zero_stage=zero_stage, data_parallel=data_parallel,
                               optimizer_factor=optimizer_factor)
-    experts = model_state_bytes(precision, zero_stage=zero_stage,
-                                data_parallel=data_parallel // expert_parallel,
-                                optimizer_factor=optimizer_factor)
-    return dense_parameters * dense.total + expert_parameters / expert_parallel * experts.total
+    return dense_parameters * dense.total + expert_parameters * experts.total
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, *,

@@ -1,0 +1,92 @@
+"""A mixture-of-experts MLP's shape: its experts, top-k routing, shared experts and which
+blocks have one, and the parameters and FLOPs of such a block's MLP (Mixtral, Qwen2-MoE,
+Qwen3-MoE as transformers builds them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.planner.errors import PlanError
+
+__all__ = ["MOE_KEYS", "ExpertShape"]
+
+MOE_KEYS = ("experts", "topk", "expert_ffn", "shared_ffn", "shared_gate", "sparse_step",
+            "dense_layers")
+"""The model-string / shape-file keys of `ExpertShape` (`transformer.parse_shape`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertShape:
+    """The MLP of a MoE block: a router (h → E, no bias), E experts of the block's MLP kind
+    with width `expert_ffn` each (SwiGLU: gate, up h×f_e, down f_e×h), of which each token
+    runs `topk`, and optionally a shared expert every token runs (width `shared_ffn`) whose
+    output a sigmoid gate (h → 1) scales (Qwen2-MoE). Notation: E experts, k top-k, f_e the
+    expert width, f_s the shared width, h hidden."""
+
+    experts: int
+    """E: routed experts in each MoE block (Mixtral num_local_experts, Qwen num_experts)."""
+    topk: int
+    """k: experts each token is routed to (num_experts_per_tok)."""
+    expert_ffn: int
+    """f_e: one expert's MLP width (Mixtral intermediate_size, Qwen moe_intermediate_size)."""
+    shared_ffn: int = 0
+    """f_s: the shared expert's width (Qwen2-MoE shared_expert_intermediate_size); 0: none."""
+    shared_gate: bool = False
+    """The shared expert's output is scaled by sigmoid(x·w), w of h (Qwen2-MoE)."""
+    sparse_step: int = 1
+    """Block i (from 0) has experts when (i + 1) is a multiple of this (Qwen's
+    decoder_sparse_step) and i is not in `dense_layers`; the others a dense MLP."""
+    dense_layers: tuple[int, ...] = ()
+    """Blocks kept dense whatever the step (Qwen's mlp_only_layers)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("experts", "topk", "expert_ffn", "sparse_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r} must be a whole number >= 1")
+        if isinstance(self.shared_ffn, bool) or not isinstance(self.shared_ffn, int) \
+                or self.shared_ffn < 0:
+            problems.append(f"shared_ffn={self.shared_ffn!r} must be a whole number >= 0 "
+                            "(0: no shared expert)")
+        if self.shared_gate and not self.shared_ffn:
+            problems.append("shared_gate=true needs a shared expert (shared_ffn >= 1)")
+        if not isinstance(self.dense_layers, tuple) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0
+                for i in self.dense_layers):
+            problems.append(f"dense_layers={self.dense_layers!r} must be block indices >= 0")
+        if not problems and self.topk > self.experts:
+            problems.append(f"topk={self.topk} must be at most experts={self.experts} (each "
+                            "token is routed to k distinct experts); lower topk")
+        if problems:
+            raise PlanError("mixture-of-experts shape: " + "; ".join(problems))
+
+    def is_sparse(self, index: int) -> bool:
+        """Whether block `index` (from 0) has experts (HF's Qwen2/3-MoE rule; Mixtral:
+        every block)."""
+        return index not in self.dense_layers and (index + 1) % self.sparse_step == 0
+
+    @property
+    def active_ffn(self) -> int:
+        """MLP width one token runs through: k·f_e + f_s (its FLOPs and the activations it
+        keeps are those of a dense MLP this wide)."""
+        return self.topk * self.expert_ffn + self.shared_ffn
+
+    def expert_parameters(self, hidden: int, matrices: int) -> int:
+        """Parameters of a block's E routed experts: E · matrices · h · f_e (split over ep)."""
+        return self.experts * matrices * hidden * self.expert_ffn
+
+    def dense_parameters(self, hidden: int, matrices: int) -> int:
+        """Parameters of a MoE block's MLP that every ep rank holds: the router h·E, the
+        shared expert matrices · h · f_s and its gate h."""
+        return (hidden * self.experts + matrices * hidden * self.shared_ffn
+                + (hidden if self.shared_gate else 0))
+
+    def router_flops_per_token(self, hidden: int) -> int:
+        """Forward FLOPs per token beyond the k·f_e + f_s wide MLP: the router's logits and
+        the shared expert's gate, 2 per multiply-add."""
+        return 2 * (hidden * self.experts + (hidden if self.shared_gate else 0))
+
+    def label(self) -> str:
+        shared = f"+{self.shared_ffn}" if self.shared_ffn else ""
+        return f" moe={self.experts}x{self.expert_ffn} top{self.topk}{shared}"
