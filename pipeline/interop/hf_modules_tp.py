@@ -66,19 +66,26 @@ class Region:
             return reduce_scatter_to_sequence_parallel_region(y, self.group).contiguous()
         return reduce_from_tensor_parallel_region(y, self.group)
 
+    @property
+    def runs_overlap_functions(self) -> bool:
+        """Whether the blocks' linears run through `pipeline.parallel.tensor.overlap`: with
+        `overlap`, or with emulated `ops` (without `overlap`, their sequential baseline), as
+        the engine's own layers."""
+        return self.overlap or self.ops is not REAL_OPS
+
     def column(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x Wᵀ for this rank's rows W (Linear's layout) of a column-parallel layer, `x`
-        entering the region inside it, overlapped (`column_parallel_linear`)."""
+        entering the region inside it (`column_parallel_linear`)."""
         return column_parallel_linear(x, weight, self.group,
                                       sequence_parallel=self.sequence_parallel,
-                                      chunks=self.chunks, ops=self.ops)
+                                      overlap=self.overlap, chunks=self.chunks, ops=self.ops)
 
     def row(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Σ over tp of x Wᵀ for this rank's columns W (Linear's layout), overlapped
-        (`row_parallel_linear`)."""
+        """Σ over tp of x Wᵀ for this rank's columns W (Linear's layout), leaving the region
+        inside it (`row_parallel_linear`)."""
         return row_parallel_linear(x, weight, self.group,
                                    sequence_parallel=self.sequence_parallel,
-                                   chunks=self.chunks, ops=self.ops)
+                                   overlap=self.overlap, chunks=self.chunks, ops=self.ops)
 
 
 class VocabSlot:
@@ -114,7 +121,7 @@ class RowParallel(nn.Module):
             sum_gradient_over_tensor_parallel(self.bias, region.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.region.overlap:
+        if self.region.runs_overlap_functions:
             y = self.region.row(x, self.weight.t() if self.transposed else self.weight)
         else:
             y = self.region.leave(x @ self.weight if self.transposed

@@ -225,7 +225,7 @@ def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) 
         _split_attention(layer.self_attn, plan.config, region, rank, size)
         _split_mlp(layer.mlp, region)
         attention, mlp = layer.self_attn, layer.mlp
-    if plan.overlap:  # one fused, overlapped column GEMM per module (q;k;v and gate;up)
+    if region.runs_overlap_functions:  # one fused column GEMM per module (q;k;v, gate;up)
         for module in (attention, mlp):
             fuse_columns_on_call(module, _column_names(module), region, transposed=gpt2)
     else:
