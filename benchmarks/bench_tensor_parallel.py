@@ -1,10 +1,13 @@
 """Tensor-parallel communication overlap on emulated devices, and our tp step against DTensor's.
 
-Part 1 (emulated): two `ParallelTransformerBlock`s whose GEMMs and collectives are timed waits
-(`pipeline.rehearsal.emulated_tp`), so tp ranks > cores overlap for real. Per (sequence
-parallel, overlap): the exposed tp communication of one forward + backward, measured as the
-step with the nominal collective costs minus the same step with free collectives, beside the
-rule's prediction (`schedules.analysis.tp_overlap`, the planner's), and measured / predicted.
+Part 1 (emulated): two `ParallelTransformerBlock`s, and two blocks of a HF Llama split by
+`tensor_parallel_hf` (fused q;k;v and gate;up, o_proj, down_proj), whose GEMMs and
+collectives are timed waits (`pipeline.rehearsal.emulated_tp`), so tp ranks > cores overlap
+for real (the HF blocks' attention core, rotary and norms run for real, alike in both steps
+below). Per (blocks, sequence parallel, overlap): the exposed tp communication of one
+forward + backward, measured as the step with the nominal collective costs minus the same
+step with free collectives, beside the rule's prediction (`schedules.analysis.tp_overlap`,
+the planner's), and measured / predicted.
 
 Part 2 (real compute, gloo CPU, same run): Llama-shaped blocks (RMSNorm, q/k/v/o, SiLU-gated
 MLP) at tp with sequence parallelism, ours (`ColumnParallelLinear` / `RowParallelLinear`,
@@ -16,6 +19,7 @@ single-process blocks first.
 
     python benchmarks/bench_tensor_parallel.py                 # tp 4 emulated, tp 2 real
     python benchmarks/bench_tensor_parallel.py --tp 2 --steps 10
+    python benchmarks/bench_tensor_parallel.py --skip-real --models hf   # HF blocks only
 """
 
 from __future__ import annotations
