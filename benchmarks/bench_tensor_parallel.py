@@ -139,7 +139,7 @@ def _emulated_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
             costs, tp=size, batch=args.batch, seq=args.seq, hidden=args.hidden,
             ffn=args.ffn, blocks=args.blocks, sequence_parallel=sequence_parallel,
             overlap=overlap, chunks=args.chunks,
-            linears=_hf_linears(args, size) if kind == "hf" else None,
+            linear_shapes=_hf_linears(args, size) if kind == "hf" else None,
             slice_reductions=0 if kind == "hf" else 6)
         rows.append({"model": kind, "sequence_parallel": sequence_parallel,
                      "overlap": overlap,

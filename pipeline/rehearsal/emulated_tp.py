@@ -122,13 +122,13 @@ LinearShape = tuple[Literal["column", "row"], int, int]
 def predict_blocks_exposed(costs: EmulatedTensorParallelCosts, *, tp: int, batch: int,
                            seq: int, hidden: int, ffn: int, blocks: int,
                            sequence_parallel: bool, overlap: bool, chunks: int,
-                           linears: list[LinearShape] | None = None,
+                           linear_shapes: list[LinearShape] | None = None,
                            slice_reductions: int = 6) -> float:
     """The rule's (`schedules.analysis.tp_overlap`) exposed seconds of `blocks`
     `ParallelTransformerBlock`s (with biases), one forward + backward, at the nominal GEMM and
     collective costs these ops wait; under sequence parallelism plus the `slice_reductions`
     all-reduces through these ops of the gradients of parameters used on sequence slices
-    (norms' weight and bias, the row layers' biases: exposed). `linears` (default: that
+    (norms' weight and bias, the row layers' biases: exposed). `linear_shapes` (default: that
     block's qkv, proj, fc1, fc2) describes another block, e.g. a HF one's fused q;k;v, o_proj,
     fused gate;up and down_proj."""
     tokens = batch * seq
@@ -139,7 +139,7 @@ def predict_blocks_exposed(costs: EmulatedTensorParallelCosts, *, tp: int, batch
     else:
         whole = costs.collective(Collective.ALL_REDUCE, tokens * hidden * BYTES, tp)
         chunk = costs.collective(Collective.ALL_REDUCE, tokens * hidden * BYTES / chunks, tp)
-    shapes: list[LinearShape] = linears or [
+    shapes: list[LinearShape] = linear_shapes or [
         ("column", hidden, 3 * hidden // tp), ("row", hidden // tp, hidden),
         ("column", hidden, ffn // tp), ("row", ffn // tp, hidden)]
     linears = []

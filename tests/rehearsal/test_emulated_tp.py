@@ -87,7 +87,8 @@ def _predicted(size: int, sequence_parallel: bool, overlap: bool, hf: bool = Fal
         ("column", HIDDEN, 2 * FFN // size), ("row", FFN // size, HIDDEN)]
     return predict_blocks_exposed(COSTS, tp=size, batch=BATCH, seq=SEQ, hidden=HIDDEN,
                                   ffn=FFN, blocks=BLOCKS, sequence_parallel=sequence_parallel,
-                                  overlap=overlap, chunks=2, linears=linears if hf else None,
+                                  overlap=overlap, chunks=2,
+                                  linear_shapes=linears if hf else None,
                                   slice_reductions=0 if hf else 6)
 
 
