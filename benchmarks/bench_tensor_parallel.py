@@ -1,10 +1,13 @@
 """Tensor-parallel communication overlap on emulated devices, and our tp step against DTensor's.
 
-Part 1 (emulated): two `ParallelTransformerBlock`s whose GEMMs and collectives are timed waits
-(`pipeline.rehearsal.emulated_tp`), so tp ranks > cores overlap for real. Per (sequence
-parallel, overlap): the exposed tp communication of one forward + backward, measured as the
-step with the nominal collective costs minus the same step with free collectives, beside the
-rule's prediction (`schedules.analysis.tp_overlap`, the planner's), and measured / predicted.
+Part 1 (emulated): two `ParallelTransformerBlock`s, and two blocks of a HF Llama split by
+`tensor_parallel_hf` (fused q;k;v and gate;up, o_proj, down_proj), whose GEMMs and
+collectives are timed waits (`pipeline.rehearsal.emulated_tp`), so tp ranks > cores overlap
+for real (the HF blocks' attention core, rotary and norms run for real, alike in both steps
+below). Per (blocks, sequence parallel, overlap): the exposed tp communication of one
+forward + backward, measured as the step with the nominal collective costs minus the same
+step with free collectives, beside the rule's prediction (`schedules.analysis.tp_overlap`,
+the planner's), and measured / predicted.
 
 Part 2 (real compute, gloo CPU, same run): Llama-shaped blocks (RMSNorm, q/k/v/o, SiLU-gated
 MLP) at tp with sequence parallelism, ours (`ColumnParallelLinear` / `RowParallelLinear`,
@@ -16,6 +19,7 @@ single-process blocks first.
 
     python benchmarks/bench_tensor_parallel.py                 # tp 4 emulated, tp 2 real
     python benchmarks/bench_tensor_parallel.py --tp 2 --steps 10
+    python benchmarks/bench_tensor_parallel.py --skip-real --models hf   # HF blocks only
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from pipeline.rehearsal.emulated import WallClock
 from pipeline.rehearsal.emulated_tp import (
     EmulatedTensorParallelCosts,
     EmulatedTensorParallelOps,
+    LinearShape,
     predict_blocks_exposed,
 )
 
@@ -63,6 +68,32 @@ def _timed_step(step: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def _hf_llama_blocks(args: argparse.Namespace, group: Any, sequence_parallel: bool,
+                     overlap: bool, ops: EmulatedTensorParallelOps) -> list[nn.Module]:
+    """A HF Llama's decoder blocks (h, heads, f as the engine blocks; no kv grouping) split
+    by `tensor_parallel_hf` with these ops: its fused q;k;v and gate;up and its o_proj and
+    down_proj are the emulated linears; the attention core, rotary and norms run for real
+    (the same in the nominal and the free step, so not in their difference)."""
+    import transformers
+
+    from pipeline.interop.hf_layers import layers_from_hf
+    from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
+
+    config = transformers.LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.blocks,
+        num_attention_heads=args.heads, num_key_value_heads=args.heads, vocab_size=64,
+        max_position_embeddings=args.seq)
+    hf = tensor_parallel_hf(layers_from_hf(config), sequence_parallel=sequence_parallel,
+                            overlap=overlap, overlap_chunks=args.chunks, ops=ops)
+    return [spec.typename(*spec.args, group=group) for spec in hf.layers[1:1 + args.blocks]]
+
+
+def _hf_linears(args: argparse.Namespace, tp: int) -> list[LinearShape]:
+    """The HF Llama block's linears on one rank: q;k;v, o_proj, gate;up, down_proj."""
+    return [("column", args.hidden, 3 * args.hidden // tp), ("row", args.hidden // tp, args.hidden),
+            ("column", args.hidden, 2 * args.ffn // tp), ("row", args.ffn // tp, args.hidden)]
+
+
 def _emulated_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     rank, size = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
@@ -73,41 +104,47 @@ def _emulated_rank(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     plain = [TransformerBlock(args.hidden, args.heads, ffn_hidden=args.ffn)
              for _ in range(args.blocks)]
+    positions = torch.arange(args.seq).unsqueeze(0)
     rows = []
-    for sequence_parallel in (False, True):
-        for overlap in (False, True):
-            x = torch.randn(args.batch, args.seq, args.hidden)
-            if sequence_parallel:
-                x = split_sequence(x, size, rank)
-            steps = {}
-            for name, model in (("nominal", costs), ("free", free)):
-                ops = EmulatedTensorParallelOps(
-                    model, WallClock(carry_window=args.carry_ms * 1e-3))
-                blocks = [ParallelTransformerBlock.from_full(
+    for kind, sequence_parallel, overlap in (
+            (kind, sp, on) for kind in args.models.split(",") for sp in (False, True)
+            for on in (False, True)):
+        x = torch.randn(args.batch, args.seq, args.hidden)
+        if sequence_parallel:
+            x = split_sequence(x, size, rank)
+        steps = {}
+        for name, model in (("nominal", costs), ("free", free)):
+            ops = EmulatedTensorParallelOps(
+                model, WallClock(carry_window=args.carry_ms * 1e-3))
+            blocks = _hf_llama_blocks(args, group, sequence_parallel, overlap, ops) \
+                if kind == "hf" else [ParallelTransformerBlock.from_full(
                     block, group, sequence_parallel=sequence_parallel, overlap=overlap,
                     chunks=args.chunks, ops=ops) for block in plain]
 
-                def step(blocks: list[ParallelTransformerBlock] = blocks,
-                         x: torch.Tensor = x) -> None:
-                    y = x.clone().requires_grad_()
-                    for block in blocks:
-                        y = block(y)
-                    y.sum().backward()
+            def step(blocks: list[nn.Module] = blocks, x: torch.Tensor = x,
+                     hf: bool = kind == "hf") -> None:
+                y = x.clone().requires_grad_()
+                for block in blocks:
+                    y = block((y, positions))[0] if hf else block(y)
+                y.sum().backward()
 
-                steps[name] = step
-            # nominal and free steps alternate, so the host's load hits both alike; the
-            # exposed time is the median of the pairs' differences
-            pairs = [(_timed_step(steps["nominal"]), _timed_step(steps["free"]))
-                     for _ in range(args.steps + 1)][1:]
-            measured = {"nominal": statistics.median(a for a, _ in pairs),
-                        "exposed": statistics.median(a - b for a, b in pairs)}
-            predicted = predict_blocks_exposed(
-                costs, tp=size, batch=args.batch, seq=args.seq, hidden=args.hidden,
-                ffn=args.ffn, blocks=args.blocks, sequence_parallel=sequence_parallel,
-                overlap=overlap, chunks=args.chunks)
-            rows.append({"sequence_parallel": sequence_parallel, "overlap": overlap,
-                         "step": measured["nominal"], "exposed": measured["exposed"],
-                         "predicted": predicted})
+            steps[name] = step
+        # nominal and free steps alternate, so the host's load hits both alike; the
+        # exposed time is the median of the pairs' differences
+        pairs = [(_timed_step(steps["nominal"]), _timed_step(steps["free"]))
+                 for _ in range(args.steps + 1)][1:]
+        measured = {"nominal": statistics.median(a for a, _ in pairs),
+                    "exposed": statistics.median(a - b for a, b in pairs)}
+        predicted = predict_blocks_exposed(  # HF's norm-gradient sums: real, not ops
+            costs, tp=size, batch=args.batch, seq=args.seq, hidden=args.hidden,
+            ffn=args.ffn, blocks=args.blocks, sequence_parallel=sequence_parallel,
+            overlap=overlap, chunks=args.chunks,
+            linear_shapes=_hf_linears(args, size) if kind == "hf" else None,
+            slice_reductions=0 if kind == "hf" else 6)
+        rows.append({"model": kind, "sequence_parallel": sequence_parallel,
+                     "overlap": overlap,
+                     "step": measured["nominal"], "exposed": measured["exposed"],
+                     "predicted": predicted})
     return rows
 
 
@@ -306,7 +343,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llama-heads", type=int, default=8)
     parser.add_argument("--llama-ffn", type=int, default=704)
     parser.add_argument("--skip-real", action="store_true", help="part 1 only")
-    return parser.parse_args(argv)
+    parser.add_argument("--models", default="engine,hf",
+                        help="part 1's blocks: engine (ParallelTransformerBlock), hf (a HF "
+                             "Llama's, tensor_parallel_hf); default both")
+    args = parser.parse_args(argv)
+    unknown = set(args.models.split(",")) - {"engine", "hf"}
+    if unknown:
+        parser.error(f"--models {args.models}: {', '.join(sorted(unknown))} is not engine or hf")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -317,19 +361,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"## Exposed tp communication per step, emulated devices (tp {args.tp}, "
           f"{args.blocks} blocks, b {args.batch}, s {args.seq}, h {args.hidden}, "
           f"f {args.ffn}, chunks {args.chunks})\n")
-    print("| sequence parallel | overlap | step ms | exposed tp comm ms (measured) | "
+    print("| blocks | sequence parallel | overlap | step ms | exposed tp comm ms (measured) | "
           "predicted ms | measured / predicted |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
+    names = {"engine": "ParallelTransformerBlock", "hf": "HF Llama (tensor_parallel_hf)"}
     for row in rows:
         ratio = row["exposed"] / row["predicted"] if row["predicted"] else float("nan")
-        print(f"| {row['sequence_parallel']} | {row['overlap']} | {row['step'] * 1e3:.1f} | "
-              f"{row['exposed'] * 1e3:.1f} | {row['predicted'] * 1e3:.1f} | {ratio:.3f} |")
-    for sp in (False, True):
-        off, on = (next(r for r in rows if r["sequence_parallel"] == sp and r["overlap"] == o)
-                   for o in (False, True))
-        print(f"\nsequence parallel {sp}: overlap hides "
-              f"{1 - on['exposed'] / off['exposed']:.0%} of the exposed tp communication "
-              f"(predicted {1 - on['predicted'] / off['predicted']:.0%})")
+        print(f"| {names[row['model']]} | {row['sequence_parallel']} | {row['overlap']} | "
+              f"{row['step'] * 1e3:.1f} | {row['exposed'] * 1e3:.1f} | "
+              f"{row['predicted'] * 1e3:.1f} | {ratio:.3f} |")
+    for kind in dict.fromkeys(row["model"] for row in rows):
+        for sp in (False, True):
+            off, on = (next(r for r in rows if r["model"] == kind
+                            and r["sequence_parallel"] == sp and r["overlap"] == o)
+                       for o in (False, True))
+            print(f"\n{names[kind]}, sequence parallel {sp}: overlap hides "
+                  f"{1 - on['exposed'] / off['exposed']:.0%} of the exposed tp communication "
+                  f"(predicted {1 - on['predicted'] / off['predicted']:.0%})")
     if real is not None:
         seconds = real["seconds"]
         print(f"\n## Llama-shaped blocks, real compute, gloo CPU, tp {args.real_tp}, sequence "

@@ -1,4 +1,5 @@
-"""A tiny Llama split over tp for `pipesched train --model ...:build --tp 2` (no download).
+"""A tiny Llama split over tp for `pipesched train --model ...:build --tp 2` (no download),
+with sequence parallelism and the tp collectives overlapped with the GEMMs.
 
     pipesched train --model examples/hf_tensor_parallel_recipe.py:build --stages 2 --tp 2
 """
@@ -29,7 +30,7 @@ def batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build() -> ModelRecipe:
-    hf = tensor_parallel_hf(layers_from_hf(CONFIG), sequence_parallel=True)
+    hf = tensor_parallel_hf(layers_from_hf(CONFIG), sequence_parallel=True, overlap=True)
     return ModelRecipe(layers=hf.layers, loss_fn=hf.loss_fn, batch=batch,
                        check_tensor_parallel=functools.partial(check_tensor_parallel_size,
                                                                CONFIG))

@@ -119,8 +119,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "their activations split over tp)")
     parser.add_argument("--tp-comm-overlap", action="store_true",
                         help="price the blocks' tensor-parallel collectives beside their GEMMs "
-                             "(the engine's ParallelTransformerBlock(overlap=True); default: "
-                             "exposed whole); --engine pipesched only")
+                             "(the engine's ParallelTransformerBlock(overlap=True), a HF "
+                             "model's tensor_parallel_hf(hf, overlap=True); default: exposed "
+                             "whole); --engine pipesched only")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="price ZeRO-1's parameter all-gather overlapped with the next "
                              "step's forwards (the engine's overlap_param_gather; default: "
@@ -312,7 +313,9 @@ def run(args: argparse.Namespace) -> int:
     family = hf_model_type(args.model)
     target = LaunchTarget(engine=args.engine, blocks=end - first,
                           hf=hf_source(args.model, family) if family else None,
-                          nodes=cluster.nodes, devices_per_node=cluster.devices_per_node)
+                          nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
+                          sequence_parallel=args.sequence_parallel,
+                          tp_comm_overlap=args.tp_comm_overlap)
     launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first, "target": target}
     header = (f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "
               f"global batch {args.global_batch}\n")

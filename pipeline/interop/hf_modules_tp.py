@@ -7,7 +7,7 @@ parameter names are HF's (``self_attn.o_proj.weight``) and loads / exports map b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +20,12 @@ from pipeline.parallel.tensor.collectives import (
     copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     tp_rank_and_size,
+)
+from pipeline.parallel.tensor.overlap import (
+    REAL_OPS,
+    TensorParallelOps,
+    column_parallel_linear,
+    row_parallel_linear,
 )
 from pipeline.parallel.tensor.sequence import (
     SEQUENCE_DIM,
@@ -35,10 +41,16 @@ __all__ = ["HeadRows", "ParallelEmbedding", "ParallelHFBlock", "ParallelLMHead",
 
 @dataclass(eq=False)
 class Region:
-    """How a rank enters a column-parallel region and leaves a row-parallel one."""
+    """How a rank enters a column-parallel region and leaves a row-parallel one: with
+    `overlap`, inside the linear layers, their collectives beside the GEMMs
+    (`pipeline.parallel.tensor.overlap`, `chunks` slices; `ops` the GEMM / collective seam
+    that emulated devices replace)."""
 
     group: ProcessGroup | None
     sequence_parallel: bool
+    overlap: bool = False
+    chunks: int = 2
+    ops: TensorParallelOps = field(default=REAL_OPS, compare=False)
     whole_sequence: bool = False
     """Set while generating (`SequenceSwitch`): the sequence-parallel parts see the whole
     sequence, as Megatron runs inference without sequence parallelism (the same weights;
@@ -61,6 +73,27 @@ class Region:
         if self.splits_sequence:  # (batch, seq, hidden) order in memory, as HF's own
             return reduce_scatter_to_sequence_parallel_region(y, self.group).contiguous()
         return reduce_from_tensor_parallel_region(y, self.group)
+
+    @property
+    def runs_overlap_functions(self) -> bool:
+        """Whether the blocks' linears run through `pipeline.parallel.tensor.overlap`: with
+        `overlap`, or with emulated `ops` (without `overlap`, their sequential baseline), as
+        the engine's own layers."""
+        return self.overlap or self.ops is not REAL_OPS
+
+    def column(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x Wᵀ for this rank's rows W (Linear's layout) of a column-parallel layer, `x`
+        entering the region inside it (`column_parallel_linear`)."""
+        return column_parallel_linear(x, weight, self.group,
+                                      sequence_parallel=self.splits_sequence,
+                                      overlap=self.overlap, chunks=self.chunks, ops=self.ops)
+
+    def row(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Σ over tp of x Wᵀ for this rank's columns W (Linear's layout), leaving the region
+        inside it (`row_parallel_linear`)."""
+        return row_parallel_linear(x, weight, self.group,
+                                   sequence_parallel=self.splits_sequence,
+                                   overlap=self.overlap, chunks=self.chunks, ops=self.ops)
 
 
 class SequenceSwitch:
@@ -108,8 +141,11 @@ class RowParallel(SequenceSwitch, nn.Module):
             sum_gradient_over_tensor_parallel(self.bias, region.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = x @ self.weight if self.transposed else F.linear(x, self.weight)
-        y = self.region.leave(partial)
+        if self.region.runs_overlap_functions:
+            y = self.region.row(x, self.weight.t() if self.transposed else self.weight)
+        else:
+            y = self.region.leave(x @ self.weight if self.transposed
+                                  else F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

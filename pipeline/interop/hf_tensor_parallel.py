@@ -17,6 +17,11 @@ the plain layer with the same seed, and keeps this rank's slice (Megatron, Shoey
     norms       whole on every rank; with sequence parallelism each sees 1/t of the tokens
                 and its gradient is summed over tp (so are Qwen3's / Gemma 3's per-head
                 q_norm / k_norm, which see 1/t of the heads)
+    overlap     (``overlap=True``) each block's column-parallel projections fused into one
+                GEMM per module (q;k;v, gate;up: `hf_overlap`) and its row-parallel ones run
+                by `pipeline.parallel.tensor.overlap`, collectives beside the GEMMs, as the
+                engine's own `ParallelTransformerBlock(overlap=True)` (embedding and head
+                as without)
 
 Why our Megatron-style autograd operators and not DTensor's ``parallelize_module``
 (`pipeline.parallel.tensor.collectives` has the whole case; re-checked on torch 2.13, gloo,
@@ -65,9 +70,11 @@ from pipeline.interop.hf_modules_tp import (
     shard_parameter,
     vocab_logits,
 )
+from pipeline.interop.hf_overlap import fuse_columns_on_call
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.tensor.collectives import tp_rank_and_size
+from pipeline.parallel.tensor.overlap import REAL_OPS, TensorParallelOps
 from pipeline.parallel.tensor.sequence import sum_gradient_over_tensor_parallel
 from pipeline.parallel.tensor.split_check import mark_replicated
 from pipeline.parallel.tensor.vocab_cross_entropy import vocab_parallel_token_losses
@@ -81,6 +88,9 @@ class _Plan:
     config: Any
     sequence_parallel: bool
     slot: VocabSlot = dataclasses.field(compare=False)
+    overlap: bool = False
+    chunks: int = 2
+    ops: TensorParallelOps = dataclasses.field(default=REAL_OPS, compare=False)
 
 
 def _shape(config: Any) -> tuple[int, int, int]:
@@ -210,23 +220,38 @@ def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) 
     if size == 1:
         return block
     assert isinstance(block, HFBlock)
-    region = Region(group, plan.sequence_parallel)
+    region = Region(group, plan.sequence_parallel, plan.overlap, plan.chunks, plan.ops)
     layer: Any = block.layer
-    if plan.config.model_type == "gpt2":
+    gpt2 = plan.config.model_type == "gpt2"
+    if gpt2:
         _split_gpt2(layer, plan.config, region)
         attention, mlp = layer.attn, layer.mlp
     else:
         _split_attention(layer.self_attn, plan.config, region, rank, size)
         _split_mlp(layer.mlp, region)
         attention, mlp = layer.self_attn, layer.mlp
-    enter_on_call(attention, region)
-    enter_on_call(mlp, region)
+    if region.runs_overlap_functions:  # one fused column GEMM per module (q;k;v, gate;up)
+        for module in (attention, mlp):
+            fuse_columns_on_call(module, _column_names(module), region, transposed=gpt2)
+    else:
+        enter_on_call(attention, region)
+        enter_on_call(mlp, region)
     if plan.sequence_parallel:  # norms and residual-side weights see 1/t of the tokens
         inside = {id(p) for part in (attention, mlp) for p in part.parameters()}
         for param in layer.parameters():
             if id(param) not in inside:
                 sum_gradient_over_tensor_parallel(param, group)
     return ParallelHFBlock(block, region, size)
+
+
+def _column_names(module: Any) -> tuple[str, ...]:
+    """The column-parallel projections a split attention or MLP calls on its input."""
+    for names in (("c_attn",), ("c_fc",), ("qkv_proj",), ("gate_up_proj",),
+                  ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+        if all(hasattr(module, name) for name in names):
+            return names
+    raise TypeError(f"{type(module).__name__} has none of the column-parallel projections "
+                    "tensor_parallel_hf knows")
 
 
 def _column(linear: Any, blocks: tuple[int, ...], region: Region, *,
@@ -330,13 +355,24 @@ def _count(labels: torch.Tensor) -> torch.Tensor:
 
 # -- the transform ---------------------------------------------------------------------------
 
-def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False) -> HFLayers:
+def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
+                       overlap: bool = False, overlap_chunks: int = 2,
+                       ops: TensorParallelOps = REAL_OPS) -> HFLayers:
     """`hf` with every layer split over the tp group it is built with (tp = 1, as in the
     single-process reference: the plain layers). Train with
     ``PipelineEngine(PipelineModule(tp_hf.layers, ...), tensor_parallel=t)``; the loss is
     the vocab-parallel cross entropy. `sequence_parallel` keeps 1/t of the sequence between
-    the tp regions (batches' lengths must divide by t)."""
-    plan = _Plan(hf.config, sequence_parallel, VocabSlot())
+    the tp regions (batches' lengths must divide by t). `overlap` runs each block's tp
+    collectives beside its GEMMs (Megatron-Core's ``--tp-comm-overlap``; the engine's own
+    layers' `overlap`, `overlap_chunks` their `chunks`; `pipesched plan --tp-comm-overlap`
+    prices it); `ops` is the GEMM / collective seam emulated devices replace."""
+    if not isinstance(overlap, bool):
+        raise PipelineConfigError(f"overlap must be True or False, got {overlap!r}")
+    if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) \
+            or overlap_chunks < 1:
+        raise PipelineConfigError(f"overlap_chunks must be an int >= 1 (the slices each "
+                                  f"overlapped collective is cut in), got {overlap_chunks!r}")
+    plan = _Plan(hf.config, sequence_parallel, VocabSlot(), overlap, overlap_chunks, ops)
     gpt2 = hf.config.model_type == "gpt2"
     first_block = 2 if gpt2 else 1
     last_block = len(hf.layers) - 3

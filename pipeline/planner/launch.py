@@ -25,13 +25,18 @@ class HFSource:
 @dataclass(frozen=True, kw_only=True)
 class LaunchTarget:
     """Where the pick will run: the engine, the model's transformer blocks, its HF source (if
-    any) and the cluster's shape."""
+    any), the cluster's shape and the tensor-parallel options the plan priced."""
 
     engine: str = "pipesched"
     blocks: int = 0
     hf: HFSource | None = None
     nodes: int = 1
     devices_per_node: int = 1
+    sequence_parallel: bool = False
+    """Priced with sequence parallelism (`pipesched plan --sequence-parallel`)."""
+    tp_comm_overlap: bool = False
+    """Priced with this engine's overlapped tp collectives (`pipesched plan
+    --tp-comm-overlap`)."""
 
 
 def _torchrun(target: LaunchTarget, script: str) -> str:
@@ -71,9 +76,12 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
               + (f", expert_parallel={config.ep}" if config.ep > 1 else ""))
     experts = f", expert_parallel={config.ep}" if config.ep > 1 else ""
     per_replica = global_batch // config.dp
+    options = "".join(f", {name}=True" for name, on in (
+        ("sequence_parallel", target.sequence_parallel), ("overlap", target.tp_comm_overlap))
+        if on)
     split = (["  from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf",
-              "  hf = tensor_parallel_hf(hf)   # each tp rank keeps its slice of every layer"]
-             if config.tp > 1 else [])
+              f"  hf = tensor_parallel_hf(hf{options})   # each tp rank keeps its slice of "
+              "every layer"] if config.tp > 1 else [])
     return [_torchrun(target, "train_hf.py"),
             "train_hf.py (the Python entry, on every rank):",
             "  import torch, transformers",

@@ -32,7 +32,8 @@ from pipeline.parallel.tensor.overlap import Collective, Gemm, Pending
 from pipeline.rehearsal.emulated import WALL_CLOCK, Clock
 from schedules.analysis.tp_overlap import ParallelLinearCosts, linears_exposed
 
-__all__ = ["EmulatedTensorParallelCosts", "EmulatedTensorParallelOps", "predict_blocks_exposed"]
+__all__ = ["EmulatedTensorParallelCosts", "EmulatedTensorParallelOps", "LinearShape",
+           "predict_blocks_exposed"]
 
 BYTES = 4  # float32
 
@@ -114,14 +115,22 @@ class EmulatedTensorParallelOps:
         return _Timed(_stand_in(collective, tensor, tp, dim), self._link_free, self.clock)
 
 
+LinearShape = tuple[Literal["column", "row"], int, int]
+"""A block's tensor-parallel linear: its kind, input and output features on one tp rank."""
+
+
 def predict_blocks_exposed(costs: EmulatedTensorParallelCosts, *, tp: int, batch: int,
                            seq: int, hidden: int, ffn: int, blocks: int,
-                           sequence_parallel: bool, overlap: bool, chunks: int) -> float:
+                           sequence_parallel: bool, overlap: bool, chunks: int,
+                           linear_shapes: list[LinearShape] | None = None,
+                           slice_reductions: int = 6) -> float:
     """The rule's (`schedules.analysis.tp_overlap`) exposed seconds of `blocks`
     `ParallelTransformerBlock`s (with biases), one forward + backward, at the nominal GEMM and
-    collective costs these ops wait; under sequence parallelism plus the all-reduces of the
-    gradients of parameters used on sequence slices (norms' weight and bias, the row layers'
-    biases: exposed)."""
+    collective costs these ops wait; under sequence parallelism plus the `slice_reductions`
+    all-reduces through these ops of the gradients of parameters used on sequence slices
+    (norms' weight and bias, the row layers' biases: exposed). `linear_shapes` (default: that
+    block's qkv, proj, fc1, fc2) describes another block, e.g. a HF one's fused q;k;v, o_proj,
+    fused gate;up and down_proj."""
     tokens = batch * seq
     local = tokens // tp if sequence_parallel else tokens
     if sequence_parallel:  # all-gather of the slice / reduce-scatter of the whole: same wire
@@ -130,7 +139,7 @@ def predict_blocks_exposed(costs: EmulatedTensorParallelCosts, *, tp: int, batch
     else:
         whole = costs.collective(Collective.ALL_REDUCE, tokens * hidden * BYTES, tp)
         chunk = costs.collective(Collective.ALL_REDUCE, tokens * hidden * BYTES / chunks, tp)
-    shapes: list[tuple[Literal["column", "row"], int, int]] = [
+    shapes: list[LinearShape] = linear_shapes or [
         ("column", hidden, 3 * hidden // tp), ("row", hidden // tp, hidden),
         ("column", hidden, ffn // tp), ("row", ffn // tp, hidden)]
     linears = []
@@ -140,5 +149,5 @@ def predict_blocks_exposed(costs: EmulatedTensorParallelCosts, *, tp: int, batch
     forward, backward = linears_exposed(linears, sequence_parallel=sequence_parallel,
                                         overlap=overlap, chunks=chunks)
     if sequence_parallel:  # the norms' weight and bias and the row biases: 6 all-reduces
-        backward += 6 * costs.collective(Collective.ALL_REDUCE, hidden * BYTES, tp)
+        backward += slice_reductions * costs.collective(Collective.ALL_REDUCE, hidden * BYTES, tp)
     return blocks * (forward + backward)

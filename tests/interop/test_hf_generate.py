@@ -43,13 +43,13 @@ def _hf_generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
     return out
 
 
-def _check_family(world_size: int, family: str, tp: int = 1,
+def _check_family(world_size: int, family: str, tp: int = 1, overlap: bool = False,
                   sequence_parallel: bool = False) -> None:
     hf_model = tiny_model(family, seed=7)
     hf_model.generation_config.eos_token_id = None
     hf = layers_from_hf(tiny_config(family))
     if tp > 1:
-        hf = tensor_parallel_hf(hf, sequence_parallel=sequence_parallel)
+        hf = tensor_parallel_hf(hf, sequence_parallel=sequence_parallel, overlap=overlap)
     module = PipelineModule(hf.layers, num_stages=world_size // tp, loss_fn=hf.loss_fn,
                             partition_method="uniform")
     load_hf_weights(module, hf, hf_model.state_dict())
@@ -94,10 +94,12 @@ def _check_family(world_size: int, family: str, tp: int = 1,
 
 
 def _check_generation(rank: int, world_size: int, families: tuple[str, ...],
-                      tp: int = 1, sequence_parallel: bool = False) -> None:
+                      tp: int = 1, overlap: tuple[bool, ...] = (False,),
+                      sequence_parallel: bool = False) -> None:
     torch.set_num_threads(1)
     for family in families:
-        _check_family(world_size, family, tp, sequence_parallel)
+        for overlapped in overlap:
+            _check_family(world_size, family, tp, overlapped, sequence_parallel)
 
 
 @pytest.mark.multiprocess
@@ -109,8 +111,9 @@ def test_greedy_generation_equals_hf_generate_on_every_family() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_greedy_generation_at_tp2_equals_hf_generate() -> None:
-    # grouped-query attention (kv heads split), soft-capping and a sliding window
-    run_ranks(_check_generation, 4, ("gemma2",), 2, timeout=400)
+    # grouped-query attention (kv heads split), soft-capping and a sliding window; also with
+    # the tp collectives overlapped (fused q;k;v and gate;up fed through the KV cache)
+    run_ranks(_check_generation, 4, ("gemma2",), 2, (False, True), timeout=400)
 
 
 @pytest.mark.multiprocess
@@ -118,7 +121,7 @@ def test_greedy_generation_at_tp2_equals_hf_generate() -> None:
 def test_greedy_generation_at_tp2_with_sequence_parallelism_equals_hf_generate() -> None:
     # layers split for sequence-parallel training decode over the whole sequence (GPT-2:
     # its positions layer switches too); a prompt of 8 and single new tokens alike
-    run_ranks(_check_generation, 4, ("gpt2",), 2, True, timeout=400)
+    run_ranks(_check_generation, 4, ("gpt2",), 2, (False,), True, timeout=400)
 
 
 def _check_refusals(rank: int, world_size: int) -> None:

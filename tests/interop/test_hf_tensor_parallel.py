@@ -22,6 +22,7 @@ from pipeline.interop.hf_tensor_parallel import (
     check_tensor_parallel_size,
     valid_tensor_parallel_sizes,
 )
+from pipeline.parallel.tensor import overlap
 from pipeline.parallel.tensor.shard_layout import ShardLayout
 from tests.support.hf_models import tiny_config
 from tests.support.hf_tp_equivalence import TPCase, tp_checkpoint_resume_errors, tp_step_errors
@@ -39,6 +40,11 @@ WORLD_4 = [  # pp 2 × tp 2
     # (interleaved's loop) and on one rank (zb-v's V, split backward)
     TPCase("gpt2", 2, schedule="interleaved", chunks=2),
     TPCase("gpt2", 2, schedule="zb-v", chunks=2, sequence_parallel=True),
+    # the tp collectives beside the GEMMs (fused q;k;v and gate;up; GPT-2's fused c_attn)
+    TPCase("llama", 2, overlap=True),
+    TPCase("llama", 2, sequence_parallel=True, overlap=True),
+    TPCase("gpt2", 2, overlap=True),
+    TPCase("gpt2", 2, sequence_parallel=True, overlap=True),
 ]
 WORLD_8 = [  # pp 2 × tp 4 (the kv heads, 2, replicated per pair of ranks), pp 2 × dp 2 × tp 2
     TPCase("llama", 4),
@@ -67,8 +73,37 @@ def _without_reduction(self: Region, y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-PLANTED = {"fused-as-one-block": ("_column", _fused_as_one_block),
-           "missing-all-reduce": ("leave", lambda original: _without_reduction)}
+def _first_chunk_twice(original: Any) -> Any:
+    """Planted bug in the overlapped layers: every chunk is the first one, so the others
+    are skipped (and the first computed, gathered and reduced twice); one chunk (no
+    overlap) is unchanged."""
+    def slices(size: int, chunks: int) -> list[slice]:
+        parts = original(size, chunks)
+        return [parts[0]] * len(parts)
+    return slices
+
+
+def _reduced_twice(original: Any) -> Any:
+    """Planted bug in the overlapped layers: each all-reduce runs twice (t× the sum)."""
+    def launch(ops: Any, overlapped: bool, collective: Any, tensor: torch.Tensor,
+               group: Any, dim: int) -> Any:
+        pending = original(ops, overlapped, collective, tensor, group, dim)
+        if collective is not overlap.Collective.ALL_REDUCE:
+            return pending
+        return original(ops, overlapped, collective, pending.wait(), group, dim)
+    return launch
+
+
+PLANTED: dict[str, tuple[Any, str, Any, TPCase]] = {
+    "fused-as-one-block": (hf_tensor_parallel, "_column", _fused_as_one_block,
+                           TPCase("gpt2", 2)),
+    "missing-all-reduce": (Region, "leave", lambda original: _without_reduction,
+                           TPCase("gpt2", 2)),
+    "overlap-chunk-skipped": (overlap, "_slices", _first_chunk_twice,
+                              TPCase("llama", 2, sequence_parallel=True, overlap=True)),
+    "overlap-chunk-reduced-twice": (overlap, "_launch", _reduced_twice,
+                                    TPCase("gpt2", 2, overlap=True)),
+}
 
 
 def _check(errors: dict[str, float], case: TPCase) -> None:
@@ -85,12 +120,11 @@ def _run_cases(rank: int, world_size: int, cases: list[TPCase], planted: list[st
         resumed, against_hf = tp_checkpoint_resume_errors()
         assert resumed == 0.0 and against_hf < TOLERANCE, (resumed, against_hf)
     for name in planted:  # the same comparison must fail with a bug planted in the split
-        attribute, make = PLANTED[name]
-        owner: Any = Region if attribute == "leave" else hf_tensor_parallel
+        owner, attribute, make, case = PLANTED[name]
         original = getattr(owner, attribute)
         setattr(owner, attribute, make(original))
         try:
-            errors = tp_step_errors(TPCase("gpt2", 2))
+            errors = tp_step_errors(case)
         finally:
             setattr(owner, attribute, original)
         assert max(errors["loss"], errors["grad"]) > 1e-3, f"planted {name} passed: {errors}"
@@ -117,6 +151,8 @@ def test_every_family_and_feature_is_in_the_matrix() -> None:
     assert any(c.sequence_parallel for c in cases) and any(not c.sequence_parallel
                                                            for c in cases)
     assert any(c.zero and c.dp == 2 for c in cases)
+    assert {(c.family, c.sequence_parallel) for c in cases if c.overlap} == {
+        (family, sp) for family in ("llama", "gpt2") for sp in (False, True)}
     assert any(c.recompute == "selective" for c in cases)
     assert any(c.schedule == "zb-h1" for c in cases) and any(c.from_model for c in cases)
     assert {"interleaved", "zb-v"} <= {c.schedule for c in cases if c.chunks == 2}
@@ -203,3 +239,50 @@ def test_a_tensor_parallel_slice_is_read_from_safetensors_without_the_whole_tens
     assert torch.equal(tensors["w"], layout.shard(full))  # rows 3-5 and 9-11
     assert torch.equal(tensors["w"], torch.cat([full[3:6], full[9:12]]))
     assert whole_reads == ["b"]  # only the replicated tensor was read whole
+
+
+class _Projections(torch.nn.Module):
+    """Three projections of one input, as HF's attention calls them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(6, 4)
+        self.k_proj = torch.nn.Linear(6, 2, bias=False)
+        self.v_proj = torch.nn.Linear(6, 2)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        width = hidden_states.shape[:-1]  # HF reads the input's shape, then projects it
+        parts = (self.q_proj(hidden_states), self.k_proj(hidden_states),
+                 self.v_proj(hidden_states))
+        return torch.cat(parts, dim=-1).view(*width, -1)
+
+
+def test_fused_column_projections_equal_the_separate_ones_and_refuse_another_input() -> None:
+    import copy
+
+    from pipeline.interop.hf_overlap import fuse_columns_on_call
+
+    torch.manual_seed(0)
+    fused, separate = _Projections(), _Projections()
+    separate.load_state_dict(fused.state_dict())
+    fuse_columns_on_call(fused, ("q_proj", "k_proj", "v_proj"),
+                         Region(None, False, overlap=True))
+    assert list(fused.state_dict()) == list(separate.state_dict())  # HF's names kept
+    x = torch.randn(2, 3, 6)
+    for model in (fused, separate):
+        model(x).pow(2).sum().backward()
+    assert torch.allclose(fused(x), separate(x), atol=1e-6)
+    for (name, got), want in zip(fused.named_parameters(), separate.parameters()):
+        assert got.grad is not None and torch.allclose(got.grad, want.grad, atol=1e-6), name
+    with pytest.raises(PipelineConfigError, match="called outside its module's forward"):
+        fused.q_proj(copy.deepcopy(x))
+
+
+@pytest.mark.parametrize(("option", "value"), [("overlap", "yes"), ("overlap_chunks", 0),
+                                               ("overlap_chunks", True)])
+def test_bad_overlap_options_are_refused_by_name(option: str, value: Any) -> None:
+    from pipeline.interop.hf_layers import layers_from_hf
+
+    with pytest.raises(PipelineConfigError, match=rf"^{option} must be .*got {value!r}"):
+        hf_tensor_parallel.tensor_parallel_hf(layers_from_hf(tiny_config("llama")),
+                                              **{option: value})

@@ -176,6 +176,17 @@ def test_a_hf_pick_prints_the_torchrun_line_and_a_python_entry_whose_cuts_fit_th
     hf_blocks = [min(b, 1 + 6) - max(a, 1) for a, b in pairwise(cuts)]
     assert blocks_per_stage == hf_blocks
     assert stage_boundaries(hf.layers, len(cuts) - 1, cuts) == tuple(cuts)  # the engine takes it
+    # priced with sequence parallelism and overlapped tp collectives: the entry runs them
+    assert main(["plan", "--model", str(tmp_path), "--cluster", "h100-80g", "--global-batch",
+                 "16", "--tp", "2", "--pp", "2", "--sequence-parallel",
+                 "--tp-comm-overlap"]) == 0
+    call = "tensor_parallel_hf(hf, sequence_parallel=True, overlap=True)"
+    assert f"hf = {call}" in capsys.readouterr().out
+    from pipeline.interop import hf_tensor_parallel
+
+    split = eval(call, {"tensor_parallel_hf": hf_tensor_parallel.tensor_parallel_hf,
+                        "hf": hf})  # the printed call is the function's own signature
+    assert len(split.layers) == len(hf.layers)
 
 
 def test_engine_cli_runs_and_names_the_engine(capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,6 +43,8 @@ class TPCase:
     """Split the HF model's own modules (``layers_from_hf(model)``; each rank slices a copy,
     leaving the model, here also the reference, whole) instead of building from the config
     and loading the checkpoint."""
+    overlap: bool = False
+    """``tensor_parallel_hf(..., overlap=True)``: the tp collectives beside the GEMMs."""
     export: bool = False
     """Also write the trained weights with `save_hf_checkpoint` and reload them with
     ``from_pretrained`` (strict): ``export`` is the relative error of its logits."""
@@ -59,7 +61,8 @@ class TPCase:
                  self.schedule if self.schedule != "1f1b" else "",
                  f"v{self.chunks}" if self.chunks > 1 else "",
                  "half" if self.engine.get("half_parameters") else "",
-                 "" if self.tied else "untied", "from-model" if self.from_model else ""]
+                 "" if self.tied else "untied", "from-model" if self.from_model else "",
+                 "overlap" if self.overlap else ""]
         return "-".join(p for p in parts if p)
 
 
@@ -103,7 +106,8 @@ def tp_step_errors(case: TPCase) -> dict[str, float]:
     ids, _ = token_batch(8, 8, seed=2)
     labels = causal_lm_targets(ids)
     source = hf_model if case.from_model else tiny_config(case.family, tied=case.tied)
-    hf = tensor_parallel_hf(layers_from_hf(source), sequence_parallel=case.sequence_parallel)
+    hf = tensor_parallel_hf(layers_from_hf(source), sequence_parallel=case.sequence_parallel,
+                            overlap=case.overlap)
     module = PipelineModule(hf.layers, num_stages=2, chunks=case.chunks, loss_fn=hf.loss_fn,
                             partition_method="uniform", recompute=case.recompute)
     with tempfile.TemporaryDirectory() as directory:
