@@ -85,7 +85,9 @@ def recompute_workspace(layers: Sequence[LayerProfile], tp: int, batch: int,
     if mode == "selective":
         return batch * max((layer.held(tp) - layer.held_selective(tp)
                             for layer in layers[:k]), default=0.0)
-    return batch * max((layer.held(tp) for layer in layers[:k]), default=0.0)
+    # what the loss keeps of the last layer is never dropped (`LayerProfile.loss_held_split`)
+    return batch * max((layer.held(tp) - layer.loss_held_split / tp for layer in layers[:k]),
+                       default=0.0)
 
 
 def _mode(recompute: str | bool) -> str:
