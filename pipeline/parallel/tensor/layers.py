@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pipeline.model.recompute import recompute_region
 from pipeline.parallel.param_marks import mark_tensor_parallel
 from pipeline.parallel.tensor.collectives import (
     copy_to_tensor_parallel_region,
@@ -29,6 +28,7 @@ from pipeline.parallel.tensor.overlap import (
     reduce_grad,
     row_parallel_linear,
 )
+from pipeline.recompute_region import recompute_region
 
 __all__ = [
     "ColumnParallelLinear",
