@@ -98,7 +98,14 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
         vocab=_whole(values, "vocab_size", where), seq=seq or positions,
         ffn=values.get("intermediate_size") or 4 * hidden,
         kv_heads=values.get("num_key_value_heads") or heads, head_dim=head_dim,
-        positions=positions if defaults["learned_positions"] else 0)
+        positions=positions if defaults["learned_positions"] else 0,
+        dropout=any(float(values.get(key) or 0.0) > 0 for key in _DROPOUT_KEYS))
+
+
+_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+                 "attn_pdrop")
+"""The families' dropout rates: any above 0 keeps masks for the backward (GPT-2's 0.1);
+Llama, Mistral, Qwen and Gemma train without (0.0), so no masks are counted."""
 
 
 def hf_model_type(path: str) -> str | None:
