@@ -35,6 +35,7 @@ class SearchBounds:
     context: PlanContext
     _parts: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _floors: dict[tuple[Any, ...], float] = field(default_factory=dict)
+    _warm_held: dict[tuple[Any, ...], np.ndarray | None] = field(default_factory=dict)
 
     def memory_floor(self, config: PlanConfig) -> float:
         """`context.memory(config, floor=True)[0].total` (one microbatch of each of a rank's
@@ -51,10 +52,9 @@ class SearchBounds:
 
     def _floor(self, config: PlanConfig) -> float:
         params, each, workspace = self.context.rank_sums(config)
-        held_first = warm_up_held(config.schedule, config.pp, config.num_microbatches,
-                                  config.chunks)
-        if held_first is not None:  # per sample, at least one of each stage: no lower
-            each = held_first.peak_bytes(self.context.table(config).held)
+        warm = self._warm_bytes(config)
+        if warm is not None:  # per sample, at least one of each stage: no lower
+            each = warm
         b = config.microbatch_size
         held = each * b + workspace * b if config.recomputes else each * b
         ranks = range(config.pp)  # per-rank sums: each rank one "stage", workspace in held
@@ -69,6 +69,19 @@ class SearchBounds:
                                      expert_parallel=config.ep,
                                      **self.context.engine_bytes(config))
         return memory.total
+
+    def _warm_bytes(self, config: PlanConfig) -> np.ndarray | None:
+        """Per rank, the bytes per sample `peaks.warm_up_held` counts (None: not a V-shaped
+        schedule), once per partition and (p, m, v): configurations differing in ZeRO and
+        dp · b splits share it."""
+        key = (config.schedule, config.pp, config.num_microbatches, config.chunks,
+               config.tp, config.recompute, config.recompute_layers)
+        if key not in self._warm_held:
+            held_first = warm_up_held(config.schedule, config.pp, config.num_microbatches,
+                                      config.chunks)
+            self._warm_held[key] = None if held_first is None else held_first.peak_bytes(
+                self.context.table(config).held)
+        return self._warm_held[key]
 
     def lower_bound(self, config: PlanConfig) -> float:
         """A step time no schedule can beat, the larger of two per-rank bounds:

@@ -132,7 +132,8 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
         vocab=_whole(values, "vocab_size", where), seq=seq or positions,
         ffn=moe.expert_ffn if family == "mixtral" and moe is not None else ffn,
         kv_heads=values.get("num_key_value_heads") or heads, head_dim=head_dim,
-        positions=positions if defaults["learned_positions"] else 0, moe=moe)
+        positions=positions if defaults["learned_positions"] else 0, moe=moe,
+        dropout=any(float(values.get(key) or 0.0) > 0 for key in _DROPOUT_KEYS))
 
 
 def _expert_shape(family: str, values: Mapping[str, Any], where: str) -> ExpertShape | None:
@@ -149,6 +150,12 @@ def _expert_shape(family: str, values: Mapping[str, Any], where: str) -> ExpertS
         return ExpertShape(**fields)
     except PlanError as error:
         raise PlanError(f"{where}: {error}") from None
+
+
+_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+                 "attn_pdrop")
+"""The families' dropout rates: any above 0 keeps masks for the backward (GPT-2's 0.1);
+Llama, Mistral, Qwen and Gemma train without (0.0), so no masks are counted."""
 
 
 def hf_model_type(path: str) -> str | None:

@@ -11,6 +11,7 @@ of Rajbhandari et al. 2020 (ZeRO, section 3.1); ZeRO-1 shards the optimizer stat
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from numpy.typing import ArrayLike
 from pipeline.planner.profile import LayerProfile
 from schedules.analysis.accounting import (
     HeldTrace,
+    ParameterBytes,
     expert_state_bytes,
     held_peaks,
     model_state_bytes,
@@ -90,7 +92,16 @@ def recompute_workspace(layers: Sequence[LayerProfile], tp: int, batch: int,
     if mode == "selective":
         return batch * max((layer.held(tp) - layer.held_selective(tp)
                             for layer in layers[:k]), default=0.0)
-    return batch * max((layer.held(tp) for layer in layers[:k]), default=0.0)
+    # what the loss keeps of the last layer is never dropped (`LayerProfile.loss_held_split`)
+    return batch * max((layer.held(tp) - layer.loss_held_split / tp for layer in layers[:k]),
+                       default=0.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _state_bytes(zero: int, dp: int) -> ParameterBytes:
+    """This engine's fp32 model-state bytes per parameter (asked once per ZeRO stage and dp
+    of a search, not per configuration)."""
+    return model_state_bytes("fp32", zero_stage=zero, data_parallel=dp)
 
 
 def _mode(recompute: str | bool) -> str:
@@ -132,11 +143,17 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
     where = np.asarray(placement)
-    params = np.bincount(where, weights=np.asarray(stage_params, dtype=float),
-                         minlength=ranks)
+    # one stage per rank in order (the search's memory floor, asked ~10^4 times): the sums
+    # and maxima below are the values themselves, skipped
+    own = isinstance(placement, range) and placement == range(ranks)
+    params = np.asarray(stage_params, dtype=float) if own else np.bincount(
+        where, weights=np.asarray(stage_params, dtype=float), minlength=ranks)
     workspace = np.zeros(ranks)
-    np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
-    states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
+    if own:
+        workspace = np.maximum(workspace, np.asarray(stage_workspace, dtype=float))
+    else:
+        np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
+    states = _state_bytes(min(zero, 1), dp)
     parameters, gradients, optimizer = PARAM_BYTES, states.gradients, states.optimizer
     if state_bytes is not None:
         parameters, gradients, optimizer = state_bytes
@@ -146,12 +163,13 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                                            dp=dp, zero=zero, state_bytes=state_bytes,
                                            extra_gradient_bytes=extra_gradient_bytes)
     held = activations + (workspace if recompute else 0.0)
-    more = np.zeros(ranks) if stage_gradient_bytes is None else np.bincount(
-        where, weights=np.asarray(stage_gradient_bytes, dtype=float), minlength=ranks)
-    states = experts * expert_bytes.sum()
-    during = params * (parameters + gradients + optimizer) + states + more + held
-    at_step = params * (parameters + gradients + step_gradient_bytes + optimizer) + states \
-        + experts * step_gradient_bytes / expert_parallel + more
+    more = np.zeros(ranks) if stage_gradient_bytes is None else (
+        np.asarray(stage_gradient_bytes, dtype=float) if own else np.bincount(
+            where, weights=np.asarray(stage_gradient_bytes, dtype=float), minlength=ranks))
+    expert_states = experts * expert_bytes.sum()
+    during = params * (parameters + gradients + optimizer) + expert_states + more + held
+    at_step = params * (parameters + gradients + step_gradient_bytes + optimizer) \
+        + expert_states + experts * step_gradient_bytes / expert_parallel + more
     rank = int(np.argmax(np.maximum(during, at_step)))
     step_bytes = 0.0
     if at_step[rank] > during[rank]:  # the optimizer step's peak: no activations left

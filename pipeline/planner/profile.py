@@ -50,6 +50,10 @@ class LayerProfile:
     """Bytes per sample of the layer's input: all a recomputed layer keeps."""
     input_split: bool = False
     """The input is split over tp (sequence parallelism): a recomputed layer keeps 1/t."""
+    loss_held_split: float = 0.0
+    """Of `held_split`, the bytes the loss saves from this layer's output (the last layer's
+    fp32 softmax of the logits): the loss runs after the stage, outside any recomputation,
+    so a recomputed layer keeps them too."""
     selective_held_split: float | None = None
     """Bytes per sample (split over tp) kept under selective recomputation, which redoes
     attention's core in the backward (replicated bytes unchanged); None: the layer has no
@@ -102,8 +106,10 @@ class LayerProfile:
         return self.held_split / tp + self.held_replicated
 
     def kept_input(self, tp: int) -> float:
-        """Bytes per sample one tp rank keeps of a fully recomputed layer: its input."""
-        return self.input_bytes / tp if self.input_split else self.input_bytes
+        """Bytes per sample one tp rank keeps of a fully recomputed layer: its input (and
+        what the loss after it keeps)."""
+        kept = self.input_bytes / tp if self.input_split else self.input_bytes
+        return kept + self.loss_held_split / tp
 
     def held_selective(self, tp: int) -> float:
         """Activation bytes per sample one tp rank keeps under selective recomputation."""

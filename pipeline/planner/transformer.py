@@ -66,6 +66,10 @@ class TransformerShape:
     moe: ExpertShape | None = None
     """A mixture of experts in the blocks `ExpertShape.is_sparse` names (their MLP); None:
     a dense model."""
+    dropout: bool = True
+    """Dropout after the embedding, attention's projection and the MLP, each keeping its
+    mask for the backward (Korthikanti et al. 2022; GPT-3, Megatron's default); False for
+    models trained without (Llama, this engine's blocks): no masks held."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -216,16 +220,21 @@ class TransformerShape:
         keeps 2), and Q and attention's output are q = a·d wide (Gemma, Qwen3: not h), all
         split over t."""
         scale = element / 2
+        mask = 1 / scale if self.dropout else 0.0
         extra = 0.0
         if recompute != "full":
             extra = element * self.seq * ((self.ffn if self.gated else 0)
                                           + 2 * (self.q_width - self.hidden))
 
+        # the fused kernel's log-sum-exp is fp32 whatever the activations (4 bytes per row
+        # and head, split over t): the accounting's 16-bit terms scale, it does not
+        lse = 4 * self.heads * self.seq if attention == "fused" and recompute == "none" else 0
+
         def at(t: int) -> float:
-            return scale * layer_activation_bytes(
+            return (1 - scale) * lse / t + scale * layer_activation_bytes(
                 self.seq, 1, self.hidden, self.heads, attention=attention,
                 recompute=recompute, t=t, sequence_parallel=sequence_parallel,
-                dropout_mask_bytes=1 / scale, ffn=self.ffn, kv_width=self.kv_width)
+                dropout_mask_bytes=mask, ffn=self.ffn, kv_width=self.kv_width)
 
         one, two = at(1), at(2)
         return 2 * two - one, 2 * (one - two) + extra
@@ -275,11 +284,12 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
     # Input embedding: its dropout's 1-byte mask, sh (Korthikanti et al. 2022, section 4.3:
     # "sbhp/t" over the p microbatches 1F1B's first stage holds, split with sequence
     # parallelism); a vocab-parallel table (Megatron)
+    mask = s * h if shape.dropout else 0.0
     embedding = LayerProfile(
         name="embedding", params_split=vocab * h,
         params_replicated=shape.position_parameters(),
-        held_split=s * h if sequence_parallel else 0.0,
-        held_replicated=0.0 if sequence_parallel else s * h,
+        held_split=mask if sequence_parallel else 0.0,
+        held_replicated=0.0 if sequence_parallel else mask,
         output_bytes=hidden_bytes, tp_allreduces=1, tp_allreduce_bytes=hidden_bytes,
         shape=kernels("embedding"))
     dense = block(shape)
@@ -298,6 +308,7 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
         params_replicated=shape.norm_parameters(),
         tied_params_split=vocab * h if shape.tied_embeddings else 0,
         held_split=4 * s * vocab + (norm_and_projection if sequence_parallel else 0.0),
+        loss_held_split=4 * s * vocab,
         held_replicated=0.0 if sequence_parallel else norm_and_projection,
         input_bytes=hidden_bytes, input_split=sequence_parallel,
         output_bytes=4 * s, shape=kernels("head"))
@@ -334,7 +345,7 @@ def _label(shape: TransformerShape) -> str:
             f"{shape.moe.label() if shape.moe is not None else ''}")
 
 
-_BOOL_KEYS = {"learned_positions", "tied_embeddings", "qk_norm", "shared_gate"}
+_BOOL_KEYS = {"learned_positions", "tied_embeddings", "qk_norm", "shared_gate", "dropout"}
 _TEXT_KEYS = {"mlp", "norm", "bias"}
 _LIST_KEYS = {"dense_layers"}
 _INT_KEYS = ({f.name for f in fields(TransformerShape)} | set(MOE_KEYS)) - _BOOL_KEYS \

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from schedules.ir.instructions import NONE, Instruction, Kind, instruction_from
 from schedules.ir.schedule import Schedule, check_count, v_placement
 
@@ -85,21 +87,30 @@ def _dependencies(p: int, r: int, t: int, i: int) -> list[tuple[int, int, int]]:
 
 def _peak(slots: dict[tuple[int, int], int]) -> int:
     """Most chunk activations held, with each W in the next free slot after its I."""
-    held = peak = pending = 0
-    occupied = {slot: t for (t, _), slot in slots.items()}
-    for slot in range(max(occupied) + 1):
-        t = occupied.get(slot)
-        if t is None:
-            if pending:
-                pending -= 1
-                held -= 1
-            continue
-        if t in (_F_DOWN, _F_UP):
-            held += 1
-            peak = max(peak, held)
-        else:
-            pending += 1
-    return peak
+    return _occupancy_peak(_occupancy(slots))
+
+
+def _occupancy(slots: dict[tuple[int, int], int]) -> np.ndarray:
+    """Per slot, the type of the op in it (-1: free)."""
+    where = np.fromiter(slots.values(), dtype=np.int64, count=len(slots))
+    kinds = np.fromiter((t for t, _ in slots), dtype=np.int64, count=len(slots))
+    occupied = np.full(int(where.max()) + 1, -1, dtype=np.int64)
+    occupied[where] = kinds
+    return occupied
+
+
+def _occupancy_peak(occupied: np.ndarray) -> int:
+    """`_peak` of a rank's slots as `_occupancy` gives them. The Ws form a queue served one
+    per free slot: by slot x, D(x) = S(x) + min(0, min_{y <= x} (A(y) - S(y))) of them ran
+    (Lindley's recursion unrolled), A counting the Is and S the free slots up to there;
+    held = forwards - D, largest at a forward. Vectorised: `_squeeze` asks it of every move
+    it tries."""
+    forward = (occupied == _F_DOWN) | (occupied == _F_UP)
+    free = occupied < 0
+    arrived = np.cumsum(~forward & ~free)
+    served = np.cumsum(free)
+    done = served + np.minimum(np.minimum.accumulate(arrived - served), 0)
+    return max(0, int((np.cumsum(forward) - done).max()))
 
 
 def _squeeze(p: int, m: int, slots: list[dict[tuple[int, int], int]]) -> None:
@@ -107,22 +118,23 @@ def _squeeze(p: int, m: int, slots: list[dict[tuple[int, int], int]]) -> None:
     earliest free slot after its dependencies on its rank, unless that raises the rank's
     peak memory. The steady phase (from rank 0's first down-stage I to its last forward)
     is left alone: the block leaves it no free slot."""
-    limits = [_peak(mine) for mine in slots]
+    occupancy = [_occupancy(mine) for mine in slots]  # kept in step with `slots`
+    limits = [_occupancy_peak(row) for row in occupancy]
     steady_from, steady_to = slots[0][_I_DOWN, 0], slots[0][_F_DOWN, m - 1]
     for slot, r, t, i in sorted((slot, r, t, i) for r, mine in enumerate(slots)
                                 for (t, i), slot in mine.items()):
         if steady_from <= slot <= steady_to:
             continue
-        mine = slots[r]
+        mine, row = slots[r], occupancy[r]
         ready = 1 + max((slots[q][u, j] for q, u, j in _dependencies(p, r, t, i)), default=-1)
-        taken = set(mine.values())
         for earlier in range(ready, slot):
-            if earlier in taken:
+            if row[earlier] >= 0:
                 continue
-            mine[t, i] = earlier
-            if _peak(mine) <= limits[r]:
+            row[earlier], row[slot] = t, -1
+            if _occupancy_peak(row) <= limits[r]:
+                mine[t, i] = earlier
                 break
-            mine[t, i] = slot
+            row[earlier], row[slot] = -1, t
 
 
 def _stream(p: int, r: int, slots: dict[tuple[int, int], int]) -> tuple[Instruction, ...]:

@@ -49,6 +49,11 @@ class Kind(Enum):
     # stream (the engine runs it inside the op; `schedules.analysis.all_to_all`).
     ALL_TO_ALL = "ALL_TO_ALL"
 
+    # Enum's own __hash__ is Python code (hash of the name), paid on every `kind in
+    # COMPUTE_KINDS` of millions of ops; members are singletons compared by identity, so
+    # the C identity hash is as valid (set order was never fixed: names hash per process)
+    __hash__ = object.__hash__
+
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W, Kind.OVERLAP_B})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})

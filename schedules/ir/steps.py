@@ -58,28 +58,27 @@ def emit_steps(stages: Sequence[int], steps: StepTable, num_microbatches: int) -
     next_backward = [0] * chunks
     queued: deque[tuple[int, int]] = deque()  # (chunk, microbatch) whose W is still to come
     out: list[Instruction] = []
-
-    def add(kind: Kind, chunk: int, microbatch: int) -> None:
-        if microbatch < m:
-            out.append(instruction_from((kind, stages[chunk], microbatch, NONE)))
+    emit, make = out.append, instruction_from  # inlined: ~10^6 ops a search at scale
 
     for count, pattern in steps:
         tokens = _parse(pattern, chunks)
         for _ in range(max(count, 0)):
             for kind, chunk in tokens:
                 if kind is Kind.F:
-                    add(kind, chunk, next_forward[chunk])
+                    microbatch = next_forward[chunk]
                     next_forward[chunk] += 1
                 elif kind is Kind.W:
                     picked = _pop_weight(queued, chunk)
-                    if picked is not None:
-                        add(kind, *picked)
+                    if picked is None:
+                        continue
+                    chunk, microbatch = picked
                 else:
                     microbatch = next_backward[chunk]
                     next_backward[chunk] += 1
-                    add(kind, chunk, microbatch)
                     if kind is Kind.I:
                         queued.append((chunk, microbatch))
+                if microbatch < m:
+                    emit(make((kind, stages[chunk], microbatch, NONE)))
     return tuple(out)
 
 

@@ -80,3 +80,24 @@ def test_first_stage_total_under_1f1b_is_korthikantis() -> None:
     sbh = S * H
     assert first_rank == pytest.approx(sbh * L / t * (34 + 5 * A * S / H) + p * sbh / t,
                                        rel=1e-12)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_without_dropout_no_masks_and_the_loss_keeps_its_softmax_under_full(
+        sequence_parallel: bool) -> None:
+    t, sbh = 2, S * H
+    shape = replace(SHAPE, dropout=False)
+    model = transformer_profile(shape, "fp16", attention="eager",
+                                sequence_parallel=sequence_parallel)
+    with_masks = _profile(sequence_parallel)
+    # the paper's two 1-byte dropout masks of sbh per layer, and the embedding's, are gone;
+    # the 5as²b term keeps its own mask of the scores only with dropout: as²b fewer
+    split = 1 / t if sequence_parallel else 1.0
+    assert model.layers[1].held(t) == pytest.approx(
+        with_masks.layers[1].held(t) - 2 * sbh * split - A * S * S / t, rel=1e-12)
+    assert model.layers[0].held(t) == 0.0
+    # full recomputation: the head keeps its input and the loss's fp32 softmax, 4sv/t
+    head = model.layers[-1]
+    assert head.kept_input(t) == pytest.approx(2 * sbh * split + 4 * S * V / t, rel=1e-12)
+    assert parse_shape(f"layers={L},hidden={H},heads={A},vocab={V},seq={S},"
+                       "dropout=false").dropout is False

@@ -164,3 +164,11 @@ def test_shape_keys_parse_and_refuse_bad_values() -> None:
         parse_shape("layers=2,hidden=64,heads=8,vocab=100,seq=32,mlp=relu")
     with pytest.raises(PlanError, match="qk_norm='maybe' must be true or false"):
         parse_shape("layers=2,hidden=64,heads=8,vocab=100,seq=32,qk_norm=maybe")
+
+
+def test_dropout_read_from_the_config() -> None:
+    llama = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+             "max_position_embeddings": 32, "num_hidden_layers": 2, "vocab_size": 128,
+             "intermediate_size": 128, "attention_dropout": 0.0}
+    assert shape_from_hf_config(llama).dropout is False  # no masks held
+    assert shape_from_hf_config(llama | {"attention_dropout": 0.1}).dropout is True

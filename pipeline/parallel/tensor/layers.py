@@ -28,6 +28,7 @@ from pipeline.parallel.tensor.overlap import (
     row_parallel_linear,
 )
 from pipeline.parallel.tensor.shard_layout import ShardLayout, mark_sharded
+from pipeline.recompute_region import recompute_region
 
 __all__ = [
     "ColumnParallelLinear",
@@ -312,6 +313,11 @@ class ParallelTransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(self._norm(self.ln1, x)).chunk(3, dim=-1)
-        x = x + self.proj(_attention(q, k, v, self.local_heads, self.causal))
+        # attention's core is the block's recompute region: selective recomputation keeps
+        # Q, K, V and redoes it in the backward (Korthikanti et al. 2022, section 4.2)
+        x = x + self.proj(recompute_region(self._core, q, k, v))
         return x + self.fc2(F.gelu(self.fc1(self._norm(self.ln2, x))))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _attention(q, k, v, self.local_heads, self.causal)
 

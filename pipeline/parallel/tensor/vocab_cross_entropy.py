@@ -38,7 +38,11 @@ def vocab_parallel_token_losses(logits: torch.Tensor, targets: torch.Tensor,
     counted = targets != ignore_index
     local = targets - vocab_start
     here = counted & (local >= 0) & (local < z.shape[-1])
-    picked = z.gather(-1, local.masked_fill(~here, 0).unsqueeze(-1)).squeeze(-1)
+    # indexing, not `gather`: gather's backward keeps the whole shifted logits (b·s·V/t
+    # more bytes held to the backward); indexing keeps the indices only
+    flat = z.reshape(-1, z.shape[-1])
+    rows = torch.arange(flat.shape[0], device=z.device)
+    picked = flat[rows, local.masked_fill(~here, 0).reshape(-1)].view(here.shape)
     target_logit = reduce_from_tensor_parallel_region(picked.masked_fill(~here, 0.0), group)
     losses = (torch.log(total) - target_logit).masked_fill(~counted, 0.0)
     return losses, counted
