@@ -9,14 +9,18 @@ experts (consecutive dp replicas, tp ranks apart: `pipeline.parallel.topology`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.stages import StageTable
+from schedules import CostModel, Kind
 from schedules.analysis.all_to_all import ExpertAllToAll
+from schedules.analysis.timeline import KIND_CODES, Timeline
 
-__all__ = ["all_to_all_seconds", "expert_all_to_all", "expert_sizes"]
+__all__ = ["all_to_all_seconds", "expert_all_to_all", "expert_sizes", "exposed_all_to_all",
+           "exposed_in_ops"]
 
 
 def expert_sizes(dp: int, experts: int, allowed: Sequence[int] | None = None, *,
@@ -66,3 +70,39 @@ def expert_all_to_all(table: StageTable, cluster: ClusterSpec, *, batch: int, ep
         2 * count * all_to_all_seconds(total / count * batch, ep, tp, cluster) if count
         else 0.0 for count, total in zip(table.moe_layers, table.all_to_all, strict=True)])
     return ExpertAllToAll(forward=seconds.tolist(), backward=seconds.tolist())
+
+
+def exposed_in_ops(model: CostModel) -> CostModel:
+    """`model` with its expert all-to-all folded into the ops, exposed (F + forward's, I or B
+    + backward's), for the cost-aware generators, which plan on op times alone; the
+    simulation itself prices it on the lane (`CostModel.all_to_all`)."""
+    if model.all_to_all is None:
+        return model
+    stages = len(model.forward) if isinstance(model.forward, Sequence) else 1
+    forward, backward, _, _, _ = model.resolve(stages)
+    a2a_forward = _per_stage_list(model.all_to_all.forward, stages)
+    a2a_backward = _per_stage_list(model.all_to_all.backward, stages)
+    return replace(model, all_to_all=None,
+                   forward=[f + a for f, a in zip(forward, a2a_forward, strict=True)],
+                   backward=[b + a for b, a in zip(backward, a2a_backward, strict=True)])
+
+
+def _per_stage_list(value: float | Sequence[float], stages: int) -> list[float]:
+    return [float(v) for v in value] if isinstance(value, Sequence) else [float(value)] * stages
+
+
+def exposed_all_to_all(timeline: Timeline, model: CostModel, rank: int, stages: int
+                        ) -> float:
+    """Seconds `rank`'s ops ran beyond their compute: the expert all-to-all the simulator's
+    lane left exposed (all of it in an op run alone; in an overlapped F&B pair, the part the
+    other op's compute did not hide)."""
+    forward, backward, weight, _, _ = model.resolve(stages)
+    compute = {Kind.F: forward, Kind.B: np.add(backward, weight),
+               Kind.OVERLAP_B: np.add(backward, weight), Kind.I: backward, Kind.W: weight}
+    rows = (timeline.rank == rank) & timeline.compute_mask()
+    ran = float((timeline.end[rows] - timeline.start[rows]).sum())
+    alone = 0.0
+    for kind, times in compute.items():
+        mine = rows & (timeline.kind == KIND_CODES[kind])
+        alone += float(np.asarray(times, dtype=float)[timeline.stage[mine]].sum())
+    return max(ran - alone, 0.0)

@@ -15,13 +15,17 @@ from partition import LayerCost, chain_graph, partition_graph
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.config import PlanConfig
 from pipeline.planner.errors import PlanError
-from pipeline.planner.expert_parallel import expert_all_to_all
+from pipeline.planner.expert_parallel import (
+    expert_all_to_all,
+    exposed_all_to_all,
+    exposed_in_ops,
+)
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.p2p import blocking_p2p
 from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
-from pipeline.planner.stages import StageCosts, StageTable, uniform_boundaries
+from pipeline.planner.stages import StageTable, uniform_boundaries
 from pipeline.planner.tied import (
     stage_params,
     tied_allreduce_seconds,
@@ -38,7 +42,6 @@ from schedules import (
     generate_schedule,
     simulate,
 )
-from schedules.analysis.all_to_all import ExpertAllToAll
 
 __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_limit",
            "schedule_placement"]
@@ -352,7 +355,7 @@ class PlanContext:
             split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
         all_to_all = expert_all_to_all(table, self.cluster, batch=config.microbatch_size,
                                        ep=config.ep, tp=config.tp)
-        costs = _with_all_to_all(table.costs(config.microbatch_size, split), all_to_all)
+        costs = table.costs(config.microbatch_size, split)
         p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
         # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
         # over NVLink (Narayanan et al. 2021, section 4.1)
@@ -364,13 +367,15 @@ class PlanContext:
                 devices=config.pp * config.dp * config.tp, forward=costs.forward,
                 input_grad=costs.input_grad, boundary_bytes=costs.boundary_bytes)
             model = CostModel(forward=forward.tolist(), backward=input_grad.tolist(),
-                              weight=costs.weight_grad.tolist())
+                              weight=costs.weight_grad.tolist(), all_to_all=all_to_all)
         else:
             model = CostModel(forward=costs.forward.tolist(),
                               backward=costs.input_grad.tolist(),
                               weight=costs.weight_grad.tolist(), comm=p2p_latency,
-                              activation_bytes=boundary.tolist(), bandwidth=p2p_bandwidth)
-        schedule = self.schedule(config, model)
+                              activation_bytes=boundary.tolist(), bandwidth=p2p_bandwidth,
+                              all_to_all=all_to_all)
+        # a cost-aware generator plans on each op's whole time, its all-to-all exposed
+        schedule = self.schedule(config, exposed_in_ops(model))
         if schedule is None:
             return None
         gather = None if not self.overlap_param_gather else data_parallel.param_gather(
@@ -401,11 +406,11 @@ class PlanContext:
         busy = m * float(costs.total[mine].sum())
         tp_comm = m * float(costs.tp_comm[mine].sum())
         recompute = m * float(costs.recompute[mine].sum())
-        ep_comm = 0.0 if all_to_all is None else m * float(
-            (np.add(all_to_all.forward, all_to_all.backward))[mine].sum())
-        breakdown = {"compute": busy - tp_comm - recompute - ep_comm,
+        ep_comm = 0.0 if all_to_all is None else exposed_all_to_all(
+            timeline, model, last, config.pp * config.chunks)
+        breakdown = {"compute": busy - tp_comm - recompute,
                      "recomputation": recompute, "tp_comm": tp_comm, "ep_comm": ep_comm,
-                     "bubble": float(rank_end[last] - busy - waited[last]),
+                     "bubble": float(rank_end[last] - busy - ep_comm - waited[last]),
                      "dp_comm": float(ready[last] - rank_end[last] + exposed[last]
                                       + waited[last]),
                      "tied_comm": float(synced[last] - ready[last]),
@@ -426,17 +431,6 @@ class PlanContext:
             table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
             grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap, params=params,
             ep=config.ep)
-
-
-def _with_all_to_all(costs: StageCosts, all_to_all: ExpertAllToAll | None) -> StageCosts:
-    """The stage costs with the expert all-to-all inside them, exposed: its forward seconds
-    added to each F, its backward ones to each I (a fused B = I + W carries them too).
-    Until the simulator has its own all-to-all lane (`CostModel.all_to_all`), the one
-    place the planner hands it to the simulator."""
-    if all_to_all is None:
-        return costs
-    return replace(costs, forward=costs.forward + np.asarray(all_to_all.forward),
-                   input_grad=costs.input_grad + np.asarray(all_to_all.backward))
 
 
 def is_cost_aware(name: str) -> bool:

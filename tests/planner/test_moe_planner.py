@@ -18,11 +18,12 @@ import pipeline.planner.search as search
 from pipeline.cli import main
 from pipeline.planner import PRESETS, PlanConfig, PlanError, SearchOptions, load_model, plan
 from pipeline.planner.engines import engine_options
-from pipeline.planner.expert_parallel import expert_all_to_all, expert_sizes
+from pipeline.planner.expert_parallel import expert_all_to_all, expert_sizes, exposed_in_ops
 from pipeline.planner.hf_config import shape_from_hf_config
 from pipeline.planner.launch import launch_lines
-from pipeline.planner.predict import PlanContext, _with_all_to_all
+from pipeline.planner.predict import PlanContext
 from pipeline.planner.search import price
+from schedules import CostModel
 from schedules.analysis.accounting import expert_parallel_state_bytes
 from schedules.analysis.all_to_all import ExpertAllToAll
 
@@ -135,16 +136,38 @@ def test_all_to_all_is_dispatch_and_combine_of_top_k_copies(devices_per_node: in
     assert expert_all_to_all(table, cluster, batch=2, ep=1) is None
     dense = PlanContext(load_model(SHAPE), cluster, 64, "bf16")
     assert expert_all_to_all(dense.table(config), cluster, batch=2, ep=ep) is None
-    # `_with_all_to_all` puts them inside F and I (a fused B = I + W carries them)
+    # the simulator prices them on its lane; the cost-aware generators plan on ops holding
+    # them, exposed: inside F and I (a fused B = I + W carries them)
     costs = table.costs(2)
-    inside = _with_all_to_all(costs, found)
-    assert np.allclose(inside.forward - costs.forward, found.forward)
-    assert np.allclose(inside.input_grad - costs.input_grad, found.backward)
-    assert np.array_equal(inside.weight_grad, costs.weight_grad)
-    assert _with_all_to_all(costs, None) is costs
+    lane = CostModel(forward=costs.forward.tolist(), backward=costs.input_grad.tolist(),
+                     weight=costs.weight_grad.tolist(), all_to_all=found)
+    inside = exposed_in_ops(lane)
+    assert inside.all_to_all is None
+    assert np.allclose(np.subtract(inside.forward, costs.forward), found.forward)
+    assert np.allclose(np.subtract(inside.backward, costs.input_grad), found.backward)
+    assert inside.weight == lane.weight
+    assert exposed_in_ops(replace(lane, all_to_all=None)).all_to_all is None
     priced = price(model, cluster, 64, config)
     assert priced.breakdown["ep_comm"] == pytest.approx(4 * 2 * (4 * 2 * one), rel=1e-9)
     assert sum(priced.breakdown.values()) == pytest.approx(priced.step_seconds, rel=1e-9)
+
+
+def test_dualpipev_overlap_hides_part_of_the_all_to_all_that_dualpipev_exposes() -> None:
+    """The planner prices the all-to-all on the simulator's lane: exposed in ops run alone
+    (dualpipev: the whole m·(forward + backward) of the last rank), partly hidden under the
+    other microbatch's compute in dualpipev-overlap's F&B pairs."""
+    cluster = replace(H100, nodes=2, devices_per_node=8)
+    model = load_model(MOE)
+    found = {}
+    for name in ("dualpipev", "dualpipev-overlap"):
+        config = PlanConfig(pp=2, tp=1, dp=8, schedule=name, chunks=2, microbatch_size=1,
+                            num_microbatches=8, zero_stage=0, recompute="none", ep=8)
+        found[name] = price(model, cluster, 64, config)
+        assert sum(found[name].breakdown.values()) == pytest.approx(
+            found[name].step_seconds, rel=1e-9)
+    plain, paired = (found[n].breakdown["ep_comm"] for n in ("dualpipev", "dualpipev-overlap"))
+    assert 0 < paired < plain
+    assert found["dualpipev-overlap"].step_seconds < found["dualpipev"].step_seconds
 
 
 def test_all_to_all_interface_is_the_shared_one() -> None:
