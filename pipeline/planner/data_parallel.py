@@ -75,18 +75,24 @@ def _gather_seconds(params: float, dp: int, tp: int, cluster: ClusterSpec) -> fl
 
 
 def param_gather(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
-                 zero_stage: int, params: np.ndarray | None = None) -> ParamGather | None:
+                 zero_stage: int, params: np.ndarray | None = None, ep: int = 1
+                 ) -> ParamGather | None:
     """ZeRO-1's overlapped parameter all-gather per stage for the simulator (the engine's
     `overlap_param_gather`): each stage's first forward of the next step waits, layer by
     layer, for the buckets holding its parameters (`schedules.analysis.gather`; the stage's
-    layers taken as equal). `params` as `grad_reduction`'s. None without ZeRO-1 or where
-    dp = 1."""
+    layers taken as equal). `params` as `grad_reduction`'s. At ep > 1 the dense parameters
+    are gathered over dp and the stage's 1/ep of the experts over dp / ep, one after the
+    other on the lane (the engine gathers each half over its own group). None without
+    ZeRO-1 or where dp = 1."""
     if not zero_stage or dp == 1:
         return None
-    # experts with the rest: the engine runs overlap_param_gather at ep = 1 only
-    held = (table.params if params is None else params) + table.experts
-    return ParamGather(time=[_gather_seconds(float(x), dp, tp, cluster) for x in held],
-                       buckets=stage_buckets(table, held), overlap=True,
+    dense, experts = _with_experts(table.params if params is None else params,
+                                   np.asarray(table.experts, dtype=float), ep)
+    times = [_gather_seconds(float(x), dp, tp, cluster)
+             + (_gather_seconds(float(mine), dp // ep, tp * ep, cluster)
+                if mine and dp // ep > 1 else 0.0)
+             for x, mine in zip(dense, experts, strict=True)]
+    return ParamGather(time=times, buckets=stage_buckets(table, dense + experts), overlap=True,
                        layers=[len(stage) for stage in table.stages])
 
 

@@ -24,15 +24,15 @@ __all__ = ["all_to_all_seconds", "expert_all_to_all", "expert_sizes", "exposed_a
 
 
 def expert_sizes(dp: int, experts: int, allowed: Sequence[int] | None = None, *,
-                 tp: int = 1, overlap_param_gather: bool = False) -> list[int]:
+                 tp: int = 1) -> list[int]:
     """The ep sizes the engine runs at this grid point: ep divides dp (the experts are
-    split over dp replicas) and the E experts (E / ep each); above 1 only at tp = 1 and
-    without overlap_param_gather (`ParallelConfig` refuses those with expert_parallel);
-    among `allowed` when given. A dense model (E = 0): [1]."""
+    split over dp replicas) and the E experts (E / ep each); above 1 only at tp = 1
+    (`ParallelConfig` refuses tp with expert_parallel); among `allowed` when given. A dense
+    model (E = 0): [1]."""
     if not experts:
         return [1]
     sizes = [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0
-             and (ep == 1 or (tp == 1 and not overlap_param_gather))]
+             and (ep == 1 or tp == 1)]
     return [ep for ep in sizes if allowed is None or ep in allowed]
 
 

@@ -380,7 +380,7 @@ class PlanContext:
             return None
         gather = None if not self.overlap_param_gather else data_parallel.param_gather(
             table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
-            params=stage_params(table, _placement(config)))
+            params=stage_params(table, _placement(config)), ep=config.ep)
         timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
                                               gather=gather))
         placement = np.asarray(_placement(config))

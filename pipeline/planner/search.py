@@ -138,8 +138,7 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                     or not allowed(dp, options.data_parallel):
                 excluded["filters"] += 1
                 continue
-            eps = expert_sizes(dp, model.experts, options.expert_parallel, tp=tp,
-                               overlap_param_gather=options.overlap_param_gather)
+            eps = expert_sizes(dp, model.experts, options.expert_parallel, tp=tp)
             if not eps:
                 excluded["experts"] += 1
                 continue
@@ -218,8 +217,7 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
 def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
     """What of the request the engine cannot run with the model's experts: an engine whose
     MoE runs are not priced, tp > 1 with experts, an ep size that is not 1 for a dense
-    model, that does not divide the experts or any of the data-parallel sizes asked for, or
-    comes with overlap_param_gather."""
+    model, or that does not divide the experts or any of the data-parallel sizes asked for."""
     sizes, experts = options.expert_parallel or (), model.experts
     if not experts:
         bad = [size for size in sizes if size > 1]
@@ -248,9 +246,6 @@ def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
             problems.append(f"expert-parallel size {', '.join(map(str, bad))} divides none of "
                             f"the data-parallel sizes {dps} (ep is carved from dp); use one "
                             f"of {', '.join(map(str, fits))}")
-    if options.overlap_param_gather and any(size > 1 for size in sizes):
-        problems.append("expert-parallel size above 1 with overlap_param_gather: the engine "
-                        "runs expert parallelism without it; drop --overlap-param-gather")
     return problems
 
 

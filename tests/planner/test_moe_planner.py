@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import pipeline.planner.data_parallel as data_parallel
 import pipeline.planner.search as search
 from pipeline.cli import main
 from pipeline.planner import PRESETS, PlanConfig, PlanError, SearchOptions, load_model, plan
@@ -22,6 +23,7 @@ from pipeline.planner.expert_parallel import expert_all_to_all, expert_sizes, ex
 from pipeline.planner.hf_config import shape_from_hf_config
 from pipeline.planner.launch import launch_lines
 from pipeline.planner.predict import PlanContext
+from pipeline.planner.pricing import allreduce_seconds
 from pipeline.planner.search import price
 from schedules import CostModel
 from schedules.analysis.accounting import expert_parallel_state_bytes
@@ -170,6 +172,31 @@ def test_dualpipev_overlap_hides_part_of_the_all_to_all_that_dualpipev_exposes()
     assert found["dualpipev-overlap"].step_seconds < found["dualpipev"].step_seconds
 
 
+def test_overlapped_gather_at_ep_gathers_dense_over_dp_and_experts_over_dp_by_ep() -> None:
+    """ZeRO-1's overlapped parameter gather at ep > 1, priced from its definition: each
+    stage's dense parameters all-gathered over dp (half an all-reduce of their fp32 bytes),
+    then its 1/ep of the experts over the dp / ep replicas holding the same ones."""
+    cluster = replace(H100, nodes=2, devices_per_node=8)
+    context = PlanContext(load_model(MOE), cluster, 64, "bf16")
+    config = PlanConfig(pp=2, tp=1, dp=8, schedule="1f1b", chunks=1, microbatch_size=1,
+                        num_microbatches=8, zero_stage=1, recompute="none", ep=4)
+    table = context.table(config)
+    gather = data_parallel.param_gather(table, cluster, dp=8, tp=1, zero_stage=1, ep=4)
+    assert gather is not None
+    expected = [allreduce_seconds(4 * dense, 8, 1, cluster) / 2
+                + allreduce_seconds(4 * experts / 4, 2, 4, cluster) / 2
+                for dense, experts in zip(table.params, table.experts, strict=True)]
+    assert np.allclose(gather.time, expected, rtol=1e-12)
+    assert all(e > 0 for e in table.experts)
+    at_1 = data_parallel.param_gather(table, cluster, dp=8, tp=1, zero_stage=1, ep=1)
+    assert at_1 is not None and np.allclose(at_1.time, [
+        allreduce_seconds(4 * (d + e), 8, 1, cluster) / 2
+        for d, e in zip(table.params, table.experts, strict=True)], rtol=1e-12)
+    priced = price(load_model(MOE), cluster, 64, config,
+                   options=SearchOptions(overlap_param_gather=True))
+    assert priced.config.ep == 4
+
+
 def test_all_to_all_interface_is_the_shared_one() -> None:
     value = ExpertAllToAll(forward=[1.0, 2.0], backward=[3.0, 4.0])
     assert (value.forward, value.backward) == ([1.0, 2.0], [3.0, 4.0])
@@ -259,10 +286,6 @@ REFUSALS: list[tuple[str, Callable[[], object], list[str]]] = [
     ("tp with experts", lambda: plan(load_model(MOE), _small_cluster(80), 16,
                                      options=SearchOptions(tensor_parallel=(2,))),
      ["tensor-parallel size 2", "at tp 1"]),
-    ("ep with overlap_param_gather", lambda: plan(
-        load_model(MOE), _small_cluster(80), 16,
-        options=SearchOptions(expert_parallel=(2,), overlap_param_gather=True)),
-     ["overlap_param_gather", "drop --overlap-param-gather"]),
     ("an engine whose MoE runs are unpriced", lambda: plan(
         load_model(MOE), _small_cluster(80), 16,
         options=SearchOptions(**engine_options("megatron-core"))),
