@@ -17,6 +17,7 @@ _LAZY: dict[str, str] = {
     "LayerSpec": "pipeline.model.layers",
     "PipelineEngine": "pipeline.runtime.engine",
     "launch": "pipeline.launcher.processes",
+    "LaunchCheck": "pipeline.runtime.launch_check",
     "GradReducer": "pipeline.parallel.data_parallel",
     "StepStats": "pipeline.runtime.trace",
     "OpCosts": "pipeline.runtime.trace",
