@@ -18,6 +18,8 @@ _LAZY: dict[str, str] = {
     "PipelineEngine": "pipeline.runtime.engine",
     "launch": "pipeline.launcher.processes",
     "LaunchCheck": "pipeline.runtime.launch_check",
+    "Progress": "pipeline.runtime.training_progress",
+    "ProgressReporter": "pipeline.runtime.training_progress",
     "GradReducer": "pipeline.parallel.data_parallel",
     "StepStats": "pipeline.runtime.trace",
     "OpCosts": "pipeline.runtime.trace",
