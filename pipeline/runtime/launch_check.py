@@ -5,7 +5,8 @@ engine options or batch that every rank would refuse, once, in the launching pro
 any process is spawned (instead of 20-40 s later, after every rank imported torch and built
 its process group). The checks are the engine's own (`resolve_topology`, `resolve_schedule`,
 `split_microbatches`), run on the same values, so the parent refuses exactly what the ranks
-would.
+would; and one microbatch runs through the layers on the meta device (`shape_trace`), so a
+batch of a shape the model does not take is found too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pipeline.runtime.batch import batch_size, split_microbatches
 from pipeline.runtime.config import EngineConfig
 from pipeline.runtime.parallel_setup import resolve_topology
 from pipeline.runtime.schedule_setup import resolve_schedule
+from pipeline.runtime.shape_trace import trace_problem
 
 __all__ = ["LaunchCheck"]
 
@@ -35,13 +37,17 @@ class LaunchCheck:
     """
 
     def __init__(self, module: PipelineModule, config: EngineConfig | None = None, *,
-                 inputs: Any = None, targets: Any = None, **options: Any) -> None:
+                 inputs: Any = None, targets: Any = None, trace: bool = True,
+                 **options: Any) -> None:
         if not isinstance(module, PipelineModule):
             raise PipelineConfigError(f"LaunchCheck needs the PipelineModule that fn builds, "
                                       f"got {type(module).__name__}")
         if config is not None and options:
             raise PipelineConfigError(f"LaunchCheck: pass either config= or the options "
                                       f"{sorted(options)} (EngineConfig fields), not both")
+        if not isinstance(trace, bool):
+            raise PipelineConfigError(f"LaunchCheck: trace must be True or False, got "
+                                      f"{trace!r}")
         if config is not None and not isinstance(config, EngineConfig):
             raise PipelineConfigError(f"LaunchCheck: config must be an EngineConfig, got "
                                       f"{config!r}")
@@ -52,6 +58,9 @@ class LaunchCheck:
         """One rank's `train_batch` inputs (a sample of the same batch size will do), or None."""
         self.targets = targets
         """One rank's `train_batch` targets, or None."""
+        self.trace = trace
+        """Run one microbatch of `inputs` through the layers and the loss on the meta device
+        (`shape_trace`): a batch of the wrong shape is found here too."""
 
     def problems(self, world_size: int) -> list[str]:
         """Every reason the ranks of a `world_size` launch would refuse the run (empty: none
@@ -67,9 +76,16 @@ class LaunchCheck:
                                                 num_microbatches).num_microbatches
         except PipelineConfigError as error:
             found.append(str(error))
-        if num_microbatches is not None:
-            found += _batch_problems(self.inputs, self.targets, num_microbatches)
-        return found
+        if num_microbatches is None:
+            return found
+        batch = _batch_problems(self.inputs, self.targets, num_microbatches)
+        if not batch and self.trace and self.inputs is not None:
+            first = [None if value is None else split_microbatches(value, num_microbatches,
+                                                                   what)[0]
+                     for what, value in (("inputs", self.inputs), ("targets", self.targets))]
+            batch = [problem for problem in [trace_problem(self.module, *first)]
+                     if problem is not None]
+        return found + batch
 
     def check(self, world_size: int) -> None:
         """Raise one `PipelineConfigError` naming every problem `problems` finds."""

@@ -15,7 +15,7 @@ from torch import nn
 from pipeline import EngineConfig, LaunchCheck, PipelineModule, launch
 from pipeline.errors import PipelineConfigError
 from pipeline.launcher import processes
-from pipeline.runtime import launch_check
+from pipeline.runtime import launch_check, shape_trace
 
 
 class Spawned(Exception):
@@ -67,6 +67,13 @@ MISTAKES = {  # what the user got wrong -> (the launch it makes, what the error 
     "targets for other samples": (lambda: launch(_rank_main, 2, check=LaunchCheck(
         _module(), num_microbatches=2, inputs=torch.zeros(8, 4), targets=torch.zeros(4, 4))),
         r"inputs hold 8 samples but targets 4; pass one target per input sample"),
+    "inputs of another width": (lambda: launch(_rank_main, 2, check=LaunchCheck(
+        _module(), num_microbatches=2, inputs=torch.zeros(8, 5), targets=torch.zeros(8, 4))),
+        r"layer 0 \(Linear\) fails on a microbatch of shape \(4, 5\).*give inputs of the shape"),
+    "targets the loss would broadcast": (lambda: launch(_rank_main, 2, check=LaunchCheck(
+        _module(), num_microbatches=2, inputs=torch.zeros(8, 4), targets=torch.zeros(8, 1))),
+        r"loss_fn fails on the last layer's output shape \(4, 4\) and targets shape \(4, 1\)"
+        r".*Using a target size"),
     "empty batch": (lambda: launch(_rank_main, 2, check=LaunchCheck(
         _module(), num_microbatches=2, inputs=torch.zeros(0, 4))), r"empty batch"),
     "not a tensor": (lambda: launch(_rank_main, 2, check=LaunchCheck(
@@ -128,7 +135,7 @@ def _disagreements(*, first: bool = False) -> list[tuple[int, ...]]:
     for world, pp, tp, dp, batch, targets, m in CASES:
         check = LaunchCheck(_module(pp), num_microbatches=m, tensor_parallel=tp,
                             data_parallel=dp, inputs=torch.zeros(batch, 4),
-                            targets=torch.zeros(targets, 4))
+                            targets=torch.zeros(targets, 4), trace=False)
         refused = bool(check.problems(world))
         if refused != _refused_by_definition(world, pp, tp, dp, batch, targets, m):
             wrong.append((world, pp, tp, -1 if dp is None else dp, batch, targets, m))
@@ -157,3 +164,36 @@ def test_planted_bug_launch_not_checking_is_caught(monkeypatch: pytest.MonkeyPat
     run, _ = MISTAKES["more stages than ranks"]
     with pytest.raises(Spawned):  # what the first test would see: ranks started
         run()
+
+
+@pytest.mark.usefixtures("no_rank_may_start")
+def test_planted_bug_no_shape_trace_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch_check, "trace_problem", lambda *args: None)
+    run, _ = MISTAKES["inputs of another width"]
+    with pytest.raises(Spawned):
+        run()
+
+
+def _hf_check(family: str, targets_length: int) -> LaunchCheck:
+    pytest.importorskip("transformers")
+    from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
+    from tests.support.hf_models import tiny_config, token_batch
+
+    hf = layers_from_hf(tiny_config(family))
+    ids, mask = token_batch(4, 8, padded=True)
+    return LaunchCheck(PipelineModule(hf.layers, num_stages=2, loss_fn=hf.loss_fn),
+                       num_microbatches=2, inputs=(ids, mask),
+                       targets=causal_lm_targets(ids, mask)[:, :targets_length])
+
+
+def test_a_model_the_meta_device_cannot_run_is_not_refused() -> None:
+    # Llama's layers call .item() (no verdict on the meta device); Mistral's trace
+    assert _hf_check("llama", 8).problems(2) == []
+    assert _hf_check("mistral", 8).problems(2) == []
+    assert "loss_fn fails" in " ".join(_hf_check("mistral", 5).problems(2))
+
+
+def test_planted_bug_meta_limits_taken_for_mistakes_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shape_trace, "_cannot_trace", lambda error: False)
+    assert _hf_check("llama", 8).problems(2) != []  # the test above would fail
