@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from bench_common import deepspeed_available
 
-from pipeline import PipelineModule, initialize, launch
+from pipeline import PipelineModule, ProgressReporter, initialize, launch
 
 __all__ = ["main"]
 
@@ -119,8 +119,9 @@ def _bench_rank(side: int, batch: int, micro: int, steps: int, warmup: int,
                 torch.randint(0, 10, (micro,), generator=generator))
                for _ in range(batch // micro)]
     times: dict[str, list[float]] = {name: [] for name in runners}
-    started, rounds = time.perf_counter(), warmup + steps
-    for round_index in range(rounds):
+    # minutes of work on a loaded machine: rank 0 says where it stands after each round
+    progress = ProgressReporter(warmup + steps, what="round", every=0.0)
+    for round_index in progress.track(range(warmup + steps)):
         order = list(runners.items())
         for name, step in order if round_index % 2 else reversed(order):  # alternate first
             if name == "ours" and round_index == warmup:
@@ -128,10 +129,6 @@ def _bench_rank(side: int, batch: int, micro: int, steps: int, warmup: int,
             elapsed = _timed(step, batches)
             if round_index >= warmup:
                 times[name].append(elapsed)
-        if dist.get_rank() == 0:  # minutes of work on a loaded machine: say where it stands
-            left = (time.perf_counter() - started) / (round_index + 1) * (rounds - round_index - 1)
-            print(f"round {round_index + 1}/{rounds} done, about {left:.0f} s left",
-                  file=sys.stderr, flush=True)
     times["ours: cloning received inputs"] = [clock.seconds / steps]
     return {name: statistics.median(values) for name, values in times.items()}
 

@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ from pipeline.supervision.progress import (
     looks_like_timeout,
 )
 
-__all__ = ["launch"]
+__all__ = ["PreLaunchCheck", "launch"]
 
 T = TypeVar("T")
 _GRACE = 5.0  # seconds the other ranks get to stop by themselves once one has failed
@@ -76,10 +76,20 @@ _PRELOAD = ("pipeline.launcher.forkserver_guard",  # first: before torch's long 
             "pipeline.runtime.engine")
 
 
+@runtime_checkable
+class PreLaunchCheck(Protocol):
+    """What `launch(..., check=)` runs before it starts any rank (`pipeline.runtime.
+    launch_check.LaunchCheck` checks a module, engine options and a batch)."""
+
+    def check(self, world_size: int) -> None:
+        """Raise (a `PipelineConfigError`) if a run on `world_size` ranks would be refused."""
+
+
 def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 300.0,
            backend: str | None = None, join_timeout: float | None = None,
            threads_per_rank: int | None = 1, start_method: str | None = None,
-           grace: float | None = None, quiet: bool = False) -> list[T]:
+           grace: float | None = None, quiet: bool = False,
+           check: PreLaunchCheck | None = None) -> list[T]:
     """Run ``fn(*args)`` on `world_size` ranks with a process group set up; return the
     per-rank results (index = rank).
 
@@ -92,7 +102,9 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
     killed: a failed job ends within about that long. `quiet` ranks print nothing of their
     own or their peers' failures (the raised error carries them: for a command line that
     says one line). If this process dies, every rank ends
-    at once and removes the run's temporary directories.
+    at once and removes the run's temporary directories. `check` (a `LaunchCheck` of the
+    module, options and batch `fn` uses) runs here first: a mistake every rank would refuse
+    raises once, before any process starts.
     `fn` and `args` must be picklable (a module-level function) for spawned ranks; every
     rank must return a picklable value.
     """
@@ -102,6 +114,11 @@ def launch(fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 3
                               or not (math.isfinite(grace) and grace >= 0)):
         raise PipelineConfigError(f"launch: grace must be None or a finite number of seconds "
                                   f">= 0, got {grace!r}")
+    if check is not None:
+        if not isinstance(check, PreLaunchCheck):
+            raise PipelineConfigError(f"launch: check must be a pipeline.LaunchCheck (anything "
+                                      f"with check(world_size)), got {check!r}")
+        check.check(world_size)  # before any rank (under torchrun: before the process group)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return [_run_in_place(fn, world_size, args, timeout, backend, threads_per_rank)]
     check_local_ranks(world_size)

@@ -278,6 +278,11 @@ class PipelineModule(nn.Module):
         else:
             self._build_hooks.append(hook)
 
+    def layer_definition(self, index: int) -> Layer:
+        """Global layer `index` as given (a module, `LayerSpec` or callable), before this rank
+        was materialized (e.g. to check it in the launching process)."""
+        return self._layer(index)
+
     def _layer(self, index: int) -> Layer:
         layer = self._layer_list[index]
         if layer is None:

@@ -17,7 +17,7 @@ from pipeline.interop.hf_weights import load_hf_weights
 from pipeline.model.reference import reference_forward
 from pipeline.runtime.generation import greedy_generate
 from pipeline.runtime.inference import Inference
-from tests.support.hf_models import tiny_config, tiny_model, token_batch
+from tests.support.hf_models import FAMILIES, tiny_config, tiny_model, token_batch
 from tests.support.rank_harness import run_ranks
 
 NEW_TOKENS, PAD = 6, 0
@@ -76,26 +76,30 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _with_generation_eos(family: str) -> tuple[torch.nn.Module, torch.Tensor]:
+def _with_generation_eos(family: str) -> tuple[torch.nn.Module, int, torch.Tensor]:
     """A tiny model whose generation config's EOS is a token it generates (row 0's second),
-    and HF's tokens from ``generate`` given no EOS (it reads the generation config)."""
+    that EOS, and HF's tokens from ``generate`` given no EOS (it reads the generation
+    config)."""
     model = tiny_model(family, seed=7)
     ids, mask = _prompts()
     free = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                           do_sample=False, pad_token_id=PAD, eos_token_id=[])
-    model.generation_config.eos_token_id = int(free[0, ids.shape[1] + 1])
+    eos = int(free[0, ids.shape[1] + 1])
+    model.generation_config.eos_token_id = eos
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                               do_sample=False, pad_token_id=PAD)
-    assert not torch.equal(expected, free)  # the EOS changes HF's tokens here
-    return model, expected
+    assert not torch.equal(expected, free), family  # the EOS changes HF's tokens here
+    return model, eos, expected
 
 
-def _check_generation_eos(rank: int, world_size: int, saved: str) -> None:
+def _check_generation_eos(rank: int, world_size: int, saved: str,
+                          expected_by_family: dict[str, tuple[int, torch.Tensor]]) -> None:
     import transformers
 
     torch.set_num_threads(1)
-    for family in ("gpt2", "llama", "gemma3_text"):
-        model, expected = _with_generation_eos(family)
+    for family, (eos, expected) in expected_by_family.items():
+        model = tiny_model(family, seed=7)  # the launcher's model, rebuilt (same seed)
+        model.generation_config.eos_token_id = eos
         hf = layers_from_hf(model)  # the model's own generation config
         engine = PipelineEngine(PipelineModule(hf.layers, num_stages=world_size,
                                                loss_fn=hf.loss_fn, partition_method="uniform"),
@@ -120,7 +124,12 @@ def _check_generation_eos(rank: int, world_size: int, saved: str) -> None:
 
 @pytest.mark.multiprocess
 def test_greedy_generate_stops_on_the_generation_config_eos_as_hf(tmp_path: Path) -> None:
-    model, _ = _with_generation_eos("llama")
+    # every family layers_from_hf supports; HF's tokens computed here, once, not per rank
+    expected = {}
+    for family in FAMILIES:
+        model, eos, tokens = _with_generation_eos(family)
+        expected[family] = (eos, tokens)
+    model, _, _ = _with_generation_eos("llama")
     model.save_pretrained(tmp_path)  # its generation_config.json holds the EOS
     assert model.config.eos_token_id != model.generation_config.eos_token_id
-    run_ranks(_check_generation_eos, 2, str(tmp_path), timeout=300)
+    run_ranks(_check_generation_eos, 2, str(tmp_path), expected, timeout=300)
