@@ -3,7 +3,7 @@ run split over tensor parallelism (the engine's `tensor_parallel_hf`), counted p
 
 `accounting.layer_activation_bytes` prices Megatron's kernels (Korthikanti et al. 2022); a HF
 layer keeps other tensors, so the same shape holds more (fp32, tiny Llama / GPT-2, tp 2, with
-sequence parallelism: +47 % / +81 % against Korthikanti). What each module saves, read off
+sequence parallelism: +62 % / +74 % against Korthikanti). What each module saves, read off
 autograd's saved tensors (`SavedTensorMeter`) with torch 2.13 and transformers 5:
 
     RMSNorm     its input and the normalized tensor before the weight (n·h each) and
