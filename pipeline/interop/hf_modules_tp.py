@@ -77,13 +77,17 @@ class Region:
     @property
     def runs_overlap_functions(self) -> bool:
         """Whether the blocks' linears run through `pipeline.parallel.tensor.overlap`: with
-        `overlap`, or with emulated `ops` (without `overlap`, their sequential baseline), as
-        the engine's own layers."""
-        return self.overlap or self.ops is not REAL_OPS
+        `overlap`, with emulated `ops`, or with sequence parallelism (without `overlap`,
+        their sequential baseline), as the engine's own layers. Under sequence parallelism
+        its column layer keeps this rank's sequence slice for the weight gradient and
+        gathers it again in the backward (Megatron's way), where an all-gather before HF's
+        own Linear would have it keep the whole gathered input."""
+        return self.overlap or self.ops is not REAL_OPS or self.sequence_parallel
 
-    def column(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x Wᵀ for this rank's rows W (Linear's layout) of a column-parallel layer, `x`
-        entering the region inside it (`column_parallel_linear`)."""
+    def column(self, x: torch.Tensor, weight: torch.Tensor | list[torch.Tensor]
+               ) -> torch.Tensor:
+        """x Wᵀ for this rank's rows W (Linear's layout, or its row blocks) of a column-
+        parallel layer, `x` entering the region inside it (`column_parallel_linear`)."""
         return column_parallel_linear(x, weight, self.group,
                                       sequence_parallel=self.splits_sequence,
                                       overlap=self.overlap, chunks=self.chunks, ops=self.ops)

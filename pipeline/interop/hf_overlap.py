@@ -6,7 +6,10 @@ collectives (under sequence parallelism three all-gathers of one input). Megatro
 this engine's own block fuse them (one q;k;v and one gate;up weight), so one all-gather
 forward and one reduction of the input gradient backward, each overlapped with the fused
 GEMM by `pipeline.parallel.tensor.overlap.column_parallel_linear` (the rule that prices it,
-`schedules.analysis.tp_overlap`, sees the block's four linears, as here).
+`schedules.analysis.tp_overlap`, sees the block's four linears, as here). Sequence
+parallelism without overlap runs the same fusion (that function's sequential baseline), so
+the column layer keeps this rank's slice of the input for the weight gradient, not the
+gathered whole.
 
 HF modules are reused, not rewritten, so the fusion happens around them:
 
@@ -72,10 +75,13 @@ class _Fusion:
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """Compute every member's output from `x`; the stand-in to call the module with."""
         weights = [member.fused_weight() for member in self.members]
-        fused = self.region.column(x, weights[0] if len(weights) == 1 else torch.cat(weights))
+        fused = self.region.column(x, weights)  # one GEMM; the blocks kept, not their copy
         parts = fused.split([w.shape[0] for w in weights], dim=-1)
         self.outputs = {}
         for member, part in zip(self.members, parts, strict=True):
+            # its own storage, as HF's own projection's output: a view would keep the whole
+            # fused output alive wherever one part is saved (attention's v)
+            part = part.contiguous()
             bias = member.fused_bias()
             self.outputs[id(member)] = part if bias is None else part + bias
         # shape, dtype and device of the whole input, no storage (HF reads only the shape)
@@ -86,9 +92,9 @@ class _Fusion:
         if x is not self.stand_in or id(member) not in self.outputs:
             raise PipelineConfigError(
                 "a fused column-parallel projection was called outside its module's forward "
-                "or on another input (tensor_parallel_hf(..., overlap=True) fuses q/k/v and "
-                "gate/up and expects HF's modules to call them on their input); build the "
-                "layers with overlap=False for this model")
+                "or on another input (tensor_parallel_hf with overlap=True or "
+                "sequence_parallel=True fuses q/k/v and gate/up and expects HF's modules to "
+                "call them on their input); build the layers without both for this model")
         return self.outputs.pop(id(member))
 
 

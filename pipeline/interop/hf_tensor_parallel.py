@@ -21,7 +21,8 @@ the plain layer with the same seed, and keeps this rank's slice (Megatron, Shoey
                 GEMM per module (q;k;v, gate;up: `hf_overlap`) and its row-parallel ones run
                 by `pipeline.parallel.tensor.overlap`, collectives beside the GEMMs, as the
                 engine's own `ParallelTransformerBlock(overlap=True)` (embedding and head
-                as without)
+                as without); with sequence parallelism the same functions without overlap
+                (their sequential baseline), so the column layers keep their input's slice
 
 Why our Megatron-style autograd operators and not DTensor's ``parallelize_module``
 (`pipeline.parallel.tensor.collectives` has the whole case; re-checked on torch 2.13, gloo,

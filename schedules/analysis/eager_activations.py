@@ -3,14 +3,14 @@ run split over tensor parallelism (the engine's `tensor_parallel_hf`), counted p
 
 `accounting.layer_activation_bytes` prices Megatron's kernels (Korthikanti et al. 2022); a HF
 layer keeps other tensors, so the same shape holds more (fp32, tiny Llama / GPT-2, tp 2, with
-sequence parallelism: +47 % / +81 % against Korthikanti). What each module saves, read off
+sequence parallelism: +62 % / +74 % against Korthikanti). What each module saves, read off
 autograd's saved tensors (`SavedTensorMeter`) with torch 2.13 and transformers 5:
 
     RMSNorm     its input and the normalized tensor before the weight (n·h each) and
                 rsqrt (n); LayerNorm: its input (n·h), mean and rstd (2n, fp32)
-    q/k/v, MLP  the input of each column-parallel region, whole (s·b·h, twice a layer):
-    inputs      with sequence parallelism the all-gathered tensor (Megatron saves the
-                slice and gathers again in the backward: not done here)
+    q/k/v, MLP  the input of each column-parallel region (n·h, twice a layer): with
+    inputs      sequence parallelism this rank's slice, gathered again in the backward
+                (Megatron's way; `pipeline.parallel.tensor.overlap.column_parallel_linear`)
     rotary      cos and sin (s·b·d each; q·cos and rotate(q)·sin save only these)
     attention   the fused kernel's (SDPA) q, k, v (s·b·(q + 2k)/t) and output (s·b·q/t),
                 its log-sum-exp per row and head (s·b·a/t, fp32)
@@ -57,7 +57,7 @@ def eager_layer_activation_bytes(s: int, b: int, h: int, a: int, *, q_width: int
     n = tokens / t if sequence_parallel else tokens
     per_norm = n * h * (2 if norm == "rmsnorm" else 1) + n * (1 if norm == "rmsnorm" else 2)
     elements = (2 * per_norm                                   # the two norms
-                + 2 * tokens * h                               # column regions' inputs
+                + 2 * n * h                                    # column regions' inputs
                 + (2 * tokens * head_dim if rotary else 0)     # cos, sin
                 + tokens * (2 * q_width + 2 * kv_width) / t    # q, k, v, output
                 + tokens * a / t                               # log-sum-exp

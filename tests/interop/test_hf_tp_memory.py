@@ -40,7 +40,7 @@ def test_counted_memory_of_tp_split_hf_models_equals_the_accounting() -> None:
         assert _error(row) <= 0.05, row
         # Megatron's kernels keep less than HF's eager modules: the test tells them apart
         assert _error(row, "korthikanti") > 0.2, row
-    for family in MEMORY_FAMILIES:  # sequence parallelism splits the norms' tensors
+    for family in MEMORY_FAMILIES:  # sequence parallelism splits the norms and column inputs
         held = {r["sequence_parallel"]: r["counted"] for r in activations
                 if r["family"] == family and r["rank"] == 0}
         assert held[True] < held[False], (family, held)

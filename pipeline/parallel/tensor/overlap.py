@@ -26,6 +26,7 @@ collective as soon as it is launched: the sequential baseline, same arithmetic o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import Enum
 from itertools import pairwise
 from typing import Any, Protocol
@@ -136,11 +137,14 @@ def _gathered_matmul(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup 
 
 class _ColumnLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup | None,
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None,
                 sequence_parallel: bool, overlap: bool, chunks: int, dim: int,
-                ops: TensorParallelOps) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)  # x: the sequence slice under sequence parallelism
+                ops: TensorParallelOps, *parts: torch.Tensor) -> torch.Tensor:
+        # x: the sequence slice under sequence parallelism; the weight's row blocks `parts`
+        # are saved, not their concatenation (a copy of the weight per microbatch)
+        ctx.save_for_backward(x, *parts)
         ctx.settings = group, sequence_parallel, overlap, dim, ops
+        weight = _joined(parts)
         if not sequence_parallel:
             return ops.matmul(x, weight.t(), Gemm.FORWARD)
         out, _ = _gathered_matmul(x, weight.t(), group, dim, chunks, overlap, ops,
@@ -149,17 +153,22 @@ class _ColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
+        x, *parts = ctx.saved_tensors
         group, sequence_parallel, overlap, dim, ops = ctx.settings
         gather = _launch(ops, overlap, Collective.ALL_GATHER, x, group, dim) \
             if sequence_parallel else None
-        grad_input = ops.matmul(grad, weight, Gemm.INPUT_GRAD)        # ∥ the gather
+        grad_input = ops.matmul(grad, _joined(parts), Gemm.INPUT_GRAD)   # ∥ the gather
         x_full = gather.wait() if gather is not None else x
         reduce = _launch(ops, overlap, Collective.REDUCE_SCATTER if sequence_parallel
                          else Collective.ALL_REDUCE, grad_input, group, dim)
         grad_weight = ops.matmul(grad.reshape(-1, grad.shape[-1]).t(),   # ∥ the reduction
                                  x_full.reshape(-1, x_full.shape[-1]), Gemm.WEIGHT_GRAD)
-        return reduce.wait(), grad_weight, None, None, None, None, None, None
+        grad_parts = grad_weight.split([part.shape[0] for part in parts])
+        return reduce.wait(), None, None, None, None, None, None, *grad_parts
+
+
+def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
 
 
 class _RowLinear(torch.autograd.Function):
@@ -195,7 +204,8 @@ def _check_chunks(chunks: int) -> None:
         raise ValueError(f"overlap chunks must be an int >= 1, got {chunks!r}")
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup | None,
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor | Sequence[torch.Tensor],
+                           group: ProcessGroup | None,
                            *, sequence_parallel: bool = False, overlap: bool = True,
                            chunks: int = 2, dim: int = SEQUENCE_DIM,
                            ops: TensorParallelOps = REAL_OPS) -> torch.Tensor:
@@ -203,11 +213,14 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, group: Process
 
     `x` is replicated over tp, or with `sequence_parallel` this rank's slice along `dim`
     (the output then has the whole sequence). The input gradient is all-reduced (reduce-
-    scattered with sequence parallelism) beside the weight-gradient GEMM when `overlap`."""
+    scattered with sequence parallelism) beside the weight-gradient GEMM when `overlap`.
+    `weight` may be given as row blocks (fused q;k;v): one GEMM, their concatenation made
+    again in the backward rather than kept."""
     _check_chunks(chunks)
     sequence_parallel = sequence_parallel and tp_rank_and_size(group)[1] > 1
-    out: torch.Tensor = _ColumnLinear.apply(x, weight, group, sequence_parallel, overlap,
-                                            chunks, dim, ops)
+    parts = (weight,) if isinstance(weight, torch.Tensor) else tuple(weight)
+    out: torch.Tensor = _ColumnLinear.apply(x, group, sequence_parallel, overlap, chunks,
+                                            dim, ops, *parts)
     return out
 
 
