@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["deepspeed_available"]
+import torch
+
+__all__ = ["deepspeed_available", "torch_schedule_step"]
 
 
 def deepspeed_available(wanted: bool, without: str) -> bool:
@@ -17,3 +21,20 @@ def deepspeed_available(wanted: bool, without: str) -> bool:
         print(f"DeepSpeed is not installed: {without}", file=sys.stderr)
         return False
     return True
+
+
+def torch_schedule_step(runner: Any, stages: Sequence[Any], optimizer: torch.optim.Optimizer
+                        ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """One training step of a `torch.distributed.pipelining` schedule on this rank's
+    `stages`: the first stage feeds the input, the last the target, then the optimizer."""
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        args = (x,) if first else ()
+        if last:
+            runner.step(*args, target=y, losses=[])
+        else:
+            runner.step(*args)
+        optimizer.step()
+    return step

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import torch.distributed as dist
+from bench_common import torch_schedule_step
 from bench_runtime import TORCH_CLASSES
 
 from pipeline import launch, torch_stages
@@ -88,18 +89,9 @@ def _torch_step(spec: RehearsalSpec, scratch: str) -> Any:
     except (ValueError, RuntimeError, NotImplementedError):
         return None
     optimizer = torch.optim.Adam([q for s in stages for q in s.submod.parameters()], lr=1e-3)
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     x = torch.zeros(spec.microbatches, 1)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        args = (x,) if first else ()
-        if last:
-            runner.step(*args, target=x, losses=[])
-        else:
-            runner.step(*args)
-        optimizer.step()
-    return step
+    step = torch_schedule_step(runner, stages, optimizer)
+    return lambda: step(x, x)
 
 
 def _timed(step: Any) -> float:

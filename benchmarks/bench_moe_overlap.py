@@ -24,9 +24,11 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import torch.distributed as dist
+from bench_common import torch_schedule_step
 
 from pipeline import PipelineEngine, launch, torch_stages
 from pipeline.model.module import PipelineModule
@@ -82,17 +84,8 @@ def _torch_step(p: int, m: int, part: float, backward_ratio: float) -> Any:
         return f"refused: {error}"
     optimizer = torch.optim.Adam([q for s in stages for q in s.submod.parameters()], lr=1e-3)
     x = torch.zeros(m, 1)
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        args = (x,) if first else ()
-        if last:
-            runner.step(*args, target=x, losses=[])
-        else:
-            runner.step(*args)
-        optimizer.step()
-    return step
+    step = torch_schedule_step(runner, stages, optimizer)
+    return lambda: step(x, x)
 
 
 def _bench_rank(p: int, m: int, part: float, backward_ratio: float, steps: int,

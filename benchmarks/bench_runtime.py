@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bench_common import deepspeed_available
+from bench_common import deepspeed_available, torch_schedule_step
 from torch import nn
 
 from pipeline import LayerSpec, PipelineEngine, PipelineModule, launch, torch_runtime, torch_stages
@@ -104,17 +104,7 @@ def _torch(schedule: str, m: int, p: int, scratch: str) -> tuple[Step, str, Any]
         single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
         runner = cls(stages[0] if single else stages, n_microbatches=m, loss_fn=F.mse_loss)
         ran = class_name
-    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        optimizer.zero_grad()
-        args = (x,) if first else ()
-        if last:
-            runner.step(*args, target=y, losses=[])
-        else:
-            runner.step(*args)
-        optimizer.step()
-    return step, ran, runner
+    return torch_schedule_step(runner, stages, optimizer), ran, runner
 
 
 def _torch_table(runner: Any, name: str, m: int) -> Schedule:
