@@ -116,10 +116,12 @@ def _model(row: PublishedRow) -> ModelProfile:
     """The row's GPT as Megatron-LM 2021 ran it: eager attention (no FlashAttention then, no
     sequence parallelism), the output projection tied to the word embeddings (the paper's
     parameter count, 12lh²(1 + 13/12h + (V+s)/12lh), counts V·h once; with p > 1 the last
-    stage holds a copy whose gradient is all-reduced with the first stage's)."""
+    stage holds a copy whose gradient is all-reduced with the first stage's), its kernels
+    and its recomputation of the blocks only as that code ran them
+    (`transformer_profile(..., engine="megatron-2021")`)."""
     shape = parse_shape({"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
                          "vocab": VOCAB, "seq": SEQ, "tied_embeddings": True})
-    return transformer_profile(shape, "fp16", attention="eager")
+    return transformer_profile(shape, "fp16", attention="eager", engine="megatron-2021")
 
 
 def _priced_tflops(row: PublishedRow, **engine: Any) -> float:

@@ -144,9 +144,12 @@ ENGINES: MappingProxyType[str, MappingProxyType[str, Any]] = MappingProxyType({
 """Engine name: the `SearchOptions` fields that describe it (pipesched: the defaults)."""
 
 ENGINE_PROFILES: MappingProxyType[str, MappingProxyType[str, Any]] = MappingProxyType({
-    "megatron-core": MappingProxyType({"sequence_parallel": True})})
+    "megatron-core": MappingProxyType({"sequence_parallel": True}),
+    "megatron-2021": MappingProxyType({"engine": "megatron-2021"})})
 """Engine name: how its model runs, for `load_model` (Megatron-Core's scripts turn on
-sequence parallelism, which its --tp-comm-overlap requires)."""
+sequence parallelism, which its --tp-comm-overlap requires; Megatron-LM 2021's code runs
+its own element-wise kernels and recomputes the blocks only: `transformer_profile`'s
+`engine`)."""
 
 
 def engine_options(name: str, **given: Any) -> dict[str, Any]:

@@ -52,6 +52,10 @@ class LayerShape:
     tp_overlap_chunks: int = 2
     """Slices an overlapped block (`pricing.TP_OVERLAPS` "pipesched") pipelines its
     collectives in, the engine's `chunks` default."""
+    engine: Literal["pipesched", "megatron-2021"] = "pipesched"
+    """Whose code runs the layer: "megatron-2021" adds the element-wise passes Megatron-LM's
+    code of 2021 runs besides this engine's (`_megatron_2021_block`,
+    `_megatron_2021_cross_entropy`)."""
 
     @property
     def head_size(self) -> int:
@@ -133,11 +137,17 @@ def layer_kernel_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterS
         norm = _stream_seconds(2 * local * h * e, cluster)
         parts.append((norm, 1.5 * norm, 0.0))
         parts.append(_linear(tokens, h, width, cluster, precision, e))
-        # cross entropy on fp32 logits: read them, max/sum/log pass, backward writes the grad
-        parts.append((_stream_seconds(2 * tokens * width * 4, cluster, 2),
-                      _stream_seconds(2 * tokens * width * 4, cluster, 1), 0.0))
+        if shape.engine == "megatron-2021":
+            parts.append(_megatron_2021_cross_entropy(tokens * width, e, cluster))
+        else:
+            # cross entropy on fp32 logits: read them, max/sum/log pass, backward writes
+            # the grad
+            parts.append((_stream_seconds(2 * tokens * width * 4, cluster, 2),
+                          _stream_seconds(2 * tokens * width * 4, cluster, 1), 0.0))
     else:
         parts += _block_parts(shape, batch, tp, tokens, local, cluster, precision)
+        if shape.engine == "megatron-2021":
+            parts.append(_megatron_2021_block(shape, tokens, tp, cluster))
     return KernelTimes(*(sum(part[i] for part in parts) for i in range(3)))
 
 
@@ -212,6 +222,52 @@ def _attention(kind: str, batch: int, s: int, d: int, e: int, cluster: ClusterSp
     forward = bmm(s, s, d) + bmm(s, d, s) + _stream_seconds(scores * (4 * e + 1), cluster, 2)
     backward = 2 * (bmm(s, s, d) + bmm(s, d, s)) + _stream_seconds(scores * (5 * e + 1),
                                                                      cluster, 2)
+    return forward, backward, 0.0
+
+
+def _megatron_2021_cross_entropy(logits: int, e: int, cluster: ClusterSpec
+                                 ) -> tuple[float, float, float]:
+    """Megatron-LM 2021's loss on one rank's `logits` (T·V/t) elements of e bytes
+    (`gpt_model.post_language_model_processing` without --fp16-lm-cross-entropy, which the
+    paper's scripts do not set: `vocab_parallel_cross_entropy(output.float(), labels)`;
+    `mpu/cross_entropy.py`, commit f32a638d2d): forward the fp32 copy (read e, write 4),
+    max (read 4), subtract it in place (read, write), exp in place (read, write), sum
+    (read), divide in place to keep the softmax (read, write): 6 kernels, 34 + e bytes an
+    element; backward multiplies the softmax by the loss's gradient in place (read, write)
+    and the copy's backward casts it back (read 4, write e): 2 kernels, 12 + e bytes."""
+    return (_stream_seconds(logits * (34 + e), cluster, 6),
+            _stream_seconds(logits * (12 + e), cluster, 2), 0.0)
+
+
+def _megatron_2021_block(shape: LayerShape, tokens: int, tp: int, cluster: ClusterSpec
+                         ) -> tuple[float, float, float]:
+    """Element-wise passes Megatron-LM's block of 2021 (`model/transformer.py`, commit
+    f32a638d2d; torch 1.8 of the scripts' container, nvcr.io/nvidia/pytorch:20.12-py3;
+    apex's fused LayerNorm) runs besides `_block_parts`' fused ones, each over T tokens
+    (t: tp; widths per tp rank):
+
+    forward: the QKV bias added after the GEMM (`ColumnParallelLinear` passes it to
+    F.linear, whose input [s, b, h] is 3-D: torch fused the bias into addmm for 2-D input
+    only until pytorch/pytorch#72728, 2022, so matmul then `add_`: read, write 3h/t); the
+    context's `permute(2, 0, 1, 3).contiguous()` (read, write h/t);
+    backward: the QKV bias's gradient (a sum over T: read 3h/t); `split_tensor_along_last_
+    dim`'s backward, torch.split's: the three gradients concatenated (read, write 3h/t);
+    baddbmm's backward scales dQ and dK by its alpha = 1/√d (derivatives.yaml
+    `maybe_multiply(..., alpha)`: read, write 2h/t); the bias gradients of the fused GeLU
+    (`GeLUFunction` returns a full-shape gradient for the bias, reduced by autograd: read
+    f/t) and of both bias-dropout-adds (`bias.expand_as(residual)`'s backward, a sum: read
+    h each); apex's LayerNorm backward reads its input and output gradient twice, once for
+    the weight and bias gradients (`cuComputePartGradGammaBeta`) and once for the input's
+    (`cuComputeGradInput`): 2h more each, two norms.
+
+    The recomputation reruns the forward's (the stage prices it as the forward)."""
+    e, h = shape.element, shape.hidden
+    q = math.ceil(shape.heads * shape.head_size / tp)
+    qkv = math.ceil((shape.heads * shape.head_size + 2 * shape.kv_width) / tp)
+    width = math.ceil(shape.ffn / tp)
+    forward = _stream_seconds(tokens * (2 * qkv + 2 * q) * e, cluster, 2)
+    backward = _stream_seconds(tokens * (qkv + 2 * qkv + 4 * q + width + 2 * h + 4 * h) * e,
+                               cluster, 7)
     return forward, backward, 0.0
 
 

@@ -15,12 +15,12 @@ __all__ = ["MAX_INPUT_BYTES", "load_model", "read_input_json"]
 
 def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
                cost_batch: int = 1, attention: str = "fused",
-               sequence_parallel: bool = False) -> ModelProfile:
+               sequence_parallel: bool = False, engine: str = "pipesched") -> ModelProfile:
     """`text` is a cost JSON file (a top-level "layers" list, partition/README.md), a HF
     model's config.json or its directory (`hf_config`), a JSON file of a transformer shape,
     or a shape written inline
-    (``layers=24,hidden=2048,heads=16,vocab=50257,seq=2048``); `attention` and
-    `sequence_parallel` as `transformer_profile` takes them."""
+    (``layers=24,hidden=2048,heads=16,vocab=50257,seq=2048``); `attention`,
+    `sequence_parallel` and `engine` as `transformer_profile` takes them."""
     if os.path.isdir(text):
         shape = shape_from_hf_config(read_hf_config(text), seq=seq, where=text)
     elif os.path.exists(text):
@@ -44,7 +44,7 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
         shape = parse_shape(text, seq=seq)
     _check_layers(shape.layers, text)  # before a profile of that many layers is built
     return transformer_profile(shape, precision, attention=attention,
-                               sequence_parallel=sequence_parallel)
+                               sequence_parallel=sequence_parallel, engine=engine)
 
 
 def _check_layers(count: int, text: str) -> None:

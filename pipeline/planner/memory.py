@@ -92,9 +92,10 @@ def recompute_workspace(layers: Sequence[LayerProfile], tp: int, batch: int,
     if mode == "selective":
         return batch * max((layer.held(tp) - layer.held_selective(tp)
                             for layer in layers[:k]), default=0.0)
-    # what the loss keeps of the last layer is never dropped (`LayerProfile.loss_held_split`)
-    return batch * max((layer.held(tp) - layer.loss_held_split / tp for layer in layers[:k]),
-                       default=0.0)
+    # what the loss keeps of the last layer is never dropped (`LayerProfile.loss_held_split`);
+    # a layer the checkpointing leaves out drops nothing
+    return batch * max((layer.held(tp) - layer.loss_held_split / tp for layer in layers[:k]
+                        if layer.checkpointed), default=0.0)
 
 
 @functools.lru_cache(maxsize=1024)

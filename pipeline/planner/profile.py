@@ -78,11 +78,15 @@ class LayerProfile:
     shape: LayerShape | None = None
     """The layer's kernel shapes, for the device model (`pipeline.planner.kernels`); None:
     priced by its FLOPs or its measured times."""
+    checkpointed: bool = True
+    """Full recomputation covers the layer (it keeps its input only and runs its forward
+    again). False: the engine's checkpointing leaves it out, so it keeps what it holds and
+    runs once (Megatron-LM 2021 checkpoints the transformer blocks only)."""
 
     def __post_init__(self) -> None:
         values = {**vars(self), "split_fixed": None, "split_seconds": None, "shape": None,
                   "selective_held_split": self.selective_held_split or 0.0,
-                  "input_split": None,
+                  "input_split": None, "checkpointed": None,
                   "split_0": (self.split_seconds or (0.0, 0.0))[0],
                   "split_1": (self.split_seconds or (0.0, 0.0))[1],
                   "split_fixed_0": self.split_fixed[0], "split_fixed_1": self.split_fixed[1]}
@@ -107,7 +111,10 @@ class LayerProfile:
 
     def kept_input(self, tp: int) -> float:
         """Bytes per sample one tp rank keeps of a fully recomputed layer: its input (and
-        what the loss after it keeps)."""
+        what the loss after it keeps); all it holds where the recomputation leaves it out
+        (`checkpointed` False)."""
+        if not self.checkpointed:
+            return self.held(tp)
         kept = self.input_bytes / tp if self.input_split else self.input_bytes
         return kept + self.loss_held_split / tp
 

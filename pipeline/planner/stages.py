@@ -142,8 +142,9 @@ class StageTable:
                     comm = layer_tp_pass_seconds(layer, self.cluster, self.precision, batch,
                                                  self.tp, self.tp_overlap)
                     # a recomputed forward's collectives are exposed again (Megatron's
-                    # recomputation reruns the layer, its all-gathers included)
-                    again = {"none": 0.0, "full": times[0],
+                    # recomputation reruns the layer, its all-gathers included); a layer the
+                    # engine's checkpointing leaves out runs once
+                    again = {"none": 0.0, "full": times[0] if layer.checkpointed else 0.0,
                              "selective": layer_selective_seconds(layer, *args)}
                     cache[key] = (*times, *layer_split_times(layer, *args, self.tp_overlap),
                                   sum(comm), again[self.recompute])

@@ -241,18 +241,28 @@ class TransformerShape:
 
 
 def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
-                        attention: str = "fused", sequence_parallel: bool = False
-                        ) -> ModelProfile:
+                        attention: str = "fused", sequence_parallel: bool = False,
+                        engine: str = "pipesched") -> ModelProfile:
     """Embedding, the blocks and the head as pipeline layers, each priced per sample.
 
     `attention` "fused" (FlashAttention: the s × s scores are never stored, the backward
     recomputes them) or "eager" (scores, softmax and its dropout mask saved: Korthikanti's
     5as²). `sequence_parallel` splits the norms', dropouts' and residuals' activations over
-    t too (Korthikanti et al. 2022, section 4.2.2: sbh(34 + 5as/h)/t)."""
+    t too (Korthikanti et al. 2022, section 4.2.2: sbh(34 + 5as/h)/t). `engine`: whose
+    code runs the model, this engine's ("pipesched") or Megatron-LM's of 2021
+    ("megatron-2021": its element-wise kernels, `kernels.LayerShape.engine`, and its
+    `--checkpoint-activations`, which recomputes the blocks only:
+    `ParallelTransformer._checkpointed_forward` over its layers, the embedding, final norm,
+    logits and loss outside it, commit f32a638d2d)."""
     if precision not in ACTIVATION_BYTES:
         raise PlanError(f"precision {precision!r} is not one of {sorted(ACTIVATION_BYTES)}")
     if attention not in ("fused", "eager"):
         raise PlanError(f"attention {attention!r} must be 'fused' or 'eager'")
+    if engine not in ("pipesched", "megatron-2021"):
+        raise PlanError(f"engine {engine!r} must be 'pipesched' or 'megatron-2021'")
+    code: Literal["pipesched", "megatron-2021"] = \
+        "megatron-2021" if engine == "megatron-2021" else "pipesched"
+    blocks_only = engine == "megatron-2021"  # what its full recomputation leaves out
     element = ACTIVATION_BYTES[precision]
     s, h, vocab = shape.seq, shape.hidden, shape.vocab
     hidden_bytes = s * h * element
@@ -262,7 +272,7 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
                 ) -> LayerShape:
         return LayerShape(role, s, h, shape.heads, shape.kv_width, ffn, vocab, element,
                           "fused" if attention == "fused" else "eager", sequence_parallel,
-                          head_dim=shape.head_dim, gated=shape.gated)
+                          head_dim=shape.head_dim, gated=shape.gated, engine=code)
 
     def block(of: TransformerShape) -> LayerProfile:
         """A block of shape `of`, dense (a MoE block is one whose MLP is k·f_e + f_s wide,
@@ -291,7 +301,7 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
         held_split=mask if sequence_parallel else 0.0,
         held_replicated=0.0 if sequence_parallel else mask,
         output_bytes=hidden_bytes, tp_allreduces=1, tp_allreduce_bytes=hidden_bytes,
-        shape=kernels("embedding"))
+        shape=kernels("embedding"), checkpointed=not blocks_only)
     dense = block(shape)
     sparse = _moe_block(shape, block, element) if shape.moe is not None else dense
     blocks = [replace(sparse if shape.is_sparse(index) else dense, name=f"block{index}")
@@ -311,7 +321,7 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
         loss_held_split=4 * s * vocab,
         held_replicated=0.0 if sequence_parallel else norm_and_projection,
         input_bytes=hidden_bytes, input_split=sequence_parallel,
-        output_bytes=4 * s, shape=kernels("head"))
+        output_bytes=4 * s, shape=kernels("head"), checkpointed=not blocks_only)
     divides = (("attention heads", shape.heads), ("key/value heads", shape.kv_heads),
                ("MLP columns", shape.ffn))
     return ModelProfile((embedding, *blocks, head), name=_label(shape), heads=shape.heads,
