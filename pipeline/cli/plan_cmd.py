@@ -308,7 +308,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, seq=args.seq, precision=precision,
                        cost_batch=args.cost_batch, attention=args.attention,
                        sequence_parallel=args.sequence_parallel
-                       or profile.get("sequence_parallel", False))
+                       or profile.get("sequence_parallel", False),
+                       hf_eager=args.engine == "pipesched")
     first, end = block_span(model.layers)
     family = hf_model_type(args.model)
     target = LaunchTarget(engine=args.engine, blocks=end - first,
