@@ -15,16 +15,16 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
+import torch
 
-from pipeline.interop.hf_layers import layers_from_hf  # noqa: E402
-from pipeline.planner import PRESETS, PlanError, SearchOptions, load_model, plan  # noqa: E402
-from pipeline.planner.hf_activations import UNCOVERED  # noqa: E402
-from pipeline.planner.hf_config import FAMILIES  # noqa: E402
-from pipeline.planner.profile import LayerProfile, ModelProfile  # noqa: E402
-from pipeline.recompute_region import selective_recompute  # noqa: E402
-from schedules.analysis.eager_activations import eager_layer_activation_bytes  # noqa: E402
-from tests.support.hf_models import tiny_config  # noqa: E402
+from pipeline.interop.hf_layers import layers_from_hf
+from pipeline.planner import PRESETS, PlanError, SearchOptions, load_model, plan
+from pipeline.planner.hf_activations import UNCOVERED
+from pipeline.planner.hf_config import FAMILIES
+from pipeline.planner.profile import LayerProfile, ModelProfile
+from pipeline.recompute_region import selective_recompute
+from schedules.analysis.eager_activations import eager_layer_activation_bytes
+from tests.support.hf_models import tiny_config
 
 SEQ, BATCH = 16, 2
 
@@ -132,7 +132,7 @@ def test_eager_activations_refuse_a_plan_korthikanti_accepts(tmp_path: Path) -> 
     none = replace(one, recompute_choices=("none",))
     assert plan(fused, cluster, 8, precision="fp32", options=none).best.config.recompute \
         == "none"
-    with pytest.raises(PlanError, match="does not fit.*GiB"):
+    with pytest.raises(PlanError, match=r"does not fit.*GiB"):
         plan(eager, cluster, 8, precision="fp32", options=none)
     picked = plan(eager, cluster, 8, precision="fp32", options=one).best.config
     assert picked.recompute != "none" or picked.recompute_layers
