@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from pipeline.planner.profile import ModelProfile
-from pipeline.planner.transformer import ACTIVATION_BYTES, TransformerShape
+from pipeline.planner.transformer import TransformerShape
 from schedules.analysis.eager_activations import eager_core_bytes, eager_layer_activation_bytes
 
 __all__ = ["EAGER_FAMILIES", "UNCOVERED", "eager_block_bytes", "hf_eager_profile"]
@@ -31,7 +31,7 @@ UNCOVERED = {
 pricing (a tiny model of each saves more than `eager_layer_activation_bytes` counts)."""
 
 
-def eager_block_bytes(shape: TransformerShape, family: str, element: int, *,
+def eager_block_bytes(shape: TransformerShape, family: str, *,
                       sequence_parallel: bool) -> tuple[float, float, float]:
     """(replicated, tp-split, tp-split under selective recomputation) bytes one sample keeps
     of a block of `family`: `eager_layer_activation_bytes` is R + S/t in the tp size t, so
@@ -43,28 +43,35 @@ def eager_block_bytes(shape: TransformerShape, family: str, element: int, *,
             kv_width=shape.kv_width, ffn=shape.ffn, head_dim=shape.head_dim,
             norm="layernorm" if shape.norm == "layernorm" else "rmsnorm",
             rotary=not shape.learned_positions, mlp_tensors=EAGER_FAMILIES[family], t=t,
-            sequence_parallel=sequence_parallel, element=element)
+            sequence_parallel=sequence_parallel)
 
     one, two = at(1), at(2)
     split = 2 * (one - two)
     return 2 * two - one, split, split - eager_core_bytes(shape.seq, 1, shape.heads)
 
 
-def hf_eager_profile(profile: ModelProfile, shape: TransformerShape, family: str,
-                     precision: str, *, sequence_parallel: bool) -> ModelProfile:
+def hf_eager_profile(profile: ModelProfile, shape: TransformerShape, family: str, *,
+                     sequence_parallel: bool) -> ModelProfile:
     """`profile` (`transformer_profile` of a HF config's `shape`) with its blocks' activations
     as this engine's HF blocks keep them (`eager_block_bytes`); a fully recomputed block keeps
     its input hidden state in fp32 (the residual stream stays fp32 under autocast, the
     weights being fp32). A family in `UNCOVERED` keeps Korthikanti's pricing, its label
-    saying so and why."""
+    saying so and why.
+
+    Every precision is priced as fp32, which the model is checked in. Under bf16/fp16
+    autocast what a block saves depends on the path (benchmarks/bench_hf_autocast_activations.py,
+    tp 2, tiny Llama / GPT-2 against this fp32 pricing: 1.11 / 0.86 without sequence
+    parallelism, where autocast's matmuls save bf16 copies of the weights once per
+    microbatch; 0.71 / 0.93 with it, where the column regions keep fp32 inputs beside half
+    tensors): not modelled per dtype (docs/planner.md)."""
     if family not in EAGER_FAMILIES or shape.dropout:
         why = ("its dropout (above 0 in the config) keeps masks the model does not count"
                if family in EAGER_FAMILIES else
                UNCOVERED.get(family, "not a family the eager model was checked on"))
         return replace(profile, name=f"{profile.name} [activations: Korthikanti's fused "
                                      f"layer, not {family}'s eager HF blocks: {why}]")
-    replicated, split, selective = eager_block_bytes(
-        shape, family, ACTIVATION_BYTES[precision], sequence_parallel=sequence_parallel)
+    replicated, split, selective = eager_block_bytes(shape, family,
+                                                     sequence_parallel=sequence_parallel)
     layers = tuple(
         replace(layer, held_split=split, held_replicated=replicated,
                 selective_held_split=selective, input_bytes=4 * shape.seq * shape.hidden)

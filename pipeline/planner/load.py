@@ -54,8 +54,7 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
                                   sequence_parallel=sequence_parallel)
     if family is None or not hf_eager:
         return profile
-    return hf_eager_profile(profile, shape, str(family), precision,
-                            sequence_parallel=sequence_parallel)
+    return hf_eager_profile(profile, shape, str(family), sequence_parallel=sequence_parallel)
 
 
 def _check_layers(count: int, text: str) -> None:

@@ -19,13 +19,8 @@ autograd's saved tensors (`SavedTensorMeter`) with torch 2.13 and transformers 5
     dropout     none (every probability 0, as the families' current configs)
 
 n is the tokens a rank's norms see: s·b, or s·b/t with sequence parallelism.
-
-Under bf16/fp16 autocast (`element` 2) the norms' tensors, cos, sin and the log-sum-exp stay
-fp32 (the norms upcast, rotary runs with autocast off), the rest is the half dtype: read off
-the saved tensors' dtypes of the tiny Llama and GPT-2; only the fp32 total is checked against
-counted bytes, and autocast's bf16 copies of the weights, which the matmuls save too, are not
-counted. `eager_core_bytes` is what selective recomputation drops (`recompute_region` around
-the attention core keeps q, k and v as its inputs): the log-sum-exp. Pure, no torch.
+`eager_core_bytes` is what selective recomputation drops (`recompute_region` around the
+attention core keeps its q, k and v, the region's inputs). Pure, no torch.
 """
 
 from __future__ import annotations
@@ -44,11 +39,9 @@ def eager_layer_activation_bytes(s: int, b: int, h: int, a: int, *, q_width: int
                                  kv_width: int, ffn: int, head_dim: int,
                                  norm: EagerNorm = "rmsnorm", rotary: bool = True,
                                  mlp_tensors: int = 4, t: int = 1,
-                                 sequence_parallel: bool = False, element: int = _FP32
-                                 ) -> float:
-    """Bytes one HF decoder layer (pre-norm attention and MLP, no recomputation, no dropout)
-    keeps per tp rank, every term from the table in the module docstring; `element` the
-    bytes of the tensors autocast computes in its half dtype (4: fp32, no autocast).
+                                 sequence_parallel: bool = False) -> float:
+    """Bytes one fp32 HF decoder layer (pre-norm attention and MLP, no recomputation, no
+    dropout) keeps per tp rank, every term from the table in the module docstring.
 
     `q_width` (a·d) and `kv_width` (kv heads·d) are the query and key widths, `ffn` f,
     `head_dim` d; `t` the tp size, which must divide the heads and key/value heads (each
@@ -60,24 +53,22 @@ def eager_layer_activation_bytes(s: int, b: int, h: int, a: int, *, q_width: int
             raise ScheduleConfigError(f"{name} must be an int >= 1, got {value!r}")
     if norm not in ("rmsnorm", "layernorm"):
         raise ScheduleConfigError(f"norm must be 'rmsnorm' or 'layernorm', got {norm!r}")
-    if element not in (2, _FP32):
-        raise ScheduleConfigError(f"element must be 2 or 4 bytes, got {element!r}")
     if isinstance(mlp_tensors, bool) or not isinstance(mlp_tensors, int) or mlp_tensors < 0:
         raise ScheduleConfigError(f"mlp_tensors must be an int >= 0, got {mlp_tensors!r}")
     tokens = s * b
     n = tokens / t if sequence_parallel else tokens
     per_norm = n * h * (2 if norm == "rmsnorm" else 1) + n * (1 if norm == "rmsnorm" else 2)
-    fp32 = (2 * per_norm                                       # the two norms
-            + (2 * tokens * head_dim if rotary else 0)         # cos, sin
-            + tokens * a / t)                                  # log-sum-exp
-    half = (2 * n * h                                          # column regions' inputs
-            + tokens * (2 * q_width + 2 * kv_width) / t        # q, k, v, output
-            + mlp_tensors * tokens * ffn / t)                  # the MLP's tensors
-    return _FP32 * fp32 + element * half
+    elements = (2 * per_norm                                   # the two norms
+                + 2 * n * h                                    # column regions' inputs
+                + (2 * tokens * head_dim if rotary else 0)     # cos, sin
+                + tokens * (2 * q_width + 2 * kv_width) / t    # q, k, v, output
+                + tokens * a / t                               # log-sum-exp
+                + mlp_tensors * tokens * ffn / t)              # the MLP's tensors
+    return _FP32 * elements
 
 
 def eager_core_bytes(s: int, b: int, a: int, *, t: int = 1) -> float:
-    """Bytes of what selective recomputation drops of a HF layer per tp rank: the fused
-    attention kernel's fp32 log-sum-exp (its q, k, v stay, the checkpointed region's
-    inputs; its output stays, the output projection's input)."""
+    """Bytes selective recomputation drops of a fp32 HF layer per tp rank: the fused attention
+    kernel's log-sum-exp (its q, k, v stay as the checkpointed region's inputs, its output as
+    the output projection's input)."""
     return _FP32 * s * b * a / t
