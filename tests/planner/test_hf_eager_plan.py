@@ -147,3 +147,27 @@ def test_every_family_is_priced_eager_or_named(tmp_path: Path) -> None:
     config = tiny_config("mistral")
     name = load_model(_config_dir(tmp_path, config), seq=SEQ, precision="fp32").name
     assert "not mistral's eager HF blocks" in name and "sliding-window" in name
+
+
+def test_plan_cli_prices_eager_blocks_on_pipesched_only(tmp_path: Path) -> None:
+    """`pipesched plan` of a HF config: this engine's pricing is the eager blocks', another
+    engine's (its own fused layers) Korthikanti's; one `--price` of each, in-process."""
+    import contextlib
+    import io
+
+    from pipeline.cli import main
+
+    model = _config_dir(tmp_path, tiny_config("llama"))
+    held = {}
+    for engine in ("pipesched", "deepspeed"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["plan", "--model", model, "--seq", str(SEQ), "--cluster", "a100-80g",
+                         "--global-batch", "8", "--precision", "fp32", "--engine", engine,
+                         "--price", "pp1,tp1,dp8,b1", "--json"]) == 0
+        held[engine] = json.loads(out.getvalue())["memory"]["activations"]
+    eager = _block(load_model(model, seq=SEQ, precision="fp32"))
+    fused = _block(load_model(model, seq=SEQ, precision="fp32", hf_eager=False))
+    # the two configurations differ by the blocks' bytes only (2 blocks, 1 sample held)
+    assert held["pipesched"] - held["deepspeed"] == pytest.approx(
+        2 * (eager.held(1) - fused.held(1)))
