@@ -54,7 +54,7 @@ ENGINES
   Filters may narrow an engine's schedules, ZeRO stages and recomputation modes, not widen
   them. The pick is printed as that engine's command line; for a HF --model on pipesched,
   the torchrun line and the Python entry that trains it. A HF --model's blocks on pipesched
-  are priced as HF's eager modules keep activations (Llama, Qwen2, GPT-2 without dropout:
+  are priced as HF's eager modules keep activations (Llama, Mistral, Qwen2, GPT-2:
   pipeline.planner.hf_activations); other families and engines as Megatron's fused layer
   (Korthikanti et al. 2022), the model's name saying which.
 

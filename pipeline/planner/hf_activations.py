@@ -13,13 +13,12 @@ from schedules.analysis.eager_activations import eager_core_bytes, eager_layer_a
 
 __all__ = ["EAGER_FAMILIES", "UNCOVERED", "eager_block_bytes", "hf_eager_profile"]
 
-EAGER_FAMILIES = {"llama": 4, "qwen2": 4, "gpt2": 5}
+EAGER_FAMILIES = {"llama": 4, "mistral": 4, "qwen2": 4, "gpt2": 5}
 """Families whose block `eager_layer_activation_bytes` prices, checked against the bytes
 autograd saves for a tiny model of each (tests/planner/test_hf_eager_plan.py): model_type:
 the s·f/t tensors its MLP keeps (SwiGLU 4, GPT-2's python gelu_new 5)."""
 
 UNCOVERED = {
-    "mistral": "its sliding-window mask sends SDPA down another kernel (saves more)",
     "qwen3": "its q/k norms keep tensors the model does not count",
     "phi3": "its fused qkv and gate_up projections keep other tensors",
     "gemma2": "its four norms per block and soft-capped eager attention",
@@ -51,12 +50,15 @@ def eager_block_bytes(shape: TransformerShape, family: str, *,
 
 
 def hf_eager_profile(profile: ModelProfile, shape: TransformerShape, family: str, *,
-                     sequence_parallel: bool) -> ModelProfile:
+                     sequence_parallel: bool, sliding_window: int | None = None
+                     ) -> ModelProfile:
     """`profile` (`transformer_profile` of a HF config's `shape`) with its blocks' activations
     as this engine's HF blocks keep them (`eager_block_bytes`); a fully recomputed block keeps
     its input hidden state in fp32 (the residual stream stays fp32 under autocast, the
     weights being fp32). A family in `UNCOVERED` keeps Korthikanti's pricing, its label
-    saying so and why.
+    saying so and why, as does a `sliding_window` not longer than the sequence (Mistral's,
+    or Qwen2's with use_sliding_window): its mask sends SDPA down a kernel that saves more
+    (a tiny Mistral counted: so at a window equal to the sequence too).
 
     Every precision is priced as fp32, which the model is checked in. Under bf16/fp16
     autocast what a block saves depends on the path (benchmarks/bench_hf_autocast_activations.py,
@@ -64,10 +66,14 @@ def hf_eager_profile(profile: ModelProfile, shape: TransformerShape, family: str
     parallelism, where autocast's matmuls save bf16 copies of the weights once per
     microbatch; 0.71 / 0.93 with it, where the column regions keep fp32 inputs beside half
     tensors): not modelled per dtype (docs/planner.md)."""
-    if family not in EAGER_FAMILIES or shape.dropout:
-        why = ("its dropout (above 0 in the config) keeps masks the model does not count"
-               if family in EAGER_FAMILIES else
-               UNCOVERED.get(family, "not a family the eager model was checked on"))
+    windowed = sliding_window is not None and sliding_window <= shape.seq
+    if family not in EAGER_FAMILIES or shape.dropout or windowed:
+        why = (UNCOVERED.get(family, "not a family the eager model was checked on")
+               if family not in EAGER_FAMILIES else
+               "its dropout (above 0 in the config) keeps masks the model does not count"
+               if shape.dropout else
+               f"its sliding window of {sliding_window} tokens, not longer than the "
+               f"sequence's {shape.seq}, sends SDPA down another kernel (saves more)")
         return replace(profile, name=f"{profile.name} [activations: Korthikanti's fused "
                                      f"layer, not {family}'s eager HF blocks: {why}]")
     replicated, split, selective = eager_block_bytes(shape, family,

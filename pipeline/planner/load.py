@@ -24,7 +24,7 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
     `sequence_parallel` as `transformer_profile` takes them. A HF config's blocks are priced
     as this engine runs them, HF's eager modules (`hf_activations.hf_eager_profile`), when
     `hf_eager`; else as Megatron's fused layer (another engine's own layers)."""
-    family = None
+    family, config = None, None
     if os.path.isdir(text):
         config = read_hf_config(text)
         family = config["model_type"]
@@ -40,7 +40,7 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
         if not isinstance(document, dict):
             raise PlanError(f"model file {text!r} must hold a JSON object")
         if is_hf_config(document):
-            family = document["model_type"]
+            family, config = document["model_type"], document
             shape = shape_from_hf_config(document, seq=seq, where=text)
         else:
             shape = parse_shape(document, seq=seq)
@@ -52,9 +52,12 @@ def load_model(text: str, *, seq: int | None = None, precision: str = "bf16",
     _check_layers(shape.layers, text)  # before a profile of that many layers is built
     profile = transformer_profile(shape, precision, attention=attention,
                                   sequence_parallel=sequence_parallel)
-    if family is None or not hf_eager:
+    if config is None or not hf_eager:
         return profile
-    return hf_eager_profile(profile, shape, str(family), sequence_parallel=sequence_parallel)
+    windowed = family != "qwen2" or config.get("use_sliding_window")
+    window = config.get("sliding_window") if windowed else None
+    return hf_eager_profile(profile, shape, str(family), sequence_parallel=sequence_parallel,
+                            sliding_window=window if isinstance(window, int) else None)
 
 
 def _check_layers(count: int, text: str) -> None:

@@ -19,8 +19,8 @@ import torch
 
 from pipeline.interop.hf_layers import layers_from_hf
 from pipeline.planner import PRESETS, PlanError, SearchOptions, load_model, plan
-from pipeline.planner.hf_activations import UNCOVERED
-from pipeline.planner.hf_config import FAMILIES
+from pipeline.planner.hf_activations import UNCOVERED, eager_block_bytes
+from pipeline.planner.hf_config import FAMILIES, shape_from_hf_config
 from pipeline.planner.profile import LayerProfile, ModelProfile
 from pipeline.recompute_region import selective_recompute
 from schedules.analysis.eager_activations import eager_layer_activation_bytes
@@ -142,11 +142,33 @@ def test_eager_activations_refuse_a_plan_korthikanti_accepts(tmp_path: Path) -> 
 
 def test_every_family_is_priced_eager_or_named(tmp_path: Path) -> None:
     """A family the eager model was not checked on keeps Korthikanti's pricing and says
-    so, with why, in the model's name (printed in the plan's header)."""
-    assert set(FAMILIES) == set(UNCOVERED) | {"llama", "qwen2", "gpt2"}
-    config = tiny_config("mistral")
-    name = load_model(_config_dir(tmp_path, config), seq=SEQ, precision="fp32").name
-    assert "not mistral's eager HF blocks" in name and "sliding-window" in name
+    so, with why, in the model's name (printed in the plan's header); so does a sliding
+    window shorter than the sequence."""
+    assert set(FAMILIES) == set(UNCOVERED) | {"llama", "mistral", "qwen2", "gpt2"}
+    name = load_model(_config_dir(tmp_path, tiny_config("phi3")), seq=SEQ).name
+    assert "not phi3's eager HF blocks" in name and "fused qkv" in name
+    name = load_model(_config_dir(tmp_path, tiny_config("mistral")), seq=SEQ).name
+    assert "sliding window of 4 tokens" in name
+    windowed = tiny_config("mistral")
+    windowed.sliding_window = SEQ  # counted: saves more than the eager model at = seq too
+    replicated, split, _ = eager_block_bytes(shape_from_hf_config(windowed.to_dict(), seq=SEQ),
+                                             "mistral", sequence_parallel=False)
+    assert BATCH * (replicated + split) < _counted(windowed, selective=False)
+    assert "sliding window of 16 tokens" in load_model(_config_dir(tmp_path, windowed),
+                                                       seq=SEQ).name
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_llama_like_families_are_counted(tmp_path: Path, family: str) -> None:
+    """Mistral (its window no shorter than the sequence) and Qwen2 (qkv biases) keep what a
+    Llama block keeps: the eager pricing equals their counted bytes too."""
+    config = tiny_config(family)
+    if family == "mistral":
+        config.sliding_window = 4 * SEQ
+    block = _block(load_model(_config_dir(tmp_path, config), seq=SEQ, precision="fp32"))
+    assert "eager HF" in load_model(str(tmp_path), seq=SEQ).name
+    assert BATCH * block.held(1) == _counted(config, selective=False)
+    assert BATCH * block.held_selective(1) == _counted(config, selective=True)
 
 
 def test_plan_cli_prices_eager_blocks_on_pipesched_only(tmp_path: Path) -> None:
