@@ -53,7 +53,10 @@ ENGINES
   recomputation or none, the all-reduce after the pipeline, blocking P2P).
   Filters may narrow an engine's schedules, ZeRO stages and recomputation modes, not widen
   them. The pick is printed as that engine's command line; for a HF --model on pipesched,
-  the torchrun line and the Python entry that trains it.
+  the torchrun line and the Python entry that trains it. A HF --model's blocks on pipesched
+  are priced as HF's eager modules keep activations (Llama, Mistral, Qwen2, GPT-2:
+  pipeline.planner.hf_activations); other families and engines as Megatron's fused layer
+  (Korthikanti et al. 2022), the model's name saying which.
 
 PRICING ONE CONFIGURATION
   --price pp4,tp2,dp8,1f1b,b1 prints one configuration's full breakdown. Items: ppN, tpN,
@@ -309,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
                        cost_batch=args.cost_batch, attention=args.attention,
                        sequence_parallel=args.sequence_parallel
                        or profile.get("sequence_parallel", False),
-                       engine=profile.get("engine", "pipesched"))
+                       engine=profile.get("engine", "pipesched"),
+                       hf_eager=args.engine == "pipesched")
     first, end = block_span(model.layers)
     family = hf_model_type(args.model)
     target = LaunchTarget(engine=args.engine, blocks=end - first,

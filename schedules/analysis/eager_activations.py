@@ -18,7 +18,9 @@ autograd's saved tensors (`SavedTensorMeter`) with torch 2.13 and transformers 5
                 their product), GPT-2's python `gelu_new` 5, a fused GELU 2
     dropout     none (every probability 0, as the families' current configs)
 
-n is the tokens a rank's norms see: s·b, or s·b/t with sequence parallelism. Pure, no torch.
+n is the tokens a rank's norms see: s·b, or s·b/t with sequence parallelism.
+`eager_core_bytes` is what selective recomputation drops (`recompute_region` around the
+attention core keeps its q, k and v, the region's inputs). Pure, no torch.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Literal
 
 from schedules.ir.errors import ScheduleConfigError
 
-__all__ = ["EagerNorm", "eager_layer_activation_bytes"]
+__all__ = ["EagerNorm", "eager_core_bytes", "eager_layer_activation_bytes"]
 
 EagerNorm = Literal["rmsnorm", "layernorm"]
 _FP32 = 4
@@ -63,3 +65,10 @@ def eager_layer_activation_bytes(s: int, b: int, h: int, a: int, *, q_width: int
                 + tokens * a / t                               # log-sum-exp
                 + mlp_tensors * tokens * ffn / t)              # the MLP's tensors
     return _FP32 * elements
+
+
+def eager_core_bytes(s: int, b: int, a: int, *, t: int = 1) -> float:
+    """Bytes selective recomputation drops of a fp32 HF layer per tp rank: the fused attention
+    kernel's log-sum-exp (its q, k, v stay as the checkpointed region's inputs, its output as
+    the output projection's input)."""
+    return _FP32 * s * b * a / t
