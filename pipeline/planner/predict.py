@@ -35,6 +35,7 @@ from pipeline.planner.tied import (
 )
 from schedules import (
     SCHEDULES,
+    ComputeRuns,
     CostModel,
     GradReduction,
     Kind,
@@ -47,7 +48,7 @@ __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_l
            "schedule_placement"]
 
 _KEPT_SCHEDULES = 8
-_KEPT_OPS = 400_000
+_KEPT_OPS = 1_000_000
 """Instructions of the schedules a search keeps beyond the last `_KEPT_SCHEDULES`."""
 @dataclass(frozen=True)
 class Prediction:
@@ -144,6 +145,8 @@ class PlanContext:
         default_factory=dict)
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _updates: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
+    _runs: ComputeRuns = field(default_factory=ComputeRuns)
+    """Compute runs of the simulator, shared by configurations that differ only in ZeRO."""
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
@@ -382,7 +385,7 @@ class PlanContext:
             table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
             params=stage_params(table, _placement(config)), ep=config.ep)
         timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
-                                              gather=gather))
+                                              gather=gather), runs=self._runs)
         placement = np.asarray(_placement(config))
         step, exposed, tied = self.update_seconds(config)
         compute = timeline.compute_mask()
