@@ -146,6 +146,8 @@ class PlanContext:
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _updates: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _runs: ComputeRuns = field(default_factory=ComputeRuns)
+    _splits: dict[tuple[str, int, int, int], bool] = field(default_factory=dict)
+    """Whether each (non-cost-aware) schedule, by (name, p, m, v), has an I."""
     """Compute runs of the simulator, shared by configurations that differ only in ZeRO."""
 
     def table(self, config: PlanConfig) -> StageTable:
@@ -355,7 +357,11 @@ class PlanContext:
             plain = self.schedule(config)
             if plain is None:
                 return None
-            split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
+            shape = (config.schedule, config.pp, config.num_microbatches, config.chunks)
+            if shape not in self._splits:  # a scan of every op: once per schedule
+                self._splits[shape] = any(op.kind is Kind.I for stream in plain.streams
+                                          for op in stream)
+            split = self._splits[shape]
         all_to_all = expert_all_to_all(table, self.cluster, batch=config.microbatch_size,
                                        ep=config.ep, tp=config.tp)
         costs = table.costs(config.microbatch_size, split)
