@@ -58,6 +58,8 @@ def _from_bits(bits: int) -> float:
 def _minimal_fit(prefix_start: float, prefix_stop: float) -> float:
     """The smallest float B with prefix_stop <= prefix_start + B: the stage's cost as the
     probe sees it (usually just the difference; rounding can shift it by an ulp)."""
+    # Python floats: the same IEEE arithmetic as numpy's scalars, far cheaper per step
+    prefix_start, prefix_stop = float(prefix_start), float(prefix_stop)
     need = max(prefix_stop - prefix_start, 0.0)
     if prefix_start + need >= prefix_stop and (
         need == 0 or prefix_start + math.nextafter(need, 0.0) < prefix_stop
@@ -71,6 +73,11 @@ def _minimal_fit(prefix_start: float, prefix_stop: float) -> float:
         step *= 2
         high = need + step
     low_bits, high_bits = -1, _bits(high)
+    # the run starts within an ulp of prefix_stop below `need`: start there when that
+    # does not fit (checked, so the invariant holds; else from 0 as before)
+    below = need - 2 * math.ulp(prefix_stop)
+    if below >= 0.0 and prefix_start + below < prefix_stop:
+        low_bits = _bits(below)
     while high_bits - low_bits > 1:
         middle = (low_bits + high_bits) // 2
         if prefix_start + _from_bits(middle) >= prefix_stop:

@@ -3,6 +3,7 @@
 Pure Python and numpy: integers and costs in, instruction streams and timelines out.
 """
 
+from schedules.analysis.runs import ComputeRuns
 from schedules.analysis.simulate import CostModel, GradReduction, ParamGather, simulate
 from schedules.analysis.timeline import KINDS, Figures, Span, Timeline, figures
 from schedules.analysis.validate import validate
@@ -51,6 +52,7 @@ __all__ = [
     "NONE",
     "SCHEDULES",
     "Candidate",
+    "ComputeRuns",
     "CostModel",
     "Figures",
     "GradReduction",

@@ -35,6 +35,7 @@ class SearchBounds:
     context: PlanContext
     _parts: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _floors: dict[tuple[Any, ...], float] = field(default_factory=dict)
+    _bounds: dict[tuple[Any, ...], float] = field(default_factory=dict)
     _warm_held: dict[tuple[Any, ...], np.ndarray | None] = field(default_factory=dict)
 
     def memory_floor(self, config: PlanConfig) -> float:
@@ -93,7 +94,16 @@ class SearchBounds:
           The last of r's F, I and B ops is a backward (each F's own backward comes after
           it on r); that microbatch's gradient must then pass every earlier stage, one op
           each.
-        With one stage per rank the second, on the last rank, is the pipeline's drain."""
+        With one stage per rank the second, on the last rank, is the pipeline's drain.
+        Kept per what it depends on: configurations differing only in a schedule of the
+        same placement and backward share it."""
+        key = (self._parts_key(config), config.num_microbatches, config.dp,
+               config.zero_stage, config.ep)
+        if key not in self._bounds:
+            self._bounds[key] = self._bound(config)
+        return self._bounds[key]
+
+    def _bound(self, config: PlanConfig) -> float:
         fill, busy, chain_work, chain_back = self._parts_of(config)
         step, gather, tied = self.context.update_seconds(config)
         step = step + tied  # a tied copy's all-reduce before it
@@ -106,11 +116,8 @@ class SearchBounds:
     def _parts_of(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
         """Per rank: fill, work, F + g work and the gradient's way back, kept per
         partition, placement, microbatch size and whether the backward is fused."""
-        placement = schedule_placement(config.schedule, config.pp, config.chunks)
-        fused = config.schedule in FUSED_BACKWARD
-        b = config.microbatch_size
-        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
-               placement, b, fused)
+        key = self._parts_key(config)
+        placement, fused, b = key[4], key[6], config.microbatch_size
         if key not in self._parts:
             table = self.context.table(config)
             costs, split = table.costs(b), table.costs(b, split=True)
@@ -122,9 +129,21 @@ class SearchBounds:
                 chain = np.minimum(split.input_grad, fused_backward)
             where = np.asarray(placement)
             busy = np.bincount(where, weights=totals, minlength=config.pp)
-            first = np.array([np.flatnonzero(where == rank)[0] for rank in range(config.pp)])
+            firsts: dict[int, int] = {}  # each rank's first stage
+            for stage, rank in enumerate(placement):
+                firsts.setdefault(rank, stage)
+            first = np.array([firsts[rank] for rank in range(config.pp)])
             fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
             chain_work = np.bincount(where, weights=costs.forward + chain, minlength=config.pp)
             chain_back = np.concatenate([[0.0], np.cumsum(chain)])[first]
             self._parts[key] = (fill, busy, chain_work, chain_back)
         return self._parts[key]
+
+    @staticmethod
+    def _parts_key(config: PlanConfig) -> tuple[Any, ...]:
+        """What `_parts_of` depends on: the partition, the placement, the microbatch size
+        and whether the backward is fused."""
+        placement = schedule_placement(config.schedule, config.pp, config.chunks)
+        return (config.pp * config.chunks, config.tp, config.recompute,
+                config.recompute_layers, placement, config.microbatch_size,
+                config.schedule in FUSED_BACKWARD)

@@ -143,10 +143,16 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     """
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
-    where = np.asarray(placement)
     # one stage per rank in order (the search's memory floor, asked ~10^4 times): the sums
     # and maxima below are the values themselves, skipped
     own = isinstance(placement, range) and placement == range(ranks)
+    if own and stage_expert_params is None and stage_gradient_bytes is None:
+        return _dense_own_memory(np.asarray(stage_params, dtype=float), activations,
+                                 np.asarray(stage_workspace, dtype=float), dp=dp, zero=zero,
+                                 recompute=recompute, extra_gradient_bytes=extra_gradient_bytes,
+                                 step_gradient_bytes=step_gradient_bytes,
+                                 state_bytes=state_bytes)
+    where = np.asarray(placement)
     params = np.asarray(stage_params, dtype=float) if own else np.bincount(
         where, weights=np.asarray(stage_params, dtype=float), minlength=ranks)
     workspace = np.zeros(ranks)
@@ -182,6 +188,30 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                                  + mine * (expert_bytes[1] + step_bytes)),
                            float(params[rank] * optimizer + mine * expert_bytes[2]),
                            float(held[rank])), rank
+
+
+def _dense_own_memory(params: np.ndarray, activations: np.ndarray, workspace: np.ndarray, *,
+                      dp: int, zero: int, recompute: bool, extra_gradient_bytes: float,
+                      step_gradient_bytes: float,
+                      state_bytes: tuple[float, float, float] | None
+                      ) -> tuple[MemoryBreakdown, int]:
+    """`peak_rank_memory` with one stage per rank in order, no experts and no per-stage
+    gradient bytes: the same sums in the same order, less the terms that are zero there
+    (x + 0.0 and 0.0 · y leave every finite value as it is; a test compares the two)."""
+    states = _state_bytes(min(zero, 1), dp)
+    parameters, gradients, optimizer = PARAM_BYTES, states.gradients, states.optimizer
+    if state_bytes is not None:
+        parameters, gradients, optimizer = state_bytes
+        optimizer = optimizer / dp if zero else optimizer
+    gradients += extra_gradient_bytes
+    held = activations + np.maximum(workspace, 0.0) if recompute else activations + 0.0
+    during = params * (parameters + gradients + optimizer) + held
+    at_step = params * (parameters + gradients + step_gradient_bytes + optimizer)
+    rank = int(np.argmax(np.maximum(during, at_step)))
+    if at_step[rank] > during[rank]:  # the optimizer step's peak: no activations left
+        gradients, held = gradients + step_gradient_bytes, np.zeros(len(held))
+    return MemoryBreakdown(float(params[rank] * parameters), float(params[rank] * gradients),
+                           float(params[rank] * optimizer), float(held[rank])), rank
 
 
 def _expert_states(where: np.ndarray, ranks: int, stage_expert_params: ArrayLike | None,

@@ -35,6 +35,7 @@ from pipeline.planner.tied import (
 )
 from schedules import (
     SCHEDULES,
+    ComputeRuns,
     CostModel,
     GradReduction,
     Kind,
@@ -47,7 +48,7 @@ __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_l
            "schedule_placement"]
 
 _KEPT_SCHEDULES = 8
-_KEPT_OPS = 400_000
+_KEPT_OPS = 1_000_000
 """Instructions of the schedules a search keeps beyond the last `_KEPT_SCHEDULES`."""
 @dataclass(frozen=True)
 class Prediction:
@@ -144,6 +145,10 @@ class PlanContext:
         default_factory=dict)
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _updates: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
+    _runs: ComputeRuns = field(default_factory=ComputeRuns)
+    _splits: dict[tuple[str, int, int, int], bool] = field(default_factory=dict)
+    """Whether each (non-cost-aware) schedule, by (name, p, m, v), has an I."""
+    """Compute runs of the simulator, shared by configurations that differ only in ZeRO."""
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
@@ -352,7 +357,11 @@ class PlanContext:
             plain = self.schedule(config)
             if plain is None:
                 return None
-            split = any(op.kind is Kind.I for stream in plain.streams for op in stream)
+            shape = (config.schedule, config.pp, config.num_microbatches, config.chunks)
+            if shape not in self._splits:  # a scan of every op: once per schedule
+                self._splits[shape] = any(op.kind is Kind.I for stream in plain.streams
+                                          for op in stream)
+            split = self._splits[shape]
         all_to_all = expert_all_to_all(table, self.cluster, batch=config.microbatch_size,
                                        ep=config.ep, tp=config.tp)
         costs = table.costs(config.microbatch_size, split)
@@ -382,7 +391,7 @@ class PlanContext:
             table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
             params=stage_params(table, _placement(config)), ep=config.ep)
         timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
-                                              gather=gather))
+                                              gather=gather), runs=self._runs)
         placement = np.asarray(_placement(config))
         step, exposed, tied = self.update_seconds(config)
         compute = timeline.compute_mask()

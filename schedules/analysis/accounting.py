@@ -275,10 +275,12 @@ class HeldTrace:
         rank = np.repeat(np.arange(len(lengths)), lengths)
         key = (rank * num_stages + stage) * num_microbatches + microbatch
         is_w = kind_ids == id(Kind.W)
+        # membership by a lookup table over the keys' range (<= 32 MB), not by sorting
+        kind: Literal["table"] | None = "table" if len(key) and int(key.max()) < 2**25 else None
         release = (kind_ids == id(Kind.B)) | (kind_ids == id(Kind.OVERLAP_B)) | is_w | (
-            (kind_ids == id(Kind.I)) & ~np.isin(key, key[is_w]))
+            (kind_ids == id(Kind.I)) & ~np.isin(key, key[is_w], kind=kind))
         forward = kind_ids == id(Kind.F)
-        spike = forward & ~np.isin(key, key[release])
+        spike = forward & ~np.isin(key, key[release], kind=kind)
         delta = (forward & ~spike).astype(np.int64) - release
         return cls(stage, delta, np.asarray(lengths, dtype=np.int64),
                    spike.astype(np.int64) if spike.any() else None)

@@ -19,6 +19,7 @@ from schedules.analysis.reduction import (
     reduce_rank,
     stage_launches,
 )
+from schedules.analysis.runs import ComputeRuns
 from schedules.analysis.timeline import KIND_CODES, Timeline
 from schedules.ir.errors import ScheduleConfigError, ScheduleValidationError
 from schedules.ir.grid import format_grid
@@ -213,7 +214,8 @@ class CostModel:
 
 
 @gc_paused
-def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
+def simulate(schedule: Schedule, costs: CostModel | None = None, *,
+             runs: ComputeRuns | None = None) -> Timeline:
     """Execute every rank's compute stream in order under `costs` (`schedules.analysis.dataflow`).
 
     Communication instructions of a lowered schedule add no time of their own: their cost
@@ -221,6 +223,8 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     gradient buckets run on its communication lane (`reduce_gradients`): one REDUCE_GRAD row
     per bucket of nonzero time, and `Timeline.reduction_ends`. Run `validate` first on
     schedules from outside; an order that can never finish raises `ScheduleValidationError`.
+    `runs` keeps the compute run for calls on the same schedule and compute costs
+    (`ComputeRuns`; not where an overlapped gather delays the forwards).
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"simulate needs a schedules.Schedule (e.g. from build_schedule), got "
@@ -229,11 +233,48 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
         raise TypeError(f"costs must be a schedules.CostModel or None, got {costs!r}")
     costs = costs or CostModel()
     forward, backward, weight, delay, act = costs.resolve(schedule.num_stages)
-    streams = schedule.compute_streams()  # a non-compute op takes no time of its own
     gather = costs.gather if schedule.has_backward else None
     release = None
     if gather is not None and gather.overlap:
-        release = _first_forward_release(schedule, streams, gather, forward)
+        release = _first_forward_release(schedule, schedule.compute_streams(), gather,
+                                         forward)
+    key = None
+    if runs is not None and release is None:  # every input of the compute run
+        a2a = costs.all_to_all
+        key = (tuple(forward), tuple(backward), tuple(weight), tuple(delay), tuple(act),
+               costs.overlap, None if a2a is None else (
+                   tuple(_per_stage("all_to_all.forward", a2a.forward, schedule.num_stages)),
+                   tuple(_per_stage("all_to_all.backward", a2a.backward,
+                                    schedule.num_stages))))
+    kept = None if key is None or runs is None else runs.get(schedule, key)
+    if kept is None:
+        # a non-compute op takes no time of its own
+        timeline, run = _run_compute(schedule, schedule.compute_streams(), costs, release,
+                                     forward, backward, weight, delay, act)
+        if key is not None and runs is not None:
+            runs.put(schedule, key, timeline, run)
+    else:
+        timeline, run = kept
+    if gather is None:
+        if costs.reduction is None or not schedule.has_backward:
+            return timeline
+        return _with_reduction(timeline, reduce_gradients(schedule, run, costs.reduction))
+    gathers = gather.resolve(schedule.num_stages)
+    # overlapped, the previous step's gathers hold the lane from the step's start
+    free = [sum(gathers[0][s] for s in schedule.stages_of(rank)) if gather.overlap else 0.0
+            for rank in range(schedule.num_ranks)]
+    lanes = None if costs.reduction is None else \
+        reduce_gradients(schedule, run, costs.reduction, free_at=free)
+    timeline = timeline if lanes is None else _with_reduction(timeline, lanes)
+    return _with_gather(timeline, schedule, run, gathers, gather.overlap, lanes)
+
+
+def _run_compute(schedule: Schedule, streams: Sequence[Sequence[Instruction]],
+                 costs: CostModel, release: dict[int, float] | None, forward: list[float],
+                 backward: list[float], weight: list[float], delay: list[float],
+                 act: list[float]) -> tuple[Timeline, Execution]:
+    """The compute streams executed (`dataflow.execute`) and their timeline, with the
+    expert all-to-all's rows where `costs` has one."""
     compute_forward, compute_backward = forward, backward
     pair = None
     if costs.all_to_all is not None:
@@ -281,18 +322,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> Timeline:
     if costs.all_to_all is not None:
         timeline = _with_all_to_all(timeline, streams, run, compute_forward, compute_backward,
                                     weight, a2a_forward, a2a_backward)
-    if gather is None:
-        if costs.reduction is None or not schedule.has_backward:
-            return timeline
-        return _with_reduction(timeline, reduce_gradients(schedule, run, costs.reduction))
-    gathers = gather.resolve(schedule.num_stages)
-    # overlapped, the previous step's gathers hold the lane from the step's start
-    free = [sum(gathers[0][s] for s in schedule.stages_of(rank)) if gather.overlap else 0.0
-            for rank in range(schedule.num_ranks)]
-    lanes = None if costs.reduction is None else \
-        reduce_gradients(schedule, run, costs.reduction, free_at=free)
-    timeline = timeline if lanes is None else _with_reduction(timeline, lanes)
-    return _with_gather(timeline, schedule, run, gathers, gather.overlap, lanes)
+    return timeline, run
 
 
 def _pair_pricer(forward: Sequence[float], backward: Sequence[float], weight: Sequence[float],

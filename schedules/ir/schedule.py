@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import wraps
+from operator import itemgetter
 from typing import ParamSpec, TypeVar, cast
 
 from schedules.ir.errors import ScheduleConfigError, ScheduleParseError
@@ -15,6 +16,8 @@ from schedules.ir.instructions import COMPUTE_KINDS, Instruction, Kind, format_s
 
 __all__ = ["Schedule", "check_count", "count_problem", "gc_paused", "loop_placement",
            "v_placement"]
+
+_kind_of = itemgetter(0)  # an Instruction's kind
 
 _LABEL = re.compile(r"\s*rank\s+0*(\d+)\s*", re.IGNORECASE)
 _P = ParamSpec("_P")
@@ -140,7 +143,10 @@ class Schedule:
 
     def compute_streams(self) -> tuple[tuple[Instruction, ...], ...]:
         """The streams with only F, B, I and W kept, in order."""
-        return tuple(tuple(op for op in stream if op.kind in COMPUTE_KINDS)
+        # a generator's stream is compute only: its kinds are read in C (map, itemgetter)
+        # and the stream kept as it is; a lowered one is filtered op by op
+        return tuple(tuple(stream) if COMPUTE_KINDS.issuperset(map(_kind_of, stream)) else
+                     tuple(op for op in stream if op.kind in COMPUTE_KINDS)
                      for stream in self.streams)
 
     def replace_streams(self, streams: tuple[tuple[Instruction, ...], ...], *,
