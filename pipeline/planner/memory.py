@@ -160,12 +160,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
         workspace = np.maximum(workspace, np.asarray(stage_workspace, dtype=float))
     else:
         np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
-    states = _state_bytes(min(zero, 1), dp)
-    parameters, gradients, optimizer = PARAM_BYTES, states.gradients, states.optimizer
-    if state_bytes is not None:
-        parameters, gradients, optimizer = state_bytes
-        optimizer = optimizer / dp if zero else optimizer
-    gradients += extra_gradient_bytes
+    parameters, gradients, optimizer = _bytes_per_parameter(
+        dp=dp, zero=zero, state_bytes=state_bytes, extra_gradient_bytes=extra_gradient_bytes)
     experts, expert_bytes = _expert_states(where, ranks, stage_expert_params, expert_parallel,
                                            dp=dp, zero=zero, state_bytes=state_bytes,
                                            extra_gradient_bytes=extra_gradient_bytes)
@@ -190,6 +186,18 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                            float(held[rank])), rank
 
 
+
+def _bytes_per_parameter(*, dp: int, zero: int, state_bytes: tuple[float, float, float] | None,
+                         extra_gradient_bytes: float) -> tuple[float, float, float]:
+    """Parameter, gradient and optimizer bytes per parameter of a dense stage: the engine's
+    (`_state_bytes`) or the given `state_bytes`, ZeRO-1 sharding the optimizer's over dp."""
+    states = _state_bytes(min(zero, 1), dp)
+    parameters, gradients, optimizer = PARAM_BYTES, states.gradients, states.optimizer
+    if state_bytes is not None:
+        parameters, gradients, optimizer = state_bytes
+        optimizer = optimizer / dp if zero else optimizer
+    return parameters, gradients + extra_gradient_bytes, optimizer
+
 def _dense_own_memory(params: np.ndarray, activations: np.ndarray, workspace: np.ndarray, *,
                       dp: int, zero: int, recompute: bool, extra_gradient_bytes: float,
                       step_gradient_bytes: float,
@@ -198,12 +206,8 @@ def _dense_own_memory(params: np.ndarray, activations: np.ndarray, workspace: np
     """`peak_rank_memory` with one stage per rank in order, no experts and no per-stage
     gradient bytes: the same sums in the same order, less the terms that are zero there
     (x + 0.0 and 0.0 · y leave every finite value as it is; a test compares the two)."""
-    states = _state_bytes(min(zero, 1), dp)
-    parameters, gradients, optimizer = PARAM_BYTES, states.gradients, states.optimizer
-    if state_bytes is not None:
-        parameters, gradients, optimizer = state_bytes
-        optimizer = optimizer / dp if zero else optimizer
-    gradients += extra_gradient_bytes
+    parameters, gradients, optimizer = _bytes_per_parameter(
+        dp=dp, zero=zero, state_bytes=state_bytes, extra_gradient_bytes=extra_gradient_bytes)
     held = activations + np.maximum(workspace, 0.0) if recompute else activations + 0.0
     during = params * (parameters + gradients + optimizer) + held
     at_step = params * (parameters + gradients + step_gradient_bytes + optimizer)
