@@ -146,9 +146,9 @@ class PlanContext:
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _updates: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _runs: ComputeRuns = field(default_factory=ComputeRuns)
+    """Compute runs of the simulator, shared by configurations that differ only in ZeRO."""
     _splits: dict[tuple[str, int, int, int], bool] = field(default_factory=dict)
     """Whether each (non-cost-aware) schedule, by (name, p, m, v), has an I."""
-    """Compute runs of the simulator, shared by configurations that differ only in ZeRO."""
 
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
