@@ -186,7 +186,6 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                            float(held[rank])), rank
 
 
-
 def _bytes_per_parameter(*, dp: int, zero: int, state_bytes: tuple[float, float, float] | None,
                          extra_gradient_bytes: float) -> tuple[float, float, float]:
     """Parameter, gradient and optimizer bytes per parameter of a dense stage: the engine's
@@ -197,6 +196,7 @@ def _bytes_per_parameter(*, dp: int, zero: int, state_bytes: tuple[float, float,
         parameters, gradients, optimizer = state_bytes
         optimizer = optimizer / dp if zero else optimizer
     return parameters, gradients + extra_gradient_bytes, optimizer
+
 
 def _dense_own_memory(params: np.ndarray, activations: np.ndarray, workspace: np.ndarray, *,
                       dp: int, zero: int, recompute: bool, extra_gradient_bytes: float,
