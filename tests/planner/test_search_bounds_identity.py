@@ -1,0 +1,290 @@
+"""The search's memory floor and time bound (`SearchBounds`), however they are cached, equal to
+the bit a straightforward per-configuration computation from the per-layer prices kept here
+(and, where the floor is `PlanContext.memory(floor=True)`, that too)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from itertools import pairwise
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pipeline.planner.data_parallel as data_parallel
+from partition import LayerCost, chain_graph, partition_graph
+from pipeline.planner import SearchOptions, load_model
+from pipeline.planner.bounds import FUSED_BACKWARD, SearchBounds
+from pipeline.planner.memory import (
+    GRAD_BYTES,
+    peak_rank_memory,
+    recompute_workspace,
+    stage_activation_bytes,
+)
+from pipeline.planner.peaks import warm_up_held
+from pipeline.planner.predict import PlanConfig, PlanContext
+from pipeline.planner.pricing import (
+    layer_selective_seconds,
+    layer_split_times,
+    layer_times,
+    layer_tp_pass_seconds,
+)
+from pipeline.planner.profile import LayerProfile
+from pipeline.planner.search import _configs, _context
+from pipeline.planner.stages import uniform_boundaries
+from pipeline.planner.tied import tied_allreduce_seconds, tied_step_reduction
+from schedules import SCHEDULES
+from tests.planner.test_search_pruning import CASES, _cluster
+
+__all__: list[str] = []
+
+MOE = load_model("layers=6,hidden=512,heads=8,vocab=1000,seq=256,mlp=swiglu,norm=rmsnorm,"
+                 "bias=none,learned_positions=false,ffn=1024,experts=4,topk=2,expert_ffn=1024")
+IDENTITY_CASES = {name: CASES[name] for name in (
+    "tp-and-v-schedules", "megatron-2021-step-peak", "tied-embeddings",
+    "tied-megatron-2021-engine", "deeper-tight-zero", "overlapped-param-gather")} | {
+    "moe-experts": (MOE, _cluster(4.0, 2), 32, SearchOptions(
+        max_chunks=2, schedules=("1f1b", "interleaved", "zb-h1", "zb-v"))),
+}
+
+
+class Oracle:
+    """Today's definitions, per configuration; kept only: each layer's prices, each
+    partition's cuts and per-stage sums (what the test's runtime would otherwise be)."""
+
+    def __init__(self, context: PlanContext) -> None:
+        self.context = context
+        self._layer_prices: dict[tuple[int, int, int, str], tuple[float, ...]] = {}
+        self._cuts: dict[tuple[int, int, bool], list[Sequence[LayerProfile]]] = {}
+        self._arrays: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def stages(self, config: PlanConfig) -> list[Sequence[LayerProfile]]:
+        """The exact partitioner's cuts of the one-sample costs (or Megatron's even split)."""
+        again = config.recompute == "full" and not config.recompute_layers
+        key = (config.pp * config.chunks, config.tp, again)
+        if key not in self._cuts:
+            self._cuts[key] = self._stages(config)
+        return self._cuts[key]
+
+    def _stages(self, config: PlanConfig) -> list[Sequence[LayerProfile]]:
+        context, layers, tp = self.context, self.context.model.layers, config.tp
+        count = config.pp * config.chunks
+        if context.uniform_layers:
+            cuts = uniform_boundaries(layers, count)
+            assert cuts is not None
+        else:
+            again = config.recompute == "full" and not config.recompute_layers
+            costs = []
+            for layer in layers:
+                forward, backward = layer_times(layer, context.cluster, context.precision, 1,
+                                                tp, context.tp_overlap)
+                costs.append(LayerCost(layer.name, forward=forward,
+                                       backward=backward + (forward if again else 0.0)))
+            cuts = tuple(partition_graph(chain_graph(costs), count).boundaries)
+        return [layers[a:b] for a, b in pairwise(cuts)]
+
+    def arrays(self, config: PlanConfig) -> dict[str, Any]:
+        """Per stage: parameters, tied parameters, held and workspace bytes per sample,
+        experts; the placement."""
+        key = (config.pp, config.chunks, config.tp, config.recompute, config.recompute_layers,
+               config.schedule)
+        if key not in self._arrays:
+            self._arrays[key] = self._stage_arrays(config)
+        return self._arrays[key]
+
+    def _stage_arrays(self, config: PlanConfig) -> dict[str, Any]:
+        stages, tp = self.stages(config), config.tp
+        mode = (config.recompute, config.recompute_layers)
+        return {"params": np.array([sum(layer.params(tp) for layer in s) for s in stages]),
+                "tied": np.array([sum(layer.tied_params_split / tp for layer in s)
+                                  for s in stages]),
+                "held": np.array([stage_activation_bytes(s, tp, 1, *mode) for s in stages]),
+                "workspace": np.array([recompute_workspace(s, tp, 1, *mode) for s in stages]),
+                "experts": np.array([sum(layer.expert_params for layer in s)
+                                     for s in stages]),
+                "placement": SCHEDULES[config.schedule].placement(config.pp, config.chunks),
+                "stages": stages}
+
+    def floor(self, config: PlanConfig) -> float:
+        """`PlanContext.memory(floor=True)`'s total, or for zb-v and dualpipev their first
+        release's held activations (`peaks.warm_up_held`) instead of one of each stage."""
+        context, pp, b = self.context, config.pp, config.microbatch_size
+        a = self.arrays(config)
+        where = np.asarray(a["placement"])
+        copies = np.where(where != where[0], a["tied"], 0.0)
+        params = np.bincount(where, weights=a["params"] + copies, minlength=pp)
+        warm = warm_up_held(config.schedule, pp, config.num_microbatches, config.chunks)
+        each = np.bincount(where, weights=a["held"], minlength=pp) if warm is None \
+            else warm.peak_bytes(a["held"])
+        workspace = np.zeros(pp)
+        np.maximum.at(workspace, where, a["workspace"])
+        held = each * b + workspace * b if config.recomputes else each * b
+        tied = None
+        if context.tied_reduce_at_step and config.zero_stage and a["tied"].any():
+            tied_held = copies.astype(float)
+            tied_held[0] += float(a["tied"].max(initial=0.0))
+            tied = np.bincount(where, weights=tied_held * GRAD_BYTES, minlength=pp)
+        experts = np.bincount(where, weights=a["experts"], minlength=pp) \
+            if context.model.experts else None
+        memory, _ = peak_rank_memory(params, held, np.zeros(pp), range(pp), dp=config.dp,
+                                     zero=config.zero_stage, recompute=False,
+                                     stage_gradient_bytes=tied, stage_expert_params=experts,
+                                     expert_parallel=config.ep,
+                                     **context.engine_bytes(config))
+        return memory.total
+
+    def _prices(self, layer: LayerProfile, index: int, b: int, tp: int, recompute: str
+                ) -> tuple[float, ...]:
+        key = (index, b, tp, recompute)
+        if key not in self._layer_prices:
+            context = self.context
+            args = (context.cluster, context.precision, b, tp)
+            times = layer_times(layer, *args, context.tp_overlap)
+            split = layer_split_times(layer, *args, context.tp_overlap)
+            comm = layer_tp_pass_seconds(layer, *args, context.tp_overlap)
+            again = {"none": 0.0, "full": times[0] if layer.checkpointed else 0.0,
+                     "selective": layer_selective_seconds(layer, *args)}[recompute]
+            self._layer_prices[key] = (*times, *split, comm[0] + comm[1], again)
+        return self._layer_prices[key]
+
+    def costs(self, config: PlanConfig, stages: list[Sequence[LayerProfile]], split: bool
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per stage at b samples: forward, input gradient (recomputation in it) and weight
+        gradient, each op paying the runtime's fixed cost once; a fused backward halved."""
+        index = {id(layer): i for i, layer in enumerate(self.context.model.layers)}
+        b, tp, overhead = config.microbatch_size, config.tp, self.context.cluster.op_overhead
+        rows = []
+        for stage in stages:
+            prices = [self._prices(layer, index[id(layer)], b, tp, config.recompute)
+                      for layer in stage]
+            sums = [sum(p[i] for p in prices) + overhead for i in range(4)]
+            k = config.recompute_layers or len(stage)
+            again = sum(p[5] for p in prices[:k])
+            if config.recompute != "none":
+                again += overhead
+            forward, backward, input_grad, weight_grad = sums
+            if not split:
+                input_grad, weight_grad = backward / 2, backward / 2
+            rows.append((forward, input_grad + again, weight_grad))
+        forward, input_grad, weight_grad = (np.array(column) for column in zip(*rows,
+                                                                              strict=True))
+        return forward, input_grad, weight_grad
+
+    def bound(self, config: PlanConfig) -> float:
+        """`SearchBounds.lower_bound`'s definition (its docstring), per configuration."""
+        pp, m = config.pp, config.num_microbatches
+        a = self.arrays(config)
+        placement, where = a["placement"], np.asarray(a["placement"])
+        forward, fused_i, fused_w = self.costs(config, a["stages"], split=False)
+        _, split_i, split_w = self.costs(config, a["stages"], split=True)
+        fused = fused_i + fused_w
+        if config.schedule in FUSED_BACKWARD:
+            totals, chain = forward + fused_i + fused_w, fused
+        else:
+            totals = np.minimum(forward + fused_i + fused_w, forward + split_i + split_w)
+            chain = np.minimum(split_i, fused)
+        first = np.array([placement.index(rank) for rank in range(pp)])
+        fill = np.concatenate([[0.0], np.cumsum(forward)])[first]
+        busy = np.bincount(where, weights=totals, minlength=pp)
+        chain_work = np.bincount(where, weights=forward + chain, minlength=pp)
+        chain_back = np.concatenate([[0.0], np.cumsum(chain)])[first]
+        step, gather, tied = self.update(config, a)
+        step = step + tied
+        bound = float((fill + m * busy + step + gather).max())
+        head = placement[0]
+        drain = fill + m * chain_work + chain_back + step[head] + gather[head]
+        return max(bound, float(drain.max()))
+
+    def update(self, config: PlanConfig, a: dict[str, Any]) -> tuple[np.ndarray, ...]:
+        """`PlanContext.update_seconds`: the step, what is exposed around it, the tied
+        all-reduce before it."""
+        context, pp, where = self.context, config.pp, np.asarray(a["placement"])
+        table = SimpleNamespace(tied=a["tied"])
+        copies = np.where(where != where[0], a["tied"], 0.0)
+        tied = tied_allreduce_seconds(table, a["placement"], context.cluster,  # type: ignore[arg-type]
+                                      dp=config.dp, tp=config.tp,
+                                      element_bytes=context.grad_reduce_bytes)
+        experts = np.bincount(where, weights=a["experts"], minlength=pp) \
+            if context.model.experts else None
+        step, exposed = data_parallel.update_seconds(
+            np.bincount(where, weights=a["params"] + copies, minlength=pp), context.cluster,
+            dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
+            overlap_param_gather=context.overlap_param_gather,
+            update_bytes=context.update_bytes, rank_experts=experts, ep=config.ep)
+        if context.tied_reduce_at_step:
+            tied_held = copies.astype(float)
+            tied_held[0] += float(a["tied"].max(initial=0.0))
+            exposed = exposed + tied_step_reduction(
+                np.bincount(where, weights=tied_held, minlength=pp), context.cluster,
+                dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
+                element_bytes=context.grad_reduce_bytes)
+        return step, exposed, tied
+
+
+def _mismatches(case: str, enough: int = 10**9) -> tuple[int, list[str]]:
+    """Configurations compared, and where they differ (the first `enough` differences)."""
+    model, cluster, batch, options = IDENTITY_CASES[case]
+    context = _context(model, cluster, batch, None, options)
+    bounds, oracle = SearchBounds(context), Oracle(_context(model, cluster, batch, None, options))
+    reference = _context(model, cluster, batch, None, options)
+    problems, compared = [], 0
+    for config in _configs(model, cluster, batch, options):
+        floor, expected = bounds.memory_floor(config), oracle.floor(config)
+        if floor != expected:
+            problems.append(f"{config.label()}: floor {floor!r} != {expected!r}")
+        if warm_up_held(config.schedule, config.pp, config.num_microbatches,
+                        config.chunks) is None:
+            defined = reference.memory(config, floor=True)[0].total
+            if floor != defined:
+                problems.append(f"{config.label()}: floor {floor!r} != memory {defined!r}")
+        bound, expected = bounds.lower_bound(config), oracle.bound(config)
+        if bound != expected:
+            problems.append(f"{config.label()}: bound {bound!r} != {expected!r}")
+        compared += 1
+        if len(problems) >= enough:
+            break
+    return compared, problems
+
+
+@pytest.mark.parametrize("case", sorted(IDENTITY_CASES))
+def test_floors_and_bounds_equal_the_per_configuration_definitions(case: str) -> None:
+    compared, problems = _mismatches(case)
+    assert problems == []
+    assert compared > 100
+
+
+def test_the_cases_cover_what_the_floor_and_bound_depend_on() -> None:
+    # ZeRO 0 and 1, dp > 1 with several b, recomputation modes, warm-up schedules, tied
+    # copies under ZeRO-1, experts at ep > 1, torch DDP at p = 1, uniform layers
+    seen: dict[str, set[Any]] = {"zero": set(), "recompute": set(), "ep": set(),
+                                 "schedule": set(), "b": set()}
+    for model, cluster, batch, options in IDENTITY_CASES.values():
+        for config in _configs(model, cluster, batch, options):
+            seen["zero"].add(config.zero_stage)
+            seen["recompute"].add(config.recompute_label().split("-")[0])
+            seen["ep"].add(config.ep)
+            seen["schedule"].add(config.schedule)
+            seen["b"].add(config.microbatch_size)
+    assert seen["zero"] == {0, 1} and seen["ep"] >= {1, 2, 4}
+    assert seen["recompute"] >= {"none", "selective", "full", "partial"}
+    assert seen["schedule"] >= {"zb-v", "dualpipev", "interleaved", "1f1b", "gpipe"}
+    assert len(seen["b"]) >= 4
+
+
+@pytest.mark.parametrize("planted", ["tied gradient dropped", "b of the next size"])
+def test_a_planted_bug_in_the_floor_is_caught(planted: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    if planted == "tied gradient dropped":
+        monkeypatch.setattr(PlanContext, "tied_grad_bytes", lambda self, config: None)
+        case = "tied-embeddings"
+    else:
+        honest = SearchBounds.memory_floor
+
+        def wrong_b(self: SearchBounds, config: PlanConfig) -> float:
+            return honest(self, replace(config, microbatch_size=config.microbatch_size * 2))
+        monkeypatch.setattr(SearchBounds, "memory_floor", wrong_b)
+        case = "deeper-tight-zero"
+    _, problems = _mismatches(case, enough=1)
+    assert problems
