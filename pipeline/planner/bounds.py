@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.planner.memory import peak_rank_memory
+from pipeline.planner.memory import RankStates, rank_states
 from pipeline.planner.peaks import WARM_UP_FORMS, same_trace_as, warm_up_held
 from pipeline.planner.predict import PlanConfig, PlanContext, schedule_placement
 from schedules import SCHEDULES
@@ -37,6 +37,8 @@ class SearchBounds:
     _floors: dict[tuple[Any, ...], float] = field(default_factory=dict)
     _bounds: dict[tuple[Any, ...], float] = field(default_factory=dict)
     _warm_held: dict[tuple[Any, ...], np.ndarray | None] = field(default_factory=dict)
+    _states: dict[tuple[Any, ...], RankStates] = field(default_factory=dict)
+    _held: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def memory_floor(self, config: PlanConfig) -> float:
         """`context.memory(config, floor=True)[0].total` (one microbatch of each of a rank's
@@ -48,28 +50,48 @@ class SearchBounds:
                schedule_placement(config.schedule, config.pp, config.chunks),
                config.microbatch_size, config.zero_stage, config.dp, warm, config.ep)
         if key not in self._floors:
-            self._floors[key] = self._floor(config)
+            self._floors[key] = self._floor(config, key[5])
         return self._floors[key]
 
-    def _floor(self, config: PlanConfig) -> float:
-        params, each, workspace = self.context.rank_sums(config)
-        warm = self._warm_bytes(config)
-        if warm is not None:  # per sample, at least one of each stage: no lower
-            each = warm
+    def _floor(self, config: PlanConfig, placement: tuple[int, ...]) -> float:
+        """Per rank, one sample's held bytes times b against the model states, both kept
+        per what they depend on (`RankStates`: partition, placement, dp, ZeRO, ep)."""
+        partition = (config.pp * config.chunks, config.tp, config.recompute,
+                     config.recompute_layers, placement)
+        each, workspace = self._held_per_sample(config, partition)
         b = config.microbatch_size
         held = each * b + workspace * b if config.recomputes else each * b
-        ranks = range(config.pp)  # per-rank sums: each rank one "stage", workspace in held
+        key = (partition, config.dp, config.zero_stage, config.ep,
+               self.context.torch_ddp(config))
+        states = self._states.get(key)
+        if states is None:
+            states = self._states[key] = self._rank_states(config, placement)
+        return states.peak_total(held)
+
+    def _rank_states(self, config: PlanConfig, placement: tuple[int, ...]) -> RankStates:
+        """The model states of each rank (its stages summed: one "stage" per rank)."""
+        params = self.context.rank_sums(config)[0]
         tied = self.context.tied_grad_bytes(config)
         if tied is not None:  # per rank, as `params` and `held` are
-            tied = np.bincount(schedule_placement(config.schedule, config.pp, config.chunks),
-                               weights=tied, minlength=config.pp)
-        memory, _ = peak_rank_memory(params, held, np.zeros(config.pp), ranks, dp=config.dp,
-                                     zero=config.zero_stage, recompute=False,
-                                     stage_gradient_bytes=tied,
-                                     stage_expert_params=self.context.rank_experts(config),
-                                     expert_parallel=config.ep,
-                                     **self.context.engine_bytes(config))
-        return memory.total
+            tied = np.bincount(placement, weights=tied, minlength=config.pp)
+        return rank_states(params, range(config.pp), config.pp, dp=config.dp,
+                           zero=config.zero_stage, stage_gradient_bytes=tied,
+                           stage_expert_params=self.context.rank_experts(config),
+                           expert_parallel=config.ep, **self.context.engine_bytes(config))
+
+    def _held_per_sample(self, config: PlanConfig, partition: tuple[Any, ...]
+                         ) -> tuple[np.ndarray, np.ndarray]:
+        """Per rank, the activation bytes per sample of the floor (one of each of its
+        stages, or a V-shaped schedule's first release) and the recomputation workspace."""
+        warm = config.schedule in _WARM
+        key = (partition, config.schedule, config.num_microbatches) if warm else partition
+        if key not in self._held:
+            _, each, workspace = self.context.rank_sums(config)
+            warm_bytes = self._warm_bytes(config) if warm else None
+            if warm_bytes is not None:  # per sample, at least one of each stage: no lower
+                each = warm_bytes
+            self._held[key] = (each, workspace)
+        return self._held[key]
 
     def _warm_bytes(self, config: PlanConfig) -> np.ndarray | None:
         """Per rank, the bytes per sample `peaks.warm_up_held` counts (None: not a V-shaped

@@ -28,8 +28,8 @@ from schedules.analysis.accounting import (
 )
 from schedules.analysis.accounting import stage_activation_bytes as accounting_stage_bytes
 
-__all__ = ["PARAM_BYTES", "HeldTrace", "MemoryBreakdown", "held_peaks", "peak_rank_memory",
-           "recompute_workspace", "stage_activation_bytes"]
+__all__ = ["PARAM_BYTES", "HeldTrace", "MemoryBreakdown", "RankStates", "held_peaks",
+           "peak_rank_memory", "rank_states", "recompute_workspace", "stage_activation_bytes"]
 
 PARAM_BYTES = model_state_bytes("fp32").parameters
 """fp32 weights."""
@@ -143,47 +143,109 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     """
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
-    # one stage per rank in order (the search's memory floor, asked ~10^4 times): the sums
-    # and maxima below are the values themselves, skipped
+    workspace = np.zeros(ranks)
+    if isinstance(placement, range) and placement == range(ranks):
+        workspace = np.maximum(workspace, np.asarray(stage_workspace, dtype=float))
+    else:
+        np.maximum.at(workspace, np.asarray(placement),
+                      np.asarray(stage_workspace, dtype=float))
+    states = rank_states(stage_params, placement, ranks, dp=dp, zero=zero,
+                         extra_gradient_bytes=extra_gradient_bytes,
+                         step_gradient_bytes=step_gradient_bytes,
+                         stage_gradient_bytes=stage_gradient_bytes, state_bytes=state_bytes,
+                         stage_expert_params=stage_expert_params,
+                         expert_parallel=expert_parallel)
+    return states.peak(activations + (workspace if recompute else 0.0))
+
+
+@dataclass(frozen=True)
+class RankStates:
+    """Per pipeline rank, the model states `peak_rank_memory` adds to the held activations:
+    while the schedule runs (`during`) and at the optimizer step (`at_step`), and what a
+    rank's breakdown is made of. Kept, they price the held activations of many
+    configurations that differ in nothing else (the search's floors, one per microbatch
+    size) with a few array operations each, the same ones in the same order."""
+
+    params: np.ndarray
+    during: np.ndarray
+    """Bytes held besides the activations while the schedule runs."""
+    at_step: np.ndarray
+    """Bytes held at the optimizer step, when no activation is left."""
+    per_parameter: tuple[float, float, float]
+    """Parameter, gradient and optimizer bytes per parameter of a dense stage."""
+    step_gradient_bytes: float
+    more: np.ndarray | None = None
+    """Per rank, gradient bytes held through the step besides these (None: the dense path,
+    no such bytes and no experts)."""
+    experts: np.ndarray | None = None
+    expert_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    expert_parallel: int = 1
+
+    def peak(self, held: np.ndarray) -> tuple[MemoryBreakdown, int]:
+        """The rank holding the most with `held` activation bytes per rank, and its memory."""
+        parts, rank = self._peak(held)
+        return MemoryBreakdown(*parts), rank
+
+    def peak_total(self, held: np.ndarray) -> float:
+        """`peak(held)[0].total`."""
+        (parameters, gradients, optimizer, activations), _ = self._peak(held)
+        return parameters + gradients + optimizer + activations
+
+    def _peak(self, held: np.ndarray) -> tuple[tuple[float, float, float, float], int]:
+        during = self.during + held
+        rank = int(np.argmax(np.maximum(during, self.at_step)))
+        parameters, gradients, optimizer = self.per_parameter
+        activations, step_bytes = float(held[rank]), 0.0
+        if self.at_step[rank] > during[rank]:  # the optimizer step's peak: no activations
+            gradients, activations = gradients + self.step_gradient_bytes, 0.0
+            step_bytes = self.step_gradient_bytes / self.expert_parallel
+        params = float(self.params[rank])
+        if self.more is None or self.experts is None:
+            return (params * parameters, params * gradients, params * optimizer,
+                    activations), rank
+        mine, (own, grads, optimizers) = float(self.experts[rank]), self.expert_bytes
+        return (params * parameters + mine * own,
+                params * gradients + float(self.more[rank]) + mine * (grads + step_bytes),
+                params * optimizer + mine * optimizers, activations), rank
+
+
+def rank_states(stage_params: ArrayLike, placement: Sequence[int], ranks: int, *, dp: int,
+                zero: int, extra_gradient_bytes: float = 0.0, step_gradient_bytes: float = 0.0,
+                stage_gradient_bytes: ArrayLike | None = None,
+                state_bytes: tuple[float, float, float] | None = None,
+                stage_expert_params: ArrayLike | None = None, expert_parallel: int = 1
+                ) -> RankStates:
+    """The model states of `peak_rank_memory`'s ranks (its arguments but the activations),
+    to price held activations against (`RankStates.peak`)."""
+    per_parameter = _bytes_per_parameter(dp=dp, zero=zero, state_bytes=state_bytes,
+                                         extra_gradient_bytes=extra_gradient_bytes)
+    parameters, gradients, optimizer = per_parameter
+    # one stage per rank in order (the search's memory floor): the sums below are the
+    # values themselves, skipped; without experts and per-stage gradient bytes, so are the
+    # terms they add (x + 0.0 and 0.0 · y leave every finite value as it is; a test compares
+    # the two paths)
     own = isinstance(placement, range) and placement == range(ranks)
     if own and stage_expert_params is None and stage_gradient_bytes is None:
-        return _dense_own_memory(np.asarray(stage_params, dtype=float), activations,
-                                 np.asarray(stage_workspace, dtype=float), dp=dp, zero=zero,
-                                 recompute=recompute, extra_gradient_bytes=extra_gradient_bytes,
-                                 step_gradient_bytes=step_gradient_bytes,
-                                 state_bytes=state_bytes)
+        params = np.asarray(stage_params, dtype=float)
+        return RankStates(params, params * (parameters + gradients + optimizer),
+                          params * (parameters + gradients + step_gradient_bytes + optimizer),
+                          per_parameter, step_gradient_bytes)
     where = np.asarray(placement)
     params = np.asarray(stage_params, dtype=float) if own else np.bincount(
         where, weights=np.asarray(stage_params, dtype=float), minlength=ranks)
-    workspace = np.zeros(ranks)
-    if own:
-        workspace = np.maximum(workspace, np.asarray(stage_workspace, dtype=float))
-    else:
-        np.maximum.at(workspace, where, np.asarray(stage_workspace, dtype=float))
-    parameters, gradients, optimizer = _bytes_per_parameter(
-        dp=dp, zero=zero, state_bytes=state_bytes, extra_gradient_bytes=extra_gradient_bytes)
     experts, expert_bytes = _expert_states(where, ranks, stage_expert_params, expert_parallel,
                                            dp=dp, zero=zero, state_bytes=state_bytes,
                                            extra_gradient_bytes=extra_gradient_bytes)
-    held = activations + (workspace if recompute else 0.0)
     more = np.zeros(ranks) if stage_gradient_bytes is None else (
         np.asarray(stage_gradient_bytes, dtype=float) if own else np.bincount(
             where, weights=np.asarray(stage_gradient_bytes, dtype=float), minlength=ranks))
     expert_states = experts * expert_bytes.sum()
-    during = params * (parameters + gradients + optimizer) + expert_states + more + held
+    during = params * (parameters + gradients + optimizer) + expert_states + more
     at_step = params * (parameters + gradients + step_gradient_bytes + optimizer) \
         + expert_states + experts * step_gradient_bytes / expert_parallel + more
-    rank = int(np.argmax(np.maximum(during, at_step)))
-    step_bytes = 0.0
-    if at_step[rank] > during[rank]:  # the optimizer step's peak: no activations left
-        gradients, held = gradients + step_gradient_bytes, np.zeros(ranks)
-        step_bytes = step_gradient_bytes / expert_parallel
-    mine = experts[rank]
-    return MemoryBreakdown(float(params[rank] * parameters + mine * expert_bytes[0]),
-                           float(params[rank] * gradients + more[rank]
-                                 + mine * (expert_bytes[1] + step_bytes)),
-                           float(params[rank] * optimizer + mine * expert_bytes[2]),
-                           float(held[rank])), rank
+    own_bytes, gradient_bytes, optimizer_bytes = (float(x) for x in expert_bytes)
+    return RankStates(params, during, at_step, per_parameter, step_gradient_bytes, more,
+                      experts, (own_bytes, gradient_bytes, optimizer_bytes), expert_parallel)
 
 
 def _bytes_per_parameter(*, dp: int, zero: int, state_bytes: tuple[float, float, float] | None,
@@ -196,26 +258,6 @@ def _bytes_per_parameter(*, dp: int, zero: int, state_bytes: tuple[float, float,
         parameters, gradients, optimizer = state_bytes
         optimizer = optimizer / dp if zero else optimizer
     return parameters, gradients + extra_gradient_bytes, optimizer
-
-
-def _dense_own_memory(params: np.ndarray, activations: np.ndarray, workspace: np.ndarray, *,
-                      dp: int, zero: int, recompute: bool, extra_gradient_bytes: float,
-                      step_gradient_bytes: float,
-                      state_bytes: tuple[float, float, float] | None
-                      ) -> tuple[MemoryBreakdown, int]:
-    """`peak_rank_memory` with one stage per rank in order, no experts and no per-stage
-    gradient bytes: the same sums in the same order, less the terms that are zero there
-    (x + 0.0 and 0.0 · y leave every finite value as it is; a test compares the two)."""
-    parameters, gradients, optimizer = _bytes_per_parameter(
-        dp=dp, zero=zero, state_bytes=state_bytes, extra_gradient_bytes=extra_gradient_bytes)
-    held = activations + np.maximum(workspace, 0.0) if recompute else activations + 0.0
-    during = params * (parameters + gradients + optimizer) + held
-    at_step = params * (parameters + gradients + step_gradient_bytes + optimizer)
-    rank = int(np.argmax(np.maximum(during, at_step)))
-    if at_step[rank] > during[rank]:  # the optimizer step's peak: no activations left
-        gradients, held = gradients + step_gradient_bytes, np.zeros(len(held))
-    return MemoryBreakdown(float(params[rank] * parameters), float(params[rank] * gradients),
-                           float(params[rank] * optimizer), float(held[rank])), rank
 
 
 def _expert_states(where: np.ndarray, ranks: int, stage_expert_params: ArrayLike | None,

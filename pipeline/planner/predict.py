@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 import pipeline.planner.data_parallel as data_parallel
-from partition import LayerCost, chain_graph, partition_graph
+from partition import ModelGraph, partition_graph
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.config import PlanConfig
 from pipeline.planner.errors import PlanError
@@ -23,9 +23,8 @@ from pipeline.planner.expert_parallel import (
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.p2p import blocking_p2p
 from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
-from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
-from pipeline.planner.stages import StageTable, uniform_boundaries
+from pipeline.planner.stages import LayerPrices, StageTable, cost_graph, uniform_boundaries
 from pipeline.planner.tied import (
     stage_params,
     tied_allreduce_seconds,
@@ -134,7 +133,9 @@ class PlanContext:
     """With `blocking_p2p`, the receiver all-gathers the t pieces over NVLink (Megatron-LM
     2021's scatter/gather); False: each tp rank sends its own part, nothing to gather."""
     _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
+    _prices: dict[tuple[int, str], LayerPrices] = field(default_factory=dict)
     _partitions: dict[tuple[int, int, bool], tuple[int, ...]] = field(default_factory=dict)
+    _graphs: dict[tuple[int, bool], ModelGraph] = field(default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
         default_factory=OrderedDict)
     _schedule_ops: int = 0
@@ -167,25 +168,25 @@ class PlanContext:
                 cuts: tuple[int, ...] = uniform
             else:
                 cuts = self._cuts(key[0], config.tp, again)
+            prices = self._prices.get((config.tp, config.recompute))
+            if prices is None:  # shared by the tables of one tp size and recomputation mode
+                prices = self._prices[config.tp, config.recompute] = LayerPrices.of(
+                    self.model.layers)
             self._tables[key] = StageTable.build(self.model.layers, cuts, self.cluster,
                                                  self.precision, config.tp, config.recompute,
-                                                 config.recompute_layers, self.tp_overlap)
+                                                 config.recompute_layers, self.tp_overlap,
+                                                 prices)
         return self._tables[key]
 
     def _cuts(self, stages: int, tp: int, again: bool) -> tuple[int, ...]:
         key = (stages, tp, again)
         if key not in self._partitions:
-            costs = []
-            priced: dict[object, tuple[float, float]] = {}  # identical blocks priced once
-            for layer in self.model.layers:
-                same = layer.shape if layer.shape is not None else id(layer)
-                if same not in priced:
-                    priced[same] = layer_times(layer, self.cluster, self.precision, 1,
-                                               tp, self.tp_overlap)
-                forward, backward = priced[same]
-                costs.append(LayerCost(layer.name, forward=forward,
-                                       backward=backward + (forward if again else 0.0)))
-            self._partitions[key] = tuple(partition_graph(chain_graph(costs), stages).boundaries)
+            graph = self._graphs.get((tp, again))
+            if graph is None:  # one per tp size and recomputation, cut into any p·v
+                graph = self._graphs[tp, again] = cost_graph(
+                    self.model.layers, self.cluster, self.precision, tp, again,
+                    self.tp_overlap)
+            self._partitions[key] = tuple(partition_graph(graph, stages).boundaries)
         return self._partitions[key]
 
     def schedule(self, config: PlanConfig, costs: CostModel | None = None) -> Schedule | None:

@@ -9,6 +9,7 @@ from itertools import pairwise
 
 import numpy as np
 
+from partition import LayerCost, ModelGraph, chain_graph
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.memory import recompute_workspace, stage_activation_bytes
 from pipeline.planner.pricing import (
@@ -19,7 +20,8 @@ from pipeline.planner.pricing import (
 )
 from pipeline.planner.profile import LayerProfile
 
-__all__ = ["StageCosts", "StageTable", "block_span", "uniform_boundaries"]
+__all__ = ["LayerPrices", "StageCosts", "StageTable", "block_span", "cost_graph",
+           "uniform_boundaries"]
 
 
 def block_span(layers: Sequence[LayerProfile]) -> tuple[int, int]:
@@ -45,6 +47,45 @@ def uniform_boundaries(layers: Sequence[LayerProfile], stages: int) -> tuple[int
     per_stage = blocks // stages
     inner = [first + per_stage * index for index in range(1, stages)]
     return (0, *inner, len(layers))
+
+
+def cost_graph(layers: Sequence[LayerProfile], cluster: ClusterSpec, precision: str, tp: int,
+               again: bool, tp_overlap: str = "none") -> ModelGraph:
+    """The chain of one-sample layer costs the exact partitioner cuts (compute only: every
+    cut carries the same hidden-state bytes); `again`: each backward runs its forward again
+    (full recomputation). Layers of one shape are priced once."""
+    costs = []
+    priced: dict[object, tuple[float, float]] = {}  # identical blocks priced once
+    for layer in layers:
+        same = layer.shape if layer.shape is not None else id(layer)
+        if same not in priced:
+            priced[same] = layer_times(layer, cluster, precision, 1, tp, tp_overlap)
+        forward, backward = priced[same]
+        costs.append(LayerCost(layer.name, forward=forward,
+                               backward=backward + (forward if again else 0.0)))
+    return chain_graph(costs)
+
+
+@dataclass
+class LayerPrices:
+    """Prices the tables of one search at one tp size and recomputation mode share: each
+    layer kind's per microbatch size, and each stage's sums, kept per the kinds it runs
+    (a partition's stages mostly repeat a few). A kind is the first of the layers of one
+    shape (a model's identical blocks, priced once), or a layer without a shape itself."""
+
+    layers: tuple[LayerProfile, ...]
+    kinds: tuple[int, ...]
+    """Per layer, its kind: the index of the first layer of its shape."""
+    _layer: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
+    _sums: dict[tuple[tuple[int, ...], int], np.ndarray] = field(default_factory=dict)
+    _again: dict[tuple[tuple[int, ...], int], float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, layers: Sequence[LayerProfile]) -> LayerPrices:
+        first: dict[object, int] = {}
+        kinds = tuple(first.setdefault(layer.shape if layer.shape is not None else
+                                       (index,), index) for index, layer in enumerate(layers))
+        return cls(tuple(layers), kinds)
 
 
 @dataclass(frozen=True)
@@ -102,15 +143,22 @@ class StageTable:
     """Bytes per sample of one all-to-all, summed over each stage's MoE layers."""
     moe_layers: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """MoE layers per stage (each pays its all-to-alls' latency)."""
+    prices: LayerPrices | None = field(default=None, compare=False, repr=False)
+    """The layer prices this table shares with others of its tp size and recomputation mode
+    (`LayerPrices`, made for it alone when not given)."""
     _priced: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict, compare=False)
 
     @classmethod
     def build(cls, layers: Sequence[LayerProfile], boundaries: Sequence[int],
               cluster: ClusterSpec, precision: str, tp: int, recompute: str,
-              recompute_layers: int = 0, tp_overlap: str = "none") -> StageTable:
+              recompute_layers: int = 0, tp_overlap: str = "none",
+              prices: LayerPrices | None = None) -> StageTable:
+        """The table of `layers` cut at `boundaries`; `prices` shared with the other tables
+        of this tp size and recomputation mode on these layers, if given."""
         stages = tuple(tuple(layers[a:b]) for a, b in pairwise(boundaries))
         mode = (recompute, recompute_layers)
         return cls(
+            prices=prices if prices is not None else LayerPrices.of(layers),
             boundaries=tuple(boundaries),
             params=np.array([sum(layer.params(tp) for layer in stage) for stage in stages]),
             tied=np.array([sum(layer.tied_params_split / tp for layer in stage)
@@ -130,13 +178,16 @@ class StageTable:
         """Per stage at `batch` samples: forward, backward, I, W, tp collectives (both
         passes), each F, B, I or W paying the runtime's fixed cost once, and the seconds
         recomputation adds (the recomputed layers' forwards, or their attention cores).
-        Layers of one shape (a model's identical blocks) are priced once."""
+        Layers of one shape (a model's identical blocks) are priced once, and stages of the
+        same kinds of layers summed once (`LayerPrices`)."""
         if batch not in self._priced:
-            cache: dict[object, tuple[float, ...]] = {}
+            assert self.prices is not None
+            prices, layers = self.prices, self.prices.layers
 
-            def price(layer: LayerProfile) -> tuple[float, ...]:
-                key = layer.shape if layer.shape is not None else id(layer)
-                if key not in cache:
+            def price(kind: int) -> tuple[float, ...]:
+                key = (kind, batch)
+                if key not in prices._layer:
+                    layer = layers[kind]
                     args = (self.cluster, self.precision, batch, self.tp)
                     times = layer_times(layer, *args, self.tp_overlap)
                     comm = layer_tp_pass_seconds(layer, self.cluster, self.precision, batch,
@@ -146,16 +197,28 @@ class StageTable:
                     # engine's checkpointing leaves out runs once
                     again = {"none": 0.0, "full": times[0] if layer.checkpointed else 0.0,
                              "selective": layer_selective_seconds(layer, *args)}
-                    cache[key] = (*times, *layer_split_times(layer, *args, self.tp_overlap),
-                                  sum(comm), again[self.recompute])
-                return cache[key]
+                    prices._layer[key] = (*times,
+                                          *layer_split_times(layer, *args, self.tp_overlap),
+                                          sum(comm), again[self.recompute])
+                return prices._layer[key]
+
+            def stage_sums(kinds: tuple[int, ...]) -> np.ndarray:
+                key = (kinds, batch)
+                if key not in prices._sums:
+                    prices._sums[key] = np.sum([price(kind)[:5] for kind in kinds], axis=0)
+                return prices._sums[key]
+
+            def stage_again(kinds: tuple[int, ...]) -> float:
+                key = (kinds, batch)
+                if key not in prices._again:
+                    prices._again[key] = sum(price(kind)[5] for kind in kinds)
+                return prices._again[key]
 
             overhead = self.cluster.op_overhead  # the runtime's fixed cost, once per op
             k = self.recompute_layers
-            sums = np.array([np.sum([price(layer)[:5] for layer in stage], axis=0)
-                             for stage in self.stages])
-            again = np.array([sum(price(layer)[5] for layer in stage[:k or len(stage)])
-                              for stage in self.stages])
+            kinds = [prices.kinds[a:b] for a, b in pairwise(self.boundaries)]
+            sums = np.array([stage_sums(stage) for stage in kinds])
+            again = np.array([stage_again(stage[:k or len(stage)]) for stage in kinds])
             sums[:, :4] += overhead
             if self.recompute != "none":  # the recomputation is one more forward op
                 again += overhead
