@@ -4,8 +4,9 @@ once, so the search prices any configuration with a few array operations."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
 
@@ -76,16 +77,40 @@ class LayerPrices:
     layers: tuple[LayerProfile, ...]
     kinds: tuple[int, ...]
     """Per layer, its kind: the index of the first layer of its shape."""
+    same: tuple[int, ...]
+    """Per layer, the index of the first layer equal to it but for its name."""
     _layer: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
     _sums: dict[tuple[tuple[int, ...], int], np.ndarray] = field(default_factory=dict)
     _again: dict[tuple[tuple[int, ...], int], float] = field(default_factory=dict)
+    _sizes: dict[tuple[Any, ...], tuple[float, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, layers: Sequence[LayerProfile]) -> LayerPrices:
-        first: dict[object, int] = {}
-        kinds = tuple(first.setdefault(layer.shape if layer.shape is not None else
-                                       (index,), index) for index, layer in enumerate(layers))
-        return cls(tuple(layers), kinds)
+        shapes: dict[object, int] = {}
+        kinds = tuple(shapes.setdefault(layer.shape if layer.shape is not None else
+                                        (index,), index) for index, layer in enumerate(layers))
+        equal: dict[LayerProfile, int] = {}
+        same = tuple(equal.setdefault(replace(layer, name=""), index)
+                     for index, layer in enumerate(layers))
+        return cls(tuple(layers), kinds, same)
+
+    def stage_sizes(self, stage: Sequence[LayerProfile], same: tuple[int, ...], tp: int,
+                    recompute: str, recompute_layers: int) -> tuple[float, ...]:
+        """A stage's parameters, tied parameters, held and workspace bytes per sample,
+        output bytes per sample, experts' parameters, all-to-all bytes per sample and MoE
+        layers (`StageTable`'s columns), once per run of equal layers (`same`)."""
+        key = (same, tp, recompute, recompute_layers)
+        if key not in self._sizes:
+            mode = (recompute, recompute_layers)
+            self._sizes[key] = (
+                sum(layer.params(tp) for layer in stage),
+                sum(layer.tied_params_split / tp for layer in stage),
+                stage_activation_bytes(stage, tp, 1, *mode),
+                recompute_workspace(stage, tp, 1, *mode), stage[-1].output_bytes,
+                sum(layer.expert_params for layer in stage),
+                sum(layer.all_to_all_bytes for layer in stage),
+                sum(layer.all_to_all_bytes > 0 for layer in stage))
+        return self._sizes[key]
 
 
 @dataclass(frozen=True)
@@ -156,23 +181,17 @@ class StageTable:
         """The table of `layers` cut at `boundaries`; `prices` shared with the other tables
         of this tp size and recomputation mode on these layers, if given."""
         stages = tuple(tuple(layers[a:b]) for a, b in pairwise(boundaries))
-        mode = (recompute, recompute_layers)
+        prices = prices if prices is not None else LayerPrices.of(layers)
+        rows = [prices.stage_sizes(stage, prices.same[a:b], tp, recompute, recompute_layers)
+                for stage, (a, b) in zip(stages, pairwise(boundaries), strict=True)]
+        params, tied, held, workspace, boundary, experts, all_to_all, moe_layers = (
+            np.array(column) for column in zip(*rows, strict=True))
         return cls(
-            prices=prices if prices is not None else LayerPrices.of(layers),
-            boundaries=tuple(boundaries),
-            params=np.array([sum(layer.params(tp) for layer in stage) for stage in stages]),
-            tied=np.array([sum(layer.tied_params_split / tp for layer in stage)
-                           for stage in stages]),
-            held=np.array([stage_activation_bytes(stage, tp, 1, *mode) for stage in stages]),
-            workspace=np.array([recompute_workspace(stage, tp, 1, *mode) for stage in stages]),
-            boundary=np.array([stage[-1].output_bytes for stage in stages]),
-            recompute=recompute, recompute_layers=recompute_layers, stages=stages,
-            cluster=cluster, precision=precision, tp=tp, tp_overlap=tp_overlap,
-            experts=np.array([sum(layer.expert_params for layer in stage) for stage in stages]),
-            all_to_all=np.array([sum(layer.all_to_all_bytes for layer in stage)
-                                 for stage in stages]),
-            moe_layers=np.array([sum(layer.all_to_all_bytes > 0 for layer in stage)
-                                 for stage in stages]))
+            prices=prices, boundaries=tuple(boundaries), params=params, tied=tied, held=held,
+            workspace=workspace, boundary=boundary, recompute=recompute,
+            recompute_layers=recompute_layers, stages=stages, cluster=cluster,
+            precision=precision, tp=tp, tp_overlap=tp_overlap, experts=experts,
+            all_to_all=all_to_all, moe_layers=moe_layers)
 
     def _price(self, batch: int) -> tuple[np.ndarray, ...]:
         """Per stage at `batch` samples: forward, backward, I, W, tp collectives (both
