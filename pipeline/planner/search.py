@@ -118,6 +118,7 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
     first, end = block_span(model.layers)
     log = log if log is not None else SearchLog()
     excluded = log.excluded
+    modes = options.recompute_modes()
 
     def allowed(value: int, choices: tuple[int, ...] | None) -> bool:
         return choices is None or value in choices
@@ -143,8 +144,11 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                 excluded["experts"] += 1
                 continue
             names = ("1f1b",) if pp == 1 else options.schedules
+            zeros = (0, 1) if dp > 1 else (0,)
             for name in names:
                 for chunks in _chunk_options(name, pp, n, options.max_chunks):
+                    recomputes = [choice for mode in modes
+                                  for choice in _recompute_options(mode, -(-n // (pp * chunks)))]
                     for b in _divisors(global_batch // dp):
                         if not allowed(b, options.microbatch_sizes):
                             excluded["filters"] += 1
@@ -160,19 +164,17 @@ def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                                 name in CONTROLLABLE and pp * m > options.controllable_max):
                             excluded["size"] += 1
                             continue
-                        for zero in ((0, 1) if dp > 1 else (0,)):
+                        for zero in zeros:
                             if not allowed(zero, options.zero_stages):
                                 excluded["filters"] += 1
                                 continue
-                            for mode in options.recompute_modes():
-                                for recompute, k in _recompute_options(
-                                        mode, -(-n // (pp * chunks))):
-                                    for ep in eps:
-                                        yield PlanConfig(
-                                            pp=pp, tp=tp, dp=dp, schedule=name, chunks=chunks,
-                                            microbatch_size=b, num_microbatches=m,
-                                            zero_stage=zero, recompute=recompute,
-                                            recompute_layers=k, ep=ep)
+                            for recompute, k in recomputes:
+                                for ep in eps:
+                                    yield PlanConfig.enumerated(
+                                        pp=pp, tp=tp, dp=dp, schedule=name, chunks=chunks,
+                                        microbatch_size=b, num_microbatches=m,
+                                        zero_stage=zero, recompute=recompute,
+                                        recompute_layers=k, ep=ep)
 
 
 def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,

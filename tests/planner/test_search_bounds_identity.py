@@ -256,12 +256,14 @@ def test_floors_and_bounds_equal_the_per_configuration_definitions(case: str) ->
 
 
 def test_the_cases_cover_what_the_floor_and_bound_depend_on() -> None:
-    # ZeRO 0 and 1, dp > 1 with several b, recomputation modes, warm-up schedules, tied
+    # every enumerated configuration valid; ZeRO 0 and 1, dp > 1 with several b, recomputation modes, warm-up schedules, tied
     # copies under ZeRO-1, experts at ep > 1, torch DDP at p = 1, uniform layers
     seen: dict[str, set[Any]] = {"zero": set(), "recompute": set(), "ep": set(),
                                  "schedule": set(), "b": set()}
     for model, cluster, batch, options in IDENTITY_CASES.values():
         for config in _configs(model, cluster, batch, options):
+            # made unchecked (`PlanConfig.enumerated`): each passes the checks, equal
+            assert PlanConfig(**vars(config)) == config
             seen["zero"].add(config.zero_stage)
             seen["recompute"].add(config.recompute_label().split("-")[0])
             seen["ep"].add(config.ep)
