@@ -8,6 +8,7 @@ forwards of every stage before r's first (microbatch 0 must pass them before r s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,11 @@ FUSED_BACKWARD = frozenset({"gpipe", "1f1b", "interleaved", "looped-bfs"})
 them on fused costs (`PlanContext.predict`), so their bound may too (a test checks them)."""
 
 
+@functools.lru_cache(maxsize=256)
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
 _WARM = frozenset(name for name in SCHEDULES if same_trace_as(name) in WARM_UP_FORMS)
 
 
@@ -39,6 +45,8 @@ class SearchBounds:
     _warm_held: dict[tuple[Any, ...], np.ndarray | None] = field(default_factory=dict)
     _states: dict[tuple[Any, ...], RankStates] = field(default_factory=dict)
     _held: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    _placement_ids: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    _placements: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     def memory_floor(self, config: PlanConfig) -> float:
         """`context.memory(config, floor=True)[0].total` (one microbatch of each of a rank's
@@ -47,26 +55,47 @@ class SearchBounds:
         configuration; schedules with one placement share it."""
         warm = config.schedule if config.schedule in _WARM else None
         key = (config.pp, config.chunks, config.tp, config.recompute, config.recompute_layers,
-               schedule_placement(config.schedule, config.pp, config.chunks),
-               config.microbatch_size, config.zero_stage, config.dp, warm, config.ep)
-        if key not in self._floors:
-            self._floors[key] = self._floor(config, key[5])
-        return self._floors[key]
+               self._placement_id(config), config.zero_stage, config.dp, warm, config.ep,
+               config.microbatch_size)
+        floor = self._floors.get(key)
+        if floor is None:
+            self._floor(config, key)
+            floor = self._floors[key]
+        return floor
 
-    def _floor(self, config: PlanConfig, placement: tuple[int, ...]) -> float:
-        """Per rank, one sample's held bytes times b against the model states, both kept
-        per what they depend on (`RankStates`: partition, placement, dp, ZeRO, ep)."""
+    def _placement_id(self, config: PlanConfig) -> int:
+        """A number for the schedule's placement, the same for schedules of one placement."""
+        key = (config.schedule, config.pp, config.chunks)
+        if key not in self._placement_ids:
+            placement = schedule_placement(*key)
+            self._placement_ids[key] = self._placements.setdefault(placement,
+                                                                   len(self._placements))
+        return self._placement_ids[key]
+
+    def _floor(self, config: PlanConfig, key: tuple[Any, ...]) -> None:
+        """The floor of `key` (`memory_floor`'s, b last): per rank, one sample's held bytes
+        times b against the model states, both kept per what they depend on (`RankStates`:
+        partition, placement, dp, ZeRO, ep). Outside zb-v and dualpipev (whose held bytes
+        depend on m) every b that divides the dp replica's batch is priced at once."""
+        placement = schedule_placement(config.schedule, config.pp, config.chunks)
         partition = (config.pp * config.chunks, config.tp, config.recompute,
                      config.recompute_layers, placement)
         each, workspace = self._held_per_sample(config, partition)
-        b = config.microbatch_size
-        held = each * b + workspace * b if config.recomputes else each * b
-        key = (partition, config.dp, config.zero_stage, config.ep,
-               self.context.torch_ddp(config))
-        states = self._states.get(key)
+        states_key = (partition, config.dp, config.zero_stage, config.ep,
+                      self.context.torch_ddp(config))
+        states = self._states.get(states_key)
         if states is None:
-            states = self._states[key] = self._rank_states(config, placement)
-        return states.peak_total(held)
+            states = self._states[states_key] = self._rank_states(config, placement)
+        sizes = _divisors(self.context.global_batch // config.dp)
+        if config.schedule in _WARM or config.microbatch_size not in sizes:
+            b = config.microbatch_size
+            held = each * b + workspace * b if config.recomputes else each * b
+            self._floors[key] = states.peak_total(held)
+            return
+        batch = np.array(sizes, dtype=float)[:, None]  # one row per b
+        held = each * batch + workspace * batch if config.recomputes else each * batch
+        for b, total in zip(sizes, states.peak_totals(held), strict=True):
+            self._floors[key[:-1] + (b,)] = total
 
     def _rank_states(self, config: PlanConfig, placement: tuple[int, ...]) -> RankStates:
         """The model states of each rank (its stages summed: one "stage" per rank)."""

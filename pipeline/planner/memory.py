@@ -183,30 +183,47 @@ class RankStates:
 
     def peak(self, held: np.ndarray) -> tuple[MemoryBreakdown, int]:
         """The rank holding the most with `held` activation bytes per rank, and its memory."""
-        parts, rank = self._peak(held)
-        return MemoryBreakdown(*parts), rank
+        during = self.during + held
+        rank = int(np.maximum(during, self.at_step).argmax())
+        return MemoryBreakdown(*self._parts(rank, float(during[rank]), float(held[rank]))), rank
 
     def peak_total(self, held: np.ndarray) -> float:
         """`peak(held)[0].total`."""
-        (parameters, gradients, optimizer, activations), _ = self._peak(held)
+        during = self.during + held
+        rank = int(np.maximum(during, self.at_step).argmax())
+        parameters, gradients, optimizer, activations = self._parts(
+            rank, float(during[rank]), float(held[rank]))
         return parameters + gradients + optimizer + activations
 
-    def _peak(self, held: np.ndarray) -> tuple[tuple[float, float, float, float], int]:
+    def peak_totals(self, held: np.ndarray) -> list[float]:
+        """`peak_total` of each row of `held` (one set of held activations per row), the
+        same element-wise operations on all rows at once."""
         during = self.during + held
-        rank = int(np.argmax(np.maximum(during, self.at_step)))
+        ranks = np.maximum(during, self.at_step).argmax(axis=1)
+        rows = np.arange(len(held))
+        totals = []
+        for rank, now, mine in zip(ranks.tolist(), during[rows, ranks].tolist(),
+                                   held[rows, ranks].tolist(), strict=True):
+            parameters, gradients, optimizer, activations = self._parts(rank, now, mine)
+            totals.append(parameters + gradients + optimizer + activations)
+        return totals
+
+    def _parts(self, rank: int, during: float, held: float
+               ) -> tuple[float, float, float, float]:
+        """Parameters, gradients, optimizer state and activations of `rank`, which holds
+        `during` bytes while the schedule runs, `held` of them activations."""
         parameters, gradients, optimizer = self.per_parameter
-        activations, step_bytes = float(held[rank]), 0.0
-        if self.at_step[rank] > during[rank]:  # the optimizer step's peak: no activations
+        activations, step_bytes = held, 0.0
+        if self.at_step[rank] > during:  # the optimizer step's peak: no activations left
             gradients, activations = gradients + self.step_gradient_bytes, 0.0
             step_bytes = self.step_gradient_bytes / self.expert_parallel
         params = float(self.params[rank])
         if self.more is None or self.experts is None:
-            return (params * parameters, params * gradients, params * optimizer,
-                    activations), rank
+            return params * parameters, params * gradients, params * optimizer, activations
         mine, (own, grads, optimizers) = float(self.experts[rank]), self.expert_bytes
         return (params * parameters + mine * own,
                 params * gradients + float(self.more[rank]) + mine * (grads + step_bytes),
-                params * optimizer + mine * optimizers, activations), rank
+                params * optimizer + mine * optimizers, activations)
 
 
 def rank_states(stage_params: ArrayLike, placement: Sequence[int], ranks: int, *, dp: int,
