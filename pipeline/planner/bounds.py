@@ -95,7 +95,7 @@ class SearchBounds:
         batch = np.array(sizes, dtype=float)[:, None]  # one row per b
         held = each * batch + workspace * batch if config.recomputes else each * batch
         for b, total in zip(sizes, states.peak_totals(held), strict=True):
-            self._floors[key[:-1] + (b,)] = total
+            self._floors[(*key[:-1], b)] = total
 
     def _rank_states(self, config: PlanConfig, placement: tuple[int, ...]) -> RankStates:
         """The model states of each rank (its stages summed: one "stage" per rank)."""

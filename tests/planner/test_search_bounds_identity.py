@@ -256,8 +256,9 @@ def test_floors_and_bounds_equal_the_per_configuration_definitions(case: str) ->
 
 
 def test_the_cases_cover_what_the_floor_and_bound_depend_on() -> None:
-    # every enumerated configuration valid; ZeRO 0 and 1, dp > 1 with several b, recomputation modes, warm-up schedules, tied
-    # copies under ZeRO-1, experts at ep > 1, torch DDP at p = 1, uniform layers
+    # every enumerated configuration valid; ZeRO 0 and 1, dp > 1 with several b,
+    # recomputation modes, warm-up schedules, tied copies under ZeRO-1, experts at ep > 1,
+    # torch DDP at p = 1, uniform layers
     seen: dict[str, set[Any]] = {"zero": set(), "recompute": set(), "ep": set(),
                                  "schedule": set(), "b": set()}
     for model, cluster, batch, options in IDENTITY_CASES.values():
