@@ -31,6 +31,10 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
+_warm_up_held = functools.lru_cache(maxsize=4096)(warm_up_held)
+"""`peaks.warm_up_held`, asked once per (schedule, p, m, v) of a search (it is not mutated)."""
+
+
 _WARM = frozenset(name for name in SCHEDULES if same_trace_as(name) in WARM_UP_FORMS)
 
 
@@ -42,9 +46,8 @@ class SearchBounds:
     _parts: dict[tuple[Any, ...], tuple[np.ndarray, ...]] = field(default_factory=dict)
     _floors: dict[tuple[Any, ...], float] = field(default_factory=dict)
     _bounds: dict[tuple[Any, ...], float] = field(default_factory=dict)
-    _warm_held: dict[tuple[Any, ...], np.ndarray | None] = field(default_factory=dict)
+    _warm_held: dict[tuple[Any, ...], np.ndarray] = field(default_factory=dict)
     _states: dict[tuple[Any, ...], RankStates] = field(default_factory=dict)
-    _held: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     _placement_ids: dict[tuple[str, int, int], int] = field(default_factory=dict)
     _placements: dict[tuple[int, ...], int] = field(default_factory=dict)
 
@@ -73,25 +76,26 @@ class SearchBounds:
         return self._placement_ids[key]
 
     def _floor(self, config: PlanConfig, key: tuple[Any, ...]) -> None:
-        """The floor of `key` (`memory_floor`'s, b last): per rank, one sample's held bytes
-        times b against the model states, both kept per what they depend on (`RankStates`:
-        partition, placement, dp, ZeRO, ep). Outside zb-v and dualpipev (whose held bytes
-        depend on m) every b that divides the dp replica's batch is priced at once."""
+        """The floor of `key` (`memory_floor`'s, b last) and of every other b that divides
+        the dp replica's batch, at once: per rank, one sample's held bytes times b against
+        the model states, both kept per what they depend on (`RankStates`: partition,
+        placement, dp, ZeRO, ep), the same element-wise operations on one row per b."""
         placement = schedule_placement(config.schedule, config.pp, config.chunks)
         partition = (config.pp * config.chunks, config.tp, config.recompute,
                      config.recompute_layers, placement)
-        each, workspace = self._held_per_sample(config, partition)
         states_key = (partition, config.dp, config.zero_stage, config.ep,
                       self.context.torch_ddp(config))
         states = self._states.get(states_key)
         if states is None:
             states = self._states[states_key] = self._rank_states(config, placement)
-        sizes = _divisors(self.context.global_batch // config.dp)
-        if config.schedule in _WARM or config.microbatch_size not in sizes:
-            b = config.microbatch_size
-            held = each * b + workspace * b if config.recomputes else each * b
-            self._floors[key] = states.peak_total(held)
-            return
+        replica = self.context.global_batch // config.dp
+        sizes = _divisors(replica)
+        counts = [replica // size for size in sizes]
+        if config.microbatch_size * config.num_microbatches != replica:  # not a search's
+            sizes, counts = (config.microbatch_size,), [config.num_microbatches]
+        _, each, workspace = self.context.rank_sums(config)
+        if config.schedule in _WARM:  # what a rank holds at its first release depends on m
+            each = np.array([self._warm_bytes(config, partition, m, each) for m in counts])
         batch = np.array(sizes, dtype=float)[:, None]  # one row per b
         held = each * batch + workspace * batch if config.recomputes else each * batch
         for b, total in zip(sizes, states.peak_totals(held), strict=True):
@@ -108,31 +112,17 @@ class SearchBounds:
                            stage_expert_params=self.context.rank_experts(config),
                            expert_parallel=config.ep, **self.context.engine_bytes(config))
 
-    def _held_per_sample(self, config: PlanConfig, partition: tuple[Any, ...]
-                         ) -> tuple[np.ndarray, np.ndarray]:
-        """Per rank, the activation bytes per sample of the floor (one of each of its
-        stages, or a V-shaped schedule's first release) and the recomputation workspace."""
-        warm = config.schedule in _WARM
-        key = (partition, config.schedule, config.num_microbatches) if warm else partition
-        if key not in self._held:
-            _, each, workspace = self.context.rank_sums(config)
-            warm_bytes = self._warm_bytes(config) if warm else None
-            if warm_bytes is not None:  # per sample, at least one of each stage: no lower
-                each = warm_bytes
-            self._held[key] = (each, workspace)
-        return self._held[key]
-
-    def _warm_bytes(self, config: PlanConfig) -> np.ndarray | None:
-        """Per rank, the bytes per sample `peaks.warm_up_held` counts (None: not a V-shaped
-        schedule), once per partition and (p, m, v): configurations differing in ZeRO and
-        dp · b splits share it."""
-        key = (config.schedule, config.pp, config.num_microbatches, config.chunks,
-               config.tp, config.recompute, config.recompute_layers)
+    def _warm_bytes(self, config: PlanConfig, partition: tuple[Any, ...], m: int,
+                    each: np.ndarray) -> np.ndarray:
+        """Per rank, the bytes per sample `peaks.warm_up_held` counts at m microbatches
+        (`each`, one of each stage, where it has none): kept per partition and the counts,
+        which stop changing with m once m passes them."""
+        held_first = _warm_up_held(config.schedule, config.pp, m, config.chunks)
+        if held_first is None:
+            return each
+        key = (partition, held_first.held.tobytes())
         if key not in self._warm_held:
-            held_first = warm_up_held(config.schedule, config.pp, config.num_microbatches,
-                                      config.chunks)
-            self._warm_held[key] = None if held_first is None else held_first.peak_bytes(
-                self.context.table(config).held)
+            self._warm_held[key] = held_first.peak_bytes(self.context.table(config).held)
         return self._warm_held[key]
 
     def lower_bound(self, config: PlanConfig) -> float:
