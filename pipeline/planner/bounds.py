@@ -31,6 +31,15 @@ def _divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
+@functools.lru_cache(maxsize=1024)
+def _rank_layout(placement: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The placement as an array, and each rank's first stage."""
+    firsts: dict[int, int] = {}
+    for stage, rank in enumerate(placement):
+        firsts.setdefault(rank, stage)
+    return np.asarray(placement), np.array([firsts[rank] for rank in range(len(firsts))])
+
+
 _warm_up_held = functools.lru_cache(maxsize=4096)(warm_up_held)
 """`peaks.warm_up_held`, asked once per (schedule, p, m, v) of a search (it is not mutated)."""
 
@@ -161,19 +170,16 @@ class SearchBounds:
         placement, fused, b = key[4], key[6], config.microbatch_size
         if key not in self._parts:
             table = self.context.table(config)
-            costs, split = table.costs(b), table.costs(b, split=True)
+            costs = table.costs(b)
             fused_backward = costs.input_grad + costs.weight_grad  # what B costs fused
             if fused:  # simulated on fused costs, every backward a B
                 totals, chain = costs.total, fused_backward
             else:  # split costs when it has an I (B = I + W there), fused ones otherwise
+                split = table.costs(b, split=True)
                 totals = np.minimum(costs.total, split.total)
                 chain = np.minimum(split.input_grad, fused_backward)
-            where = np.asarray(placement)
+            where, first = _rank_layout(placement)
             busy = np.bincount(where, weights=totals, minlength=config.pp)
-            firsts: dict[int, int] = {}  # each rank's first stage
-            for stage, rank in enumerate(placement):
-                firsts.setdefault(rank, stage)
-            first = np.array([firsts[rank] for rank in range(config.pp)])
             fill = np.concatenate([[0.0], np.cumsum(costs.forward)])[first]
             chain_work = np.bincount(where, weights=costs.forward + chain, minlength=config.pp)
             chain_back = np.concatenate([[0.0], np.cumsum(chain)])[first]

@@ -171,7 +171,7 @@ class PlanContext:
             prices = self._prices.get((config.tp, config.recompute))
             if prices is None:  # shared by the tables of one tp size and recomputation mode
                 prices = self._prices[config.tp, config.recompute] = LayerPrices.of(
-                    self.model.layers)
+                    self.model.layers, next(iter(self._prices.values()), None))
             self._tables[key] = StageTable.build(self.model.layers, cuts, self.cluster,
                                                  self.precision, config.tp, config.recompute,
                                                  config.recompute_layers, self.tp_overlap,

@@ -85,7 +85,11 @@ class LayerPrices:
     _sizes: dict[tuple[Any, ...], tuple[float, ...]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, layers: Sequence[LayerProfile]) -> LayerPrices:
+    def of(cls, layers: Sequence[LayerProfile], like: LayerPrices | None = None
+           ) -> LayerPrices:
+        """Empty prices of `layers`, their kinds taken from `like` (of the same layers)."""
+        if like is not None and like.layers == tuple(layers):
+            return cls(like.layers, like.kinds, like.same)
         shapes: dict[object, int] = {}
         kinds = tuple(shapes.setdefault(layer.shape if layer.shape is not None else
                                         (index,), index) for index, layer in enumerate(layers))
