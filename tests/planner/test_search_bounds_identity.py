@@ -41,7 +41,8 @@ from tests.planner.test_search_pruning import CASES, _cluster
 __all__: list[str] = []
 
 MOE = load_model("layers=6,hidden=512,heads=8,vocab=1000,seq=256,mlp=swiglu,norm=rmsnorm,"
-                 "bias=none,learned_positions=false,ffn=1024,experts=4,topk=2,expert_ffn=1024")
+                 "bias=none,learned_positions=false,ffn=1024,experts=4,topk=2,expert_ffn=1024,"
+                 "tied_embeddings=true")
 IDENTITY_CASES = {name: CASES[name] for name in (
     "tp-and-v-schedules", "megatron-2021-step-peak", "tied-embeddings",
     "tied-megatron-2021-engine", "deeper-tight-zero", "overlapped-param-gather")} | {
