@@ -79,9 +79,14 @@ class LayerPrices:
     """Per layer, its kind: the index of the first layer of its shape."""
     same: tuple[int, ...]
     """Per layer, the index of the first layer equal to it but for its name."""
+    runs: list[tuple[int, ...]] = field(default_factory=list)
+    """The kinds of each run of layers numbered so far (`compositions`)."""
+    _numbers: dict[tuple[int, ...], int] = field(default_factory=dict)
+    _compositions: dict[tuple[tuple[int, ...], int], tuple[tuple[int, ...], ...]] = field(
+        default_factory=dict)
     _layer: dict[tuple[int, int], tuple[float, ...]] = field(default_factory=dict)
-    _sums: dict[tuple[tuple[int, ...], int], np.ndarray] = field(default_factory=dict)
-    _again: dict[tuple[tuple[int, ...], int], float] = field(default_factory=dict)
+    _sums: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    _again: dict[tuple[int, int], float] = field(default_factory=dict)
     _sizes: dict[tuple[Any, ...], tuple[float, ...]] = field(default_factory=dict)
 
     @classmethod
@@ -97,6 +102,26 @@ class LayerPrices:
         same = tuple(equal.setdefault(replace(layer, name=""), index)
                      for index, layer in enumerate(layers))
         return cls(tuple(layers), kinds, same)
+
+    def compositions(self, boundaries: tuple[int, ...], recompute_layers: int
+                     ) -> tuple[tuple[int, ...], ...]:
+        """Per stage of the cuts `boundaries`: the number of the kinds it runs (`runs`), and
+        of those of its first `recompute_layers` layers (all when 0); stages that run the
+        same kinds get the same numbers."""
+        key = (boundaries, recompute_layers)
+        if key not in self._compositions:
+            stages = [self.kinds[a:b] for a, b in pairwise(boundaries)]
+            k = recompute_layers
+            self._compositions[key] = (
+                tuple(self._number(kinds) for kinds in stages),
+                tuple(self._number(kinds[:k or len(kinds)]) for kinds in stages))
+        return self._compositions[key]
+
+    def _number(self, kinds: tuple[int, ...]) -> int:
+        if kinds not in self._numbers:
+            self._numbers[kinds] = len(self.runs)
+            self.runs.append(kinds)
+        return self._numbers[kinds]
 
     def stage_sizes(self, stage: Sequence[LayerProfile], same: tuple[int, ...], tp: int,
                     recompute: str, recompute_layers: int) -> tuple[float, ...]:
@@ -225,23 +250,23 @@ class StageTable:
                                           sum(comm), again[self.recompute])
                 return prices._layer[key]
 
-            def stage_sums(kinds: tuple[int, ...]) -> np.ndarray:
-                key = (kinds, batch)
+            def stage_sums(run: int) -> np.ndarray:
+                key = (run, batch)
                 if key not in prices._sums:
-                    prices._sums[key] = np.sum([price(kind)[:5] for kind in kinds], axis=0)
+                    prices._sums[key] = np.sum([price(kind)[:5] for kind in prices.runs[run]],
+                                               axis=0)
                 return prices._sums[key]
 
-            def stage_again(kinds: tuple[int, ...]) -> float:
-                key = (kinds, batch)
+            def stage_again(run: int) -> float:
+                key = (run, batch)
                 if key not in prices._again:
-                    prices._again[key] = sum(price(kind)[5] for kind in kinds)
+                    prices._again[key] = sum(price(kind)[5] for kind in prices.runs[run])
                 return prices._again[key]
 
             overhead = self.cluster.op_overhead  # the runtime's fixed cost, once per op
-            k = self.recompute_layers
-            kinds = [prices.kinds[a:b] for a, b in pairwise(self.boundaries)]
-            sums = np.array([stage_sums(stage) for stage in kinds])
-            again = np.array([stage_again(stage[:k or len(stage)]) for stage in kinds])
+            stages, recomputed = prices.compositions(self.boundaries, self.recompute_layers)
+            sums = np.array([stage_sums(run) for run in stages])
+            again = np.array([stage_again(run) for run in recomputed])
             sums[:, :4] += overhead
             if self.recompute != "none":  # the recomputation is one more forward op
                 again += overhead
