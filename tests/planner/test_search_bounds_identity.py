@@ -17,12 +17,7 @@ import pipeline.planner.data_parallel as data_parallel
 from partition import LayerCost, chain_graph, partition_graph
 from pipeline.planner import SearchOptions, load_model
 from pipeline.planner.bounds import FUSED_BACKWARD, SearchBounds
-from pipeline.planner.memory import (
-    GRAD_BYTES,
-    peak_rank_memory,
-    recompute_workspace,
-    stage_activation_bytes,
-)
+from pipeline.planner.memory import GRAD_BYTES, recompute_workspace, stage_activation_bytes
 from pipeline.planner.peaks import warm_up_held
 from pipeline.planner.predict import PlanConfig, PlanContext
 from pipeline.planner.pricing import (
@@ -36,6 +31,7 @@ from pipeline.planner.search import _configs, _context
 from pipeline.planner.stages import uniform_boundaries
 from pipeline.planner.tied import tied_allreduce_seconds, tied_step_reduction
 from schedules import SCHEDULES
+from schedules.analysis.accounting import expert_state_bytes, model_state_bytes
 from tests.planner.test_search_pruning import CASES, _cluster
 
 __all__: list[str] = []
@@ -49,6 +45,46 @@ IDENTITY_CASES = {name: CASES[name] for name in (
     "moe-experts": (MOE, _cluster(4.0, 2), 32, SearchOptions(
         max_chunks=2, schedules=("1f1b", "interleaved", "zb-h1", "zb-v"))),
 }
+
+
+def _peak_total(params: np.ndarray, held: np.ndarray, tied: np.ndarray | None,
+                experts: np.ndarray | None, *, dp: int, zero: int, ep: int,
+                extra_gradient_bytes: float, step_gradient_bytes: float,
+                state_bytes: tuple[float, float, float] | None) -> float:
+    """`peak_rank_memory(...)[0].total` with one "stage" per rank, as it was written before
+    the search kept its parts (frozen here: the floor's code under test shares it)."""
+    states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
+    parameters, gradients, optimizer = model_state_bytes("fp32").parameters, \
+        states.gradients, states.optimizer
+    if state_bytes is not None:
+        parameters, gradients, optimizer = state_bytes
+        optimizer = optimizer / dp if zero else optimizer
+    gradients, step = gradients + extra_gradient_bytes, step_gradient_bytes
+    more = np.zeros(len(held)) if tied is None else tied
+    expert_bytes = np.zeros(3)
+    if experts is None:
+        experts = np.zeros(len(held))
+    elif state_bytes is not None:
+        expert_bytes = np.array(state_bytes) / ep
+        expert_bytes[2] *= ep / dp if zero else 1.0
+    else:
+        own = expert_state_bytes("fp32", expert_parallel=ep, data_parallel=dp,
+                                 zero_stage=min(zero, 1))
+        expert_bytes = np.array([own.parameters, own.gradients + extra_gradient_bytes / ep,
+                                 own.optimizer])
+    expert_states = experts * expert_bytes.sum()
+    during = params * (parameters + gradients + optimizer) + expert_states + more + held
+    at_step = params * (parameters + gradients + step + optimizer) + expert_states \
+        + experts * step / ep + more
+    rank = int(np.argmax(np.maximum(during, at_step)))
+    activations, step_bytes = float(held[rank]), 0.0
+    if at_step[rank] > during[rank]:  # the optimizer step's peak: no activations left
+        gradients, activations, step_bytes = gradients + step, 0.0, step / ep
+    mine = experts[rank]
+    return (float(params[rank] * parameters + mine * expert_bytes[0])
+            + float(params[rank] * gradients + more[rank]
+                    + mine * (expert_bytes[1] + step_bytes))
+            + float(params[rank] * optimizer + mine * expert_bytes[2]) + activations)
 
 
 class Oracle:
@@ -129,12 +165,8 @@ class Oracle:
             tied = np.bincount(where, weights=tied_held * GRAD_BYTES, minlength=pp)
         experts = np.bincount(where, weights=a["experts"], minlength=pp) \
             if context.model.experts else None
-        memory, _ = peak_rank_memory(params, held, np.zeros(pp), range(pp), dp=config.dp,
-                                     zero=config.zero_stage, recompute=False,
-                                     stage_gradient_bytes=tied, stage_expert_params=experts,
-                                     expert_parallel=config.ep,
-                                     **context.engine_bytes(config))
-        return memory.total
+        return _peak_total(params, held, tied, experts, dp=config.dp, zero=config.zero_stage,
+                           ep=config.ep, **context.engine_bytes(config))
 
     def _prices(self, layer: LayerProfile, index: int, b: int, tp: int, recompute: str
                 ) -> tuple[float, ...]:
