@@ -57,6 +57,8 @@ class SearchBounds:
     _bounds: dict[tuple[Any, ...], float] = field(default_factory=dict)
     _warm_held: dict[tuple[Any, ...], np.ndarray] = field(default_factory=dict)
     _states: dict[tuple[Any, ...], RankStates] = field(default_factory=dict)
+    _groups: dict[tuple[Any, ...], tuple[RankStates, dict[int, tuple[int, float, float]]]] = \
+        field(default_factory=dict)
     _placement_ids: dict[tuple[str, int, int], int] = field(default_factory=dict)
     _placements: dict[tuple[int, ...], int] = field(default_factory=dict)
 
@@ -71,8 +73,7 @@ class SearchBounds:
                config.microbatch_size)
         floor = self._floors.get(key)
         if floor is None:
-            self._floor(config, key)
-            floor = self._floors[key]
+            floor = self._floors[key] = self._floor(config, key)
         return floor
 
     def _placement_id(self, config: PlanConfig) -> int:
@@ -84,11 +85,29 @@ class SearchBounds:
                                                                    len(self._placements))
         return self._placement_ids[key]
 
-    def _floor(self, config: PlanConfig, key: tuple[Any, ...]) -> None:
-        """The floor of `key` (`memory_floor`'s, b last) and of every other b that divides
-        the dp replica's batch, at once: per rank, one sample's held bytes times b against
-        the model states, both kept per what they depend on (`RankStates`: partition,
-        placement, dp, ZeRO, ep), the same element-wise operations on one row per b."""
+    def _floor(self, config: PlanConfig, key: tuple[Any, ...]) -> float:
+        """The floor of `key` (`memory_floor`'s, b last): per rank, one sample's held bytes
+        times b against the model states, both kept per what they depend on (`RankStates`:
+        partition, placement, dp, ZeRO, ep). Every b that divides the dp replica's batch is
+        priced at once, the same element-wise operations on one row per b; each row's
+        breakdown is summed when its b is asked for."""
+        b, replica = config.microbatch_size, self.context.global_batch // config.dp
+        searched = b * config.num_microbatches == replica  # as the search makes them
+        group = self._groups.get(key[:-1]) if searched else None
+        if group is None or b not in group[1]:
+            sizes = _divisors(replica) if searched else (b,)
+            counts = [replica // size for size in sizes] if searched \
+                else [config.num_microbatches]
+            group = self._group(config, sizes, counts)
+            if searched:
+                self._groups[key[:-1]] = group
+        states, rows = group
+        return states.total_at(*rows[b])
+
+    def _group(self, config: PlanConfig, sizes: tuple[int, ...], counts: list[int]
+               ) -> tuple[RankStates, dict[int, tuple[int, float, float]]]:
+        """The model states of `config`'s ranks, and per microbatch size in `sizes` (with
+        `counts` microbatches) what `RankStates.peak_rows` finds of its held bytes."""
         placement = schedule_placement(config.schedule, config.pp, config.chunks)
         partition = (config.pp * config.chunks, config.tp, config.recompute,
                      config.recompute_layers, placement)
@@ -97,18 +116,12 @@ class SearchBounds:
         states = self._states.get(states_key)
         if states is None:
             states = self._states[states_key] = self._rank_states(config, placement)
-        replica = self.context.global_batch // config.dp
-        sizes = _divisors(replica)
-        counts = [replica // size for size in sizes]
-        if config.microbatch_size * config.num_microbatches != replica:  # not a search's
-            sizes, counts = (config.microbatch_size,), [config.num_microbatches]
         _, each, workspace = self.context.rank_sums(config)
         if config.schedule in _WARM:  # what a rank holds at its first release depends on m
             each = np.array([self._warm_bytes(config, partition, m, each) for m in counts])
         batch = np.array(sizes, dtype=float)[:, None]  # one row per b
         held = each * batch + workspace * batch if config.recomputes else each * batch
-        for b, total in zip(sizes, states.peak_totals(held), strict=True):
-            self._floors[(*key[:-1], b)] = total
+        return states, dict(zip(sizes, states.peak_rows(held), strict=True))
 
     def _rank_states(self, config: PlanConfig, placement: tuple[int, ...]) -> RankStates:
         """The model states of each rank (its stages summed: one "stage" per rank)."""

@@ -191,22 +191,22 @@ class RankStates:
         """`peak(held)[0].total`."""
         during = self.during + held
         rank = int(np.maximum(during, self.at_step).argmax())
-        parameters, gradients, optimizer, activations = self._parts(
-            rank, float(during[rank]), float(held[rank]))
-        return parameters + gradients + optimizer + activations
+        return self.total_at(rank, float(during[rank]), float(held[rank]))
 
-    def peak_totals(self, held: np.ndarray) -> list[float]:
-        """`peak_total` of each row of `held` (one set of held activations per row), the
-        same element-wise operations on all rows at once."""
+    def peak_rows(self, held: np.ndarray) -> list[tuple[int, float, float]]:
+        """For each row of `held` (one set of held activations per row), what `peak` finds
+        with the same element-wise operations, all rows at once: the rank holding the most,
+        the bytes it holds while the schedule runs, and its activations (`total_at`)."""
         during = self.during + held
         ranks = np.maximum(during, self.at_step).argmax(axis=1)
         rows = np.arange(len(held))
-        totals = []
-        for rank, now, mine in zip(ranks.tolist(), during[rows, ranks].tolist(),
-                                   held[rows, ranks].tolist(), strict=True):
-            parameters, gradients, optimizer, activations = self._parts(rank, now, mine)
-            totals.append(parameters + gradients + optimizer + activations)
-        return totals
+        return list(zip(ranks.tolist(), during[rows, ranks].tolist(),
+                        held[rows, ranks].tolist(), strict=True))
+
+    def total_at(self, rank: int, during: float, held: float) -> float:
+        """`peak_total` from what `peak_rows` finds of one row."""
+        parameters, gradients, optimizer, activations = self._parts(rank, during, held)
+        return parameters + gradients + optimizer + activations
 
     def _parts(self, rank: int, during: float, held: float
                ) -> tuple[float, float, float, float]:
