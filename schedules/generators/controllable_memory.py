@@ -16,11 +16,14 @@ Legend: p ranks; on rank r, down stage r and up stage 2p-1-r; slot = unit time.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
+from itertools import accumulate, islice
+from operator import add
 
 import numpy as np
 
-from schedules.ir.instructions import NONE, Instruction, Kind, instruction_from
+from schedules.ir.instructions import Instruction, Kind, stage_ops
 from schedules.ir.schedule import Schedule, check_count, v_placement
 
 __all__ = ["building_block", "v_half", "v_min"]
@@ -66,7 +69,7 @@ def _from_block(name: str, num_ranks: int, num_microbatches: int, variant: str) 
     slots = [{(t, i): block[r][t] + _PER_BLOCK * i for t in range(4) for i in range(m)}
              for r in range(p)]
     _squeeze(p, m, slots)
-    streams = tuple(_stream(p, r, slots[r]) for r in range(p))
+    streams = tuple(_stream(p, r, slots[r], m) for r in range(p))
     return Schedule(name, m, v_placement(p), streams)
 
 
@@ -85,11 +88,6 @@ def _dependencies(p: int, r: int, t: int, i: int) -> list[tuple[int, int, int]]:
     return deps
 
 
-def _peak(slots: dict[tuple[int, int], int]) -> int:
-    """Most chunk activations held, with each W in the next free slot after its I."""
-    return _occupancy_peak(_occupancy(slots))
-
-
 def _occupancy(slots: dict[tuple[int, int], int]) -> np.ndarray:
     """Per slot, the type of the op in it (-1: free)."""
     where = np.fromiter(slots.values(), dtype=np.int64, count=len(slots))
@@ -99,18 +97,69 @@ def _occupancy(slots: dict[tuple[int, int], int]) -> np.ndarray:
     return occupied
 
 
-def _occupancy_peak(occupied: np.ndarray) -> int:
-    """`_peak` of a rank's slots as `_occupancy` gives them. The Ws form a queue served one
-    per free slot: by slot x, D(x) = S(x) + min(0, min_{y <= x} (A(y) - S(y))) of them ran
-    (Lindley's recursion unrolled), A counting the Is and S the free slots up to there;
-    held = forwards - D, largest at a forward. Vectorised: `_squeeze` asks it of every move
-    it tries."""
-    forward = (occupied == _F_DOWN) | (occupied == _F_UP)
-    free = occupied < 0
-    arrived = np.cumsum(~forward & ~free)
-    served = np.cumsum(free)
-    done = served + np.minimum(np.minimum.accumulate(arrived - served), 0)
-    return max(0, int((np.cumsum(forward) - done).max()))
+class _Row:
+    """One rank's slots and the running sums that give its peak memory, kept in step with
+    every move `_move_if_fits` makes.
+
+    Most chunk activations held, with each W in the next free slot after its I: the Ws form
+    a queue served one per free slot, so by slot x (Lindley's recursion unrolled)
+        idle(x) = max(0, max_{y <= x} gap(y)),  gap = S - A,
+    free slots that found the queue empty (S counts free slots up to x, A the Is), and
+        held(x) = excess(x) + idle(x),  excess = Fw - S
+    (Fw the forwards up to x): forwards minus Ws done, D = S - idle of them. The peak is
+    max(0, max_x held(x)). Lists, not arrays: a move changes them over a short window.
+    """
+
+    __slots__ = ("excess", "gap", "idle", "limit", "occupied")
+
+    def __init__(self, slots: dict[tuple[int, int], int]) -> None:
+        occupied = _occupancy(slots)
+        forward = (occupied == _F_DOWN) | (occupied == _F_UP)
+        free = occupied < 0
+        served = np.cumsum(free)
+        excess = np.cumsum(forward) - served
+        gap = served - np.cumsum(~forward & ~free)
+        idle = np.maximum(np.maximum.accumulate(gap), 0)
+        self.occupied: list[int] = occupied.tolist()
+        self.excess: list[int] = excess.tolist()
+        self.gap: list[int] = gap.tolist()
+        self.idle: list[int] = idle.tolist()
+        # `_squeeze` keeps every row's peak at most the block's own
+        self.limit = max(0, int((excess + idle).max()))
+
+
+def _move_if_fits(row: _Row, t: int, earlier: int, slot: int) -> bool:
+    """Move the op of type t in `slot` to the free slot `earlier` unless that raises the
+    row's peak above its limit; True if it moved.
+
+    Only [earlier, slot) changes: there excess rises by `rise` (the op's forward, one free
+    slot fewer) and gap falls by `fall` (one free slot fewer, its I earlier); `_squeeze`
+    moves ops in slot order, so gap from `slot` on, all `_move_if_fits` reads of it, is
+    still the block's and is never updated. Before
+    `earlier` nothing changes; from `slot` on idle can only fall, so held too. In the
+    window, with `before` = idle(earlier - 1): up to the first slot q where idle exceeds
+    before + fall, the new idle is `before`; from q on, the gap there sets it, idle - fall.
+    """
+    forward = t in (_F_DOWN, _F_UP)
+    rise, fall = (2, 1) if forward else (1, 2)
+    excess, idle, limit = row.excess, row.idle, row.limit
+    before = idle[earlier - 1] if earlier else 0
+    q = min(bisect_right(idle, before + fall), slot)  # idle never decreases
+    if q > earlier and max(excess[earlier:q]) + before + rise > limit:
+        return False
+    if q < slot and max(map(add, excess[q:slot], idle[q:slot])) + rise - fall > limit:
+        return False
+    row.occupied[earlier], row.occupied[slot] = t, -1
+    excess[earlier:slot] = [x + rise for x in excess[earlier:slot]]
+    old_end = idle[slot - 1]
+    idle[earlier:q] = [before] * (q - earlier)
+    idle[q:slot] = [x - fall for x in idle[q:slot]]
+    new_end = idle[slot - 1]
+    if new_end != old_end:  # from `slot` on, idle had stayed at old_end until `unchanged`
+        unchanged = bisect_right(idle, old_end, lo=slot)
+        idle[slot:unchanged] = islice(
+            accumulate(row.gap[slot:unchanged], max, initial=new_end), 1, None)
+    return True
 
 
 def _squeeze(p: int, m: int, slots: list[dict[tuple[int, int], int]]) -> None:
@@ -118,40 +167,40 @@ def _squeeze(p: int, m: int, slots: list[dict[tuple[int, int], int]]) -> None:
     earliest free slot after its dependencies on its rank, unless that raises the rank's
     peak memory. The steady phase (from rank 0's first down-stage I to its last forward)
     is left alone: the block leaves it no free slot."""
-    occupancy = [_occupancy(mine) for mine in slots]  # kept in step with `slots`
-    limits = [_occupancy_peak(row) for row in occupancy]
+    rows = [_Row(mine) for mine in slots]  # kept in step with `slots`
     steady_from, steady_to = slots[0][_I_DOWN, 0], slots[0][_F_DOWN, m - 1]
     for slot, r, t, i in sorted((slot, r, t, i) for r, mine in enumerate(slots)
                                 for (t, i), slot in mine.items()):
         if steady_from <= slot <= steady_to:
             continue
-        mine, row = slots[r], occupancy[r]
+        row = rows[r]
+        occupied = row.occupied
         ready = 1 + max((slots[q][u, j] for q, u, j in _dependencies(p, r, t, i)), default=-1)
         for earlier in range(ready, slot):
-            if row[earlier] >= 0:
-                continue
-            row[earlier], row[slot] = t, -1
-            if _occupancy_peak(row) <= limits[r]:
-                mine[t, i] = earlier
+            if occupied[earlier] < 0 and _move_if_fits(row, t, earlier, slot):
+                slots[r][t, i] = earlier
                 break
-            row[earlier], row[slot] = -1, t
 
 
-def _stream(p: int, r: int, slots: dict[tuple[int, int], int]) -> tuple[Instruction, ...]:
+def _stream(p: int, r: int, slots: dict[tuple[int, int], int], m: int) -> tuple[
+        Instruction, ...]:
     """Rank r's ops in slot order, each W in the next free slot after its I (oldest first)."""
-    stage = {_F_DOWN: r, _F_UP: 2 * p - 1 - r, _I_UP: 2 * p - 1 - r, _I_DOWN: r}
+    down, up = r, 2 * p - 1 - r
+    stage = (down, up, up, down)  # of each op type
+    ops = {(kind, s): stage_ops(kind, s, m) for kind in (Kind.F, Kind.I, Kind.W)
+           for s in (down, up)}
+    kinds = (Kind.F, Kind.F, Kind.I, Kind.I)
     by_slot = {slot: key for key, slot in slots.items()}
     out: list[Instruction] = []
-    pending: deque[tuple[int, int]] = deque()
+    pending: deque[Instruction] = deque()  # the W of each I, in I order
     for slot in range(max(by_slot) + 1):
         if slot not in by_slot:
             if pending:
-                out.append(instruction_from((Kind.W, *pending.popleft(), NONE)))
+                out.append(pending.popleft())
             continue
         t, i = by_slot[slot]
-        kind = Kind.F if t in (_F_DOWN, _F_UP) else Kind.I
-        out.append(instruction_from((kind, stage[t], i, NONE)))
-        if kind is Kind.I:
-            pending.append((stage[t], i))
-    out.extend(instruction_from((Kind.W, s, i, NONE)) for s, i in pending)
+        out.append(ops[kinds[t], stage[t]][i])
+        if t >= _I_UP:
+            pending.append(ops[Kind.W, stage[t]][i])
+    out.extend(pending)
     return tuple(out)

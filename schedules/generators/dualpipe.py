@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from itertools import compress, repeat
+from operator import and_, is_, itemgetter
+
 from schedules.ir.errors import ScheduleConfigError
-from schedules.ir.instructions import Instruction, Kind
+from schedules.ir.instructions import Instruction, Kind, stage_ops
 from schedules.ir.schedule import Schedule, check_count, v_placement
 from schedules.ir.steps import StepTable, emit_steps
 
@@ -33,22 +36,28 @@ def dualpipev(num_ranks: int, num_microbatches: int, *, overlap: bool = False) -
     if overlap:
         # DualPipe leaves the V's bottom rank's first main-step F0 B1 unpaired: the two
         # are on one rank back to back, and overlapping them would only delay the B.
-        streams = tuple(_pair_up(stream, skip_first=r == p - 1)
+        streams = tuple(_pair_up(stream, (r, 2 * p - 1 - r), m, skip_first=r == p - 1)
                         for r, stream in enumerate(streams))
     return Schedule("dualpipev-overlap" if overlap else "dualpipev", m, v_placement(p), streams)
 
 
-def _pair_up(stream: tuple[Instruction, ...], *, skip_first: bool) -> tuple[Instruction, ...]:
+def _pair_up(stream: tuple[Instruction, ...], stages: tuple[int, ...], m: int, *,
+             skip_first: bool) -> tuple[Instruction, ...]:
     """Each B that directly follows an F (of another microbatch) becomes OVERLAP_B, except
-    the first such B when `skip_first`."""
+    the first such B when `skip_first`. `stages`: the rank's, m: the microbatches."""
+    overlapped = {stage: stage_ops(Kind.OVERLAP_B, stage, m) for stage in stages}
+    kinds = list(map(itemgetter(0), stream))
+    # C iterators find the Bs right after an F; only those (a few per main step) are looked at
+    after_forward = map(and_, map(is_, kinds[1:], repeat(Kind.B)),
+                        map(is_, kinds[:-1], repeat(Kind.F)))
     out = list(stream)
-    for k in range(1, len(out)):
+    for k in compress(range(1, len(out)), after_forward):
         before, op = out[k - 1], out[k]
-        if op.kind is Kind.B and before.kind is Kind.F and before.microbatch != op.microbatch:
+        if before.microbatch != op.microbatch:
             if skip_first:
                 skip_first = False
                 continue
-            out[k] = Instruction(Kind.OVERLAP_B, op.stage, op.microbatch)
+            out[k] = overlapped[op.stage][op.microbatch]
     return tuple(out)
 
 
