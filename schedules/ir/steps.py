@@ -11,13 +11,12 @@ weight queue). Every chunk takes its microbatches in order 0, 1, 2, ... per kind
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from schedules.ir.errors import ScheduleConfigError
-from schedules.ir.instructions import NONE, Instruction, Kind, instruction_from, stage_ops
+from schedules.ir.instructions import NONE, Instruction, Kind, stage_ops
 
 __all__ = ["StepTable", "emit_steps"]
 
@@ -51,15 +50,16 @@ class _Layout:
     """Where each token of a pattern takes its microbatch from, per repeat of the pattern.
 
     A token is the `offset`-th of its counter's tokens in the pattern (forwards of its
-    chunk; fused and input backwards of its chunk, which share a counter; Ws of its chunk),
-    which has `stride` of them: in repeat t it takes the counter's value + t·stride + offset.
+    chunk; fused and input backwards of its chunk, which share a counter; Ws of its chunk;
+    bare Ws), which has `stride` of them: in repeat t it takes the counter's value +
+    t·stride + offset.
     """
 
     tokens: tuple[tuple[Kind, int], ...]
     offsets: tuple[int, ...]
     strides: tuple[int, ...]
     inputs_before: tuple[int, ...]
-    """Per token: the pattern's I tokens of its chunk before it (a W's supply)."""
+    """Per token: the pattern's I tokens before it (of its chunk; of any for a bare W)."""
     input_slot: tuple[int, ...]
     """Per I token: its place among the I tokens of its chunk (others: -1)."""
     input_order: tuple[int, ...]
@@ -67,9 +67,9 @@ class _Layout:
     inputs: tuple[int, ...]
     """Per chunk: the pattern's I tokens."""
     weights: tuple[int, ...]
-    """Per chunk: the pattern's W tokens (a bare W counts for none)."""
-    bare_weight: bool
-    """A bare W takes the oldest queued W of any chunk: such rows run token by token."""
+    """Per chunk: the pattern's W tokens of that chunk."""
+    bare_weights: int
+    """The pattern's bare W tokens."""
 
 
 @lru_cache(maxsize=1024)
@@ -83,7 +83,7 @@ def _layout(pattern: str, chunks: int) -> _Layout:
         groups.append(group)
         offsets.append(seen.get(group, 0))
         seen[group] = offsets[-1] + 1
-        inputs_before.append(inputs[chunk] if chunk != NONE else 0)
+        inputs_before.append(inputs[chunk] if chunk != NONE else sum(inputs))
         if kind is Kind.I:
             input_slot.append(inputs[chunk])
             input_order.append(sum(inputs))
@@ -95,110 +95,144 @@ def _layout(pattern: str, chunks: int) -> _Layout:
             weights[chunk] += 1
     return _Layout(tokens, tuple(offsets), tuple(seen[group] for group in groups),
                    tuple(inputs_before), tuple(input_slot), tuple(input_order), tuple(inputs),
-                   tuple(weights), any(chunk == NONE for _, chunk in tokens))
+                   tuple(weights), seen.get(("W", NONE), 0))
 
 
 class _Counters:
-    """Per chunk: the next forward and backward microbatch, every I so far (its microbatch
-    and its place in the W queue) and how many of them a W took. The queue of the module
-    docstring is these lists: a chunk's Ws leave in its I order, a bare W takes the chunk
-    whose oldest waiting I came first."""
+    """The state between tokens: per chunk the next forward and backward microbatch, and the
+    queue of Ws (one per I, in I order; the module docstring's queue).
 
-    def __init__(self, chunks: int) -> None:
+    The queue is kept whole, `queue[k]` the W of the k-th I (None when its microbatch is
+    dropped), with per chunk the positions of its Is and how many of them a W took: a W<c>
+    takes its chunk's oldest, a bare W the oldest of any chunk. While every W taken was the
+    queue's oldest (`in_order`), the taken ones are a prefix of the queue.
+    """
+
+    def __init__(self, stages: Sequence[int], num_microbatches: int) -> None:
+        chunks = len(stages)
+        self.stages, self.m = stages, num_microbatches
         self.forward = [0] * chunks
         self.backward = [0] * chunks
-        self.inputs: list[list[int]] = [[] for _ in range(chunks)]
-        self.queued: list[list[int]] = [[] for _ in range(chunks)]
+        self.queue: list[Instruction | None] = []
+        self.queue_chunks: list[int] = []
+        self.positions: list[list[int]] = [[] for _ in range(chunks)]
         self.taken = [0] * chunks
-        self.num_queued = 0
+        self.in_order = True
 
-    def weights_available(self, layout: _Layout, count: int) -> bool:
-        """Every W<c> of `count` repeats finds an I of its chunk queued. Supply and demand
-        both grow linearly with the repeat, so the first and the last repeat decide."""
+    def can_repeat(self, layout: _Layout, count: int) -> bool:
+        """Whether `repeat` gives these `count` repeats: every W finds a W queued (a W<c> one
+        of its chunk), and bare Ws take a prefix of the queue. Supply and demand both grow
+        linearly with the repeat, so the first and the last repeat decide."""
+        if layout.bare_weights and (any(layout.weights) or not self.in_order):
+            return False
+        waiting = len(self.queue) - sum(self.taken)
         for j, (kind, chunk) in enumerate(layout.tokens):
-            if kind is Kind.W:
-                for t in (0, count - 1):
+            if kind is not Kind.W:
+                continue
+            for t in (0, count - 1):
+                if chunk == NONE:
+                    wanted = t * layout.bare_weights + layout.offsets[j]
+                    supply = waiting + t * sum(layout.inputs) + layout.inputs_before[j]
+                else:
                     wanted = self.taken[chunk] + t * layout.weights[chunk] + layout.offsets[j]
-                    supply = (len(self.inputs[chunk]) + t * layout.inputs[chunk]
+                    supply = (len(self.positions[chunk]) + t * layout.inputs[chunk]
                               + layout.inputs_before[j])
-                    if wanted >= supply:
-                        return False
+                if wanted >= supply:
+                    return False
         return True
 
-    def step(self, kind: Kind, chunk: int) -> tuple[int, int] | None:
-        """One token's (chunk, microbatch), or None for a bare W with nothing queued."""
-        if kind is Kind.F:
-            self.forward[chunk] += 1
-            return chunk, self.forward[chunk] - 1
+    def step(self, kind: Kind, chunk: int) -> Instruction | None:
+        """One token's op, or None: a dropped microbatch, or a bare W with nothing queued."""
         if kind is Kind.W:
             if chunk == NONE:
-                waiting = [c for c, taken in enumerate(self.taken) if taken < len(self.inputs[c])]
+                waiting = [c for c, taken in enumerate(self.taken)
+                           if taken < len(self.positions[c])]
                 if not waiting:
                     return None
-                chunk = min(waiting, key=lambda c: self.queued[c][self.taken[c]])
-            elif self.taken[chunk] == len(self.inputs[chunk]):
+                chunk = min(waiting, key=lambda c: self.positions[c][self.taken[c]])
+            elif self.taken[chunk] == len(self.positions[chunk]):
                 raise ScheduleConfigError(
                     f"step table asks for W of chunk {chunk} with no I of that chunk queued; "
                     "a W must follow its I")
+            position = self.positions[chunk][self.taken[chunk]]
+            self.in_order = self.in_order and position == sum(self.taken)
             self.taken[chunk] += 1
-            return chunk, self.inputs[chunk][self.taken[chunk] - 1]
-        microbatch = self.backward[chunk]
-        self.backward[chunk] += 1
+            return self.queue[position]
+        counter = self.forward if kind is Kind.F else self.backward
+        microbatch = counter[chunk]
+        counter[chunk] += 1
+        stage, m = self.stages[chunk], self.m
         if kind is Kind.I:
-            self.inputs[chunk].append(microbatch)
-            self.queued[chunk].append(self.num_queued)
-            self.num_queued += 1
-        return chunk, microbatch
+            self.positions[chunk].append(len(self.queue))
+            self.queue.append(stage_ops(Kind.W, stage, m)[microbatch] if microbatch < m else None)
+            self.queue_chunks.append(chunk)
+        return stage_ops(kind, stage, m)[microbatch] if microbatch < m else None
 
-    def repeat(self, layout: _Layout, count: int, stages: Sequence[int],
-               num_microbatches: int) -> list[Instruction | None]:
-        """`count` repeats of the pattern at once: each token's ops are every stride-th
-        microbatch of its counter, so its lane of the row is one range (or, for a W, a slice
-        of its chunk's Is); None where an op is dropped (microbatch >= num_microbatches)."""
-        tokens = layout.tokens
+    def repeat(self, layout: _Layout, count: int) -> list[Instruction | None]:
+        """`count` repeats of the pattern at once (`can_repeat` said yes): a token's ops are
+        every stride-th microbatch of its counter, so its lane of the row is a slice of the
+        shared ops (for a W, of the queue); None where an op is dropped."""
+        tokens, m = layout.tokens, self.m
         width = len(tokens)
-        starts = []
+        lanes: list[list[Instruction | None]] = []
         for j, (kind, chunk) in enumerate(tokens):
-            counter = self.forward if kind is Kind.F else self.backward
-            starts.append(counter[chunk] + layout.offsets[j] if kind is not Kind.W else 0)
-        num_inputs = sum(layout.inputs)
-        for j, (kind, chunk) in enumerate(tokens):  # the Is first: Ws of this row take them
-            if kind is Kind.I:
-                per_repeat = layout.inputs[chunk]
-                if layout.input_slot[j] == 0:  # the chunk's first I token: room for all
-                    self.inputs[chunk].extend([0] * (count * per_repeat))
-                    self.queued[chunk].extend([0] * (count * per_repeat))
-                first = len(self.inputs[chunk]) - count * per_repeat + layout.input_slot[j]
-                stride = layout.strides[j]
-                self.inputs[chunk][first::per_repeat] = range(
-                    starts[j], starts[j] + count * stride, stride)
-                order = self.num_queued + layout.input_order[j]
-                self.queued[chunk][first::per_repeat] = range(
-                    order, order + count * num_inputs, num_inputs)
-        row: list[Instruction | None] = [None] * (count * width)
-        for j, (kind, chunk) in enumerate(tokens):
-            stride = layout.strides[j]
-            ops = stage_ops(kind, stages[chunk], num_microbatches)
             if kind is Kind.W:
-                first = self.taken[chunk] + layout.offsets[j]
-                taken = self.inputs[chunk][first:first + count * stride:stride]
-                del taken[bisect_left(taken, num_microbatches):]
-                lane: list[Instruction | None] = [*map(ops.__getitem__, taken)]
-            else:
-                end = min(starts[j] + count * stride, num_microbatches)
-                lane = [*ops[starts[j]:end:stride]]
+                lanes.append([])  # after the Is of the row have joined the queue
+                continue
+            counter = self.forward if kind is Kind.F else self.backward
+            start, stride = counter[chunk] + layout.offsets[j], layout.strides[j]
+            end = min(start + count * stride, m)
+            lane: list[Instruction | None] = [
+                *stage_ops(kind, self.stages[chunk], m)[start:end:stride]]
             lane.extend([None] * (count - len(lane)))
+            lanes.append(lane)
+            if kind is Kind.I:
+                self._queue(layout, j, count, start, stride)
+        head = sum(self.taken)
+        for j, (kind, chunk) in enumerate(tokens):
+            if kind is Kind.W:
+                first, stride = layout.offsets[j], layout.strides[j]
+                if chunk == NONE:  # the oldest, a prefix of the queue
+                    lanes[j] = self.queue[head + first:head + first + count * stride:stride]
+                else:
+                    first += self.taken[chunk]
+                    lanes[j] = [*map(self.queue.__getitem__,
+                                     self.positions[chunk][first:first + count * stride:stride])]
+                    self.in_order = False  # need not be the oldest
+        row: list[Instruction | None] = [None] * (count * width)
+        for j, lane in enumerate(lanes):
             row[j::width] = lane
         for j, (kind, chunk) in enumerate(tokens):
             if layout.offsets[j] == 0:  # advance each counter once, by all its tokens
                 if kind is Kind.F:
                     self.forward[chunk] += count * layout.strides[j]
-                elif kind is Kind.W:
-                    self.taken[chunk] += count * layout.strides[j]
-                else:
+                elif kind is not Kind.W:
                     self.backward[chunk] += count * layout.strides[j]
-        self.num_queued += count * num_inputs
+                elif chunk != NONE:
+                    self.taken[chunk] += count * layout.strides[j]
+        if layout.bare_weights:
+            taken = self.queue_chunks[head:head + count * layout.bare_weights]
+            for c in range(len(self.taken)):
+                self.taken[c] += taken.count(c)
         return row
+
+    def _queue(self, layout: _Layout, j: int, count: int, start: int, stride: int) -> None:
+        """The Ws of I token j's `count` ops join the queue, among the row's other Is."""
+        chunk, m = layout.tokens[j][1], self.m
+        per_repeat, num_inputs = layout.inputs[chunk], sum(layout.inputs)
+        if layout.input_order[j] == 0:  # the row's first I token: room for all
+            self.queue.extend([None] * (count * num_inputs))
+            self.queue_chunks.extend([0] * (count * num_inputs))
+        if layout.input_slot[j] == 0:  # the chunk's first I token
+            self.positions[chunk].extend([0] * (count * per_repeat))
+        base = len(self.queue) - count * num_inputs + layout.input_order[j]
+        weights = stage_ops(Kind.W, self.stages[chunk], m)[start:min(start + count * stride, m):
+                                                            stride]
+        self.queue[base:base + len(weights) * num_inputs:num_inputs] = weights
+        self.queue_chunks[base::num_inputs] = [chunk] * count
+        first = len(self.positions[chunk]) - count * per_repeat + layout.input_slot[j]
+        self.positions[chunk][first::per_repeat] = range(base, base + count * num_inputs,
+                                                         num_inputs)
 
 
 def emit_steps(stages: Sequence[int], steps: StepTable, num_microbatches: int) -> tuple[
@@ -210,21 +244,20 @@ def emit_steps(stages: Sequence[int], steps: StepTable, num_microbatches: int) -
     for more microbatches than asked and keep the prefix. That stays executable because
     whole microbatches are removed and every dependency is within one microbatch.
     """
-    m = num_microbatches
-    counters = _Counters(len(stages))
+    counters = _Counters(stages, num_microbatches)
     out: list[Instruction] = []
     for count, pattern in steps:
         layout = _layout(pattern, len(stages))
         if count <= 0:
             continue
-        if not layout.bare_weight and counters.weights_available(layout, count):
-            out.extend(filter(None, counters.repeat(layout, count, stages, m)))
+        if counters.can_repeat(layout, count):
+            out.extend(filter(None, counters.repeat(layout, count)))
             continue
-        # token by token: a bare W's chunk depends on the queue; or a W finds no I (the
-        # error is raised where it happens)
+        # token by token: a W finds no I (the error is raised where it happens), or bare Ws
+        # after Ws of a chunk took from the middle of the queue
         for _ in range(count):
             for kind, chunk in layout.tokens:
-                taken = counters.step(kind, chunk)
-                if taken is not None and taken[1] < m:
-                    out.append(instruction_from((kind, stages[taken[0]], taken[1], NONE)))
+                op = counters.step(kind, chunk)
+                if op is not None:
+                    out.append(op)
     return tuple(out)
