@@ -73,21 +73,6 @@ def _from_block(name: str, num_ranks: int, num_microbatches: int, variant: str) 
     return Schedule(name, m, v_placement(p), streams)
 
 
-def _dependencies(p: int, r: int, t: int, i: int) -> list[tuple[int, int, int]]:
-    """(rank, type, microbatch) the op waits for: the V's previous stage, the same
-    microbatch's previous op on this rank, and the op's previous microbatch."""
-    deps = []
-    if t in (_F_DOWN, _I_UP) and r > 0:
-        deps.append((r - 1, t, i))
-    if t in (_F_UP, _I_DOWN) and r < p - 1:
-        deps.append((r + 1, t, i))
-    if t > 0:
-        deps.append((r, t - 1, i))
-    if i > 0:
-        deps.append((r, t, i - 1))
-    return deps
-
-
 def _occupancy(slots: dict[tuple[int, int], int]) -> np.ndarray:
     """Per slot, the type of the op in it (-1: free)."""
     where = np.fromiter(slots.values(), dtype=np.int64, count=len(slots))
@@ -147,7 +132,8 @@ def _move_if_fits(row: _Row, t: int, earlier: int, slot: int) -> bool:
     q = min(bisect_right(idle, before + fall), slot)  # idle never decreases
     if q > earlier and max(excess[earlier:q]) + before + rise > limit:
         return False
-    if q < slot and max(map(add, excess[q:slot], idle[q:slot])) + rise - fall > limit:
+    # from q on held moves by rise - fall: -1 for an I, which cannot pass the limit
+    if forward and q < slot and max(map(add, excess[q:slot], idle[q:slot])) + 1 > limit:
         return False
     row.occupied[earlier], row.occupied[slot] = t, -1
     excess[earlier:slot] = [x + rise for x in excess[earlier:slot]]
@@ -173,12 +159,22 @@ def _squeeze(p: int, m: int, slots: list[dict[tuple[int, int], int]]) -> None:
                                 for (t, i), slot in mine.items()):
         if steady_from <= slot <= steady_to:
             continue
-        row = rows[r]
+        row, mine = rows[r], slots[r]
+        # after what the op waits for: its previous microbatch, the same microbatch's
+        # previous op on this rank, and the V's previous stage (rank r-1 on the way down,
+        # r+1 on the way up)
+        ready = mine[t, i - 1] + 1 if i else 0
+        if t:
+            ready = max(ready, mine[t - 1, i] + 1)
+        if t == _F_DOWN or t == _I_UP:
+            if r:
+                ready = max(ready, slots[r - 1][t, i] + 1)
+        elif r < p - 1:
+            ready = max(ready, slots[r + 1][t, i] + 1)
         occupied = row.occupied
-        ready = 1 + max((slots[q][u, j] for q, u, j in _dependencies(p, r, t, i)), default=-1)
         for earlier in range(ready, slot):
             if occupied[earlier] < 0 and _move_if_fits(row, t, earlier, slot):
-                slots[r][t, i] = earlier
+                mine[t, i] = earlier
                 break
 
 
