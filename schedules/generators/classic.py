@@ -7,8 +7,6 @@ stages, m microbatches; F forward, B full backward. Generators take integers and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from schedules.ir.instructions import NONE, Instruction, Kind, instruction_from, stage_ops
 from schedules.ir.schedule import Schedule, check_count, loop_placement
 
@@ -135,7 +133,7 @@ def _virtual_ops(kind: Kind, p: int, r: int, m: int, v: int, sizes: list[int], *
     return ops
 
 
-def _one_f_one_b(forwards: Sequence[Instruction], backwards: Sequence[Instruction],
+def _one_f_one_b(forwards: list[Instruction], backwards: list[Instruction],
                  num_warmup: int) -> tuple[Instruction, ...]:
     """`num_warmup` forwards, then one forward and one backward in turn while forwards
     remain, then the remaining backwards: by list slices, ~10^6 ops a search at scale."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import deque
 from itertools import compress, repeat
-from operator import and_, is_, itemgetter
+from operator import and_, getitem, is_, itemgetter, ne
 
 from schedules.ir.errors import ScheduleConfigError
 from schedules.ir.instructions import Instruction, Kind, stage_ops
@@ -46,18 +47,19 @@ def _pair_up(stream: tuple[Instruction, ...], stages: tuple[int, ...], m: int, *
     """Each B that directly follows an F (of another microbatch) becomes OVERLAP_B, except
     the first such B when `skip_first`. `stages`: the rank's, m: the microbatches."""
     overlapped = {stage: stage_ops(Kind.OVERLAP_B, stage, m) for stage in stages}
+    # the positions k of a B right after an F of another microbatch, and their pairs, by C
+    # iterators: no Python step per op (~10^5 pairs a search at scale)
     kinds = list(map(itemgetter(0), stream))
-    # C iterators find the Bs right after an F; only those (a few per main step) are looked at
-    after_forward = map(and_, map(is_, kinds[1:], repeat(Kind.B)),
-                        map(is_, kinds[:-1], repeat(Kind.F)))
+    microbatches = list(map(itemgetter(2), stream))
+    b_after_f = map(and_, map(is_, kinds[1:], repeat(Kind.B)),
+                    map(is_, kinds[:-1], repeat(Kind.F)))
+    paired = map(and_, b_after_f, map(ne, microbatches[1:], microbatches[:-1]))
+    where = list(compress(range(1, len(stream)), paired))[1 if skip_first else 0:]
+    stage_at = map(itemgetter(1), map(stream.__getitem__, where))
+    pairs = map(getitem, map(overlapped.__getitem__, stage_at),
+                map(microbatches.__getitem__, where))
     out = list(stream)
-    for k in compress(range(1, len(out)), after_forward):
-        before, op = out[k - 1], out[k]
-        if before.microbatch != op.microbatch:
-            if skip_first:
-                skip_first = False
-                continue
-            out[k] = overlapped[op.stage][op.microbatch]
+    deque(map(out.__setitem__, where, pairs), maxlen=0)  # out[k] = its pair, for each k
     return tuple(out)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from enum import Enum
 from functools import partial
 from itertools import repeat
@@ -137,7 +137,7 @@ _shared: dict[tuple[Kind, int], list[Instruction]] = {}
 _num_shared = 0
 
 
-def stage_ops(kind: Kind, stage: int, count: int) -> Sequence[Instruction]:
+def stage_ops(kind: Kind, stage: int, count: int) -> list[Instruction]:
     """``Instruction(kind, stage, i)`` for i = 0, 1, ..., count - 1 and maybe beyond: one
     list per (kind, stage), shared by every schedule built in this process. Read it, never
     change it.

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import cast
 
 from schedules.ir.errors import ScheduleConfigError
 from schedules.ir.instructions import NONE, Instruction, Kind, stage_ops
@@ -182,9 +183,10 @@ class _Counters:
             counter = self.forward if kind is Kind.F else self.backward
             start, stride = counter[chunk] + layout.offsets[j], layout.strides[j]
             end = min(start + count * stride, m)
-            lane: list[Instruction | None] = [
-                *stage_ops(kind, self.stages[chunk], m)[start:end:stride]]
-            lane.extend([None] * (count - len(lane)))
+            lane = cast(list[Instruction | None],
+                        stage_ops(kind, self.stages[chunk], m)[start:end:stride])
+            if len(lane) < count:
+                lane.extend([None] * (count - len(lane)))
             lanes.append(lane)
             if kind is Kind.I:
                 self._queue(layout, j, count, start, stride)
@@ -199,9 +201,12 @@ class _Counters:
                     lanes[j] = [*map(self.queue.__getitem__,
                                      self.positions[chunk][first:first + count * stride:stride])]
                     self.in_order = False  # need not be the oldest
-        row: list[Instruction | None] = [None] * (count * width)
-        for j, lane in enumerate(lanes):
-            row[j::width] = lane
+        if width == 1:
+            row = lanes[0]
+        else:
+            row = [None] * (count * width)
+            for j, lane in enumerate(lanes):
+                row[j::width] = lane
         for j, (kind, chunk) in enumerate(tokens):
             if layout.offsets[j] == 0:  # advance each counter once, by all its tokens
                 if kind is Kind.F:
