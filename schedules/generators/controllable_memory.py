@@ -16,10 +16,8 @@ Legend: p ranks; on rank r, down stage r and up stage 2p-1-r; slot = unit time.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
-from itertools import accumulate, islice
-from operator import add
 
 import numpy as np
 
@@ -83,69 +81,94 @@ def _occupancy(slots: dict[tuple[int, int], int]) -> np.ndarray:
 
 
 class _Row:
-    """One rank's slots and the running sums that give its peak memory, kept in step with
-    every move `_move_if_fits` makes.
+    """One rank's slots and its peak memory's running sums, kept in step with every move
+    `_move_if_fits` makes.
 
     Most chunk activations held, with each W in the next free slot after its I: the Ws form
     a queue served one per free slot, so by slot x (Lindley's recursion unrolled)
         idle(x) = max(0, max_{y <= x} gap(y)),  gap = S - A,
     free slots that found the queue empty (S counts free slots up to x, A the Is), and
-        held(x) = excess(x) + idle(x),  excess = Fw - S
-    (Fw the forwards up to x): forwards minus Ws done, D = S - idle of them. The peak is
-    max(0, max_x held(x)). Lists, not arrays: a move changes them over a short window.
+        held(x) = Fw(x) - (S(x) - idle(x))
+    forwards up to x (Fw) minus the Ws done by then. The peak is max(0, max_x held(x)).
+    gap moves by at most one a slot, so idle rises by one at a time: it is kept as the
+    sorted slots where it rises (`rises`; idle(x) = how many are <= x), which a move
+    changes in a few places, and held as a list, which it changes over a window.
     """
 
-    __slots__ = ("excess", "gap", "idle", "limit", "occupied")
+    __slots__ = ("gap", "held", "limit", "occupied", "rises")
 
     def __init__(self, slots: dict[tuple[int, int], int]) -> None:
         occupied = _occupancy(slots)
         forward = (occupied == _F_DOWN) | (occupied == _F_UP)
         free = occupied < 0
         served = np.cumsum(free)
-        excess = np.cumsum(forward) - served
         gap = served - np.cumsum(~forward & ~free)
         idle = np.maximum(np.maximum.accumulate(gap), 0)
+        held = np.cumsum(forward) - served + idle
         self.occupied: list[int] = occupied.tolist()
-        self.excess: list[int] = excess.tolist()
         self.gap: list[int] = gap.tolist()
-        self.idle: list[int] = idle.tolist()
+        self.held: list[int] = held.tolist()
+        self.rises: list[int] = np.flatnonzero(np.diff(idle, prepend=0)).tolist()
         # `_squeeze` keeps every row's peak at most the block's own
-        self.limit = max(0, int((excess + idle).max()))
+        self.limit = max(0, int(held.max()))
 
 
 def _move_if_fits(row: _Row, t: int, earlier: int, slot: int) -> bool:
     """Move the op of type t in `slot` to the free slot `earlier` unless that raises the
     row's peak above its limit; True if it moved.
 
-    Only [earlier, slot) changes: there excess rises by `rise` (the op's forward, one free
+    Only [earlier, slot) changes: there Fw - S rises by `rise` (the op's forward, one free
     slot fewer) and gap falls by `fall` (one free slot fewer, its I earlier); `_squeeze`
-    moves ops in slot order, so gap from `slot` on, all `_move_if_fits` reads of it, is
-    still the block's and is never updated. Before
-    `earlier` nothing changes; from `slot` on idle can only fall, so held too. In the
-    window, with `before` = idle(earlier - 1): up to the first slot q where idle exceeds
-    before + fall, the new idle is `before`; from q on, the gap there sets it, idle - fall.
+    moves ops in slot order, so gap from `slot` on, all that is read of it, is still the
+    block's. Before `earlier` nothing changes; from `slot` on idle can only fall, so held
+    too. In the window, with `before` = idle(earlier - 1): up to the first slot q where idle
+    exceeds before + fall, the new idle is `before`; from q on, the gap there sets it, idle
+    - fall, and held moves by rise - fall.
     """
     forward = t in (_F_DOWN, _F_UP)
     rise, fall = (2, 1) if forward else (1, 2)
-    excess, idle, limit = row.excess, row.idle, row.limit
-    before = idle[earlier - 1] if earlier else 0
-    q = min(bisect_right(idle, before + fall), slot)  # idle never decreases
-    if q > earlier and max(excess[earlier:q]) + before + rise > limit:
-        return False
-    # from q on held moves by rise - fall: -1 for an I, which cannot pass the limit
-    if forward and q < slot and max(map(add, excess[q:slot], idle[q:slot])) + 1 > limit:
+    held, rises, limit = row.held, row.rises, row.limit
+    before = bisect_right(rises, earlier - 1)
+    q = min(rises[before + fall], slot) if before + fall < len(rises) else slot
+    if q > earlier:  # held = Fw - S + idle, with the new Fw - S and idle = `before`
+        first = [held[x] - bisect_right(rises, x) + rise + before for x in range(earlier, q)]
+        if max(first) > limit:
+            return False
+    # from q on held moves by +1 for a forward; by -1 for an I, which cannot pass the limit
+    if forward and q < slot and max(held[q:slot]) + 1 > limit:
         return False
     row.occupied[earlier], row.occupied[slot] = t, -1
-    excess[earlier:slot] = [x + rise for x in excess[earlier:slot]]
-    old_end = idle[slot - 1]
-    idle[earlier:q] = [before] * (q - earlier)
-    idle[q:slot] = [x - fall for x in idle[q:slot]]
-    new_end = idle[slot - 1]
-    if new_end != old_end:  # from `slot` on, idle had stayed at old_end until `unchanged`
-        unchanged = bisect_right(idle, old_end, lo=slot)
-        idle[slot:unchanged] = islice(
-            accumulate(row.gap[slot:unchanged], max, initial=new_end), 1, None)
+    if q > earlier:
+        held[earlier:q] = first
+    if q < slot:
+        held[q:slot] = [x + rise - fall for x in held[q:slot]]
+    removed = bisect_left(rises, q) - before  # idle's rises in [earlier, q): now flat there
+    if removed:
+        del rises[before:before + removed]
+        _settle(row, slot, removed)
     return True
+
+
+def _settle(row: _Row, slot: int, removed: int) -> None:
+    """From `slot` on, after a move took `removed` of idle's rises before it: idle rises
+    again where the gap first reaches each level it lost (in order: gap moves by at most
+    one a slot), and held falls by the levels still missing."""
+    rises, held, gap = row.rises, row.held, row.gap
+    at = bisect_left(rises, slot)  # = idle(slot - 1) now
+    found: list[int] = []
+    x = slot
+    for level in range(at + 1, at + removed + 1):
+        while x < len(gap) and gap[x] < level:
+            x += 1
+        if x == len(gap):
+            break
+        found.append(x)
+    bounds = [slot, *found, len(gap)]
+    for k in range(len(found) + 1):
+        if removed - k > 0:
+            held[bounds[k]:bounds[k + 1]] = [h - (removed - k)
+                                             for h in held[bounds[k]:bounds[k + 1]]]
+    rises[at:at] = found
 
 
 def _squeeze(p: int, m: int, slots: list[dict[tuple[int, int], int]]) -> None:
