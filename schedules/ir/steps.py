@@ -71,6 +71,16 @@ class _Layout:
     """Per chunk: the pattern's W tokens of that chunk."""
     bare_weights: int
     """The pattern's bare W tokens."""
+    num_inputs: int
+    """The pattern's I tokens."""
+    counted: tuple[tuple[int, int, Kind, int, int, int], ...]
+    """(token, counter, kind, chunk, offset, stride) of each F, B and I token: counter 0
+    forwards, 1 backwards."""
+    input_tokens: tuple[int, ...]
+    weight_tokens: tuple[int, ...]
+    advances: tuple[tuple[int, int, int], ...]
+    """(counter, chunk, tokens per repeat): counter 0 forwards, 1 backwards, 2 the Ws taken
+    by W<c> tokens."""
 
 
 @lru_cache(maxsize=1024)
@@ -94,9 +104,17 @@ def _layout(pattern: str, chunks: int) -> _Layout:
             input_order.append(-1)
         if kind is Kind.W and chunk != NONE:
             weights[chunk] += 1
-    return _Layout(tokens, tuple(offsets), tuple(seen[group] for group in groups),
-                   tuple(inputs_before), tuple(input_slot), tuple(input_order), tuple(inputs),
-                   tuple(weights), seen.get(("W", NONE), 0))
+    strides = tuple(seen[group] for group in groups)
+    counters = {"F": 0, "B": 1, "W": 2}
+    counted = tuple((j, counters[groups[j][0]], kind, chunk, offsets[j], strides[j])
+                    for j, (kind, chunk) in enumerate(tokens) if kind is not Kind.W)
+    advances = tuple((counters[name], chunk, total) for (name, chunk), total in seen.items()
+                     if chunk != NONE)
+    return _Layout(tokens, tuple(offsets), strides, tuple(inputs_before), tuple(input_slot),
+                   tuple(input_order), tuple(inputs), tuple(weights), seen.get(("W", NONE), 0),
+                   sum(inputs), counted,
+                   tuple(j for j, (kind, _) in enumerate(tokens) if kind is Kind.I),
+                   tuple(j for j, (kind, _) in enumerate(tokens) if kind is Kind.W), advances)
 
 
 class _Counters:
@@ -119,21 +137,30 @@ class _Counters:
         self.positions: list[list[int]] = [[] for _ in range(chunks)]
         self.taken = [0] * chunks
         self.in_order = True
+        self._tables: dict[tuple[Kind, int], list[Instruction]] = {}
+
+    def ops(self, kind: Kind, chunk: int) -> list[Instruction]:
+        """The shared ops of `kind` on the chunk's stage, microbatches 0..m-1 (and maybe on)."""
+        table = self._tables.get((kind, chunk))
+        if table is None:
+            table = self._tables[kind, chunk] = stage_ops(kind, self.stages[chunk], self.m)
+        return table
 
     def can_repeat(self, layout: _Layout, count: int) -> bool:
         """Whether `repeat` gives these `count` repeats: every W finds a W queued (a W<c> one
         of its chunk), and bare Ws take a prefix of the queue. Supply and demand both grow
         linearly with the repeat, so the first and the last repeat decide."""
+        if not layout.weight_tokens:
+            return True
         if layout.bare_weights and (any(layout.weights) or not self.in_order):
             return False
         waiting = len(self.queue) - sum(self.taken)
-        for j, (kind, chunk) in enumerate(layout.tokens):
-            if kind is not Kind.W:
-                continue
+        for j in layout.weight_tokens:
+            chunk = layout.tokens[j][1]
             for t in (0, count - 1):
                 if chunk == NONE:
                     wanted = t * layout.bare_weights + layout.offsets[j]
-                    supply = waiting + t * sum(layout.inputs) + layout.inputs_before[j]
+                    supply = waiting + t * layout.num_inputs + layout.inputs_before[j]
                 else:
                     wanted = self.taken[chunk] + t * layout.weights[chunk] + layout.offsets[j]
                     supply = (len(self.positions[chunk]) + t * layout.inputs[chunk]
@@ -162,59 +189,47 @@ class _Counters:
         counter = self.forward if kind is Kind.F else self.backward
         microbatch = counter[chunk]
         counter[chunk] += 1
-        stage, m = self.stages[chunk], self.m
+        m = self.m
         if kind is Kind.I:
             self.positions[chunk].append(len(self.queue))
-            self.queue.append(stage_ops(Kind.W, stage, m)[microbatch] if microbatch < m else None)
+            self.queue.append(self.ops(Kind.W, chunk)[microbatch] if microbatch < m else None)
             self.queue_chunks.append(chunk)
-        return stage_ops(kind, stage, m)[microbatch] if microbatch < m else None
+        return self.ops(kind, chunk)[microbatch] if microbatch < m else None
 
     def repeat(self, layout: _Layout, count: int) -> list[Instruction | None]:
         """`count` repeats of the pattern at once (`can_repeat` said yes): a token's ops are
         every stride-th microbatch of its counter, so its lane of the row is a slice of the
         shared ops (for a W, of the queue); None where an op is dropped."""
-        tokens, m = layout.tokens, self.m
-        width = len(tokens)
-        lanes: list[list[Instruction | None]] = []
-        for j, (kind, chunk) in enumerate(tokens):
-            if kind is Kind.W:
-                lanes.append([])  # after the Is of the row have joined the queue
-                continue
-            counter = self.forward if kind is Kind.F else self.backward
-            start, stride = counter[chunk] + layout.offsets[j], layout.strides[j]
-            end = min(start + count * stride, m)
+        m, width = self.m, len(layout.tokens)
+        counters = (self.forward, self.backward)
+        lanes: list[list[Instruction | None]] = [[]] * width
+        for j, counter, kind, chunk, offset, stride in layout.counted:
+            start = counters[counter][chunk] + offset
             lane = cast(list[Instruction | None],
-                        stage_ops(kind, self.stages[chunk], m)[start:end:stride])
+                        self.ops(kind, chunk)[start:min(start + count * stride, m):stride])
             if len(lane) < count:
                 lane.extend([None] * (count - len(lane)))
-            lanes.append(lane)
+            lanes[j] = lane
             if kind is Kind.I:
                 self._queue(layout, j, count, start, stride)
         head = sum(self.taken)
-        for j, (kind, chunk) in enumerate(tokens):
-            if kind is Kind.W:
-                first, stride = layout.offsets[j], layout.strides[j]
-                if chunk == NONE:  # the oldest, a prefix of the queue
-                    lanes[j] = self.queue[head + first:head + first + count * stride:stride]
-                else:
-                    first += self.taken[chunk]
-                    lanes[j] = [*map(self.queue.__getitem__,
-                                     self.positions[chunk][first:first + count * stride:stride])]
-                    self.in_order = False  # need not be the oldest
+        for j in layout.weight_tokens:  # after the Is of the row have joined the queue
+            chunk, first, stride = layout.tokens[j][1], layout.offsets[j], layout.strides[j]
+            if chunk == NONE:  # the oldest, a prefix of the queue
+                lanes[j] = self.queue[head + first:head + first + count * stride:stride]
+            else:
+                first += self.taken[chunk]
+                lanes[j] = [*map(self.queue.__getitem__,
+                                 self.positions[chunk][first:first + count * stride:stride])]
+                self.in_order = False  # need not be the oldest
         if width == 1:
             row = lanes[0]
         else:
             row = [None] * (count * width)
             for j, lane in enumerate(lanes):
                 row[j::width] = lane
-        for j, (kind, chunk) in enumerate(tokens):
-            if layout.offsets[j] == 0:  # advance each counter once, by all its tokens
-                if kind is Kind.F:
-                    self.forward[chunk] += count * layout.strides[j]
-                elif kind is not Kind.W:
-                    self.backward[chunk] += count * layout.strides[j]
-                elif chunk != NONE:
-                    self.taken[chunk] += count * layout.strides[j]
+        for counter, chunk, per_repeat in layout.advances:
+            (self.forward, self.backward, self.taken)[counter][chunk] += count * per_repeat
         if layout.bare_weights:
             taken = self.queue_chunks[head:head + count * layout.bare_weights]
             for c in range(len(self.taken)):
@@ -224,15 +239,14 @@ class _Counters:
     def _queue(self, layout: _Layout, j: int, count: int, start: int, stride: int) -> None:
         """The Ws of I token j's `count` ops join the queue, among the row's other Is."""
         chunk, m = layout.tokens[j][1], self.m
-        per_repeat, num_inputs = layout.inputs[chunk], sum(layout.inputs)
+        per_repeat, num_inputs = layout.inputs[chunk], layout.num_inputs
         if layout.input_order[j] == 0:  # the row's first I token: room for all
             self.queue.extend([None] * (count * num_inputs))
             self.queue_chunks.extend([0] * (count * num_inputs))
         if layout.input_slot[j] == 0:  # the chunk's first I token
             self.positions[chunk].extend([0] * (count * per_repeat))
         base = len(self.queue) - count * num_inputs + layout.input_order[j]
-        weights = stage_ops(Kind.W, self.stages[chunk], m)[start:min(start + count * stride, m):
-                                                            stride]
+        weights = self.ops(Kind.W, chunk)[start:min(start + count * stride, m):stride]
         self.queue[base:base + len(weights) * num_inputs:num_inputs] = weights
         self.queue_chunks[base::num_inputs] = [chunk] * count
         first = len(self.positions[chunk]) - count * per_repeat + layout.input_slot[j]
