@@ -138,9 +138,12 @@ def _one_f_one_b(forwards: list[Instruction], backwards: list[Instruction],
     """`num_warmup` forwards, then one forward and one backward in turn while forwards
     remain, then the remaining backwards: by list slices, ~10^6 ops a search at scale."""
     num_steady = len(forwards) - num_warmup
-    steady: list[Instruction] = [*forwards[num_warmup:], *backwards[:num_steady]]
-    steady[::2], steady[1::2] = forwards[num_warmup:], backwards[:num_steady]
-    return (*forwards[:num_warmup], *steady, *backwards[num_steady:])
+    cool_down = num_warmup + 2 * num_steady
+    # warm-up and cool-down already in place; the steady part interleaved over the middle
+    stream = forwards + backwards
+    stream[num_warmup:cool_down:2] = forwards[num_warmup:]
+    stream[num_warmup + 1:cool_down:2] = backwards[:num_steady]
+    return tuple(stream)
 
 
 def forward_only(num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:
