@@ -17,7 +17,6 @@ Legend: p ranks; on rank r, down stage r and up stage 2p-1-r; slot = unit time.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections import deque
 
 import numpy as np
 
@@ -29,6 +28,7 @@ __all__ = ["building_block", "v_half", "v_min"]
 # Op types of one microbatch on one rank, in the block's dependency order.
 _F_DOWN, _F_UP, _I_UP, _I_DOWN = range(4)
 _PER_BLOCK = 6  # slots per microbatch per rank: F, I, W of two chunks
+_KINDS = (Kind.F, Kind.F, Kind.I, Kind.I)  # of each op type
 
 
 def building_block(p: int, variant: str) -> list[tuple[int, int, int, int]]:
@@ -203,23 +203,26 @@ def _squeeze(p: int, m: int, slots: list[dict[tuple[int, int], int]]) -> None:
 
 def _stream(p: int, r: int, slots: dict[tuple[int, int], int], m: int) -> tuple[
         Instruction, ...]:
-    """Rank r's ops in slot order, each W in the next free slot after its I (oldest first)."""
+    """Rank r's ops in slot order, each W in the next free slot after its I (oldest first).
+
+    A free slot runs the oldest waiting W unless none waits, the slots where idle rises
+    (`_Row`); the Ws without a free slot follow at the end. Placed by sorting, not slot by
+    slot: most slots hold an op. `slots` is in `_from_block`'s order, (type, microbatch)
+    for type 0..3, microbatch 0..m-1.
+    """
     down, up = r, 2 * p - 1 - r
     stage = (down, up, up, down)  # of each op type
-    ops = {(kind, s): stage_ops(kind, s, m) for kind in (Kind.F, Kind.I, Kind.W)
-           for s in (down, up)}
-    kinds = (Kind.F, Kind.F, Kind.I, Kind.I)
-    by_slot = {slot: key for key, slot in slots.items()}
-    out: list[Instruction] = []
-    pending: deque[Instruction] = deque()  # the W of each I, in I order
-    for slot in range(max(by_slot) + 1):
-        if slot not in by_slot:
-            if pending:
-                out.append(pending.popleft())
-            continue
-        t, i = by_slot[slot]
-        out.append(ops[kinds[t], stage[t]][i])
-        if t >= _I_UP:
-            pending.append(ops[Kind.W, stage[t]][i])
-    out.extend(pending)
-    return tuple(out)
+    ops = [op for kind, s in zip(_KINDS, stage) for op in stage_ops(kind, s, m)[:m]]
+    where = np.fromiter(slots.values(), dtype=np.int64, count=4 * m)
+    occupied = np.full(int(where.max()) + 1, -1, dtype=np.int64)
+    occupied[where] = np.repeat(np.arange(4), m)
+    free = occupied < 0
+    idle = np.maximum(np.maximum.accumulate(np.cumsum(free) - np.cumsum(occupied >= _I_UP)), 0)
+    serving = np.flatnonzero(free & (np.diff(idle, prepend=0) == 0))[:2 * m]
+    # the Ws in the order of their Is' slots
+    weights = [*stage_ops(Kind.W, up, m)[:m], *stage_ops(Kind.W, down, m)[:m]]
+    by_input = np.argsort(where[2 * m:])
+    ops += map(weights.__getitem__, by_input.tolist())
+    after = np.arange(len(occupied), len(occupied) + 2 * m - len(serving))
+    order = np.argsort(np.concatenate([where, serving, after]))
+    return tuple(map(ops.__getitem__, order.tolist()))
