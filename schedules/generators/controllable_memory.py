@@ -141,7 +141,8 @@ def _move_if_fits(row: _Row, t: int, earlier: int, slot: int) -> bool:
     if q > earlier:
         held[earlier:q] = first
     if q < slot:
-        held[q:slot] = [x + rise - fall for x in held[q:slot]]
+        shift = rise - fall
+        held[q:slot] = [x + shift for x in held[q:slot]]
     removed = bisect_left(rises, q) - before  # idle's rises in [earlier, q): now flat there
     if removed:
         del rises[before:before + removed]
@@ -155,20 +156,15 @@ def _settle(row: _Row, slot: int, removed: int) -> None:
     one a slot), and held falls by the levels still missing."""
     rises, held, gap = row.rises, row.held, row.gap
     at = bisect_left(rises, slot)  # = idle(slot - 1) now
-    found: list[int] = []
-    x = slot
-    for level in range(at + 1, at + removed + 1):
-        while x < len(gap) and gap[x] < level:
+    x, end = slot, len(gap)
+    for found in range(removed):
+        start, level = x, at + found + 1
+        while x < end and gap[x] < level:
             x += 1
-        if x == len(gap):
+        held[start:x] = [h - (removed - found) for h in held[start:x]]
+        if x == end:
             break
-        found.append(x)
-    bounds = [slot, *found, len(gap)]
-    for k in range(len(found) + 1):
-        if removed - k > 0:
-            held[bounds[k]:bounds[k + 1]] = [h - (removed - k)
-                                             for h in held[bounds[k]:bounds[k + 1]]]
-    rises[at:at] = found
+        rises.insert(at + found, x)
 
 
 def _squeeze(p: int, m: int, slots: list[dict[tuple[int, int], int]]) -> None:
