@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedules.generators import classic, controllable_memory, dualpipe, zb_h1_h2, zb_v
-from schedules.ir import steps
+from schedules.ir import instructions, steps
 from schedules.ir.instructions import Instruction, Kind
 from schedules.ir.schedule import Schedule
 from tests.support.reference_generators import classic as ref_classic
@@ -139,3 +139,19 @@ def test_emit_steps_on_any_table(table: list[tuple[int, str]], m: int) -> None:
 def test_emit_steps_refuses_alike(table: list[tuple[int, str]], chunks: int, m: int) -> None:
     stages = tuple(range(5, 5 + 3 * chunks, 3))
     _same(steps.emit_steps, ref_steps.emit_steps, stages, table, m)
+
+
+def test_shared_ops_are_the_instructions_and_never_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`stage_ops` gives Instruction(kind, stage, i) at index i; a list once handed out keeps
+    its length when the table grows, and past the limit the tables start afresh."""
+    monkeypatch.setattr(instructions, "SHARED_OPS_LIMIT", 50)
+    monkeypatch.setattr(instructions, "_shared", {})
+    monkeypatch.setattr(instructions, "_num_shared", 0)
+    handed_out = []
+    for kind, stage, count in [(Kind.F, 3, 10), (Kind.F, 3, 30), (Kind.W, 0, 15),
+                               (Kind.F, 3, 12), (Kind.B, 1, 20), (Kind.F, 3, 40)]:
+        ops = instructions.stage_ops(kind, stage, count)
+        assert ops[:count] == [Instruction(kind, stage, i) for i in range(count)]
+        handed_out.append((ops, len(ops)))
+    assert [len(ops) for ops, _ in handed_out] == [n for _, n in handed_out]
+    assert instructions._num_shared <= 50 and len(instructions._shared) == 1  # cleared twice
