@@ -7,7 +7,7 @@ stages, m microbatches; F forward, B full backward. Generators take integers and
 
 from __future__ import annotations
 
-from schedules.ir.instructions import NONE, Instruction, Kind, instruction_from
+from schedules.ir.instructions import NONE, Instruction, Kind, instruction_from, stage_ops
 from schedules.ir.schedule import Schedule, check_count, loop_placement
 
 __all__ = ["forward_only", "gpipe", "interleaved_1f1b", "interleaved_order", "one_f_one_b"]
@@ -46,13 +46,8 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     streams = []
     for r in range(p):
         num_warmup_microbatches = min(p - r - 1, m)
-        num_steady = m - num_warmup_microbatches
-        ops = [_op(_F, r, i) for i in range(num_warmup_microbatches)]
-        for k in range(num_steady):
-            ops.append(_op(_F, r, num_warmup_microbatches + k))
-            ops.append(_op(_B, r, k))
-        ops.extend(_op(_B, r, i) for i in range(num_steady, m))
-        streams.append(tuple(ops))
+        forwards, backwards = stage_ops(_F, r, m)[:m], stage_ops(_B, r, m)[:m]
+        streams.append(_one_f_one_b(forwards, backwards, num_warmup_microbatches))
     return Schedule("1f1b", m, loop_placement(p, 1), tuple(streams))
 
 
@@ -114,24 +109,41 @@ def interleaved_order(p: int, m: int, v: int, *, warmup_hops: int) -> tuple[
     back), 1 hop torch's interleaved zero bubble, which holds fewer activations and lets
     the split W's fill the rest."""
     sizes = _group_sizes(p, m)
-    forward_order = _virtual_order(v, sizes, backward=False)
-    backward_order = _virtual_order(v, sizes, backward=True)
     total = v * m
-    make = instruction_from  # `_op` inlined: ~10^6 ops a search at scale
     streams = []
     for r in range(p):
         num_warmup = min((p - r - 1) * warmup_hops + (v - 1) * sizes[0], total)
-        num_steady = total - num_warmup
-        ops = [make((_F, c * p + r, i, NONE)) for c, i in forward_order[:num_warmup]]
-        emit = ops.append
-        for k in range(num_steady):
-            c, i = forward_order[num_warmup + k]
-            emit(make((_F, c * p + r, i, NONE)))
-            c, i = backward_order[k]
-            emit(make((_B, c * p + r, i, NONE)))
-        ops.extend(make((_B, c * p + r, i, NONE)) for c, i in backward_order[num_steady:])
-        streams.append(tuple(ops))
+        forwards = _virtual_ops(_F, p, r, m, v, sizes, backward=False)
+        backwards = _virtual_ops(_B, p, r, m, v, sizes, backward=True)
+        streams.append(_one_f_one_b(forwards, backwards, num_warmup))
     return tuple(streams)
+
+
+def _virtual_ops(kind: Kind, p: int, r: int, m: int, v: int, sizes: list[int], *,
+                 backward: bool) -> list[Instruction]:
+    """Rank r's ops of `kind` in `_virtual_order`, a slice of shared ops per group and chunk."""
+    ops_of = [stage_ops(kind, c * p + r, m) for c in range(v)]
+    chunks = range(v - 1, -1, -1) if backward else range(v)
+    ops: list[Instruction] = []
+    first = 0
+    for size in sizes:
+        for c in chunks:
+            ops += ops_of[c][first:first + size]
+        first += size
+    return ops
+
+
+def _one_f_one_b(forwards: list[Instruction], backwards: list[Instruction],
+                 num_warmup: int) -> tuple[Instruction, ...]:
+    """`num_warmup` forwards, then one forward and one backward in turn while forwards
+    remain, then the remaining backwards: by list slices, ~10^6 ops a search at scale."""
+    num_steady = len(forwards) - num_warmup
+    cool_down = num_warmup + 2 * num_steady
+    # warm-up and cool-down already in place; the steady part interleaved over the middle
+    stream = forwards + backwards
+    stream[num_warmup:cool_down:2] = forwards[num_warmup:]
+    stream[num_warmup + 1:cool_down:2] = backwards[:num_steady]
+    return tuple(stream)
 
 
 def forward_only(num_ranks: int, num_microbatches: int, chunks: int = 1) -> Schedule:

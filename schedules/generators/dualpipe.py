@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import compress, repeat
+from operator import and_, getitem, is_, itemgetter, ne
+
 from schedules.ir.errors import ScheduleConfigError
-from schedules.ir.instructions import Instruction, Kind
+from schedules.ir.instructions import Instruction, Kind, stage_ops
 from schedules.ir.schedule import Schedule, check_count, v_placement
 from schedules.ir.steps import StepTable, emit_steps
 
@@ -33,22 +37,29 @@ def dualpipev(num_ranks: int, num_microbatches: int, *, overlap: bool = False) -
     if overlap:
         # DualPipe leaves the V's bottom rank's first main-step F0 B1 unpaired: the two
         # are on one rank back to back, and overlapping them would only delay the B.
-        streams = tuple(_pair_up(stream, skip_first=r == p - 1)
+        streams = tuple(_pair_up(stream, (r, 2 * p - 1 - r), m, skip_first=r == p - 1)
                         for r, stream in enumerate(streams))
     return Schedule("dualpipev-overlap" if overlap else "dualpipev", m, v_placement(p), streams)
 
 
-def _pair_up(stream: tuple[Instruction, ...], *, skip_first: bool) -> tuple[Instruction, ...]:
+def _pair_up(stream: tuple[Instruction, ...], stages: tuple[int, ...], m: int, *,
+             skip_first: bool) -> tuple[Instruction, ...]:
     """Each B that directly follows an F (of another microbatch) becomes OVERLAP_B, except
-    the first such B when `skip_first`."""
+    the first such B when `skip_first`. `stages`: the rank's, m: the microbatches."""
+    overlapped = {stage: stage_ops(Kind.OVERLAP_B, stage, m) for stage in stages}
+    # the positions k of a B right after an F of another microbatch, and their pairs, by C
+    # iterators: no Python step per op (~10^5 pairs a search at scale)
+    kinds = list(map(itemgetter(0), stream))
+    microbatches = list(map(itemgetter(2), stream))
+    b_after_f = map(and_, map(is_, kinds[1:], repeat(Kind.B)),
+                    map(is_, kinds[:-1], repeat(Kind.F)))
+    paired = map(and_, b_after_f, map(ne, microbatches[1:], microbatches[:-1]))
+    where = list(compress(range(1, len(stream)), paired))[1 if skip_first else 0:]
+    stage_at = map(itemgetter(1), map(stream.__getitem__, where))
+    pairs = map(getitem, map(overlapped.__getitem__, stage_at),
+                map(microbatches.__getitem__, where))
     out = list(stream)
-    for k in range(1, len(out)):
-        before, op = out[k - 1], out[k]
-        if op.kind is Kind.B and before.kind is Kind.F and before.microbatch != op.microbatch:
-            if skip_first:
-                skip_first = False
-                continue
-            out[k] = Instruction(Kind.OVERLAP_B, op.stage, op.microbatch)
+    deque(map(out.__setitem__, where, pairs), maxlen=0)  # out[k] = its pair, for each k
     return tuple(out)
 
 

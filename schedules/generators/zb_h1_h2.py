@@ -11,16 +11,12 @@ Our text calls the paper's B "I" (input-gradient only); "B" is the fused backwar
 
 from __future__ import annotations
 
-from schedules.ir.instructions import NONE, Instruction, Kind, instruction_from
+from schedules.ir.instructions import Instruction, Kind, stage_ops
 from schedules.ir.schedule import Schedule, check_count, loop_placement
 
 __all__ = ["zb_h1", "zb_h2"]
 
 _F, _I, _W = Kind.F, Kind.I, Kind.W
-
-
-def _op(kind: Kind, stage: int, microbatch: int) -> Instruction:
-    return instruction_from((kind, stage, microbatch, NONE))
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -62,22 +58,18 @@ def _handcrafted(name: str, num_ranks: int, num_microbatches: int, *, extra: int
         # W passes rank i holds back: the later the rank, the longer the cool-down gap
         # it must fill while the last input gradients travel to rank 0.
         num_deferred_w = extra * i
-        ops = [_op(_F, i, k) for k in range(num_warmup)]
-        next_w = 0
-        # Steady: F, I, then W once `num_deferred_w` W passes are held back.
-        for k in range(m - num_warmup):
-            ops.append(_op(_F, i, num_warmup + k))
-            ops.append(_op(_I, i, k))
-            if k >= num_deferred_w:
-                ops.append(_op(_W, i, next_w))
-                next_w += 1
-        # Cool-down: each arriving I first; a W only while more than `num_deferred_w`
-        # are pending, so the held-back ones remain to fill the final gaps.
-        for k in range(m - num_warmup, m):
-            ops.append(_op(_I, i, k))
-            while k + 1 - next_w > num_deferred_w:
-                ops.append(_op(_W, i, next_w))
-                next_w += 1
-        ops.extend(_op(_W, i, k) for k in range(next_w, m))
-        streams.append(tuple(ops))
+        forwards, inputs = stage_ops(_F, i, m)[:m], stage_ops(_I, i, m)[:m]
+        weights = stage_ops(_W, i, m)[:m]
+        # Then for k = 0, 1, ..., m-1: the next forward while any remain (steady), I(k), and
+        # W(k - num_deferred_w) once `num_deferred_w` W passes are held back: in the
+        # cool-down each arriving I runs first, a W only while more than `num_deferred_w`
+        # are pending. Built as three lanes of m slots, None where a lane has no op.
+        held_back = min(num_deferred_w, m)
+        rounds: list[Instruction | None] = [None] * (3 * m)
+        rounds[0::3] = [*forwards[num_warmup:], *[None] * num_warmup]
+        rounds[1::3] = inputs
+        rounds[2::3] = [*[None] * held_back, *weights[:m - held_back]]
+        # Cool-down's end: the held-back W's fill the final gaps.
+        streams.append((*forwards[:num_warmup], *filter(None, rounds),
+                        *weights[m - held_back:]))
     return Schedule(name, m, loop_placement(p, 1), tuple(streams))

@@ -44,15 +44,15 @@ _VALIDATOR_TESTS = ("tests/schedules/test_validator.py",
 
 BUGS: tuple[PlantedBug, ...] = (
     PlantedBug("1F1B warm-up count one too many", "schedules/generators/classic.py",
-               "        num_warmup_microbatches = min(p - r - 1, m)\n        num_steady",
-               "        num_warmup_microbatches = min(p - r, m)\n        num_steady",
+               "        num_warmup_microbatches = min(p - r - 1, m)\n        forwards",
+               "        num_warmup_microbatches = min(p - r, m)\n        forwards",
                _SCHEDULE_TESTS),
     PlantedBug("GPipe backwards in reverse microbatch order", "schedules/generators/classic.py",
                "tuple(_op(_B, r, i) for i in range(m))",
                "tuple(_op(_B, r, i) for i in reversed(range(m)))", _SCHEDULE_TESTS),
     PlantedBug("ZB-H1/H2 drop each rank's last W", "schedules/generators/zb_h1_h2.py",
-               "ops.extend(_op(_W, i, k) for k in range(next_w, m))",
-               "ops.extend(_op(_W, i, k) for k in range(next_w, m - 1))", _SCHEDULE_TESTS),
+               "*weights[m - held_back:]))", "*weights[m - held_back:-1]))",
+               _SCHEDULE_TESTS),
     PlantedBug("simulator ignores the comm delay of forwards", "schedules/analysis/dataflow.py",
                "                if s:\n                    dep = f_end[index - m]\n"
                "                    if dep < 0.0:\n"
