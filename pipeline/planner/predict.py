@@ -4,6 +4,7 @@ with tensor-parallel, pipeline and data-parallel communication and the optimizer
 from __future__ import annotations
 
 import functools
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,12 +27,12 @@ from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable, uniform_boundaries
+from pipeline.planner.step import Beaten, compute_limits, step_parts
 from pipeline.planner.tied import (
     stage_params,
     tied_allreduce_seconds,
     tied_held,
     tied_step_reduction,
-    tied_through,
 )
 from schedules import (
     SCHEDULES,
@@ -43,6 +44,7 @@ from schedules import (
     generate_schedule,
     simulate,
 )
+from schedules.analysis.simulate import simulate_unless_over
 
 __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_limit",
            "schedule_placement"]
@@ -345,11 +347,13 @@ class PlanContext:
                 element_bytes=self.grad_reduce_bytes)
         return step, exposed, tied
 
-    def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
-                ) -> Prediction | None:
+    def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int], *,
+                beaten_above: float = math.inf) -> Prediction | Beaten | None:
         """Simulate the schedule on the stage costs with the data-parallel reduction on each
         rank's communication lane (`_reduction`), then add the optimizer step.
-        None when the schedule refuses the configuration."""
+        None when the schedule refuses the configuration; `Beaten` as soon as the step is
+        proven longer than `beaten_above` (the simulation stops there,
+        `step.compute_limits`): a step at or under it is always predicted in full."""
         table = self.table(config)
         if is_cost_aware(config.schedule):
             split = True  # planned on the costs, and they all split the backward
@@ -390,39 +394,35 @@ class PlanContext:
         gather = None if not self.overlap_param_gather else data_parallel.param_gather(
             table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
             params=stage_params(table, _placement(config)), ep=config.ep)
-        timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
-                                              gather=gather), runs=self._runs)
-        placement = np.asarray(_placement(config))
         step, exposed, tied = self.update_seconds(config)
-        compute = timeline.compute_mask()
-        rank_end = np.zeros(config.pp)
-        np.maximum.at(rank_end, timeline.rank[compute], timeline.end[compute])
-        reduce_end = np.zeros(config.pp)
-        if timeline.reduction_ends:
-            reduce_end = np.asarray(timeline.reduction_ends, dtype=np.float64)
-        waited = np.zeros(config.pp)
-        if timeline.gather_ends:  # overlapped: the lane's early gathers, the forwards' waits
-            reduce_end = np.maximum(reduce_end, timeline.gather_ends)
-            waited = np.asarray(timeline.exposed_gather)
-        ready = np.maximum(rank_end, reduce_end)
-        synced = tied_through(ready, tied)  # then the step
-        finish = synced + step + exposed
-        total = float(finish.max())
+        simulated = replace(model, reduction=self._reduction(config, table), gather=gather)
+        if beaten_above < math.inf:
+            stopped = simulate_unless_over(schedule, simulated,
+                                           compute_limits(beaten_above, step, exposed),
+                                           runs=self._runs)
+            if stopped is None:
+                return Beaten(beaten_above)
+            timeline = stopped
+        else:
+            timeline = simulate(schedule, simulated, runs=self._runs)
+        parts = step_parts(timeline, config.pp, step, exposed, tied)
+        total = float(parts.finish.max())
         # the breakdown of the rank that finishes last: its parts sum to the step
-        last = int(np.argmax(finish))
-        mine = placement == last
+        last = int(np.argmax(parts.finish))
+        mine = np.asarray(_placement(config)) == last
         m = config.num_microbatches
         busy = m * float(costs.total[mine].sum())
         tp_comm = m * float(costs.tp_comm[mine].sum())
         recompute = m * float(costs.recompute[mine].sum())
         ep_comm = 0.0 if all_to_all is None else exposed_all_to_all(
             timeline, model, last, config.pp * config.chunks)
+        rank_end, ready, waited = parts.rank_end, parts.ready, parts.waited
         breakdown = {"compute": busy - tp_comm - recompute,
                      "recomputation": recompute, "tp_comm": tp_comm, "ep_comm": ep_comm,
                      "bubble": float(rank_end[last] - busy - ep_comm - waited[last]),
                      "dp_comm": float(ready[last] - rank_end[last] + exposed[last]
                                       + waited[last]),
-                     "tied_comm": float(synced[last] - ready[last]),
+                     "tied_comm": float(parts.synced[last] - ready[last]),
                      "optimizer": float(step[last])}
         tokens = self.global_batch * self.model.seq
         devices = config.pp * config.tp * config.dp

@@ -11,11 +11,18 @@ inputs of both are there and lasts `overlap` × (F + B), or what `pair` says (an
 all-to-all interleaved, `schedules.analysis.all_to_all`); both outputs leave at its end.
 Written as an event loop (a rank runs until it blocks, then waits on the op it needs)
 rather than with networkx because it must execute ~1M ops a second for the planner.
+
+Given `limit`, a run stops as soon as a rank is proven to end past its limit: a rank's end
+is its compute work (the costs of its ops) plus the time it waits, so once the waits seen
+so far plus all its work pass the limit, it ends past it whatever follows (the planner
+drops a configuration another one beats before finishing its simulation).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from typing import NamedTuple
 
 from schedules.ir.instructions import Instruction, Kind
@@ -32,6 +39,16 @@ class Execution(NamedTuple):
     stuck: dict[int, int]
     waited: list[float] | None = None
     """Per rank, the time its forwards waited for their `release` (None without one)."""
+    over: int | None = None
+    """The rank proven to end past its `limit`; the run stopped there, its ops partly
+    executed (None: a whole run)."""
+
+
+_ROUNDING = 4 * 2.0**-53
+"""Per op, a bound on the relative rounding of summed float times: a rank's clock is a sum
+of n costs and waits and its work another, each within n·2^-53 of the exact sum; `execute`
+stops only past limit · (1 + _ROUNDING · (n + 8)), so a stopped rank's computed end is past
+its limit too."""
 
 
 def execute(
@@ -45,6 +62,7 @@ def execute(
     overlap: float = 1.0,
     release: dict[int, float] | None = None,
     pair: Callable[[int, int], tuple[float, float]] | None = None,
+    limit: Sequence[float] | None = None,
 ) -> Execution:
     """Execute compute-only `streams`; per-stage costs, `delay[s]` on the s ↔ s+1 edge.
 
@@ -58,6 +76,8 @@ def execute(
     the validator checks that before calling this. Any other kind (LOAD, SEND/RECV,
     REDUCE_GRAD, STEP) is read as what it is here: no work, a zero-length span at the
     rank's clock (never as a backward of the stage or microbatch -1 it carries).
+    `limit[rank]`: stop once that rank is proven to end past it (`Execution.over`); a rank
+    whose end is at or under its limit never stops the run.
     """
     kind_f, kind_b, kind_w, kind_i, kind_ob = Kind.F, Kind.B, Kind.W, Kind.I, Kind.OVERLAP_B
     num_ranks = len(streams)
@@ -73,12 +93,18 @@ def execute(
     ends: list[list[float]] = [[] for _ in range(num_ranks)]
     waiting: dict[int, list[int]] = {}
     waited = [0.0] * num_ranks
-    runnable = list(range(num_ranks - 1, -1, -1))
+    # a rank stops the run once its waits pass its room: limit - work, within rounding
+    rooms = [float("inf")] * num_ranks if limit is None else \
+        _rooms(streams, limit, forward, backward, weight, fused)
+    idles = [0.0] * num_ranks
+    over = next((rank for rank, room in enumerate(rooms) if room < 0.0), None)
+    runnable = [] if over is not None else list(range(num_ranks - 1, -1, -1))
     while runnable:
         rank = runnable.pop()
         stream = streams[rank]
         k, clock, n = positions[rank], clocks[rank], len(stream)
         rank_starts, rank_ends = starts[rank], ends[rank]
+        idle, room = idles[rank], rooms[rank]
         while k < n:
             kind, s, i, _ = stream[k]
             index = s * m + i
@@ -127,8 +153,12 @@ def execute(
                 rank_ends.append(split)
                 rank_starts.append(split)
                 rank_ends.append(end)
+                idle += end - clock  # the pair's wait and time: not in the rank's work
                 clock = end
                 k += 2
+                if idle > room:
+                    over = rank
+                    break
                 for key in (index, grad_base + index2):
                     if key in waiting:
                         runnable.extend(waiting.pop(key))
@@ -182,12 +212,49 @@ def execute(
                 rank_ends.append(clock)
                 k += 1
                 continue
+            if ready > clock:
+                idle += ready - clock
+                if idle > room:
+                    over = rank
             rank_starts.append(ready)
             rank_ends.append(end)
             clock = end
             k += 1
+            if over is not None:
+                break
             if done_key >= 0 and done_key in waiting:
                 runnable.extend(waiting.pop(done_key))
-        positions[rank], clocks[rank] = k, clock
+        positions[rank], clocks[rank], idles[rank] = k, clock, idle
+        if over is not None:
+            return Execution(starts, ends, {}, None if release is None else waited, over)
     stuck = {r: positions[r] for r in range(num_ranks) if positions[r] < len(streams[r])}
-    return Execution(starts, ends, stuck, None if release is None else waited)
+    return Execution(starts, ends, stuck, None if release is None else waited, over)
+
+
+def _rooms(streams: Sequence[Sequence[Instruction]], limit: Sequence[float],
+           forward: Sequence[float], backward: Sequence[float], weight: Sequence[float],
+           fused: Sequence[float]) -> list[float]:
+    """Per rank, the waits it may take and still end by its limit: the limit, less rounding,
+    less the costs of all its ops. On a rank with overlapped pairs its F and OVERLAP_B ops
+    count nothing here (a pair's time is not the sum of its ops'): `execute` counts each
+    pair's time with the waits instead."""
+    rooms = []
+    slack = _ROUNDING * (sum(map(len, streams)) + 8)
+    for rank, stream in enumerate(streams):
+        counts = Counter(map(_KIND_AND_STAGE, stream))  # in C: no per-op Python
+        paired = any(kind is Kind.OVERLAP_B for kind, _ in counts)
+        work = 0.0
+        for (kind, s), count in counts.items():
+            if kind is Kind.F and not paired:
+                work += count * forward[s]
+            elif kind is Kind.B:
+                work += count * fused[s]
+            elif kind is Kind.I:
+                work += count * backward[s]
+            elif kind is Kind.W:
+                work += count * weight[s]
+        rooms.append(limit[rank] * (1.0 + slack) - work)
+    return rooms
+
+
+_KIND_AND_STAGE = itemgetter(0, 1)

@@ -19,7 +19,8 @@ from schedules.ir.grid import format_grid
 from schedules.ir.instructions import NONE, Instruction, Kind
 from schedules.ir.schedule import Schedule, gc_paused
 
-__all__ = ["CostModel", "GradReduction", "ParamGather", "reduce_gradients", "simulate"]
+__all__ = ["CostModel", "GradReduction", "ParamGather", "reduce_gradients", "simulate",
+           "simulate_unless_over"]
 
 
 @gc_paused
@@ -35,6 +36,26 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *,
     `runs` keeps the compute run for calls on the same schedule and compute costs
     (`ComputeRuns`; not where an overlapped gather delays the forwards).
     """
+    timeline = _simulate(schedule, costs, runs, None)
+    assert timeline is not None  # no limit: never stopped
+    return timeline
+
+
+@gc_paused
+def simulate_unless_over(schedule: Schedule, costs: CostModel | None, limit: Sequence[float],
+                         *, runs: ComputeRuns | None = None) -> Timeline | None:
+    """`simulate`, or None as soon as a rank's compute is proven to end past `limit[rank]`
+    (`dataflow.execute`; checked exactly once the compute has run, before the lanes are
+    laid): a run whose every rank ends by its limit is simulated whole. A stopped run is
+    not kept in `runs`."""
+    if len(limit) != schedule.num_ranks:
+        raise ValueError(f"limit has {len(limit)} values for {schedule.num_ranks} ranks; "
+                         "give one per rank")
+    return _simulate(schedule, costs, runs, limit)
+
+
+def _simulate(schedule: Schedule, costs: CostModel | None, runs: ComputeRuns | None,
+              limit: Sequence[float] | None) -> Timeline | None:
     if not isinstance(schedule, Schedule):
         raise TypeError(f"simulate needs a schedules.Schedule (e.g. from build_schedule), got "
                         f"{schedule!r}")
@@ -58,12 +79,18 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *,
     kept = None if key is None or runs is None else runs.get(schedule, key)
     if kept is None:
         # a non-compute op takes no time of its own
-        timeline, run = _run_compute(schedule, schedule.compute_streams(), costs, release,
-                                     forward, backward, weight, delay, act)
+        made = _run_compute(schedule, schedule.compute_streams(), costs, release,
+                            forward, backward, weight, delay, act, limit)
+        if made is None:
+            return None
+        timeline, run = made
         if key is not None and runs is not None:
             runs.put(schedule, key, timeline, run)
     else:
         timeline, run = kept
+    if limit is not None and any(max(ends, default=0.0) > most
+                                 for ends, most in zip(run.ends, limit)):
+        return None
     if gather is None:
         if costs.reduction is None or not schedule.has_backward:
             return timeline
@@ -81,9 +108,11 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *,
 def _run_compute(schedule: Schedule, streams: Sequence[Sequence[Instruction]],
                  costs: CostModel, release: dict[int, float] | None, forward: list[float],
                  backward: list[float], weight: list[float], delay: list[float],
-                 act: list[float]) -> tuple[Timeline, Execution]:
+                 act: list[float], limit: Sequence[float] | None = None
+                 ) -> tuple[Timeline, Execution] | None:
     """The compute streams executed (`dataflow.execute`) and their timeline, with the
-    expert all-to-all's rows where `costs` has one."""
+    expert all-to-all's rows where `costs` has one; None when a rank is proven to end past
+    its `limit`."""
     compute_forward, compute_backward = forward, backward
     pair = None
     if costs.all_to_all is not None:
@@ -95,7 +124,9 @@ def _run_compute(schedule: Schedule, streams: Sequence[Sequence[Instruction]],
         forward = [f + a for f, a in zip(forward, a2a_forward)]
         backward = [b + a for b, a in zip(backward, a2a_backward)]
     run = execute(streams, schedule.placement, schedule.num_microbatches, forward, backward,
-                  weight, delay, costs.overlap, release, pair)
+                  weight, delay, costs.overlap, release, pair, limit)
+    if run.over is not None:
+        return None
     if run.stuck:
         rank, step = min(run.stuck.items())
         raise ScheduleValidationError(
