@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,7 +28,7 @@ from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.pricing import layer_times
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable, uniform_boundaries
-from pipeline.planner.step import Beaten, compute_limits, step_parts
+from pipeline.planner.step import Beaten, compute_limits, step_breakdown, step_parts
 from pipeline.planner.tied import (
     stage_params,
     tied_allreduce_seconds,
@@ -363,8 +364,8 @@ class PlanContext:
                 return None
             shape = (config.schedule, config.pp, config.num_microbatches, config.chunks)
             if shape not in self._splits:  # a scan of every op: once per schedule
-                self._splits[shape] = any(op.kind is Kind.I for stream in plain.streams
-                                          for op in stream)
+                self._splits[shape] = any(Kind.I in map(_kind_of, stream)  # scanned in C
+                                          for stream in plain.streams)
             split = self._splits[shape]
         all_to_all = expert_all_to_all(table, self.cluster, batch=config.microbatch_size,
                                        ep=config.ep, tp=config.tp)
@@ -409,21 +410,10 @@ class PlanContext:
         total = float(parts.finish.max())
         # the breakdown of the rank that finishes last: its parts sum to the step
         last = int(np.argmax(parts.finish))
-        mine = np.asarray(_placement(config)) == last
-        m = config.num_microbatches
-        busy = m * float(costs.total[mine].sum())
-        tp_comm = m * float(costs.tp_comm[mine].sum())
-        recompute = m * float(costs.recompute[mine].sum())
         ep_comm = 0.0 if all_to_all is None else exposed_all_to_all(
             timeline, model, last, config.pp * config.chunks)
-        rank_end, ready, waited = parts.rank_end, parts.ready, parts.waited
-        breakdown = {"compute": busy - tp_comm - recompute,
-                     "recomputation": recompute, "tp_comm": tp_comm, "ep_comm": ep_comm,
-                     "bubble": float(rank_end[last] - busy - ep_comm - waited[last]),
-                     "dp_comm": float(ready[last] - rank_end[last] + exposed[last]
-                                      + waited[last]),
-                     "tied_comm": float(parts.synced[last] - ready[last]),
-                     "optimizer": float(step[last])}
+        breakdown = step_breakdown(parts, last, costs, np.asarray(_placement(config)) == last,
+                                   config.num_microbatches, ep_comm, step, exposed)
         tokens = self.global_batch * self.model.seq
         devices = config.pp * config.tp * config.dp
         model_flops = 3 * self.model.flops_per_sample * self.global_batch
@@ -467,6 +457,9 @@ def schedule_placement(name: str, pp: int, chunks: int) -> tuple[int, ...]:
     registry states it (`ScheduleSpec.placement`; a list of V-shaped names kept here once
     went stale: dualpipev-overlap, V-Min and V-Half were priced on a loop)."""
     return SCHEDULES[name].placement(pp, chunks)
+
+
+_kind_of = operator.itemgetter(0)
 
 
 def _ops(schedule: Schedule | None) -> int:

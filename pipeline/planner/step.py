@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.planner.stages import StageCosts
 from pipeline.planner.tied import tied_through
 from schedules import Timeline
 
-__all__ = ["Beaten", "StepParts", "compute_limits", "step_parts"]
+__all__ = ["Beaten", "StepParts", "compute_limits", "step_breakdown", "step_parts"]
 
 _MARGIN = 1e-12
 """Relative margin of `compute_limits` over the rounding of the few float additions that
@@ -57,6 +58,22 @@ def step_parts(timeline: Timeline, ranks: int, step: np.ndarray, exposed: np.nda
     ready = np.maximum(rank_end, reduce_end)
     synced = tied_through(ready, tied)  # then the step
     return StepParts(rank_end, ready, synced, synced + step + exposed, waited)
+
+
+def step_breakdown(parts: StepParts, last: int, costs: StageCosts, mine: np.ndarray, m: int,
+                   ep_comm: float, step: np.ndarray, exposed: np.ndarray) -> dict[str, float]:
+    """Seconds of the step of rank `last` (the one that finishes last; `mine` marks its
+    stages) by cause (`Prediction.breakdown`): they sum to its finish."""
+    busy = m * float(costs.total[mine].sum())
+    tp_comm = m * float(costs.tp_comm[mine].sum())
+    recompute = m * float(costs.recompute[mine].sum())
+    rank_end, ready, waited = parts.rank_end, parts.ready, parts.waited
+    return {"compute": busy - tp_comm - recompute,
+            "recomputation": recompute, "tp_comm": tp_comm, "ep_comm": ep_comm,
+            "bubble": float(rank_end[last] - busy - ep_comm - waited[last]),
+            "dp_comm": float(ready[last] - rank_end[last] + exposed[last] + waited[last]),
+            "tied_comm": float(parts.synced[last] - ready[last]),
+            "optimizer": float(step[last])}
 
 
 def compute_limits(threshold: float, step: np.ndarray, exposed: np.ndarray) -> list[float]:

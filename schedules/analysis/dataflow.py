@@ -103,7 +103,7 @@ def execute(
         rank = runnable.pop()
         stream = streams[rank]
         k, clock, n = positions[rank], clocks[rank], len(stream)
-        rank_starts, rank_ends = starts[rank], ends[rank]
+        started, ended = starts[rank].append, ends[rank].append  # bound once: ~2 per op
         idle, room = idles[rank], rooms[rank]
         while k < n:
             kind, s, i, _ = stream[k]
@@ -149,10 +149,10 @@ def execute(
                     end = split + backward_part
                 f_end[index] = end
                 g_end[index2] = end
-                rank_starts.append(ready)
-                rank_ends.append(split)
-                rank_starts.append(split)
-                rank_ends.append(end)
+                started(ready)
+                ended(split)
+                started(split)
+                ended(end)
                 idle += end - clock  # the pair's wait and time: not in the rank's work
                 clock = end
                 k += 2
@@ -208,16 +208,16 @@ def execute(
                 g_end[index] = end
                 done_key = grad_base + index
             else:  # LOAD, SEND/RECV, REDUCE_GRAD, STEP: no compute, no dependency, no time
-                rank_starts.append(clock)
-                rank_ends.append(clock)
+                started(clock)
+                ended(clock)
                 k += 1
                 continue
             if ready > clock:
                 idle += ready - clock
                 if idle > room:
                     over = rank
-            rank_starts.append(ready)
-            rank_ends.append(end)
+            started(ready)
+            ended(end)
             clock = end
             k += 1
             if over is not None:
