@@ -91,30 +91,41 @@ def execute(
     clocks = [0.0] * num_ranks
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
     ends: list[list[float]] = [[] for _ in range(num_ranks)]
-    waiting: dict[int, list[int]] = {}
+    # the ranks blocked on each op's end, by key (a list: read on every op, cheaper than
+    # a dict); the last slot, never waited on, is where a W (which nothing waits on) ends
+    waiting: list[list[int] | None] = [None] * (2 * grad_base + 1)
+    no_waiter = 2 * grad_base
+
+    def wait_for(key: int, rank: int) -> None:
+        ranks = waiting[key]
+        if ranks is None:
+            waiting[key] = [rank]
+        else:
+            ranks.append(rank)
     waited = [0.0] * num_ranks
     # a rank stops the run once its waits pass its room: limit - work, within rounding
     rooms = [float("inf")] * num_ranks if limit is None else \
         _rooms(streams, limit, forward, backward, weight, fused)
     idles = [0.0] * num_ranks
+    pairs = [kind_ob in map(_KIND, stream) for stream in streams]  # scanned in C
     over = next((rank for rank, room in enumerate(rooms) if room < 0.0), None)
     runnable = [] if over is not None else list(range(num_ranks - 1, -1, -1))
     while runnable:
         rank = runnable.pop()
         stream = streams[rank]
         k, clock, n = positions[rank], clocks[rank], len(stream)
-        started, ended = starts[rank].append, ends[rank].append  # bound once: ~2 per op
-        idle, room = idles[rank], rooms[rank]
+        rank_starts, rank_ends = starts[rank], ends[rank]
+        idle, room, paired = idles[rank], rooms[rank], pairs[rank]
         while k < n:
             kind, s, i, _ = stream[k]
             index = s * m + i
             ready = clock
-            if kind is kind_f and k + 1 < n and stream[k + 1][0] is kind_ob:
+            if kind is kind_f and paired and k + 1 < n and stream[k + 1][0] is kind_ob:
                 # The overlapped pair: wait for the inputs of both, then run as one op.
                 if s:
                     dep = f_end[index - m]
                     if dep < 0.0:
-                        waiting.setdefault(index - m, []).append(rank)
+                        wait_for(index - m, rank)
                         break
                     if placement[s - 1] != rank:
                         dep += delay[s - 1]
@@ -124,14 +135,14 @@ def execute(
                 index2 = s2 * m + stream[k + 1][2]
                 dep = f_end[index2]
                 if dep < 0.0:
-                    waiting.setdefault(index2, []).append(rank)
+                    wait_for(index2, rank)
                     break
                 if dep > ready:
                     ready = dep
                 if s2 + 1 < num_stages:
                     dep = g_end[index2 + m]
                     if dep < 0.0:
-                        waiting.setdefault(grad_base + index2 + m, []).append(rank)
+                        wait_for(grad_base + index2 + m, rank)
                         break
                     if placement[s2 + 1] != rank:
                         dep += delay[s2]
@@ -149,10 +160,10 @@ def execute(
                     end = split + backward_part
                 f_end[index] = end
                 g_end[index2] = end
-                started(ready)
-                ended(split)
-                started(split)
-                ended(end)
+                rank_starts.append(ready)
+                rank_ends.append(split)
+                rank_starts.append(split)
+                rank_ends.append(end)
                 idle += end - clock  # the pair's wait and time: not in the rank's work
                 clock = end
                 k += 2
@@ -160,70 +171,88 @@ def execute(
                     over = rank
                     break
                 for key in (index, grad_base + index2):
-                    if key in waiting:
-                        runnable.extend(waiting.pop(key))
+                    ranks = waiting[key]
+                    if ranks is not None:
+                        runnable.extend(ranks)
+                        waiting[key] = None
                 continue
             if kind is kind_f:
                 if s:
                     dep = f_end[index - m]
                     if dep < 0.0:
-                        waiting.setdefault(index - m, []).append(rank)
+                        wait_for(index - m, rank)
                         break
                     if placement[s - 1] != rank:
                         dep += delay[s - 1]
                     if dep > ready:
+                        idle += dep - ready
                         ready = dep
+                        if idle > room:  # tested on waits only, where idle grows
+                            over = rank
+                            break
                 if release is not None and release.get(index, ready) > ready:
                     waited[rank] += release[index] - ready
+                    idle += release[index] - ready
                     ready = release[index]
+                    if idle > room:
+                        over = rank
+                        break
                 end = ready + forward[s]
                 f_end[index] = end
                 done_key = index
             elif kind is kind_w:
                 dep = g_end[index]
                 if dep < 0.0:
-                    waiting.setdefault(grad_base + index, []).append(rank)
+                    wait_for(grad_base + index, rank)
                     break
                 if dep > ready:
+                    idle += dep - ready
                     ready = dep
+                    if idle > room:
+                        over = rank
+                        break
                 end = ready + weight[s]
-                done_key = -1
+                done_key = no_waiter
             elif kind is kind_b or kind is kind_i or kind is kind_ob:  # a lone OVERLAP_B is a B
                 dep = f_end[index]
                 if dep < 0.0:
-                    waiting.setdefault(index, []).append(rank)
+                    wait_for(index, rank)
                     break
                 if dep > ready:
+                    idle += dep - ready
                     ready = dep
+                    if idle > room:
+                        over = rank
+                        break
                 if s + 1 < num_stages:
                     dep = g_end[index + m]
                     if dep < 0.0:
-                        waiting.setdefault(grad_base + index + m, []).append(rank)
+                        wait_for(grad_base + index + m, rank)
                         break
                     if placement[s + 1] != rank:
                         dep += delay[s]
                     if dep > ready:
+                        idle += dep - ready
                         ready = dep
+                        if idle > room:  # tested on waits only, where idle grows
+                            over = rank
+                            break
                 end = ready + (backward[s] if kind is kind_i else fused[s])
                 g_end[index] = end
                 done_key = grad_base + index
             else:  # LOAD, SEND/RECV, REDUCE_GRAD, STEP: no compute, no dependency, no time
-                started(clock)
-                ended(clock)
+                rank_starts.append(clock)
+                rank_ends.append(clock)
                 k += 1
                 continue
-            if ready > clock:
-                idle += ready - clock
-                if idle > room:
-                    over = rank
-            started(ready)
-            ended(end)
+            rank_starts.append(ready)
+            rank_ends.append(end)
             clock = end
             k += 1
-            if over is not None:
-                break
-            if done_key >= 0 and done_key in waiting:
-                runnable.extend(waiting.pop(done_key))
+            ranks = waiting[done_key]
+            if ranks is not None:
+                runnable.extend(ranks)
+                waiting[done_key] = None
         positions[rank], clocks[rank], idles[rank] = k, clock, idle
         if over is not None:
             return Execution(starts, ends, {}, None if release is None else waited, over)
@@ -257,4 +286,5 @@ def _rooms(streams: Sequence[Sequence[Instruction]], limit: Sequence[float],
     return rooms
 
 
+_KIND = itemgetter(0)
 _KIND_AND_STAGE = itemgetter(0, 1)
