@@ -21,13 +21,13 @@ drops a configuration another one beats before finishing its simulation).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import NamedTuple
 
 from schedules.ir.instructions import Instruction, Kind
 
-__all__ = ["Execution", "execute"]
+__all__ = ["Execution", "execute", "op_counts"]
 
 
 class Execution(NamedTuple):
@@ -63,6 +63,7 @@ def execute(
     release: dict[int, float] | None = None,
     pair: Callable[[int, int], tuple[float, float]] | None = None,
     limit: Sequence[float] | None = None,
+    counts: Sequence[Mapping[tuple[Kind, int], int]] | None = None,
 ) -> Execution:
     """Execute compute-only `streams`; per-stage costs, `delay[s]` on the s ↔ s+1 edge.
 
@@ -77,7 +78,8 @@ def execute(
     REDUCE_GRAD, STEP) is read as what it is here: no work, a zero-length span at the
     rank's clock (never as a backward of the stage or microbatch -1 it carries).
     `limit[rank]`: stop once that rank is proven to end past it (`Execution.over`); a rank
-    whose end is at or under its limit never stops the run.
+    whose end is at or under its limit never stops the run. `counts`: `op_counts(streams)`
+    where the caller keeps them (counted here otherwise).
     """
     kind_f, kind_b, kind_w, kind_i, kind_ob = Kind.F, Kind.B, Kind.W, Kind.I, Kind.OVERLAP_B
     num_ranks = len(streams)
@@ -105,7 +107,8 @@ def execute(
     waited = [0.0] * num_ranks
     # a rank stops the run once its waits pass its room: limit - work, within rounding
     rooms = [float("inf")] * num_ranks if limit is None else \
-        _rooms(streams, limit, forward, backward, weight, fused)
+        _rooms(counts or op_counts(streams), limit, forward, backward, weight, fused,
+               sum(map(len, streams)))
     idles = [0.0] * num_ranks
     pairs = [kind_ob in map(_KIND, stream) for stream in streams]  # scanned in C
     over = next((rank for rank, room in enumerate(rooms) if room < 0.0), None)
@@ -260,20 +263,24 @@ def execute(
     return Execution(starts, ends, stuck, None if release is None else waited, over)
 
 
-def _rooms(streams: Sequence[Sequence[Instruction]], limit: Sequence[float],
+def op_counts(streams: Sequence[Sequence[Instruction]]) -> list[Counter[tuple[Kind, int]]]:
+    """Per rank, its ops counted by (kind, stage): what a limited run's bound reads."""
+    return [Counter(map(_KIND_AND_STAGE, stream)) for stream in streams]  # in C: no per-op Python
+
+
+def _rooms(counts: Sequence[Mapping[tuple[Kind, int], int]], limit: Sequence[float],
            forward: Sequence[float], backward: Sequence[float], weight: Sequence[float],
-           fused: Sequence[float]) -> list[float]:
+           fused: Sequence[float], ops: int) -> list[float]:
     """Per rank, the waits it may take and still end by its limit: the limit, less rounding,
     less the costs of all its ops. On a rank with overlapped pairs its F and OVERLAP_B ops
     count nothing here (a pair's time is not the sum of its ops'): `execute` counts each
     pair's time with the waits instead."""
     rooms = []
-    slack = _ROUNDING * (sum(map(len, streams)) + 8)
-    for rank, stream in enumerate(streams):
-        counts = Counter(map(_KIND_AND_STAGE, stream))  # in C: no per-op Python
-        paired = any(kind is Kind.OVERLAP_B for kind, _ in counts)
+    slack = _ROUNDING * (ops + 8)
+    for rank, rank_counts in enumerate(counts):
+        paired = any(kind is Kind.OVERLAP_B for kind, _ in rank_counts)
         work = 0.0
-        for (kind, s), count in counts.items():
+        for (kind, s), count in rank_counts.items():
             if kind is Kind.F and not paired:
                 work += count * forward[s]
             elif kind is Kind.B:

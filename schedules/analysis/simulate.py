@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from itertools import chain
 from operator import itemgetter
@@ -82,8 +82,9 @@ def _simulate(schedule: Schedule, costs: CostModel | None, runs: ComputeRuns | N
     kept = None if key is None or runs is None else runs.get(schedule, key)
     if kept is None:
         # a non-compute op takes no time of its own
+        counts = None if limit is None or runs is None else runs.op_counts(schedule)
         made = _run_compute(schedule, schedule.compute_streams(), costs, release,
-                            forward, backward, weight, delay, act, limit)
+                            forward, backward, weight, delay, act, limit, counts)
         if made is None:
             return None
         timeline, run = made
@@ -111,7 +112,8 @@ def _simulate(schedule: Schedule, costs: CostModel | None, runs: ComputeRuns | N
 def _run_compute(schedule: Schedule, streams: Sequence[Sequence[Instruction]],
                  costs: CostModel, release: dict[int, float] | None, forward: list[float],
                  backward: list[float], weight: list[float], delay: list[float],
-                 act: list[float], limit: Sequence[float] | None = None
+                 act: list[float], limit: Sequence[float] | None = None,
+                 counts: Sequence[Mapping[tuple[Kind, int], int]] | None = None
                  ) -> tuple[Timeline, Execution] | None:
     """The compute streams executed (`dataflow.execute`) and their timeline, with the
     expert all-to-all's rows where `costs` has one; None when a rank is proven to end past
@@ -127,7 +129,7 @@ def _run_compute(schedule: Schedule, streams: Sequence[Sequence[Instruction]],
         forward = [f + a for f, a in zip(forward, a2a_forward)]
         backward = [b + a for b, a in zip(backward, a2a_backward)]
     run = execute(streams, schedule.placement, schedule.num_microbatches, forward, backward,
-                  weight, delay, costs.overlap, release, pair, limit)
+                  weight, delay, costs.overlap, release, pair, limit, counts)
     if run.over is not None:
         return None
     if run.stuck:

@@ -139,3 +139,19 @@ def test_every_limited_run_of_a_grid_agrees_with_the_unlimited_one() -> None:
         over = _run(name, p, m, v, *costs, limit).over
         assert (over is None) == (choice == ("end",) * p)
         assert over is None or limit[over] == 0.0
+
+
+def test_kept_op_counts_are_the_schedules_and_give_the_same_stop() -> None:
+    runs = ComputeRuns()
+    schedule = generate_schedule("zb-h1", 4, 6, 1)
+    counts = runs.op_counts(schedule)
+    assert runs.op_counts(schedule) is counts  # counted once
+    assert counts == dataflow.op_counts(schedule.compute_streams())
+    assert sum(sum(rank.values()) for rank in counts) == schedule.num_instructions
+    costs = ([1.0, 2.0, 1.5, 1.0], [2.0, 1.0, 1.0, 1.5], [0.5, 0.5, 1.0, 0.5], [0.3] * 4)
+    ends = _ends(_run("zb-h1", 4, 6, 1, *costs, None))
+    for limit in ([end * 0.9 for end in ends], ends):
+        fresh = _run("zb-h1", 4, 6, 1, *costs, limit)
+        kept = dataflow.execute(schedule.compute_streams(), schedule.placement, 6, *costs, 0.8,
+                                None, None, limit, counts)
+        assert kept == fresh
