@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -36,16 +37,17 @@ class ComputeRuns:
         self._ops = 0
         self._entries: OrderedDict[tuple[Any, ...],
                                    tuple[Schedule, Timeline, Execution, int]] = OrderedDict()
-        self._counts: OrderedDict[int, tuple[Schedule, list[Counter[tuple[Kind, int]]]]] = \
-            OrderedDict()
+        self._counts: OrderedDict[int, tuple[weakref.ref[Schedule],
+                                             list[Counter[tuple[Kind, int]]]]] = OrderedDict()
 
     def op_counts(self, schedule: Schedule) -> list[Counter[tuple[Kind, int]]]:
         """`dataflow.op_counts` of the schedule's compute streams, counted once per schedule
-        (the last `_KEPT_COUNTS` schedules asked for; each entry holds its schedule, as
-        the runs do)."""
+        (the last `_KEPT_COUNTS` schedules asked for). An entry holds a weak reference to its
+        schedule: it keeps no schedule alive, and one whose id is reused is not taken for
+        it."""
         entry = self._counts.get(id(schedule))
-        if entry is None or entry[0] is not schedule:
-            entry = (schedule, op_counts(schedule.compute_streams()))
+        if entry is None or entry[0]() is not schedule:
+            entry = (weakref.ref(schedule), op_counts(schedule.compute_streams()))
             self._counts[id(schedule)] = entry
             if len(self._counts) > _KEPT_COUNTS:
                 self._counts.popitem(last=False)

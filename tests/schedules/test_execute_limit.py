@@ -5,6 +5,7 @@ checked against the unlimited run as the oracle, and against planted over-eager 
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import pytest
 from hypothesis import given, settings
@@ -148,6 +149,10 @@ def test_kept_op_counts_are_the_schedules_and_give_the_same_stop() -> None:
     assert runs.op_counts(schedule) is counts  # counted once
     assert counts == dataflow.op_counts(schedule.compute_streams())
     assert sum(sum(rank.values()) for rank in counts) == schedule.num_instructions
+    held = weakref.ref(other := generate_schedule("1f1b", 4, 6, 1))
+    runs.op_counts(other)
+    del other
+    assert held() is None  # the counts keep no schedule alive
     costs = ([1.0, 2.0, 1.5, 1.0], [2.0, 1.0, 1.0, 1.5], [0.5, 0.5, 1.0, 0.5], [0.3] * 4)
     ends = _ends(_run("zb-h1", 4, 6, 1, *costs, None))
     for limit in ([end * 0.9 for end in ends], ends):
