@@ -78,7 +78,8 @@ def scale_search() -> str:
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return (f"search at scale, {SCALE_SHAPE} on 384 × 8 a100-80g, global batch 3072: "
-            f"{result.considered} configurations, {len(result.predictions)} simulated, pick "
+            f"{result.considered} configurations, {len(result.predictions)} simulated, "
+            f"{result.stopped_early} stopped early (beaten partway), pick "
             f"{result.best.config.label()}; {cpu:.1f} s CPU, {wall:.1f} s wall, peak "
             f"{peak:.0f} MiB -> CPU {_met(cpu <= 10)} (target <= 10 s), memory "
             f"{_met(peak <= 500)} (target <= 500 MB)")

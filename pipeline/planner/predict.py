@@ -4,6 +4,8 @@ with tensor-parallel, pipeline and data-parallel communication and the optimizer
 from __future__ import annotations
 
 import functools
+import math
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,12 +27,12 @@ from pipeline.planner.p2p import blocking_p2p
 from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import LayerPrices, StageTable, cost_graph, uniform_boundaries
+from pipeline.planner.step import Beaten, compute_limits, step_breakdown, step_parts
 from pipeline.planner.tied import (
     stage_params,
     tied_allreduce_seconds,
     tied_held,
     tied_step_reduction,
-    tied_through,
 )
 from schedules import (
     SCHEDULES,
@@ -42,6 +44,7 @@ from schedules import (
     generate_schedule,
     simulate,
 )
+from schedules.analysis.simulate import simulate_unless_over
 
 __all__ = ["PlanConfig", "PlanContext", "Prediction", "is_cost_aware", "memory_limit",
            "schedule_placement"]
@@ -346,11 +349,13 @@ class PlanContext:
                 element_bytes=self.grad_reduce_bytes)
         return step, exposed, tied
 
-    def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int]
-                ) -> Prediction | None:
+    def predict(self, config: PlanConfig, memory: tuple[MemoryBreakdown, int], *,
+                beaten_above: float = math.inf) -> Prediction | Beaten | None:
         """Simulate the schedule on the stage costs with the data-parallel reduction on each
         rank's communication lane (`_reduction`), then add the optimizer step.
-        None when the schedule refuses the configuration."""
+        None when the schedule refuses the configuration; `Beaten` as soon as the step is
+        proven longer than `beaten_above` (the simulation stops there,
+        `step.compute_limits`): a step at or under it is always predicted in full."""
         table = self.table(config)
         if is_cost_aware(config.schedule):
             split = True  # planned on the costs, and they all split the backward
@@ -360,8 +365,8 @@ class PlanContext:
                 return None
             shape = (config.schedule, config.pp, config.num_microbatches, config.chunks)
             if shape not in self._splits:  # a scan of every op: once per schedule
-                self._splits[shape] = any(op.kind is Kind.I for stream in plain.streams
-                                          for op in stream)
+                self._splits[shape] = any(Kind.I in map(_kind_of, stream)  # scanned in C
+                                          for stream in plain.streams)
             split = self._splits[shape]
         all_to_all = expert_all_to_all(table, self.cluster, batch=config.microbatch_size,
                                        ep=config.ep, tp=config.tp)
@@ -391,40 +396,25 @@ class PlanContext:
         gather = None if not self.overlap_param_gather else data_parallel.param_gather(
             table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
             params=stage_params(table, _placement(config)), ep=config.ep)
-        timeline = simulate(schedule, replace(model, reduction=self._reduction(config, table),
-                                              gather=gather), runs=self._runs)
-        placement = np.asarray(_placement(config))
         step, exposed, tied = self.update_seconds(config)
-        compute = timeline.compute_mask()
-        rank_end = np.zeros(config.pp)
-        np.maximum.at(rank_end, timeline.rank[compute], timeline.end[compute])
-        reduce_end = np.zeros(config.pp)
-        if timeline.reduction_ends:
-            reduce_end = np.asarray(timeline.reduction_ends, dtype=np.float64)
-        waited = np.zeros(config.pp)
-        if timeline.gather_ends:  # overlapped: the lane's early gathers, the forwards' waits
-            reduce_end = np.maximum(reduce_end, timeline.gather_ends)
-            waited = np.asarray(timeline.exposed_gather)
-        ready = np.maximum(rank_end, reduce_end)
-        synced = tied_through(ready, tied)  # then the step
-        finish = synced + step + exposed
-        total = float(finish.max())
+        simulated = replace(model, reduction=self._reduction(config, table), gather=gather)
+        if beaten_above < math.inf:
+            stopped = simulate_unless_over(schedule, simulated,
+                                           compute_limits(beaten_above, step, exposed),
+                                           runs=self._runs)
+            if stopped is None:
+                return Beaten(beaten_above)
+            timeline = stopped
+        else:
+            timeline = simulate(schedule, simulated, runs=self._runs)
+        parts = step_parts(timeline, config.pp, step, exposed, tied)
+        total = float(parts.finish.max())
         # the breakdown of the rank that finishes last: its parts sum to the step
-        last = int(np.argmax(finish))
-        mine = placement == last
-        m = config.num_microbatches
-        busy = m * float(costs.total[mine].sum())
-        tp_comm = m * float(costs.tp_comm[mine].sum())
-        recompute = m * float(costs.recompute[mine].sum())
+        last = int(np.argmax(parts.finish))
         ep_comm = 0.0 if all_to_all is None else exposed_all_to_all(
             timeline, model, last, config.pp * config.chunks)
-        breakdown = {"compute": busy - tp_comm - recompute,
-                     "recomputation": recompute, "tp_comm": tp_comm, "ep_comm": ep_comm,
-                     "bubble": float(rank_end[last] - busy - ep_comm - waited[last]),
-                     "dp_comm": float(ready[last] - rank_end[last] + exposed[last]
-                                      + waited[last]),
-                     "tied_comm": float(synced[last] - ready[last]),
-                     "optimizer": float(step[last])}
+        breakdown = step_breakdown(parts, last, costs, np.asarray(_placement(config)) == last,
+                                   config.num_microbatches, ep_comm, step, exposed)
         tokens = self.global_batch * self.model.seq
         devices = config.pp * config.tp * config.dp
         model_flops = 3 * self.model.flops_per_sample * self.global_batch
@@ -468,6 +458,9 @@ def schedule_placement(name: str, pp: int, chunks: int) -> tuple[int, ...]:
     registry states it (`ScheduleSpec.placement`; a list of V-shaped names kept here once
     went stale: dualpipev-overlap, V-Min and V-Half were priced on a loop)."""
     return SCHEDULES[name].placement(pp, chunks)
+
+
+_kind_of = operator.itemgetter(0)
 
 
 def _ops(schedule: Schedule | None) -> int:

@@ -108,7 +108,8 @@ def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *
         "counts": {"considered": result.considered, "simulated": len(result.predictions),
                    "over_memory": result.over_memory,
                    "refused_by_schedule": result.refused_by_schedule,
-                   "skipped_by_bound": result.skipped_by_bound},
+                   "skipped_by_bound": result.skipped_by_bound,
+                   "stopped_early": result.stopped_early},
         "search_seconds": result.seconds,
     }
 
@@ -184,7 +185,8 @@ def plot_plan(result: PlanResult, cluster: ClusterSpec, path: str | os.PathLike[
     title = (f"{len(result.predictions)} simulated configurations on {cluster.num_devices} × "
              f"{cluster.name}; the top {len(best)} numbered"
              + (f", {hidden} slower ones above the chart" if hidden else "")
-             + f"; {result.skipped_by_bound} more fit but a bound beats them in time and memory")
+             + f"; {result.skipped_by_bound + result.stopped_early} more fit but are beaten in "
+               "time and memory (by a bound, or partway through their simulation)")
     axes.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=10)
     axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     names = [f"{rank:>2}  {p.config.label()}  {_seconds(p.step_seconds)}"

@@ -3,6 +3,7 @@ pruned by memory first, then by a lower bound on the step, the survivors simulat
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ from pipeline.planner.options import (
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction, is_cost_aware
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import block_span
+from pipeline.planner.step import Beaten
 from schedules import SCHEDULES
 from schedules.ir.schedule import gc_paused
 
@@ -54,6 +56,9 @@ class PlanResult:
     skipped_by_bound: int = 0
     """Fits in memory, but a simulated configuration is both faster than its lower bound and
     no larger: it can be neither in the top K nor on the Pareto front."""
+    stopped_early: int = 0
+    """Fits in memory, and its simulation stopped once its step was proven beaten as
+    `skipped_by_bound` says (K simulated ones faster, one of them no larger)."""
     seconds: float = 0.0
     leanest: tuple[PlanConfig, MemoryBreakdown] | None = field(default=None, repr=False)
     """The configuration with the smallest memory floor (one microbatch held per rank), for
@@ -285,7 +290,8 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     # (its bound), one of them also in memory (its floor), can reach neither the top K nor
     # the Pareto front: strictly faster, so no tie is broken differently. The others get
     # their schedule's exact peak memory, then the simulator (whose runs configurations
-    # that differ only in ZeRO share).
+    # that differ only in ZeRO share), which stops once the step is proven beaten the same
+    # way (`_beaten_above`).
     fitting.sort(key=lambda item: (item[0], item[1]))
     times, sizes = np.empty(len(fitting)), np.empty(len(fitting))
     count = 0
@@ -308,10 +314,14 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         if enough and bool((sizes[:count][faster] <= memory[0].total).any()):
             result.skipped_by_bound += 1
             continue
-        prediction = context.predict(config, memory)
+        prediction = context.predict(config, memory, beaten_above=_beaten_above(
+            times[:count], sizes[:count], memory[0].total, options))
         if prediction is None:
             result.refused_by_schedule += 1
             log.refused = log.refused or config
+            continue
+        if isinstance(prediction, Beaten):
+            result.stopped_early += 1
             continue
         result.predictions.append(prediction)
         times[count], sizes[count] = prediction.step_seconds, prediction.memory.total
@@ -323,6 +333,26 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     result.predictions.sort(key=lambda p: (p.step_seconds, p.memory.total, p.config))
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _beaten_above(times: np.ndarray, sizes: np.ndarray, memory: float,
+                  options: SearchOptions) -> float:
+    """T*: a configuration of `memory` bytes whose step is longer is beaten by the simulated
+    ones (`times`, `sizes`) as the bound's rule has it: K of them are strictly faster, one
+    of those no larger. T* = max(t_K, t_M), t_K the K-th smallest time, t_M the smallest
+    time of those no larger (inf without K of them, without one no larger, or unpruned).
+
+    Leaving such a configuration out (`PlanResult.stopped_early`) keeps the top K and the
+    Pareto front: K are ahead of it, and one is ahead in time at no more memory, so it is on
+    neither; and it is never needed as a witness for skipping a later configuration, since
+    whatever it beats, its own K faster ones (one of them no larger) beat too."""
+    if not options.prune or len(times) < options.top:
+        return math.inf
+    smaller = times[sizes <= memory]
+    if not len(smaller):
+        return math.inf
+    kth = float(np.partition(times, options.top - 1)[options.top - 1])
+    return max(kth, float(smaller.min()))
 
 
 def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
@@ -386,7 +416,7 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
         raise PlanError(f"schedule {config.schedule} refuses {config.label()} (pp "
                         f"{config.pp}, m {config.num_microbatches}, v {config.chunks})")
     prediction = context.predict(config, context.memory(config, trace))
-    if prediction is None:
+    if not isinstance(prediction, Prediction):  # None: refused (no limit: never Beaten)
         raise PlanError(f"schedule {config.schedule} refuses {config.label()}")
     return prediction
 
@@ -414,5 +444,6 @@ def format_counts(result: PlanResult) -> str:
     """One line: how many configurations were considered and why the rest were dropped."""
     return (f"{result.considered} configurations: {len(result.predictions)} simulated, "
             f"{result.over_memory} over memory, {result.refused_by_schedule} refused by their "
-            f"schedule, {result.skipped_by_bound} beaten by a bound; {result.seconds:.2f} s")
+            f"schedule, {result.skipped_by_bound} beaten by a bound, {result.stopped_early} "
+            f"beaten during their simulation; {result.seconds:.2f} s")
 

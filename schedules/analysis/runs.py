@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import weakref
+from collections import Counter, OrderedDict
 from typing import Any
 
-from schedules.analysis.dataflow import Execution
+from schedules.analysis.dataflow import Execution, op_counts
 from schedules.analysis.timeline import Timeline
+from schedules.ir.instructions import Kind
 from schedules.ir.schedule import Schedule
 
 __all__ = ["ComputeRuns"]
+
+_KEPT_COUNTS = 16
 
 
 class ComputeRuns:
@@ -22,7 +26,8 @@ class ComputeRuns:
     the run that would be made: nothing is approximated. Each entry holds its schedule, so
     the schedule's id in the key cannot be reused by another object while the entry lives.
     Least recently used runs are dropped beyond `max_ops` executed ops in all (~100 bytes
-    each kept)."""
+    each kept). It also keeps each schedule's op counts, which a limited run's bound reads
+    (`op_counts`)."""
 
     def __init__(self, max_ops: int = 600_000) -> None:
         if max_ops < 0:
@@ -32,6 +37,22 @@ class ComputeRuns:
         self._ops = 0
         self._entries: OrderedDict[tuple[Any, ...],
                                    tuple[Schedule, Timeline, Execution, int]] = OrderedDict()
+        self._counts: OrderedDict[int, tuple[weakref.ref[Schedule],
+                                             list[Counter[tuple[Kind, int]]]]] = OrderedDict()
+
+    def op_counts(self, schedule: Schedule) -> list[Counter[tuple[Kind, int]]]:
+        """`dataflow.op_counts` of the schedule's compute streams, counted once per schedule
+        (the last `_KEPT_COUNTS` schedules asked for). An entry holds a weak reference to its
+        schedule: it keeps no schedule alive, and one whose id is reused is not taken for
+        it."""
+        entry = self._counts.get(id(schedule))
+        if entry is None or entry[0]() is not schedule:
+            entry = (weakref.ref(schedule), op_counts(schedule.compute_streams()))
+            self._counts[id(schedule)] = entry
+            if len(self._counts) > _KEPT_COUNTS:
+                self._counts.popitem(last=False)
+        self._counts.move_to_end(id(schedule))
+        return entry[1]
 
     def __len__(self) -> int:
         return len(self._entries)

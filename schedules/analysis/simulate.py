@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import math
-import numbers
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from itertools import chain
+from operator import itemgetter
+from typing import Any
 
 import numpy as np
 
-from schedules.analysis.all_to_all import ExpertAllToAll, op_spans, overlapped_pair
+from schedules.analysis.all_to_all import op_spans, overlapped_pair
+from schedules.analysis.costs import CostModel, GradReduction, ParamGather, per_stage
 from schedules.analysis.dataflow import Execution, execute
 from schedules.analysis.gather import forward_release, gather_lane
-from schedules.analysis.reduction import (
-    REDUCTION_STARTS,
-    Lane,
-    ReductionStart,
-    reduce_rank,
-    stage_launches,
-)
+from schedules.analysis.reduction import Lane, reduce_rank, stage_launches
 from schedules.analysis.runs import ComputeRuns
 from schedules.analysis.timeline import KIND_CODES, Timeline
 from schedules.ir.errors import ScheduleConfigError, ScheduleValidationError
@@ -26,191 +22,8 @@ from schedules.ir.grid import format_grid
 from schedules.ir.instructions import NONE, Instruction, Kind
 from schedules.ir.schedule import Schedule, gc_paused
 
-__all__ = ["CostModel", "GradReduction", "ParamGather", "reduce_gradients", "simulate"]
-
-PerStage = float | Sequence[float]
-
-
-def _per_stage(name: str, value: PerStage, num_stages: int) -> list[float]:
-    values = [float(value)] * num_stages if isinstance(value, int | float) else \
-        [float(x) for x in value]
-    if len(values) != num_stages:
-        raise ScheduleConfigError(
-            f"{name} has {len(values)} values but the schedule has {num_stages} stages; "
-            "give one number, or one per stage")
-    bad = [x for x in values if not math.isfinite(x) or x < 0]
-    if bad:
-        raise ScheduleConfigError(f"{name} must be finite and >= 0, got {bad[0]!r}")
-    return values
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_per_stage(name: str, value: object) -> None:
-    """A number, or numbers one per stage, each finite and >= 0 (checked when the model is
-    made, so a bad cost fails where it is written, not inside a simulation)."""
-    if _is_number(value):
-        values: list[object] = [value]
-    elif isinstance(value, Iterable) and not isinstance(value, str | bytes):
-        values = list(value)
-    else:
-        values = [None]
-    if not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-               and float(x) >= 0 for x in values):
-        raise ScheduleConfigError(f"{name} must be finite and >= 0 (a number, or a list of "
-                                  f"one per stage), got {value!r}")
-
-
-def _check_counts(name: str, value: object, *, optional: bool = False) -> None:
-    counts = [value] if isinstance(value, int) else value
-    if optional and value is None:
-        return
-    if not isinstance(counts, Sequence) or not counts or not all(
-            isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in counts):
-        raise ScheduleConfigError(f"{name} must be a whole number >= 1 (or one per stage), "
-                                  f"got {value!r}")
-
-
-def _counts(name: str, value: int | Sequence[int], num_stages: int) -> list[int]:
-    counts = [value] * num_stages if isinstance(value, int) else list(value)
-    if len(counts) != num_stages:
-        raise ScheduleConfigError(f"{name} has {len(counts)} values but the schedule has "
-                                  f"{num_stages} stages; give one number, or one per stage")
-    return counts
-
-
-@dataclass(frozen=True, kw_only=True)
-class GradReduction:
-    """The data-parallel gradient reduction of every stage, placed on each rank's timeline by
-    the engine's rule (`schedules.analysis.reduction`)."""
-
-    time: PerStage
-    """Time of one stage's whole reduction (its all-reduce; under ZeRO-1 its reduce-scatter),
-    a number for every stage or one per stage."""
-    buckets: int | Sequence[int] = 1
-    """Buckets a stage's gradients are reduced in (the engine's `bucket_mb`), a number for
-    every stage or one per stage."""
-    start: ReductionStart = "overlap"
-    """overlap: buckets launch from the hooks of the stage's last fused backward as they
-    become final (`overlap_grad_reduce=True`); after_backward: at the stage's REDUCE_GRAD
-    (`overlap_grad_reduce=False`); after_flush: when the rank's compute ends."""
-
-    def __post_init__(self) -> None:
-        _check_per_stage("reduction time", self.time)
-        _check_counts("buckets", self.buckets)
-        if self.start not in REDUCTION_STARTS:
-            raise ScheduleConfigError(f"start must be one of {', '.join(REDUCTION_STARTS)}, "
-                                      f"got {self.start!r}")
-
-    def resolve(self, num_stages: int) -> tuple[list[float], list[int]]:
-        """Reduction time and bucket count, one per stage."""
-        return (_per_stage("reduction time", self.time, num_stages),
-                _counts("buckets", self.buckets, num_stages))
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParamGather:
-    """ZeRO-1's parameter all-gather of every stage after the optimizer step, placed on each
-    rank's communication lane by the engine's rule (`schedules.analysis.gather`)."""
-
-    time: PerStage
-    """Time of one stage's whole all-gather, a number for every stage or one per stage."""
-    buckets: int | Sequence[int] = 1
-    """Buckets a stage's parameters are gathered in (its reduction's buckets)."""
-    overlap: bool = False
-    """False: after the rank's reduction, at STEP, all exposed (the engine's default); True:
-    the previous step's gathers run from the step's start and each stage's first forward
-    waits for its buckets (`overlap_param_gather=True`)."""
-    layers: int | Sequence[int] | None = None
-    """Equal layers of a stage, each waiting for the buckets holding its parameters, a
-    number for every stage or one per stage; None: as many as buckets (the finest wait)."""
-
-    def __post_init__(self) -> None:
-        _check_per_stage("gather time", self.time)
-        _check_counts("buckets", self.buckets)
-        _check_counts("layers", self.layers, optional=True)
-        if not isinstance(self.overlap, bool):
-            raise ScheduleConfigError(f"overlap must be True or False, got {self.overlap!r}")
-
-    def resolve(self, num_stages: int) -> tuple[list[float], list[int], list[int | None]]:
-        """Gather time, bucket count and layers (None: unset), one per stage."""
-        layers: list[int | None] = [None] * num_stages if self.layers is None else \
-            list(_counts("layers", self.layers, num_stages))
-        return (_per_stage("gather time", self.time, num_stages),
-                _counts("buckets", self.buckets, num_stages), layers)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CostModel:
-    """Per-stage op times (a number for every stage, or one per stage) and message costs."""
-
-    forward: PerStage = 1.0
-    """Time of F on a stage."""
-    backward: PerStage = 1.0
-    """Time of the input-gradient backward (I); a fused B costs backward + weight."""
-    weight: PerStage = 1.0
-    """Time of the weight-gradient backward (W)."""
-    comm: float = 0.0
-    """Latency added to every dependency between ops on different ranks."""
-    activation_bytes: PerStage = 0.0
-    """Bytes of one microbatch's output activation (and of its gradient), per stage."""
-    bandwidth: float | None = None
-    """Bytes per time unit on a link; None makes bytes free (only `comm` is charged)."""
-    overlap: float = 1.0
-    """Time of an overlapped pair (F, then OVERLAP_B: DualPipe's F&B) as a fraction of F + B
-    back to back: 1 gains nothing; below 1 when one op's compute hides the other's
-    communication (DualPipe's point)."""
-    reduction: GradReduction | None = None
-    """The data-parallel gradient reduction; None: none (the timeline holds compute only)."""
-    gather: ParamGather | None = None
-    """ZeRO-1's parameter all-gather after the step; None: none."""
-    all_to_all: ExpertAllToAll | None = None
-    """The MoE stages' expert all-to-all inside each F and B (I), on each rank's all-to-all
-    lane: exposed in an op run alone (F costs forward + all_to_all.forward), interleaved with
-    the other op's compute in an overlapped pair (`schedules.analysis.all_to_all`, which then
-    prices the pair instead of `overlap`); None: none."""
-
-    def __post_init__(self) -> None:
-        for name in ("forward", "backward", "weight", "activation_bytes"):
-            _check_per_stage(name, getattr(self, name))
-        if not _is_number(self.comm) or not math.isfinite(self.comm) or self.comm < 0:
-            raise ScheduleConfigError(f"comm must be finite and >= 0, got {self.comm!r}")
-        if not _is_number(self.overlap) or not math.isfinite(self.overlap) or self.overlap < 0:
-            raise ScheduleConfigError(f"overlap must be a finite fraction >= 0 of F + B, got "
-                                      f"{self.overlap!r}")
-        if self.bandwidth is not None and not (_is_number(self.bandwidth) and
-                                               self.bandwidth > 0 and math.isfinite(
-                self.bandwidth)):
-            raise ScheduleConfigError(f"bandwidth must be > 0 or None, got {self.bandwidth!r}")
-        if self.reduction is not None and not isinstance(self.reduction, GradReduction):
-            raise ScheduleConfigError(f"reduction must be a schedules.GradReduction or None, "
-                                      f"got {self.reduction!r}")
-        if self.gather is not None and not isinstance(self.gather, ParamGather):
-            raise ScheduleConfigError(f"gather must be a schedules.ParamGather or None, "
-                                      f"got {self.gather!r}")
-        if self.all_to_all is not None:
-            if not isinstance(self.all_to_all, ExpertAllToAll):
-                raise ScheduleConfigError(f"all_to_all must be a schedules.analysis.all_to_all."
-                                          f"ExpertAllToAll or None, got {self.all_to_all!r}")
-            _check_per_stage("all_to_all.forward", self.all_to_all.forward)
-            _check_per_stage("all_to_all.backward", self.all_to_all.backward)
-            if self.overlap != 1.0:
-                raise ScheduleConfigError(
-                    f"give overlap={self.overlap!r} or all_to_all, not both: with the expert "
-                    "all-to-all the overlapped pair is priced from it (overlap must stay 1)")
-
-    def resolve(self, num_stages: int) -> tuple[list[float], list[float], list[float],
-                                                 list[float], list[float]]:
-        """forward, backward, weight, per-edge delay and activation bytes, one per stage."""
-        forward = _per_stage("forward", self.forward, num_stages)
-        backward = _per_stage("backward", self.backward, num_stages)
-        weight = _per_stage("weight", self.weight, num_stages)
-        act = _per_stage("activation_bytes", self.activation_bytes, num_stages)
-        per_byte = 0.0 if self.bandwidth is None else 1.0 / self.bandwidth
-        delay = [self.comm + nbytes * per_byte for nbytes in act]
-        return forward, backward, weight, delay, act
+__all__ = ["CostModel", "GradReduction", "ParamGather", "reduce_gradients", "simulate",
+           "simulate_unless_over"]
 
 
 @gc_paused
@@ -226,6 +39,26 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *,
     `runs` keeps the compute run for calls on the same schedule and compute costs
     (`ComputeRuns`; not where an overlapped gather delays the forwards).
     """
+    timeline = _simulate(schedule, costs, runs, None)
+    assert timeline is not None  # no limit: never stopped
+    return timeline
+
+
+@gc_paused
+def simulate_unless_over(schedule: Schedule, costs: CostModel | None, limit: Sequence[float],
+                         *, runs: ComputeRuns | None = None) -> Timeline | None:
+    """`simulate`, or None as soon as a rank's compute is proven to end past `limit[rank]`
+    (`dataflow.execute`; checked exactly once the compute has run, before the lanes are
+    laid): a run whose every rank ends by its limit is simulated whole. A stopped run is
+    not kept in `runs`."""
+    if len(limit) != schedule.num_ranks:
+        raise ValueError(f"limit has {len(limit)} values for {schedule.num_ranks} ranks; "
+                         "give one per rank")
+    return _simulate(schedule, costs, runs, limit)
+
+
+def _simulate(schedule: Schedule, costs: CostModel | None, runs: ComputeRuns | None,
+              limit: Sequence[float] | None) -> Timeline | None:
     if not isinstance(schedule, Schedule):
         raise TypeError(f"simulate needs a schedules.Schedule (e.g. from build_schedule), got "
                         f"{schedule!r}")
@@ -243,18 +76,25 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *,
         a2a = costs.all_to_all
         key = (tuple(forward), tuple(backward), tuple(weight), tuple(delay), tuple(act),
                costs.overlap, None if a2a is None else (
-                   tuple(_per_stage("all_to_all.forward", a2a.forward, schedule.num_stages)),
-                   tuple(_per_stage("all_to_all.backward", a2a.backward,
+                   tuple(per_stage("all_to_all.forward", a2a.forward, schedule.num_stages)),
+                   tuple(per_stage("all_to_all.backward", a2a.backward,
                                     schedule.num_stages))))
     kept = None if key is None or runs is None else runs.get(schedule, key)
     if kept is None:
         # a non-compute op takes no time of its own
-        timeline, run = _run_compute(schedule, schedule.compute_streams(), costs, release,
-                                     forward, backward, weight, delay, act)
+        counts = None if limit is None or runs is None else runs.op_counts(schedule)
+        made = _run_compute(schedule, schedule.compute_streams(), costs, release,
+                            forward, backward, weight, delay, act, limit, counts)
+        if made is None:
+            return None
+        timeline, run = made
         if key is not None and runs is not None:
             runs.put(schedule, key, timeline, run)
     else:
         timeline, run = kept
+    if limit is not None and any(max(ends, default=0.0) > most
+                                 for ends, most in zip(run.ends, limit)):
+        return None
     if gather is None:
         if costs.reduction is None or not schedule.has_backward:
             return timeline
@@ -272,51 +112,52 @@ def simulate(schedule: Schedule, costs: CostModel | None = None, *,
 def _run_compute(schedule: Schedule, streams: Sequence[Sequence[Instruction]],
                  costs: CostModel, release: dict[int, float] | None, forward: list[float],
                  backward: list[float], weight: list[float], delay: list[float],
-                 act: list[float]) -> tuple[Timeline, Execution]:
+                 act: list[float], limit: Sequence[float] | None = None,
+                 counts: Sequence[Mapping[tuple[Kind, int], int]] | None = None
+                 ) -> tuple[Timeline, Execution] | None:
     """The compute streams executed (`dataflow.execute`) and their timeline, with the
-    expert all-to-all's rows where `costs` has one."""
+    expert all-to-all's rows where `costs` has one; None when a rank is proven to end past
+    its `limit`."""
     compute_forward, compute_backward = forward, backward
     pair = None
     if costs.all_to_all is not None:
-        a2a_forward = _per_stage("all_to_all.forward", costs.all_to_all.forward,
+        a2a_forward = per_stage("all_to_all.forward", costs.all_to_all.forward,
                                  schedule.num_stages)
-        a2a_backward = _per_stage("all_to_all.backward", costs.all_to_all.backward,
+        a2a_backward = per_stage("all_to_all.backward", costs.all_to_all.backward,
                                   schedule.num_stages)
         pair = _pair_pricer(forward, backward, weight, a2a_forward, a2a_backward)
         forward = [f + a for f, a in zip(forward, a2a_forward)]
         backward = [b + a for b, a in zip(backward, a2a_backward)]
     run = execute(streams, schedule.placement, schedule.num_microbatches, forward, backward,
-                  weight, delay, costs.overlap, release, pair)
+                  weight, delay, costs.overlap, release, pair, limit, counts)
+    if run.over is not None:
+        return None
     if run.stuck:
         rank, step = min(run.stuck.items())
         raise ScheduleValidationError(
             f"{schedule.name}: rank {rank} waits forever at step {step} ({streams[rank][step]})",
             rank=rank, step=step, grid=format_grid(streams, rank, step))
-    ranks, kinds, stages, microbatches = [], [], [], []
-    codes = KIND_CODES.__getitem__
-    for rank, stream in enumerate(streams):
-        if not stream:
-            continue
-        columns = list(zip(*stream))  # transposing in C: far cheaper than per-op attribute reads
-        ranks.append(np.full(len(stream), rank, dtype=np.int32))
-        kinds.append(np.fromiter(map(codes, columns[0]), dtype=np.int8, count=len(stream)))
-        stages.append(np.asarray(columns[1], dtype=np.int32))
-        microbatches.append(np.asarray(columns[2], dtype=np.int32))
+    # every rank's ops in one column each, rank 0's first, read in C (itemgetter over the
+    # flattened ops: cheaper than per-op attribute reads, or than transposing with zip)
+    lengths = [len(stream) for stream in streams]
+    count = sum(lengths)
+    ops = list(chain.from_iterable(streams))
 
-    def joined(parts: list[np.ndarray] | list[list[float]], dtype: type) -> np.ndarray:
-        return np.concatenate([np.asarray(x, dtype=dtype) for x in parts]) if parts else \
-            np.zeros(0, dtype=dtype)
+    def column(index: int) -> Iterator[Any]:
+        return map(itemgetter(index), ops)
 
-    ends = joined(run.ends, np.float64)
+    ends = np.fromiter(chain.from_iterable(run.ends), dtype=np.float64, count=count)
     if not np.isfinite(ends).all():  # each cost is finite, their sum overflowed
         raise ScheduleConfigError(
             f"{schedule.name}: the costs sum past the largest float (an op of "
             f"{max(max(forward), max(backward), max(weight), max(delay)):.3g} time units): the "
             "makespan would be inf; express the costs in a larger unit (e.g. ms instead of ns)")
     timeline = Timeline(
-        schedule.num_ranks, joined(ranks, np.int32), joined(kinds, np.int8),
-        joined(stages, np.int32), joined(microbatches, np.int32),
-        joined(run.starts, np.float64), ends,
+        schedule.num_ranks, np.repeat(np.arange(len(streams), dtype=np.int32), lengths),
+        np.fromiter(map(KIND_CODES.__getitem__, column(0)), dtype=np.int8, count=count),
+        np.fromiter(column(1), dtype=np.int32, count=count),
+        np.fromiter(column(2), dtype=np.int32, count=count),
+        np.fromiter(chain.from_iterable(run.starts), dtype=np.float64, count=count), ends,
         name=schedule.name, num_microbatches=schedule.num_microbatches, chunks=schedule.chunks,
         activation_bytes=tuple(act))
     if costs.all_to_all is not None:
