@@ -187,12 +187,6 @@ class RankStates:
         rank = int(np.maximum(during, self.at_step).argmax())
         return MemoryBreakdown(*self._parts(rank, float(during[rank]), float(held[rank]))), rank
 
-    def peak_total(self, held: np.ndarray) -> float:
-        """`peak(held)[0].total`."""
-        during = self.during + held
-        rank = int(np.maximum(during, self.at_step).argmax())
-        return self.total_at(rank, float(during[rank]), float(held[rank]))
-
     def peak_rows(self, held: np.ndarray) -> list[tuple[int, float, float]]:
         """For each row of `held` (one set of held activations per row), what `peak` finds
         with the same element-wise operations, all rows at once: the rank holding the most,
@@ -204,7 +198,7 @@ class RankStates:
                         held[rows, ranks].tolist(), strict=True))
 
     def total_at(self, rank: int, during: float, held: float) -> float:
-        """`peak_total` from what `peak_rows` finds of one row."""
+        """`peak(held)[0].total` from what `peak_rows` finds of one row of `held`."""
         parameters, gradients, optimizer, activations = self._parts(rank, during, held)
         return parameters + gradients + optimizer + activations
 
