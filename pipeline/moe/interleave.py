@@ -28,7 +28,8 @@ from typing import Protocol
 
 from torch import nn
 
-__all__ = ["InFlight", "Interleave", "hand_over", "has_expert_all_to_all", "run_interleaved"]
+__all__ = ["InFlight", "Interleave", "hand_over", "has_expert_all_to_all", "in_turns",
+           "run_interleaved"]
 
 
 class InFlight(Protocol):
@@ -39,7 +40,8 @@ class InFlight(Protocol):
 
 
 class Interleave:
-    """The turn of two threads (0: the backward, which starts; 1: the forward)."""
+    """The turn of two threads (0, which starts: a pair's backward, a two-batch forward's
+    first half; 1: the forward, the second half)."""
 
     def __init__(self) -> None:
         self._condition = threading.Condition()
@@ -81,6 +83,11 @@ def hand_over(work: InFlight) -> None:
     work.wait()
 
 
+def in_turns() -> bool:
+    """Whether this thread takes turns with another (inside `run_interleaved`)."""
+    return getattr(_current, "turn", None) is not None
+
+
 def _participate(interleave: Interleave, me: int, work: Callable[[], None],
                  errors: list[BaseException]) -> None:
     _current.turn = (interleave, me)
@@ -94,16 +101,16 @@ def _participate(interleave: Interleave, me: int, work: Callable[[], None],
         interleave.finish(me)
 
 
-def run_interleaved(backward: Callable[[], None], forward: Callable[[], None]) -> int:
-    """Run `backward` (on a helper thread) and `forward` (here) taking turns at their
-    all-to-alls; returns how many times the turn passed. The first error of either is
-    raised here once both have ended."""
+def run_interleaved(first: Callable[[], None], second: Callable[[], None]) -> int:
+    """Run `first` (on a helper thread; it starts: an overlapped pair's backward) and
+    `second` (here: the pair's forward) taking turns at their all-to-alls; returns how many
+    times the turn passed. The first error of either is raised here once both have ended."""
     interleave = Interleave()
     errors: list[BaseException] = []
-    helper = threading.Thread(target=_participate, args=(interleave, 0, backward, errors),
-                              name="overlapped-backward", daemon=True)
+    helper = threading.Thread(target=_participate, args=(interleave, 0, first, errors),
+                              name="interleaved-first", daemon=True)
     helper.start()
-    _participate(interleave, 1, forward, errors)
+    _participate(interleave, 1, second, errors)
     helper.join()
     if errors:
         raise errors[0]

@@ -18,6 +18,7 @@ before the op's own allocations, so their cost is absorbed into the nominal time
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -124,6 +125,19 @@ class EmulatedCost:
     saved for the backward)."""
     param_elements: int = 1
     """float32 elements of the layer's weight."""
+    rows: int | None = None
+    """Rows of a whole microbatch: a call on fewer rows (a half of a two-batch forward,
+    `pipeline.runtime.two_batch`) costs their share of each time. None: every call costs
+    the times as given."""
+
+    def share(self, rows: int) -> EmulatedCost:
+        """The cost of a call on `rows` rows (module docstring of `rows`)."""
+        if self.rows is None or rows == self.rows:
+            return self
+        part = rows / self.rows
+        return dataclasses.replace(self, forward=self.forward * part,
+                                   input_grad=self.input_grad * part,
+                                   weight_grad=self.weight_grad * part, rows=None)
 
     def __post_init__(self) -> None:
         for name in ("forward", "input_grad", "weight_grad"):
@@ -132,8 +146,10 @@ class EmulatedCost:
                     not math.isfinite(value) or value < 0:
                 raise PipelineConfigError(f"emulated {name} time must be a finite number of "
                                           f"seconds >= 0, got {value!r}")
-        for name in ("output_elements", "param_elements"):
+        for name in ("output_elements", "param_elements", "rows"):
             value = getattr(self, name)
+            if name == "rows" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PipelineConfigError(f"emulated {name} must be an int >= 1, got {value!r}")
 
@@ -199,14 +215,16 @@ class EmulatedLayer(nn.Module):
 
     def forward(self, x: Any) -> torch.Tensor:
         # the deadline first, the wait last: the layer's own host work is inside its F time
-        deadline = self.clock.now() + self.cost.forward
+        start = self.clock.now()
         if not isinstance(x, torch.Tensor):
             x = x[0]  # a tuple between stages: the first tensor carries the batch
         if not x.is_floating_point():
             x = x.float()
-        out = _InputPath.apply(x, self.cost, self.clock)
+        cost = self.cost.share(x.shape[0] if x.dim() else 1)
+        deadline = start + cost.forward
+        out = _InputPath.apply(x, cost, self.clock)
         if torch.is_grad_enabled() and self.weight.requires_grad:
-            out = out + _WeightPath.apply(self.weight, out.detach(), self.cost, self.clock)
+            out = out + _WeightPath.apply(self.weight, out.detach(), cost, self.clock)
         self.clock.sleep_until(deadline, "F")
         return out
 

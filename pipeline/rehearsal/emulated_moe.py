@@ -78,35 +78,44 @@ class EmulatedAllToAll(nn.Module):
     all_to_all_inside = True
     """Its waits go through `interleave.hand_over` (the engine interleaves overlapped pairs)."""
 
-    def __init__(self, forward: float, backward: float, lane: AllToAllLane | None = None
-                 ) -> None:
+    def __init__(self, forward: float, backward: float, lane: AllToAllLane | None = None,
+                 rows: int | None = None) -> None:
         super().__init__()
         for name, value in (("forward", forward), ("backward", backward)):
             if isinstance(value, bool) or not isinstance(value, int | float) \
                     or not math.isfinite(value) or value < 0:
                 raise PipelineConfigError(f"emulated all-to-all {name} time must be a finite "
                                           f"number of seconds >= 0, got {value!r}")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int)
+                                 or rows < 1):
+            raise PipelineConfigError(f"emulated all-to-all rows must be an int >= 1 or None, "
+                                      f"got {rows!r}")
         self.forward_seconds, self.backward_seconds = float(forward), float(backward)
         self.lane = lane if lane is not None else LANE
+        self.rows = rows
+        """Rows of a whole microbatch: fewer rows (half of a two-batch forward) exchange
+        their share of the time (`EmulatedCost.rows`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _Exchange.apply(x, self.forward_seconds, self.backward_seconds,
-                                            self.lane)
+        part = 1.0 if self.rows is None else (x.shape[0] if x.dim() else 1) / self.rows
+        out: torch.Tensor = _Exchange.apply(x, self.forward_seconds * part,
+                                            self.backward_seconds * part, self.lane)
         return out
 
 
 def emulated_moe_blocks(num_blocks: int, part: float, *, backward_part: float,
-                        elements: int = 1024) -> list[LayerSpec]:
+                        elements: int = 1024, rows: int | None = None) -> list[LayerSpec]:
     """`num_blocks` MoE blocks (module docstring), each part of F costing `part` seconds;
     a compute part's backward costs `backward_part` (half I, half W), an exchange's
-    `part` (the same tokens go back). The model's first layer has no input gradient."""
+    `part` (the same tokens go back). The model's first layer has no input gradient.
+    `rows`: a microbatch's rows, where a call on fewer costs its share (two-batch halves)."""
     layers: list[LayerSpec] = []
     for block in range(num_blocks):
         for compute in ("attention", "experts"):
             first = block == 0 and compute == "attention"
             cost = EmulatedCost(forward=part, input_grad=0.0 if first else backward_part / 2,
                                 weight_grad=backward_part / 2, output_elements=elements,
-                                param_elements=elements)
+                                param_elements=elements, rows=rows)
             layers.append(LayerSpec(EmulatedLayer, cost))
-            layers.append(LayerSpec(EmulatedAllToAll, part, part))
+            layers.append(LayerSpec(EmulatedAllToAll, part, part, None, rows))
     return layers

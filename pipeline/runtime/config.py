@@ -46,6 +46,12 @@ class EngineConfig:
     """Free a stage output's data as soon as it is sent, keeping only its autograd node for
     the backward (Megatron's `deallocate_output_tensor`): a rank holding k microbatches in
     flight keeps k - 1 fewer stage outputs. False keeps them until their backward."""
+    two_batch_overlap: bool = False
+    """On stages with an expert all-to-all, run each training F that is not in an
+    overlapped F&B pair as two halves of its microbatch taking turns at their all-to-alls
+    (SGLang's two-batch overlap; `pipeline.runtime.two_batch`): one half's dispatch or
+    combine hides under the other's compute. Exact where layers treat rows independently;
+    refused with a capacity factor or active dropout."""
     on_nonfinite: NonFinitePolicy = "raise"
     """A step whose loss or gradients hold inf/NaN never updates the weights (a vote over
     every rank, as fp16's overflow vote); 'raise' then stops with `NonFiniteError` naming the
@@ -75,6 +81,9 @@ class EngineConfig:
         if not isinstance(self.free_sent_outputs, bool):
             problems.append(f"free_sent_outputs must be True or False, got "
                             f"{self.free_sent_outputs!r}")
+        if not isinstance(self.two_batch_overlap, bool):
+            problems.append(f"two_batch_overlap must be True or False, got "
+                            f"{self.two_batch_overlap!r}")
         if not isinstance(self.local_p2p, bool):
             problems.append(f"local_p2p must be True or False, got {self.local_p2p!r}")
         if self.on_nonfinite not in get_args(NonFinitePolicy):

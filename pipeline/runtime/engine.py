@@ -60,6 +60,7 @@ from pipeline.runtime.schedule_setup import (
 )
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.trace import StepStats, Trace, merge_rank_spans
+from pipeline.runtime.two_batch import two_batch_stages
 from pipeline.supervision.failure import Watchdog, read_failure, report_failure
 from pipeline.supervision.faults import FaultPoints
 from pipeline.supervision.progress import ProgressRecord, StallError, explain_timeout
@@ -126,6 +127,7 @@ class PipelineEngine:
         prints: list[Any] = [None] * world
         dist.all_gather_object(prints, fingerprint(module, self.schedule, world, {
             "dynamic_shapes": self.config.dynamic_shapes,
+            "two_batch_overlap": self.config.two_batch_overlap,
             "topology": (topology.pp, topology.dp, topology.tp), "parallel": repr(parallel)}))
         check_agreement(prints, list(range(world)))
         self.progress.enter("engine set-up")
@@ -170,7 +172,9 @@ class PipelineEngine:
             progress=self.progress, shares_loss=self.position.tp_rank == 0,
             overlap_grad_reduce=parallel.overlap_grad_reduce,
             free_sent_outputs=self.config.free_sent_outputs,
-            interleave_pairs=has_expert_all_to_all(module))
+            interleave_pairs=has_expert_all_to_all(module),
+            two_batch_stages=two_batch_stages(module, self.stage_ids)
+            if self.config.two_batch_overlap else frozenset())
         self._last_schedule: Schedule = self.schedule
         self._finite_flags: list[FiniteFlag] = []
         self.last_stats: StepStats | None = None

@@ -9,7 +9,6 @@ another rank (SEND/RECV in the stream), through `StepState` when it lives on thi
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -19,7 +18,7 @@ from torch import nn
 from pipeline.errors import PipelineConfigError
 from pipeline.model.layer_rng import forward_key
 from pipeline.model.module import LossFn, PipelineModule, Stage
-from pipeline.moe.interleave import run_interleaved
+from pipeline.moe.interleave import in_turns, run_interleaved
 from pipeline.parallel.data_parallel import GradReducer, OverlappingReducer
 from pipeline.parallel.optimizer_step import OptimizerStep
 from pipeline.parallel.precision import Precision, autocast
@@ -27,12 +26,13 @@ from pipeline.runtime.batch import Batch, Layout, as_tensors
 from pipeline.runtime.comm import Comm, PendingRecv
 from pipeline.runtime.finite import all_finite
 from pipeline.runtime.lookahead import early_receives
+from pipeline.runtime.loss_call import call_loss
 from pipeline.runtime.loss_normalization import is_summed
 from pipeline.runtime.loss_probe import summed_loss_problem
 from pipeline.runtime.saved_memory import hold_outputs
 from pipeline.runtime.send_release import MessageKey, send_witnesses
 from pipeline.runtime.shapes import ShapeBook
-from pipeline.runtime.split_backward import forward_capturing
+from pipeline.runtime.split_backward import LayerGrads, forward_capturing
 from pipeline.runtime.stage_tensors import (
     batch_to,
     detach_batch,
@@ -43,6 +43,7 @@ from pipeline.runtime.stage_tensors import (
 from pipeline.runtime.step_state import SavedForward, StepState
 from pipeline.runtime.stream_scan import interleavable_pairs, last_backwards, pair_spans
 from pipeline.runtime.trace import Trace
+from pipeline.runtime.two_batch import declared_row_sums, join_halves, two_batch_forward
 from pipeline.supervision.progress import ProgressRecord, StallError, explain_stall
 from schedules import Instruction, Kind
 
@@ -64,21 +65,6 @@ class InstructionFailed(Exception):
         self.step, self.op = step, op
 
 
-_BROADCAST_WARNING = r"Using a target size .* that is different to the input size"
-
-
-def _name(function: Any) -> str:
-    return getattr(function, "__qualname__", None) or type(function).__name__
-
-
-def _shape(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return str(tuple(value.shape))
-    if isinstance(value, tuple | list):
-        return "(" + ", ".join(_shape(item) for item in value) + ")"
-    return type(value).__name__
-
-
 class Interpreter:
     """Executes instruction streams on one rank: one handler per `Kind`."""
 
@@ -91,7 +77,8 @@ class Interpreter:
                  loss_scale: Callable[[], float] = lambda: 1.0,
                  progress: ProgressRecord | None = None, shares_loss: bool = True,
                  overlap_grad_reduce: bool = False, free_sent_outputs: bool = True,
-                 interleave_pairs: bool = False) -> None:
+                 interleave_pairs: bool = False,
+                 two_batch_stages: frozenset[int] = frozenset()) -> None:
         self.module = module
         self.pp_rank = pp_rank
         self.placement = tuple(placement)
@@ -131,6 +118,11 @@ class Interpreter:
         (`pipeline.moe.interleave`); else F, then B."""
         self.pair_handovers = 0
         """Times an overlapped pair's all-to-all ran under the other microbatch's compute."""
+        self.two_batch = {s: declared_row_sums(self.stages[s]) for s in two_batch_stages
+                          if s in self.stages}
+        """Stages whose training F outside a pair runs as two halves taking turns at their
+        all-to-alls (`pipeline.runtime.two_batch`), with their row-sum positions."""
+        self.two_batch_handovers = 0
         self._pairs: tuple[Sequence[Instruction], dict[int, int]] = ((), {})
         self.op_start = 0.0
         self._early: tuple[Sequence[Instruction], dict[int, list[int]]] = ((), {})
@@ -308,12 +300,7 @@ class Interpreter:
         leaves: list[torch.Tensor] = []
         if s > 0:
             x, leaves = make_leaves(x)
-        layer_grads = None
-        if s in self.split_stages:
-            with autocast(self.precision, self.device.type):
-                out, layer_grads = forward_capturing(self.stages[s], x)
-        else:
-            out = self._run_stage(s, x)
+        out, layer_grads = self._train_stage(s, x)
         state.finite.append((s, i, "output", all_finite(out)))
         if s == self.last_stage:
             loss = self._loss(self._loss_input(out), state.loaded_targets.pop(i))
@@ -336,6 +323,33 @@ class Interpreter:
         state.saved[(s, i)] = saved
         state.peak_activations = max(state.peak_activations, len(state.saved))
 
+    def _capture(self, s: int, x: Batch) -> tuple[Batch, LayerGrads | None]:
+        """Stage `s`'s training forward, hooked for I and W when its backward is split."""
+        if s not in self.split_stages:
+            return self._run_stage(s, x), None
+        with autocast(self.precision, self.device.type):
+            return forward_capturing(self.stages[s], x)
+
+    def _train_stage(self, s: int, x: Batch) -> tuple[Batch, LayerGrads | None]:
+        """`_capture`, as two halves of the microbatch where two-batch overlap applies."""
+        sums = self.two_batch.get(s)
+        if sums is None:
+            return self._capture(s, x)
+
+        def join(a: tuple[Batch, LayerGrads | None], b: tuple[Batch, LayerGrads | None],
+                 rows: tuple[int, int]) -> tuple[Batch, LayerGrads | None]:
+            return (join_halves(a[0], b[0], rows, sums, f"stage {s}"),
+                    LayerGrads.merged([a[1], b[1]]) if s in self.split_stages else None)
+        # in an overlapped pair the halves run one after the other on the pair's forward
+        # thread: its backward, of a forward run as halves too, hands over at each half's
+        # all-to-all, and so does this forward (the pair's order, repeated, costs the same)
+        done = two_batch_forward(lambda half: self._capture(s, half), x, sums, join,
+                                 interleaved=not in_turns())
+        if done is None:  # a microbatch of one row
+            return self._capture(s, x)
+        self.two_batch_handovers += done[1]
+        return done[0]
+
     def _run_stage(self, s: int, x: Batch) -> Batch:
         with autocast(self.precision, self.device.type):
             return self.stages[s](x)
@@ -352,23 +366,7 @@ class Interpreter:
     def _loss(self, out: Any, target: Any) -> torch.Tensor:
         if self.loss_fn is None:
             raise ValueError("training needs a loss: PipelineModule(..., loss_fn=...)")
-        with warnings.catch_warnings():
-            # torch's regression losses warn, then broadcast outputs (8, 4) against targets
-            # (8, 1) into a loss of the wrong meaning: refuse instead
-            warnings.filterwarnings("error", message=_BROADCAST_WARNING, category=UserWarning)
-            try:
-                loss = self.loss_fn(out, target)
-            except UserWarning as warning:
-                raise ValueError(
-                    f"loss_fn {_name(self.loss_fn)} got outputs of shape {_shape(out)} and "
-                    f"targets of shape {_shape(target)}, which torch would broadcast ({warning}); "
-                    "give targets of the outputs' shape") from None
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = f"a tensor of shape {_shape(loss)}" if isinstance(loss, torch.Tensor) \
-                else f"{type(loss).__name__} {loss!r:.60}"
-            raise TypeError(f"loss_fn {_name(self.loss_fn)} must return a one-element tensor "
-                            f"(the microbatch's loss, to backpropagate), got {got}; return "
-                            "e.g. F.mse_loss(outputs, targets), not loss.item()")
+        loss = call_loss(self.loss_fn, out, target)
         if not self._loss_checked:  # once: a lambda's reduction="sum" is seen only by calling
             problem = summed_loss_problem(self.loss_fn, out, target, loss)
             if problem is not None:

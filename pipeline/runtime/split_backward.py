@@ -10,7 +10,7 @@ weight-gradient ops (for a Linear, g^T x and nothing else).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,22 @@ class LayerGrads:
     def __init__(self) -> None:
         self.layers: list[tuple[list[nn.Parameter], list[torch.Tensor],
                                 list[torch.Tensor | None]]] = []
+        self.starts = [0]
+        """Where each forward's layers begin in `layers` (two for a two-batch forward's
+        halves, `merged`)."""
+
+    @classmethod
+    def merged(cls, parts: Sequence[LayerGrads | None]) -> LayerGrads | None:
+        """One microbatch's captures from the forwards of its parts (the halves of a
+        two-batch forward, `pipeline.moe.two_batch`); None if a part captured nothing."""
+        whole = cls()
+        whole.starts = []
+        for part in parts:
+            if part is None:
+                return None
+            whole.starts += [len(whole.layers) + start for start in part.starts]
+            whole.layers += part.layers
+        return whole
 
     def watch(self, layer: nn.Module, output: Any) -> None:
         """Hook the floating outputs of `layer` that require grad (none: nothing to do)."""
@@ -52,14 +68,17 @@ class LayerGrads:
         """I on a stage with no input to differentiate (the first): carry the gradient down
         to the first hooked layer's outputs, leaving every layer's output gradient for W
         (else W would run the whole input-gradient chain itself)."""
-        if not self.layers:
+        firsts = [self.layers[k] for k in sorted(set(self.starts)) if k < len(self.layers)]
+        if not firsts:
             return
-        _, outputs, first = self.layers[0]
-        found = torch.autograd.grad(roots, outputs, grads, retain_graph=True,
-                                    allow_unused=True)
-        for k, grad in enumerate(found):
-            if grad is not None:
-                first[k] = grad
+        outputs = [t for _, tensors, _ in firsts for t in tensors]
+        found = iter(torch.autograd.grad(roots, outputs, grads, retain_graph=True,
+                                         allow_unused=True))
+        for _, tensors, first in firsts:  # each forward's (each half's) first hooked layer
+            for k in range(len(tensors)):
+                grad = next(found)
+                if grad is not None:
+                    first[k] = grad
 
     def backward_weights(self) -> None:
         """W: accumulate every layer's weight gradients from its captured output gradient."""
