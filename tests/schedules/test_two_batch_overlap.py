@@ -25,6 +25,7 @@ from schedules.analysis.all_to_all import (
 from schedules.analysis.costs import per_stage
 from schedules.analysis.dataflow import execute
 from schedules.analysis.runs import ComputeRuns
+from schedules.analysis.simulate import simulate_unless_over
 from schedules.analysis.timeline import KIND_CODES, Timeline
 from schedules.ir.schedule import Schedule
 
@@ -242,3 +243,14 @@ def test_kept_runs_tell_two_batch_apart() -> None:
     runs = ComputeRuns()
     assert figures(simulate(SCHEDULE, bench_model(1.0, False), runs=runs)).makespan == 117.5
     assert figures(simulate(SCHEDULE, bench_model(1.0, True), runs=runs)).makespan == 99.5
+
+
+@pytest.mark.parametrize("name", ["dualpipev", "dualpipev-overlap"])
+def test_limited_run_bounds_by_the_two_batch_price(name: str) -> None:
+    # a limited run's rooms price an F alone by the same list `execute` does: a run whose
+    # ranks end by their limits is whole, one a hair over is stopped
+    schedule, costs = build_schedule(name, 4, 8, 2), bench_model(1.0, True)
+    timeline = simulate(schedule, costs)
+    ends = [float(timeline.end[timeline.rank == rank].max()) for rank in range(4)]
+    assert simulate_unless_over(schedule, costs, ends) is not None
+    assert simulate_unless_over(schedule, costs, [end - 0.01 for end in ends]) is None
