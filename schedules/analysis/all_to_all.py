@@ -20,6 +20,18 @@ Figure 4 does, one microbatch's all-to-all in flight while the other computes:
 Each part starts when the part before it in its own chain has ended and its resource (the
 compute stream or the lane) is free of the part before it in the order above; the pair ends
 with its last part. With no all-to-all (a = 0) the pair costs F + B, as back to back.
+
+Two-batch overlap (`ExpertAllToAll.two_batch`, the engine's `two_batch_overlap`; SGLang's
+two-batch overlap, DeepSeek-V3 §3.4's two micro-batches): an F outside a pair runs as two
+halves of its microbatch, X and Y, each a chain of quarters (c/4, a/4, c/4, a/4) on its own
+thread, taking turns: a half computes until it launches an all-to-all, then hands the turn
+over; the lane runs the exchanges in launch order. Its eight parts are issued as
+
+    (X, compute, 0), (X, lane, 0), (Y, compute, 0), (Y, lane, 0),
+    (X, compute, 1), (X, lane, 1), (Y, compute, 1), (Y, lane, 1)
+
+under the same rule; the F ends when both halves have (c = a = 2: 2.5, not 4). B, I and W
+are not split.
 """
 
 from __future__ import annotations
@@ -31,11 +43,13 @@ from typing import Literal, NamedTuple
 
 __all__ = [
     "PAIR_ORDER",
+    "TWO_BATCH_ORDER",
     "CommSpan",
     "ExpertAllToAll",
     "PairSchedule",
     "op_spans",
     "overlapped_pair",
+    "two_batch_forward",
 ]
 
 PerStage = float | Sequence[float]
@@ -51,16 +65,26 @@ class ExpertAllToAll:
     """All-to-all time inside one F of a stage (dispatch + combine of its MoE layers)."""
     backward: PerStage = 0.0
     """All-to-all time inside one B (or I, when split) of a stage; W has none."""
+    two_batch: bool = False
+    """An F outside an overlapped pair runs as two half-microbatches taking turns at their
+    all-to-alls (the engine's `two_batch_overlap`; `two_batch_forward` prices it)."""
 
 
 Op = Literal["F", "B"]
 Resource = Literal["compute", "lane"]
+Half = Literal["X", "Y"]
 
 PAIR_ORDER: tuple[tuple[Op, Resource, int], ...] = (
     ("B", "lane", 0), ("F", "compute", 0), ("B", "compute", 0), ("F", "lane", 0),
     ("F", "compute", 1), ("B", "lane", 1), ("B", "compute", 1), ("F", "lane", 1))
 """The overlapped pair's eight parts (op, resource, which half) in the order they are issued:
 on each resource they run in this order, and it respects each chain's own order."""
+
+TWO_BATCH_ORDER: tuple[tuple[Half, Resource, int], ...] = (
+    ("X", "compute", 0), ("X", "lane", 0), ("Y", "compute", 0), ("Y", "lane", 0),
+    ("X", "compute", 1), ("X", "lane", 1), ("Y", "compute", 1), ("Y", "lane", 1))
+"""A two-batch F's eight parts (half, resource, which part) in the order they are issued:
+X starts, and each half hands the turn over when it launches an all-to-all."""
 
 
 class CommSpan(NamedTuple):
@@ -72,7 +96,8 @@ class CommSpan(NamedTuple):
 
 
 class PairSchedule(NamedTuple):
-    """An overlapped pair laid out by `overlapped_pair`."""
+    """An overlapped pair laid out by `overlapped_pair` (or a two-batch F by
+    `two_batch_forward`)."""
 
     end: float
     """The pair's time: from its start until its last part ends."""
@@ -119,3 +144,22 @@ def overlapped_pair(forward_compute: float, forward_all_to_all: float,
         if resource == "lane":
             lane.append(CommSpan(op, start, end))
     return PairSchedule(max(chain_end.values()), chain_end["F"], tuple(lane))
+
+
+def two_batch_forward(compute: float, all_to_all: float) -> PairSchedule:
+    """An F outside a pair run as two half-microbatches taking turns (module docstring): its
+    time (`forward_end` too), and its four all-to-all parts (op F) in lane order."""
+    _check("compute", compute)
+    _check("all_to_all", all_to_all)
+    quarter = {"compute": compute / 4, "lane": all_to_all / 4}
+    chain_end: dict[str, float] = {"X": 0.0, "Y": 0.0}
+    free: dict[str, float] = {"compute": 0.0, "lane": 0.0}
+    lane: list[CommSpan] = []
+    for half, resource, _ in TWO_BATCH_ORDER:
+        start = max(chain_end[half], free[resource])
+        end = start + quarter[resource]
+        chain_end[half] = free[resource] = end
+        if resource == "lane":
+            lane.append(CommSpan("F", start, end))
+    end = max(chain_end.values())
+    return PairSchedule(end, end, tuple(lane))

@@ -154,9 +154,10 @@ class CostModel:
     """ZeRO-1's parameter all-gather after the step; None: none."""
     all_to_all: ExpertAllToAll | None = None
     """The MoE stages' expert all-to-all inside each F and B (I), on each rank's all-to-all
-    lane: exposed in an op run alone (F costs forward + all_to_all.forward), interleaved with
-    the other op's compute in an overlapped pair (`schedules.analysis.all_to_all`, which then
-    prices the pair instead of `overlap`); None: none."""
+    lane: exposed in an op run alone (F costs forward + all_to_all.forward; with `two_batch`,
+    an F's two halves hide part of it), interleaved with the other op's compute in an
+    overlapped pair (`schedules.analysis.all_to_all`, which then prices the pair instead of
+    `overlap`); None: none."""
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "weight", "activation_bytes"):
@@ -182,6 +183,9 @@ class CostModel:
                                           f"ExpertAllToAll or None, got {self.all_to_all!r}")
             _checkper_stage("all_to_all.forward", self.all_to_all.forward)
             _checkper_stage("all_to_all.backward", self.all_to_all.backward)
+            if not isinstance(self.all_to_all.two_batch, bool):
+                raise ScheduleConfigError(f"all_to_all.two_batch must be True or False, got "
+                                          f"{self.all_to_all.two_batch!r}")
             if self.overlap != 1.0:
                 raise ScheduleConfigError(
                     f"give overlap={self.overlap!r} or all_to_all, not both: with the expert "

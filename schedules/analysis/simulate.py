@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from schedules.analysis.all_to_all import op_spans, overlapped_pair
+from schedules.analysis.all_to_all import op_spans, overlapped_pair, two_batch_forward
 from schedules.analysis.costs import CostModel, GradReduction, ParamGather, per_stage
 from schedules.analysis.dataflow import Execution, execute
 from schedules.analysis.gather import forward_release, gather_lane
@@ -78,7 +78,7 @@ def _simulate(schedule: Schedule, costs: CostModel | None, runs: ComputeRuns | N
                costs.overlap, None if a2a is None else (
                    tuple(per_stage("all_to_all.forward", a2a.forward, schedule.num_stages)),
                    tuple(per_stage("all_to_all.backward", a2a.backward,
-                                    schedule.num_stages))))
+                                    schedule.num_stages)), a2a.two_batch))
     kept = None if key is None or runs is None else runs.get(schedule, key)
     if kept is None:
         # a non-compute op takes no time of its own
@@ -119,14 +119,16 @@ def _run_compute(schedule: Schedule, streams: Sequence[Sequence[Instruction]],
     expert all-to-all's rows where `costs` has one; None when a rank is proven to end past
     its `limit`."""
     compute_forward, compute_backward = forward, backward
-    pair = None
+    pair, two_batch = None, False
     if costs.all_to_all is not None:
+        two_batch = costs.all_to_all.two_batch
         a2a_forward = per_stage("all_to_all.forward", costs.all_to_all.forward,
                                  schedule.num_stages)
         a2a_backward = per_stage("all_to_all.backward", costs.all_to_all.backward,
                                   schedule.num_stages)
         pair = _pair_pricer(forward, backward, weight, a2a_forward, a2a_backward)
-        forward = [f + a for f, a in zip(forward, a2a_forward)]
+        # `execute` prices every F outside a pair by this list (a paired F: by `pair`)
+        forward = [_alone_forward(f, a, two_batch) for f, a in zip(forward, a2a_forward)]
         backward = [b + a for b, a in zip(backward, a2a_backward)]
     run = execute(streams, schedule.placement, schedule.num_microbatches, forward, backward,
                   weight, delay, costs.overlap, release, pair, limit, counts)
@@ -162,8 +164,16 @@ def _run_compute(schedule: Schedule, streams: Sequence[Sequence[Instruction]],
         activation_bytes=tuple(act))
     if costs.all_to_all is not None:
         timeline = _with_all_to_all(timeline, streams, run, compute_forward, compute_backward,
-                                    weight, a2a_forward, a2a_backward)
+                                    weight, a2a_forward, a2a_backward, two_batch)
     return timeline, run
+
+
+def _alone_forward(compute: float, all_to_all: float, two_batch: bool) -> float:
+    """An F outside an overlapped pair: compute + all-to-all, exposed; with two-batch overlap
+    on a stage with an all-to-all, its two halves' time (`two_batch_forward`)."""
+    if two_batch and all_to_all > 0:
+        return two_batch_forward(compute, all_to_all).end
+    return compute + all_to_all
 
 
 def _pair_pricer(forward: Sequence[float], backward: Sequence[float], weight: Sequence[float],
@@ -186,10 +196,10 @@ def _pair_pricer(forward: Sequence[float], backward: Sequence[float], weight: Se
 def _with_all_to_all(timeline: Timeline, streams: Sequence[Sequence[Instruction]],
                      run: Execution, forward: Sequence[float], backward: Sequence[float],
                      weight: Sequence[float], a2a_forward: Sequence[float],
-                     a2a_backward: Sequence[float]) -> Timeline:
+                     a2a_backward: Sequence[float], two_batch: bool = False) -> Timeline:
     """`timeline` with an ALL_TO_ALL row per all-to-all part that takes time, on each rank's
     all-to-all lane (`schedules.analysis.all_to_all`: `op_spans` for an op alone, the
-    pair's lane for an overlapped pair)."""
+    pair's lane for an overlapped pair, `two_batch_forward`'s for a two-batch F)."""
     rows: list[tuple[int, int, int, float, float]] = []
     for rank, stream in enumerate(streams):
         starts, k, n = run.starts[rank], 0, len(stream)
@@ -204,7 +214,9 @@ def _with_all_to_all(timeline: Timeline, streams: Sequence[Sequence[Instruction]
                          for part in laid.lane]
                 k += 2
                 continue
-            if kind is Kind.F:
+            if kind is Kind.F and two_batch and a2a_forward[s] > 0:
+                parts = two_batch_forward(forward[s], a2a_forward[s]).lane
+            elif kind is Kind.F:
                 parts = op_spans("F", forward[s], a2a_forward[s])
             elif kind in (Kind.B, Kind.I, Kind.OVERLAP_B):
                 compute = backward[s] + (0.0 if kind is Kind.I else weight[s])
