@@ -43,6 +43,11 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="expert-parallel size: each MoE layer's experts split over E of "
                              "the --data-parallel replicas (E divides D and the experts); "
                              "needs a --model with MoE layers (default 1)")
+    parser.add_argument("--two-batch-overlap", action="store_true",
+                        help="run each forward of an MoE stage as two halves of its "
+                             "microbatch taking turns at their expert all-to-alls (hides "
+                             "them outside dualpipev-overlap's F&B pairs too); needs "
+                             "--expert-parallel > 1")
     parser.add_argument("--steps", type=positive_int, default=30, metavar="N",
                         help="training steps (default 30)")
     parser.add_argument("--batch-size", type=positive_int, default=32, metavar="B",
@@ -104,6 +109,10 @@ def _check_args(args: argparse.Namespace) -> int:
                 f"--expert-parallel {args.expert_parallel} must divide --data-parallel "
                 f"{args.data_parallel} (the experts are split over data-parallel replicas); "
                 f"choose among {sizes}")
+    if args.two_batch_overlap and args.expert_parallel == 1:
+        raise ValueError("--two-batch-overlap hides the expert all-to-all, which runs only "
+                         "with --expert-parallel > 1; pass --expert-parallel E or drop "
+                         "--two-batch-overlap")
     per_replica, left = divmod(args.batch_size, args.data_parallel)
     if left or per_replica % args.microbatches:
         raise ValueError(
@@ -225,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
                          microbatches=args.microbatches, chunks=chunks,
                          data_parallel=args.data_parallel, tensor_parallel=args.tp,
                          expert_parallel=args.expert_parallel,
-                         steps=args.steps,
+                         two_batch_overlap=args.two_batch_overlap, steps=args.steps,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, model=model,
                          user_model=args.model,
                          boundaries=tuple(part.boundaries), timeout=args.timeout)

@@ -38,6 +38,8 @@ class TrainConfig:
     """Ranks each stage's layers are split over (the user model's layers must split)."""
     expert_parallel: int = 1
     """Replicas each MoE layer's experts are split over (carved from data_parallel)."""
+    two_batch_overlap: bool = False
+    """Forwards of MoE stages as two halves taking turns (`EngineConfig.two_batch_overlap`)."""
     steps: int = 30
     batch_size: int = 32
     """Global batch (all data-parallel replicas together)."""
@@ -124,7 +126,8 @@ def train_rank(config: TrainConfig) -> TrainReport | None:
                             num_microbatches=config.microbatches,
                             optimizer=lambda params: torch.optim.Adam(params, lr=config.lr),
                             timeout=config.timeout, tensor_parallel=config.tensor_parallel,
-                            expert_parallel=config.expert_parallel)
+                            expert_parallel=config.expert_parallel,
+                            two_batch_overlap=config.two_batch_overlap)
     replica = engine.position.dp_rank
     per_replica = config.batch_size // config.data_parallel
     progress = ProgressBar(config.steps) if rank == 0 and config.progress else None

@@ -85,6 +85,10 @@ def _moe_embed(embedding: nn.Module, x: Any) -> tuple[torch.Tensor, ...]:
 class MoEEmbedding(nn.Module):
     """The token embedding (untied): input_ids or (input_ids, mask) in, the tuple out."""
 
+    row_sums = (1,)
+    """Position 1 of the carried tuple is the balancing loss, a sum over the rows: a
+    two-batch forward's halves add theirs (`pipeline.runtime.two_batch`)."""
+
     def __init__(self, embedding: nn.Module) -> None:
         super().__init__()
         self.embedding = embedding
@@ -97,6 +101,10 @@ class MoEBlock(nn.Module):
     """One HF decoder layer on the carried tuple: attention, then its MLP or MoE, adding the
     MoE's balancing-loss share to the carried scalar. (Training and evaluation; the KV-cache
     decoding of `pipeline.runtime.decoding` is not wired for MoE families.)"""
+
+    row_sums = (1,)
+    """Position 1 of the carried tuple is the balancing loss, a sum over the rows: a
+    two-batch forward's halves add theirs (`pipeline.runtime.two_batch`)."""
 
     def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any],
                  rotary: nn.Module) -> None:
@@ -127,6 +135,10 @@ class MoEBlock(nn.Module):
 class MoEFinalNorm(nn.Module):
     """The final norm: the carried tuple in, (normalised hidden, balance) out."""
 
+    row_sums = (1,)
+    """Position 1 of the carried tuple is the balancing loss, a sum over the rows: a
+    two-batch forward's halves add theirs (`pipeline.runtime.two_batch`)."""
+
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
         self.norm = norm
@@ -137,6 +149,10 @@ class MoEFinalNorm(nn.Module):
 
 class MoEHead(nn.Module):
     """The untied lm_head: (hidden, balance) -> (logits, balance)."""
+
+    row_sums = (1,)
+    """Position 1 of the carried tuple is the balancing loss, a sum over the rows: a
+    two-batch forward's halves add theirs (`pipeline.runtime.two_batch`)."""
 
     def __init__(self, head: nn.Module) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""Two-batch overlap: an F with no partner runs as two halves of its microbatch taking turns.
+"""Two-batch overlap: a forward runs as two halves of its microbatch taking turns.
 
 DualPipeV's F&B pairs hide one microbatch's expert all-to-all under another's compute, but
 only the main phase has pairs: warm-up forwards run alone, every dispatch and combine
@@ -6,17 +6,24 @@ exposed. Cut such a forward's microbatch in two by rows and run the halves as th
 threads of `pipeline.moe.interleave` (half 0 starts): one half's dispatch or combine is in
 flight while the other computes, so a forward whose parts all cost t takes 2.5t, not 4t
 (`schedules.analysis.all_to_all.two_batch_forward` prices it). SGLang calls this two-batch
-overlap; DeepSeek-V3's report (§3.4) runs two micro-batches so in its inference. The
-backward is not split: autograd runs the two halves' graphs in one call.
+overlap; DeepSeek-V3's report (§3.4) runs two micro-batches so in its inference.
+
+The backward is not split: autograd runs the two halves' graphs in one call, one after
+the other. So that a pair's backward of such a graph (which hands over at each half's
+all-to-all) stays in step with the pair's forward, a forward inside an overlapped pair
+runs as halves too, one after the other on the pair's forward thread: the pair's order
+repeated twice at half size, which costs what the whole pair costs.
 
 How a stage's input is cut and its output joined (`Batch`: a tensor or a tuple of them):
 a tensor whose first dimension is the microbatch's rows (those of its first tensor) is
 split by rows and the halves' outputs concatenated; a tuple position the stage's layers
 declare a row sum (``row_sums = (k, ...)``, e.g. the carried load-balancing loss of the HF
-MoE adapter) goes whole to half 0 and as zeros to half 1, and the halves' outputs add; any
-other tensor goes to both halves as is, and both must give back the same value. The result
-equals the unsplit forward wherever every layer treats rows independently (no batch norm,
-no capacity factor, no dropout: the engine refuses the last two).
+MoE adapter), when its input is not split by rows, goes whole to half 0 and as zeros to
+half 1, and the halves' outputs there add; any other tensor goes to both halves as is, and
+both must give back the same value (a tensor of neither kind whose first dimension is
+the halves' rows is read as rows). The result equals the unsplit forward wherever every
+layer treats rows independently (no batch norm, no capacity factor, no dropout: the engine
+refuses the last two).
 """
 
 from __future__ import annotations
@@ -53,12 +60,12 @@ def split_rows(x: Batch, sums: frozenset[int]) -> tuple[Batch, Batch] | None:
     rows = tensors[0].shape[0]
     first, second = [], []
     for k, t in enumerate(tensors):
-        if k in sums and not isinstance(x, torch.Tensor):
-            first.append(t)
-            second.append(torch.zeros_like(t))
-        elif t.dim() > 0 and t.shape[0] == rows:
+        if t.dim() > 0 and t.shape[0] == rows:
             first.append(t[: rows // 2])
             second.append(t[rows // 2:])
+        elif k in sums and not isinstance(x, torch.Tensor):
+            first.append(t)
+            second.append(torch.zeros_like(t))
         else:
             first.append(t)
             second.append(t)

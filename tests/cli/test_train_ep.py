@@ -37,3 +37,10 @@ def test_ep_on_the_demo_model_is_refused() -> None:
     line = _one_line_refusal("--stages", "1", "--data-parallel", "2",
                              "--expert-parallel", "2")
     assert "--expert-parallel 2: the demo model has no experts" in line
+
+
+def test_two_batch_overlap_without_an_expert_all_to_all_is_one_line() -> None:
+    line = _one_line_refusal("--model", RECIPE, "--stages", "1", "--data-parallel", "2",
+                             "--two-batch-overlap")
+    assert "--two-batch-overlap hides the expert all-to-all" in line
+    assert "--expert-parallel > 1" in line

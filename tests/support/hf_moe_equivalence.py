@@ -52,8 +52,9 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
 
     Returns the relative differences ``loss``, ``grad`` and ``param`` (worst over
     parameters, over every rank), HF's router logits ``routes`` (for the case's own
-    checks of ties and idle experts) and ``handovers``, how often this rank's overlapped pairs
-    ran an all-to-all under the other microbatch's compute. `padded`: right-padded rows with
+    checks of ties and idle experts), ``handovers``, how often this rank's overlapped pairs
+    ran an all-to-all under the other microbatch's compute, and ``two_batch_handovers``, how
+    often a two-batch forward's half did so under the other half's. `padded`: right-padded rows with
     their attention mask, the token-summed loss (padding counts in neither loss, as in HF).
     `clip`: the engine's gradient_clipping against torch's clip_grad_norm_ on HF's model (then
     also ``norm``, the relative difference of the norms before clipping). `steps`: steps taken
@@ -111,7 +112,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
     param = max(_relative(state[name], reference[name]) for name in reference)
     found = {"loss": abs(loss - expected) / abs(expected), "grad": float(worst),
              "param": param, "routes": routes,
-             "handovers": pipelined._interpreter.pair_handovers}  # the engine's own count
+             "handovers": pipelined._interpreter.pair_handovers,  # the engine's own counts
+             "two_batch_handovers": pipelined._interpreter.two_batch_handovers}
     if norm is not None:
         measured = pipelined.training.step.grad_norm
         found["norm"] = abs(float(measured or 0.0) - norm) / norm
