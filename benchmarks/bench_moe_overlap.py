@@ -128,8 +128,8 @@ def _bench_rank(p: int, m: int, part: float, backward_ratio: float, steps: int,
         result[_label(name, two_batch)] = {
             "wall": statistics.median(walls), "measured": statistics.median(measured),
             "simulated": simulated, "linked": figures(simulate(engine.schedule, linked)).makespan,
-            "latency": latency, "handovers": interpreter.pair_handovers,
-            "two_batch_handovers": interpreter.two_batch_handovers}
+            "latency": latency, "handovers": interpreter.pair_handovers // (warmup + steps),
+            "two_batch_handovers": interpreter.two_batch_handovers // (warmup + steps)}
     theirs = _torch_step(p, m, part, backward_ratio)
     if isinstance(theirs, str):
         result["torch"] = theirs
@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{os.getloadavg()[0]:.1f} at the end; {time.time() - started:.0f} s")
     print(f"P2P latency (ping-pong, rank 0 ↔ 1): {plain['latency'] * 1e6:.0f} µs")
     print("| schedule | step (ms) | ÷ dualpipev | measured makespan (ms) | simulated (ms) | "
-          "measured ÷ simulated | measured ÷ simulated (+latency) | handovers, pairs / "
-          "two-batch (rank 0) |")
+          "measured ÷ simulated | measured ÷ simulated (+latency) | handovers per step, "
+          "pairs / two-batch (rank 0) |")
     print("|---|---|---|---|---|---|---|---|")
     fits = []
     for name, two_batch in RUNS:

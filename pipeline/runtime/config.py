@@ -47,11 +47,11 @@ class EngineConfig:
     the backward (Megatron's `deallocate_output_tensor`): a rank holding k microbatches in
     flight keeps k - 1 fewer stage outputs. False keeps them until their backward."""
     two_batch_overlap: bool = False
-    """On stages with an expert all-to-all, run each training F that is not in an
-    overlapped F&B pair as two halves of its microbatch taking turns at their all-to-alls
-    (SGLang's two-batch overlap; `pipeline.runtime.two_batch`): one half's dispatch or
-    combine hides under the other's compute. Exact where layers treat rows independently;
-    refused with a capacity factor or active dropout."""
+    """On stages with an expert all-to-all, run each training F as two halves of its
+    microbatch's rows (SGLang's two-batch overlap; `pipeline.runtime.two_batch`): outside an
+    overlapped F&B pair the halves take turns at their all-to-alls, one half's dispatch or
+    combine hiding under the other's compute; inside one they run in order. Exact where
+    layers treat rows independently; refused with a capacity factor or active dropout."""
     on_nonfinite: NonFinitePolicy = "raise"
     """A step whose loss or gradients hold inf/NaN never updates the weights (a vote over
     every rank, as fp16's overflow vote); 'raise' then stops with `NonFiniteError` naming the

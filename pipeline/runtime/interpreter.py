@@ -120,8 +120,9 @@ class Interpreter:
         """Times an overlapped pair's all-to-all ran under the other microbatch's compute."""
         self.two_batch = {s: declared_row_sums(self.stages[s]) for s in two_batch_stages
                           if s in self.stages}
-        """Stages whose training F outside a pair runs as two halves taking turns at their
-        all-to-alls (`pipeline.runtime.two_batch`), with their row-sum positions."""
+        """Stages whose training F runs as two halves of its microbatch, taking turns at
+        their all-to-alls outside a pair, one after the other inside one
+        (`pipeline.runtime.two_batch`), with their row-sum positions."""
         self.two_batch_handovers = 0
         self._pairs: tuple[Sequence[Instruction], dict[int, int]] = ((), {})
         self.op_start = 0.0

@@ -111,11 +111,12 @@ def two_batch_forward(run: Callable[[Batch], _R], x: Batch, sums: frozenset[int]
                       join: Callable[[_R, _R, tuple[int, int]], _R], *,
                       interleaved: bool = True) -> tuple[_R, int] | None:
     """`run` on the two halves of `x` taking turns at their all-to-alls (half 0 starts, on
-    a helper thread in a copy of this context, which holds the forward key; autocast and
-    grad mode are per thread: `run` sets what it needs), joined by `join` given the halves'
-    rows, and how many times the turn passed; None when `x` cannot be split. Not
-    `interleaved` (this thread already takes turns, in an overlapped pair): the halves run
-    one after the other here, each handing over at its own all-to-alls."""
+    a helper thread in a copy of this context, which holds the forward key; autocast is per
+    thread, so `run` sets it, and grad mode, per thread too, is on in a new one as training
+    needs), joined by `join` given the halves' rows, and how many times the turn passed;
+    None when `x` cannot be split. Not `interleaved` (this thread already takes turns, in
+    an overlapped pair): the halves run one after the other here, each handing over at its
+    own all-to-alls."""
     halves = split_rows(x, sums)
     if halves is None:
         return None
@@ -148,6 +149,10 @@ def two_batch_problem(stage: nn.Module) -> str | None:
                     "half would apply to its own rows")
         if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
             return f"{name} is a dropout of p={m.p}, whose masks each half would draw anew"
+        attention = getattr(m, "attention_dropout", 0.0)  # HF attention's functional dropout
+        if isinstance(attention, float) and attention > 0:
+            return (f"{name} drops attention weights (attention_dropout={attention}), whose "
+                    "masks each half would draw anew")
     return None
 
 

@@ -191,6 +191,9 @@ def test_what_two_batch_cannot_do_exactly_is_refused() -> None:
     assert two_batch_problem(nn.Sequential(_Routed(None), nn.Dropout(0.0))) is None
     assert "capacity factor (1.5)" in str(two_batch_problem(nn.Sequential(_Routed(1.5))))
     assert "dropout of p=0.1" in str(two_batch_problem(nn.Sequential(nn.Dropout(0.1))))
+    attention = nn.Linear(2, 2)
+    attention.attention_dropout = 0.2  # type: ignore[assignment]  (HF's functional dropout)
+    assert "attention_dropout=0.2" in str(two_batch_problem(nn.Sequential(attention)))
     with pytest.raises(PipelineConfigError, match="two_batch_overlap must be True or False"):
         EngineConfig(two_batch_overlap="yes")  # type: ignore[arg-type]
 
