@@ -31,7 +31,10 @@ over; the lane runs the exchanges in launch order. Its eight parts are issued as
     (X, compute, 1), (X, lane, 1), (Y, compute, 1), (Y, lane, 1)
 
 under the same rule; the F ends when both halves have (c = a = 2: 2.5, not 4). B, I and W
-are not split.
+are not split. An F inside a pair runs its halves one after the other on the pair's forward
+thread, and the pair's backward (of a forward run as halves) hands over at each half's
+all-to-all: `PAIR_ORDER` twice at half size, which ends when the whole pair does, so a pair
+is priced as without two-batch.
 """
 
 from __future__ import annotations

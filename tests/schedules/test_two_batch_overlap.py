@@ -254,3 +254,31 @@ def test_limited_run_bounds_by_the_two_batch_price(name: str) -> None:
     ends = [float(timeline.end[timeline.rank == rank].max()) for rank in range(4)]
     assert simulate_unless_over(schedule, costs, ends) is not None
     assert simulate_unless_over(schedule, costs, [end - 0.01 for end in ends]) is None
+
+
+def _pair_of_halves(fc: float, fa: float, bc: float, ba: float) -> float:
+    """Oracle from the engine's rule: inside a pair, F runs its two halves one after the
+    other and B (a graph of two halves) hands over at each half's all-to-all, so each thread
+    is its op's chain twice at half size, and the turns follow the pair's order twice."""
+    chain = {"F": [("compute", fc / 4), ("lane", fa / 4)] * 4,
+             "B": [("lane", ba / 4), ("compute", bc / 4)] * 4}
+    order = [("B", "lane"), ("F", "compute"), ("B", "compute"), ("F", "lane"),
+             ("F", "compute"), ("B", "lane"), ("B", "compute"), ("F", "lane")] * 2
+    position = {"F": 0, "B": 0}
+    ends = {"F": 0.0, "B": 0.0}
+    free = {"compute": 0.0, "lane": 0.0}
+    for op, resource in order:
+        kind, cost = chain[op][position[op]]
+        assert kind == resource
+        position[op] += 1
+        ends[op] = free[resource] = max(ends[op], free[resource]) + cost
+    return max(ends.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(seconds, seconds, seconds, seconds)
+def test_a_pair_of_halves_costs_the_whole_pair(fc: float, fa: float, bc: float,
+                                               ba: float) -> None:
+    """Why a pair is priced as without two-batch: its halves' order ends with the pair."""
+    assert _pair_of_halves(fc, fa, bc, ba) == pytest.approx(
+        overlapped_pair(fc, fa, bc, ba).end, abs=1e-9)
