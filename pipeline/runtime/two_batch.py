@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipeline.errors import PipelineConfigError
@@ -40,8 +41,8 @@ from pipeline.model.module import PipelineModule
 from pipeline.moe.interleave import has_expert_all_to_all, run_interleaved
 from pipeline.runtime.batch import Batch
 
-__all__ = ["declared_row_sums", "join_halves", "split_rows", "two_batch_forward",
-           "two_batch_problem", "two_batch_stages"]
+__all__ = ["declared_row_sums", "join_halves", "require_an_all_to_all", "split_rows",
+           "two_batch_forward", "two_batch_problem", "two_batch_stages"]
 
 _R = TypeVar("_R")
 
@@ -170,3 +171,15 @@ def two_batch_stages(module: PipelineModule, stages: Iterable[int]) -> frozenset
                                       "two_batch_overlap off for this model")
         chosen.append(s)
     return frozenset(chosen)
+
+
+def require_an_all_to_all(stages: frozenset[int], device: torch.device) -> None:
+    """Refuse, on every rank alike (one all-reduce over the world), a two-batch overlap
+    that no rank's stages can use: the model has no expert all-to-all to hide."""
+    found = torch.tensor([float(bool(stages))], device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    if not found.item():
+        raise PipelineConfigError(
+            "two_batch_overlap=True, but no stage runs an expert all-to-all (MoE layers "
+            "with expert_parallel > 1, or layers with all_to_all_inside = True): there is "
+            "nothing for the halves to hide; turn two_batch_overlap off or set expert_parallel")

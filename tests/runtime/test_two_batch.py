@@ -22,6 +22,7 @@ from pipeline.runtime.two_batch import (
     two_batch_problem,
 )
 from schedules.analysis.all_to_all import TWO_BATCH_ORDER
+from tests.support.rank_harness import run_ranks
 
 
 def test_rows_are_cut_sums_go_to_half_0_and_the_rest_to_both() -> None:
@@ -208,3 +209,28 @@ def test_emulated_parts_cost_their_rows_share() -> None:
         EmulatedCost(forward=0.0, input_grad=0.0, weight_grad=0.0, rows=0)
     with pytest.raises(PipelineConfigError, match="rows must be an int >= 1 or None"):
         EmulatedAllToAll(0.01, 0.01, rows=-1)
+
+
+def _engine_refuses_a_model_without_all_to_all(rank: int, world_size: int) -> None:
+    from pipeline import PipelineEngine
+    from pipeline.rehearsal.emulated import emulated_loss
+    from pipeline.rehearsal.emulated_moe import emulated_moe_blocks
+
+    torch.set_num_threads(1)
+    dense = PipelineModule([LayerSpec(nn.Linear, 2, 2)] * 2, num_stages=2,
+                           loss_fn=nn.functional.mse_loss)
+    with pytest.raises(PipelineConfigError, match="no stage runs an expert all-to-all"):
+        PipelineEngine(dense, schedule="1f1b", num_microbatches=2, two_batch_overlap=True)
+    moe = PipelineModule(emulated_moe_blocks(2, 0.0, backward_part=0.0, rows=2), num_stages=2,
+                         loss_fn=emulated_loss, partition_method=[0, 4, 8])
+    engine = PipelineEngine(moe, schedule="1f1b", num_microbatches=2, two_batch_overlap=True)
+    engine.train_batch(torch.zeros(4, 1), torch.zeros(4, 1))
+    # each rank holds one block: both its forwards ran as halves, handing over 4 times each
+    assert engine._interpreter.two_batch_handovers == 2 * 4, rank
+
+
+@pytest.mark.multiprocess
+def test_the_engine_refuses_two_batch_overlap_with_nothing_to_hide() -> None:
+    """No stage on any rank has an expert all-to-all: refused on every rank alike (not a
+    silent no-op); emulated MoE blocks (an all-to-all lane) run it."""
+    run_ranks(_engine_refuses_a_model_without_all_to_all, 2, timeout=120)
