@@ -131,7 +131,7 @@ class EmulatedCost:
     the times as given."""
 
     def share(self, rows: int) -> EmulatedCost:
-        """The cost of a call on `rows` rows (module docstring of `rows`)."""
+        """The cost of a call on `rows` rows (see the field `rows`)."""
         if self.rows is None or rows == self.rows:
             return self
         part = rows / self.rows

@@ -60,7 +60,7 @@ from pipeline.runtime.schedule_setup import (
 )
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.trace import StepStats, Trace, merge_rank_spans
-from pipeline.runtime.two_batch import require_an_all_to_all, two_batch_stages
+from pipeline.runtime.two_batch import two_batch_stages
 from pipeline.supervision.failure import Watchdog, read_failure, report_failure
 from pipeline.supervision.faults import FaultPoints
 from pipeline.supervision.progress import ProgressRecord, StallError, explain_timeout
@@ -161,10 +161,8 @@ class PipelineEngine:
                          self.config.timeout, local=local)
         self._shapes = ShapeBook(always_dynamic=self.config.dynamic_shapes)
         self._trace = Trace(self.pp_rank)
-        two_batch = two_batch_stages(module, self.stage_ids) \
+        two_batch = two_batch_stages(module, self.stage_ids, self.device) \
             if self.config.two_batch_overlap else None
-        if two_batch is not None:
-            require_an_all_to_all(two_batch, self.device)
         self._interpreter = Interpreter(
             module=module, pp_rank=self.pp_rank, placement=self.schedule.placement,
             num_microbatches=self.schedule.num_microbatches, comm=self.comm,

@@ -41,8 +41,8 @@ from pipeline.model.module import PipelineModule
 from pipeline.moe.interleave import has_expert_all_to_all, run_interleaved
 from pipeline.runtime.batch import Batch
 
-__all__ = ["declared_row_sums", "join_halves", "require_an_all_to_all", "split_rows",
-           "two_batch_forward", "two_batch_problem", "two_batch_stages"]
+__all__ = ["declared_row_sums", "join_halves", "split_rows", "two_batch_forward",
+           "two_batch_problem", "two_batch_stages"]
 
 _R = TypeVar("_R")
 
@@ -157,29 +157,29 @@ def two_batch_problem(stage: nn.Module) -> str | None:
     return None
 
 
-def two_batch_stages(module: PipelineModule, stages: Iterable[int]) -> frozenset[int]:
+def two_batch_stages(module: PipelineModule, stages: Iterable[int],
+                     device: torch.device) -> frozenset[int]:
     """Which of this rank's `stages` run two-batch forwards: those with an expert
-    all-to-all; a stage that cannot do it exactly is refused (`two_batch_problem`)."""
-    chosen = []
+    all-to-all. Refused on every rank alike (one all-reduce over the world, so no rank is
+    left waiting): a stage that cannot do it exactly (`two_batch_problem`), or no stage on
+    any rank with an all-to-all to hide."""
+    chosen, problems = [], []
     for s in stages:
         stage = module.stage(s)
-        if not has_expert_all_to_all(stage):
-            continue
-        problem = two_batch_problem(stage)
-        if problem is not None:
-            raise PipelineConfigError(f"two_batch_overlap: stage {s}: {problem}; turn "
-                                      "two_batch_overlap off for this model")
-        chosen.append(s)
-    return frozenset(chosen)
-
-
-def require_an_all_to_all(stages: frozenset[int], device: torch.device) -> None:
-    """Refuse, on every rank alike (one all-reduce over the world), a two-batch overlap
-    that no rank's stages can use: the model has no expert all-to-all to hide."""
-    found = torch.tensor([float(bool(stages))], device=device)
+        if has_expert_all_to_all(stage):
+            chosen.append(s)
+            problem = two_batch_problem(stage)
+            if problem is not None:
+                problems.append(f"stage {s}: {problem}")
+    found = torch.tensor([float(bool(chosen)), float(bool(problems))], device=device)
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    if not found.item():
+    if problems or found[1].item():
+        why = "; ".join(problems) or "another rank's stage cannot (its error says why)"
+        raise PipelineConfigError(f"two_batch_overlap: {why}; turn two_batch_overlap off "
+                                  "for this model")
+    if not found[0].item():
         raise PipelineConfigError(
             "two_batch_overlap=True, but no stage runs an expert all-to-all (MoE layers "
             "with expert_parallel > 1, or layers with all_to_all_inside = True): there is "
             "nothing for the halves to hide; turn two_batch_overlap off or set expert_parallel")
+    return frozenset(chosen)

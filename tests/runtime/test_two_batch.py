@@ -211,6 +211,20 @@ def test_emulated_parts_cost_their_rows_share() -> None:
         EmulatedAllToAll(0.01, 0.01, rows=-1)
 
 
+class _CappedExperts(nn.Linear):
+    """Stands for an MoE layer dropping tokens past a capacity factor, with an all-to-all."""
+
+    all_to_all_inside = True
+
+    def __init__(self) -> None:
+        from pipeline.moe.layer import RouterConfig
+
+        super().__init__(2, 2)
+        self.config = RouterConfig(num_experts=4, top_k=2, normalize_top_k=True,
+                                   capacity_factor=1.0)
+        self.dispatcher = object()
+
+
 def _engine_refuses_a_model_without_all_to_all(rank: int, world_size: int) -> None:
     from pipeline import PipelineEngine
     from pipeline.rehearsal.emulated import emulated_loss
@@ -221,6 +235,12 @@ def _engine_refuses_a_model_without_all_to_all(rank: int, world_size: int) -> No
                            loss_fn=nn.functional.mse_loss)
     with pytest.raises(PipelineConfigError, match="no stage runs an expert all-to-all"):
         PipelineEngine(dense, schedule="1f1b", num_microbatches=2, two_batch_overlap=True)
+    # only rank 1's stage is refused; rank 0 (a dense stage) learns it in the same all-reduce
+    capped = PipelineModule([LayerSpec(nn.Linear, 2, 2), LayerSpec(_CappedExperts)],
+                            num_stages=2, loss_fn=nn.functional.mse_loss)
+    expected = "stage 1: .* capacity factor" if rank == 1 else "another rank's stage cannot"
+    with pytest.raises(PipelineConfigError, match=expected):
+        PipelineEngine(capped, schedule="1f1b", num_microbatches=2, two_batch_overlap=True)
     moe = PipelineModule(emulated_moe_blocks(2, 0.0, backward_part=0.0, rows=2), num_stages=2,
                          loss_fn=emulated_loss, partition_method=[0, 4, 8])
     engine = PipelineEngine(moe, schedule="1f1b", num_microbatches=2, two_batch_overlap=True)
@@ -231,6 +251,7 @@ def _engine_refuses_a_model_without_all_to_all(rank: int, world_size: int) -> No
 
 @pytest.mark.multiprocess
 def test_the_engine_refuses_two_batch_overlap_with_nothing_to_hide() -> None:
-    """No stage on any rank has an expert all-to-all: refused on every rank alike (not a
-    silent no-op); emulated MoE blocks (an all-to-all lane) run it."""
+    """No stage on any rank has an expert all-to-all, or one rank's stage drops tokens past a
+    capacity factor: refused on every rank alike (not a silent no-op, no rank left
+    waiting); emulated MoE blocks (an all-to-all lane) run it."""
     run_ranks(_engine_refuses_a_model_without_all_to_all, 2, timeout=120)
