@@ -125,6 +125,11 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "(the engine's ParallelTransformerBlock(overlap=True), a HF "
                              "model's tensor_parallel_hf(hf, overlap=True); default: exposed "
                              "whole); --engine pipesched only")
+    parser.add_argument("--two-batch-overlap", action="store_true",
+                        help="price MoE configurations (ep > 1, microbatches of 2 or more "
+                             "samples) with the engine's two_batch_overlap: forwards outside "
+                             "F&B pairs as two halves taking turns at their all-to-alls "
+                             "(default: exposed); --engine pipesched only")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="price ZeRO-1's parameter all-gather overlapped with the next "
                              "step's forwards (the engine's overlap_param_gather; default: "
@@ -301,6 +306,10 @@ def run(args: argparse.Namespace) -> int:
                             if args.engine == "megatron-core" else "(it runs none)")
                          + "; drop --tp-comm-overlap")
     tp_overlap = "pipesched" if args.tp_comm_overlap else None
+    if args.two_batch_overlap and args.engine != "pipesched":
+        raise ValueError(f"--two-batch-overlap is this engine's; {args.engine} runs no "
+                         "two-batch overlap; drop --two-batch-overlap")
+    halves = args.two_batch_overlap or None
     cluster = resolve_cluster(args.cluster, nodes=args.nodes)
     if args.device_profile:
         from pipeline.planner.device_profile import apply_device_profile
@@ -320,14 +329,15 @@ def run(args: argparse.Namespace) -> int:
                           hf=hf_source(args.model, family) if family else None,
                           nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
                           sequence_parallel=args.sequence_parallel,
-                          tp_comm_overlap=args.tp_comm_overlap)
+                          tp_comm_overlap=args.tp_comm_overlap,
+                          two_batch_overlap=args.two_batch_overlap)
     launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first, "target": target}
     header = (f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "
               f"global batch {args.global_batch}\n")
     if args.price:
         config = parse_config(args.price, cluster.num_devices, args.global_batch)
         engine = engine_options(args.engine, overlap_param_gather=args.overlap_param_gather
-                                or None, tp_overlap=tp_overlap)
+                                or None, tp_overlap=tp_overlap, two_batch_overlap=halves)
         prediction = price(model, cluster, args.global_batch, config, precision=precision,
                            options=SearchOptions(**engine))
         if args.json:
@@ -346,7 +356,8 @@ def run(args: argparse.Namespace) -> int:
         expert_parallel=_sizes(args.ep, "ep"),
         microbatch_sizes=_sizes(args.microbatch_size, "microbatch-size"),
         zero_stages=_zero_stages(args.zero), recompute_choices=_recompute(args), top=args.top,
-        overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap))
+        overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap,
+        two_batch_overlap=halves))
     tensor_parallel = options.tensor_parallel or (
         divisors(cluster.devices_per_node) if model.tensor_parallel_ok else (1,))
     check_plan_work(len(model.layers), cluster.nodes, cluster.devices_per_node, tensor_parallel,

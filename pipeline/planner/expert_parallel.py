@@ -58,18 +58,20 @@ def all_to_all_seconds(nbytes: float, ep: int, stride: int, cluster: ClusterSpec
 
 
 def expert_all_to_all(table: StageTable, cluster: ClusterSpec, *, batch: int, ep: int,
-                      tp: int = 1) -> ExpertAllToAll | None:
+                      tp: int = 1, two_batch: bool = False) -> ExpertAllToAll | None:
     """Each stage's expert all-to-all inside one microbatch of `batch` samples: every MoE
     layer dispatches each token's hidden state to its k experts and combines their outputs
     back, two all-to-alls of s·k·h·e bytes per sample (`LayerProfile.all_to_all_bytes`),
     in the forward; the backward sends the gradients of both the other way, two more. None
-    where nothing is exchanged (ep = 1, or a dense model)."""
+    where nothing is exchanged (ep = 1, or a dense model). `two_batch`: forwards outside
+    pairs run as two halves (`ExpertAllToAll.two_batch`)."""
     if ep <= 1 or not table.moe_layers.any():
         return None
     seconds = np.array([
         2 * count * all_to_all_seconds(total / count * batch, ep, tp, cluster) if count
         else 0.0 for count, total in zip(table.moe_layers, table.all_to_all, strict=True)])
-    return ExpertAllToAll(forward=seconds.tolist(), backward=seconds.tolist())
+    return ExpertAllToAll(forward=seconds.tolist(), backward=seconds.tolist(),
+                          two_batch=two_batch)
 
 
 def exposed_in_ops(model: CostModel) -> CostModel:

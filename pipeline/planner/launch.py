@@ -37,6 +37,9 @@ class LaunchTarget:
     tp_comm_overlap: bool = False
     """Priced with this engine's overlapped tp collectives (`pipesched plan
     --tp-comm-overlap`)."""
+    two_batch_overlap: bool = False
+    """Priced with two-batch overlap (`pipesched plan --two-batch-overlap`): the engine line
+    of an MoE pick whose microbatches can be halved turns it on."""
 
 
 def _torchrun(target: LaunchTarget, script: str) -> str:
@@ -60,6 +63,9 @@ def _hf_cuts(boundaries: tuple[int, ...], blocks: int, leading: int) -> list[int
 def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, blocks: int,
                boundaries: tuple[int, ...]) -> list[str]:
     arguments = config.engine_arguments()
+    halves = target.two_batch_overlap and config.ep > 1 and config.microbatch_size >= 2
+    if halves:
+        arguments["two_batch_overlap"] = True
     if target.hf is None:
         text = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
         return [f"PipelineModule/PipelineEngine: {text}", config.train_command(global_batch),
@@ -73,7 +79,8 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
     engine = (f"schedule={config.schedule!r}, num_microbatches={config.num_microbatches}, "
               f"data_parallel={config.dp}, tensor_parallel={config.tp}, "
               f"zero_stage={config.zero_stage}"
-              + (f", expert_parallel={config.ep}" if config.ep > 1 else ""))
+              + (f", expert_parallel={config.ep}" if config.ep > 1 else "")
+              + (", two_batch_overlap=True" if halves else ""))
     experts = f", expert_parallel={config.ep}" if config.ep > 1 else ""
     per_replica = global_batch // config.dp
     options = "".join(f", {name}=True" for name, on in (

@@ -86,6 +86,10 @@ class SearchOptions:
     engine's `overlap_param_gather`, `PlanContext.overlap_param_gather`); False: exposed."""
     tp_overlap: str = "none"
     """How the engine hides tensor-parallel collectives (`pricing.TP_OVERLAPS`)."""
+    two_batch_overlap: bool = False
+    """Price the engine's `two_batch_overlap` on MoE configurations (ep > 1, microbatches
+    of two samples or more): a forward outside an F&B pair as two halves taking turns at
+    their all-to-alls (`PlanContext.two_batch_overlap`); False: exposed."""
     state_bytes: tuple[float, float, float] | None = None
     """(parameter, gradient, optimizer) bytes per parameter of another engine
     (`PlanContext.state_bytes`); None: this engine's."""

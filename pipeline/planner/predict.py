@@ -98,6 +98,10 @@ class PlanContext:
     """The data-parallel reduction overlaps the last backward (the engine's gradient hooks,
     Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
     drained, as Megatron-LM did in 2021 (Narayanan et al.: all-reduce after the flush)."""
+    two_batch_overlap: bool = False
+    """Forwards outside F&B pairs of an MoE stage run as two halves of the microbatch
+    (the engine's `two_batch_overlap`, `ExpertAllToAll.two_batch`) where it has two samples
+    or more."""
     overlap_grad_reduce_unpipelined: bool = False
     """With `overlap_grad_reduce` False, still overlap the reduction where pp = 1: Megatron-LM
     2021 ran torch's DistributedDataParallel without a pipeline (its hooks reduce buckets
@@ -368,8 +372,9 @@ class PlanContext:
                 self._splits[shape] = any(Kind.I in map(_kind_of, stream)  # scanned in C
                                           for stream in plain.streams)
             split = self._splits[shape]
-        all_to_all = expert_all_to_all(table, self.cluster, batch=config.microbatch_size,
-                                       ep=config.ep, tp=config.tp)
+        all_to_all = expert_all_to_all(
+            table, self.cluster, batch=config.microbatch_size, ep=config.ep, tp=config.tp,
+            two_batch=self.two_batch_overlap and config.microbatch_size >= 2)
         costs = table.costs(config.microbatch_size, split)
         p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
         # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
