@@ -135,18 +135,30 @@ def overlapped_pair(forward_compute: float, forward_all_to_all: float,
                         ("backward_compute", backward_compute),
                         ("backward_all_to_all", backward_all_to_all)):
         _check(name, value)
-    half = {("F", "compute"): forward_compute / 2, ("F", "lane"): forward_all_to_all / 2,
-            ("B", "compute"): backward_compute / 2, ("B", "lane"): backward_all_to_all / 2}
-    chain_end: dict[str, float] = {"F": 0.0, "B": 0.0}
+    half: dict[tuple[str, Resource], float] = {
+        ("F", "compute"): forward_compute / 2, ("F", "lane"): forward_all_to_all / 2,
+        ("B", "compute"): backward_compute / 2, ("B", "lane"): backward_all_to_all / 2}
+    chain_end, lane = _lay_out(PAIR_ORDER, half)
+    return PairSchedule(max(chain_end.values()), chain_end["F"],
+                        tuple(CommSpan("F" if op == "F" else "B", start, end)
+                              for op, start, end in lane))
+
+
+def _lay_out(order: Sequence[tuple[str, Resource, int]],
+             cost: dict[tuple[str, Resource], float]
+             ) -> tuple[dict[str, float], list[tuple[str, float, float]]]:
+    """Parts issued in `order` (chain, resource, index), each starting once its chain's part
+    before it has ended and its resource is free: each chain's end, and the lane's parts
+    (chain, start, end) in lane order."""
+    chain_end: dict[str, float] = {}
     free: dict[str, float] = {"compute": 0.0, "lane": 0.0}
-    lane: list[CommSpan] = []
-    for op, resource, _ in PAIR_ORDER:
-        start = max(chain_end[op], free[resource])
-        end = start + half[(op, resource)]
-        chain_end[op] = free[resource] = end
+    lane: list[tuple[str, float, float]] = []
+    for chain, resource, _ in order:
+        start = max(chain_end.get(chain, 0.0), free[resource])
+        chain_end[chain] = free[resource] = start + cost[(chain, resource)]
         if resource == "lane":
-            lane.append(CommSpan(op, start, end))
-    return PairSchedule(max(chain_end.values()), chain_end["F"], tuple(lane))
+            lane.append((chain, start, chain_end[chain]))
+    return chain_end, lane
 
 
 def two_batch_forward(compute: float, all_to_all: float) -> PairSchedule:
@@ -154,15 +166,9 @@ def two_batch_forward(compute: float, all_to_all: float) -> PairSchedule:
     time (`forward_end` too), and its four all-to-all parts (op F) in lane order."""
     _check("compute", compute)
     _check("all_to_all", all_to_all)
-    quarter = {"compute": compute / 4, "lane": all_to_all / 4}
-    chain_end: dict[str, float] = {"X": 0.0, "Y": 0.0}
-    free: dict[str, float] = {"compute": 0.0, "lane": 0.0}
-    lane: list[CommSpan] = []
-    for half, resource, _ in TWO_BATCH_ORDER:
-        start = max(chain_end[half], free[resource])
-        end = start + quarter[resource]
-        chain_end[half] = free[resource] = end
-        if resource == "lane":
-            lane.append(CommSpan("F", start, end))
+    quarter: dict[tuple[str, Resource], float] = {
+        (half, "compute"): compute / 4 for half in "XY"} | {
+        (half, "lane"): all_to_all / 4 for half in "XY"}
+    chain_end, lane = _lay_out(TWO_BATCH_ORDER, quarter)
     end = max(chain_end.values())
-    return PairSchedule(end, end, tuple(lane))
+    return PairSchedule(end, end, tuple(CommSpan("F", start, stop) for _, start, stop in lane))
