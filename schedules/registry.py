@@ -110,7 +110,7 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zb-optimal": ScheduleSpec(
         lambda p, m, v: zb_optimal(p, m, v), (1, None), 1,
         "the minimum makespan under a memory limit (default 2p), proven by CP-SAT within "
-        "10 s; p <= 8, m <= 16; needs pip install 'pipesched[solver]'",
+        "10 s; p <= 8, m <= 16; needs pip install ortools",
         plan=lambda p, m, v, limit, costs: zb_optimal(p, m, v, memory_limit=limit,
                                                       costs=costs),
         placement=_v_when_two),

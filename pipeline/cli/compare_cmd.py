@@ -73,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help=f"add an '{GAP_COLUMN}' column: each schedule's makespan above the "
                              "optimum (zb-optimal, CP-SAT) for its placement and its own peak "
                              f"memory; p <= {MAX_RANKS}, m <= {MAX_MICROBATCHES}; SECONDS per "
-                             "solve (default 10); needs pip install 'pipesched[solver]'")
+                             "solve (default 10); needs pip install ortools")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", type=figure_path, metavar="PATH",
                         help="save the stacked timelines and a figures table as .png or .svg")

@@ -113,7 +113,7 @@ def solve_zb_optimal(num_ranks: int, num_microbatches: int, chunks: int = 1, *,
     (the solver's deterministic time, about seconds: the same answer on every rank) with
     the best order found and the proven gap. `start_from`: a schedule to start from
     when it is faster than our heuristic (same placement and within the limit), so the
-    result is never slower than it. Needs OR-Tools (`pip install 'pipesched[solver]'`).
+    result is never slower than it. Needs OR-Tools (`pip install ortools`).
     """
     p = check_count("num_ranks", num_ranks)
     m = check_count("num_microbatches", num_microbatches)
@@ -141,7 +141,7 @@ def solve_zb_optimal(num_ranks: int, num_microbatches: int, chunks: int = 1, *,
     except ImportError as error:
         raise ScheduleConfigError(
             "zb-optimal needs the OR-Tools CP-SAT solver, which is not installed; run "
-            "pip install 'pipesched[solver]' (or pip install ortools)") from error
+            "pip install ortools (or pip install -e '.[solver]' from a clone)") from error
     hint_name, hint = _heuristic(p, m, placement, limit, costs)
     hint_makespan = figures(simulate(hint, costs)).makespan
     if start_from is not None and start_from.placement == placement and \

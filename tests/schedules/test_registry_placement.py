@@ -30,7 +30,7 @@ def _cases() -> list[tuple[str, int, int]]:
 def test_registry_placement_is_the_schedules_own(name: str, p: int, v: int) -> None:
     # regression: the planner kept its own list of V-shaped schedules, which went stale
     if name == "zb-optimal" and not _SOLVER:
-        pytest.skip("zb-optimal needs ortools (pip install 'pipesched[solver]')")
+        pytest.skip("zb-optimal needs ortools (pip install ortools)")
     m = 2 * p if name != "zb-optimal" else p
     schedule = generate_schedule(name, p, m, v)
     assert SCHEDULES[name].placement(p, v) == schedule.placement
@@ -40,7 +40,7 @@ def test_registry_placement_is_the_schedules_own(name: str, p: int, v: int) -> N
 def test_registry_default_limit_is_the_schedules_own(name: str) -> None:
     # regression: the planner named interleaved-zb's v·p default itself
     if name == "zb-optimal" and not _SOLVER:
-        pytest.skip("zb-optimal needs ortools (pip install 'pipesched[solver]')")
+        pytest.skip("zb-optimal needs ortools (pip install ortools)")
     spec = SCHEDULES[name]
     low, high = spec.chunks
     for p, v in ((2, low), (3, high if high is not None else low + 1)):
