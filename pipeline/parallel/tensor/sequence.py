@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from pipeline.parallel.flat_collectives import all_gather_flat, reduce_scatter_flat
 from pipeline.parallel.tensor.collectives import (
     copy_to_tensor_parallel_region,
     tp_rank_and_size,
@@ -101,7 +102,7 @@ def start_all_gather(tensor: torch.Tensor, group: ProcessGroup | None, dim: int 
         return PendingCollective(None, _front(tensor, dim), dim)
     local = _front(tensor, dim)
     out = local.new_empty((local.shape[0] * size, *local.shape[1:]))
-    work = dist.all_gather_into_tensor(out, local, group=group, async_op=async_op)
+    work = all_gather_flat(out, local, group=group, async_op=async_op)
     return PendingCollective(work, out, dim)
 
 
@@ -116,7 +117,7 @@ def start_reduce_scatter(tensor: torch.Tensor, group: ProcessGroup | None,
         split_sequence(tensor, size, 0, dim)  # raises the typed error
     full = _front(tensor, dim)
     out = full.new_empty((full.shape[0] // size, *full.shape[1:]))
-    work = dist.reduce_scatter_tensor(out, full, group=group, async_op=async_op)
+    work = reduce_scatter_flat(out, full, group=group, async_op=async_op)
     return PendingCollective(work, out, dim)
 
 
