@@ -93,6 +93,13 @@ def _whole(config: Mapping[str, Any], key: str, where: str) -> int:
     return value
 
 
+def _optional_whole(config: Mapping[str, Any], key: str, where: str) -> int | None:
+    """`key`'s whole number >= 1, or None where the config leaves it out (null or absent):
+    a 0 is refused, not read as "use the default" (an intermediate_size of 0 was priced as
+    the family's default width, num_key_value_heads 0 as full multi-head attention)."""
+    return None if config.get(key) is None else _whole(config, key, where)
+
+
 def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
                          where: str = "HF config") -> TransformerShape:
     """The shape of the model a HF `config` builds; `seq` (default: its
@@ -121,17 +128,19 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
     hidden = _whole(values, "hidden_size", where)
     heads = _whole(values, "num_attention_heads", where)
     positions = _whole(values, "max_position_embeddings", where)
-    head_dim = values.get("head_dim") or defaults.get("head_dim") or 0
+    head_dim = _optional_whole(values, "head_dim", where) or defaults.get("head_dim") or 0
     tied = values.get("tie_word_embeddings", defaults["tied_embeddings"])
     fields = {key: value for key, value in defaults.items() if key != "head_dim"}
     moe = _expert_shape(family, values, where)
-    ffn = values.get("intermediate_size") or _DENSE_FFN.get(family) or 4 * hidden
+    ffn = (_optional_whole(values, "intermediate_size", where) or _DENSE_FFN.get(family)
+           or 4 * hidden)
+    kv_heads = _optional_whole(values, "num_key_value_heads", where) or heads
     return TransformerShape(
         **(fields | {"tied_embeddings": bool(tied)}),
         layers=_whole(values, "num_hidden_layers", where), hidden=hidden, heads=heads,
         vocab=_whole(values, "vocab_size", where), seq=seq or positions,
         ffn=moe.expert_ffn if family == "mixtral" and moe is not None else ffn,
-        kv_heads=values.get("num_key_value_heads") or heads, head_dim=head_dim,
+        kv_heads=kv_heads, head_dim=head_dim,
         positions=positions if defaults["learned_positions"] else 0, moe=moe,
         dropout=any(float(values.get(key) or 0.0) > 0 for key in _DROPOUT_KEYS))
 

@@ -144,6 +144,11 @@ def test_tp_must_divide_heads_kv_heads_and_mlp_width(capsys: pytest.CaptureFixtu
     (TINY | {"model_type": "qwen2", "num_experts": 8}, "mixture of experts"),
     (TINY | {"model_type": "llama", "attention_bias": True}, "attention_bias"),
     ({"model_type": "llama", "hidden_size": 64}, "num_attention_heads=None"),
+    # a 0 is not "the default": it was priced as 256 wide / full multi-head, silently
+    (TINY | {"model_type": "llama", "intermediate_size": 0}, "intermediate_size=0"),
+    (TINY | {"model_type": "llama", "num_key_value_heads": 0}, "num_key_value_heads=0"),
+    (TINY | {"model_type": "qwen3", "head_dim": 0}, "head_dim=0"),
+    (TINY | {"model_type": "llama", "num_key_value_heads": "2"}, "num_key_value_heads='2'"),
 ])
 def test_configs_outside_the_planners_shapes_are_refused_by_name(
         document: dict[str, Any], words: str) -> None:
@@ -172,3 +177,11 @@ def test_dropout_read_from_the_config() -> None:
              "intermediate_size": 128, "attention_dropout": 0.0}
     assert shape_from_hf_config(llama).dropout is False  # no masks held
     assert shape_from_hf_config(llama | {"attention_dropout": 0.1}).dropout is True
+
+
+def test_a_null_or_absent_width_takes_the_default() -> None:
+    base = TINY | {"model_type": "llama"}
+    assert shape_from_hf_config(base | {"num_key_value_heads": None}).kv_heads == 8
+    assert shape_from_hf_config({k: v for k, v in base.items()
+                                 if k != "num_key_value_heads"}).kv_heads == 8
+    assert shape_from_hf_config(base).kv_heads == 2
