@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -129,8 +130,10 @@ def generate_schedule(name: str, num_ranks: int, num_microbatches: int,
     """
     spec = SCHEDULES.get(name)
     if spec is None:
+        close = difflib.get_close_matches(str(name), SCHEDULES, n=2)
+        hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
         raise ScheduleConfigError(
-            f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
+            f"unknown schedule {name!r}; {hint}choose one of: {', '.join(SCHEDULES)}")
     if costs is not None and not isinstance(costs, CostModel):
         raise ScheduleConfigError(f"costs must be a schedules.CostModel or None, got {costs!r}")
     check_count("num_ranks (pipeline stages P)", num_ranks)

@@ -4,9 +4,11 @@ documented exit code (`EXIT_CODES`)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import linecache
 import os
+import re
 import sys
 import traceback
 from collections.abc import Sequence
@@ -14,7 +16,8 @@ from pathlib import Path
 from typing import NoReturn
 
 __all__ = ["COMMAND_MODULES", "EXIT_CODES", "EXIT_INPUT", "EXIT_INTERRUPTED", "EXIT_RUN_FAILED",
-           "ArgumentParser", "UsageError", "build_parser", "main", "report_run_failure"]
+           "ArgumentParser", "UsageError", "build_parser", "did_you_mean", "main",
+           "report_run_failure"]
 
 EXIT_INPUT = 2
 """A command-line value or an input file is invalid (the message names it and the fix)."""
@@ -56,7 +59,21 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit code 2, no usage dump."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}{did_you_mean(message)}\n")
+
+
+_INVALID_CHOICE = re.compile(r"invalid choice: '(?P<value>[^']*)' \(choose from (?P<choices>.*)\)")
+
+
+def did_you_mean(message: str) -> str:
+    """For argparse's "invalid choice" message, "; did you mean 'zb-v'?" naming the closest
+    choices (difflib's ratio >= 0.6, as argparse's own suggestions in Python 3.14); else ""."""
+    found = _INVALID_CHOICE.search(message)
+    if found is None:
+        return ""
+    choices = re.findall(r"'([^']*)'", found["choices"])
+    close = difflib.get_close_matches(found["value"], choices, n=2)
+    return f"; did you mean {' or '.join(repr(choice) for choice in close)}?" if close else ""
 
 
 def build_parser(command: str | None = None) -> ArgumentParser:
