@@ -15,6 +15,10 @@ two_batch=...))`).
 
     python benchmarks/bench_moe_overlap.py --steps 5               # p=4, m=8, t=20 ms
     python benchmarks/bench_moe_overlap.py --part-ms 10 --backward-ratio 2
+    python benchmarks/bench_moe_overlap.py --ranks 2 --dense-stages 0   # stage 0 dense
+
+`--dense-stages` makes those stages dense blocks (no all-to-all, the same compute): a pair
+holding a dense op runs it whole, with nothing to hand the turn over at.
 
 A part must be long beside the host's thread hand-over and wake-up (~0.7 ms here): a
 two-batch half's parts are t/2, so at t = 10 ms its measured step runs ~19 % past the
@@ -55,22 +59,26 @@ RUNS = (("dualpipev", False), ("dualpipev", True), ("dualpipev-overlap", False),
 """(schedule, two-batch overlap) of each row."""
 
 
-def _module(p: int, part: float, backward_ratio: float) -> PipelineModule:
-    layers = emulated_moe_blocks(2 * p, part, backward_part=backward_ratio * part, rows=ROWS)
+def _module(p: int, part: float, backward_ratio: float,
+            dense: frozenset[int] = frozenset()) -> PipelineModule:
+    layers = emulated_moe_blocks(2 * p, part, backward_part=backward_ratio * part, rows=ROWS,
+                                 dense=dense)
     return PipelineModule(layers, num_stages=p, chunks=2, loss_fn=emulated_loss,
                           partition_method=list(range(0, PARTS * 2 * p + 1, PARTS)),
                           base_seed=None)
 
 
 def cost_model(p: int, part: float, backward_ratio: float, latency: float = 0.0,
-               two_batch: bool = False) -> CostModel:
+               two_batch: bool = False, dense: frozenset[int] = frozenset()) -> CostModel:
     """The simulator's costs of the blocks: per stage F = 2t of compute, I and W half of the
-    compute parts' backward each (stage 0's attention has no I), 2t of all-to-all each way;
-    `latency` on every message between ranks; forwards outside pairs as two-batch halves."""
+    compute parts' backward each (stage 0's attention has no I), 2t of all-to-all each way
+    (none on a `dense` stage); `latency` on every message between ranks; forwards outside
+    pairs as two-batch halves."""
     b = backward_ratio * part
     backward = [b / 2 if s == 0 else b for s in range(2 * p)]
+    exchange = [0.0 if s in dense else 2 * part for s in range(2 * p)]
     return CostModel(forward=2 * part, backward=backward, weight=b, comm=latency,
-                     all_to_all=ExpertAllToAll(forward=2 * part, backward=2 * part,
+                     all_to_all=ExpertAllToAll(forward=exchange, backward=exchange,
                                                two_batch=two_batch))
 
 
@@ -106,7 +114,7 @@ def _torch_step(p: int, m: int, part: float, backward_ratio: float) -> Any:
 
 
 def _bench_rank(p: int, m: int, part: float, backward_ratio: float, steps: int,
-                warmup: int) -> dict[str, Any]:
+                warmup: int, dense: frozenset[int] = frozenset()) -> dict[str, Any]:
     torch.set_num_threads(1)
     x = torch.zeros(m * ROWS, 1)
     local = open_local_link(None, 300.0)  # the engines' own transport for small messages
@@ -115,9 +123,9 @@ def _bench_rank(p: int, m: int, part: float, backward_ratio: float, steps: int,
         local.close()
     result: dict[str, Any] = {}
     for name, two_batch in RUNS:
-        costs = cost_model(p, part, backward_ratio, two_batch=two_batch)
-        linked = cost_model(p, part, backward_ratio, latency, two_batch=two_batch)
-        engine = PipelineEngine(_module(p, part, backward_ratio), schedule=name,
+        costs = cost_model(p, part, backward_ratio, two_batch=two_batch, dense=dense)
+        linked = cost_model(p, part, backward_ratio, latency, two_batch=two_batch, dense=dense)
+        engine = PipelineEngine(_module(p, part, backward_ratio, dense), schedule=name,
                                 num_microbatches=m, two_batch_overlap=two_batch,
                                 optimizer=lambda params: torch.optim.Adam(params, lr=1e-3))
         walls, measured = [], []
@@ -134,7 +142,7 @@ def _bench_rank(p: int, m: int, part: float, backward_ratio: float, steps: int,
             "simulated": simulated, "linked": figures(simulate(engine.schedule, linked)).makespan,
             "latency": latency, "handovers": interpreter.pair_handovers // (warmup + steps),
             "two_batch_handovers": interpreter.two_batch_handovers // (warmup + steps)}
-    theirs = _torch_step(p, m, part, backward_ratio)
+    theirs = _torch_step(p, m, part, backward_ratio) if not dense else "not run (dense stages)"
     if isinstance(theirs, str):
         result["torch"] = theirs
     else:
@@ -153,14 +161,20 @@ def main(argv: list[str] | None = None) -> None:
                         help="a compute part's backward (I + W) over its forward")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dense-stages", default="",
+                        help="comma-separated stages (0 .. 2p-1) that are dense blocks")
     args = parser.parse_args(argv)
+    dense = frozenset(int(s) for s in args.dense_stages.split(",") if s.strip())
+    if any(not 0 <= s < 2 * args.ranks for s in dense):
+        parser.error(f"--dense-stages {args.dense_stages}: stages run 0 .. {2 * args.ranks - 1}")
     started = time.time()
     p, m, t = args.ranks, args.microbatches, args.part_ms / 1e3
     result = launch(_bench_rank, p, p, m, t, args.backward_ratio, args.steps, args.warmup,
-                    timeout=600, threads_per_rank=1)[0]
+                    dense, timeout=600, threads_per_rank=1)[0]
     plain, theirs = result["dualpipev"], result["torch"]
     print(f"emulated MoE blocks, p={p}, m={m} of {ROWS} rows, t={args.part_ms:g} ms per part "
-          f"(backward {args.backward_ratio:g}×t per compute part), gloo, 1 thread per rank, "
+          f"(backward {args.backward_ratio:g}×t per compute part), dense stages "
+          f"{sorted(dense) or 'none'}, gloo, 1 thread per rank, "
           f"medians of {args.steps} steps; torch {torch.__version__}; load average "
           f"{os.getloadavg()[0]:.1f} at the end; {time.time() - started:.0f} s")
     print(f"P2P latency (ping-pong, rank 0 ↔ 1): {plain['latency'] * 1e6:.0f} µs")

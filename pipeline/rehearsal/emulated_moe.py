@@ -104,11 +104,14 @@ class EmulatedAllToAll(nn.Module):
 
 
 def emulated_moe_blocks(num_blocks: int, part: float, *, backward_part: float,
-                        elements: int = 1024, rows: int | None = None) -> list[LayerSpec]:
+                        elements: int = 1024, rows: int | None = None,
+                        dense: frozenset[int] = frozenset()) -> list[LayerSpec]:
     """`num_blocks` MoE blocks (module docstring), each part of F costing `part` seconds;
     a compute part's backward costs `backward_part` (half I, half W), an exchange's
     `part` (the same tokens go back). The model's first layer has no input gradient.
-    `rows`: a microbatch's rows, where a call on fewer costs its share (two-batch halves)."""
+    `rows`: a microbatch's rows, where a call on fewer costs its share (two-batch halves).
+    Blocks in `dense` have no experts' exchanges (an `nn.Identity` in each exchange's place,
+    so every block keeps four layers): a dense transformer block of the same compute."""
     layers: list[LayerSpec] = []
     for block in range(num_blocks):
         for compute in ("attention", "experts"):
@@ -117,5 +120,6 @@ def emulated_moe_blocks(num_blocks: int, part: float, *, backward_part: float,
                                 weight_grad=backward_part / 2, output_elements=elements,
                                 param_elements=elements, rows=rows)
             layers.append(LayerSpec(EmulatedLayer, cost))
-            layers.append(LayerSpec(EmulatedAllToAll, part, part, None, rows))
+            layers.append(LayerSpec(nn.Identity) if block in dense
+                          else LayerSpec(EmulatedAllToAll, part, part, None, rows))
     return layers

@@ -19,7 +19,12 @@ Figure 4 does, one microbatch's all-to-all in flight while the other computes:
 
 Each part starts when the part before it in its own chain has ended and its resource (the
 compute stream or the lane) is free of the part before it in the order above; the pair ends
-with its last part. With no all-to-all (a = 0) the pair costs F + B, as back to back.
+with its last part. An op whose stage has no all-to-all (a = 0: no MoE layer) has no point
+to hand the turn over at, so it runs whole once it holds the turn, as the engine runs it: a
+dense B (it starts) runs whole, then F with its all-to-all exposed; a dense F runs whole while
+B's first all-to-all is in flight. With no all-to-all on either side the pair costs F + B, as
+back to back. Every layout here is the engine's turn protocol (`pipeline.moe.interleave`)
+played out on the op's chains (`_take_turns`): the orders above are what it yields.
 
 Two-batch overlap (`ExpertAllToAll.two_batch`, the engine's `two_batch_overlap`; SGLang's
 two-batch overlap, DeepSeek-V3 §3.4's two micro-batches): an F outside a pair runs as two
@@ -34,7 +39,8 @@ under the same rule; the F ends when both halves have (c = a = 2: 2.5, not 4). B
 are not split. An F inside a pair runs its halves one after the other on the pair's forward
 thread, and the pair's backward (of a forward run as halves) hands over at each half's
 all-to-all: `PAIR_ORDER` twice at half size, which ends when the whole pair does, so a pair
-is priced as without two-batch.
+is priced as without two-batch, except where one side is dense: then the other side's
+halves expose all their all-to-alls but the first (`overlapped_pair(..., two_batch=True)`).
 """
 
 from __future__ import annotations
@@ -128,37 +134,72 @@ def op_spans(op: Op, compute: float, all_to_all: float) -> tuple[CommSpan, ...]:
 
 
 def overlapped_pair(forward_compute: float, forward_all_to_all: float,
-                    backward_compute: float, backward_all_to_all: float) -> PairSchedule:
-    """An F and a B of other microbatches interleaved on one rank (module docstring)."""
+                    backward_compute: float, backward_all_to_all: float, *,
+                    two_batch: bool = False) -> PairSchedule:
+    """An F and a B of other microbatches interleaved on one rank (module docstring); with
+    `two_batch`, each op of a stage with an all-to-all runs as its two halves in turn."""
     for name, value in (("forward_compute", forward_compute),
                         ("forward_all_to_all", forward_all_to_all),
                         ("backward_compute", backward_compute),
                         ("backward_all_to_all", backward_all_to_all)):
         _check(name, value)
-    half: dict[tuple[str, Resource], float] = {
-        ("F", "compute"): forward_compute / 2, ("F", "lane"): forward_all_to_all / 2,
-        ("B", "compute"): backward_compute / 2, ("B", "lane"): backward_all_to_all / 2}
-    chain_end, lane = _lay_out(PAIR_ORDER, half)
-    return PairSchedule(max(chain_end.values()), chain_end["F"],
-                        tuple(CommSpan("F" if op == "F" else "B", start, end)
-                              for op, start, end in lane))
+    pieces = 4 if two_batch else 2
+    chains = (_chain("B", backward_compute, backward_all_to_all, pieces),  # B starts
+              _chain("F", forward_compute, forward_all_to_all, pieces))
+    (backward_end, forward_end), lane = _take_turns(chains)
+    return PairSchedule(max(backward_end, forward_end), forward_end,
+                        tuple(CommSpan("B" if chain == 0 else "F", start, end)
+                              for chain, start, end in lane))
 
 
-def _lay_out(order: Sequence[tuple[str, Resource, int]],
-             cost: dict[tuple[str, Resource], float]
-             ) -> tuple[dict[str, float], list[tuple[str, float, float]]]:
-    """Parts issued in `order` (chain, resource, index), each starting once its chain's part
-    before it has ended and its resource is free: each chain's end, and the lane's parts
-    (chain, start, end) in lane order."""
-    chain_end: dict[str, float] = {}
-    free: dict[str, float] = {"compute": 0.0, "lane": 0.0}
-    lane: list[tuple[str, float, float]] = []
-    for chain, resource, _ in order:
-        start = max(chain_end.get(chain, 0.0), free[resource])
-        chain_end[chain] = free[resource] = start + cost[(chain, resource)]
-        if resource == "lane":
-            lane.append((chain, start, chain_end[chain]))
-    return chain_end, lane
+Part = tuple[Resource, float]
+
+
+def _chain(op: Op, compute: float, all_to_all: float, pieces: int) -> list[Part]:
+    """An op's parts in its own order, its compute and all-to-all each cut in `pieces` (2:
+    the chain of the module docstring; 4: that chain for each half of a two-batch op); an op
+    with no all-to-all is one part: nothing in it hands the turn over."""
+    if all_to_all == 0:
+        return [("compute", compute)]
+    c, a = compute / pieces, all_to_all / pieces
+    pair: list[Part] = [("compute", c), ("lane", a)] if op == "F" else [("lane", a), ("compute", c)]
+    return pair * pieces
+
+
+def _take_turns(chains: Sequence[Sequence[Part]]
+                ) -> tuple[list[float], list[tuple[int, float, float]]]:
+    """The engine's turn protocol (`pipeline.moe.interleave`) played out: chain 0 holds the
+    turn first; the holder computes until it launches an all-to-all (on the one lane, in
+    launch order), then hands the turn to the other chain unless that one has ended, and
+    once the turn is back waits for its all-to-all; an ended chain hands the turn over.
+    Each chain's end, and the lane's parts (chain, start, end) in lane order."""
+    position = [0] * len(chains)
+    ends = [0.0] * len(chains)
+    waiting = [0.0] * len(chains)   # when the all-to-all a chain launched last ends
+    done = [not chain for chain in chains]
+    lane: list[tuple[int, float, float]] = []
+    lane_free = clock = 0.0
+    me = 0
+    while not all(done):
+        clock = max(clock, waiting[me])
+        while position[me] < len(chains[me]):
+            resource, cost = chains[me][position[me]]
+            position[me] += 1
+            if resource == "compute":
+                clock += cost
+                continue
+            start = max(clock, lane_free)
+            lane_free = waiting[me] = start + cost
+            lane.append((me, start, lane_free))
+            if not done[1 - me]:
+                break                           # the other computes while this is in flight
+            clock = max(clock, waiting[me])
+        else:
+            done[me], ends[me] = True, max(clock, waiting[me])
+            clock = ends[me]
+        if not done[1 - me]:
+            me = 1 - me
+    return ends, lane
 
 
 def two_batch_forward(compute: float, all_to_all: float) -> PairSchedule:
@@ -166,9 +207,7 @@ def two_batch_forward(compute: float, all_to_all: float) -> PairSchedule:
     time (`forward_end` too), and its four all-to-all parts (op F) in lane order."""
     _check("compute", compute)
     _check("all_to_all", all_to_all)
-    quarter: dict[tuple[str, Resource], float] = {
-        (half, "compute"): compute / 4 for half in "XY"} | {
-        (half, "lane"): all_to_all / 4 for half in "XY"}
-    chain_end, lane = _lay_out(TWO_BATCH_ORDER, quarter)
-    end = max(chain_end.values())
+    half = _chain("F", compute / 2, all_to_all / 2, 2)
+    ends, lane = _take_turns((half, half))
+    end = max(ends)
     return PairSchedule(end, end, tuple(CommSpan("F", start, stop) for _, start, stop in lane))

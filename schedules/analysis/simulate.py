@@ -126,7 +126,7 @@ def _run_compute(schedule: Schedule, streams: Sequence[Sequence[Instruction]],
                                  schedule.num_stages)
         a2a_backward = per_stage("all_to_all.backward", costs.all_to_all.backward,
                                   schedule.num_stages)
-        pair = _pair_pricer(forward, backward, weight, a2a_forward, a2a_backward)
+        pair = _pair_pricer(forward, backward, weight, a2a_forward, a2a_backward, two_batch)
         # `execute` prices every F outside a pair by this list (a paired F: by `pair`)
         forward = [_alone_forward(f, a, two_batch) for f, a in zip(forward, a2a_forward)]
         backward = [b + a for b, a in zip(backward, a2a_backward)]
@@ -177,8 +177,8 @@ def _alone_forward(compute: float, all_to_all: float, two_batch: bool) -> float:
 
 
 def _pair_pricer(forward: Sequence[float], backward: Sequence[float], weight: Sequence[float],
-                 a2a_forward: Sequence[float], a2a_backward: Sequence[float]
-                 ) -> Callable[[int, int], tuple[float, float]]:
+                 a2a_forward: Sequence[float], a2a_backward: Sequence[float],
+                 two_batch: bool) -> Callable[[int, int], tuple[float, float]]:
     """(F span, B span) of an overlapped pair F(s) + OVERLAP_B(s2): the pair's time from
     `overlapped_pair`, shown split in proportion of the two ops' compute."""
     cache: dict[tuple[int, int], tuple[float, float]] = {}
@@ -186,7 +186,8 @@ def _pair_pricer(forward: Sequence[float], backward: Sequence[float], weight: Se
     def price(s: int, s2: int) -> tuple[float, float]:
         if (s, s2) not in cache:
             fused = backward[s2] + weight[s2]
-            total = overlapped_pair(forward[s], a2a_forward[s], fused, a2a_backward[s2]).end
+            total = overlapped_pair(forward[s], a2a_forward[s], fused, a2a_backward[s2],
+                                    two_batch=two_batch).end
             share = forward[s] / (forward[s] + fused) if forward[s] + fused > 0 else 0.5
             cache[(s, s2)] = (total * share, total * (1 - share))
         return cache[(s, s2)]
@@ -208,7 +209,7 @@ def _with_all_to_all(timeline: Timeline, streams: Sequence[Sequence[Instruction]
             if kind is Kind.F and k + 1 < n and stream[k + 1][0] is Kind.OVERLAP_B:
                 s2, i2 = stream[k + 1][1], stream[k + 1][2]
                 laid = overlapped_pair(forward[s], a2a_forward[s], backward[s2] + weight[s2],
-                                       a2a_backward[s2])
+                                       a2a_backward[s2], two_batch=two_batch)
                 owner = {"F": (s, i), "B": (s2, i2)}
                 rows += [(rank, *owner[part.op], starts[k] + part.start, starts[k] + part.end)
                          for part in laid.lane]

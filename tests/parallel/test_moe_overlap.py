@@ -45,6 +45,35 @@ def test_the_two_threads_alternate_at_each_all_to_all() -> None:
     assert handovers == 4
 
 
+def _turns(backward: list[str], forward: list[str]) -> list[str]:
+    log: list[str] = []
+
+    def op(name: str, parts: list[str]) -> None:
+        for part in parts:
+            if part.startswith("a2a"):
+                log.append(f"launch {name}.{part}")
+                hand_over(_Done(log, f"{name}.{part}"))
+            else:
+                log.append(f"{name}.{part}")
+
+    run_interleaved(lambda: op("B", backward), lambda: op("F", forward))
+    return log
+
+
+def test_a_dense_op_in_a_pair_runs_whole() -> None:
+    """What `schedules.analysis.all_to_all.overlapped_pair` prices for a stage with no MoE
+    layer (issue 43: it was priced as interleaved): a dense B, which starts, runs whole and
+    F's all-to-alls are then all exposed; a dense F runs whole at B's first all-to-all."""
+    moe_f = ["attention", "a2a dispatch", "experts", "a2a combine"]
+    assert _turns(["mlp", "attention"], moe_f) == [
+        "B.mlp", "B.attention", "F.attention", "launch F.a2a dispatch",
+        "wait F.a2a dispatch", "F.experts", "launch F.a2a combine", "wait F.a2a combine"]
+    moe_b = ["a2a combine", "experts", "a2a dispatch", "attention"]
+    assert _turns(moe_b, ["attention", "mlp"]) == [
+        "launch B.a2a combine", "F.attention", "F.mlp", "wait B.a2a combine", "B.experts",
+        "launch B.a2a dispatch", "wait B.a2a dispatch", "B.attention"]
+
+
 def test_an_error_in_either_is_raised_after_both_end() -> None:
     ended: list[str] = []
 

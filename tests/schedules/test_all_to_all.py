@@ -23,12 +23,24 @@ def pair_oracle(fc: float, fa: float, bc: float, ba: float) -> float:
     """The definition as a graph: F's chain attention → dispatch → experts → combine, B's
     combine' → experts' → dispatch' → attention' (halves of c and a), and each resource's
     order compute F.att, B.exp', F.exp, B.att' / lane B.comb', F.disp, B.disp', F.comb.
-    The pair lasts the longest path."""
+    The pair lasts the longest path. An op of a dense stage (a = 0) has no all-to-all to
+    hand the turn over at: it is one compute part, run where it first holds the turn (a
+    dense B, which starts, before all of F; a dense F while B's first all-to-all is in
+    flight, before B's compute)."""
     durations = {"Fc1": fc / 2, "Fa1": fa / 2, "Fc2": fc / 2, "Fa2": fa / 2,
-                 "Ba1": ba / 2, "Bc1": bc / 2, "Ba2": ba / 2, "Bc2": bc / 2}
+                 "Ba1": ba / 2, "Bc1": bc / 2, "Ba2": ba / 2, "Bc2": bc / 2,
+                 "Fc": fc, "Bc": bc}
     graph = nx.DiGraph()
-    for path in (["Fc1", "Fa1", "Fc2", "Fa2"], ["Ba1", "Bc1", "Ba2", "Bc2"],
-                 ["Fc1", "Bc1", "Fc2", "Bc2"], ["Ba1", "Fa1", "Ba2", "Fa2"]):
+    if fa == 0 and ba == 0:
+        paths = [["Bc", "Fc"]]
+    elif ba == 0:
+        paths = [["Bc", "Fc1", "Fa1", "Fc2", "Fa2"]]
+    elif fa == 0:
+        paths = [["Ba1", "Bc1", "Ba2", "Bc2"], ["Fc", "Bc1"]]
+    else:
+        paths = [["Fc1", "Fa1", "Fc2", "Fa2"], ["Ba1", "Bc1", "Ba2", "Bc2"],
+                 ["Fc1", "Bc1", "Fc2", "Bc2"], ["Ba1", "Fa1", "Ba2", "Fa2"]]
+    for path in paths:
         nx.add_path(graph, path)
     finish: dict[str, float] = {}
     for node in nx.topological_sort(graph):
@@ -49,6 +61,17 @@ def test_overlapped_pair_is_the_longest_path(fc: float, fa: float, bc: float, ba
 
 def test_pair_without_all_to_all_costs_back_to_back() -> None:
     assert overlapped_pair(3.0, 0.0, 5.0, 0.0).end == 8.0
+
+
+def test_a_dense_op_in_a_pair_runs_whole_as_the_engine_runs_it() -> None:
+    # issue 43: a dense stage's op was priced as if its halves interleaved with the other's
+    # all-to-all (a dense B of 2 beside F = 2 + 2: 3.0), but the engine's dense B has no
+    # point to hand the turn over at: it runs whole, then F with its all-to-all exposed
+    assert overlapped_pair(2.0, 2.0, 2.0, 0.0).end == 6.0
+    # a dense F of 2 runs whole while B's first all-to-all half (1) is in flight, then B's
+    # experts' (1), dispatch' (1) and attention' (1): 5, where interleaving priced 4
+    assert overlapped_pair(2.0, 0.0, 2.0, 2.0).end == 5.0
+    assert overlapped_pair(2.0, 0.0, 2.0, 2.0).forward_end == 2.0  # its thread ends first
 
 
 def test_equal_compute_and_all_to_all_halve_the_pair() -> None:
@@ -99,8 +122,9 @@ def test_a_pair_priced_by_resource_sums_fails_the_oracle(monkeypatch: pytest.Mon
     """A planted bug in the simulator's pair price is caught by the single-rank oracle."""
     real = simulate_module.overlapped_pair
 
-    def wrong(fc: float, fa: float, bc: float, ba: float):  # type: ignore[no-untyped-def]
-        return real(fc, fa, bc, ba)._replace(end=max(fc + bc, fa + ba))
+    def wrong(fc: float, fa: float, bc: float, ba: float,  # type: ignore[no-untyped-def]
+              **options: bool):
+        return real(fc, fa, bc, ba, **options)._replace(end=max(fc + bc, fa + ba))
 
     monkeypatch.setattr(simulate_module, "overlapped_pair", wrong)
     costs = CostModel(forward=2.0, backward=1.0, weight=1.0,

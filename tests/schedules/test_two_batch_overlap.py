@@ -71,6 +71,9 @@ def test_two_batch_forward_follows_the_turn_protocol(c: float, a: float) -> None
     end, lane = turn_oracle(c, a)
     assert laid.end == pytest.approx(end, abs=1e-9) and laid.forward_end == laid.end
     assert laid.end == pytest.approx(closed_form(c, a), abs=1e-9)
+    if a == 0:  # a stage without an all-to-all: nothing on the lane, F runs whole
+        assert laid.lane == () and laid.end == pytest.approx(c, abs=1e-9)
+        return
     assert [x for part in laid.lane for x in (part.start, part.end)] == \
         pytest.approx(lane, abs=1e-9)
     assert all(part.op == "F" for part in laid.lane) and len(laid.lane) == 4
@@ -145,7 +148,8 @@ def problems(schedule: Schedule, costs: CostModel, timeline: Timeline) -> list[s
             start, end = span(rank, Kind.F, s, i)
             if k + 1 < len(stream) and stream[k + 1][0] is Kind.OVERLAP_B:
                 s2, i2 = stream[k + 1][1], stream[k + 1][2]
-                want = overlapped_pair(forward[s], a2a[s], backward[s2] + weight[s2], a2a_b[s2]).end
+                want = overlapped_pair(forward[s], a2a[s], backward[s2] + weight[s2], a2a_b[s2],
+                                       two_batch=costs.all_to_all.two_batch).end
                 if abs(span(rank, Kind.OVERLAP_B, s2, i2)[1] - start - want) > 1e-9:
                     found.append(f"pair F{s},{i}: not {want}")
                 continue
@@ -173,7 +177,8 @@ def makespan_oracle(schedule: Schedule, costs: CostModel) -> float:
     a2a_b = per_stage("a2a", costs.all_to_all.backward, schedule.num_stages)
 
     def pair(s: int, s2: int) -> tuple[float, float]:
-        return 0.0, overlapped_pair(forward[s], a2a[s], backward[s2] + weight[s2], a2a_b[s2]).end
+        return 0.0, overlapped_pair(forward[s], a2a[s], backward[s2] + weight[s2], a2a_b[s2],
+                                    two_batch=costs.all_to_all.two_batch).end
 
     run = execute(schedule.compute_streams(), schedule.placement, schedule.num_microbatches,
                   [closed_form(f, a) if a > 0 else f for f, a in zip(forward, a2a)],
@@ -230,8 +235,8 @@ def test_the_checks_catch_planted_bugs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()
 
     # a pair priced otherwise (e.g. its F split in two as well)
-    def slower_pair(*times: float) -> PairSchedule:
-        laid = overlapped_pair(*times)
+    def slower_pair(*times: float, **options: bool) -> PairSchedule:
+        laid = overlapped_pair(*times, **options)
         return laid._replace(end=laid.end + 0.5)
 
     monkeypatch.setattr(simulate_module, "overlapped_pair", slower_pair)
@@ -259,7 +264,14 @@ def test_limited_run_bounds_by_the_two_batch_price(name: str) -> None:
 def _pair_of_halves(fc: float, fa: float, bc: float, ba: float) -> float:
     """Oracle from the engine's rule: inside a pair, F runs its two halves one after the
     other and B (a graph of two halves) hands over at each half's all-to-all, so each thread
-    is its op's chain twice at half size, and the turns follow the pair's order twice."""
+    is its op's chain twice at half size, and the turns follow the pair's order twice. An op
+    of a dense stage has no all-to-all and no halves: a dense B runs whole before F's halves
+    (all exposed); a dense F runs whole while B's first quarter all-to-all is in flight, and
+    B's other parts follow, each exposed."""
+    if ba == 0:
+        return bc + fc + fa
+    if fa == 0:
+        return max(fc, ba / 4) + 3 * ba / 4 + bc
     chain = {"F": [("compute", fc / 4), ("lane", fa / 4)] * 4,
              "B": [("lane", ba / 4), ("compute", bc / 4)] * 4}
     order = [("B", "lane"), ("F", "compute"), ("B", "compute"), ("F", "lane"),
@@ -279,6 +291,9 @@ def _pair_of_halves(fc: float, fa: float, bc: float, ba: float) -> float:
 @given(seconds, seconds, seconds, seconds)
 def test_a_pair_of_halves_costs_the_whole_pair(fc: float, fa: float, bc: float,
                                                ba: float) -> None:
-    """Why a pair is priced as without two-batch: its halves' order ends with the pair."""
-    assert _pair_of_halves(fc, fa, bc, ba) == pytest.approx(
-        overlapped_pair(fc, fa, bc, ba).end, abs=1e-9)
+    """Why a pair is priced as without two-batch where both ops have an all-to-all: its
+    halves' order ends with the pair; beside a dense op the halves expose more."""
+    halves = overlapped_pair(fc, fa, bc, ba, two_batch=True).end
+    assert _pair_of_halves(fc, fa, bc, ba) == pytest.approx(halves, abs=1e-9)
+    if fa > 0 and ba > 0:
+        assert halves == pytest.approx(overlapped_pair(fc, fa, bc, ba).end, abs=1e-9)
