@@ -3,7 +3,6 @@ the pipelined parameters back to a HF state dict."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,15 @@ import torch
 import torch.distributed as dist
 
 from pipeline.errors import PipelineConfigError
+from pipeline.interop.hf_checkpoint_reader import (
+    ExpertRows,
+    Want,
+    read_pieces,
+    read_wanted,
+    tensor_source,
+)
 from pipeline.interop.hf_layers import HFLayers
+from pipeline.interop.hf_moe_checkpoint import moe_key_map
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.param_marks import expert_shard
 from pipeline.parallel.tensor.shard_layout import ShardLayout, layout_of, mark_sharded
@@ -27,74 +34,35 @@ dict (``hf_model.state_dict()``)."""
 
 def read_hf_tensors(directory: str | Path, keys: list[str],
                     layouts: Mapping[str, ShardLayout] | None = None) -> dict[str, torch.Tensor]:
-    """Only `keys` from the safetensors files of a local checkpoint directory (each file is
-    opened lazily: tensors this rank does not hold are never read); a key with a layout in
-    `layouts` (a tensor-parallel slice) reads only this rank's rows (safetensors
-    ``get_slice``), not the whole tensor."""
-    layouts = layouts or {}
-    from safetensors import safe_open
-
-    root = Path(directory)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    elif (root / "model.safetensors").is_file():
-        weight_map = dict.fromkeys(keys, "model.safetensors")
-    else:
-        raise PipelineConfigError(
-            f"{root} holds no model.safetensors nor model.safetensors.index.json; save the "
-            "model with save_pretrained(directory) (safetensors is its default format)")
-    missing = [key for key in keys if key not in weight_map]
-    by_file: dict[str, list[str]] = {}
-    for key in keys:
-        if key in weight_map:
-            by_file.setdefault(weight_map[key], []).append(key)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, wanted in by_file.items():
-        with safe_open(str(root / name), framework="pt") as handle:
-            present = set(handle.keys())
-            missing += [key for key in wanted if key not in present]
-            tensors.update({key: _read(handle, key, layouts.get(key)) for key in wanted
-                            if key in present})
-    if missing:
-        raise PipelineConfigError(f"{root} lacks {sorted(missing)}; is it a checkpoint of the "
-                                  "same model type and size as the config?")
-    return tensors
+    """Only `keys` (checkpoint names) from the safetensors files of a local checkpoint
+    directory (each file is opened lazily: tensors this rank does not hold are never read);
+    a key with a layout in `layouts` (a tensor-parallel slice) reads only this rank's rows
+    (safetensors ``get_slice``), not the whole tensor."""
+    return read_pieces(tensor_source(directory), keys, layouts or {})
 
 
-def _read(handle: Any, key: str, layout: ShardLayout | None) -> torch.Tensor:
-    """The whole tensor, or only `layout`'s pieces of it (each a slice along its dim)."""
-    if layout is None:
-        return handle.get_tensor(key)
-    lazy = handle.get_slice(key)
-    rank = len(lazy.get_shape())
-    pieces = [lazy[tuple([slice(None)] * layout.dim + [slice(lo, hi)]
-                         + [slice(None)] * (rank - layout.dim - 1))]
-              for lo, hi in layout.ranges()]
-    return torch.cat(pieces, dim=layout.dim)
+def _want(param: torch.Tensor) -> Want:
+    shard = expert_shard(param)
+    experts = None if shard is None else ExpertRows(shard[0], shard[0] + param.shape[0],
+                                                    shard[1])
+    return Want(layout_of(param), experts)
 
 
 def _load_now(module: PipelineModule, hf: HFLayers, source: WeightSource) -> list[str]:
+    key_map = moe_key_map(hf.config.model_type)
     held = list(module.named_layer_parameters())
     keys = [hf.hf_name(layer, name) for (layer, name), _ in held]
-    layouts = {key: layout for ((_, _), param), key in zip(held, keys)
-               if (layout := layout_of(param)) is not None}
-    if isinstance(source, Mapping):
-        missing = sorted({key for key in keys if key not in source})
-        if missing:
-            raise PipelineConfigError(f"the state dict lacks {missing}; pass the state dict "
-                                      "of the same model type and size as the config")
-        tensors = {key: source[key] if key not in layouts else layouts[key].shard(source[key])
-                   for key in keys}
-    else:
-        tensors = read_hf_tensors(source, sorted(set(keys)), layouts)
+    wants = {}
+    for ((_, _), param), key in zip(held, keys):
+        want = _want(param)
+        if key_map is not None and key_map.fusion(key) is not None and want.experts is None:
+            want = Want(want.layout, ExpertRows(0, param.shape[0], param.shape[0]))
+        wants[key] = want
+    tensors = read_wanted(tensor_source(source), wants, key_map)
     problems = []
     with torch.no_grad():
         for ((layer, name), param), key in zip(held, keys):
             value = tensors[key]
-            shard = expert_shard(param)
-            if shard is not None:  # an expert-parallel shard: its experts of the whole layer
-                value = value[shard[0]:shard[0] + param.shape[0]]
             if tuple(value.shape) != tuple(param.shape):
                 problems.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, "
                                 f"{tuple(param.shape)} in layer {layer} ({name})")
@@ -181,7 +149,9 @@ def gather_hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torc
 
 def save_hf_checkpoint(module: PipelineModule, hf: HFLayers, directory: str | Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` that ``from_pretrained(directory)``
-    loads (a collective; global rank 0 writes)."""
+    loads (a collective; global rank 0 writes), under the names ``save_pretrained`` writes:
+    a mixture-of-experts family's fused experts as one tensor per expert
+    (`pipeline.interop.hf_moe_checkpoint`)."""
     from safetensors.torch import save_file
 
     state = gather_hf_state_dict(module, hf)
@@ -190,6 +160,9 @@ def save_hf_checkpoint(module: PipelineModule, hf: HFLayers, directory: str | Pa
         tied = hf.names[-1][1] != "lm_head."
         tensors = {key: value.contiguous() for key, value in state.items()
                    if not (tied and key == "lm_head.weight")}
+        key_map = moe_key_map(hf.config.model_type)
+        if key_map is not None:
+            tensors = key_map.to_checkpoint(tensors)
         save_file(tensors, str(Path(directory) / "model.safetensors"),
                   metadata={"format": "pt"})
         hf.config.save_pretrained(str(directory))
