@@ -24,8 +24,8 @@ from pipeline.model.module import PipelineModule
 from pipeline.parallel.param_marks import expert_shard
 from pipeline.parallel.tensor.shard_layout import ShardLayout, layout_of, mark_sharded
 
-__all__ = ["gather_hf_state_dict", "hf_state_dict", "load_hf_weights", "read_hf_tensors",
-           "save_hf_checkpoint"]
+__all__ = ["gather_hf_state_dict", "hf_checkpoint_tensors", "hf_state_dict", "load_hf_weights",
+           "read_hf_tensors", "save_hf_checkpoint"]
 
 WeightSource = str | Path | Mapping[str, torch.Tensor]
 """A local HF checkpoint directory (``model.safetensors`` or a sharded index), or a state
@@ -147,23 +147,29 @@ def gather_hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torc
     return merged
 
 
+def hf_checkpoint_tensors(state: Mapping[str, torch.Tensor], hf: HFLayers
+                          ) -> dict[str, torch.Tensor]:
+    """A whole HF state dict (`gather_hf_state_dict`) as the tensors ``save_pretrained``
+    writes: a tied ``lm_head.weight`` left out, a mixture-of-experts family's fused experts
+    as one tensor per expert under its checkpoint names (`pipeline.interop.hf_moe_checkpoint`),
+    each contiguous."""
+    tied = hf.names[-1][1] != "lm_head."
+    tensors = {key: value.contiguous() for key, value in state.items()
+               if not (tied and key == "lm_head.weight")}
+    key_map = moe_key_map(hf.config.model_type)
+    return tensors if key_map is None else key_map.to_checkpoint(tensors)
+
+
 def save_hf_checkpoint(module: PipelineModule, hf: HFLayers, directory: str | Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` that ``from_pretrained(directory)``
-    loads (a collective; global rank 0 writes), under the names ``save_pretrained`` writes:
-    a mixture-of-experts family's fused experts as one tensor per expert
-    (`pipeline.interop.hf_moe_checkpoint`)."""
+    loads with no missing or unexpected key (a collective; global rank 0 writes), holding the
+    names ``save_pretrained`` writes (`hf_checkpoint_tensors`)."""
     from safetensors.torch import save_file
 
     state = gather_hf_state_dict(module, hf)
     if dist.get_rank() == 0:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        tied = hf.names[-1][1] != "lm_head."
-        tensors = {key: value.contiguous() for key, value in state.items()
-                   if not (tied and key == "lm_head.weight")}
-        key_map = moe_key_map(hf.config.model_type)
-        if key_map is not None:
-            tensors = key_map.to_checkpoint(tensors)
-        save_file(tensors, str(Path(directory) / "model.safetensors"),
+        save_file(hf_checkpoint_tensors(state, hf), str(Path(directory) / "model.safetensors"),
                   metadata={"format": "pt"})
         hf.config.save_pretrained(str(directory))
     dist.barrier()
