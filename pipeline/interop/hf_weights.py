@@ -20,7 +20,9 @@ from pipeline.interop.hf_checkpoint_reader import (
 )
 from pipeline.interop.hf_layers import HFLayers
 from pipeline.interop.hf_moe_checkpoint import moe_key_map
+from pipeline.model.build_context import current_process_groups
 from pipeline.model.module import PipelineModule
+from pipeline.moe.expert_parallel import expert_parallel_problem, local_experts
 from pipeline.parallel.param_marks import expert_shard
 from pipeline.parallel.tensor.shard_layout import ShardLayout, layout_of, mark_sharded
 
@@ -41,33 +43,48 @@ def read_hf_tensors(directory: str | Path, keys: list[str],
     return read_pieces(tensor_source(directory), keys, layouts or {})
 
 
-def _want(param: torch.Tensor) -> Want:
+def _want(param: torch.Tensor, fused: bool) -> tuple[Want, range | None]:
+    """What to read for `param`, and which of its experts (dim-0 rows) the read fills (None:
+    all of it). A fused expert tensor not yet split by expert parallelism, built by an
+    engine with ep > 1 (its groups are current while the load hook runs), reads only the
+    experts this rank keeps (`parallelize_experts` slices them out next)."""
+    layout = layout_of(param)
     shard = expert_shard(param)
-    experts = None if shard is None else ExpertRows(shard[0], shard[0] + param.shape[0],
-                                                    shard[1])
-    return Want(layout_of(param), experts)
+    if shard is not None:
+        return Want(layout, ExpertRows(shard[0], shard[0] + param.shape[0], shard[1])), None
+    if not fused:
+        return Want(layout, None), None
+    total = param.shape[0]
+    groups = current_process_groups()
+    ep = groups.topology.ep if groups is not None else 1
+    if groups is None or ep == 1 or expert_parallel_problem(total, 1, ep) is not None:
+        return Want(layout, ExpertRows(0, total, total)), None
+    kept = local_experts(total, ep, groups.position.ep_rank)
+    return Want(layout, ExpertRows(kept.start, kept.stop, total)), kept
 
 
 def _load_now(module: PipelineModule, hf: HFLayers, source: WeightSource) -> list[str]:
     key_map = moe_key_map(hf.config.model_type)
     held = list(module.named_layer_parameters())
     keys = [hf.hf_name(layer, name) for (layer, name), _ in held]
-    wants = {}
+    wants, fills = {}, {}
     for ((_, _), param), key in zip(held, keys):
-        want = _want(param)
-        if key_map is not None and key_map.fusion(key) is not None and want.experts is None:
-            want = Want(want.layout, ExpertRows(0, param.shape[0], param.shape[0]))
-        wants[key] = want
+        wants[key], fills[key] = _want(param, key_map is not None
+                                       and key_map.fusion(key) is not None)
     tensors = read_wanted(tensor_source(source), wants, key_map)
     problems = []
     with torch.no_grad():
         for ((layer, name), param), key in zip(held, keys):
-            value = tensors[key]
-            if tuple(value.shape) != tuple(param.shape):
+            value, kept = tensors[key], fills[key]
+            target = param if kept is None else param[kept.start:kept.stop]
+            if tuple(value.shape) != tuple(target.shape):
                 problems.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, "
-                                f"{tuple(param.shape)} in layer {layer} ({name})")
+                                f"{tuple(target.shape)} in layer {layer} ({name})")
                 continue
-            param.copy_(value.to(param.dtype))
+            target.copy_(value.to(param.dtype))
+            if kept is not None:  # experts another ep rank keeps: NaN, loud if ever used
+                param[:kept.start].fill_(float("nan"))
+                param[kept.stop:].fill_(float("nan"))
     if problems:
         raise PipelineConfigError("HF weights do not fit: " + "; ".join(problems) + "; build "
                                   "the layers from the checkpoint's own config")
