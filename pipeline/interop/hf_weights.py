@@ -3,7 +3,6 @@ the pipelined parameters back to a HF state dict."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,13 +11,23 @@ import torch
 import torch.distributed as dist
 
 from pipeline.errors import PipelineConfigError
+from pipeline.interop.hf_checkpoint_reader import (
+    ExpertRows,
+    Want,
+    read_pieces,
+    read_wanted,
+    tensor_source,
+)
 from pipeline.interop.hf_layers import HFLayers
+from pipeline.interop.hf_moe_checkpoint import moe_key_map
+from pipeline.model.build_context import current_process_groups
 from pipeline.model.module import PipelineModule
+from pipeline.moe.expert_parallel import expert_parallel_problem, local_experts
 from pipeline.parallel.param_marks import expert_shard
 from pipeline.parallel.tensor.shard_layout import ShardLayout, layout_of, mark_sharded
 
-__all__ = ["gather_hf_state_dict", "hf_state_dict", "load_hf_weights", "read_hf_tensors",
-           "save_hf_checkpoint"]
+__all__ = ["gather_hf_state_dict", "hf_checkpoint_tensors", "hf_state_dict", "load_hf_weights",
+           "read_hf_tensors", "save_hf_checkpoint"]
 
 WeightSource = str | Path | Mapping[str, torch.Tensor]
 """A local HF checkpoint directory (``model.safetensors`` or a sharded index), or a state
@@ -27,79 +36,55 @@ dict (``hf_model.state_dict()``)."""
 
 def read_hf_tensors(directory: str | Path, keys: list[str],
                     layouts: Mapping[str, ShardLayout] | None = None) -> dict[str, torch.Tensor]:
-    """Only `keys` from the safetensors files of a local checkpoint directory (each file is
-    opened lazily: tensors this rank does not hold are never read); a key with a layout in
-    `layouts` (a tensor-parallel slice) reads only this rank's rows (safetensors
-    ``get_slice``), not the whole tensor."""
-    layouts = layouts or {}
-    from safetensors import safe_open
-
-    root = Path(directory)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-    elif (root / "model.safetensors").is_file():
-        weight_map = dict.fromkeys(keys, "model.safetensors")
-    else:
-        raise PipelineConfigError(
-            f"{root} holds no model.safetensors nor model.safetensors.index.json; save the "
-            "model with save_pretrained(directory) (safetensors is its default format)")
-    missing = [key for key in keys if key not in weight_map]
-    by_file: dict[str, list[str]] = {}
-    for key in keys:
-        if key in weight_map:
-            by_file.setdefault(weight_map[key], []).append(key)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, wanted in by_file.items():
-        with safe_open(str(root / name), framework="pt") as handle:
-            present = set(handle.keys())
-            missing += [key for key in wanted if key not in present]
-            tensors.update({key: _read(handle, key, layouts.get(key)) for key in wanted
-                            if key in present})
-    if missing:
-        raise PipelineConfigError(f"{root} lacks {sorted(missing)}; is it a checkpoint of the "
-                                  "same model type and size as the config?")
-    return tensors
+    """Only `keys` (checkpoint names) from the safetensors files of a local checkpoint
+    directory (each file is opened lazily: tensors this rank does not hold are never read);
+    a key with a layout in `layouts` (a tensor-parallel slice) reads only this rank's rows
+    (safetensors ``get_slice``), not the whole tensor."""
+    return read_pieces(tensor_source(directory), keys, layouts or {})
 
 
-def _read(handle: Any, key: str, layout: ShardLayout | None) -> torch.Tensor:
-    """The whole tensor, or only `layout`'s pieces of it (each a slice along its dim)."""
-    if layout is None:
-        return handle.get_tensor(key)
-    lazy = handle.get_slice(key)
-    rank = len(lazy.get_shape())
-    pieces = [lazy[tuple([slice(None)] * layout.dim + [slice(lo, hi)]
-                         + [slice(None)] * (rank - layout.dim - 1))]
-              for lo, hi in layout.ranges()]
-    return torch.cat(pieces, dim=layout.dim)
+def _want(param: torch.Tensor, fused: bool) -> tuple[Want, range | None]:
+    """What to read for `param`, and which of its experts (dim-0 rows) the read fills (None:
+    all of it). A fused expert tensor not yet split by expert parallelism, built by an
+    engine with ep > 1 (its groups are current while the load hook runs), reads only the
+    experts this rank keeps (`parallelize_experts` slices them out next)."""
+    layout = layout_of(param)
+    shard = expert_shard(param)
+    if shard is not None:
+        return Want(layout, ExpertRows(shard[0], shard[0] + param.shape[0], shard[1])), None
+    if not fused:
+        return Want(layout, None), None
+    total = param.shape[0]
+    groups = current_process_groups()
+    ep = groups.topology.ep if groups is not None else 1
+    if groups is None or ep == 1 or expert_parallel_problem(total, 1, ep) is not None:
+        return Want(layout, ExpertRows(0, total, total)), None
+    kept = local_experts(total, ep, groups.position.ep_rank)
+    return Want(layout, ExpertRows(kept.start, kept.stop, total)), kept
 
 
 def _load_now(module: PipelineModule, hf: HFLayers, source: WeightSource) -> list[str]:
+    key_map = moe_key_map(hf.config.model_type)
     held = list(module.named_layer_parameters())
     keys = [hf.hf_name(layer, name) for (layer, name), _ in held]
-    layouts = {key: layout for ((_, _), param), key in zip(held, keys)
-               if (layout := layout_of(param)) is not None}
-    if isinstance(source, Mapping):
-        missing = sorted({key for key in keys if key not in source})
-        if missing:
-            raise PipelineConfigError(f"the state dict lacks {missing}; pass the state dict "
-                                      "of the same model type and size as the config")
-        tensors = {key: source[key] if key not in layouts else layouts[key].shard(source[key])
-                   for key in keys}
-    else:
-        tensors = read_hf_tensors(source, sorted(set(keys)), layouts)
+    wants, fills = {}, {}
+    for ((_, _), param), key in zip(held, keys):
+        wants[key], fills[key] = _want(param, key_map is not None
+                                       and key_map.fusion(key) is not None)
+    tensors = read_wanted(tensor_source(source), wants, key_map)
     problems = []
     with torch.no_grad():
         for ((layer, name), param), key in zip(held, keys):
-            value = tensors[key]
-            shard = expert_shard(param)
-            if shard is not None:  # an expert-parallel shard: its experts of the whole layer
-                value = value[shard[0]:shard[0] + param.shape[0]]
-            if tuple(value.shape) != tuple(param.shape):
+            value, kept = tensors[key], fills[key]
+            target = param if kept is None else param[kept.start:kept.stop]
+            if tuple(value.shape) != tuple(target.shape):
                 problems.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, "
-                                f"{tuple(param.shape)} in layer {layer} ({name})")
+                                f"{tuple(target.shape)} in layer {layer} ({name})")
                 continue
-            param.copy_(value.to(param.dtype))
+            target.copy_(value.to(param.dtype))
+            if kept is not None:  # experts another ep rank keeps: NaN, loud if ever used
+                param[:kept.start].fill_(float("nan"))
+                param[kept.stop:].fill_(float("nan"))
     if problems:
         raise PipelineConfigError("HF weights do not fit: " + "; ".join(problems) + "; build "
                                   "the layers from the checkpoint's own config")
@@ -179,18 +164,29 @@ def gather_hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torc
     return merged
 
 
+def hf_checkpoint_tensors(state: Mapping[str, torch.Tensor], hf: HFLayers
+                          ) -> dict[str, torch.Tensor]:
+    """A whole HF state dict (`gather_hf_state_dict`) as the tensors ``save_pretrained``
+    writes: a tied ``lm_head.weight`` left out, a mixture-of-experts family's fused experts
+    as one tensor per expert under its checkpoint names (`pipeline.interop.hf_moe_checkpoint`),
+    each contiguous."""
+    tied = hf.names[-1][1] != "lm_head."
+    tensors = {key: value.contiguous() for key, value in state.items()
+               if not (tied and key == "lm_head.weight")}
+    key_map = moe_key_map(hf.config.model_type)
+    return tensors if key_map is None else key_map.to_checkpoint(tensors)
+
+
 def save_hf_checkpoint(module: PipelineModule, hf: HFLayers, directory: str | Path) -> None:
     """Write ``config.json`` and ``model.safetensors`` that ``from_pretrained(directory)``
-    loads (a collective; global rank 0 writes)."""
+    loads with no missing or unexpected key (a collective; global rank 0 writes), holding the
+    names ``save_pretrained`` writes (`hf_checkpoint_tensors`)."""
     from safetensors.torch import save_file
 
     state = gather_hf_state_dict(module, hf)
     if dist.get_rank() == 0:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        tied = hf.names[-1][1] != "lm_head."
-        tensors = {key: value.contiguous() for key, value in state.items()
-                   if not (tied and key == "lm_head.weight")}
-        save_file(tensors, str(Path(directory) / "model.safetensors"),
+        save_file(hf_checkpoint_tensors(state, hf), str(Path(directory) / "model.safetensors"),
                   metadata={"format": "pt"})
         hf.config.save_pretrained(str(directory))
     dist.barrier()

@@ -264,13 +264,15 @@ class PipelineModule(nn.Module):
         self._layer_list = [None if not any(k in self.layers_of(s) for s in stages) else layer
                             for k, layer in enumerate(self._layer_list)]
         hooks, self._build_hooks = self._build_hooks, []
-        for hook in hooks:
-            hook(self)
+        with building_with(groups):  # a hook sees the groups too (which experts are kept)
+            for hook in hooks:
+                hook(self)
 
     def on_materialize(self, hook: Callable[[PipelineModule], None]) -> None:
         """Call ``hook(self)`` once this rank's stages are built (at once if they already
         are): e.g. load pretrained weights on the owning rank only, before the engine hands
-        the parameters to its optimizer."""
+        the parameters to its optimizer. A hook run by `materialize` sees its groups as
+        `pipeline.model.build_context.current_process_groups()`."""
         if not callable(hook):
             raise TypeError(f"on_materialize needs a callable hook(module), got {hook!r}")
         if self.stages:

@@ -33,7 +33,7 @@ from pipeline.parallel.groups import ProcessGroups
 from pipeline.parallel.param_marks import mark_expert_shard
 
 __all__ = ["AllToAllDispatcher", "check_expert_layers", "expert_major_order",
-           "expert_parallel_problem", "parallelize_experts"]
+           "expert_parallel_problem", "local_experts", "parallelize_experts"]
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 """The stacked expert tensors, experts along dim 0."""
@@ -145,6 +145,13 @@ class AllToAllDispatcher:
                                                    returned.to(hidden.dtype))
 
 
+def local_experts(num_experts: int, ep: int, ep_rank: int) -> range:
+    """The experts of each MoE layer that ep rank `ep_rank` of `ep` keeps: 1/ep of them,
+    consecutive (ep divides `num_experts`, `expert_parallel_problem`)."""
+    local = num_experts // ep
+    return range(ep_rank * local, (ep_rank + 1) * local)
+
+
 def parallelize_experts(module: nn.Module, groups: ProcessGroups) -> int:
     """Keep this rank's 1/ep of every MoE layer's experts (sliced from the whole layer,
     so weights loaded before stay the same values) and dispatch over the ep group.
@@ -161,8 +168,8 @@ def parallelize_experts(module: nn.Module, groups: ProcessGroups) -> int:
         problem = expert_parallel_problem(config.num_experts, config.top_k, ep)
         if problem is not None:
             raise PipelineConfigError(problem)
-        local = config.num_experts // ep
-        first = ep_rank * local
+        kept = local_experts(config.num_experts, ep, ep_rank)
+        first, local = kept.start, len(kept)
         for name in EXPERT_WEIGHTS:
             whole = getattr(layer.experts, name)
             if whole.shape[0] != config.num_experts:

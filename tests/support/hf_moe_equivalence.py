@@ -3,6 +3,9 @@ against HF's own step on the whole batch, as relative differences (test helper).
 
 from __future__ import annotations
 
+import json
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -10,11 +13,12 @@ import torch.distributed as dist
 
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
-from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights
+from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights, save_hf_checkpoint
 from pipeline.moe.balance_loss import train_batch_balanced
 from pipeline.parallel.param_marks import expert_shard
 from pipeline.parallel.zero import ShardedOptimizer
 from tests.support.hf_models import token_batch
+from tests.support.hf_moe_files import checkpoint_names, recording_reads
 from tests.support.hf_moe_models import (
     plant_ties_and_an_idle_expert,
     tiny_moe_config,
@@ -24,6 +28,42 @@ from tests.support.hf_moe_models import (
 __all__ = ["moe_step_differences"]
 
 LEARNING_RATE = 0.1
+SHARD = "20KB"
+"""save_pretrained's shard size: the tiny models' experts spread over several files."""
+INDEX = "model.safetensors.index.json"
+EXPERTS = 4
+"""The tiny models' experts per layer (`tiny_moe_config`)."""
+
+
+def _expected_reads(family: str, module: PipelineModule, hf: Any, ep: int,
+                    replica: int) -> list[str]:
+    """The checkpoint names this rank needs: its stages' tensors, of each layer's experts
+    only ep rank ``replica % ep``'s EXPERTS / ep consecutive ones."""
+    ep_rank, local = replica % ep, EXPERTS // ep
+    mine = range(ep_rank * local, (ep_rank + 1) * local)
+    keys = {hf.hf_name(*key) for key, _ in module.named_layer_parameters()}
+    return sorted(name for key in keys for name in checkpoint_names(family, key, mine))
+
+
+def _exported(module: PipelineModule, hf: Any, reference: dict[str, torch.Tensor],
+              saved_names: set[str]) -> dict[str, Any]:
+    """`save_hf_checkpoint` of the trained module, loaded back by `from_pretrained`."""
+    import transformers
+    from safetensors import safe_open
+
+    with tempfile.TemporaryDirectory() as directory:
+        box = [directory]
+        dist.broadcast_object_list(box, src=0)
+        save_hf_checkpoint(module, hf, box[0])
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            box[0], output_loading_info=True)
+        with safe_open(str(Path(box[0], "model.safetensors")), "pt") as handle:
+            names = set(handle.keys())
+        dist.barrier()
+    weights = dict(reloaded.named_parameters())
+    return {"export_problems": {kind: found for kind, found in info.items() if found},
+            "export": max(_relative(weights[name], reference[name]) for name in reference),
+            "export_names": names == saved_names}
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,7 +85,8 @@ def _hf_step(model: Any, ids: torch.Tensor, mask: torch.Tensor | None,
 def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bool = False,
                          top_k: int = 2, ties: bool = False, padded: bool = False,
                          tied: bool = False, clip: float | None = None, steps: int = 1,
-                         schedule: str = "1f1b",
+                         schedule: str = "1f1b", export: bool = False,
+                         strict_reads: bool = True, partition_method: str = "uniform",
                          **engine: Any) -> dict[str, Any]:
     """On every rank: the pipelined step (SGD, 4 microbatches per replica, `schedule`) of the tiny
     `family` model against HF's on the concatenated batch of all replicas.
@@ -54,8 +95,15 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
     parameters, over every rank), HF's router logits ``routes`` (for the case's own
     checks of ties and idle experts), ``handovers``, how often this rank's overlapped pairs
     ran an all-to-all under the other microbatch's compute, and ``two_batch_handovers``, how
-    often a two-batch forward's half did so under the other half's. `padded`: right-padded rows with
-    their attention mask, the token-summed loss (padding counts in neither loss, as in HF).
+    often a two-batch forward's half did so under the other half's, ``reads``, the tensors this
+    rank read from the `save_pretrained` directory (small shards) it loaded, and
+    ``expected_reads``, those its stages and experts need by definition (`strict_reads`: unequal
+    ones raise, after the last collective; `partition_method`: the module's). `export`: also
+    ``export_problems``, what `from_pretrained` found missing or unexpected in
+    `save_hf_checkpoint`'s directory, ``export``, the relative difference of its weights from
+    HF's, and ``export_names``, whether its names are `save_pretrained`'s. `padded`:
+    right-padded rows with their attention mask, the token-summed loss (padding counts in
+    neither loss, as in HF).
     `clip`: the engine's gradient_clipping against torch's clip_grad_norm_ on HF's model (then
     also ``norm``, the relative difference of the norms before clipping). `steps`: steps taken
     (the last one's loss and gradients compared; the weights after all of them)."""
@@ -69,15 +117,26 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
     chunks = 2 if schedule.startswith("dualpipev") else 1
     module = PipelineModule(hf.layers, num_stages=pp, chunks=chunks,
                             loss_fn=hf.summed_loss if padded else hf.loss_fn,
-                            partition_method="uniform")
-    load_hf_weights(module, hf, hf_model.state_dict())
+                            partition_method=partition_method)
     options: dict[str, Any] = {"data_parallel": dp, "expert_parallel": ep,
                                "gradient_clipping": clip, **engine}
     if zero:
         options["zero_stage"] = 1
-    pipelined = PipelineEngine(module, schedule=schedule, num_microbatches=4, timeout=60,
-                               optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE),
-                               **options)
+    with tempfile.TemporaryDirectory() as directory:
+        box = [directory]
+        dist.broadcast_object_list(box, src=0)  # rank 0's directory (one file system)
+        if dist.get_rank() == 0:
+            hf_model.save_pretrained(box[0], max_shard_size=SHARD)
+        dist.barrier()
+        load_hf_weights(module, hf, box[0])  # read while the engine builds this rank's stages
+        with recording_reads() as reads:
+            pipelined = PipelineEngine(module, schedule=schedule, num_microbatches=4,
+                                       timeout=60,
+                                       optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE),
+                                       **options)
+        saved_names = set(json.loads(Path(box[0], INDEX).read_text())["weight_map"])
+        dist.barrier()
+    expected_reads = _expected_reads(family, module, hf, ep, replica)
     if zero != isinstance(pipelined.optimizer, ShardedOptimizer):
         raise AssertionError(f"zero={zero} but the engine built {pipelined.optimizer!r}")
     rows = slice(8 * replica, 8 * replica + 8)
@@ -111,11 +170,17 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
         raise AssertionError(f"{family}: the export lacks {missing}")
     param = max(_relative(state[name], reference[name]) for name in reference)
     found = {"loss": abs(loss - expected) / abs(expected), "grad": float(worst),
-             "param": param, "routes": routes,
+             "param": param, "routes": routes, "reads": sorted(reads),
+             "expected_reads": expected_reads,
              "handovers": pipelined._interpreter.pair_handovers,  # the engine's own counts
              "two_batch_handovers": pipelined._interpreter.two_batch_handovers}
+    if export:
+        found.update(_exported(module, hf, reference, saved_names))
     if norm is not None:
         measured = pipelined.training.step.grad_norm
         found["norm"] = abs(float(measured or 0.0) - norm) / norm
         found["clipped"] = norm > clip
+    if strict_reads and found["reads"] != expected_reads:  # after the last collective
+        raise AssertionError(f"{family}: rank {dist.get_rank()} read {found['reads']}, its "
+                             f"stages and experts need {expected_reads}")
     return found
