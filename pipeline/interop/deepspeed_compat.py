@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from pipeline.device import default_backend, default_device
+from pipeline.device.staged_backend import backend_available
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.ds_client_state import read_client_state
 from pipeline.interop.ds_clipping import ClipNorm, check_clip_norm, use_clip_norm
@@ -39,7 +40,6 @@ from pipeline.model.layers import LayerSpec
 from pipeline.model.module import PipelineModule as LazyPipelineModule
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.runtime.engine import PipelineEngine
-from pipeline.staged_backend import backend_available
 
 __all__ = ["DeepSpeedPipelineEngine", "LayerSpec", "PipelineModule", "RepeatingLoader",
            "TiedLayerSpec", "add_config_arguments", "init_distributed", "initialize",

@@ -33,6 +33,7 @@ from pipeline.device import (
     STAGED_PER_DEVICE,
     default_backend,
 )
+from pipeline.device.staged_backend import backend_available
 from pipeline.errors import PipelineConfigError
 from pipeline.launcher.forkserver_guard import GUARD_ENV
 from pipeline.launcher.in_place import run_in_place
@@ -43,7 +44,6 @@ from pipeline.launcher.results import (
     read_result,
 )
 from pipeline.limits import MAX_TIMEOUT, check_local_ranks
-from pipeline.staged_backend import backend_available
 from pipeline.supervision.orphans import (
     Reaper,
     identity_of,

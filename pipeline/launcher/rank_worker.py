@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline.device import STAGED_PER_DEVICE, backend_reason, process_group_timeout
+from pipeline.device.staged_backend import backend_available
 from pipeline.errors import PipelineConfigError
 from pipeline.launcher.results import RankReport, Result, write_result
-from pipeline.staged_backend import backend_available
 from pipeline.supervision.failure import EXIT_PEER_FAILED, FailureRecord, Watchdog, report_failure
 from pipeline.supervision.orphans import (
     EXIT_LAUNCHER_GONE,
