@@ -1,5 +1,4 @@
-"""The device room: the one seam to accelerators (`accelerator`) and the staged gloo backend of
-ranks that share a GPU (`staged_backend`); `pipeline.device` re-exports the seam."""
+"""The device room: the accelerator seam (re-exported here) and the staged backend."""
 
 from pipeline.device.accelerator import (
     NCCL_PER_DEVICE,

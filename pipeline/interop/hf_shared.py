@@ -1,6 +1,4 @@
-"""What the dense and the mixture-of-experts HF builders share: the `HFLayers` result, HF's
-causal-LM loss and targets, the embedding's input call, each layer's attention mask, and
-the import of transformers."""
+"""What the dense and MoE HF builders share: HFLayers, the loss, embedding, masks."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Cut a loaded HF block's projections into this rank's slices: attention by heads (Q;K;V
-fused or not, kv heads held whole where tp does not divide them), the MLP, GPT-2's Conv1Ds."""
+"""Cut a loaded HF block's projections (attention, MLP, GPT-2) into this rank's slices."""
 
 from __future__ import annotations
 

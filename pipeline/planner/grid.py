@@ -1,5 +1,4 @@
-"""The grid the search walks: every pp × tp × dp × ZeRO × schedule × chunks × microbatching ×
-recompute × ep point the engine runs, the others counted by reason."""
+"""The grid the search walks: every configuration the engine runs, the rest counted."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What a configuration's ranks hold and update: its stage table, each rank's memory at the
-schedule's peak, the optimizer step and the data-parallel reduction."""
+"""Per configuration: stage tables, each rank's memory, optimizer update, dp reduction."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What the engine holds beyond a step: the optimizer and its gradients, checkpoints, the
-last step's timeline."""
+"""What the engine holds beyond a step: optimizer, gradients, checkpoints, timeline."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""One step of the engine: agree on the batch, run this rank's stream, share the loss, and
-name the rank, instruction and cause when it fails."""
+"""One engine step: agree on the batch, run the stream, share the loss, name a failure."""
 
 from __future__ import annotations
 

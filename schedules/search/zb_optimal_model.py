@@ -1,5 +1,4 @@
-"""zb-optimal's CP-SAT model (stated in `schedules.search.zb_optimal`'s docstring): costs
-scaled to integers, the interval variables, the refined time axis, the solve and its result."""
+"""zb-optimal's CP-SAT model (stated in `zb_optimal`'s docstring) and its solve."""
 
 from __future__ import annotations
 
