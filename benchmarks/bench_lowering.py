@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_schedules import stand_in_stages, timed
+from torch_stand_ins import stand_in_stages, timed
 
 from schedules import build_schedule, simulate
 

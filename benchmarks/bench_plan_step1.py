@@ -22,7 +22,8 @@ from bench_plan import SCALE_SHAPE  # the 1T shape of `--part scale`
 
 from pipeline.planner import PRESETS, SearchOptions, parse_shape, transformer_profile
 from pipeline.planner.bounds import SearchBounds
-from pipeline.planner.search import _configs, _context
+from pipeline.planner.grid import configurations
+from pipeline.planner.search import _context
 
 __all__ = ["main", "step_one"]
 
@@ -37,7 +38,7 @@ def step_one() -> tuple[float, float, float, int]:
     cluster = replace(PRESETS["a100-80g"], nodes=384)
     options = SearchOptions()
     started = time.process_time()
-    configs = list(_configs(model, cluster, 3072, options))
+    configs = list(configurations(model, cluster, 3072, options))
     enumerated = time.process_time()
     bounds = SearchBounds(_context(model, cluster, 3072, None, options))
     floors = [bounds.memory_floor(config) for config in configs]

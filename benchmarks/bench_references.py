@@ -78,8 +78,8 @@ def paper_greedy(p: int, m: int, limit: int, costs: CostModel) -> Schedule | Non
 def torch_zb1p(p: int, m: int) -> Schedule | None:
     """torch's ScheduleInterleavedZeroBubble compute order (v = 2), or None without torch."""
     try:
-        from bench_schedules import stand_in_stages, torch_order
         from torch.distributed.pipelining import schedules as torch_schedules
+        from torch_stand_ins import stand_in_stages, torch_order
     except ImportError:
         return None
     from schedules import from_torch_rows

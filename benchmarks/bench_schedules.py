@@ -24,11 +24,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import types
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torch_stand_ins import stand_in_stages, timed, torch_order
 
 from schedules import (
     SCHEDULES,
@@ -74,24 +74,6 @@ def bubble_table() -> None:
             cells.append(f"{100 * result.bubble_rate:.1f} ({max(result.peak_activations) / v:g})")
         seconds = time.perf_counter() - start
         print(f"| {label} | " + " | ".join(cells) + f" | {seconds:.1f} |")
-
-
-def stand_in_stages(p: int, v: int) -> list[Any]:
-    """What torch's schedule constructors read from a stage, without a process group."""
-    return [types.SimpleNamespace(num_stages=p * v, group_size=p, group_rank=0, submod=None,
-                                  stage_index=c * p, is_first=c == 0,
-                                  is_last=c * p == p * v - 1) for c in range(v)]
-
-
-def timed(make: Any) -> tuple[float, Any]:
-    start = time.perf_counter()
-    value = make()
-    return time.perf_counter() - start, value
-
-
-def torch_order(instance: Any, p: int) -> list[list[str | None]]:
-    return [[None if a is None else str(a) for a in instance.pipeline_order[r]]
-            for r in range(p)]
 
 
 def lowering_table(skip_torch: bool, p: int = 64, m: int = 1024, v: int = 2) -> None:

@@ -2,6 +2,14 @@
 
 Names are imported lazily so that `pipeline.cli` (simulate, schedule, partition) starts
 without importing torch.
+
+Four modules stand at the top, below every room, because every room uses them: `errors`
+holds the typed errors raised from the device seam to the CLI; `limits` bounds a run
+(timeouts, local ranks, run length) for the device seam, launcher, runtime, planner and CLI
+before anything starts; `files` reads any file a user names (checkpoints, plans, configs)
+bounded and without blocking; `recompute_region` is the mark layers of any room (the
+tensor-parallel block, the demo's, Hugging Face's) put on the part selective recomputation
+drops. The accelerator seam and its staged backend are the `device` room.
 """
 
 from __future__ import annotations

@@ -18,11 +18,12 @@ TOP_LEVEL: dict[str, frozenset[str]] = {
     "viz": frozenset({"schedules", "partition"}),
     "pipeline": frozenset({"schedules", "partition", "viz"}),
 }
-# pipeline's rooms, lowest first: cli -> demo -> rehearsal -> planner -> interop -> runtime ->
-# moe -> checkpoint -> model -> parallel -> launcher -> supervision -> the shared leaves
-# (pipeline/*.py: errors, device, limits, files).
-ROOMS = ("", "supervision", "launcher", "parallel", "model", "checkpoint", "moe", "runtime",
-         "interop", "planner", "rehearsal", "demo", "cli")
+# pipeline's rooms, each importing only those after it: cli -> demo -> rehearsal -> planner ->
+# interop -> runtime -> moe -> checkpoint -> model -> parallel -> launcher -> supervision ->
+# device -> the shared leaves (pipeline/*.py: errors, limits, files, recompute_region; why
+# each serves every room: pipeline/__init__.py).
+ROOMS = ("", "device", "supervision", "launcher", "parallel", "model", "checkpoint", "moe",
+         "runtime", "interop", "planner", "rehearsal", "demo", "cli")
 
 
 def _imports(path: Path, *, runtime_only: bool = False) -> list[str]:
@@ -41,7 +42,18 @@ def _imports(path: Path, *, runtime_only: bool = False) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
             names.extend(f"{node.module}.{alias.name}" for alias in node.names)
+        elif _is_import_module_call(node):  # importlib.import_module("a.b") imports a.b too
+            names.append(node.args[0].value)  # type: ignore[attr-defined]
     return names
+
+
+def _is_import_module_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call) or not node.args:
+        return False
+    func, first = node.func, node.args[0]
+    named = (isinstance(func, ast.Attribute) and func.attr == "import_module") or (
+        isinstance(func, ast.Name) and func.id == "import_module")
+    return named and isinstance(first, ast.Constant) and isinstance(first.value, str)
 
 
 def _is_type_checking_block(node: ast.AST) -> bool:
@@ -117,30 +129,52 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _import_graph(package: str) -> nx.DiGraph:
-    """Modules of `package` and which import which at run time (lazy imports inside
-    functions too: they close a circle as surely at run time)."""
-    modules = {_module_name(path): path for path in _sources(package)}
+SCRIPT_DIRS = frozenset({"benchmarks"})
+"""Folders of scripts run with their own folder on sys.path: `import bench_common` there is
+`benchmarks.bench_common`."""
+
+
+def _import_graph(*packages: str) -> nx.DiGraph:
+    """Modules of `packages` and which import which at run time (lazy imports inside
+    functions and `importlib.import_module("...")` too: they close a circle as surely at
+    run time)."""
+    modules = {_module_name(path): path for package in packages for path in _sources(package)}
     graph = nx.DiGraph()
     graph.add_nodes_from(modules)
     for name, path in modules.items():
+        top = name.split(".")[0]
         for imported in _imports(path, runtime_only=True):
-            # `from a.b import c` names a.b.c: the module c if there is one, else a.b
-            target = imported if imported in modules else imported.rpartition(".")[0]
-            if target in modules and target != name and not name.startswith(target + "."):
-                graph.add_edge(name, target)
+            candidates = [imported, f"{top}.{imported}"] if top in SCRIPT_DIRS else [imported]
+            for candidate in candidates:
+                # `from a.b import c` names a.b.c: the module c if there is one, else a.b
+                target = candidate if candidate in modules else candidate.rpartition(".")[0]
+                if target in modules:
+                    if target != name and not name.startswith(target + "."):
+                        graph.add_edge(name, target)
+                    break
     return graph
 
 
+def _is_facade(source: str, target: str) -> bool:
+    """A package's `__init__` importing its own modules: its facade, not a circle."""
+    return source.count(".") < target.count(".") and target.startswith(source + ".")
+
+
 def _room_cycles(graph: nx.DiGraph) -> list[list[str]]:
-    """Import circles between the files of one room (a package's `__init__` re-exporting
-    its own modules is its facade, not a circle)."""
+    """Import circles between the files of one room."""
     inside = nx.DiGraph()
     for source, target in graph.edges:
-        facade = source.count(".") < target.count(".") and target.startswith(source + ".")
-        if _room(source) == _room(target) and not facade:
+        if _room(source) == _room(target) and not _is_facade(source, target):
             inside.add_edge(source, target)
     return [cycle for cycle in nx.simple_cycles(inside)]
+
+
+def _cycles(graph: nx.DiGraph) -> list[list[str]]:
+    """Import circles anywhere in `graph`, across rooms and packages: one per strongly
+    connected group of modules, each a circle through it."""
+    edges = nx.DiGraph([(s, t) for s, t in graph.edges if not _is_facade(s, t)])
+    return [nx.find_cycle(edges.subgraph(group), next(iter(group)))
+            for group in nx.strongly_connected_components(edges) if len(group) > 1]
 
 
 def test_files_inside_a_room_import_without_circles() -> None:
@@ -161,3 +195,40 @@ def test_the_circle_check_finds_a_planted_circle() -> None:
     graph.add_edge("pipeline.planner.cluster", "pipeline.planner.calibrate")
     assert ["pipeline.planner.calibrate", "pipeline.planner.cluster"] in [
         sorted(cycle) for cycle in _room_cycles(graph)]
+
+
+def _format(cycles: list[list[tuple[str, str]]]) -> str:
+    return "\n".join(" -> ".join([*(source for source, _ in cycle), cycle[0][0]])
+                     for cycle in cycles)
+
+
+def test_pipeline_and_benchmarks_import_without_circles() -> None:
+    # across rooms and packages, through lazy imports and import_module("...") too (issue
+    # 47: runtime engine -> interpreter -> loss_normalization -> engine, interop hf_layers
+    # <-> hf_moe, benchmarks bench_schedules <-> bench_references)
+    cycles = _cycles(_import_graph("pipeline", "benchmarks"))
+    assert not cycles, _format(cycles)
+
+
+@pytest.mark.parametrize("planted", [
+    # across rooms: a runtime module importing the interop module that imports it
+    ("pipeline.runtime.loss_normalization", "pipeline.interop.deepspeed_compat"),
+    # within benchmarks, as scripts import each other (`from bench_schedules import ...`)
+    ("benchmarks.torch_stand_ins", "benchmarks.bench_lowering"),
+])
+def test_the_whole_circle_check_finds_a_planted_circle(planted: tuple[str, str]) -> None:
+    graph = _import_graph("pipeline", "benchmarks")
+    assert nx.has_path(graph, planted[1], planted[0]), "the plant must close a circle"
+    graph.add_edge(*planted)
+    cycles = _cycles(graph)
+    assert any(planted in cycle for cycle in cycles), _format(cycles)
+
+
+def test_import_module_calls_and_script_imports_are_edges(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("import importlib\n\ndef f():\n    importlib.import_module('a.b')\n"
+                      "    importlib.import_module(name)\n")
+    assert _imports(source) == ["importlib", "a.b"]
+    graph = _import_graph("pipeline", "benchmarks")
+    assert graph.has_edge("pipeline.interop.hf_layers", "pipeline.interop.hf_moe_families")
+    assert graph.has_edge("benchmarks.bench_lowering", "benchmarks.torch_stand_ins")

@@ -27,15 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import PipelineConfigError
-from pipeline.interop.hf_layers import (
+from pipeline.interop.hf_moe_families import COVERED_MOE
+from pipeline.interop.hf_recompute import mark_attention_cores
+from pipeline.interop.hf_shared import (
     IGNORE_INDEX,
     HFLayers,
     _embed,
     _mask_function,
     causal_lm_loss,
 )
-from pipeline.interop.hf_moe_families import COVERED_MOE
-from pipeline.interop.hf_recompute import mark_attention_cores
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.moe.balance_loss import BalanceLoss

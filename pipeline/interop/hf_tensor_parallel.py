@@ -59,19 +59,23 @@ from pipeline.interop.hf_layers import (
     causal_lm_loss,
 )
 from pipeline.interop.hf_modules_tp import (
-    HeadRows,
     ParallelEmbedding,
     ParallelHFBlock,
     ParallelLMHead,
     Region,
-    RowParallel,
     SequenceSwitch,
     VocabSlot,
     enter_on_call,
-    shard_parameter,
     vocab_logits,
 )
 from pipeline.interop.hf_overlap import fuse_columns_on_call
+from pipeline.interop.hf_tp_split import (
+    column_names,
+    head_shape,
+    split_attention,
+    split_gpt2,
+    split_mlp,
+)
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.tensor.collectives import tp_rank_and_size
@@ -94,18 +98,8 @@ class _Plan:
     ops: TensorParallelOps = dataclasses.field(default=REAL_OPS, compare=False)
 
 
-def _shape(config: Any) -> tuple[int, int, int]:
-    """(query heads, key/value heads, FFN width) of a supported config."""
-    if config.model_type == "gpt2":
-        ffn = config.n_inner or 4 * config.n_embd
-        return config.n_head, config.n_head, ffn
-    heads = config.num_attention_heads
-    return heads, getattr(config, "num_key_value_heads", None) or heads, \
-        config.intermediate_size
-
-
 def _size_problems(config: Any, tp: int) -> list[str]:
-    heads, kv_heads, ffn = _shape(config)
+    heads, kv_heads, ffn = head_shape(config)
     problems = []
     if heads % tp:
         problems.append(f"{heads} attention heads")
@@ -225,15 +219,15 @@ def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) 
     layer: Any = block.layer
     gpt2 = plan.config.model_type == "gpt2"
     if gpt2:
-        _split_gpt2(layer, plan.config, region)
+        split_gpt2(layer, plan.config, region)
         attention, mlp = layer.attn, layer.mlp
     else:
-        _split_attention(layer.self_attn, plan.config, region, rank, size)
-        _split_mlp(layer.mlp, region)
+        split_attention(layer.self_attn, plan.config, region, rank, size)
+        split_mlp(layer.mlp, region)
         attention, mlp = layer.self_attn, layer.mlp
     if region.runs_overlap_functions:  # one fused column GEMM per module (q;k;v, gate;up)
         for module in (attention, mlp):
-            fuse_columns_on_call(module, _column_names(module), region, transposed=gpt2)
+            fuse_columns_on_call(module, column_names(module), region, transposed=gpt2)
     else:
         enter_on_call(attention, region)
         enter_on_call(mlp, region)
@@ -243,81 +237,6 @@ def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) 
             if id(param) not in inside:
                 sum_gradient_over_tensor_parallel(param, group)
     return ParallelHFBlock(block, region, size)
-
-
-def _column_names(module: Any) -> tuple[str, ...]:
-    """The column-parallel projections a split attention or MLP calls on its input."""
-    for names in (("c_attn",), ("c_fc",), ("qkv_proj",), ("gate_up_proj",),
-                  ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
-        if all(hasattr(module, name) for name in names):
-            return names
-    raise TypeError(f"{type(module).__name__} has none of the column-parallel projections "
-                    "tensor_parallel_hf knows")
-
-
-def _column(linear: Any, blocks: tuple[int, ...], region: Region, *,
-            transposed: bool = False) -> None:
-    """Keep this rank's output features of `linear` (a Linear, or a Conv1D if `transposed`)."""
-    linear.weight = shard_parameter(linear.weight, 1 if transposed else 0, blocks,
-                                    region.group)
-    if linear.bias is not None:
-        linear.bias = shard_parameter(linear.bias, 0, blocks, region.group)
-    width = sum(blocks) // tp_rank_and_size(region.group)[1]
-    setattr(linear, "nf" if transposed else "out_features", width)
-
-
-def _split_attention(attention: Any, config: Any, region: Region, rank: int,
-                     size: int) -> None:
-    heads, kv_heads, _ = _shape(config)
-    head_dim = attention.head_dim
-    local_kv = kv_heads // size if kv_heads % size == 0 else 1
-    if hasattr(attention, "qkv_proj"):  # Phi-3: Q;K;V fused
-        _column(attention.qkv_proj, (heads * head_dim, kv_heads * head_dim,
-                                     kv_heads * head_dim), region)
-    else:
-        _column(attention.q_proj, (heads * head_dim,), region)
-        for name in ("k_proj", "v_proj"):
-            linear = getattr(attention, name)
-            if kv_heads % size == 0:
-                _column(linear, (kv_heads * head_dim,), region)
-            else:  # each kv head serves size // kv_heads consecutive ranks
-                head = rank // (size // kv_heads)
-                setattr(attention, name, HeadRows(
-                    linear, slice(head * head_dim, (head + 1) * head_dim), region.group))
-    attention.o_proj = RowParallel(attention.o_proj, region)
-    for name in ("q_norm", "k_norm"):  # per-head norms shared by the heads of every rank
-        norm = getattr(attention, name, None)
-        if norm is not None:
-            for param in norm.parameters():
-                sum_gradient_over_tensor_parallel(param, region.group)
-    attention.num_key_value_groups = (heads // size) // local_kv
-    if hasattr(attention, "num_key_value_heads"):
-        attention.num_key_value_heads = local_kv
-    attention.config = copy.copy(attention.config)  # Phi-3 cuts its fused output by these
-    attention.config.num_attention_heads = heads // size
-    attention.config.num_key_value_heads = local_kv
-
-
-def _split_mlp(mlp: Any, region: Region) -> None:
-    if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate;up fused
-        width = mlp.gate_up_proj.out_features // 2
-        _column(mlp.gate_up_proj, (width, width), region)
-    else:
-        _column(mlp.gate_proj, (mlp.gate_proj.out_features,), region)
-        _column(mlp.up_proj, (mlp.up_proj.out_features,), region)
-    mlp.down_proj = RowParallel(mlp.down_proj, region)
-
-
-def _split_gpt2(block: Any, config: Any, region: Region) -> None:
-    attention, mlp = block.attn, block.mlp
-    width = config.n_embd
-    size = tp_rank_and_size(region.group)[1]
-    _column(attention.c_attn, (width, width, width), region, transposed=True)
-    attention.split_size = width // size
-    attention.num_heads = config.n_head // size
-    attention.c_proj = RowParallel(attention.c_proj, region, transposed=True)
-    _column(mlp.c_fc, (mlp.c_fc.nf,), region, transposed=True)
-    mlp.c_proj = RowParallel(mlp.c_proj, region, transposed=True)
 
 
 # -- the loss --------------------------------------------------------------------------------
@@ -403,4 +322,3 @@ def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
                         "vocab-parallel token cross entropy, ignore_index=-100, shifted")
     return dataclasses.replace(hf, layers=layers, loss_fn=functools.partial(_mean_loss, plan),
                                summed_loss=summed)
-

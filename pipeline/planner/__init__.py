@@ -9,7 +9,8 @@ from pipeline.planner.predict import PlanConfig, PlanContext, Prediction
 from pipeline.planner.profile import LayerProfile, ModelProfile, profile_from_cost_json
 from pipeline.planner.resolve import resolve_cluster
 from pipeline.planner.search import PlanResult, SearchOptions, format_counts, plan
-from pipeline.planner.transformer import TransformerShape, parse_shape, transformer_profile
+from pipeline.planner.shape_parse import parse_shape
+from pipeline.planner.transformer import TransformerShape, transformer_profile
 
 __all__ = [
     "PRESETS",

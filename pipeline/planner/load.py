@@ -10,7 +10,8 @@ from pipeline.planner.hf_config import is_hf_config, read_hf_config, shape_from_
 from pipeline.planner.input_files import MAX_INPUT_BYTES, read_input_json
 from pipeline.planner.limits import MAX_LAYERS
 from pipeline.planner.profile import ModelProfile, profile_from_cost_json
-from pipeline.planner.transformer import parse_shape, transformer_profile
+from pipeline.planner.shape_parse import parse_shape
+from pipeline.planner.transformer import transformer_profile
 
 __all__ = ["MAX_INPUT_BYTES", "load_model", "read_input_json"]
 

@@ -12,7 +12,7 @@ __all__ = ["MOE_KEYS", "ExpertShape"]
 
 MOE_KEYS = ("experts", "topk", "expert_ffn", "shared_ffn", "shared_gate", "sparse_step",
             "dense_layers")
-"""The model-string / shape-file keys of `ExpertShape` (`transformer.parse_shape`)."""
+"""The model-string / shape-file keys of `ExpertShape` (`shape_parse.parse_shape`)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -14,10 +13,9 @@ from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.diagnose import SearchLog, nothing_fits
 from pipeline.planner.errors import PlanError
-from pipeline.planner.expert_parallel import expert_sizes
+from pipeline.planner.grid import configurations, engine_refuses
 from pipeline.planner.memory import MemoryBreakdown
 from pipeline.planner.options import (
-    CONTROLLABLE,
     RECOMPUTE_CHOICES,
     TRAINING_SCHEDULES,
     UNPRICED,
@@ -25,24 +23,15 @@ from pipeline.planner.options import (
 )
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction, is_cost_aware
 from pipeline.planner.profile import ModelProfile
+from pipeline.planner.request_check import check_request
 from pipeline.planner.stages import block_span
 from pipeline.planner.step import Beaten
-from schedules import SCHEDULES
 from schedules.ir.schedule import gc_paused
 
 __all__ = ["RECOMPUTE_CHOICES", "PlanResult", "SearchOptions", "check_request", "format_counts",
            "plan", "price"]
 
 GIB = 2**30
-
-
-def _recompute_options(mode: str, stage_layers: int) -> list[tuple[str, int]]:
-    """(recompute, recompute_layers) of one searched mode; partial: k = ¼, ½, ¾ of a
-    stage's layers (at least 1, fewer than all; none when a stage has one layer)."""
-    if mode != "partial":
-        return [(mode, 0)]
-    ks = sorted({max(1, round(stage_layers * share)) for share in (0.25, 0.5, 0.75)})
-    return [("full", k) for k in ks if k < stage_layers]
 
 
 @dataclass
@@ -79,182 +68,6 @@ class PlanResult:
         return front
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _chunk_options(name: str, pp: int, num_layers: int, max_chunks: int) -> list[int]:
-    """Chunks per rank to try: 2..max_chunks for the looping schedules (v = 1 is 1F1B or
-    GPipe again), the schedule's fixed count otherwise; p·v stages need p·v layers."""
-    low, high = SCHEDULES[name].chunks
-    if high is None:
-        return list(range(max(low, 2), min(max_chunks, num_layers // pp) + 1))
-    return [low] if low * pp <= num_layers else []
-
-
-def _engine_refuses(options: SearchOptions, blocks: int, pp: int, name: str, chunks: int,
-                    m: int) -> str:
-    """The rule of the engine the options describe that refuses this point ("" if none):
-    "uniform" (`uniform_layers`: p·v must divide the blocks) or "interleaved"
-    (`interleaved_groups`: interleaving needs p > 2 and p | m)."""
-    if options.uniform_layers and blocks % (pp * chunks):
-        return "uniform"
-    if options.interleaved_groups and name == "interleaved" and (
-            pp < options.interleaved_min_pp or m % pp != 0):
-        return "interleaved"
-    return ""
-
-
-def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
-                  options: SearchOptions) -> list[int]:
-    if options.tensor_parallel is not None:
-        return list(options.tensor_parallel)
-    if model.experts:  # the engine runs MoE layers unsplit (`check_request`)
-        return [1]
-    if model.tensor_parallel_ok and model.heads is not None:
-        return [t for t in _divisors(cluster.devices_per_node) if not model.tp_refusals(t)]
-    return [1]
-
-
-def _configs(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
-             options: SearchOptions, log: SearchLog | None = None) -> Iterator[PlanConfig]:
-    """Every grid point the engine runs; `log` counts the others by reason."""
-    devices, n = cluster.num_devices, len(model.layers)
-    first, end = block_span(model.layers)
-    log = log if log is not None else SearchLog()
-    excluded = log.excluded
-    modes = options.recompute_modes()
-
-    def allowed(value: int, choices: tuple[int, ...] | None) -> bool:
-        return choices is None or value in choices
-
-    for tp in _tensor_sizes(model, cluster, options):
-        if devices % tp:
-            continue
-        for pp in _divisors(devices // tp):
-            dp = devices // (tp * pp)
-            if pp > n:
-                excluded["layers"] += 1
-                continue
-            log.grid.append((tp, pp, dp))
-            if global_batch % dp:
-                excluded["batch"] += 1
-                continue
-            if not allowed(pp, options.pipeline_parallel) \
-                    or not allowed(dp, options.data_parallel):
-                excluded["filters"] += 1
-                continue
-            eps = expert_sizes(dp, model.experts, options.expert_parallel, tp=tp)
-            if not eps:
-                excluded["experts"] += 1
-                continue
-            names = ("1f1b",) if pp == 1 else options.schedules
-            zeros = (0, 1) if dp > 1 else (0,)
-            for name in names:
-                for chunks in _chunk_options(name, pp, n, options.max_chunks):
-                    recomputes = [choice for mode in modes
-                                  for choice in _recompute_options(mode, -(-n // (pp * chunks)))]
-                    for b in _divisors(global_batch // dp):
-                        if not allowed(b, options.microbatch_sizes):
-                            excluded["filters"] += 1
-                            continue
-                        m = global_batch // dp // b
-                        refused = _engine_refuses(options, end - first, pp, name, chunks, m)
-                        if refused:
-                            excluded[refused] += 1
-                            continue
-                        if (is_cost_aware(name) and pp * m > (
-                                options.zb_auto_max if name == "zb-auto"
-                                else options.searched_max)) or (
-                                name in CONTROLLABLE and pp * m > options.controllable_max):
-                            excluded["size"] += 1
-                            continue
-                        for zero in zeros:
-                            if not allowed(zero, options.zero_stages):
-                                excluded["filters"] += 1
-                                continue
-                            for recompute, k in recomputes:
-                                for ep in eps:
-                                    yield PlanConfig.enumerated(
-                                        pp=pp, tp=tp, dp=dp, schedule=name, chunks=chunks,
-                                        microbatch_size=b, num_microbatches=m,
-                                        zero_stage=zero, recompute=recompute,
-                                        recompute_layers=k, ep=ep)
-
-
-def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
-                  options: SearchOptions) -> None:
-    """Refuse, before any pricing, a request no configuration can satisfy, naming the cause:
-    a tp that does not divide the heads or the devices, a pp or dp that does not divide the
-    devices, a dp that does not divide the global batch."""
-    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise PlanError(f"global batch {global_batch!r} must be a whole number >= 1")
-    devices = cluster.num_devices
-    problems = []
-    tp_sizes = options.tensor_parallel or ()
-    if any(size > 1 for size in tp_sizes) and not model.tensor_parallel_ok:
-        raise PlanError(f"tensor_parallel {list(tp_sizes)}: {model.name} has measured or "
-                        f"cost-file layers, which cannot be split over tensor-parallel ranks; "
-                        f"give a transformer shape, or tensor_parallel 1")
-    if model.heads is not None:
-        valid = [d for d in _divisors(model.heads) if devices % d == 0
-                 and not model.tp_refusals(d)]
-        for t in tp_sizes:
-            refused = model.tp_refusals(t)
-            if refused:
-                problems.append(f"tensor-parallel size {t} does not divide the model's "
-                                f"{', '.join(refused)} (use one of "
-                                f"{', '.join(map(str, valid))})")
-    for what, sizes in (("tensor-parallel", tp_sizes),
-                        ("pipeline-parallel", options.pipeline_parallel or ()),
-                        ("data-parallel", options.data_parallel or ())):
-        bad = [size for size in sizes if devices % size]
-        if bad:
-            problems.append(f"{what} size {', '.join(map(str, bad))} does not divide the "
-                            f"{devices} devices (use a divisor of {devices}, or change --nodes)")
-    bad = [size for size in options.data_parallel or () if global_batch % size]
-    if bad:
-        problems.append(f"data-parallel size {', '.join(map(str, bad))} does not divide the "
-                        f"global batch {global_batch}")
-    problems += _expert_problems(model, options)
-    if problems:
-        raise PlanError("; ".join(problems))
-
-
-def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
-    """What of the request the engine cannot run with the model's experts: an engine whose
-    MoE runs are not priced, tp > 1 with experts, an ep size that is not 1 for a dense
-    model, or that does not divide the experts or any of the data-parallel sizes asked for."""
-    sizes, experts = options.expert_parallel or (), model.experts
-    if not experts:
-        bad = [size for size in sizes if size > 1]
-        return [f"expert-parallel size {', '.join(map(str, bad))}: {model.name} has no "
-                "experts (use --ep 1 or give a mixture-of-experts model)"] if bad else []
-    if not options.prices_experts:
-        return [f"{model.name} is a mixture of experts; the engine these options model "
-                "(--engine) has its MoE runs unpriced: plan it with --engine pipesched"]
-    problems = []
-    if any(size > 1 for size in options.tensor_parallel or ()):
-        problems.append(f"tensor-parallel size {', '.join(map(str, options.tensor_parallel or ()))}"
-                        f": the engine runs mixture-of-experts layers at tp 1 "
-                        f"(tensor_parallel_hf splits dense layers only, and expert_parallel "
-                        f"refuses tensor_parallel > 1); use --tp 1 and --ep for the experts")
-    valid = [k for k in range(1, experts + 1) if experts % k == 0]
-    bad = [size for size in sizes if experts % size]
-    if bad:
-        problems.append(f"expert-parallel size {', '.join(map(str, bad))} does not divide "
-                        f"the model's {experts} experts (each ep rank holds E / ep); use one "
-                        f"of {', '.join(map(str, valid))}")
-    if options.data_parallel is not None:
-        bad = [size for size in sizes if not any(dp % size == 0 for dp in options.data_parallel)]
-        if bad:
-            dps = ", ".join(map(str, options.data_parallel))
-            fits = [k for k in valid if any(dp % k == 0 for dp in options.data_parallel)]
-            problems.append(f"expert-parallel size {', '.join(map(str, bad))} divides none of "
-                            f"the data-parallel sizes {dps} (ep is carved from dp); use one "
-                            f"of {', '.join(map(str, fits))}")
-    return problems
-
 
 @gc_paused  # millions of small tuples and arrays, no cycles: collections find nothing
 def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
@@ -275,7 +88,7 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
     # Step 1: memory first. Every rank holds at least one microbatch's activations of each
     # of its stages at once (`PlanContext.memory`), a floor that prunes before any schedule
     # is made.
-    for config in _configs(model, cluster, global_batch, options, log):
+    for config in configurations(model, cluster, global_batch, options, log):
         result.considered += 1
         floor = bounds.memory_floor(config)
         if floor < leanest[0]:
@@ -397,8 +210,8 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
         raise PlanError(f"{config.label()}: {config.pp * config.chunks} stages need as many "
                         f"layers; {model.name} has {len(model.layers)}")
     first, end = block_span(model.layers)
-    rule = _engine_refuses(options, end - first, config.pp, config.schedule, config.chunks,
-                           config.num_microbatches)
+    rule = engine_refuses(options, end - first, config.pp, config.schedule, config.chunks,
+                          config.num_microbatches)
     if rule:
         raise PlanError(f"{config.label()}: the engine these options model cannot run it ("
                         + (f"it splits the blocks evenly: p·v = {config.pp * config.chunks} "
@@ -447,4 +260,3 @@ def format_counts(result: PlanResult) -> str:
             f"{result.over_memory} over memory, {result.refused_by_schedule} refused by their "
             f"schedule, {result.skipped_by_bound} beaten by a bound, {result.stopped_early} "
             f"beaten during their simulation; {result.seconds:.2f} s")
-

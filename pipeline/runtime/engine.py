@@ -3,55 +3,36 @@
 from __future__ import annotations
 
 import math
-import socket
-import time
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipeline.checkpoint.load import load_checkpoint
-from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, save_checkpoint
-from pipeline.device import default_device, synchronize
-from pipeline.errors import NonFiniteError, PipelineConfigError, PipelineStepError
+from pipeline.checkpoint.save import Stateful
+from pipeline.device import default_device
+from pipeline.errors import PipelineConfigError
 from pipeline.model.module import PipelineModule
 from pipeline.moe.expert_parallel import parallelize_experts
 from pipeline.moe.interleave import has_expert_all_to_all
-from pipeline.parallel.data_parallel import GradReducer, broadcast_buffers
+from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
 from pipeline.parallel.local_p2p import open_local_link
 from pipeline.parallel.optimizer import OptimizerFactory
-from pipeline.parallel.rank_optimizer import RankOptimizer
-from pipeline.parallel.small_reduce import small_all_reduce
 from pipeline.parallel.tensor.split_check import check_layers_split
 from pipeline.parallel.topology import Topology
-from pipeline.parallel.zero import ShardedOptimizer
-from pipeline.runtime.batch import (
-    join_microbatches,
-)
-from pipeline.runtime.batch_vote import agree_on_batch
-from pipeline.runtime.checks import (
-    check_engine_arguments,
-    trainable_change_problem,
-    trainable_parameters,
-)
+from pipeline.runtime.batch import join_microbatches
+from pipeline.runtime.checks import check_engine_arguments, trainable_parameters
 from pipeline.runtime.comm import Comm
 from pipeline.runtime.config import EngineConfig
-from pipeline.runtime.finite import FiniteFlag, first_nonfinite, nonfinite_error
-from pipeline.runtime.interpreter import InstructionFailed, Interpreter, StepState
+from pipeline.runtime.engine_state import EngineState
+from pipeline.runtime.engine_step import StepRunner
+from pipeline.runtime.finite import FiniteFlag
+from pipeline.runtime.interpreter import Interpreter
 from pipeline.runtime.loss_normalization import is_summed, plain_sum_problem, run_normalized
-from pipeline.runtime.parallel_setup import (
-    needs_process_groups,
-    optimizer_state_bytes,
-    reduced_gradients,
-    resolve_topology,
-    setup_training,
-    zero_regions,
-)
-from pipeline.runtime.pulled_batch import PulledHalf
+from pipeline.runtime.parallel_setup import needs_process_groups, resolve_topology, setup_training
 from pipeline.runtime.schedule_setup import (
     check_agreement,
     fingerprint,
@@ -59,18 +40,17 @@ from pipeline.runtime.schedule_setup import (
     resolve_schedule,
 )
 from pipeline.runtime.shapes import ShapeBook
-from pipeline.runtime.trace import StepStats, Trace, merge_rank_spans
+from pipeline.runtime.trace import StepStats, Trace
 from pipeline.runtime.two_batch import two_batch_stages
-from pipeline.supervision.failure import Watchdog, read_failure, report_failure
+from pipeline.supervision.failure import Watchdog
 from pipeline.supervision.faults import FaultPoints
-from pipeline.supervision.progress import ProgressRecord, StallError, explain_timeout
-from schedules import Instruction, Kind, Schedule, Timeline
-from schedules.ir.grid import format_grid
+from pipeline.supervision.progress import ProgressRecord
+from schedules import Kind, Schedule
 
 __all__ = ["PipelineEngine"]
 
 
-class PipelineEngine:
+class PipelineEngine(StepRunner, EngineState):
     """Trains (and evaluates) a `PipelineModule` with a pipeline schedule, one call per batch.
 
     Construct it on every rank with the same arguments, inside `launch` or under torchrun
@@ -193,64 +173,6 @@ class PipelineEngine:
         group: before destroying the group the watchdog polls)."""
         self._watchdog.stop()
 
-    # -- facts DeepSpeed users look for ----------------------------------------------------
-
-    @property
-    def num_microbatches(self) -> int:
-        return self.schedule.num_microbatches
-
-    @property
-    def stage_ids(self) -> tuple[int, ...]:
-        """The stages this rank holds."""
-        return self.schedule.stages_of(self.pp_rank)
-
-    def is_first_stage(self) -> bool:
-        return 0 in self.stage_ids
-
-    def is_last_stage(self) -> bool:
-        return self.schedule.num_stages - 1 in self.stage_ids
-
-    # -- 3D parallelism --------------------------------------------------------------------
-
-    @property
-    def optimizer(self) -> RankOptimizer | None:
-        """A torch optimizer, or the `ShardedOptimizer` under ZeRO-1 (a torch optimizer too,
-        holding the factory's groups: torch's LR schedulers take either); None: nothing to
-        step. STEP steps whatever is set here."""
-        return self.training.optimizer
-
-    @optimizer.setter
-    def optimizer(self, optimizer: RankOptimizer | None) -> None:
-        self.finish_param_gather()  # the replaced one's gathers write the parameters
-        self.training.optimizer = optimizer
-
-    def finish_param_gather(self) -> None:
-        """Complete ZeRO-1's parameter all-gathers left in flight by the last step
-        (`overlap_param_gather`); afterwards every parameter holds its updated value. The
-        engine's forwards and checkpoints do this themselves; call it before reading the
-        module's parameters any other way (a no-op otherwise)."""
-        if isinstance(self.training.optimizer, ShardedOptimizer):
-            self.training.optimizer.finish_param_gather()
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """fp16: whether the last step was skipped for an overflow (on every rank alike)."""
-        return self.training.step.skipped
-
-    @property
-    def loss_scale(self) -> float:
-        """The current loss scale (1 except under fp16)."""
-        return self.training.loss_scale()
-
-    def reduced_gradients(self) -> dict[tuple[int, str], torch.Tensor]:
-        """(layer, name) -> the reduced gradient the last step used; under ZeRO-1 gathered
-        from the shards (a collective over the dp group: call it on every rank)."""
-        return reduced_gradients(self.module, self.optimizer)
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of this rank's optimizer state (1/dp of it under ZeRO-1)."""
-        return optimizer_state_bytes(self.optimizer)
-
     # -- steps -----------------------------------------------------------------------------
 
     def train_batch(self, inputs: Any = None, targets: Any = None, *,
@@ -333,159 +255,3 @@ class PipelineEngine:
         if not outputs:
             return None
         return join_microbatches([outputs[i] for i in range(len(outputs))])
-
-    def _prepare(self, m: int, inputs: Any, targets: Any,
-                 data_iter: Iterator[tuple[Any, Any]] | None,
-                 training: bool) -> tuple[list[Any] | PulledHalf | None,
-                                          list[Any] | PulledHalf | None]:
-        """This rank's microbatches, after every rank agreed that the batch is usable and on
-        its layout (when it changed, this step's forward messages carry headers)."""
-        agreed = agree_on_batch(self.comm, self.pp_rank, m, inputs, targets, data_iter,
-                                training=training, first=self.is_first_stage(),
-                                last=self.is_last_stage(),
-                                varying=self.config.dynamic_shapes,
-                                refusal=trainable_change_problem(self._trainable, self.module)
-                                if training else None)
-        self._shapes.begin_step(agreed.layout)
-        return agreed.microbatches, agreed.targets
-
-    def _run(self, schedule: Schedule, inputs: Any, targets: Any,
-             data_iter: Iterator[tuple[Any, Any]] | None, *,
-             training: bool) -> tuple[float, dict[int, Any]]:
-        """Run one step of `schedule`; the mean loss (on every rank) and the last stage's
-        outputs per microbatch (eval, on the rank holding it)."""
-        m = schedule.num_microbatches
-        self.progress.enter(f"{'train' if training else 'eval'}_batch of step "
-                            f"{self.global_step + 1}", collective=True)
-        # 1. This rank's microbatches; every rank agrees the batch is usable. The replicas
-        #    take dp rank 0's buffers (DDP's broadcast_buffers).
-        microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
-        if self.config.parallel.broadcast_buffers and self.topology.dp > 1 \
-                and self.groups is not None:
-            broadcast_buffers(list(self.module.buffers()), self.groups.dp_group)
-        # 2. Run this rank's stream.
-        # the key an F's layers seed their dropout streams from (`pipeline.model.layer_rng`)
-        state = StepState(microbatches, split_targets, training, step=self.global_step,
-                          first_microbatch=self.position.dp_rank * m)
-        self._trace.restart()
-        gathered_before = self._gather_seconds()
-        stream = schedule.streams[self.pp_rank]
-        try:
-            self._interpreter.run(stream, state, streams=schedule.streams)
-        except InstructionFailed as failed:
-            cause = failed.__cause__ if isinstance(failed.__cause__, Exception) else failed
-            if read_failure() is None:  # a collective that timed out: who stopped?
-                cause = explain_timeout(cause, self.rank, range(dist.get_world_size()))
-            raise self._failure(schedule, failed.step, failed.op, cause) from cause
-        # 3. Wait for the sends, then share the loss with every rank.
-        try:
-            self.comm.wait_sends()
-        except RuntimeError as error:
-            raise self._failure(schedule, len(stream) - 1, stream[-1], error) from error
-        synchronize(self.device)
-        step_time = time.perf_counter() - self._trace.origin
-        self._finite_flags = state.finite  # read only when the loss is not finite
-        left = state.leftovers()
-        if left:  # the validated schedule frees everything: anything left is an engine bug
-            raise RuntimeError(f"internal error: the step ended holding {left}")
-        self._shapes.end_step()
-        self._last_schedule = schedule
-        self.last_stats = StepStats(step_time, state.peak_activations, state.recv_wait,
-                                    self._trace.spans,
-                                    exposed_reduction=state.exposed_reduction,
-                                    exposed_gather=self._gather_seconds() - gathered_before)
-        if state.loss_sum is None:  # no STEP carried it: the loss is summed alone
-            state.loss_sum = self._interpreter.loss_share(state)
-            small_all_reduce(state.loss_sum, link=self.comm.local,
-                             group=None if self.groups is None else self.groups.world_group)
-        loss = state.loss_sum / self.topology.dp  # the mean over the replicas
-        self.progress.enter(f"between steps, after step {self.global_step + training}")
-        return float(loss[0]), state.outputs
-
-    def _gather_seconds(self) -> float:
-        """Seconds blocked on ZeRO-1's parameter all-gathers so far (0 without ZeRO-1)."""
-        optimizer = self.training.optimizer
-        return optimizer.param_gather.wait_seconds \
-            if isinstance(optimizer, ShardedOptimizer) else 0.0
-
-    def _nonfinite(self, loss: float) -> NonFiniteError:
-        """Where the step's inf/NaN first appeared, agreed over the pipeline (a collective)."""
-        mine = first_nonfinite(self._finite_flags)
-        found = [where for where in self.comm.all_gather_object(mine) if where is not None]
-        error = nonfinite_error(min(found) if found else None, loss, self.global_step,
-                                skipped=self.training.step.nonfinite)
-        if error.stage >= 0:  # every rank raises it: the launcher names the stage's rank
-            error.caused_by = self.comm.pipeline_ranks[  # type: ignore[attr-defined]
-                self.schedule.placement[error.stage]]
-        return error
-
-    def _failure(self, schedule: Schedule, step: int, op: Instruction,
-                 error: Exception) -> PipelineStepError:
-        self.comm.drop_pending()
-        self._shapes.abandon_step()
-        detail = f"{type(error).__name__}: {error}"
-        peer = read_failure()
-        caused_by = None
-        if peer is not None and peer.reporter != self.rank:
-            caused_by = peer.rank
-            message = f"rank {self.rank} stopped at instruction {op} because {peer.describe()}"
-        elif isinstance(error, StallError) and error.culprit is not None:
-            caused_by = error.culprit  # a rank that stopped progressing: every rank stops
-            report_failure(error.culprit, None, f"stopped progressing ({detail})",
-                           reporter=self.rank)
-            message = f"rank {self.rank} timed out at instruction {op}: {detail}"
-        else:
-            report_failure(self.rank, str(op), detail)
-            message = (f"rank {self.rank} (pipeline rank {self.pp_rank}) failed at instruction "
-                       f"{op} (step {step} of its {schedule.name!r} stream): {detail}")
-        grid = format_grid(schedule.streams, self.pp_rank, step)
-        return PipelineStepError(f"{message}\n{grid}", rank=self.rank, instruction=str(op),
-                                 step=step, caused_by=caused_by)
-
-    # -- checkpoints -----------------------------------------------------------------------
-
-    def save_checkpoint(self, directory: str, *,
-                        extra_files: Mapping[str, bytes] | None = None) -> CheckpointInfo:
-        """Save weights (per global layer), optimizer state (per parameter, ZeRO shards with
-        their offsets), loss scaler, generators and `global_step` under
-        ``directory/step_<global_step>/`` and point ``directory/latest`` at it, crash-safely
-        (a collective: every rank calls it). See `pipeline.checkpoint.save`. `extra_files`
-        (name -> bytes) go into the step directory too, listed and signed in its manifest."""
-        self.progress.enter("save_checkpoint", collective=True)
-        parts = self._checkpoint_parts()
-        parts.extra_files = dict(extra_files or {})
-        info = save_checkpoint(directory, parts)
-        self.progress.enter(f"between steps, after step {self.global_step}")
-        return info
-
-    def load_checkpoint(self, directory: str, *, load_optimizer: bool = True) -> CheckpointInfo:
-        """Load a checkpoint root (following ``latest``) or one step directory, saved under
-        any partition and data-parallel size; restores `global_step`. Refuses a missing,
-        corrupt or torn checkpoint with `CheckpointError` before changing anything."""
-        info = load_checkpoint(directory, self._checkpoint_parts(),
-                               load_optimizer=load_optimizer)
-        self.global_step = info.step
-        return info
-
-    def _checkpoint_parts(self) -> CheckpointParts:
-        optimizer: Any = self.optimizer
-        regions = (zero_regions(self.module, self.training.tied)
-                   if isinstance(optimizer, ShardedOptimizer) else None)
-        return CheckpointParts(
-            module=self.module, topology=self.topology, rank=self.rank, step=self.global_step,
-            optimizer=optimizer, zero_params_by_stage=regions,
-            loss_scaler=self.loss_scaler, schedule=self.schedule.name,
-            num_microbatches=self.schedule.num_microbatches, faults=self.faults)
-
-    # -- measurements ----------------------------------------------------------------------
-
-    def last_timeline(self) -> Timeline:
-        """Every pipeline rank's measured spans of the last step, in seconds from the step's
-        start, as the simulator's `Timeline` (a collective: call it on every rank).
-
-        Ranks on one host share the monotonic clock, so their spans are placed on it
-        exactly; across hosts each rank's clock starts at the step's opening collective.
-        """
-        gathered = self.comm.all_gather_object(
-            (socket.gethostname(), self._trace.origin, self._trace.spans))
-        return merge_rank_spans(gathered, self._last_schedule)

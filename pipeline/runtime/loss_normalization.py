@@ -21,23 +21,42 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from pipeline.errors import PipelineConfigError
+from pipeline.model.module import PipelineModule
+from pipeline.parallel.topology import RankPosition, Topology
 from pipeline.runtime.batch import split_microbatches
-
-if TYPE_CHECKING:  # the engine imports this module to normalise its own steps
-    from pipeline.runtime.engine import PipelineEngine
 
 __all__ = ["IGNORE_INDEX", "SummedLoss", "is_summed", "normalized_eval_batch",
            "normalized_train_batch", "plain_sum_problem", "run_normalized",
            "token_cross_entropy"]
 
 IGNORE_INDEX = -100
+
+
+class NormalizedEngine(Protocol):
+    """What normalisation reads of `pipeline.runtime.engine.PipelineEngine` (named by its
+    shape: the engine imports this module, so this module does not import the engine)."""
+
+    module: PipelineModule
+    position: RankPosition
+    topology: Topology
+
+    @property
+    def num_microbatches(self) -> int: ...
+
+    def is_last_stage(self) -> bool: ...
+
+    def train_batch(self, inputs: Any = None, targets: Any = None, *,
+                    data_iter: Iterator[tuple[Any, Any]] | None = None) -> float: ...
+
+    def eval_batch(self, inputs: Any = None, targets: Any = None, *,
+                   data_iter: Iterator[tuple[Any, Any]] | None = None) -> Any: ...
 
 
 class SummedLoss:
@@ -106,7 +125,7 @@ def plain_sum_problem(loss_fn: object) -> str | None:
             "token_cross_entropy()) which the engine normalises by the step's item count")
 
 
-def _summed(engine: PipelineEngine) -> SummedLoss:
+def _summed(engine: NormalizedEngine) -> SummedLoss:
     loss_fn = engine.module.loss_fn
     if not is_summed(loss_fn):
         raise PipelineConfigError(
@@ -116,7 +135,7 @@ def _summed(engine: PipelineEngine) -> SummedLoss:
     return loss_fn  # type: ignore[return-value]
 
 
-def _set_scale(engine: PipelineEngine, loss_fn: SummedLoss, targets: list[Any] | None) -> None:
+def _set_scale(engine: NormalizedEngine, loss_fn: SummedLoss, targets: list[Any] | None) -> None:
     """Every rank learns N, the items counted over the whole step (one all-reduce over the
     world: each dp replica's last stage contributes once); the last stage sets
     scale = m · dp / N. Every rank refuses a step that counts nothing, together."""
@@ -132,7 +151,7 @@ def _set_scale(engine: PipelineEngine, loss_fn: SummedLoss, targets: list[Any] |
     loss_fn.scale = engine.num_microbatches * engine.topology.dp / total
 
 
-def _take(engine: PipelineEngine, targets: Any, data_iter: Iterator[Any] | None
+def _take(engine: NormalizedEngine, targets: Any, data_iter: Iterator[Any] | None
           ) -> tuple[list[Any] | None, Iterator[Any] | None]:
     """This step's target microbatches (None off the last stage), and an iterator that
     replays what was taken from `data_iter`."""
@@ -147,7 +166,7 @@ def _take(engine: PipelineEngine, targets: Any, data_iter: Iterator[Any] | None
     return split_microbatches(targets, m, "targets"), None
 
 
-def normalized_train_batch(engine: PipelineEngine, inputs: Any = None, targets: Any = None, *,
+def normalized_train_batch(engine: NormalizedEngine, inputs: Any = None, targets: Any = None, *,
                            data_iter: Iterator[Any] | None = None) -> float:
     """`PipelineEngine.train_batch` with the loss and gradients normalised by the total item
     count of the step (over microbatches and data-parallel replicas); returns that loss.
@@ -156,14 +175,14 @@ def normalized_train_batch(engine: PipelineEngine, inputs: Any = None, targets: 
     return engine.train_batch(inputs, targets, data_iter=data_iter)
 
 
-def normalized_eval_batch(engine: PipelineEngine, inputs: Any = None, targets: Any = None, *,
+def normalized_eval_batch(engine: NormalizedEngine, inputs: Any = None, targets: Any = None, *,
                           data_iter: Iterator[Any] | None = None) -> Any:
     """`PipelineEngine.eval_batch` whose `last_loss` is the item-weighted mean."""
     _summed(engine)
     return engine.eval_batch(inputs, targets, data_iter=data_iter)
 
 
-def run_normalized(engine: PipelineEngine, step: Callable[..., Any], inputs: Any, targets: Any,
+def run_normalized(engine: NormalizedEngine, step: Callable[..., Any], inputs: Any, targets: Any,
                    data_iter: Iterator[Any] | None) -> Any:
     """Run `step` (the engine's plain train or eval step) with the summed loss scaled by the
     step's total item count, then put the scale back."""

@@ -29,7 +29,7 @@ def no_rank_may_start(monkeypatch: pytest.MonkeyPatch) -> None:
         raise Spawned("launch started ranks")
 
     monkeypatch.setattr(processes, "_spawn", started)
-    monkeypatch.setattr(processes, "_run_in_place", started)
+    monkeypatch.setattr(processes, "run_in_place", started)
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
 

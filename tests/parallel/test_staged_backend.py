@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pipeline import PipelineConfigError, launch
-from pipeline import device as device_module
 from pipeline.device import NCCL_PER_DEVICE, STAGED_PER_DEVICE, backend_reason, default_backend
+from pipeline.device import accelerator as device_module
 from tests.support.device_tier import REHEARSAL_BACKEND
 from tests.support.engine3d_models import Case, run_case
 
@@ -49,7 +49,7 @@ def test_an_unknown_backend_per_device_is_refused_before_any_rank_starts() -> No
 
 def _staged_cases(plant_missing_copy_back: bool) -> list[dict[str, Any]]:
     if plant_missing_copy_back:  # a planted bug: received bytes never reach the tensor
-        from pipeline import staged_backend
+        from pipeline.device import staged_backend
         staged_backend.copy_from_host = lambda tensor, host: None
     try:
         return [run_case(case) for case in CASES]

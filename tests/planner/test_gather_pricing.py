@@ -9,7 +9,8 @@ import pytest
 from pipeline.planner.cluster import PRESETS
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction
 from pipeline.planner.search import SearchOptions, price
-from pipeline.planner.transformer import parse_shape, transformer_profile
+from pipeline.planner.shape_parse import parse_shape
+from pipeline.planner.transformer import transformer_profile
 
 __all__: list[str] = []
 

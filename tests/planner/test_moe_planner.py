@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import pipeline.planner.data_parallel as data_parallel
-import pipeline.planner.search as search
+import pipeline.planner.grid as grid
+import pipeline.planner.request_check as request_check
 from pipeline.cli import main
 from pipeline.planner import PRESETS, PlanConfig, PlanError, SearchOptions, load_model, plan
 from pipeline.planner.engines import engine_options
@@ -246,8 +247,8 @@ def _ep_rules(config: PlanConfig, experts: int) -> bool:
 
 
 def _searched(model: Any) -> list[PlanConfig]:
-    return list(search._configs(model, _small_cluster(80.0), 48,
-                                SearchOptions(**FAST, zero_stages=(0,))))
+    return list(grid.configurations(model, _small_cluster(80.0), 48,
+                                    SearchOptions(**FAST, zero_stages=(0,))))
 
 
 def test_searched_ep_sizes_follow_the_engines_rules() -> None:
@@ -260,7 +261,7 @@ def test_searched_ep_sizes_follow_the_engines_rules() -> None:
 
 def test_searched_ep_rules_catch_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     # planted: ep sizes that divide dp only, not the experts
-    monkeypatch.setattr(search, "expert_sizes", lambda dp, experts, allowed=None, **_: [
+    monkeypatch.setattr(grid, "expert_sizes", lambda dp, experts, allowed=None, **_: [
         ep for ep in range(1, dp + 1) if dp % ep == 0])
     model = load_model(SHAPE + ",experts=6,topk=2,expert_ffn=512")
     assert not all(_ep_rules(config, 6) for config in _searched(model))
@@ -338,7 +339,7 @@ def test_plan_prints_ep_in_the_pick_and_its_launch_line(
 def test_ep_refusal_catches_a_planted_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     # planted: the request's expert checks skipped; the search then refuses for another
     # reason that does not name the experts ep fails to divide
-    monkeypatch.setattr(search, "_expert_problems", lambda model, options: [])
+    monkeypatch.setattr(request_check, "_expert_problems", lambda model, options: [])
     with pytest.raises(PlanError) as caught:
         REFUSALS[0][1]()
     assert "does not divide the model's 6 experts" not in str(caught.value)

@@ -15,9 +15,10 @@ import pytest
 from pipeline.cli import main
 from pipeline.planner import PRESETS, PlanConfig, SearchOptions, load_model, plan
 from pipeline.planner.engines import DEEPSPEED, MEGATRON_CORE
+from pipeline.planner.grid import configurations
 from pipeline.planner.launch import LaunchTarget, launch_lines
 from pipeline.planner.pricing import allreduce_seconds, layer_tp_pass_seconds
-from pipeline.planner.search import _configs, price
+from pipeline.planner.search import price
 from pipeline.planner.stages import block_span
 
 __all__: list[str] = []
@@ -30,7 +31,7 @@ ALL_MODES = ("none", "selective", "full", "partial")
 
 
 def _enumerated(options: SearchOptions, batch: int = 32) -> set[PlanConfig]:
-    return set(_configs(MODEL, CLUSTER, batch, options))
+    return set(configurations(MODEL, CLUSTER, batch, options))
 
 
 def _free() -> set[PlanConfig]:

@@ -11,6 +11,7 @@ from pipeline.cli import main
 from pipeline.planner import SearchOptions
 from pipeline.planner.cluster import PRESETS
 from pipeline.planner.errors import PlanError
+from pipeline.planner.grid import configurations
 from pipeline.planner.limits import (
     MAX_PLAN_INSTRUCTIONS,
     check_plan_work,
@@ -18,7 +19,6 @@ from pipeline.planner.limits import (
     estimate_plan_work,
 )
 from pipeline.planner.load import load_model
-from pipeline.planner.search import _configs
 from tests.support.cli_helpers import run_cli
 
 _SHAPE = "layers=24,hidden=2048,heads=16,vocab=50257,seq=2048"
@@ -35,7 +35,7 @@ def test_estimate_bounds_what_the_search_enumerates(global_batch: int) -> None:
     cluster = PRESETS["a100-80g"]
     options = SearchOptions()
     simulated = sum(3 * c.pp * c.chunks * c.num_microbatches
-                    for c in _configs(model, cluster, global_batch, options))
+                    for c in configurations(model, cluster, global_batch, options))
     estimate = estimate_plan_work(len(model.layers), cluster.num_devices,
                                   divisors(cluster.devices_per_node), global_batch,
                                   options.schedules, options.max_chunks)

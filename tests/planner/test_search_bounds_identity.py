@@ -17,6 +17,7 @@ import pipeline.planner.data_parallel as data_parallel
 from partition import LayerCost, chain_graph, partition_graph
 from pipeline.planner import SearchOptions, load_model
 from pipeline.planner.bounds import FUSED_BACKWARD, SearchBounds
+from pipeline.planner.grid import configurations
 from pipeline.planner.memory import GRAD_BYTES, recompute_workspace, stage_activation_bytes
 from pipeline.planner.peaks import warm_up_held
 from pipeline.planner.predict import PlanConfig, PlanContext
@@ -27,7 +28,7 @@ from pipeline.planner.pricing import (
     layer_tp_pass_seconds,
 )
 from pipeline.planner.profile import LayerProfile
-from pipeline.planner.search import _configs, _context
+from pipeline.planner.search import _context
 from pipeline.planner.stages import uniform_boundaries
 from pipeline.planner.tied import tied_allreduce_seconds, tied_step_reduction
 from schedules import SCHEDULES
@@ -263,7 +264,7 @@ def _mismatches(case: str, enough: int = 10**9) -> tuple[int, list[str]]:
     bounds, oracle = SearchBounds(context), Oracle(_context(model, cluster, batch, None, options))
     reference = _context(model, cluster, batch, None, options)
     problems, compared = [], 0
-    for config in _configs(model, cluster, batch, options):
+    for config in configurations(model, cluster, batch, options):
         floor, expected = bounds.memory_floor(config), oracle.floor(config)
         if floor != expected:
             problems.append(f"{config.label()}: floor {floor!r} != {expected!r}")
@@ -295,7 +296,7 @@ def test_the_cases_cover_what_the_floor_and_bound_depend_on() -> None:
     seen: dict[str, set[Any]] = {"zero": set(), "recompute": set(), "ep": set(),
                                  "schedule": set(), "b": set()}
     for model, cluster, batch, options in IDENTITY_CASES.values():
-        for config in _configs(model, cluster, batch, options):
+        for config in configurations(model, cluster, batch, options):
             # made unchecked (`PlanConfig.enumerated`): each passes the checks, equal
             assert PlanConfig(**vars(config)) == config
             seen["zero"].add(config.zero_stage)

@@ -131,13 +131,13 @@ def test_the_memory_floor_is_the_floor_memory_and_below_the_exact_memory(case: s
     # the search's floor is PlanContext.memory(floor=True) or above it (zb-v, dualpipev:
     # their first release) and under every configuration's exact memory (a schedule's trace
     # or closed form)
-    from pipeline.planner.search import _configs
+    from pipeline.planner.grid import configurations
 
     model, cluster, batch, options = CASES[case]
     context = PlanContext(model, cluster, batch, cluster.precision)
     bounds = SearchBounds(context)
     checked = 0
-    for config in _configs(model, cluster, batch, options):
+    for config in configurations(model, cluster, batch, options):
         floor = bounds.memory_floor(config)
         assert floor >= context.memory(config, floor=True)[0].total * (1 - 1e-12)
         trace = context.held_trace(config)
@@ -148,13 +148,13 @@ def test_the_memory_floor_is_the_floor_memory_and_below_the_exact_memory(case: s
 
 
 def test_closed_form_memory_equals_the_traced_memory_in_a_search() -> None:
-    from pipeline.planner.search import _configs
+    from pipeline.planner.grid import configurations
 
     model, cluster, batch, options = CASES["deeper-tight-zero"]
     closed = PlanContext(model, cluster, batch, cluster.precision)
     traced = PlanContext(model, cluster, batch, cluster.precision, closed_forms=False)
     compared = 0
-    for config in _configs(model, cluster, batch, options):
+    for config in configurations(model, cluster, batch, options):
         if config.schedule in ("gpipe", "1f1b", "looped-bfs", "zb-h2"):
             fast, slow = closed.held_trace(config), traced.held_trace(config)
             assert fast is not None and slow is not None

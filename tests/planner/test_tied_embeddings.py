@@ -199,7 +199,7 @@ _PLANTS: dict[str, tuple[str, Callable[..., object]]] = {
     "no copy": ("tied.tied_copies", lambda table, placement: np.zeros(len(table.tied))),
     "a copy even beside the embedding": ("tied.tied_copies",
                                          lambda table, placement: table.tied.copy()),
-    "no all-reduce": ("predict.tied_allreduce_seconds",
+    "no all-reduce": ("rank_pricing.tied_allreduce_seconds",
                       lambda table, placement, *args, **kwargs: np.zeros(max(placement) + 1)),
 }
 

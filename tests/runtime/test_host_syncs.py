@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline import PipelineEngine, PipelineModule, launch
-from pipeline.runtime import interpreter
+from pipeline.runtime import compute_handlers
 from tests.support.engine3d_models import OPTIMIZERS
 from tests.support.pipeline_models import MODELS
 
@@ -53,12 +53,12 @@ def _syncs_per_step() -> dict[str, dict[int, dict[str, int]]]:
     found = {f"{schedule} ZeRO-{zero}": _syncs_by_microbatches(schedule, zero)
              for schedule, zero in CONFIGURATIONS}
     # a planted bug: each stage output's finite flag read on the host as it is made
-    checked = interpreter.all_finite
-    interpreter.all_finite = lambda out: torch.tensor(bool(checked(out)))  # type: ignore
+    checked = compute_handlers.all_finite
+    compute_handlers.all_finite = lambda out: torch.tensor(bool(checked(out)))  # type: ignore
     try:
         found["planted"] = _syncs_by_microbatches("1f1b", 0)
     finally:
-        interpreter.all_finite = checked
+        compute_handlers.all_finite = checked
     return found
 
 

@@ -200,12 +200,24 @@ def memory_against_accounting() -> list[dict[str, Any]]:
 
 
 def planted_unwaited_receive() -> dict[str, float] | str:
-    """A planted bug: every receive is used without waiting for it (its buffer as allocated,
-    whatever has or has not arrived). The 1F1B case must then differ or fail."""
+    """A planted bug: every receive is used without waiting for it, i.e. read before its data
+    lands (what it then holds is modelled as a fresh zeroed buffer, so the bug cannot pass by
+    luck). The transfer itself still completes, as it does on a GPU: the peers' sends are
+    not left waiting for gloo's timeout, and the 1F1B case must differ by the check's own
+    tolerance (or fail outright)."""
     from pipeline.runtime import comm
 
-    comm.PendingRecv.wait = lambda self: self.buffers  # type: ignore[method-assign]
+    waited = comm.PendingRecv.wait
+
+    def unwaited(self: comm.PendingRecv) -> list[torch.Tensor]:
+        read = [torch.zeros_like(buffer) for buffer in self.buffers]  # before the data
+        waited(self)  # the copy lands later, unseen by the compute that already read
+        return read
+
+    comm.PendingRecv.wait = unwaited  # type: ignore[method-assign]
     try:
         return schedule_errors(("1f1b",))["1f1b"]
     except Exception as error:  # the run may also break outright
         return f"{type(error).__name__}: {error}"
+    finally:
+        comm.PendingRecv.wait = waited  # type: ignore[method-assign]

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.device import copy_from_host, host_buffer_like, stage_to_host
+from pipeline.device.accelerator import copy_from_host, host_buffer_like, stage_to_host
 
 __all__ = ["STAGED_BACKEND", "STAGED_HOST_BACKEND", "StagedProcessGroup", "backend_available",
            "register_staged_backend"]

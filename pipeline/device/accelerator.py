@@ -20,7 +20,7 @@ batch and finite votes, shape headers' bookkeeping) over gloo, which NCCL cannot
 
 STAGED_PER_DEVICE = "cpu:gloo,cuda:pipesched_staged"
 """Ranks sharing a GPU: CPU tensors over gloo, CUDA tensors staged through pinned host memory
-(`pipeline.staged_backend`)."""
+(`pipeline.device.staged_backend`)."""
 
 
 def _has_cuda() -> bool:

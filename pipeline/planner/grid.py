@@ -1,0 +1,129 @@
+"""The grid the search walks: every configuration the engine runs, the rest counted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.config import PlanConfig
+from pipeline.planner.diagnose import SearchLog
+from pipeline.planner.expert_parallel import expert_sizes
+from pipeline.planner.options import CONTROLLABLE, SearchOptions
+from pipeline.planner.profile import ModelProfile
+from pipeline.planner.rank_pricing import is_cost_aware
+from pipeline.planner.stages import block_span
+from schedules import SCHEDULES
+
+__all__ = ["configurations", "divisors", "engine_refuses"]
+
+
+def _recompute_options(mode: str, stage_layers: int) -> list[tuple[str, int]]:
+    """(recompute, recompute_layers) of one searched mode; partial: k = ¼, ½, ¾ of a
+    stage's layers (at least 1, fewer than all; none when a stage has one layer)."""
+    if mode != "partial":
+        return [(mode, 0)]
+    ks = sorted({max(1, round(stage_layers * share)) for share in (0.25, 0.5, 0.75)})
+    return [("full", k) for k in ks if k < stage_layers]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _chunk_options(name: str, pp: int, num_layers: int, max_chunks: int) -> list[int]:
+    """Chunks per rank to try: 2..max_chunks for the looping schedules (v = 1 is 1F1B or
+    GPipe again), the schedule's fixed count otherwise; p·v stages need p·v layers."""
+    low, high = SCHEDULES[name].chunks
+    if high is None:
+        return list(range(max(low, 2), min(max_chunks, num_layers // pp) + 1))
+    return [low] if low * pp <= num_layers else []
+
+
+def engine_refuses(options: SearchOptions, blocks: int, pp: int, name: str, chunks: int,
+                   m: int) -> str:
+    """The rule of the engine the options describe that refuses this point ("" if none):
+    "uniform" (`uniform_layers`: p·v must divide the blocks) or "interleaved"
+    (`interleaved_groups`: interleaving needs p > 2 and p | m)."""
+    if options.uniform_layers and blocks % (pp * chunks):
+        return "uniform"
+    if options.interleaved_groups and name == "interleaved" and (
+            pp < options.interleaved_min_pp or m % pp != 0):
+        return "interleaved"
+    return ""
+
+
+def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
+                  options: SearchOptions) -> list[int]:
+    if options.tensor_parallel is not None:
+        return list(options.tensor_parallel)
+    if model.experts:  # the engine runs MoE layers unsplit (`check_request`)
+        return [1]
+    if model.tensor_parallel_ok and model.heads is not None:
+        return [t for t in divisors(cluster.devices_per_node) if not model.tp_refusals(t)]
+    return [1]
+
+
+def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
+                   options: SearchOptions, log: SearchLog | None = None) -> Iterator[PlanConfig]:
+    """Every grid point the engine runs; `log` counts the others by reason."""
+    devices, n = cluster.num_devices, len(model.layers)
+    first, end = block_span(model.layers)
+    log = log if log is not None else SearchLog()
+    excluded = log.excluded
+    modes = options.recompute_modes()
+
+    def allowed(value: int, choices: tuple[int, ...] | None) -> bool:
+        return choices is None or value in choices
+
+    for tp in _tensor_sizes(model, cluster, options):
+        if devices % tp:
+            continue
+        for pp in divisors(devices // tp):
+            dp = devices // (tp * pp)
+            if pp > n:
+                excluded["layers"] += 1
+                continue
+            log.grid.append((tp, pp, dp))
+            if global_batch % dp:
+                excluded["batch"] += 1
+                continue
+            if not allowed(pp, options.pipeline_parallel) \
+                    or not allowed(dp, options.data_parallel):
+                excluded["filters"] += 1
+                continue
+            eps = expert_sizes(dp, model.experts, options.expert_parallel, tp=tp)
+            if not eps:
+                excluded["experts"] += 1
+                continue
+            names = ("1f1b",) if pp == 1 else options.schedules
+            zeros = (0, 1) if dp > 1 else (0,)
+            for name in names:
+                for chunks in _chunk_options(name, pp, n, options.max_chunks):
+                    recomputes = [choice for mode in modes
+                                  for choice in _recompute_options(mode, -(-n // (pp * chunks)))]
+                    for b in divisors(global_batch // dp):
+                        if not allowed(b, options.microbatch_sizes):
+                            excluded["filters"] += 1
+                            continue
+                        m = global_batch // dp // b
+                        refused = engine_refuses(options, end - first, pp, name, chunks, m)
+                        if refused:
+                            excluded[refused] += 1
+                            continue
+                        if (is_cost_aware(name) and pp * m > (
+                                options.zb_auto_max if name == "zb-auto"
+                                else options.searched_max)) or (
+                                name in CONTROLLABLE and pp * m > options.controllable_max):
+                            excluded["size"] += 1
+                            continue
+                        for zero in zeros:
+                            if not allowed(zero, options.zero_stages):
+                                excluded["filters"] += 1
+                                continue
+                            for recompute, k in recomputes:
+                                for ep in eps:
+                                    yield PlanConfig.enumerated(
+                                        pp=pp, tp=tp, dp=dp, schedule=name, chunks=chunks,
+                                        microbatch_size=b, num_microbatches=m,
+                                        zero_stage=zero, recompute=recompute,
+                                        recompute_layers=k, ep=ep)

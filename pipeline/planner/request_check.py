@@ -1,0 +1,85 @@
+"""Refuse a plan request no configuration can satisfy, naming the cause, before any pricing."""
+
+from __future__ import annotations
+
+from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.errors import PlanError
+from pipeline.planner.grid import divisors
+from pipeline.planner.options import SearchOptions
+from pipeline.planner.profile import ModelProfile
+
+__all__ = ["check_request"]
+
+
+def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
+                  options: SearchOptions) -> None:
+    """Refuse, before any pricing, a request no configuration can satisfy, naming the cause:
+    a tp that does not divide the heads or the devices, a pp or dp that does not divide the
+    devices, a dp that does not divide the global batch."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global batch {global_batch!r} must be a whole number >= 1")
+    devices = cluster.num_devices
+    problems = []
+    tp_sizes = options.tensor_parallel or ()
+    if any(size > 1 for size in tp_sizes) and not model.tensor_parallel_ok:
+        raise PlanError(f"tensor_parallel {list(tp_sizes)}: {model.name} has measured or "
+                        f"cost-file layers, which cannot be split over tensor-parallel ranks; "
+                        f"give a transformer shape, or tensor_parallel 1")
+    if model.heads is not None:
+        valid = [d for d in divisors(model.heads) if devices % d == 0
+                 and not model.tp_refusals(d)]
+        for t in tp_sizes:
+            refused = model.tp_refusals(t)
+            if refused:
+                problems.append(f"tensor-parallel size {t} does not divide the model's "
+                                f"{', '.join(refused)} (use one of "
+                                f"{', '.join(map(str, valid))})")
+    for what, sizes in (("tensor-parallel", tp_sizes),
+                        ("pipeline-parallel", options.pipeline_parallel or ()),
+                        ("data-parallel", options.data_parallel or ())):
+        bad = [size for size in sizes if devices % size]
+        if bad:
+            problems.append(f"{what} size {', '.join(map(str, bad))} does not divide the "
+                            f"{devices} devices (use a divisor of {devices}, or change --nodes)")
+    bad = [size for size in options.data_parallel or () if global_batch % size]
+    if bad:
+        problems.append(f"data-parallel size {', '.join(map(str, bad))} does not divide the "
+                        f"global batch {global_batch}")
+    problems += _expert_problems(model, options)
+    if problems:
+        raise PlanError("; ".join(problems))
+
+
+def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
+    """What of the request the engine cannot run with the model's experts: an engine whose
+    MoE runs are not priced, tp > 1 with experts, an ep size that is not 1 for a dense
+    model, or that does not divide the experts or any of the data-parallel sizes asked for."""
+    sizes, experts = options.expert_parallel or (), model.experts
+    if not experts:
+        bad = [size for size in sizes if size > 1]
+        return [f"expert-parallel size {', '.join(map(str, bad))}: {model.name} has no "
+                "experts (use --ep 1 or give a mixture-of-experts model)"] if bad else []
+    if not options.prices_experts:
+        return [f"{model.name} is a mixture of experts; the engine these options model "
+                "(--engine) has its MoE runs unpriced: plan it with --engine pipesched"]
+    problems = []
+    if any(size > 1 for size in options.tensor_parallel or ()):
+        problems.append(f"tensor-parallel size {', '.join(map(str, options.tensor_parallel or ()))}"
+                        f": the engine runs mixture-of-experts layers at tp 1 "
+                        f"(tensor_parallel_hf splits dense layers only, and expert_parallel "
+                        f"refuses tensor_parallel > 1); use --tp 1 and --ep for the experts")
+    valid = [k for k in range(1, experts + 1) if experts % k == 0]
+    bad = [size for size in sizes if experts % size]
+    if bad:
+        problems.append(f"expert-parallel size {', '.join(map(str, bad))} does not divide "
+                        f"the model's {experts} experts (each ep rank holds E / ep); use one "
+                        f"of {', '.join(map(str, valid))}")
+    if options.data_parallel is not None:
+        bad = [size for size in sizes if not any(dp % size == 0 for dp in options.data_parallel)]
+        if bad:
+            dps = ", ".join(map(str, options.data_parallel))
+            fits = [k for k in valid if any(dp % k == 0 for dp in options.data_parallel)]
+            problems.append(f"expert-parallel size {', '.join(map(str, bad))} divides none of "
+                            f"the data-parallel sizes {dps} (ep is carved from dp); use one "
+                            f"of {', '.join(map(str, fits))}")
+    return problems
