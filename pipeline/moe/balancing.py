@@ -77,7 +77,7 @@ class MoEBalancing:
 
     @property
     def adds_aux_loss(self) -> bool:
-        """Whether layers add an auxiliary loss after the step's census-free forward."""
+        """Whether the layers add a census-free auxiliary loss (microbatch, sequence)."""
         return self.method in ("microbatch", "sequence")
 
 
