@@ -41,17 +41,23 @@ def _assignments(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     return one_hot.scatter_(1, experts, 1.0)
 
 
-def switch_loss(probs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+def switch_loss(probs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None,
                 coefficient: float) -> torch.Tensor:
     """Megatron-Core's Switch loss of one layer on one microbatch (module docstring);
-    `probs` [n, E], `experts` [n, k] the top-k choice, `weights` [n]."""
+    `probs` [n, E], `experts` [n, k] the top-k choice, `weights` [n] (None: every token
+    real, the common case, in fewer operations: this runs per layer and microbatch)."""
     num_experts, top_k = probs.shape[1], experts.shape[1]
+    if weights is None:
+        with torch.no_grad():
+            counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
+        scale = coefficient * num_experts / (top_k * probs.shape[0] ** 2)
+        return torch.dot(counts.to(probs.dtype), probs.sum(0)) * scale
     tokens = weights.sum()
     with torch.no_grad():
         counts = (_assignments(experts, num_experts) * weights.unsqueeze(-1)).sum(0)
     prob_sums = (probs * weights.unsqueeze(-1)).sum(0)
-    scale = coefficient * num_experts / (top_k * tokens.clamp_min(1.0) ** 2)
-    return torch.dot(counts, prob_sums) * scale
+    return torch.dot(counts, prob_sums) * (coefficient * num_experts / top_k) \
+        / tokens.clamp_min(1.0) ** 2
 
 
 def sequence_loss(probs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
@@ -83,10 +89,11 @@ def layer_router_loss(balancing: MoEBalancing, routing: Routing, logits: torch.T
     """This layer's census-free losses on one microbatch (0-d fp32), or None when the
     balancing adds none: `logits` [n, E], `mask` the [b, s] attention mask or None."""
     terms: list[torch.Tensor] = []
-    weights = token_weights(mask, logits.shape[0], logits.device)
     coefficient = float(balancing.aux_loss_coef or 0.0)
+    weights = token_weights(mask, logits.shape[0], logits.device)
     if balancing.method == "microbatch":
-        terms.append(switch_loss(routing.probs, routing.experts, weights, coefficient))
+        terms.append(switch_loss(routing.probs, routing.experts,
+                                 None if mask is None else weights, coefficient))
     elif balancing.method == "sequence":
         terms.append(sequence_loss(routing.probs, routing.experts, weights, sequences,
                                    coefficient))
@@ -94,4 +101,4 @@ def layer_router_loss(balancing: MoEBalancing, routing: Routing, logits: torch.T
         terms.append(z_loss(logits, weights, balancing.router_z_loss_coef))
     if not terms:
         return None
-    return torch.stack(terms).sum()
+    return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
