@@ -191,18 +191,20 @@ def _partition(args: argparse.Namespace, config: Any, num_stages: int
 
 
 def _check_experts(layers: list[Any], ep: int) -> None:
-    """The --model's MoE layers against --expert-parallel; a load-balancing loss (which
-    needs `train_batch_balanced`, not the demo's `train_batch`) is refused."""
+    """The --model's MoE layers against --expert-parallel; HF's whole-batch balancing loss
+    (which needs `train_batch_balanced`, not the demo's `train_batch`) is refused."""
     from pipeline.moe.expert_parallel import check_expert_layers
     from pipeline.moe.layer import MoEFeedForward
 
     check_expert_layers(layers, ep)
     if any(isinstance(m, MoEFeedForward) and m.balance is not None
            for layer in layers for m in layer.modules()):
-        raise ValueError("--model's MoE layers add HF's load-balancing loss "
-                         "(output_router_logits=True), which pipesched train does not run "
-                         "(it needs pipeline.moe.balance_loss.train_batch_balanced): build the "
-                         "config with output_router_logits=False")
+        raise ValueError("--model's MoE layers add HF's whole-batch load-balancing loss "
+                         "(balancing 'hf-batch', output_router_logits=True), which pipesched "
+                         "train does not run (it needs a census forward: pipeline.moe."
+                         "balance_loss.train_batch_balanced): build them with "
+                         "layers_from_hf(config, balancing='microbatch') (Megatron-Core's "
+                         "per-microbatch loss), 'sequence', 'aux-free' or 'none'")
 
 
 def _summary_line(label: str, result: Figures) -> str:

@@ -46,6 +46,7 @@ from pipeline.interop.hf_shared import (
 )
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
+from pipeline.moe.balancing import BalancingMethod, MoEBalancing
 from pipeline.runtime.loss_normalization import token_cross_entropy
 
 __all__ = ["IGNORE_INDEX", "HFLayers", "causal_lm_loss", "causal_lm_targets", "layers_from_hf"]
@@ -348,7 +349,8 @@ def _default_attention(config: Any) -> str:
 
 
 def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = None,
-                   expert_parallel: int = 1, capacity_factor: float | None = None) -> HFLayers:
+                   expert_parallel: int = 1, capacity_factor: float | None = None,
+                   balancing: MoEBalancing | BalancingMethod | None = None) -> HFLayers:
     """A HF causal LM (a model, or a config to build from) as pipeline layers.
 
     From a config, every layer is a spec: a rank builds only the layers of its own stages
@@ -360,7 +362,10 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
     (`pipeline.interop.hf_moe.moe_layers_from_hf`); load a model's weights with
     ``load_hf_weights(module, hf, model.state_dict())``; `expert_parallel` (the engine's
     ep) is checked against their experts; `capacity_factor` drops tokens over each
-    expert's capacity (`pipeline.moe.capacity`; None: dropless, as HF; dense: refused).
+    expert's capacity (`pipeline.moe.capacity`; None: dropless, as HF; dense: refused);
+    `balancing` how they balance their experts (`pipeline.moe.balancing.MoEBalancing` or a
+    method's name: "hf-batch", "microbatch", "sequence", "aux-free", "none"; None: as the
+    config's ``output_router_logits`` says; dense: refused).
     """
     transformers = _import_transformers()
     model: Any = model_or_config if isinstance(model_or_config, nn.Module) else None
@@ -378,9 +383,13 @@ def layers_from_hf(model_or_config: Any, *, attn_implementation: str | None = No
         built: HFLayers = moe.moe_layers_from_hf(config,
                                                  attn_implementation=attn_implementation,
                                                  expert_parallel=expert_parallel,
-                                                 capacity_factor=capacity_factor)
+                                                 capacity_factor=capacity_factor,
+                                                 balancing=balancing)
         return built
     _check_supported(config)
+    if balancing is not None:
+        raise PipelineConfigError(f"balancing={balancing!r} applies to mixture-of-experts "
+                                  f"models; {config.model_type!r} is dense: drop it")
     if capacity_factor is not None:
         raise PipelineConfigError(f"capacity_factor={capacity_factor} applies to mixture-of-"
                                   f"experts models; {config.model_type!r} is dense: drop it")

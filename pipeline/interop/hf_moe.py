@@ -39,6 +39,7 @@ from pipeline.interop.hf_shared import (
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.moe.balance_loss import BalanceLoss
+from pipeline.moe.balancing import BalancingMethod, MoEBalancing, resolve_balancing
 from pipeline.moe.capacity import DropPolicy
 from pipeline.moe.expert_parallel import expert_parallel_problem
 from pipeline.moe.layer import MoEFeedForward, RouterConfig
@@ -200,7 +201,7 @@ def _untied_embedding(config: Any) -> nn.Module:
 
 
 def _block(config: Any, index: int, balance: BalanceLoss | None,
-           routing: RouterConfig) -> nn.Module:
+           routing: RouterConfig, balancing: MoEBalancing | None = None) -> nn.Module:
     layer = _class(config, "DecoderLayer")(config, index)
     mlp = layer.mlp
     if hasattr(mlp, "experts"):
@@ -213,7 +214,8 @@ def _block(config: Any, index: int, balance: BalanceLoss | None,
         layer.mlp = MoEFeedForward(routing, mlp.gate, mlp.experts,
                                    shared_expert=getattr(mlp, "shared_expert", None),
                                    shared_expert_gate=getattr(mlp, "shared_expert_gate", None),
-                                   balance=balance)
+                                   balance=balance, balancing=balancing,
+                                   jitter_noise=float(getattr(mlp, "jitter_noise", 0.0) or 0.0))
     return MoEBlock(layer, config, _mask_function(config, index),
                     _class(config, "RotaryEmbedding")(config=config))
 
@@ -233,7 +235,7 @@ def _is_sparse(config: Any, index: int) -> bool:
 
 
 def _check(config: Any, expert_parallel: int, capacity_factor: float | None,
-           drop_policy: DropPolicy) -> RouterConfig:
+           drop_policy: DropPolicy, balancing: MoEBalancing) -> RouterConfig:
     """Refuse what would silently differ from HF, or could not be split, before any rank
     builds anything."""
     try:
@@ -243,39 +245,50 @@ def _check(config: Any, expert_parallel: int, capacity_factor: float | None,
     problem = expert_parallel_problem(routing.num_experts, routing.top_k, expert_parallel)
     if problem is not None:
         raise PipelineConfigError(f"{config.model_type}: {problem}")
-    if getattr(config, "output_router_logits", False):
+    if balancing.method == "hf-batch":
         noisy = {name: getattr(config, name, 0.0) or 0.0
                  for name in ("router_jitter_noise", "attention_dropout")}
         noisy = {name: value for name, value in noisy.items() if value > 0}
         if noisy:
             raise PipelineConfigError(
-                f"{config.model_type} with output_router_logits=True and {noisy}: the "
-                "balancing loss is exact only when a census forward sees the routes the "
-                "training forward takes (pipeline.moe.balance_loss); set them to 0.0")
+                f"{config.model_type} with HF's whole-batch balancing loss ('hf-batch', "
+                f"output_router_logits=True) and {noisy}: the loss is exact only when a "
+                "census forward sees the routes the training forward takes "
+                "(pipeline.moe.balance_loss); set them to 0.0, or balance with "
+                "balancing='microbatch', 'sequence' or 'aux-free', which need no census")
     return routing
 
 
 def moe_layers_from_hf(config: Any, *, attn_implementation: str | None = None,
                        expert_parallel: int = 1, capacity_factor: float | None = None,
-                       drop_policy: DropPolicy = "probs") -> HFLayers:
+                       drop_policy: DropPolicy = "probs",
+                       balancing: MoEBalancing | BalancingMethod | None = None) -> HFLayers:
     """A HF MoE causal LM's config as pipeline layers (every layer a spec; load weights
     with `pipeline.interop.hf_weights.load_hf_weights`). `expert_parallel`: the engine's
     ep, checked here against the experts so a bad one fails before ranks start.
     `capacity_factor` (None: dropless, as HF) and `drop_policy`: token dropping as
     Megatron-Core's (`pipeline.moe.capacity`); HF has none, so a step then differs from HF's.
 
-    When the config sets ``output_router_logits``, the result's ``balance`` adds HF's
-    load-balancing loss (``router_aux_loss_coef`` times it): train with
+    `balancing` (`pipeline.moe.balancing.MoEBalancing` or a method's name; None: as the
+    config says): with "hf-batch" (the default when the config sets
+    ``output_router_logits``) the result's ``balance`` adds HF's load-balancing loss
+    (``router_aux_loss_coef`` times it): train with
     `pipeline.moe.balance_loss.train_batch_balanced(engine, hf.balance, inputs, targets)`.
+    "microbatch", "sequence", "aux-free" and "none" train with plain ``engine.train_batch``
+    (the engine moves an aux-free bias after each step).
     """
-    routing = _check(config, expert_parallel, capacity_factor, drop_policy)
+    try:
+        chosen = resolve_balancing(balancing, config)
+    except ValueError as error:
+        raise PipelineConfigError(f"{config.model_type}: {error}") from error
+    routing = _check(config, expert_parallel, capacity_factor, drop_policy, chosen)
     config = copy.deepcopy(config)
     pretrained = _class(config, "PreTrainedModel")
     config._attn_implementation = (attn_implementation or config._attn_implementation
                                    or ("sdpa" if getattr(pretrained, "_supports_sdpa", True)
                                        else "eager"))
-    balance = (BalanceLoss(routing.num_experts, float(config.router_aux_loss_coef))
-               if getattr(config, "output_router_logits", False) else None)
+    balance = (BalanceLoss(routing.num_experts, float(chosen.aux_loss_coef or 0.0))
+               if chosen.method == "hf-batch" else None)
     mark_attention_cores()
     tied = bool(getattr(config, "tie_word_embeddings", False))
     make_embedding = functools.partial(_embedding, config)
@@ -284,7 +297,8 @@ def moe_layers_from_hf(config: Any, *, attn_implementation: str | None = None,
     names = [("module." if tied else "embedding.", "model.embed_tokens.")]
     for index in range(config.num_hidden_layers):
         layers.append(LayerSpec(_block, config, index,
-                                balance if _is_sparse(config, index) else None, routing))
+                                balance if _is_sparse(config, index) else None, routing,
+                                chosen))
         names.append(("layer.", f"model.layers.{index}."))
     layers.append(LayerSpec(_final_norm, config))
     names.append(("norm.", "model.norm."))
@@ -295,4 +309,4 @@ def moe_layers_from_hf(config: Any, *, attn_implementation: str | None = None,
         layers.append(LayerSpec(_lm_head, config))
         names.append(("head.", "lm_head."))
     return HFLayers(layers, moe_causal_lm_loss, tuple(names), config, BalancedSummedLoss(),
-                    balance=balance)
+                    balance=balance, balancing=chosen)

@@ -14,6 +14,7 @@ from torch import nn
 
 from pipeline.model.layers import Layer
 from pipeline.moe.balance_loss import BalanceLoss
+from pipeline.moe.balancing import MoEBalancing
 from pipeline.runtime.loss_normalization import SummedLoss
 
 __all__ = ["IGNORE_INDEX", "HFLayers", "causal_lm_loss", "causal_lm_targets"]
@@ -46,6 +47,9 @@ class HFLayers:
     """Mixture-of-experts families with ``output_router_logits``: HF's router
     load-balancing loss, added to the loss when the step runs through
     `pipeline.moe.balance_loss.train_batch_balanced` (None: the family adds none)."""
+    balancing: MoEBalancing | None = None
+    """Mixture-of-experts families: how the layers balance their experts, resolved
+    (`pipeline.moe.balancing`); None for dense families."""
 
     def hf_name(self, layer: int, name: str) -> str:
         """The HF state-dict key of parameter `name` of global layer `layer`."""

@@ -53,8 +53,9 @@ class BalanceLoss:
                 "this model adds HF's router load-balancing loss (output_router_logits=True), "
                 "which needs the whole step's expert counts before any backward: train with "
                 "pipeline.moe.balance_loss.train_batch_balanced(engine, balance, inputs, "
-                "targets) (or eval_batch_balanced), not engine.train_batch, or build the "
-                "config with output_router_logits=False")
+                "targets) (or eval_batch_balanced), not engine.train_batch, or balance "
+                "without a census: layers_from_hf(config, balancing='microbatch') "
+                "(Megatron-Core's per-microbatch loss), 'sequence', 'aux-free' or 'none'")
         if self.phase == "census":
             self._counts += stats.counts.detach().cpu()
             self._rows += stats.rows.detach().cpu()

@@ -10,8 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.moe.balance_loss import BalanceLoss
+from pipeline.moe.balancing import MoEBalancing
 from pipeline.moe.capacity import DropPolicy, expert_capacity, mark_dropped
 from pipeline.moe.experts import Dispatcher, LocalDispatcher
+from pipeline.moe.router_losses import layer_router_loss, token_weights
 from pipeline.moe.routing import route, router_statistics
 
 __all__ = ["MoEFeedForward", "RouterConfig"]
@@ -57,12 +59,20 @@ class MoEFeedForward(nn.Module):
     stacked ``gate_up_proj`` / ``down_proj``; ``shared_expert``, ``shared_expert_gate``), so
     the parameters are HF's. `dispatcher` decides where the experts run: all here
     (`LocalDispatcher`) or sharded over an expert-parallel group
-    (`pipeline.moe.expert_parallel`)."""
+    (`pipeline.moe.expert_parallel`).
+
+    Load balancing (`pipeline.moe.balancing`): `balance`, HF's whole-batch loss (the census
+    handle shared by the model's layers), or `balancing`'s census-free losses, or its
+    aux-free expert bias (buffers ``expert_bias``, persistent, and ``expert_load``, kept in
+    fp32; `pipeline.moe.expert_bias`). `jitter_noise` (Mixtral's ``router_jitter_noise``):
+    in training, the tokens are multiplied by noise uniform in [1 - j, 1 + j] before the
+    router and the experts, as HF's Mixtral does."""
 
     def __init__(self, config: RouterConfig, gate: nn.Module, experts: nn.Module, *,
                  shared_expert: nn.Module | None = None,
                  shared_expert_gate: nn.Module | None = None,
-                 balance: BalanceLoss | None = None) -> None:
+                 balance: BalanceLoss | None = None,
+                 balancing: MoEBalancing | None = None, jitter_noise: float = 0.0) -> None:
         super().__init__()
         self.config = config
         self.gate = gate
@@ -70,7 +80,56 @@ class MoEFeedForward(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
         self.balance = balance
+        self.balancing = balancing or MoEBalancing(method="none")
+        self.jitter_noise = jitter_noise
         self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts)
+        aux_free = self.balancing.method == "aux-free"
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts)
+                             if aux_free else None)
+        self.register_buffer("expert_load", torch.zeros(config.num_experts)
+                             if aux_free else None, persistent=False)
+
+    @property
+    def bias(self) -> torch.Tensor:
+        """The aux-free expert bias [E] (refused when the layer balances otherwise)."""
+        bias = self.expert_bias
+        if not isinstance(bias, torch.Tensor):
+            raise AttributeError("this MoE layer has no expert bias (balancing method "
+                                 f"{self.balancing.method!r}, not 'aux-free')")
+        return bias
+
+    @property
+    def load(self) -> torch.Tensor:
+        """The aux-free top-k assignments [E] of this step's training forwards so far."""
+        load = self.expert_load
+        if not isinstance(load, torch.Tensor):
+            raise AttributeError("this MoE layer counts no load (balancing method "
+                                 f"{self.balancing.method!r}, not 'aux-free')")
+        return load
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MoEFeedForward:
+        # the bias moves in steps of ~1e-3: keep it (and the load) in fp32 when the module
+        # is cast to half precision, as Megatron-Core keeps its expert_bias
+        super()._apply(fn, recurse)
+        for name in ("expert_bias", "expert_load"):
+            buffer = self._buffers.get(name)
+            if buffer is not None and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return self
+
+    def two_batch_problem(self) -> str | None:
+        """Why a two-batch forward (halves of a microbatch by rows) would change this
+        layer's result (None if it would not): per-microbatch losses are not sums over
+        rows, and jitter draws per half."""
+        if self.balancing.adds_aux_loss or self.balancing.router_z_loss_coef > 0:
+            return (f"its {self.balancing.method!r} balancing (z-loss coef "
+                    f"{self.balancing.router_z_loss_coef}) is computed per microbatch, which "
+                    "each half would compute on its own rows; use 'hf-batch', 'aux-free' or "
+                    "'none' with two-batch overlap")
+        if self.jitter_noise > 0:
+            return (f"its router_jitter_noise={self.jitter_noise} noise each half would "
+                    "draw anew")
+        return None
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,9 +137,17 @@ class MoEFeedForward(nn.Module):
         layer's share of the load-balancing loss (0-d; 0 when the family adds none)."""
         shape = hidden.shape
         tokens = hidden.reshape(-1, shape[-1])
+        if self.training and self.jitter_noise > 0:
+            noise = torch.empty_like(tokens).uniform_(1.0 - self.jitter_noise,
+                                                      1.0 + self.jitter_noise)
+            tokens = tokens * noise
         router: Any = self.gate.weight
-        routing = route(F.linear(tokens, router), self.config.top_k,
-                        normalize=self.config.normalize_top_k)
+        logits = F.linear(tokens, router)
+        bias = self.expert_bias if isinstance(self.expert_bias, torch.Tensor) else None
+        routing = route(logits, self.config.top_k, normalize=self.config.normalize_top_k,
+                        bias=bias)
+        if bias is not None and self.training:
+            self._count_load(routing.experts, mask)
         chosen = routing.experts
         config = self.config
         if config.capacity_factor is not None:
@@ -92,6 +159,19 @@ class MoEFeedForward(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(tokens)
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * shared
-        share = (tokens.new_zeros((), dtype=torch.float32) if self.balance is None
-                 else self.balance.share(router_statistics(routing, mask)))
-        return out.reshape(shape), share
+        return out.reshape(shape), self._share(routing, logits, mask, shape[0])
+
+    def _share(self, routing: Any, logits: torch.Tensor, mask: torch.Tensor | None,
+               sequences: int) -> torch.Tensor:
+        """This layer's share of the balancing loss on this microbatch (0-d fp32)."""
+        share = logits.new_zeros((), dtype=torch.float32)
+        if self.balance is not None:
+            share = share + self.balance.share(router_statistics(routing, mask))
+        losses = layer_router_loss(self.balancing, routing, logits, mask, sequences)
+        return share if losses is None else share + losses
+
+    def _count_load(self, experts: torch.Tensor, mask: torch.Tensor | None) -> None:
+        weights = token_weights(mask, experts.shape[0], experts.device)
+        with torch.no_grad():
+            self.load.index_add_(0, experts.reshape(-1),
+                                 weights.repeat_interleave(experts.shape[1]))

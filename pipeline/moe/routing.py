@@ -32,12 +32,21 @@ class RouterStatistics(NamedTuple):
     """0-d: the tokens counted (HF's ``total_rows`` for one layer)."""
 
 
-def route(logits: torch.Tensor, top_k: int, *, normalize: bool) -> Routing:
+def route(logits: torch.Tensor, top_k: int, *, normalize: bool,
+          bias: torch.Tensor | None = None) -> Routing:
     """Softmax in fp32, the k most probable experts, and (`normalize`, Mixtral always and
     Qwen-MoE with ``norm_topk_prob``) their weights divided by their sum, cast back to the
-    logits' dtype as HF's routers do."""
+    logits' dtype as HF's routers do.
+
+    `bias` ([E], DeepSeek-V3's auxiliary-loss-free balancing, `pipeline.moe.expert_bias`)
+    is added to the probabilities for choosing the k experts only: the combine weights are
+    the chosen experts' unbiased probabilities."""
     probs = F.softmax(logits.float(), dim=-1)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if bias is None:
+        weights, experts = torch.topk(probs, top_k, dim=-1)
+    else:
+        _, experts = torch.topk(probs + bias.detach().float(), top_k, dim=-1)
+        weights = probs.gather(1, experts)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(probs, weights.to(logits.dtype), experts)

@@ -15,6 +15,7 @@ from pipeline.checkpoint.save import Stateful
 from pipeline.device import default_device
 from pipeline.errors import PipelineConfigError
 from pipeline.model.module import PipelineModule
+from pipeline.moe.expert_bias import aux_free_layers, update_expert_biases
 from pipeline.moe.expert_parallel import parallelize_experts
 from pipeline.moe.interleave import has_expert_all_to_all
 from pipeline.parallel.data_parallel import GradReducer
@@ -156,6 +157,8 @@ class PipelineEngine(StepRunner, EngineState):
             free_sent_outputs=self.config.free_sent_outputs,
             interleave_pairs=has_expert_all_to_all(module),
             two_batch_stages=two_batch or frozenset())
+        self._expert_bias_layers = aux_free_layers(module)
+        """MoE layers whose aux-free bias moves after each step (`pipeline.moe.expert_bias`)."""
         self._last_schedule: Schedule = self.schedule
         self._finite_flags: list[FiniteFlag] = []
         self.last_stats: StepStats | None = None
@@ -222,6 +225,8 @@ class PipelineEngine(StepRunner, EngineState):
         self.module.zero_grad(set_to_none=True)
         loss, _ = self._run(self.schedule, inputs, targets, data_iter, training=True)
         self.global_step += 1
+        update_expert_biases(self._expert_bias_layers,
+                             None if self.groups is None else self.groups.dp_group)
         step = self.training.step
         if (not math.isfinite(loss) or step.nonfinite) and self.config.on_nonfinite == "raise":
             raise self._nonfinite(loss)  # same branch on every rank: both facts are global

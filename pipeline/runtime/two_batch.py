@@ -144,6 +144,10 @@ def two_batch_problem(stage: nn.Module) -> str | None:
     (each half would get its own capacity) or active dropout (each half draws its own
     masks from the microbatch's seed)."""
     for name, m in stage.named_modules():
+        own = getattr(m, "two_batch_problem", None)  # a layer that knows (MoE balancing)
+        problem = own() if callable(own) else None
+        if problem is not None:
+            return f"{name}: {problem}"
         capacity = getattr(getattr(m, "config", None), "capacity_factor", None)
         if hasattr(m, "dispatcher") and capacity is not None:
             return (f"{name} drops tokens past a capacity factor ({capacity}), which each "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.support.cli_helpers import run_cli
@@ -44,3 +46,21 @@ def test_two_batch_overlap_without_an_expert_all_to_all_is_one_line() -> None:
                              "--two-batch-overlap")
     assert "--two-batch-overlap hides the expert all-to-all" in line
     assert "--expert-parallel > 1" in line
+
+
+def test_hf_whole_batch_balancing_is_one_line_naming_the_census_free_methods(
+        tmp_path: Path) -> None:
+    """A recipe whose layers add HF's whole-batch loss (it needs a census forward the command
+    does not run) is refused naming the methods it does run."""
+    pytest.importorskip("transformers")
+    recipe = tmp_path / "hf_batch_recipe.py"
+    recipe.write_text(
+        "import dataclasses\n"
+        "from examples import hf_moe_recipe as base\n"
+        "from pipeline.interop.hf_layers import layers_from_hf\n\n"
+        "def build():\n"
+        "    hf = layers_from_hf(base.CONFIG, balancing='hf-batch')\n"
+        "    return dataclasses.replace(base.build(), layers=hf.layers)\n")
+    line = _one_line_refusal("--model", f"{recipe}:build", "--stages", "1")
+    assert "HF's whole-batch load-balancing loss" in line
+    assert "balancing='microbatch'" in line, line

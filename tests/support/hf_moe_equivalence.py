@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from pipeline import PipelineEngine, PipelineModule
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights, save_hf_checkpoint
 from pipeline.moe.balance_loss import train_batch_balanced
+from pipeline.moe.layer import MoEFeedForward
 from pipeline.parallel.param_marks import expert_shard
 from pipeline.parallel.zero import ShardedOptimizer
 from tests.support.hf_models import token_batch
@@ -25,7 +27,7 @@ from tests.support.hf_moe_models import (
     tiny_moe_model,
 )
 
-__all__ = ["moe_step_differences"]
+__all__ = ["HFLoss", "moe_step_differences"]
 
 LEARNING_RATE = 0.1
 SHARD = "20KB"
@@ -65,21 +67,38 @@ def _exported(module: PipelineModule, hf: Any, reference: dict[str, torch.Tensor
             "export": max(_relative(weights[name], reference[name]) for name in reference),
             "export_names": names == saved_names}
 
+HFLoss = Callable[[Any, torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
+"""(HF model, input ids of the whole batch, attention mask or None, labels) -> the loss the
+pipelined step should equal (default: HF's own ``model(..., labels=labels).loss``)."""
+
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-12))
 
 
 def _hf_step(model: Any, ids: torch.Tensor, mask: torch.Tensor | None,
-             labels: torch.Tensor, clip: float | None) -> tuple[float, float | None]:
+             labels: torch.Tensor, clip: float | None,
+             reference: HFLoss | None = None) -> tuple[float, float | None]:
     """HF's loss and gradients (clipped by torch's clip_grad_norm_ when `clip` is given:
-    then also the norm before clipping)."""
+    then also the norm before clipping); `reference` replaces HF's loss."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
+    loss = (model(input_ids=ids, attention_mask=mask, labels=labels).loss if reference is None
+            else reference(model, ids, mask, labels))
+    loss.backward()
     norm = (None if clip is None
             else float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-    return float(out.loss.detach()), norm
+    return float(loss.detach()), norm
+
+
+def _biases(module: PipelineModule, stages: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """HF layer index -> the aux-free expert bias of this rank's MoE layers."""
+    found = {}
+    for stage in stages:
+        for key, layer in module.stage(stage).layers.items():
+            for m in layer.modules():
+                if isinstance(m, MoEFeedForward) and m.expert_bias is not None:
+                    found[int(key) - 1] = m.bias.detach().clone()
+    return found
 
 
 def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bool = False,
@@ -87,6 +106,7 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
                          tied: bool = False, clip: float | None = None, steps: int = 1,
                          schedule: str = "1f1b", export: bool = False,
                          strict_reads: bool = True, partition_method: str = "uniform",
+                         balancing: Any = None, reference: HFLoss | None = None,
                          **engine: Any) -> dict[str, Any]:
     """On every rank: the pipelined step (SGD, 4 microbatches per replica, `schedule`) of the tiny
     `family` model against HF's on the concatenated batch of all replicas.
@@ -106,14 +126,17 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
     neither loss, as in HF).
     `clip`: the engine's gradient_clipping against torch's clip_grad_norm_ on HF's model (then
     also ``norm``, the relative difference of the norms before clipping). `steps`: steps taken
-    (the last one's loss and gradients compared; the weights after all of them)."""
+    (the last one's loss and gradients compared; the weights after all of them).
+    `balancing`: `layers_from_hf`'s; `reference`: the loss HF's model is stepped on instead
+    of its own (`HFLoss`). Also returns ``biases`` (HF layer index -> this rank's aux-free
+    expert bias after the steps) and the ``engine``."""
     hf_model = tiny_moe_model(family, seed=3, top_k=top_k, tied=tied)
     if ties:
         plant_ties_and_an_idle_expert(hf_model)
     ids, mask = token_batch(8 * dp, 8, seed=2, padded=padded)
     labels = causal_lm_targets(ids, mask if padded else None)
     replica = dist.get_rank() % dp  # Topology: rank = pp_rank · dp + dp_rank
-    hf = layers_from_hf(tiny_moe_config(family, top_k=top_k, tied=tied))
+    hf = layers_from_hf(tiny_moe_config(family, top_k=top_k, tied=tied), balancing=balancing)
     chunks = 2 if schedule.startswith("dualpipev") else 1
     module = PipelineModule(hf.layers, num_stages=pp, chunks=chunks,
                             loss_fn=hf.summed_loss if padded else hf.loss_fn,
@@ -146,7 +169,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
         if step:
             hf_optimizer.step()
         loss = train_batch_balanced(pipelined, hf.balance, inputs, labels[rows])
-        expected, norm = _hf_step(hf_model, ids, mask if padded else None, labels, clip)
+        expected, norm = _hf_step(hf_model, ids, mask if padded else None, labels, clip,
+                                  reference)
     with torch.no_grad():
         routes = hf_model(input_ids=ids, output_router_logits=True).router_logits
     reference = dict(hf_model.named_parameters())
@@ -173,7 +197,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
              "param": param, "routes": routes, "reads": sorted(reads),
              "expected_reads": expected_reads,
              "handovers": pipelined._interpreter.pair_handovers,  # the engine's own counts
-             "two_batch_handovers": pipelined._interpreter.two_batch_handovers}
+             "two_batch_handovers": pipelined._interpreter.two_batch_handovers,
+             "biases": _biases(module, pipelined.stage_ids), "engine": pipelined}
     if export:
         found.update(_exported(module, hf, reference, saved_names))
     if norm is not None:
