@@ -22,6 +22,7 @@ from pipeline.moe.interleave import in_turns, run_interleaved
 from pipeline.parallel.data_parallel import GradReducer, OverlappingReducer
 from pipeline.parallel.optimizer_step import OptimizerStep
 from pipeline.parallel.precision import Precision, autocast
+from pipeline.parallel.zero_grad_store import notify_backward_done
 from pipeline.runtime.batch import Batch, Layout, as_tensors
 from pipeline.runtime.comm import Comm, PendingRecv
 from pipeline.runtime.finite import all_finite
@@ -47,6 +48,8 @@ from pipeline.runtime.two_batch import declared_row_sums, join_halves, two_batch
 from pipeline.supervision.progress import ProgressRecord, StallError, explain_stall
 from schedules import Instruction, Kind
 
+_WEIGHT_GRADIENTS = frozenset({Kind.B, Kind.OVERLAP_B, Kind.W})
+"""Instructions after which a stage's weight gradients of one microbatch are complete."""
 _QUEUEING = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B, Kind.LOAD})
 """Instructions that queue messages (or only load local data); every other one first
 launches what is queued (`Comm.flush`)."""
@@ -208,6 +211,7 @@ class Interpreter:
 
             self.pair_handovers += run_interleaved(
                 lambda: self._apply_backward(b_op, saved, grads), forward)
+            notify_backward_done(self.reducer, b_op.stage)  # ZeRO-2 / 3
             f_span, b_span = pair_spans(start, forward_end[0], _now())
             self.trace.record(op.kind, op.stage, op.microbatch, *f_span)
             self.trace.record(b_op.kind, b_op.stage, b_op.microbatch, *b_span)
@@ -221,6 +225,8 @@ class Interpreter:
             self.comm.flush()          # the messages queued since the last such op go out
         self.op_start = _now()
         self.handlers[op.kind](op)
+        if op.kind in _WEIGHT_GRADIENTS:  # ZeRO-2 / 3 reduce each backward's gradients
+            notify_backward_done(self.reducer, op.stage)
         if op.kind is not Kind.RECV_F and op.kind is not Kind.RECV_B:
             self.trace.record(op.kind, op.stage, op.microbatch, self.op_start, _now())
 
