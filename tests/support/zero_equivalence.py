@@ -12,27 +12,52 @@ import torch.distributed as dist
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_weights import load_hf_weights
+from pipeline.parallel.tied_sync import TIED_REGION
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.parallel.zero3 import FullyShardedOptimizer
-from tests.support.hf_models import tiny_config, tiny_model, token_batch
+from tests.support.hf_models import tiny_config, token_batch
 
 __all__ = ["zero_differences"]
 
 BATCH = 16
 """Global batch: dp 2 × 4 microbatches × 2 rows."""
+LAYERS = 6
 
 
 def _difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).abs().max())
 
 
+def _config() -> Any:
+    """`tiny_config("llama")` (tied embedding / head) with 6 decoder layers, so a stage holds
+    several layers to gather one at a time."""
+    config = tiny_config("llama", tied=True)
+    config.num_hidden_layers = LAYERS
+    return config
+
+
 def _saved_llama(directory: str) -> torch.nn.Module:
-    """The seeded tiny Llama (tied embedding / head), saved by rank 0 into `directory`."""
-    hf_model = tiny_model("llama", tied=True, seed=3)
+    """The seeded tiny Llama of `_config`, saved by rank 0 into `directory`."""
+    import transformers
+
+    torch.manual_seed(3)
+    hf_model = transformers.AutoModelForCausalLM.from_config(_config())
     if dist.get_rank() == 0:
         hf_model.save_pretrained(directory)
     dist.barrier()
     return hf_model
+
+
+def _count_gathers(sharded: FullyShardedOptimizer, result: dict[str, Any]) -> None:
+    """Count the unit gathers that collect, and the most units gathered at once."""
+    gather = sharded.gather
+
+    def counted(key: int) -> None:
+        if key not in sharded.gathered_units():
+            result["gathers"] += 1
+        gather(key)
+        result["peak_gathered"] = max(result["peak_gathered"], len(sharded.gathered_units()))
+    sharded.gather = counted  # type: ignore[method-assign]
 
 
 def zero_differences(zero_stage: int, schedule: str, chunks: int, *,
@@ -41,7 +66,7 @@ def zero_differences(zero_stage: int, schedule: str, chunks: int, *,
     batch) and of HF on the whole batch: max |difference| of loss, reduced gradients and
     updated weights; and after the last step the gradient bytes this rank holds next to its
     shards' and the whole regions' sizes, and the gathered parameter bytes (ZeRO-3)."""
-    hf = layers_from_hf(tiny_config("llama", tied=True))
+    hf = layers_from_hf(_config())
     module = PipelineModule(hf.layers, num_stages=2, chunks=chunks, loss_fn=hf.loss_fn,
                             partition_method="uniform")
     with tempfile.TemporaryDirectory() as directory:
@@ -57,14 +82,21 @@ def zero_differences(zero_stage: int, schedule: str, chunks: int, *,
     sharded = engine.optimizer
     if not isinstance(sharded, ShardedOptimizer):
         raise AssertionError(f"zero_stage={zero_stage} built {type(sharded).__name__}")
+    result: dict[str, Any] = {"loss": 0.0, "grad": 0.0, "param": 0.0, "gathers": 0,
+                              "peak_gathered": 0}
+    if isinstance(sharded, FullyShardedOptimizer):
+        _count_gathers(sharded, result)
+        result["units"] = len(sharded.layouts()) - (TIED_REGION in sharded.layouts())
     reference = dict(hf_model.named_parameters(remove_duplicate=False))
     hf_optimizer = torch.optim.SGD(hf_model.parameters(), lr=0.1)
     ids, _ = token_batch(BATCH, 8, seed=2)
     labels = causal_lm_targets(ids)
     rows = slice(engine.position.dp_rank * BATCH // 2, (engine.position.dp_rank + 1) * BATCH // 2)
-    result: dict[str, Any] = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for _ in range(2):
+    for step in range(2):
         loss = engine.train_batch(ids[rows], labels[rows])
+        if step == 0:  # the first step alone (later ones start from what the reads gathered)
+            result["step_gathers"], result["step_peak"] = (result["gathers"],
+                                                           result["peak_gathered"])
         hf_optimizer.zero_grad()
         expected = hf_model(input_ids=ids, labels=labels).loss
         expected.backward()
