@@ -28,6 +28,10 @@ class ShardInspection:
     dp_size: int
     dp_rank: int
 
+    def region_parameters(self) -> dict[int, list[torch.nn.Parameter]]:
+        """Region key -> its parameters, in layout order (what checkpoints describe)."""
+        return {key: list(region.params) for key, region in self._regions.items()}
+
     def _step_grad(self, region: ShardRegion) -> torch.Tensor:
         grad = region.master.grad
         if grad is None:

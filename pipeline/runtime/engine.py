@@ -49,7 +49,6 @@ from pipeline.runtime.parallel_setup import (
     reduced_gradients,
     resolve_topology,
     setup_training,
-    zero_regions,
 )
 from pipeline.runtime.pulled_batch import PulledHalf
 from pipeline.runtime.schedule_setup import (
@@ -61,6 +60,7 @@ from pipeline.runtime.schedule_setup import (
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.trace import StepStats, Trace, merge_rank_spans
 from pipeline.runtime.two_batch import two_batch_stages
+from pipeline.runtime.zero_setup import checkpoint_regions
 from pipeline.supervision.failure import Watchdog, read_failure, report_failure
 from pipeline.supervision.faults import FaultPoints
 from pipeline.supervision.progress import ProgressRecord, StallError, explain_timeout
@@ -469,8 +469,7 @@ class PipelineEngine:
 
     def _checkpoint_parts(self) -> CheckpointParts:
         optimizer: Any = self.optimizer
-        regions = (zero_regions(self.module, self.training.tied)
-                   if isinstance(optimizer, ShardedOptimizer) else None)
+        regions = checkpoint_regions(self.module, self.training.tied, optimizer)  # ZeRO 1-3
         return CheckpointParts(
             module=self.module, topology=self.topology, rank=self.rank, step=self.global_step,
             optimizer=optimizer, zero_params_by_stage=regions,

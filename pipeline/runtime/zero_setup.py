@@ -22,7 +22,7 @@ from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.parallel.zero2 import GradShardedOptimizer
 from pipeline.parallel.zero3 import FullyShardedOptimizer
 
-__all__ = ["shard_stages", "zero_regions"]
+__all__ = ["checkpoint_regions", "shard_stages", "zero_regions"]
 
 
 def shard_stages(module: PipelineModule, tied: TiedWeightSynchronizer | None,
@@ -66,6 +66,17 @@ def shard_stages(module: PipelineModule, tied: TiedWeightSynchronizer | None,
         for layer in [module, *layers_held]:
             layer.register_state_dict_pre_hook(lambda *_: sharded.finish_param_gather())
     return sharded
+
+
+def checkpoint_regions(module: PipelineModule, tied: TiedWeightSynchronizer | None,
+                       optimizer: object) -> dict[int, list[nn.Parameter]] | None:
+    """The regions a checkpoint describes `optimizer` by (None: not a ZeRO optimizer):
+    ZeRO-3's per-layer units as it built them, else one per stage (`zero_regions`)."""
+    if isinstance(optimizer, FullyShardedOptimizer):
+        return optimizer.region_parameters()
+    if isinstance(optimizer, ShardedOptimizer):
+        return zero_regions(module, tied)
+    return None
 
 
 def zero_regions(module: PipelineModule, tied: TiedWeightSynchronizer | None
