@@ -10,6 +10,7 @@ import pytest
 
 from pipeline import PipelineConfigError, launch
 from pipeline.parallel.config import ParallelConfig, ZeroStage
+from tests.support.engine3d_models import Case, run_case
 from tests.support.zero_equivalence import zero_differences
 
 TOLERANCE = 1e-5
@@ -21,15 +22,52 @@ RUNS = [(2, "1f1b", 1, True), (2, "interleaved", 2, True), (2, "zb-v", 2, True),
 """(zero_stage, schedule, chunks per rank, reshard_after_forward)."""
 
 
-def _every_run() -> list[dict[str, Any]]:
-    return [{"run": run, **zero_differences(run[0], run[1], run[2],
-                                            reshard_after_forward=run[3])} for run in RUNS]
+COMPOSED = [
+    Case("pp2×dp2 ZeRO-2 Adam +clip", "mlp", {"data_parallel": 2, "zero_stage": 2,
+                                              "gradient_clipping": 0.05, "bucket_mb": 2**-10},
+         optimizer="adam"),
+    Case("tied pp2×dp2 ZeRO-3 Adam +clip", "tied",
+         {"data_parallel": 2, "zero_stage": 3, "gradient_clipping": 0.05}, optimizer="adam"),
+    Case("interleaved pp2×dp2 ZeRO-3 +clip", "mlp",
+         {"data_parallel": 2, "zero_stage": 3, "gradient_clipping": 0.05, "bucket_mb": 2**-10},
+         schedule="interleaved", chunks=2),
+    Case("zb-h1 pp2×dp2 ZeRO-2 overlap_param_gather", "tied",
+         {"data_parallel": 2, "zero_stage": 2, "overlap_param_gather": True}, schedule="zb-h1",
+         optimizer="adam"),
+]
+"""Composition with Adam, clipping, tied layers and the other ZeRO options, against
+`reference_step` (the engine3d harness: two steps, every reduced gradient and weight)."""
+
+
+def _every_run() -> dict[str, list[dict[str, Any]]]:
+    return {"hf": [{"run": run, **zero_differences(run[0], run[1], run[2],
+                                                   reshard_after_forward=run[3])}
+                   for run in RUNS],
+            "composed": [run_case(case) for case in COMPOSED]}
 
 
 @pytest.fixture(scope="module")
-def per_rank() -> list[list[dict[str, Any]]]:
+def launched() -> list[dict[str, list[dict[str, Any]]]]:
     """One 4-process launch (pp2 × dp2) running every configuration."""
-    return launch(_every_run, 4, timeout=60, join_timeout=600)
+    return launch(_every_run, 4, timeout=60, join_timeout=900)
+
+
+@pytest.fixture(scope="module")
+def per_rank(launched: list[dict[str, list[dict[str, Any]]]]) -> list[list[dict[str, Any]]]:
+    return [outcome["hf"] for outcome in launched]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_zero_2_and_3_compose_with_adam_clipping_tied_layers_and_schedules(
+        launched: list[dict[str, list[dict[str, Any]]]]) -> None:
+    for outcome in launched:
+        for result in outcome["composed"]:
+            case = next(c for c in COMPOSED if c.name == result["case"])
+            for what in ("loss", "grad", "param", "norm"):
+                assert result.get(what, 0.0) < 2e-5, (case.name, what, result.get(what))
+            if "gradient_clipping" in case.engine:
+                assert result["clipped"], f"{case.name}: the clipping threshold never bit"
 
 
 @pytest.mark.multiprocess
