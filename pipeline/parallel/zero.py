@@ -18,6 +18,10 @@ REDUCE_GRAD) then launches what is left, without blocking, so it overlaps the ra
 stages; `step` first (through `wait`) reduces any region nobody reduced yet, so the optimizer
 also works alone. The parameter all-gather after the step is `pipeline.parallel.param_gather`:
 blocking, or (`overlap_param_gather`) left in flight for the next forward to wait for.
+
+ZeRO-2 (`pipeline.parallel.zero2`) and ZeRO-3 (`pipeline.parallel.zero3`) are subclasses: they
+keep only gradient shards, filled every backward, and (ZeRO-3) gather parameters per layer.
+What the optimizer holds is read back by `pipeline.parallel.zero_inspect`.
 """
 
 from __future__ import annotations
