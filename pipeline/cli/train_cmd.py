@@ -104,9 +104,9 @@ def _check_args(args: argparse.Namespace) -> int:
 
     check_local_ranks(args.stages * args.data_parallel * args.tp,
                       "--stages × --data-parallel × --tp")
-    if args.zero_stage >= 2 and args.expert_parallel > 1:
-        raise ValueError(f"--zero-stage {args.zero_stage} does not shard expert states over "
-                         f"the expert-data-parallel group yet: use --zero-stage 1 with "
+    if args.zero_stage == 3 and args.expert_parallel > 1:
+        raise ValueError(f"--zero-stage 3 does not shard expert parameters over the "
+                         f"expert-data-parallel group yet: use --zero-stage 1 or 2 with "
                          f"--expert-parallel {args.expert_parallel}")
     if not args.reshard_after_forward and args.zero_stage != 3:
         raise ValueError("--no-reshard-after-forward is ZeRO-3's: add --zero-stage 3")

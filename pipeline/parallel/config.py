@@ -51,9 +51,9 @@ def _sharded_stage_problem(config: ParallelConfig) -> str | None:
     if config.zero_stage not in (ZeroStage.GRADIENTS, ZeroStage.PARAMETERS):
         return None
     stage = int(config.zero_stage)
-    if config.expert_parallel > 1:
-        return (f"zero_stage={stage} does not shard expert states over the expert-data-"
-                f"parallel group yet; use zero_stage=1 with expert_parallel="
+    if stage == 3 and config.expert_parallel > 1:
+        return (f"zero_stage=3 does not shard expert parameters over the expert-data-"
+                f"parallel group yet; use zero_stage=1 or 2 with expert_parallel="
                 f"{config.expert_parallel}, or expert_parallel=1")
     if stage == 3 and config.overlap_param_gather:
         return ("overlap_param_gather=True overlaps the all-gather after the step, which "

@@ -43,15 +43,16 @@ def shard_stages(module: PipelineModule, tied: TiedWeightSynchronizer | None,
             layers, inner, groups.dp_group, gather_group=create_gather_group(groups),
             tied=[] if tied is None else tied.params,
             reshard_after_forward=config.reshard_after_forward, bucket_mb=config.bucket_mb)
-    elif stage is ZeroStage.GRADIENTS:
-        sharded = GradShardedOptimizer(zero_regions(module, tied), inner, groups.dp_group,
-                                       bucket_mb=config.bucket_mb,
-                                       overlap_param_gather=config.overlap_param_gather)
     elif groups.expert_dp_group is not None:  # expert states over their own group
         sharded = ExpertShardedOptimizer(zero_regions(module, tied), inner, groups.dp_group,
                                          groups.expert_dp_group, groups.topology.ep,
                                          bucket_mb=config.bucket_mb,
-                                         overlap_param_gather=config.overlap_param_gather)
+                                         overlap_param_gather=config.overlap_param_gather,
+                                         zero_stage=int(stage))
+    elif stage is ZeroStage.GRADIENTS:
+        sharded = GradShardedOptimizer(zero_regions(module, tied), inner, groups.dp_group,
+                                       bucket_mb=config.bucket_mb,
+                                       overlap_param_gather=config.overlap_param_gather)
     else:
         sharded = ShardedOptimizer(zero_regions(module, tied), inner, groups.dp_group,
                                    bucket_mb=config.bucket_mb,

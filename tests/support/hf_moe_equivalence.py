@@ -42,7 +42,7 @@ def _hf_step(model: Any, ids: torch.Tensor, mask: torch.Tensor | None,
     return float(out.loss.detach()), norm
 
 
-def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bool = False,
+def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: int = 0,
                          top_k: int = 2, ties: bool = False, padded: bool = False,
                          tied: bool = False, clip: float | None = None, steps: int = 1,
                          schedule: str = "1f1b",
@@ -73,12 +73,12 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
     load_hf_weights(module, hf, hf_model.state_dict())
     options: dict[str, Any] = {"data_parallel": dp, "expert_parallel": ep,
                                "gradient_clipping": clip, **engine}
-    if zero:
-        options["zero_stage"] = 1
+    if zero:  # True: ZeRO-1
+        options["zero_stage"] = int(zero)
     pipelined = PipelineEngine(module, schedule=schedule, num_microbatches=4, timeout=60,
                                optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE),
                                **options)
-    if zero != isinstance(pipelined.optimizer, ShardedOptimizer):
+    if bool(zero) != isinstance(pipelined.optimizer, ShardedOptimizer):
         raise AssertionError(f"zero={zero} but the engine built {pipelined.optimizer!r}")
     rows = slice(8 * replica, 8 * replica + 8)
     inputs = (ids[rows], mask[rows]) if padded else ids[rows]
