@@ -139,6 +139,11 @@ class FullyShardedOptimizer(GradShardedOptimizer):
         """The units whose parameters are gathered now."""
         return frozenset(self._gathered)
 
+    def unit_storage_bytes(self) -> int:
+        """Bytes the units' flat parameter buffers hold now (0 when none is gathered)."""
+        return sum(self._regions[key].flat_param.untyped_storage().nbytes()
+                   for key in self._stage_of)
+
     def finish_param_gather(self) -> None:
         """Gather every unit, to read parameters outside a forward (collective)."""
         super().finish_param_gather()

@@ -104,9 +104,7 @@ def zero_differences(zero_stage: int, schedule: str, chunks: int, *,
         if isinstance(sharded, FullyShardedOptimizer):  # before anything gathers them again
             result["gathered_bytes"] = sum(
                 sharded.layouts()[key].size * 4 for key in sharded.gathered_units())
-            result["unit_storage_bytes"] = sum(
-                region.flat_param.untyped_storage().nbytes()
-                for key, region in sharded._regions.items() if key in sharded._stage_of)
+            result["unit_storage_bytes"] = sharded.unit_storage_bytes()
         result["grad_bytes"] = sharded.gradient_buffer_bytes()
         result["model_grads"] = sum(p.grad is not None for p in module.parameters())
         grads = engine.reduced_gradients()
