@@ -151,7 +151,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     """Launch each gradient bucket's reduction (dp all-reduce, or ZeRO-1's reduce-scatter)
     from the gradient hooks of a stage's last backward as soon as the bucket is final (DDP,
-    Megatron's `overlap_grad_reduce`), not after that backward at REDUCE_GRAD."""
+    Megatron's `overlap_grad_reduce`), not after that backward at REDUCE_GRAD. ZeRO-2 / 3
+    always launch from the hooks, in every backward."""
     overlap_param_gather: bool = False
     """ZeRO-1: leave each bucket's parameter all-gather after the step in flight and let the
     next step's forward of a layer wait only for the buckets holding its parameters
