@@ -28,8 +28,8 @@ Worked examples are on the topic pages: [getting started](getting-started.md),
 [rehearsal](rehearsal.md), [reliability](reliability.md).
 
 Not supported: configuration files (every option is a flag; the Python API takes typed
-configs), and tensor parallelism, ZeRO or recomputation in `pipesched train` (use
-`PipelineEngine`; `pipesched plan` says when a pick needs it).
+configs), and recomputation in `pipesched train` (use `PipelineEngine`; `pipesched plan`
+says when a pick needs it); `--tp` there needs a `--model` recipe whose layers split.
 
 | command | what it does |
 |---|---|

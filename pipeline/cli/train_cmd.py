@@ -48,6 +48,16 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "microbatch taking turns at their expert all-to-alls (hides "
                              "them outside dualpipev-overlap's F&B pairs too); needs "
                              "--expert-parallel > 1")
+    parser.add_argument("--zero-stage", "--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                        metavar="Z",
+                        help="ZeRO over the --data-parallel replicas: 1 shards optimizer "
+                             "states, 2 also gradients (reduce-scattered every backward), 3 "
+                             "also parameters (each layer gathered for its forward and "
+                             "backward); default 0")
+    parser.add_argument("--no-reshard-after-forward", dest="reshard_after_forward",
+                        action="store_false",
+                        help="--zero-stage 3: keep each layer gathered from its first forward "
+                             "until the step (fewer gathers, more memory)")
     parser.add_argument("--steps", type=positive_int, default=30, metavar="N",
                         help="training steps (default 30)")
     parser.add_argument("--batch-size", type=positive_int, default=32, metavar="B",
@@ -94,6 +104,12 @@ def _check_args(args: argparse.Namespace) -> int:
 
     check_local_ranks(args.stages * args.data_parallel * args.tp,
                       "--stages × --data-parallel × --tp")
+    if args.zero_stage == 3 and args.expert_parallel > 1:
+        raise ValueError(f"--zero-stage 3 does not shard expert parameters over the "
+                         f"expert-data-parallel group yet: use --zero-stage 1 or 2 with "
+                         f"--expert-parallel {args.expert_parallel}")
+    if not args.reshard_after_forward and args.zero_stage != 3:
+        raise ValueError("--no-reshard-after-forward is ZeRO-3's: add --zero-stage 3")
     if args.tp > 1 and args.model is None:
         raise ValueError(f"--tp {args.tp}: the demo model has no tensor-parallel form; pass "
                          "--model with a recipe of split layers (e.g. tensor_parallel_hf's), "
@@ -236,13 +252,16 @@ def run(args: argparse.Namespace) -> int:
                          microbatches=args.microbatches, chunks=chunks,
                          data_parallel=args.data_parallel, tensor_parallel=args.tp,
                          expert_parallel=args.expert_parallel,
-                         two_batch_overlap=args.two_batch_overlap, steps=args.steps,
+                         two_batch_overlap=args.two_batch_overlap,
+                         zero_stage=args.zero_stage,
+                         reshard_after_forward=args.reshard_after_forward, steps=args.steps,
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, model=model,
                          user_model=args.model,
                          boundaries=tuple(part.boundaries), timeout=args.timeout)
     world = args.stages * args.data_parallel * args.tp
     print(f"training {args.schedule} on {world} CPU ranks (p={args.stages}, "
           f"dp={args.data_parallel}, tp={args.tp}, ep={args.expert_parallel}, v={chunks}, "
+          f"{f'ZeRO-{args.zero_stage}, ' if args.zero_stage else ''}"
           f"m={args.microbatches}), "
           f"{args.steps} steps")
     try:

@@ -40,6 +40,10 @@ class TrainConfig:
     """Replicas each MoE layer's experts are split over (carved from data_parallel)."""
     two_batch_overlap: bool = False
     """Forwards of MoE stages as two halves taking turns (`EngineConfig.two_batch_overlap`)."""
+    zero_stage: int = 0
+    """ZeRO stage over the data-parallel replicas (0-3, `ParallelConfig.zero_stage`)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: free each layer's parameters after its forward (`ParallelConfig`)."""
     steps: int = 30
     batch_size: int = 32
     """Global batch (all data-parallel replicas together)."""
@@ -127,7 +131,9 @@ def train_rank(config: TrainConfig) -> TrainReport | None:
                             optimizer=lambda params: torch.optim.Adam(params, lr=config.lr),
                             timeout=config.timeout, tensor_parallel=config.tensor_parallel,
                             expert_parallel=config.expert_parallel,
-                            two_batch_overlap=config.two_batch_overlap)
+                            two_batch_overlap=config.two_batch_overlap,
+                            zero_stage=config.zero_stage,
+                            reshard_after_forward=config.reshard_after_forward)
     replica = engine.position.dp_rank
     per_replica = config.batch_size // config.data_parallel
     progress = ProgressBar(config.steps) if rank == 0 and config.progress else None

@@ -21,36 +21,44 @@ class ZeroStageError(PipelineConfigError):
 
 class ZeroStage(IntEnum):
     """How much of the training state is sharded over the data-parallel group (ZeRO,
-    Rajbhandari et al., 2020). Only DISABLED and OPTIMIZER_STATE run with a pipeline."""
+    Rajbhandari et al., 2020). Model-state bytes per parameter with Adam in fp32 (K = 8 of
+    moments; the paper's mixed-precision table is (2 + 2 + K)Ψ with K = 12):
+    0: 4 + 4 + 8, 1: 4 + 4 + 8/d, 2: 4 + (4 + 8)/d, 3: (4 + 4 + 8)/d (+ 4 fp32 master / d:
+    a unit's gathered parameters come and go, so its master is a copy)."""
 
     DISABLED = 0
     """Every replica holds the whole optimizer state."""
     OPTIMIZER_STATE = 1
     """ZeRO-1: optimizer state (and fp32 masters) sharded over dp; touched once per step."""
     GRADIENTS = 2
-    """ZeRO-2: refused. It shards gradients and reduce-scatters after every backward, while a
-    pipeline accumulates gradients over all m microbatches before one step (m reductions
-    instead of one; DeepSpeed refuses the combination for the same reason)."""
+    """ZeRO-2: also the gradients: every backward's buckets are reduce-scattered into the
+    rank's shard as they fill (m reductions a step instead of ZeRO-1's one; the reason
+    DeepSpeed refuses ZeRO-2 under its pipeline), and never held whole after that."""
     PARAMETERS = 3
-    """ZeRO-3: refused, as ZeRO-2, and it would also re-gather parameters per microbatch."""
-
-
-_REFUSED = (ZeroStage.GRADIENTS, ZeroStage.PARAMETERS)
+    """ZeRO-3: also the parameters: each layer is all-gathered before its forward and its
+    backward and freed after use (`reshard_after_forward`)."""
 
 
 def _zero_stage_problem(value: object) -> str | None:
     if isinstance(value, bool) or not isinstance(value, int) or value not in tuple(ZeroStage):
-        return (f"zero_stage must be a ZeroStage (DISABLED=0, OPTIMIZER_STATE=1), got "
-                f"{value!r}")
-    if value in _REFUSED:
-        stage = ZeroStage(value)
-        return (f"zero_stage={int(stage)} ({stage.name}) cannot be combined with pipeline "
-                f"parallelism: ZeRO-{int(stage)} shards gradients"
-                f"{' and parameters' if stage is ZeroStage.PARAMETERS else ''} and would "
-                f"reduce-scatter after every microbatch's backward, while a pipeline "
-                f"accumulates gradients over all m microbatches before one step (the reason "
-                f"DeepSpeed refuses it too). Use zero_stage=1 (ZeroStage.OPTIMIZER_STATE: "
-                f"optimizer state sharded over data_parallel) or 0")
+        return (f"zero_stage must be a ZeroStage (DISABLED=0, OPTIMIZER_STATE=1, GRADIENTS=2, "
+                f"PARAMETERS=3), got {value!r}")
+    return None
+
+
+def _sharded_stage_problem(config: ParallelConfig) -> str | None:
+    """What ZeRO-2 / 3 do not run with yet (each refused up front, never a wrong answer)."""
+    if config.zero_stage not in (ZeroStage.GRADIENTS, ZeroStage.PARAMETERS):
+        return None
+    stage = int(config.zero_stage)
+    if stage == 3 and config.expert_parallel > 1:
+        return (f"zero_stage=3 does not shard expert parameters over the expert-data-"
+                f"parallel group yet; use zero_stage=1 or 2 with expert_parallel="
+                f"{config.expert_parallel}, or expert_parallel=1")
+    if stage == 3 and config.overlap_param_gather:
+        return ("overlap_param_gather=True overlaps the all-gather after the step, which "
+                "zero_stage=3 does not do (each layer gathers before its own forward); "
+                "drop it")
     return None
 
 
@@ -75,18 +83,20 @@ def _half_parameters_problem(value: object, precision: object, zero_stage: objec
         return (f"half_parameters=True stores parameters in bf16 or fp16: set precision='bf16' "
                 f"or 'fp16' (got {precision!r})")
     if zero_stage != ZeroStage.OPTIMIZER_STATE:
-        return ("half_parameters=True needs zero_stage=1: without ZeRO its fp32 masters cost "
-                "18 (bf16) or 20 (fp16) bytes per parameter, while autocast over fp32 "
-                "parameters (half_parameters=False) takes 16")
+        return ("half_parameters=True needs zero_stage=1 (ZeRO-2 / 3 take fp32 parameters "
+                "here): without ZeRO its fp32 masters cost 18 (bf16) or 20 (fp16) bytes per "
+                "parameter, while autocast over fp32 parameters (half_parameters=False) "
+                "takes 16")
     return None
 
 
 def _overlap_param_gather_problem(value: object, zero_stage: object) -> str | None:
     if not isinstance(value, bool):
         return f"overlap_param_gather must be True or False, got {value!r}"
-    if value and zero_stage != ZeroStage.OPTIMIZER_STATE:
-        return ("overlap_param_gather=True overlaps ZeRO-1's parameter all-gather: set "
-                "zero_stage=1, or drop it (without ZeRO-1 nothing is gathered)")
+    if value and zero_stage not in (ZeroStage.OPTIMIZER_STATE, ZeroStage.GRADIENTS,
+                                    ZeroStage.PARAMETERS):
+        return ("overlap_param_gather=True overlaps ZeRO's parameter all-gather: set "
+                "zero_stage=1 or 2, or drop it (without ZeRO nothing is gathered)")
     return None
 
 
@@ -122,8 +132,13 @@ class ParallelConfig:
     replicas exchange tokens by all-to-all (`pipeline.moe.expert_parallel`); ep must divide
     data_parallel and every MoE layer's expert count."""
     zero_stage: ZeroStage = ZeroStage.DISABLED
-    """`ZeroStage.OPTIMIZER_STATE` shards optimizer state over dp (ZeRO-1); the ints 0 and 1
-    are accepted and converted."""
+    """`ZeroStage.OPTIMIZER_STATE` shards optimizer state over dp (ZeRO-1), `GRADIENTS` also
+    the gradients (ZeRO-2), `PARAMETERS` also the parameters (ZeRO-3); the ints 0-3 are
+    accepted and converted."""
+    reshard_after_forward: bool = True
+    """ZeRO-3: free each layer's gathered parameters after its forward and gather them again
+    for its backward (less memory); False keeps them from the first forward until the step
+    (torchtitan's `reshard_after_forward`: fewer gathers)."""
     precision: Precision = "fp32"
     """'bf16' or 'fp16': stages run under autocast, parameters and optimizer stay fp32
     (master weights). 'fp16' adds dynamic loss scaling with a rank-wide overflow vote."""
@@ -136,7 +151,8 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     """Launch each gradient bucket's reduction (dp all-reduce, or ZeRO-1's reduce-scatter)
     from the gradient hooks of a stage's last backward as soon as the bucket is final (DDP,
-    Megatron's `overlap_grad_reduce`), not after that backward at REDUCE_GRAD."""
+    Megatron's `overlap_grad_reduce`), not after that backward at REDUCE_GRAD. ZeRO-2 / 3
+    always launch from the hooks, in every backward."""
     overlap_param_gather: bool = False
     """ZeRO-1: leave each bucket's parameter all-gather after the step in flight and let the
     next step's forward of a layer wait only for the buckets holding its parameters
@@ -181,8 +197,10 @@ class ParallelConfig:
             None if isinstance(self.broadcast_buffers, bool) else
             f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}",
             _expert_parallel_problem(self),
+            None if isinstance(self.reshard_after_forward, bool) else
+            f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}",
         ]
-        zero = _zero_stage_problem(self.zero_stage)
+        zero = _zero_stage_problem(self.zero_stage) or _sharded_stage_problem(self)
         found = [problem for problem in (*problems, zero) if problem is not None]
         if found:
             raise (ZeroStageError if zero is not None else PipelineConfigError)(

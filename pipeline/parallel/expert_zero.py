@@ -1,4 +1,4 @@
-"""ZeRO-1 with expert parallelism: dense state sharded over dp, expert shards' state over
+"""ZeRO-1 / 2 with expert parallelism: dense state sharded over dp, expert shards' state over
 their expert-data-parallel group, one torch optimizer stepping both."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pipeline.parallel.optimizer import OptimizerFactory, build_optimizer
 from pipeline.parallel.param_gather import BucketKey
 from pipeline.parallel.precision import clip_coefficient, global_grad_norm
 from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.parallel.zero2 import GradShardedOptimizer
+from pipeline.parallel.zero_collectives import Launched
 from pipeline.parallel.zero_groups import carry_groups
 from pipeline.parallel.zero_layout import ShardLayout
 
@@ -34,6 +36,19 @@ class _ExpertShards(ShardedOptimizer):
         layout: ShardLayout = region.layout  # type: ignore[attr-defined]
         grad[slice(*layout.bucket(b))].div_(self.ep)
         super()._launch_bucket(region, b)  # type: ignore[arg-type]
+
+
+class _ExpertGradShards(GradShardedOptimizer):
+    """ZeRO-2 of expert shards over the expert-dp group: each bucket of every backward
+    averaged over its dp / ep ranks and divided by ep (as `_ExpertShards`)."""
+
+    def __init__(self, *args: object, ep: int, **kwargs: object) -> None:
+        self.ep = ep
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def _reduce_bucket(self, buffer: torch.Tensor, layout: ShardLayout) -> Launched:
+        buffer.div_(self.ep)
+        return super()._reduce_bucket(buffer, layout)
 
 
 class _GatherClock:
@@ -59,7 +74,12 @@ class ExpertShardedOptimizer(ShardedOptimizer):
                  optimizer_factory: OptimizerFactory, dp_group: ProcessGroup,
                  expert_dp_group: ProcessGroup, ep: int, *,
                  bucket_mb: float = DEFAULT_BUCKET_MB,
-                 overlap_param_gather: bool = False) -> None:
+                 overlap_param_gather: bool = False, zero_stage: int = 1) -> None:
+        if zero_stage not in (1, 2):
+            raise PipelineConfigError(f"ExpertShardedOptimizer runs ZeRO-1 or 2, got "
+                                      f"zero_stage={zero_stage!r}")
+        dense_class, expert_class = ((ShardedOptimizer, _ExpertShards) if zero_stage == 1
+                                     else (GradShardedOptimizer, _ExpertGradShards))
         dense: dict[int, list[torch.nn.Parameter]] = {}
         experts: dict[int, list[torch.nn.Parameter]] = {}
         for key, params in params_by_stage.items():
@@ -69,11 +89,11 @@ class ExpertShardedOptimizer(ShardedOptimizer):
             # never stepped: `step` steps the user's one optimizer over both halves
             return torch.optim.SGD(list(params), lr=0.0)
 
-        self.dense = ShardedOptimizer(dense, placeholder, dp_group, bucket_mb=bucket_mb,
-                                      overlap_param_gather=overlap_param_gather)
-        self.experts = (_ExpertShards(experts, placeholder, expert_dp_group, ep=ep,
-                                      bucket_mb=bucket_mb,
-                                      overlap_param_gather=overlap_param_gather)
+        self.dense = dense_class(dense, placeholder, dp_group, bucket_mb=bucket_mb,
+                                 overlap_param_gather=overlap_param_gather)
+        self.experts = (expert_class(experts, placeholder, expert_dp_group, ep=ep,
+                                     bucket_mb=bucket_mb,
+                                     overlap_param_gather=overlap_param_gather)
                         if any(experts.values()) else None)
         self.halves = [h for h in (self.dense, self.experts) if h is not None]
         # the user's factory sees every parameter (dense and expert, as torch would); its
@@ -105,6 +125,12 @@ class ExpertShardedOptimizer(ShardedOptimizer):
     def last_backward(self, stage_index: int) -> None:
         for half in self.halves:
             half.last_backward(stage_index)
+
+    def backward_done(self, stage_index: int) -> None:
+        """ZeRO-2: one B / W of the stage ended (each half launches its unfilled buckets)."""
+        for half in self.halves:
+            if isinstance(half, GradShardedOptimizer):
+                half.backward_done(stage_index)
 
     def wait(self) -> None:
         for half in self.halves:

@@ -14,6 +14,7 @@ __all__ = [
     "MESH_DIM_NAMES",
     "ProcessGroups",
     "check_world_size",
+    "create_gather_group",
     "create_process_groups",
 ]
 
@@ -119,6 +120,13 @@ def _model_parallel_ranks(topology: Topology, dp_rank: int) -> tuple[int, ...]:
 
 def _model_parallel_groups(topology: Topology) -> list[tuple[int, ...]]:
     return [_model_parallel_ranks(topology, d) for d in range(topology.dp)]
+
+
+def create_gather_group(groups: ProcessGroups) -> ProcessGroup:
+    """A second group over this rank's data-parallel replicas (ZeRO-3's parameter gathers,
+    which must not share an order with the gradient reductions on `dp_group`). Collective:
+    every rank calls it, in the same order."""
+    return _own_group(groups.topology.all_dp_groups(), groups.position.dp_group)
 
 
 def _own_group(all_groups: list[tuple[int, ...]], mine: tuple[int, ...]) -> ProcessGroup:

@@ -150,6 +150,12 @@ class TiedGradReducer:
         if isinstance(self.inner, OverlappingReducer):
             self.inner.last_backward(stage_index)
 
+    def backward_done(self, stage_index: int) -> None:
+        """Pass ZeRO-2 / 3's end-of-backward signal on (`notify_backward_done`)."""
+        hook = getattr(self.inner, "backward_done", None)
+        if callable(hook):
+            hook(stage_index)
+
     def wait(self) -> None:
         self.tied.all_reduce_grads()
         self.inner.reduce_stage(TIED_REGION, self.tied.params)

@@ -18,15 +18,17 @@ REDUCE_GRAD) then launches what is left, without blocking, so it overlaps the ra
 stages; `step` first (through `wait`) reduces any region nobody reduced yet, so the optimizer
 also works alone. The parameter all-gather after the step is `pipeline.parallel.param_gather`:
 blocking, or (`overlap_param_gather`) left in flight for the next forward to wait for.
+
+ZeRO-2 (`pipeline.parallel.zero2`) and ZeRO-3 (`pipeline.parallel.zero3`) are subclasses: they
+keep only gradient shards, filled every backward, and (ZeRO-3) gather parameters per layer.
+What the optimizer holds is read back by `pipeline.parallel.zero_inspect`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,56 +40,23 @@ from pipeline.parallel.optimizer import OptimizerFactory, build_optimizer
 from pipeline.parallel.param_gather import BucketKey, ParamGather
 from pipeline.parallel.precision import clip_coefficient, counts_in_norm, global_grad_norm
 from pipeline.parallel.tied_sync import TIED_REGION
-from pipeline.parallel.zero_collectives import COLLECTIVES, BucketReduction, Finish
+from pipeline.parallel.zero_collectives import COLLECTIVES, BucketReduction
 from pipeline.parallel.zero_groups import ShardPiece, carry_groups, cut_pieces
+from pipeline.parallel.zero_inspect import ShardInspection
 from pipeline.parallel.zero_layout import ShardLayout
+from pipeline.parallel.zero_region import (
+    Collective,
+    ResolvedCollective,
+    ShardRegion,
+    aliases,
+    choose_collective,
+    detect_reduce_scatter,
+)
 
 __all__ = ["Collective", "ShardedOptimizer", "detect_reduce_scatter"]
 
-Collective = Literal["auto", "reduce_scatter", "reduce", "all_reduce", "all_to_all"]
 
-
-def detect_reduce_scatter(group: ProcessGroup | None) -> bool:
-    """Whether the group's backend implements reduce_scatter (collective: all ranks call it).
-
-    Older gloo builds raise for reduce_scatter on CPU tensors; the probe is one tiny
-    collective, so every rank reaches the same answer.
-    """
-    size = dist.get_world_size(group)
-    out = torch.zeros(1)
-    try:
-        dist.reduce_scatter(out, [torch.ones(1) for _ in range(size)], group=group)
-    except (RuntimeError, NotImplementedError, ValueError):
-        return False
-    return bool(out.item() == size)
-
-
-@dataclass
-class _Region:
-    params: list[torch.nn.Parameter]
-    offsets: list[int]
-    layout: ShardLayout
-    flat_param: torch.Tensor
-    """The parameters laid end to end (their `.data` are views of it), padded to k·d·s."""
-    master: torch.nn.Parameter
-    """This rank's fp32 shard, (k, s), the inner optimizer steps: a strided view of
-    `flat_param` when the parameters are fp32 (no second copy), an fp32 copy when they are
-    bf16 / fp16."""
-    pieces: list[ShardPiece] = field(default_factory=list)
-    """Where each parameter meets the master: what the inner optimizer's groups hold."""
-    grads: GradBuffer | None = None
-    pending: list[tuple[dist.Work, Finish | None]] = field(default_factory=list)
-    """Launched bucket reductions, each with what to do once it arrived (all_to_all: sum)."""
-    reduced: bool = False
-
-    @property
-    def flat_grad(self) -> torch.Tensor:
-        if self.grads is None:
-            raise RuntimeError("internal error: a ZeRO region without its gradient buffer")
-        return self.grads.flat
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(ShardInspection, torch.optim.Optimizer):
     """A torch optimizer whose state lives only on this rank's 1/d shard of the parameters.
 
     The factory is called with the model's parameters (this rank's regions', in order) and
@@ -122,9 +91,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  collective: Collective = "auto", overlap_param_gather: bool = False) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        if collective not in ("auto", "reduce_scatter", "reduce", "all_reduce", "all_to_all"):
-            raise ValueError(f"collective must be 'auto', 'reduce_scatter', 'reduce', "
-                             f"'all_reduce' or 'all_to_all', got {collective!r}")
         if not isinstance(overlap_param_gather, bool):
             raise TypeError(f"overlap_param_gather must be True or False, got "
                             f"{overlap_param_gather!r}")
@@ -133,22 +99,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.dp_rank = dist.get_rank(group)
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.average = average
-        if collective == "auto" and dist.get_backend(group) == "gloo":
-            # gloo's reduce_scatter is a full all-reduce underneath: measured on torch 2.13,
-            # each rank sends N bytes for an N-byte buffer instead of the ring's (d-1)/d · N.
-            # Exchanging the pieces with all_to_all and summing locally sends (d-1)/d · N, but
-            # holds a d-piece receive buffer per bucket in flight (up to N when the whole
-            # buffer is). collective="reduce" (one in-place reduce per piece) allocates
-            # nothing but sends 1.4-1.6x the bytes (bench_3d, d = 2).
-            collective = "all_to_all"
-        if collective == "auto":
-            collective = "reduce_scatter" if detect_reduce_scatter(group) else "all_reduce"
-            if collective == "all_reduce":
-                warnings.warn(f"backend {dist.get_backend(group)!r} has no reduce_scatter here; "
-                              f"ZeRO-1 falls back to all_reduce + slice (same result, "
-                              f"{self.dp_size}x the gradient traffic)", stacklevel=2)
-        self.collective: Literal["reduce_scatter", "reduce", "all_reduce", "all_to_all"] = \
-            collective
+        self.collective: ResolvedCollective = choose_collective(collective, group)
         """Which collective reduces gradients: reduce_scatter; one in-place reduce per piece
         to its owner (gloo: no buffer); all_to_all of the pieces + a local sum; or all_reduce
         + slice where the backend lacks reduce_scatter (d× the received bytes, same
@@ -157,7 +108,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_gather = ParamGather(group, self.dp_rank, self.stats,
                                         overlap=overlap_param_gather)
         """The all-gather of updated parameters after `step` (blocking or overlapped)."""
-        self._regions: dict[int, _Region] = {}
+        self._regions: dict[int, ShardRegion] = {}
         # A parameter listed under two stages goes to the first; give weights shared between
         # stages their own region instead (`pipeline.tied.split_tied`).
         seen: set[int] = set()
@@ -239,17 +190,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not region.reduced:
                 self._launch_reduce(region)
         for region in self._regions.values():
-            if not region.pending:
-                continue  # finished by an earlier wait; the shard may be clipped since
-            for work, finish in region.pending:
-                work.wait()
-                if finish is not None:
-                    finish()
-            region.pending.clear()
-            shard = region.layout.shard(region.flat_grad, self.dp_rank)
-            region.master.grad = shard if shard.dtype == torch.float32 else shard.float()
-            for piece in region.pieces:
-                piece.tensor.grad = region.master.grad[piece.bucket, piece.row]
+            self._settle(region)
+
+    def _settle(self, region: ShardRegion) -> None:
+        """Wait for the region's launched reductions; point the master's `.grad` (and its
+        pieces') at the reduced shard."""
+        if not region.pending:
+            return  # finished by an earlier wait; the shard may be clipped since
+        for work, finish in region.pending:
+            work.wait()
+            if finish is not None:
+                finish()
+        region.pending.clear()
+        self._point_grads(region, region.layout.shard(region.flat_grad, self.dp_rank))
+
+    @staticmethod
+    def _point_grads(region: ShardRegion, shard: torch.Tensor) -> None:
+        region.master.grad = shard if shard.dtype == torch.float32 else shard.float()
+        for piece in region.pieces:
+            piece.tensor.grad = region.master.grad[piece.bucket, piece.row]
 
     # -- the optimizer role -----------------------------------------------------------------
 
@@ -267,7 +226,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """After the inner optimizer stepped the masters: copy them into the parameters'
         own shards (half parameters) and launch the all-gather of the updated parameters."""
         for region in self._regions.values():
-            if not _aliases(region.master, region.flat_param):
+            if not aliases(region.master, region.flat_param):
                 region.layout.shard(region.flat_param, self.dp_rank).copy_(
                     region.master.detach())
         self.param_gather.launch([(key, region.flat_param, region.layout)
@@ -287,10 +246,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         overlaps the gathers of the buckets it does not need yet."""
         self.param_gather.watch(modules, self._buckets_of)
 
-    def buckets_of(self, param: torch.nn.Parameter) -> list[BucketKey]:
-        """The (region key, bucket index) pairs holding `param`'s elements."""
-        return list(self._buckets_of.get(id(param), []))
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Ready for the next step's backward passes: the gradient buffers empty themselves
         when its first gradient arrives, so the reduced shards stay readable until then
@@ -301,6 +256,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 param.grad = None
             if region.grads is not None:
                 region.grads.zero()
+            if region.store is not None:
+                region.store.zero()
             region.reduced = False
 
     def grad_shards(self) -> list[torch.Tensor]:
@@ -308,20 +265,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         overflow checks, unscaling and clipping act on these, and the optimizer steps with
         them."""
         return [self._step_grad(region) for region in self._regions.values()]
-
-    def gather_grads(self) -> dict[int, torch.Tensor]:
-        """id(parameter) -> its full reduced gradient, all-gathered from every dp rank's shard
-        (collective over the group). Read after `wait` or `step` (clipped and unscaled as the
-        step saw it). For checks and debugging: it materialises what ZeRO-1 avoids holding."""
-        full: dict[int, torch.Tensor] = {}
-        for region in self._regions.values():
-            shard = self._step_grad(region).clone(memory_format=torch.contiguous_format)
-            parts = [torch.empty_like(shard) for _ in range(self.dp_size)]
-            dist.all_gather(parts, shard, group=self.group)
-            flat = torch.stack(parts, dim=1).reshape(-1)  # (k, d, s): the buffer's order
-            for param, offset in zip(region.params, region.offsets):
-                full[id(param)] = flat[offset:offset + param.numel()].view(param.shape).clone()
-        return full
 
     def clip_grad_norm_(self, max_norm: float, group: ProcessGroup | None, *,
                         tp_rank: int = 0) -> torch.Tensor:
@@ -334,40 +277,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for shard in self.grad_shards():
             shard.mul_(coefficient)
         return total
-
-    def state_bytes(self) -> int:
-        """Bytes of the optimizer-state tensors (moments etc.) held by this rank."""
-        return sum(value.numel() * value.element_size()
-                   for state in self.optimizer.state.values()
-                   for value in state.values() if isinstance(value, torch.Tensor))
-
-    def master_bytes(self) -> int:
-        """Bytes of the fp32 master shards held apart from the parameters (0 when the
-        parameters are fp32: each master is then a view of them)."""
-        return sum(r.master.numel() * r.master.element_size() for r in self._regions.values()
-                   if not _aliases(r.master, r.flat_param))
-
-    def gradient_buffer_bytes(self) -> int:
-        """Bytes of the gradient buffers: each region's main-gradient buffer, and the fp32
-        copies of this rank's shard where the buffer is not fp32 (fp16, after `wait`)."""
-        return sum(r.flat_grad.numel() * r.flat_grad.element_size()
-                   + sum(g.numel() * g.element_size() for g in [r.master.grad]
-                         if g is not None and not _aliases(g, r.flat_grad))
-                   for r in self._regions.values())
-
-    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this object keeps beyond the inner optimizer's state, by kind:
-        'parameters' (flat buffers), 'gradients' (main-gradient buffers, shard gradients),
-        'masters' (for counting live bytes; views share their base's storage)."""
-        held: dict[str, list[torch.Tensor]] = {"parameters": [], "gradients": [],
-                                               "masters": []}
-        for region in self._regions.values():
-            held["parameters"].append(region.flat_param)
-            held["gradients"].append(region.flat_grad)
-            if region.master.grad is not None:
-                held["gradients"].append(region.master.grad)
-            held["masters"].append(region.master)
-        return held
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's `state_dict` (its tensors are this rank's pieces; the
@@ -384,35 +293,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "ShardedOptimizer cannot take a parameter group after it was built (the shards are "
             "laid out then); return every group from the optimizer factory")
 
-    def masters(self) -> list[torch.Tensor]:
-        """Each region's fp32 (k, s) master shard, in region order."""
-        return [region.master for region in self._regions.values()]
-
-    def piece_tensors(self) -> dict[tuple[int, int], torch.nn.Parameter]:
-        """(id(parameter), bucket) -> the view of the master the inner optimizer steps."""
-        return {(id(piece.param), piece.bucket): piece.tensor
-                for region in self._regions.values() for piece in region.pieces}
-
-    def shard_state(self, name: str) -> list[torch.Tensor]:
-        """Each region's (k, s) shard of the per-element optimizer state `name` (e.g.
-        Adam's 'exp_avg'), zero where no piece holds it (padding, unstepped parameters)."""
-        shards = []
-        for region in self._regions.values():
-            shard = torch.zeros_like(region.master, dtype=torch.float32)
-            for piece in region.pieces:
-                value = self.optimizer.state.get(piece.tensor, {}).get(name)
-                if value is not None:
-                    shard[piece.bucket, piece.row] = value
-            shards.append(shard)
-        return shards
-
-    def layouts(self) -> dict[int, ShardLayout]:
-        """Region key -> where its buckets and this group's shards lie in its flat buffer."""
-        return {key: region.layout for key, region in self._regions.items()}
-
     # -- internals --------------------------------------------------------------------------
 
-    def _build_region(self, key: int, params: list[torch.nn.Parameter]) -> _Region:
+    def _build_region(self, key: int, params: list[torch.nn.Parameter]) -> ShardRegion:
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise TypeError(f"stage {key}'s parameters mix dtypes {sorted(map(str, dtypes))}; "
@@ -434,27 +317,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # fp32 parameters: the master IS this rank's (strided) share of them (the optimizer
         # updates the parameters in place); half parameters: an fp32 copy (Micikevicius et
         # al., 2018)
-        master = torch.nn.Parameter(shard if dtype == torch.float32
+        master = torch.nn.Parameter(shard if dtype == torch.float32 and self._master_is_view(key)
                                     else shard.to(torch.float32, copy=True).contiguous())
-        region = _Region(params=params, offsets=offsets, layout=layout, flat_param=flat_param,
-                         master=master,
-                         pieces=cut_pieces(params, offsets, layout, self.dp_rank, master))
+        region = ShardRegion(params=params, offsets=offsets, layout=layout,
+                             flat_param=flat_param, master=master,
+                             pieces=cut_pieces(params, offsets, layout, self.dp_rank, master))
+        self._attach_grads(key, region, grad_dtype)
+        return region
+
+    def _master_is_view(self, key: int) -> bool:
+        """Whether region `key`'s fp32 master may be a view of its parameters (ZeRO-3 frees
+        them between uses, so its masters are copies)."""
+        del key
+        return True
+
+    def _attach_grads(self, key: int, region: ShardRegion, grad_dtype: torch.dtype) -> None:
+        """ZeRO-1: one whole main-gradient buffer, reduce-scattered at the last backward."""
+        layout, params, offsets = region.layout, region.params, region.offsets
         last = layout.num_buckets - 1
         # the tail first: a backward makes the buffer's end final first
         region.grads = GradBuffer(params, offsets, layout.size, grad_dtype,
                                   [[layout.bucket(b)] for b in range(last, -1, -1)],
                                   lambda index: self._launch_bucket(region, last - index),
                                   hooked=key != TIED_REGION)
-        return region
 
-    def _step_grad(self, region: _Region) -> torch.Tensor:
-        grad = region.master.grad
-        if grad is None:
-            raise RuntimeError("the gradient shards are read before wait(): call wait() (or "
-                               "clip_grad_norm_ / step) first")
-        return grad
-
-    def _launch_reduce(self, region: _Region) -> None:
+    def _launch_reduce(self, region: ShardRegion) -> None:
         if region.grads is None:
             raise RuntimeError("internal error: a ZeRO region without its gradient buffer")
         # unhooked (tied) gradients, or ones accumulated before this optimizer existed
@@ -462,7 +349,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         region.grads.flush()
         region.reduced = True
 
-    def _launch_bucket(self, region: _Region, b: int) -> None:
+    def _launch_bucket(self, region: ShardRegion, b: int) -> None:
         if self.average:
             # Divide before summing, as DDP does, so fp16 sums stay in range.
             region.flat_grad[slice(*region.layout.bucket(b))].div_(self.dp_size)
@@ -480,8 +367,4 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for b, _, row in region.layout.overlaps(offset, param.numel(), self.dp_rank):
                     yield shard[b, row]
 
-
-def _aliases(view: torch.Tensor, base: torch.Tensor) -> bool:
-    """Whether `view` shares `base`'s memory (a view of it, not a copy)."""
-    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 

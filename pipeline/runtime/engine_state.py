@@ -13,8 +13,9 @@ from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, 
 from pipeline.parallel.rank_optimizer import RankOptimizer
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.engine_fields import EngineFields
-from pipeline.runtime.parallel_setup import optimizer_state_bytes, reduced_gradients, zero_regions
+from pipeline.runtime.parallel_setup import optimizer_state_bytes, reduced_gradients
 from pipeline.runtime.trace import merge_rank_spans
+from pipeline.runtime.zero_setup import checkpoint_regions
 from schedules import Timeline
 
 __all__ = ["EngineState"]
@@ -93,8 +94,7 @@ class EngineState(EngineFields):
 
     def _checkpoint_parts(self) -> CheckpointParts:
         optimizer: Any = self.optimizer
-        regions = (zero_regions(self.module, self.training.tied)
-                   if isinstance(optimizer, ShardedOptimizer) else None)
+        regions = checkpoint_regions(self.module, self.training.tied, optimizer)  # ZeRO 1-3
         return CheckpointParts(
             module=self.module, topology=self.topology, rank=self.rank, step=self.global_step,
             optimizer=optimizer, zero_params_by_stage=regions,

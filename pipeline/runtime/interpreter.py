@@ -21,6 +21,7 @@ from pipeline.moe.interleave import run_interleaved
 from pipeline.parallel.data_parallel import GradReducer, OverlappingReducer
 from pipeline.parallel.optimizer_step import OptimizerStep
 from pipeline.parallel.precision import Precision
+from pipeline.parallel.zero_grad_store import notify_backward_done
 from pipeline.runtime.comm import Comm
 from pipeline.runtime.compute_handlers import ComputeHandlers
 from pipeline.runtime.lookahead import early_receives
@@ -36,6 +37,8 @@ from pipeline.runtime.two_batch import declared_row_sums
 from pipeline.supervision.progress import ProgressRecord
 from schedules import Instruction, Kind
 
+_WEIGHT_GRADIENTS = frozenset({Kind.B, Kind.OVERLAP_B, Kind.W})
+"""Instructions after which a stage's weight gradients of one microbatch are complete."""
 _QUEUEING = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B, Kind.LOAD})
 """Instructions that queue messages (or only load local data); every other one first
 launches what is queued (`Comm.flush`)."""
@@ -197,6 +200,7 @@ class Interpreter(ComputeHandlers, MessageHandlers):
 
             self.pair_handovers += run_interleaved(
                 lambda: self._apply_backward(b_op, saved, grads), forward)
+            notify_backward_done(self.reducer, b_op.stage)  # ZeRO-2 / 3
             f_span, b_span = pair_spans(start, forward_end[0], _now())
             self.trace.record(op.kind, op.stage, op.microbatch, *f_span)
             self.trace.record(b_op.kind, b_op.stage, b_op.microbatch, *b_span)
@@ -210,6 +214,8 @@ class Interpreter(ComputeHandlers, MessageHandlers):
             self.comm.flush()          # the messages queued since the last such op go out
         self.op_start = _now()
         self.handlers[op.kind](op)
+        if op.kind in _WEIGHT_GRADIENTS:  # ZeRO-2 / 3 reduce each backward's gradients
+            notify_backward_done(self.reducer, op.stage)
         if op.kind is not Kind.RECV_F and op.kind is not Kind.RECV_B:
             self.trace.record(op.kind, op.stage, op.microbatch, self.op_start, _now())
 

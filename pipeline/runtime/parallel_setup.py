@@ -19,10 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
-from torch import nn
 
 from pipeline.errors import PipelineConfigError
 from pipeline.model.module import PipelineModule
@@ -40,7 +38,6 @@ from pipeline.parallel.expert_reduction import (
     broadcast_split,
     split_expert_parameters,
 )
-from pipeline.parallel.expert_zero import ExpertShardedOptimizer
 from pipeline.parallel.groups import ProcessGroups, check_world_size
 from pipeline.parallel.local_p2p import LocalLink
 from pipeline.parallel.optimizer import OptimizerFactory, make_optimizer
@@ -56,10 +53,10 @@ from pipeline.parallel.tied_sync import (
     TiedGradReducer,
     TiedWeightSynchronizer,
     create_tied_groups,
-    split_tied,
 )
 from pipeline.parallel.topology import Topology, TopologyError
 from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.runtime.zero_setup import shard_stages, zero_regions
 
 __all__ = [
     "TrainingRuntime",
@@ -162,19 +159,19 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
     # 3. Reducer and optimizer (ZeRO-1's sharded optimizer is both).
     view: GradientView
     built: RankOptimizer | None
-    if config.zero_stage is ZeroStage.OPTIMIZER_STATE:
+    if config.zero_stage is not ZeroStage.DISABLED:
+        zero = f"zero_stage={int(config.zero_stage)}"
         if gradient_reducer is not None:
-            raise PipelineConfigError("zero_stage=1 reduces gradients itself (reduce-scatter "
-                                      "into shards); drop gradient_reducer=")
+            raise PipelineConfigError(f"{zero} reduces gradients itself (reduce-scatter "
+                                      f"into shards); drop gradient_reducer=")
         if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
             raise PipelineConfigError(
-                f"zero_stage=1 builds its optimizer over this rank's shards: pass a factory "
+                f"{zero} builds its optimizer over this rank's shards: pass a factory "
                 f"such as optimizer=lambda params: torch.optim.Adam(params, lr=1e-3), not "
                 f"{type(optimizer).__name__}")
         if groups is None:
-            raise PipelineConfigError("internal error: zero_stage=1 needs process groups")
-        sharded = _sharded_optimizer(module, tied, optimizer, groups, config) if params \
-            else None
+            raise PipelineConfigError(f"internal error: {zero} needs process groups")
+        sharded = shard_stages(module, tied, optimizer, groups, config) if params else None
         reducer: GradReducer = sharded if sharded is not None else NoOpGradReducer()
         built = sharded
         view = ShardedGrads(sharded, groups.world_group, tp_rank)
@@ -217,45 +214,6 @@ def _watch_stages(reducer: BucketedGradReducer, module: PipelineModule,
     for stage in module.stages:  # expert shards are not the dp reducer's (ExpertSplitReducer)
         dense, _ = split_expert_parameters(module.stage_parameters(int(stage)))
         reducer.watch(int(stage), [p for p in dense if id(p) not in tied_ids])
-
-
-def _sharded_optimizer(module: PipelineModule, tied: TiedWeightSynchronizer | None,
-                       factory: OptimizerFactory, groups: ProcessGroups,
-                       config: ParallelConfig) -> ShardedOptimizer:
-    """ZeRO-1 over the dp group, one region per stage (tied weights in their own region,
-    reduced after the owners' sum)."""
-    # the factory gets this rank's model parameters; its groups are carried onto the shards
-    sharded: ShardedOptimizer
-    if groups.expert_dp_group is not None:  # expert states over their own group
-        sharded = ExpertShardedOptimizer(zero_regions(module, tied),
-                                         lambda params: factory(cast(list[nn.Parameter],
-                                                                     params)),
-                                         groups.dp_group, groups.expert_dp_group,
-                                         groups.topology.ep, bucket_mb=config.bucket_mb,
-                                         overlap_param_gather=config.overlap_param_gather)
-    else:
-        sharded = ShardedOptimizer(zero_regions(module, tied),
-                                   lambda params: factory(cast(list[nn.Parameter], params)),
-                                   groups.dp_group, bucket_mb=config.bucket_mb,
-                                   overlap_param_gather=config.overlap_param_gather)
-    if config.overlap_param_gather:
-        # each layer's forward waits for its own buckets; `state_dict` completes them all
-        layers = [layer for key in module.stages
-                  for layer in module.stage(int(key)).layers.values()]
-        sharded.watch_forward(layers)
-        for layer in [module, *layers]:
-            layer.register_state_dict_pre_hook(
-                lambda *_: sharded.finish_param_gather())
-    return sharded
-
-
-def zero_regions(module: PipelineModule, tied: TiedWeightSynchronizer | None
-                 ) -> dict[int, list[nn.Parameter]]:
-    """The parameters of each ZeRO-1 region: one per stage, tied weights in `TIED_REGION`
-    (the layout checkpoints must describe, too)."""
-    by_stage: dict[int, list[nn.Parameter]] = {
-        int(stage): module.stage_parameters(int(stage)) for stage in module.stages}
-    return split_tied(by_stage, tied.params) if tied is not None else by_stage
 
 
 def reduced_gradients(module: PipelineModule, optimizer: RankOptimizer | None

@@ -62,17 +62,23 @@ _STATES: dict[str, tuple[float, float, float]] = {
 def model_state_bytes(precision: Precision = "fp32", *, zero_stage: int = 0,
                       data_parallel: int = 1, optimizer_factor: float = 2.0
                       ) -> ParameterBytes:
-    """Bytes per parameter of `precision` training under ZeRO `zero_stage` (0 or 1) over
+    """Bytes per parameter of `precision` training under ZeRO `zero_stage` (0-3) over
     `data_parallel` replicas. `optimizer_factor`: fp32 optimizer-state words per parameter
     (Adam 2, SGD with momentum 1, plain SGD 0).
+
+    Each stage shards one more part over d (Rajbhandari et al. 2020, §5 and Figure 1, whose
+    mixed-precision Adam reads (2 + 2 + K)Ψ with K = 12): ZeRO-1 the optimizer part
+    (2 + 2 + K/d), ZeRO-2 also the gradients (2 + (2 + K)/d), ZeRO-3 also the parameters
+    ((2 + 2 + K)/d). In fp32 (4, 4, 8): 16, 8 + 8/d, 4 + 12/d, 16/d. ZeRO-3's gathered
+    layers come and go: they are activations-like workspace, not model state.
 
     "bf16" / "fp16" mean half-precision parameters with fp32 masters (the engine's
     ``half_parameters=True``); autocast over fp32 parameters is priced as "fp32"."""
     if precision not in _STATES:
         raise ScheduleConfigError(f"precision must be one of {sorted(_STATES)}, got "
                                   f"{precision!r}")
-    if zero_stage not in (0, 1):
-        raise ScheduleConfigError(f"zero_stage must be 0 or 1, got {zero_stage!r}")
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+        raise ScheduleConfigError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) \
             or data_parallel < 1:
         raise ScheduleConfigError(f"data_parallel must be an int >= 1, got {data_parallel!r}")
@@ -82,8 +88,10 @@ def model_state_bytes(precision: Precision = "fp32", *, zero_stage: int = 0,
                                   f"{optimizer_factor!r}")
     parameters, gradients, sharded = _STATES[precision]
     sharded += 4.0 * (optimizer_factor - 2.0)  # the table's Adam moments are 8 of it
-    return ParameterBytes(parameters, gradients,
-                           sharded / data_parallel if zero_stage == 1 else sharded)
+    d = data_parallel
+    return ParameterBytes(parameters / d if zero_stage >= 3 else parameters,
+                          gradients / d if zero_stage >= 2 else gradients,
+                          sharded / d if zero_stage >= 1 else sharded)
 
 
 def expert_state_bytes(precision: Precision = "fp32", *, expert_parallel: int,

@@ -30,6 +30,24 @@ def test_model_states_are_megatrons_figures(d: int) -> None:
     assert model_state_bytes("fp32", optimizer_factor=0).total == 8  # plain SGD
 
 
+@pytest.mark.parametrize("d", [1, 2, 8])
+def test_zero_stages_are_the_zero_papers_formulas(d: int) -> None:
+    # Rajbhandari et al. 2020, Figure 1 (mixed-precision Adam, K = 12): baseline (2 + 2 + K),
+    # P_os 2 + 2 + K/d, P_os+g 2 + (2 + K)/d, P_os+g+p (2 + 2 + K)/d, each part by its stage.
+    # Ours counts fp32 main gradients for bf16 (4, not the paper's 2) and fp32 has (4, 4, 8).
+    for (params, grads, optimizer), precision in (((4, 4, 8), "fp32"), ((2, 4, 12), "bf16")):
+        expected = {0: params + grads + optimizer, 1: params + grads + optimizer / d,
+                    2: params + (grads + optimizer) / d, 3: (params + grads + optimizer) / d}
+        for stage, total in expected.items():
+            got = model_state_bytes(precision, zero_stage=stage,  # type: ignore[arg-type]
+                                    data_parallel=d)
+            assert got.total == pytest.approx(total), (precision, stage)
+    assert model_state_bytes("fp32", zero_stage=3, data_parallel=4).total == 4  # 16Ψ / 4
+    for bad in (4, -1, True):
+        with pytest.raises(ScheduleConfigError, match="zero_stage"):
+            model_state_bytes("fp32", zero_stage=bad)
+
+
 def test_layer_activations_are_korthikantis_table() -> None:
     s, b, h, a, t = 128, 2, 64, 4, 2
     sbh = s * b * h

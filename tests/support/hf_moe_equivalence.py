@@ -101,7 +101,7 @@ def _biases(module: PipelineModule, stages: tuple[int, ...]) -> dict[int, torch.
     return found
 
 
-def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bool = False,
+def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: int = 0,
                          top_k: int = 2, ties: bool = False, padded: bool = False,
                          tied: bool = False, clip: float | None = None, steps: int = 1,
                          schedule: str = "1f1b", export: bool = False,
@@ -143,8 +143,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
                             partition_method=partition_method)
     options: dict[str, Any] = {"data_parallel": dp, "expert_parallel": ep,
                                "gradient_clipping": clip, **engine}
-    if zero:
-        options["zero_stage"] = 1
+    if zero:  # True: ZeRO-1
+        options["zero_stage"] = int(zero)
     with tempfile.TemporaryDirectory() as directory:
         box = [directory]
         dist.broadcast_object_list(box, src=0)  # rank 0's directory (one file system)
@@ -160,7 +160,7 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: bo
         saved_names = set(json.loads(Path(box[0], INDEX).read_text())["weight_map"])
         dist.barrier()
     expected_reads = _expected_reads(family, module, hf, ep, replica)
-    if zero != isinstance(pipelined.optimizer, ShardedOptimizer):
+    if bool(zero) != isinstance(pipelined.optimizer, ShardedOptimizer):
         raise AssertionError(f"zero={zero} but the engine built {pipelined.optimizer!r}")
     rows = slice(8 * replica, 8 * replica + 8)
     inputs = (ids[rows], mask[rows]) if padded else ids[rows]

@@ -33,7 +33,8 @@ class TPCase:
     tp: int
     dp: int = 1
     sequence_parallel: bool = False
-    zero: bool = False
+    zero: int = 0
+    """ZeRO stage (True: 1)."""
     recompute: str = "none"
     schedule: str = "1f1b"
     chunks: int = 1
@@ -56,7 +57,8 @@ class TPCase:
 
     def label(self) -> str:
         parts = [self.family, f"tp{self.tp}", f"dp{self.dp}" if self.dp > 1 else "",
-                 "sp" if self.sequence_parallel else "", "zero1" if self.zero else "",
+                 "sp" if self.sequence_parallel else "",
+                 f"zero{int(self.zero)}" if self.zero else "",
                  self.recompute if self.recompute != "none" else "",
                  self.schedule if self.schedule != "1f1b" else "",
                  f"v{self.chunks}" if self.chunks > 1 else "",
@@ -120,7 +122,7 @@ def tp_step_errors(case: TPCase) -> dict[str, float]:
             load_hf_weights(module, hf, box[0])
         engine = PipelineEngine(module, schedule=case.schedule, num_microbatches=2,
                                 tensor_parallel=case.tp, data_parallel=case.dp,
-                                zero_stage=1 if case.zero else 0, timeout=60,
+                                zero_stage=int(case.zero), timeout=60,
                                 optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE),
                                 **case.engine)
         dist.barrier()

@@ -42,6 +42,8 @@ _SCHEDULE_TESTS = ("tests/schedules/test_golden.py", "tests/schedules/test_prope
 _VALIDATOR_TESTS = ("tests/schedules/test_validator.py",
                     "tests/schedules/test_validator_mutations.py")
 
+_ZERO_TESTS = ("tests/parallel/test_zero_stages.py",)
+
 BUGS: tuple[PlantedBug, ...] = (
     PlantedBug("1F1B warm-up count one too many", "schedules/generators/classic.py",
                "        num_warmup_microbatches = min(p - r - 1, m)\n        forwards",
@@ -125,6 +127,22 @@ BUGS: tuple[PlantedBug, ...] = (
                "schedules/search/list_scheduler.py",
                "    hop = [delay[s] if s < last", "    hop = [0.0 if s < last",
                ("tests/schedules/test_list_scheduler.py",)),
+    PlantedBug("ZeRO-2 reads another rank's piece of a reduced bucket",
+               "pipeline/parallel/zero_grad_store.py",
+               "buffer[self.dp_rank * piece:(self.dp_rank + 1) * piece]",
+               "buffer[(1 - self.dp_rank) * piece:(2 - self.dp_rank) * piece]", _ZERO_TESTS),
+    PlantedBug("ZeRO-2 reduces a gradient bucket twice", "pipeline/parallel/zero_grad_store.py",
+               "self._in_flight.append((b, buffer, self._launch(b, buffer)))",
+               "self._in_flight.append((b, buffer, self._launch(b, buffer)"
+               " + self._launch(b, buffer)))", _ZERO_TESTS),
+    PlantedBug("ZeRO-3 takes back a gathered layer's shard from the wrong rank",
+               "pipeline/parallel/zero3.py",
+               "region.layout.shard(region.flat_param, self.dp_rank)",
+               "region.layout.shard(region.flat_param, 1 - self.dp_rank)", _ZERO_TESTS),
+    PlantedBug("ZeRO-3 gathers a layer's buckets out of rank order", "pipeline/parallel/zero3.py",
+               "                mine = region.master.detach()[b].to(flat.dtype)",
+               "                mine = region.master.detach()[b].to(flat.dtype).flip(0)",
+               _ZERO_TESTS),
 )
 
 

@@ -1,0 +1,88 @@
+"""ZeRO stages 0-3 inside pipeline stages: live model-state bytes per parameter after a step,
+next to the ZeRO paper's formulas, and the bytes each rank sends a step.
+
+pp2 × dp2 (4 CPU ranks), 8 × Linear(256) per stage pair, fp32 Adam, 4 microbatches of 1F1B.
+Bytes are counted on the live storages right after the step (`count_model_states`: each
+storage once; ZeRO-3's gathered layers are freed by then); the formula column is
+`schedules.analysis.accounting.model_state_bytes` (Rajbhandari et al. 2020: 16, 8 + 8/d,
+4 + 12/d, 16/d for fp32 Adam). Also ZeRO-3's most bytes of layers gathered at once during
+the step (with and without `reshard_after_forward`).
+
+    PYTHONPATH=$PWD python benchmarks/bench_zero_stages.py
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline import PipelineEngine, PipelineModule, launch
+from pipeline.parallel.model_state import count_model_states
+from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.parallel.zero3 import FullyShardedOptimizer
+from schedules.analysis.accounting import model_state_bytes
+
+__all__ = ["main"]
+
+WIDTH, LAYERS, DP = 256, 8, 2
+CONFIGS = [(0, True), (1, True), (2, True), (3, True), (3, False)]
+"""(ZeRO stage, reshard_after_forward)."""
+
+
+def _peak_gathered(sharded: FullyShardedOptimizer, peak: list[int]) -> None:
+    gather = sharded.gather
+
+    def counted(key: int) -> None:
+        gather(key)
+        peak[0] = max(peak[0], sum(sharded.layouts()[k].size * 4
+                                   for k in sharded.gathered_units()))
+    sharded.gather = counted  # type: ignore[method-assign]
+
+
+def _measure() -> list[dict[str, Any]]:
+    rows = []
+    for zero, reshard in CONFIGS:
+        torch.manual_seed(0)
+        module = PipelineModule([nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)], num_stages=2,
+                                loss_fn=F.mse_loss)
+        engine = PipelineEngine(module, schedule="1f1b", num_microbatches=4, data_parallel=DP,
+                                zero_stage=zero, reshard_after_forward=reshard,
+                                optimizer=lambda p: torch.optim.Adam(p, lr=1e-4))
+        peak = [0]
+        if isinstance(engine.optimizer, FullyShardedOptimizer):
+            _peak_gathered(engine.optimizer, peak)
+        x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+        stats = engine.optimizer.stats if isinstance(engine.optimizer, ShardedOptimizer) \
+            else getattr(engine.gradient_reducer, "stats", None)
+        if stats is not None:
+            stats.reset()
+        engine.train_batch(x, y)
+        counted = count_model_states(engine.module, engine.optimizer)
+        rows.append({"zero": zero, "reshard": reshard, "per_parameter": counted.per_parameter,
+                     "gradients": counted.gradients / counted.num_parameters,
+                     "sent": 0 if stats is None else stats.payload_bytes,
+                     "params": counted.num_parameters, "peak_gathered": peak[0]})
+        engine.stop_watchdog()
+    return rows
+
+
+def main() -> None:
+    rows = launch(_measure, 2 * DP, join_timeout=900)[0]
+    print(f"\n## Model states per rank, pp2 × dp{DP}, fp32 Adam (rank 0, {rows[0]['params']:,} "
+          f"parameters)\n")
+    print("| ZeRO | reshard_after_forward | ours (B/param) | paper (B/param) | gradients "
+          "(B/param) | payload sent a step (KiB) | ZeRO-3 peak gathered (KiB) |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        paper = model_state_bytes("fp32", zero_stage=row["zero"], data_parallel=DP).total
+        print(f"| {row['zero']} | {row['reshard'] if row['zero'] == 3 else '-'} | "
+              f"{row['per_parameter']:.2f} | {paper:.2f} | {row['gradients']:.2f} | "
+              f"{row['sent'] / 1024:.0f} | "
+              f"{row['peak_gathered'] / 1024 if row['zero'] == 3 else 0:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

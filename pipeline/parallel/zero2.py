@@ -1,0 +1,75 @@
+"""ZeRO-2 inside pipeline stages: optimizer state and gradients sharded over the dp group.
+
+Legend as in `pipeline.parallel.zero_layout` (d = dp size, a region's k buckets of d·s
+elements, rank r's (k, s) shard). Everything of ZeRO-1 (`ShardedOptimizer`: regions per
+stage, the fp32 master shard, the parameter all-gather after the step) except where the
+gradients live: ZeRO-1 keeps each region's whole main-gradient buffer through the step and
+reduce-scatters it once after the stage's last backward; ZeRO-2 reduce-scatters every
+backward's buckets as they fill (`pipeline.parallel.zero_grad_store`) and keeps only the
+(k, s) shard, so after the step a rank holds 4Ψ/d gradient bytes (fp32) instead of 4Ψ, at
+the price of m reductions a step instead of one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.parallel.tied_sync import TIED_REGION
+from pipeline.parallel.zero import ShardedOptimizer
+from pipeline.parallel.zero_collectives import COLLECTIVES, BucketReduction, Launched
+from pipeline.parallel.zero_grad_store import ShardGradStore
+from pipeline.parallel.zero_layout import ShardLayout
+from pipeline.parallel.zero_region import ShardRegion
+
+__all__ = ["GradShardedOptimizer"]
+
+
+class GradShardedOptimizer(ShardedOptimizer):
+    """ZeRO-2: a `ShardedOptimizer` whose gradients are reduce-scattered into this rank's
+    shard during every backward (the constructor's arguments are `ShardedOptimizer`'s).
+
+    Also a reducer the interpreter tells when one backward of a stage ended
+    (`backward_done`): the buckets that did not fill launch then, on every replica at the
+    same point. `last_backward` is not needed (every backward's gradients are final for
+    their bucket) and does nothing.
+    """
+
+    def backward_done(self, stage_index: int) -> None:
+        """One B or W of `stage_index` ended: launch its region's unfilled buckets."""
+        region = self._regions.get(stage_index)
+        if region is not None and region.store is not None and region.store.hooked:
+            region.store.backward_done()
+
+    def last_backward(self, stage_index: int) -> None:
+        """Nothing to arm: ZeRO-2 launches buckets in every backward."""
+        del stage_index
+
+    def _attach_grads(self, key: int, region: ShardRegion, grad_dtype: torch.dtype) -> None:
+        layout = region.layout
+        region.store = ShardGradStore(
+            region.params, region.offsets, layout, grad_dtype, self.dp_rank,
+            lambda b, buffer: self._reduce_bucket(buffer, layout),
+            hooked=key != TIED_REGION)
+
+    def _reduce_bucket(self, buffer: torch.Tensor, layout: ShardLayout) -> Launched:
+        """Launch the reduction of one bucket's transient buffer (d pieces of s)."""
+        if self.average:
+            buffer.div_(self.dp_size)  # before the sum, as DDP, so fp16 sums stay in range
+        one_bucket = ShardLayout(layout.dp_size * layout.piece, layout.dp_size, 1, layout.piece)
+        return COLLECTIVES[self.collective](BucketReduction(
+            buffer, one_bucket, 0, self.dp_rank, self.group, self.stats))
+
+    def _launch_reduce(self, region: ShardRegion) -> None:
+        store = _store(region)
+        store.take_grads()  # unhooked (tied) gradients, summed over their owners by now
+        store.flush()
+        region.reduced = True
+
+    def _settle(self, region: ShardRegion) -> None:
+        self._point_grads(region, _store(region).settle())
+
+
+def _store(region: ShardRegion) -> ShardGradStore:
+    if region.store is None:
+        raise RuntimeError("internal error: a ZeRO-2 region without its gradient shard")
+    return region.store
