@@ -24,7 +24,6 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ from pipeline.interop.hf_shared import (
     _mask_function,
     causal_lm_loss,
     causal_lm_targets,
+    generation_eos,
 )
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
@@ -225,7 +225,7 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
     """The layer list and its name prefixes; from `model`'s modules when given (no copy),
     else as specs each rank builds only for its own stages."""
     n, kind = config.num_hidden_layers, config.model_type
-    eos = _generation_eos(config, model)
+    eos = generation_eos(config, model)
     tied = bool(getattr(config, "tie_word_embeddings", kind == "gpt2"))
     softcap = getattr(config, "final_logit_softcapping", None)
     modeling = _modeling(config)
@@ -252,21 +252,6 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
         layers.append(LayerSpec(_lm_head, config, model))
         names.append(("" if softcap is None else "head.", "lm_head."))
     return layers, names
-
-
-def _generation_eos(config: Any, model: Any) -> tuple[int, ...]:
-    """The EOS ids HF's ``generate`` stops on by default: the model's generation config; for
-    a config, the ``generation_config.json`` beside it (as ``from_pretrained`` reads it),
-    else the config's own EOS (``GenerationConfig.from_model_config``)."""
-    generation = importlib.import_module("transformers.generation")
-    found = getattr(model, "generation_config", None) if model is not None else None
-    if found is None:
-        source = Path(str(getattr(config, "_name_or_path", "") or ""))
-        found = generation.GenerationConfig.from_pretrained(source) \
-            if (source / "generation_config.json").is_file() else \
-            generation.GenerationConfig.from_model_config(config)
-    eos = found.eos_token_id
-    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
 
 
 def _gpt2_positions(config: Any, model: Any) -> nn.Module:

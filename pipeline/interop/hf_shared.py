@@ -6,6 +6,7 @@ import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from pipeline.moe.balance_loss import BalanceLoss
 from pipeline.moe.balancing import MoEBalancing
 from pipeline.runtime.loss_normalization import SummedLoss
 
-__all__ = ["IGNORE_INDEX", "HFLayers", "causal_lm_loss", "causal_lm_targets"]
+__all__ = ["IGNORE_INDEX", "HFLayers", "causal_lm_loss", "causal_lm_targets", "generation_eos"]
 
 IGNORE_INDEX = -100
 """Label of a token that takes no part in the loss (HF's convention)."""
@@ -124,3 +125,18 @@ def _mask_function(config: Any, index: int) -> Callable[..., Any]:
         extra = _WithinWindow(window) if sliding else _attend_everywhere
         return functools.partial(mask, or_mask_function=extra)
     return mask
+
+
+def generation_eos(config: Any, model: Any) -> tuple[int, ...]:
+    """The EOS ids HF's ``generate`` stops on by default: the model's generation config; for
+    a config, the ``generation_config.json`` beside it (as ``from_pretrained`` reads it),
+    else the config's own EOS (``GenerationConfig.from_model_config``)."""
+    generation = importlib.import_module("transformers.generation")
+    found = getattr(model, "generation_config", None) if model is not None else None
+    if found is None:
+        source = Path(str(getattr(config, "_name_or_path", "") or ""))
+        found = generation.GenerationConfig.from_pretrained(source) \
+            if (source / "generation_config.json").is_file() else \
+            generation.GenerationConfig.from_model_config(config)
+    eos = found.eos_token_id
+    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
