@@ -17,6 +17,7 @@ from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, save_checkpoint
 from pipeline.device import default_device, synchronize
 from pipeline.errors import NonFiniteError, PipelineConfigError, PipelineStepError
+from pipeline.launcher.torchrun_group import init_from_torchrun
 from pipeline.model.module import PipelineModule
 from pipeline.moe.expert_parallel import parallelize_experts
 from pipeline.moe.interleave import has_expert_all_to_all
@@ -101,7 +102,7 @@ class PipelineEngine:
         """What this engine was told (validated on construction)."""
         check_engine_arguments(optimizer=optimizer, topology=topology, groups=groups,
                                gradient_reducer=gradient_reducer, device=device)
-        if not dist.is_initialized():
+        if not init_from_torchrun(self.config.timeout):  # torchrun: from its environment
             raise PipelineConfigError("no process group: run inside pipeline.launch(fn, "
                                       "world_size) or torchrun, or call "
                                       "torch.distributed.init_process_group first")
