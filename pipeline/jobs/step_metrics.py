@@ -127,7 +127,10 @@ class StepMeter:
         self.devices = devices
         self.peak_flops = peak_flops
         self.writer = writer
-        self._file: IO[str] | None = metrics.open("a") if writer and metrics else None
+        self._file: IO[str] | None = None
+        if writer and metrics is not None:
+            metrics.parent.mkdir(parents=True, exist_ok=True)
+            self._file = metrics.open("a")
         self._board: Any = None
         if writer and tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
