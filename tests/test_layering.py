@@ -18,8 +18,8 @@ TOP_LEVEL: dict[str, frozenset[str]] = {
     "viz": frozenset({"schedules", "partition"}),
     "pipeline": frozenset({"schedules", "partition", "viz"}),
 }
-# pipeline's rooms, lowest first: cli -> jobs -> demo -> rehearsal -> planner -> interop -> runtime ->
-# moe -> checkpoint -> model -> parallel -> launcher -> supervision -> the shared leaves
+# pipeline's rooms, lowest first: cli -> jobs -> demo -> rehearsal -> planner -> interop ->
+# runtime -> moe -> checkpoint -> model -> parallel -> launcher -> supervision -> the shared leaves
 # (pipeline/*.py: errors, device, limits, files).
 ROOMS = ("", "supervision", "launcher", "parallel", "model", "checkpoint", "moe", "runtime",
          "interop", "planner", "rehearsal", "demo", "jobs", "cli")

@@ -4,13 +4,19 @@ ranks, with checkpoints that resume and per-step throughput."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.cli.options import non_negative_float, positive_float, positive_int, seed_int, \
-    timeout_seconds
+from pipeline.cli.options import (
+    non_negative_float,
+    positive_float,
+    positive_int,
+    seed_int,
+    timeout_seconds,
+)
 
 __all__ = ["register", "run"]
 
@@ -160,7 +166,7 @@ def _partition(text: str, layers: int, slots: int) -> tuple[int, ...] | str:
         raise ValueError(f"--partition {text!r}: cuts must be whole numbers, e.g. 0,3,6") \
             from None
     if len(cuts) != slots + 1 or cuts[0] != 0 or cuts[-1] != layers or \
-            any(a >= b for a, b in zip(cuts, cuts[1:])):
+            any(a >= b for a, b in itertools.pairwise(cuts)):
         raise ValueError(f"--partition {text!r}: need {slots + 1} rising cuts from 0 to "
                          f"{layers} (the model's layers) for {slots} stage slots")
     return cuts

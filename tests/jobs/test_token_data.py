@@ -81,7 +81,7 @@ def test_a_shuffled_order_is_a_permutation_per_epoch_fixed_by_the_seed(tmp_path:
 def test_refusals_name_the_value_and_the_fix(tmp_path: Path) -> None:
     tokens = np.arange(40)
     bare = _write(tmp_path / "bare.bin", tokens, None)
-    with pytest.raises(ValueError, match="--data-dtype .*bare.bin.json"):
+    with pytest.raises(ValueError, match=r"--data-dtype .*bare\.bin\.json"):
         open_token_file(bare)
     assert open_token_file(bare, "uint16").dtype == "uint16"
     with pytest.raises(ValueError, match="no such file"):
