@@ -12,40 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from pipeline.cli import main
+from tests.support.token_runs import BATCH, SEQ, hf_losses, metrics, model_dir, token_file
 
 ROOT = Path(__file__).resolve().parents[2]
-VOCAB, SEQ, BATCH, LR = 100, 16, 4, 3e-4
 STEP_LINE = re.compile(r"step (\d+)/\d+  loss [\d.]+  \d+ ms  [\d,]+ tokens/s  [\d.e+-]+ "
                        r"TFLOP/s/device  MFU [\d.]+%  peak mem \d+ MiB")
-
-
-def _model_dir(root: Path) -> Path:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=3, num_attention_heads=4,
-                                      num_key_value_heads=2, vocab_size=VOCAB,
-                                      max_position_embeddings=64, tie_word_embeddings=False)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
-    return root / "model"
-
-
-def _token_file(root: Path) -> Path:
-    path = root / "train.bin"
-    np.random.default_rng(0).integers(0, VOCAB, 2000).astype(np.uint16).tofile(path)
-    (root / "train.bin.json").write_text(json.dumps({"dtype": "uint16"}))
-    return path
-
-
-def _metrics(directory: Path) -> dict[int, dict[str, float]]:
-    lines = (directory / "metrics.jsonl").read_text().splitlines()
-    return {record["step"]: record for record in map(json.loads, lines)}
 
 
 def _torchrun(line: str, env: dict[str, str]) -> str:
@@ -56,34 +30,12 @@ def _torchrun(line: str, env: dict[str, str]) -> str:
     return done.stdout
 
 
-def _hf_losses(model: Path, data: Path, steps: int) -> list[float]:
-    """Single-process HF: the same windows (file order), AdamW, mean token cross entropy."""
-    import transformers
-
-    from pipeline.jobs.token_data import TokenBatches, open_token_file
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model))
-    optimizer = torch.optim.AdamW(hf.parameters(), lr=LR)
-    batches = TokenBatches(open_token_file(data), seq_len=SEQ, global_batch=BATCH,
-                           data_parallel=1, replica=0, vocab_size=VOCAB)
-    losses = []
-    for step in range(steps):
-        inputs, targets = batches.batch(step * BATCH)
-        logits = hf(input_ids=inputs).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_the_printed_plan_runs_under_torchrun_resumes_and_equals_an_uninterrupted_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    model, data = _model_dir(tmp_path), _token_file(tmp_path)
+    model, data = model_dir(tmp_path), token_file(tmp_path)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)  # `local` calibrates one rank per core
     assert main(["plan", "--model", str(model), "--cluster", "local", "--global-batch",
                  str(BATCH), "--seq", str(SEQ), "--pp", "2", "--microbatch-size", "2"]) == 0
@@ -101,7 +53,7 @@ def test_the_printed_plan_runs_under_torchrun_resumes_and_equals_an_uninterrupte
     assert "from the HF weights" in first and "resumed at step 2" in second
     logged = [int(m.group(1)) for m in STEP_LINE.finditer(first + second)]
     assert logged == [1, 2, 3, 4], first + second  # rank 0 alone, one line a step
-    resumed = _metrics(interrupted)
+    resumed = metrics(interrupted)
     assert sorted(resumed) == [1, 2, 3, 4]
     assert all(resumed[s]["tokens_per_second"] > 0 and resumed[s]["mfu"] > 0 and
                resumed[s]["tflops_per_device"] > 0 for s in resumed)
@@ -114,11 +66,11 @@ def test_the_printed_plan_runs_under_torchrun_resumes_and_equals_an_uninterrupte
         arguments = arguments.replace(f"${name}", value)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     assert main(shlex.split(arguments)) == 0
-    uninterrupted = _metrics(plain)
+    uninterrupted = metrics(plain)
     for step in range(1, 5):
         assert resumed[step]["loss"] == pytest.approx(uninterrupted[step]["loss"], rel=1e-6,
                                                       abs=1e-7), step
-    expected = _hf_losses(model, data, 4)
+    expected = hf_losses(model, data, 4)
     got = [uninterrupted[step]["loss"] for step in range(1, 5)]
     assert got == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert got[3] != pytest.approx(got[0], abs=1e-4)  # it trains: the steps differ
@@ -127,7 +79,7 @@ def test_the_printed_plan_runs_under_torchrun_resumes_and_equals_an_uninterrupte
 @pytest.mark.slow
 def test_run_reads_its_sizes_from_plan_json_and_refuses_a_bad_partition(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model, data = _model_dir(tmp_path), _token_file(tmp_path)
+    model, data = model_dir(tmp_path), token_file(tmp_path)
     cluster = tmp_path / "two.json"
     cluster.write_text(json.dumps({"preset": "h100-80g", "devices_per_node": 2}))
     assert main(["plan", "--model", str(model), "--cluster", str(cluster), "--global-batch",
