@@ -114,14 +114,14 @@ def _resume(engine: Any, config: RunConfig) -> int:
     return int(saved["position"])
 
 
-def _save(engine: Any, config: RunConfig, position: int) -> None:
+def _save(engine: Any, config: RunConfig, root: str, position: int) -> None:
+    """A checkpoint under `root`, rank 0 adding the data position as client state."""
     state = {"client_state": {DATA_STATE: {"position": position, "data": config.data,
                                            "seq_len": config.seq_len,
                                            "global_batch": config.batch_size,
                                            "shuffle_seed": config.shuffle_seed}}}
     extra = {CLIENT_STATE: client_state_bytes(state)} if dist.get_rank() == 0 else {}
-    assert config.checkpoint is not None
-    engine.save_checkpoint(config.checkpoint, extra_files=extra)
+    engine.save_checkpoint(root, extra_files=extra)
 
 
 def run_rank(config: RunConfig) -> RunReport | None:
@@ -188,7 +188,7 @@ def run_rank(config: RunConfig) -> RunReport | None:
             last = step == config.steps
             if config.checkpoint and (last or (config.save_every
                                                and step % config.save_every == 0)):
-                _save(engine, config, position)
+                _save(engine, config, config.checkpoint, position)
     finally:
         meter.close()
         engine.stop_watchdog()

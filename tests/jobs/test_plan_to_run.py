@@ -108,4 +108,11 @@ def test_run_reads_its_sizes_from_plan_json_and_refuses_a_bad_partition(
                  "--stages", "2", "--batch-size", "4", "--seq-len", str(SEQ),
                  "--partition", "0,9,6"]) == 2
     assert "need 3 rising cuts from 0 to 6" in capsys.readouterr().err
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:  # not installed here: refused before any rank starts, naming the fix
+        assert main(["run", "--model", str(model), "--data", str(data), "--steps", "1",
+                     "--batch-size", "4", "--seq-len", str(SEQ), "--tensorboard",
+                     str(tmp_path / "tb")]) == 2
+        assert "pip install tensorboard" in capsys.readouterr().err
     assert sys.modules.get("pipeline.jobs.hf_run") is not None  # imported, never launched
