@@ -17,6 +17,9 @@ from pipeline.cli.options import (
     seed_int,
     timeout_seconds,
 )
+from pipeline.files import InputFileType, OutputFileType
+from pipeline.limits import MAX_INPUT_BYTES
+from schedules import SCHEDULES
 
 __all__ = ["register", "run"]
 
@@ -55,11 +58,14 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "run", help="train a HF model directory on a token file (torchrun or local ranks)",
         description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, metavar="DIR",
+                        type=InputFileType(MAX_INPUT_BYTES, json_document=True,
+                                           directory_file="config.json"),
                         help="HF model directory (config.json + safetensors)")
     parser.add_argument("--data", required=True, metavar="FILE", help="flat token file")
     parser.add_argument("--data-dtype", choices=("uint16", "uint32", "int32"), default=None,
                         help="token dtype (default: FILE.json's \"dtype\")")
-    parser.add_argument("--plan", type=Path, default=None, metavar="PLAN.json",
+    parser.add_argument("--plan", default=None, metavar="PLAN.json",
+                        type=InputFileType(MAX_INPUT_BYTES, json_document=True),
                         help="sizes from `pipesched plan --json` output (flags override)")
     parser.add_argument("--steps", type=positive_int, required=True, metavar="N",
                         help="train until step N (a resumed run counts the steps it resumed)")
@@ -71,7 +77,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="pipeline replicas (default 1)")
     parser.add_argument("--tp", type=positive_int, default=None, metavar="T",
                         help="tensor-parallel size (tensor_parallel_hf; default 1)")
-    parser.add_argument("--schedule", default=None, help="pipeline schedule (default 1f1b)")
+    parser.add_argument("--schedule", default=None, choices=sorted(SCHEDULES),
+                        metavar="SCHEDULE", help="pipeline schedule (default 1f1b)")
     parser.add_argument("--microbatches", type=positive_int, default=None, metavar="M",
                         help="microbatches per step and replica (default 1)")
     parser.add_argument("--batch-size", type=positive_int, default=None, metavar="B",
@@ -101,7 +108,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="save to DIR and resume from its latest checkpoint")
     parser.add_argument("--save-every", type=positive_int, default=100, metavar="N",
                         help="steps between checkpoints (default 100; also after the last)")
-    parser.add_argument("--metrics", default=None, metavar="FILE",
+    parser.add_argument("--metrics", default=None, metavar="FILE", type=OutputFileType(),
                         help="append one JSON line per step (loss, tokens/s, TFLOP/s, MFU, "
                              "memory, data position)")
     parser.add_argument("--tensorboard", default=None, metavar="DIR",
@@ -114,7 +121,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.set_defaults(func=run)
 
 
-def _from_plan(path: Path) -> dict[str, Any]:
+def _from_plan(path: str) -> dict[str, Any]:
     """`pipesched run`'s options from a plan JSON: its ``run_arguments`` (a HF model's pick),
     else the pick's sizes."""
     from pipeline.planner.input_files import read_input_json
@@ -231,7 +238,8 @@ def _config(args: argparse.Namespace) -> tuple[Any, int]:
         sequence_parallel=bool(options["sequence_parallel"]),
         tp_overlap=bool(options["tp_comm_overlap"]), precision=args.precision,
         shuffle_seed=args.shuffle_seed, checkpoint=args.checkpoint,
-        save_every=args.save_every, metrics=args.metrics, tensorboard=args.tensorboard,
+        save_every=args.save_every,
+        metrics=None if args.metrics is None else str(args.metrics), tensorboard=args.tensorboard,
         peak_tflops=args.peak_tflops, timeout=args.timeout)
     return config, stages * dp * tp
 

@@ -51,7 +51,8 @@ def open_token_file(path: str | Path, dtype: str | None = None) -> TokenFile:
     """Map `path` read-only; `dtype` (one of `TOKEN_DTYPES`) or the sidecar JSON's ``dtype``."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--data {path}: no such file; pass a flat token file (uint16 or "
+        state = "not a regular file" if path.exists() else "no such file"
+        raise ValueError(f"--data {path}: {state}; pass a flat token file (uint16 or "
                          "uint32 ids back to back, e.g. nanoGPT's train.bin)")
     sidecar = sidecar_path(path)
     if dtype is None:

@@ -4,6 +4,7 @@ position, checked against an oracle written from the definition; refusals name t
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,10 @@ def test_refusals_name_the_value_and_the_fix(tmp_path: Path) -> None:
     assert open_token_file(bare, "uint16").dtype == "uint16"
     with pytest.raises(ValueError, match="no such file"):
         open_token_file(tmp_path / "missing.bin")
+    fifo = tmp_path / "fifo.bin"
+    os.mkfifo(fifo)  # mapping it would block: refused unopened
+    with pytest.raises(ValueError, match="not a regular file"):
+        open_token_file(fifo, "uint16")
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x00" * 7)
     with pytest.raises(ValueError, match="not a whole number of uint32"):
