@@ -4,7 +4,6 @@ environment (as deepspeed.init_distributed does); without that environment it re
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,12 +29,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items()
              if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
@@ -43,12 +36,18 @@ def _run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120, env=clean | {"PYTHONPATH": str(ROOT)} | env)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow
-def test_an_engine_under_torchrun_initialises_the_process_group_itself() -> None:
-    done = _run({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+def test_an_engine_under_torchrun_initialises_the_process_group_itself(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"  # a user's script: no init_process_group, no cleanup
+    script.write_text(_SCRIPT.replace("num_stages=1", "num_stages=2").split(
+        "engine.stop_watchdog()")[0])
+    done = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", str(script)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "world 1 rank 0 loss True" in done.stdout
+    assert sorted(done.stdout.split("\n"))[-2:] == ["world 2 rank 0 loss True",
+                                                     "world 2 rank 1 loss True"]
 
 
 @pytest.mark.slow
