@@ -18,12 +18,12 @@ TOP_LEVEL: dict[str, frozenset[str]] = {
     "viz": frozenset({"schedules", "partition"}),
     "pipeline": frozenset({"schedules", "partition", "viz"}),
 }
-# pipeline's rooms, each importing only those after it: cli -> demo -> rehearsal -> planner ->
-# interop -> runtime -> moe -> checkpoint -> model -> parallel -> launcher -> supervision ->
-# device -> the shared leaves (pipeline/*.py: errors, limits, files, recompute_region; why
-# each serves every room: pipeline/__init__.py).
+# pipeline's rooms, each importing only those after it: cli -> jobs -> demo -> rehearsal ->
+# planner -> interop -> runtime -> moe -> checkpoint -> model -> parallel -> launcher ->
+# supervision -> device -> the shared leaves (pipeline/*.py: errors, limits, files,
+# recompute_region; why each serves every room: pipeline/__init__.py).
 ROOMS = ("", "device", "supervision", "launcher", "parallel", "model", "checkpoint", "moe",
-         "runtime", "interop", "planner", "rehearsal", "demo", "cli")
+         "runtime", "interop", "planner", "rehearsal", "demo", "jobs", "cli")
 
 
 def _imports(path: Path, *, runtime_only: bool = False) -> list[str]:

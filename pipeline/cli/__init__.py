@@ -43,6 +43,7 @@ COMMAND_MODULES = {
     "compare": "pipeline.cli.compare_cmd",
     "partition": "pipeline.cli.partition_cmd",
     "train": "pipeline.cli.train_cmd",
+    "run": "pipeline.cli.run_cmd",
     "validate": "pipeline.cli.validate_cmd",
     "verify-checkpoint": "pipeline.cli.checkpoint_cmd",
     "rehearse": "pipeline.cli.rehearse_cmd",

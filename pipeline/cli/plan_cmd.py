@@ -328,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     target = LaunchTarget(engine=args.engine, blocks=end - first,
                           hf=hf_source(args.model, family) if family else None,
                           nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
-                          sequence_parallel=args.sequence_parallel,
+                          seq=model.seq, sequence_parallel=args.sequence_parallel,
                           tp_comm_overlap=args.tp_comm_overlap,
                           two_batch_overlap=args.two_batch_overlap)
     launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first, "target": target}

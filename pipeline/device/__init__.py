@@ -3,6 +3,7 @@
 from pipeline.device.accelerator import (
     NCCL_PER_DEVICE,
     STAGED_PER_DEVICE,
+    accelerator_name,
     accelerator_rng_states,
     backend_reason,
     copy_from_host,
@@ -24,6 +25,7 @@ from pipeline.device.accelerator import (
 __all__ = [
     "NCCL_PER_DEVICE",
     "STAGED_PER_DEVICE",
+    "accelerator_name",
     "accelerator_rng_states",
     "backend_reason",
     "copy_from_host",

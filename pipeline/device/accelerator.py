@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["NCCL_PER_DEVICE", "STAGED_PER_DEVICE", "accelerator_rng_states", "backend_reason",
-           "copy_from_host", "default_backend", "default_device", "device_memory_allocated",
+__all__ = ["NCCL_PER_DEVICE", "STAGED_PER_DEVICE", "accelerator_name", "accelerator_rng_states",
+           "backend_reason", "copy_from_host", "default_backend", "default_device",
+           "device_memory_allocated",
            "device_problem", "host_buffer_like", "peak_memory_allocated", "process_group_timeout",
            "release_cached_memory", "reset_peak_memory", "seed_accelerator_rng",
            "set_accelerator_rng_states", "stage_to_host", "synchronize"]
@@ -106,6 +107,13 @@ def device_memory_allocated(device: torch.device) -> int | None:
     if device.type == "cuda":
         synchronize(device)
         return int(torch.cuda.memory_allocated(device))
+    return None
+
+
+def accelerator_name(device: torch.device) -> str | None:
+    """The accelerator's product name, e.g. "NVIDIA H100 80GB HBM3" (None on a CPU)."""
+    if device.type == "cuda":
+        return str(torch.cuda.get_device_name(device))
     return None
 
 

@@ -96,6 +96,7 @@ class _Plan:
     overlap: bool = False
     chunks: int = 2
     ops: TensorParallelOps = dataclasses.field(default=REAL_OPS, compare=False)
+    shift_labels: bool = True
 
 
 def _size_problems(config: Any, tp: int) -> list[str]:
@@ -241,13 +242,16 @@ def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) 
 
 # -- the loss --------------------------------------------------------------------------------
 
-def _shifted(labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+def _shifted(labels: torch.Tensor, shift: bool = True) -> torch.Tensor:
+    """Token t's target: label t+1 (HF's labels), or label t (targets shifted already)."""
+    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:] if shift \
+        else labels
 
 
 def _token_losses(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    return vocab_parallel_token_losses(logits, _shifted(labels), plan.slot.vocab_start,
+    return vocab_parallel_token_losses(logits, _shifted(labels, plan.shift_labels),
+                                       plan.slot.vocab_start,
                                        plan.slot.group, IGNORE_INDEX)
 
 
@@ -256,28 +260,36 @@ def _split(plan: _Plan, logits: torch.Tensor) -> bool:
     return logits.shape[-1] != plan.config.vocab_size
 
 
+def _whole_loss(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    if plan.shift_labels:
+        return causal_lm_loss(logits, labels)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),
+                                             ignore_index=IGNORE_INDEX)
+
+
 def _mean_loss(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if not _split(plan, logits):
-        return causal_lm_loss(logits, labels)
+        return _whole_loss(plan, logits, labels)
     losses, counted = _token_losses(plan, logits, labels)
     return losses.sum() / counted.sum()
 
 
 def _summed_loss(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if not _split(plan, logits):
-        return causal_lm_loss(logits, labels) * (_shifted(labels) != IGNORE_INDEX).sum()
+        return _whole_loss(plan, logits, labels) * _count(plan, labels)
     return _token_losses(plan, logits, labels)[0].sum()
 
 
-def _count(labels: torch.Tensor) -> torch.Tensor:
-    return (_shifted(labels) != IGNORE_INDEX).sum()
+def _count(plan: _Plan, labels: torch.Tensor) -> torch.Tensor:
+    return (_shifted(labels, plan.shift_labels) != IGNORE_INDEX).sum()
 
 
 # -- the transform ---------------------------------------------------------------------------
 
 def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
                        overlap: bool = False, overlap_chunks: int = 2,
-                       ops: TensorParallelOps = REAL_OPS) -> HFLayers:
+                       ops: TensorParallelOps = REAL_OPS,
+                       shift_labels: bool = True) -> HFLayers:
     """`hf` with every layer split over the tp group it is built with (tp = 1, as in the
     single-process reference: the plain layers). Train with
     ``PipelineEngine(PipelineModule(tp_hf.layers, ...), tensor_parallel=t)``; the loss is
@@ -285,14 +297,17 @@ def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
     the tp regions (batches' lengths must divide by t). `overlap` runs each block's tp
     collectives beside its GEMMs (Megatron-Core's ``--tp-comm-overlap``; the engine's own
     layers' `overlap`, `overlap_chunks` their `chunks`; `pipesched plan --tp-comm-overlap`
-    prices it); `ops` is the GEMM / collective seam emulated devices replace."""
+    prices it); `ops` is the GEMM / collective seam emulated devices replace.
+    `shift_labels=False`: targets come shifted already, token t predicts target t (the
+    packed windows `pipesched run` reads from a token file), not HF's label t+1."""
     if not isinstance(overlap, bool):
         raise PipelineConfigError(f"overlap must be True or False, got {overlap!r}")
     if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) \
             or overlap_chunks < 1:
         raise PipelineConfigError(f"overlap_chunks must be an int >= 1 (the slices each "
                                   f"overlapped collective is cut in), got {overlap_chunks!r}")
-    plan = _Plan(hf.config, sequence_parallel, VocabSlot(), overlap, overlap_chunks, ops)
+    plan = _Plan(hf.config, sequence_parallel, VocabSlot(), overlap, overlap_chunks, ops,
+                 shift_labels)
     gpt2 = hf.config.model_type == "gpt2"
     first_block = 2 if gpt2 else 1
     last_block = len(hf.layers) - 3
@@ -318,7 +333,8 @@ def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
             layers.append(LayerSpec(_head, layer, plan))
         else:  # GPT-2's positions, the final norm
             layers.append(LayerSpec(_replicated, layer, plan))
-    summed = SummedLoss(functools.partial(_summed_loss, plan), _count,
-                        "vocab-parallel token cross entropy, ignore_index=-100, shifted")
+    summed = SummedLoss(functools.partial(_summed_loss, plan), functools.partial(_count, plan),
+                        "vocab-parallel token cross entropy, ignore_index=-100"
+                        + (", shifted" if shift_labels else ""))
     return dataclasses.replace(hf, layers=layers, loss_fn=functools.partial(_mean_loss, plan),
                                summed_loss=summed)

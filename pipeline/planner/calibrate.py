@@ -13,7 +13,7 @@ from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
 from pipeline.planner.profile import LayerProfile, ModelProfile
 
-__all__ = ["calibrate_local", "measure_links", "profile_device", "profile_layers"]
+__all__ = ["calibrate_local", "matmul_flops", "measure_links", "profile_device", "profile_layers"]
 
 _SMALL, _LARGE = 8, 4 * 2**20  # bytes of the latency and bandwidth probes
 
@@ -73,6 +73,15 @@ def measure_links(repeats: int = 10) -> dict[str, float]:
             "op_overhead": step / (2 * (m + 1))}
 
 
+def matmul_flops() -> float:
+    """FLOP/s of a 256 × 512 by 512 × 512 fp32 matmul on this process's threads (the fastest
+    of 20): the `local` cluster's peak, and `pipesched run`'s peak on a CPU."""
+    import torch
+
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    return 2 * 256 * 512 * 512 / _least_seconds(lambda: a @ b, 20)
+
+
 def calibrate_local(*, ranks: int | None = None) -> ClusterSpec:
     """This machine as a one-node cluster of `ranks` CPU ranks (default: its cores), fp32:
     a matmul's FLOP/s on one thread, Adam's memory traffic, and gloo links measured by a
@@ -83,8 +92,7 @@ def calibrate_local(*, ranks: int | None = None) -> ClusterSpec:
 
     cores = ranks or os.cpu_count() or 1
     torch.set_num_threads(1)  # the ranks run one thread each
-    a, b = torch.randn(256, 512), torch.randn(512, 512)
-    flops = 2 * 256 * 512 * 512 / _least_seconds(lambda: a @ b, 20)
+    flops = matmul_flops()
     params = [torch.nn.Parameter(torch.randn(2**20))]
     params[0].grad = torch.randn(2**20)
     adam = torch.optim.Adam(params, lr=1e-3)

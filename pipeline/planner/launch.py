@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.planner.config import PlanConfig
 
-__all__ = ["HFSource", "LaunchTarget", "hf_source", "launch_lines"]
+__all__ = ["HFSource", "LaunchTarget", "hf_source", "launch_lines", "run_arguments"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class LaunchTarget:
     hf: HFSource | None = None
     nodes: int = 1
     devices_per_node: int = 1
+    seq: int = 0
+    """The sequence length priced (the run's --seq-len; 0: not known)."""
     sequence_parallel: bool = False
     """Priced with sequence parallelism (`pipesched plan --sequence-parallel`)."""
     tp_comm_overlap: bool = False
@@ -43,8 +47,61 @@ class LaunchTarget:
 
 
 def _torchrun(target: LaunchTarget, script: str) -> str:
+    """torchrun's line: one node rendezvouses on its own (``--standalone``); many nodes meet
+    at the head node, a placeholder the caller sets (`_HEAD_NODE_NOTE`)."""
+    if target.nodes == 1:
+        return f"torchrun --standalone --nproc-per-node {target.devices_per_node} {script}"
     return (f"torchrun --nnodes {target.nodes} --nproc-per-node {target.devices_per_node} "
             f"--rdzv-backend c10d --rdzv-endpoint $HEAD_NODE:29500 {script}")
+
+
+_HEAD_NODE_NOTE = ("  run it on each node with HEAD_NODE set to the host name of one of them "
+                   "(the same on all: torchrun's rendezvous, port 29500)")
+_RUN_NOTE = ("  set DATA to a token file (uint16 or uint32 ids back to back, e.g. nanoGPT's "
+             "train.bin; its dtype in DATA.json: {\"dtype\": \"uint16\"}), STEPS to the "
+             "steps to train and CHECKPOINT_DIR to a directory (a checkpoint every 100 steps "
+             "and at the end, metrics.jsonl; the same command resumes from its latest)")
+
+
+def run_arguments(config: PlanConfig, global_batch: int, target: LaunchTarget,
+                  boundaries: tuple[int, ...]) -> dict[str, Any]:
+    """`pipesched run`'s options for `config` on a HF model (argparse names, the JSON
+    `pipesched plan --json` writes under ``pick.run_arguments``)."""
+    assert target.hf is not None
+    arguments: dict[str, Any] = {
+        "stages": config.pp, "chunks": config.chunks, "data_parallel": config.dp,
+        "tp": config.tp, "schedule": config.schedule,
+        "microbatches": config.num_microbatches, "batch_size": global_batch,
+        "partition": ",".join(map(str, _hf_cuts(boundaries, target.blocks,
+                                                target.hf.leading)))}
+    if target.seq:
+        arguments["seq_len"] = target.seq
+    if config.zero_stage:
+        arguments["zero"] = config.zero_stage
+    if config.recompute != "none":
+        arguments["recompute"] = config.recompute
+        if config.recompute_layers:
+            arguments["recompute_layers"] = config.recompute_layers
+    if config.tp > 1:
+        arguments |= {"sequence_parallel": target.sequence_parallel,
+                      "tp_comm_overlap": target.tp_comm_overlap}
+    return arguments
+
+
+def _run_command(config: PlanConfig, global_batch: int, target: LaunchTarget,
+                 boundaries: tuple[int, ...]) -> list[str]:
+    """The torchrun line that runs `pipesched run` on this pick, and what to set first."""
+    assert target.hf is not None
+    flags = [f"--model {shlex.quote(target.hf.directory)} --data $DATA --steps $STEPS "
+             f"--checkpoint $CHECKPOINT_DIR --metrics $CHECKPOINT_DIR/metrics.jsonl"]
+    for name, value in run_arguments(config, global_batch, target, boundaries).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        else:
+            flags.append(f"{flag} {value}")
+    lines = [_torchrun(target, "-m pipeline.cli run " + " ".join(flags)), _RUN_NOTE]
+    return lines + ([_HEAD_NODE_NOTE] if target.nodes > 1 else [])
 
 
 def _hf_cuts(boundaries: tuple[int, ...], blocks: int, leading: int) -> list[int]:
@@ -70,6 +127,8 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
         text = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
         return [f"PipelineModule/PipelineEngine: {text}", config.train_command(global_batch),
                 _torchrun(target, "your_script.py") + "   # one process per device"]
+    if config.ep == 1:  # a dense model: `pipesched run` trains it as it is
+        return _run_command(config, global_batch, target, boundaries)
     source = target.hf.directory
     module = (f"num_stages={config.pp}, chunks={config.chunks}, loss_fn=hf.loss_fn, "
               f"partition_method={_hf_cuts(boundaries, blocks, target.hf.leading)}, "

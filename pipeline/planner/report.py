@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.launch import LaunchTarget, launch_lines
+from pipeline.planner.launch import LaunchTarget, launch_lines, run_arguments
 from pipeline.planner.predict import Prediction
 from pipeline.planner.search import PlanResult, format_counts
 
@@ -100,7 +100,10 @@ def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *
                                   "train_command": pick.config.train_command(global_batch),
                                   "launch": launch_lines(engine, pick.config, global_batch,
                                                          blocks, target=target,
-                                                         boundaries=pick.boundaries)},
+                                                         boundaries=pick.boundaries)}
+        | ({"run_arguments": run_arguments(pick.config, global_batch, target,
+                                           pick.boundaries)}
+           if engine == "pipesched" and target is not None and target.hf is not None else {}),
         "ranked": [p.to_dict() | {"why_slower": loss_reason(p, pick),
                                   "gap_parts": gap_parts(p, pick)}
                    for p in result.predictions[:top]],

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from pipeline.checkpoint.save import Stateful
 from pipeline.device import default_device
 from pipeline.errors import PipelineConfigError
+from pipeline.launcher.torchrun_group import init_from_torchrun
 from pipeline.model.module import PipelineModule
 from pipeline.moe.expert_bias import aux_free_layers, update_expert_biases
 from pipeline.moe.expert_parallel import parallelize_experts
@@ -82,7 +83,7 @@ class PipelineEngine(StepRunner, EngineState):
         """What this engine was told (validated on construction)."""
         check_engine_arguments(optimizer=optimizer, topology=topology, groups=groups,
                                gradient_reducer=gradient_reducer, device=device)
-        if not dist.is_initialized():
+        if not init_from_torchrun(self.config.timeout):  # torchrun: from its environment
             raise PipelineConfigError("no process group: run inside pipeline.launch(fn, "
                                       "world_size) or torchrun, or call "
                                       "torch.distributed.init_process_group first")

@@ -60,6 +60,12 @@ _TEXT_FLAGS = {  # (command, flag) -> how its value is bounded
     ("rehearse", "--out"): "an output directory (created)",
     ("verify-checkpoint", "path"): "a checkpoint directory: each file read bounded "
                                    "(tests/checkpoint/test_tampering.py)",
+    ("run", "--data"): "a token file, memory-mapped (any size): a regular file or refused "
+                       "(tests/jobs/test_token_data.py)",
+    ("run", "--partition"): "run_cmd._partition: rising cuts 0..the model's layers, or a "
+                            "method name",
+    ("run", "--checkpoint"): "a checkpoint directory (created; loads read bounded)",
+    ("run", "--tensorboard"): "an output directory (refused without tensorboard installed)",
 }
 _HUGE = ["inf", "nan", "1e400", "-1e400", "9" * 300]
 

@@ -147,7 +147,7 @@ def test_launch_lines_of_each_engine() -> None:
     assert "num_pp=4, num_mp=8, num_dp=2" in script
 
 
-def test_a_hf_pick_prints_the_torchrun_line_and_a_python_entry_whose_cuts_fit_the_model(
+def test_a_hf_pick_prints_the_torchrun_line_of_pipesched_run_whose_cuts_fit_the_model(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     transformers = pytest.importorskip("transformers")
     from pipeline.interop.hf_layers import layers_from_hf
@@ -162,10 +162,12 @@ def test_a_hf_pick_prints_the_torchrun_line_and_a_python_entry_whose_cuts_fit_th
                  "16", "--tp", "2", "--pp", "2"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "torchrun --nnodes 1 --nproc-per-node 8" in out and "train_hf.py" in out
-    assert "tensor_parallel=2" in out and f"from_pretrained({str(tmp_path)!r})" in out
-    assert "hf = tensor_parallel_hf(hf)" in out  # tp > 1: the split form of the layers
-    cuts = json.loads(out.split("partition_method=")[1].split("]")[0] + "]")
+    line = next(text.strip() for text in out.splitlines() if "torchrun" in text)
+    # one node: torchrun's own rendezvous, nothing to set but the run's DATA, STEPS, ...
+    assert line.startswith("torchrun --standalone --nproc-per-node 8 -m pipeline.cli run ")
+    assert "HEAD_NODE" not in out and f"--model {tmp_path}" in line
+    assert "--tp 2" in line and "--stages 2" in line and "--seq-len 128" in line
+    cuts = [int(cut) for cut in line.split("--partition ")[1].split()[0].split(",")]
     hf = layers_from_hf(config)
     assert cuts[0] == 0 and cuts[-1] == len(hf.layers) == 6 + 3
     # the planner's stages (embedding, 6 blocks, head) and these cuts hold the same blocks
@@ -177,17 +179,17 @@ def test_a_hf_pick_prints_the_torchrun_line_and_a_python_entry_whose_cuts_fit_th
     hf_blocks = [min(b, 1 + 6) - max(a, 1) for a, b in pairwise(cuts)]
     assert blocks_per_stage == hf_blocks
     assert stage_boundaries(hf.layers, len(cuts) - 1, cuts) == tuple(cuts)  # the engine takes it
-    # priced with sequence parallelism and overlapped tp collectives: the entry runs them
+    # priced with sequence parallelism and overlapped tp collectives: the run runs them
     assert main(["plan", "--model", str(tmp_path), "--cluster", "h100-80g", "--global-batch",
                  "16", "--tp", "2", "--pp", "2", "--sequence-parallel",
-                 "--tp-comm-overlap"]) == 0
-    call = "tensor_parallel_hf(hf, sequence_parallel=True, overlap=True)"
-    assert f"hf = {call}" in capsys.readouterr().out
-    from pipeline.interop import hf_tensor_parallel
-
-    split = eval(call, {"tensor_parallel_hf": hf_tensor_parallel.tensor_parallel_hf,
-                        "hf": hf})  # the printed call is the function's own signature
-    assert len(split.layers) == len(hf.layers)
+                 "--tp-comm-overlap", "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    line = next(text.strip() for text in out.splitlines() if "torchrun" in text)
+    assert "--sequence-parallel" in line and "--tp-comm-overlap" in line
+    # many nodes: the rendezvous at a head node the text says how to name
+    assert line.startswith("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d "
+                           "--rdzv-endpoint $HEAD_NODE:29500 -m pipeline.cli run ")
+    assert "HEAD_NODE set to the host name" in out
 
 
 def test_engine_cli_runs_and_names_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
