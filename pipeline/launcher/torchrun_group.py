@@ -7,7 +7,7 @@ import os
 import torch.distributed as dist
 
 from pipeline.device import default_backend, process_group_timeout
-from pipeline.staged_backend import backend_available
+from pipeline.device.staged_backend import backend_available
 
 __all__ = ["TORCHRUN_VARIABLES", "init_from_torchrun"]
 
