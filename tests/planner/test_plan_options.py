@@ -159,3 +159,24 @@ def test_the_lower_bound_never_exceeds_a_simulated_step() -> None:
     for prediction in result.predictions:
         bound = bounds.lower_bound(prediction.config)
         assert bound <= prediction.step_seconds * (1 + 1e-9), prediction.config.label()
+
+
+def test_the_search_time_printed_is_cpu_not_wall(monkeypatch: pytest.MonkeyPatch) -> None:
+    # issue 48: a loaded host printed 96.8 s (wall) for a 2.6 s (CPU) search
+    import pipeline.planner.search as search_module
+    from pipeline.planner.search import format_counts
+
+    clocks = {"wall": 0.0, "cpu": 0.0}
+
+    def tick(name: str, by: float) -> Any:
+        def now() -> float:
+            clocks[name] += by
+            return clocks[name]
+        return now
+
+    monkeypatch.setattr(search_module.time, "perf_counter", tick("wall", 50.0))
+    monkeypatch.setattr(search_module.time, "process_time", tick("cpu", 0.5))
+    model = transformer_profile(parse_shape(SHAPE))
+    result = plan(model, PRESETS["a100-80g"], 64, options=SearchOptions(top=2))
+    assert result.seconds == pytest.approx(0.5) and result.wall_seconds == pytest.approx(50.0)
+    assert format_counts(result).endswith("; 0.50 s of CPU (50.00 s wall)")
