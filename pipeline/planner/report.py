@@ -12,8 +12,8 @@ from pipeline.planner.launch import LaunchTarget, launch_lines, run_arguments
 from pipeline.planner.predict import Prediction
 from pipeline.planner.search import PlanResult, format_counts
 
-__all__ = ["format_breakdown", "format_table", "gap_parts", "loss_reason", "plan_document",
-           "plot_plan"]
+__all__ = ["LEANER_SAVING", "LEANER_WITHIN", "format_breakdown", "format_table", "gap_parts",
+           "leaner_alternative", "leaner_line", "loss_reason", "plan_document", "plot_plan"]
 
 GIB = 2**30
 # cause of a step's time -> the word the table uses for it
@@ -57,6 +57,38 @@ def _seconds(value: float) -> str:
     return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
+LEANER_WITHIN = 0.01
+"""A configuration at most this much slower than the pick is named beside it when it holds
+`LEANER_SAVING` less memory: inside what the model's prices can tell apart."""
+LEANER_SAVING = 0.10
+
+
+def leaner_alternative(result: PlanResult, top: int = 10) -> tuple[int, Prediction] | None:
+    """(row, prediction) of the leanest of the top `top` configurations at most
+    `LEANER_WITHIN` slower than the pick and holding at least `LEANER_SAVING` less memory
+    per rank; None when the pick has no such runner-up."""
+    pick = result.best
+    close = [(row, p) for row, p in enumerate(result.predictions[:top], start=1)
+             if p is not pick and p.step_seconds <= pick.step_seconds * (1 + LEANER_WITHIN)
+             and p.memory.total <= pick.memory.total * (1 - LEANER_SAVING)]
+    return min(close, key=lambda item: (item[1].memory.total, item[0]), default=None)
+
+
+def leaner_line(result: PlanResult, top: int = 10) -> str | None:
+    """Why the pick is the pick when a nearly-as-fast runner-up holds much less memory."""
+    found = leaner_alternative(result, top)
+    if found is None:
+        return None
+    row, leaner = found
+    pick = result.best
+    slower = leaner.step_seconds / pick.step_seconds - 1
+    return (f"leaner: #{row} {leaner.config.label()} is {slower:.1%} slower and holds "
+            f"{(pick.memory.total - leaner.memory.total) / GIB:.1f} GiB less a rank "
+            f"({leaner.memory.total / GIB:.1f} GiB): the pick is the fastest predicted, but "
+            f"within {LEANER_WITHIN:.0%} the prices cannot tell them apart; prefer #{row} for "
+            "memory headroom")
+
+
 def format_table(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
                  top: int = 10, engine: str = "pipesched", blocks: int = 0,
                  target: LaunchTarget | None = None) -> str:
@@ -81,6 +113,7 @@ def format_table(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
         f"pick: {config.label()}  (memory: rank {pick.memory_rank} holds the most, "
         + ", ".join(f"{key} {value / scale:.1f}" for key, value in pick.memory.to_dict().items()
                     if key != "total") + f" {unit})",
+        *filter(None, [leaner_line(result, top)]),
         *(f"  {line}" for line in launch_lines(engine, config, global_batch, blocks,
                                                target=target, boundaries=pick.boundaries)),
     ]
@@ -174,6 +207,13 @@ def plot_plan(result: PlanResult, cluster: ClusterSpec, path: str | os.PathLike[
     pick = result.best
     axes.scatter([pick.memory.total / scale], [pick.step_seconds], marker="*", s=220,
                  color="#edae49", edgecolors="black", zorder=5, label="pick (1)")
+    leaner = leaner_alternative(result, top)
+    if leaner is not None:
+        row, lean = leaner
+        axes.scatter([lean.memory.total / scale], [lean.step_seconds], marker="D", s=90,
+                     facecolors="none", edgecolors="#2e7d32", linewidths=1.5, zorder=5,
+                     label=f"leaner within {LEANER_WITHIN:.0%} ({row}): "
+                           f"{(pick.memory.total - lean.memory.total) / scale:.1f} {unit} less")
     low, high = best[0].step_seconds, best[-1].step_seconds
     margin = max(high - low, 0.01 * low) * 0.15
     hidden = sum(1 for p in result.predictions if p.step_seconds > high + margin)
