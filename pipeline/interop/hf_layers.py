@@ -197,11 +197,15 @@ class HFBlock(nn.Module):
 
     def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any],
                  rotary: nn.Module | None, rotary_layer_type: str | None = None, *,
-                 generation_eos: tuple[int, ...] = ()) -> None:
+                 generation_eos: tuple[int, ...] = (),
+                 generation_pad: int | None = None) -> None:
         super().__init__()
         self.generation_eos_token_id = generation_eos
         """The EOS ids of the model's generation config (HF's ``generate`` stops on them
         when it is given none): `greedy_generate`'s default."""
+        self.generation_pad_token_id = generation_pad
+        """The pad id of the model's generation config (HF's ``generate`` fills finished
+        rows with it when it is given none; None: the first EOS id, as HF)."""
         self.layer = layer
         self.rotary = rotary
         self.rotary_layer_type = rotary_layer_type
@@ -320,7 +324,7 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
     """The layer list and its name prefixes; from `model`'s modules when given (no copy),
     else as specs each rank builds only for its own stages."""
     n, kind = config.num_hidden_layers, config.model_type
-    eos = _generation_eos(config, model)
+    eos, pad = _generation_tokens(config, model)
     tied = bool(getattr(config, "tie_word_embeddings", kind == "gpt2"))
     softcap = getattr(config, "final_logit_softcapping", None)
     modeling = _modeling(config)
@@ -334,7 +338,7 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
         layers.append(LayerSpec(_gpt2_positions, config, model))
         names.append(("wpe.", "transformer.wpe."))
     for index in range(n):
-        layers.append(LayerSpec(_block, modeling, config, index, model, eos))
+        layers.append(LayerSpec(_block, modeling, config, index, model, eos, pad))
         names.append(("layer.", f"{root}{'h' if kind == 'gpt2' else 'layers'}.{index}."))
     layers.append(LayerSpec(_final_norm, modeling, config, model))
     names.append(("norm.", f"{root}{'ln_f' if kind == 'gpt2' else 'norm'}."))
@@ -349,10 +353,11 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
     return layers, names
 
 
-def _generation_eos(config: Any, model: Any) -> tuple[int, ...]:
-    """The EOS ids HF's ``generate`` stops on by default: the model's generation config; for
-    a config, the ``generation_config.json`` beside it (as ``from_pretrained`` reads it),
-    else the config's own EOS (``GenerationConfig.from_model_config``)."""
+def _generation_tokens(config: Any, model: Any) -> tuple[tuple[int, ...], int | None]:
+    """The EOS ids HF's ``generate`` stops on by default, and the pad id it fills finished
+    rows with: the model's generation config; for a config, the ``generation_config.json``
+    beside it (as ``from_pretrained`` reads it), else the config's own
+    (``GenerationConfig.from_model_config``)."""
     generation = importlib.import_module("transformers.generation")
     found = getattr(model, "generation_config", None) if model is not None else None
     if found is None:
@@ -360,8 +365,9 @@ def _generation_eos(config: Any, model: Any) -> tuple[int, ...]:
         found = generation.GenerationConfig.from_pretrained(source) \
             if (source / "generation_config.json").is_file() else \
             generation.GenerationConfig.from_model_config(config)
-    eos = found.eos_token_id
-    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    eos, pad = found.eos_token_id, found.pad_token_id
+    return (() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+            pad if isinstance(pad, int) and not isinstance(pad, bool) else None)
 
 
 def _gpt2_positions(config: Any, model: Any) -> nn.Module:
@@ -371,12 +377,13 @@ def _gpt2_positions(config: Any, model: Any) -> nn.Module:
 
 
 def _block(modeling: Any, config: Any, index: int, model: Any,
-           generation_eos: tuple[int, ...] = ()) -> nn.Module:
+           generation_eos: tuple[int, ...] = (), generation_pad: int | None = None
+           ) -> nn.Module:
     if config.model_type == "gpt2":
         layer = model.transformer.h[index] if model is not None else modeling.GPT2Block(
             config, layer_idx=index)
         return HFBlock(layer, config, _mask_function(config, index), None,
-                       generation_eos=generation_eos)
+                       generation_eos=generation_eos, generation_pad=generation_pad)
     family = _LLAMA_SHAPED[config.model_type]
     layer = model.model.layers[index] if model is not None else getattr(
         modeling, f"{family.prefix}DecoderLayer")(config, index)
@@ -384,7 +391,7 @@ def _block(modeling: Any, config: Any, index: int, model: Any,
         modeling, f"{family.prefix}RotaryEmbedding")(config=config)
     layer_type = config.layer_types[index] if family.rotary_per_layer_type else None
     return HFBlock(layer, config, _mask_function(config, index), rotary, layer_type,
-                   generation_eos=generation_eos)
+                   generation_eos=generation_eos, generation_pad=generation_pad)
 
 
 def _final_norm(modeling: Any, config: Any, model: Any) -> nn.Module:
