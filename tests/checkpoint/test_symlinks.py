@@ -15,6 +15,7 @@ from pipeline.checkpoint import atomic_files, save
 from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.manifest import LATEST
 from pipeline.checkpoint.root_lock import LOCK_NAME, release_root
+from pipeline.checkpoint.staging import StagingDirectory
 from pipeline.errors import CheckpointError
 from pipeline.supervision.faults import FaultPoints
 from tests.support.checkpoint_cases import Job
@@ -148,3 +149,32 @@ def test_a_symlinked_root_is_refused_by_name(tmp_path: Path) -> None:
     finally:
         release_root(str(tmp_path / "link"))
     assert not list(real.glob("step_*"))
+
+
+def test_a_swap_between_the_commits_check_and_its_rename_is_undone(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the race a check on a name cannot close: the swap lands right after the check; the
+    # rename then moves the symlink, and the save must notice, undo and refuse
+    job = Job()
+    job.train(1)
+    _save(root, job)
+    target = tmp_path / "other_checkpoint"
+    shutil.copytree(root / "step_000001", target)
+    before = _tree(target)
+    swap = _swap_staging_for(root, target, root / "parked")
+    checked = StagingDirectory.check_named
+    calls: list[str] = []
+
+    def check_then_swap(self: StagingDirectory, name: str) -> None:
+        checked(self, name)
+        if not calls:
+            calls.append(name)
+            swap()
+
+    monkeypatch.setattr(StagingDirectory, "check_named", check_then_swap)
+    job.train(1)
+    with pytest.raises(CheckpointError, match="replaced"):
+        _save(root, job)
+    assert calls and _tree(target) == before
+    assert (root / LATEST).read_text() == "step_000001\n"
+    assert not (root / "step_000002").exists() and not list(root.glob("step_*.partial-*"))
