@@ -173,7 +173,8 @@ def parse_manifest(raw: bytes | str, *, where: str = MANIFEST) -> Manifest:
     if not isinstance(doc, dict):
         raise CheckpointError(f"{where} holds a {type(doc).__name__}, not a manifest object",
                               path=where)
-    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+    version = doc.get("version")  # `true == 1` in Python: the type too
+    if doc.get("format") != FORMAT or type(version) is not int or version != VERSION:
         raise CheckpointError(f"{where} is format {_short(doc.get('format'))} version "
                               f"{_short(doc.get('version'))}; this pipesched reads {FORMAT!r} "
                               f"version {VERSION}", path=where)

@@ -73,6 +73,9 @@ EDITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         _add_splits(_split(layer=99)), r"layer=99 is not a layer with weights"),
     "a split of a parameter-free layer": (
         _add_splits(_split(layer=1)), r"layer=1 is not a layer with weights"),
+    "a split of a parameter that does not exist": (
+        _add_splits(_split(name="nope")), r"split of layer 0 names 'nope', which is not a "
+                                          r"parameter of that layer"),
     "a split with dim 10^9": (_add_splits(_split(dim=10 ** 9)), r"dim=1000000000 is not below"),
     "topology edited to tp 2": (_topology(1, 1, 2),
                                 r"topology=\[1, 1, 2\] \(world_size 2\) does not match the "
@@ -81,6 +84,8 @@ EDITS: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
                                    r"topology=\[1000000, 1, 1\] .*rank 1's rng_rank_0001.pt"),
     "ep edited to 10^9": (lambda document: document.update(ep=10 ** 9),
                           r"ep=1000000000 does not divide dp=1"),
+    "version true (== 1 in Python; found by the fuzz)": (
+        lambda document: document.update(version=True), r"version True; this pipesched reads"),
 }
 
 _UNBOUNDED_BEFORE = {"split size 10^9", "10^6 zero blocks", "10^6 blocks of one"}
