@@ -14,14 +14,10 @@ import re
 import shutil
 from collections.abc import Callable
 
-from pipeline.checkpoint.atomic_files import (
-    atomic_write,
-    fsync_directory,
-    read_pointer,
-    remove_quietly,
-)
+from pipeline.checkpoint.atomic_files import atomic_write, read_pointer, remove_quietly
 from pipeline.checkpoint.manifest import LATEST, MANIFEST, resolve_checkpoint
 from pipeline.checkpoint.pointer import write_latest
+from pipeline.checkpoint.staging import StagingDirectory
 from pipeline.errors import CheckpointError
 
 __all__ = ["abandon", "commit", "latest_name", "latest_status", "sweep"]
@@ -46,25 +42,31 @@ def _names(name: str | None) -> str:
     return f"'{LATEST}' still names {name}" if name else f"there is no '{LATEST}' yet"
 
 
-def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str,
+def commit(staging: StagingDirectory, final_name: str, manifest: bytes, token: str,
            reach: Callable[[str], None], run_id: str) -> CheckpointError | None:
-    """Write the manifest, rename `staging` to `root/final_name`, point `latest` at it (signed
-    for `run_id` with a key: `pipeline.checkpoint.pointer`), sweep.
+    """Write the manifest, rename the staging directory to `final_name`, point `latest` at it
+    (signed for `run_id` with a key: `pipeline.checkpoint.pointer`), sweep; every step through
+    the descriptors `staging` holds (`pipeline.checkpoint.staging`).
     None on success; otherwise the error to report, with the disk already cleaned up.
     `reach` fires the owner's armed fault points (`pipeline.supervision.faults`)."""
+    root = staging.root
     previous = latest_name(root)
     final = os.path.join(root, final_name)
     try:
-        _publish(root, staging, final, manifest, token, reach)
+        _publish(staging, final_name, manifest, token, reach)
     except OSError as error:
-        abandon(root, staging)
+        abandon(staging)
         return CheckpointError(
-            f"cannot commit {staging} ({error}): nothing was committed, the staging "
+            f"cannot commit {staging.path} ({error}): nothing was committed, the staging "
             f"directory is removed and {_names(previous)}; free space and save again",
-            path=staging)
+            path=staging.path)
+    except CheckpointError as error:
+        abandon(staging)
+        return CheckpointError(f"{error}; nothing was committed and {_names(previous)}",
+                               path=error.path)
     try:
         reach("checkpoint.latest")
-        write_latest(os.path.join(root, LATEST), final_name, run_id, manifest)
+        write_latest(LATEST, final_name, run_id, manifest, dir_fd=staging.root_fd)
     except OSError as error:
         if previous == final_name:  # a re-saved step: `latest` already names the new copy
             sweep(root)
@@ -78,37 +80,47 @@ def commit(root: str, staging: str, final_name: str, manifest: bytes, token: str
     return None
 
 
-def _publish(root: str, staging: str, final: str, manifest: bytes, token: str,
+def _publish(staging: StagingDirectory, final_name: str, manifest: bytes, token: str,
              reach: Callable[[str], None]) -> None:
     """Manifest last into the staging directory, then the rename that commits it."""
     reach("checkpoint.manifest")
-    atomic_write(os.path.join(staging, MANIFEST), manifest)
+    atomic_write(MANIFEST, manifest, dir_fd=staging.fd)
     reach("checkpoint.commit")
+    staging.check_named(staging.name)
     replaced = None
-    if os.path.exists(final):
+    if staging.exists(final_name):
         # Re-saving a step (e.g. after rolling back): keep the old copy until `latest` can
         # name the new one. A crash between the two renames leaves both complete copies
         # under suffixed names, which `resolve_checkpoint` looks for.
-        replaced = f"{final}.old-{token}"
-        os.rename(final, replaced)
+        replaced = f"{final_name}.old-{token}"
+        staging.rename(final_name, replaced)
         reach("checkpoint.swap")
     try:
-        os.rename(staging, final)
+        staging.rename(staging.name, final_name)
+        # the name was checked above, but a swap can land between the check and the
+        # rename: what now carries the final name must be the directory held open
+        swapped = not staging.holds(final_name)
+        if swapped:
+            staging.rename(final_name, staging.name)  # `abandon` removes it (never through it)
     except OSError:
         if replaced is not None:
-            os.rename(replaced, final)  # put the old copy back under its name
+            staging.rename(replaced, final_name)  # put the old copy back under its name
         raise
+    if swapped:
+        if replaced is not None:
+            staging.rename(replaced, final_name)
+        staging.check_named(staging.name)  # raises: it is not the staging directory
     try:
-        fsync_directory(root)
+        staging.fsync_root()
     except OSError:
         pass  # the rename is done; a failed directory sync loses it only on a power cut
 
 
-def abandon(root: str, staging: str) -> None:
+def abandon(staging: StagingDirectory) -> None:
     """Remove a failed save's staging directory (every rank has stopped writing into it),
     then sweep."""
-    shutil.rmtree(staging, ignore_errors=True)
-    sweep(root)
+    staging.remove()
+    sweep(staging.root)
 
 
 def sweep(root: str) -> None:

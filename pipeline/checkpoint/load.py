@@ -199,6 +199,15 @@ def _read_weights(step_dir: str, manifest: Manifest, parts: CheckpointParts
                   ) -> dict[int, dict[str, torch.Tensor]]:
     grid = SavedGrid.of(manifest, parts.topology.tp,
                         parts.topology.position(parts.rank).tp_rank)
+    layers = parts.layers
+    for split in manifest.splits:  # a record no parameter reads would pass unnoticed
+        held = layers.get(split.layer)
+        names = [] if held is None else [name for name, _ in held.named_parameters()]
+        if held is not None and split.name not in names:
+            raise CheckpointError(
+                f"{step_dir}: the manifest's split of layer {split.layer} names "
+                f"{split.name!r}, which is not a parameter of that layer ({names[:4]}); the "
+                "manifest was edited, or load it into the same model", path=step_dir)
     weights = {}
     for index, layer in sorted(parts.layers.items()):
         expected = layer.state_dict()

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from pipeline.checkpoint.atomic_files import read_pointer, sha256_bytes, sha256_file
+from pipeline.checkpoint.manifest_bounds import bound_problems
 from pipeline.checkpoint.pointer import check_pointer
 from pipeline.checkpoint.signing import sign, signing_key, verify_signature
 from pipeline.errors import CheckpointError
@@ -172,7 +173,8 @@ def parse_manifest(raw: bytes | str, *, where: str = MANIFEST) -> Manifest:
     if not isinstance(doc, dict):
         raise CheckpointError(f"{where} holds a {type(doc).__name__}, not a manifest object",
                               path=where)
-    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+    version = doc.get("version")  # `true == 1` in Python: the type too
+    if doc.get("format") != FORMAT or type(version) is not int or version != VERSION:
         raise CheckpointError(f"{where} is format {_short(doc.get('format'))} version "
                               f"{_short(doc.get('version'))}; this pipesched reads {FORMAT!r} "
                               f"version {VERSION}", path=where)
@@ -205,6 +207,8 @@ def parse_manifest(raw: bytes | str, *, where: str = MANIFEST) -> Manifest:
     if manifest.world_size != math.prod(manifest.topology):
         read.problems.append(f"world_size={manifest.world_size} is not pp·dp·tp of topology "
                              f"{list(manifest.topology)}")
+    if not read.problems:  # every number bounded by the files it describes
+        read.problems += bound_problems(manifest)
     if read.problems:
         raise CheckpointError(f"{where} is not a valid manifest: " + "; ".join(read.problems[:8])
                               + "; it was not written by this pipesched, or was edited",

@@ -42,15 +42,17 @@ def _signed_text(name: str, run_id: str, manifest_sha256: str) -> bytes:
     return f"pipesched-latest\n{name}\n{run_id}\n{manifest_sha256}".encode()
 
 
-def write_latest(path: str, name: str, run_id: str, manifest: bytes) -> None:
-    """Point `path` at step directory `name` (crash-safe); with a key, also the signed record."""
+def write_latest(path: str, name: str, run_id: str, manifest: bytes, *,
+                 dir_fd: int | None = None) -> None:
+    """Point `path` at step directory `name` (crash-safe); with a key, also the signed record.
+    With `dir_fd`, `path` is a bare name in the directory that descriptor holds open."""
     key = signing_key()
     lines = [name]
     if key is not None:
         digest = sha256_bytes(manifest)
         lines.append(f"run={run_id} manifest={digest} "
                      f"signature={sign(_signed_text(name, run_id, digest), key)}")
-    write_lines(path, lines)
+    write_lines(path, lines, dir_fd=dir_fd)
 
 
 def _record(lines: list[str]) -> PointerRecord | None:

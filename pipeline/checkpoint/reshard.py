@@ -115,6 +115,8 @@ class SavedGrid:
 def _recut(split: SavedSplit | None, parts: Sequence[torch.Tensor], cut: Cut | None,
            what: str, where: str) -> torch.Tensor:
     """This rank's part of the tensor whose saved slices are `parts` (in slice order)."""
+    if split is not None:
+        _check_blocks(split, parts, what, where)
     try:
         full = parts[0] if split is None else \
             ShardLayout(split.dim, split.blocks, 0, split.size).merge(list(parts))
@@ -122,6 +124,21 @@ def _recut(split: SavedSplit | None, parts: Sequence[torch.Tensor], cut: Cut | N
     except (ValueError, RuntimeError, IndexError) as error:
         raise CheckpointError(f"{where}: {what} cannot be re-cut for this job ({error}); "
                               "load it into the same model", path=where) from None
+
+
+def _check_blocks(split: SavedSplit, parts: Sequence[torch.Tensor], what: str,
+                  where: str) -> None:
+    """The recorded cut fits the saved slices themselves, before a merge loops over its
+    blocks (the manifest bounds them only by file sizes: `manifest_bounds`)."""
+    extent = sum(int(part.shape[split.dim]) for part in parts
+                 if split.dim < part.dim())
+    if len(parts) != split.size or any(split.dim >= part.dim() for part in parts) \
+            or sum(split.blocks) != extent:
+        raise CheckpointError(
+            f"{where}: the manifest's split of {what} (dim={split.dim}, {len(split.blocks)} "
+            f"blocks summing to {sum(split.blocks)}, size={split.size}) does not fit its "
+            f"{len(parts)} saved slices ({extent} along that dim); the manifest was edited",
+            path=where)
 
 
 def reshard_layer(index: int, expected: Mapping[str, torch.Tensor],

@@ -11,8 +11,10 @@ file.
 Why a crash cannot tear it — the order of a save (a collective: every rank calls it)::
 
     0. rank 0 takes the root's lock (once per job: `pipeline.checkpoint.root_lock`)
-    1. rank 0 names a staging directory  root/step_000042.partial-<token>/
-    2. every rank writes its files there (temporary name, fsync, rename)
+    1. rank 0 makes a staging directory  root/step_000042.partial-<token>/
+    2. every rank writes its files there (temporary name, fsync, rename), through a
+       descriptor of it opened with O_NOFOLLOW (`pipeline.checkpoint.staging`: a symlink
+       swapped in under its name cannot redirect a write)
     3. rank 0 writes manifest.json into it, last (same way)
     4. rank 0 renames the staging directory to root/step_000042/      <- the commit
     5. rank 0 points root/latest at it (temporary file, fsync, rename)
@@ -57,6 +59,7 @@ from pipeline.checkpoint.pointer import read_run_id
 from pipeline.checkpoint.reshard import module_splits
 from pipeline.checkpoint.rng_state import capture_rng
 from pipeline.checkpoint.root_lock import CheckpointRootLockedError, lock_root
+from pipeline.checkpoint.staging import StagingDirectory, create_staging, join_staging
 from pipeline.checkpoint.zero_state import export_zero, zero_layout
 from pipeline.errors import CheckpointError
 from pipeline.model.module import PipelineModule
@@ -243,14 +246,12 @@ def _optimizer_payload(parts: CheckpointParts, experts_only: bool = False) -> di
             "hyper": hyperparameters(optimizer), "pieces": pieces}
 
 
-def _write_files(staging: str, parts: CheckpointParts) -> list[FileEntry]:
-    if parts.rank != 0:  # rank 0 made it, fresh (os.mkdir in save_checkpoint)
-        os.makedirs(staging, exist_ok=True)
+def _write_files(staging: StagingDirectory, parts: CheckpointParts) -> list[FileEntry]:
     entries = []
     for name, role, layers, make in _payloads(parts):
         value = make()
         data = value if isinstance(value, bytes) else _serialize(value)
-        atomic_write(os.path.join(staging, name), data,
+        atomic_write(name, data, dir_fd=staging.fd,
                      before_rename=lambda: parts.reach("checkpoint.file"))
         entries.append(FileEntry(name, sha256_bytes(data), len(data), role, parts.rank, layers))
     return entries
@@ -274,42 +275,64 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
     # the run this root belongs to: the one `latest` records, else a new one
     run_id = (read_run_id(os.path.join(root, LATEST)) or secrets.token_hex(8)) \
         if parts.rank == 0 else ""
-    staging = os.path.join(root, f"{final_name}.partial-{token}")
+    staging_name = f"{final_name}.partial-{token}"
+    staging: StagingDirectory | None = None
     problem: CheckpointError | None = None
     if parts.rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
             lock_root(root)  # this job's root from now on; see root_lock for why a lock
-            os.mkdir(staging)  # fresh: a name planted there (a symlink) fails the save
+            # held open from here on: every write goes through its descriptor (`staging`)
+            staging = create_staging(root, staging_name, parts.reach)
         except OSError as error:
             problem = CheckpointError(f"cannot create {error.filename or root}: {error}",
                                       path=root)
         except CheckpointError as error:
             problem = error
-    agree(problem, "taking the checkpoint directory")  # before any rank writes into it
-    entries: list[FileEntry] = []
     try:
-        entries = _write_files(staging, parts)
+        agree(problem, "taking the checkpoint directory")  # before any rank writes into it
+        return _write_and_commit(root, staging_name, staging, parts, final_name, token,
+                                 run_id)
+    finally:
+        if staging is not None:
+            staging.close()
+
+
+def _write_and_commit(root: str, staging_name: str, staging: StagingDirectory | None,
+                      parts: CheckpointParts, final_name: str, token: str,
+                      run_id: str) -> CheckpointInfo:
+    """Steps 2-5 of a save (the module docstring); `staging` is rank 0's open directory."""
+    problem: CheckpointError | None = None
+    entries: list[FileEntry] = []
+    mine = staging
+    try:
+        if mine is None:  # rank 0 made it, fresh (create_staging in save_checkpoint)
+            mine = join_staging(root, staging_name)
+        entries = _write_files(mine, parts)
     except OSError as error:
-        problem = CheckpointError(f"cannot write into {staging}: {error}", path=staging)
+        problem = CheckpointError(f"cannot write into {os.path.join(root, staging_name)}: "
+                                  f"{error}", path=os.path.join(root, staging_name))
     except CheckpointError as error:
         problem = error
+    finally:
+        if mine is not None and mine is not staging:
+            mine.close()
     try:
         agree(problem, "writing the checkpoint files")
     except CheckpointError as error:
-        if parts.rank == 0:  # every rank has stopped writing: nothing of this save is kept
-            abandon(root, staging)
+        if staging is not None:  # every rank has stopped writing: nothing of this save is kept
+            abandon(staging)
         raise CheckpointError(f"{error}; nothing was committed, the staging directory is "
                               f"removed and {latest_status(root)}", path=error.path) from None
     gathered = _all_gather((entries, module_splits(parts.module.named_layer_parameters())))
-    if parts.rank == 0:
+    if staging is not None:
         splits = {(split.layer, split.name): split for _, rank_splits in gathered
                   for split in rank_splits}
         manifest = _manifest(parts, [entry for rank_entries, _ in gathered
                                      for entry in rank_entries], run_id,
                              tuple(splits[key] for key in sorted(splits)))
-        problem = commit(root, staging, final_name, dump_manifest(manifest), token,
-                         parts.reach, run_id)
+        problem = commit(staging, final_name, dump_manifest(manifest), token, parts.reach,
+                         run_id)
     agree(problem, "committing the checkpoint")
     return CheckpointInfo(os.path.join(root, final_name), parts.step)
 

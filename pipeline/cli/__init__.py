@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from pipeline.console import guard_standard_streams
+
 __all__ = ["COMMAND_MODULES", "EXIT_CODES", "EXIT_INPUT", "EXIT_INTERRUPTED", "EXIT_RUN_FAILED",
            "ArgumentParser", "UsageError", "build_parser", "did_you_mean", "main",
            "report_run_failure"]
@@ -140,6 +142,8 @@ def report_run_failure(command: str, error: BaseException, out: Path | None) -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `pipesched` console script."""
+    if argv is None:  # a process of its own: a closed or full stdout must not fail the run
+        guard_standard_streams()
     arguments = list(sys.argv[1:] if argv is None else argv)
     try:
         return _main(arguments)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -13,13 +12,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeline.console import guard_standard_streams
 from pipeline.demo.language_model import TinyLMConfig, lm_layers, lm_loss, synthetic_batch
 from pipeline.demo.user_model import load_recipe, rows_of
 from pipeline.model.module import PipelineModule
 from pipeline.runtime.engine import PipelineEngine
 from schedules import Timeline
 
-__all__ = ["ProgressBar", "TrainConfig", "TrainReport", "discard_stdout", "train_rank"]
+__all__ = ["ProgressBar", "TrainConfig", "TrainReport", "train_rank"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,14 +78,6 @@ class TrainReport:
     """Most activations each pipeline rank held in the last step."""
 
 
-def discard_stdout() -> None:
-    """Send what is still written to stdout nowhere: its reader has gone (a closed pipe),
-    and the flush at exit must not fail again."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
 class ProgressBar:
     """A one-line progress bar on a terminal; one line per tenth of the run otherwise."""
 
@@ -99,14 +91,13 @@ class ProgressBar:
         filled = self.width * done // self.total
         bar = "#" * filled + "." * (self.width - filled)
         text = f"[{bar}] step {done}/{self.total}  loss {loss:.4f}  {1000 * seconds:.0f} ms/step"
-        try:
-            if self.live:
-                end = "\n" if done == self.total else ""
-                print(f"\r{text}", end=end, flush=True)
-            elif done == 1 or done == self.total or done % max(1, self.total // 10) == 0:
-                print(text, flush=True)
-        except BrokenPipeError:  # `pipesched train | head -1`: a closed pipe is not a fault
-            discard_stdout()
+        # a closed pipe (`| head -1`), a full or closed stdout is not a fault: the rank's
+        # stdout is guarded (`pipeline.console`, train_rank's first step)
+        if self.live:
+            end = "\n" if done == self.total else ""
+            print(f"\r{text}", end=end, flush=True)
+        elif done == 1 or done == self.total or done % max(1, self.total // 10) == 0:
+            print(text, flush=True)
 
 
 def _demo_batch(config: TrainConfig, step: int, batch_size: int) -> tuple[Any, Any]:
@@ -115,6 +106,7 @@ def _demo_batch(config: TrainConfig, step: int, batch_size: int) -> tuple[Any, A
 
 def train_rank(config: TrainConfig) -> TrainReport | None:
     """Build this rank's stages, train `config.steps` steps, return the report on rank 0."""
+    guard_standard_streams()
     rank = dist.get_rank()
     if config.user_model is not None:
         recipe = load_recipe(config.user_model)

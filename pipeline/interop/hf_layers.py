@@ -42,7 +42,7 @@ from pipeline.interop.hf_shared import (
     _mask_function,
     causal_lm_loss,
     causal_lm_targets,
-    generation_eos,
+    generation_tokens,
 )
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
@@ -142,11 +142,15 @@ class HFBlock(nn.Module):
 
     def __init__(self, layer: nn.Module, config: Any, mask_function: Callable[..., Any],
                  rotary: nn.Module | None, rotary_layer_type: str | None = None, *,
-                 generation_eos: tuple[int, ...] = ()) -> None:
+                 generation_eos: tuple[int, ...] = (),
+                 generation_pad: int | None = None) -> None:
         super().__init__()
         self.generation_eos_token_id = generation_eos
         """The EOS ids of the model's generation config (HF's ``generate`` stops on them
         when it is given none): `greedy_generate`'s default."""
+        self.generation_pad_token_id = generation_pad
+        """The pad id of the model's generation config (HF's ``generate`` fills finished
+        rows with it when it is given none; None: the first EOS id, as HF)."""
         self.layer = layer
         self.rotary = rotary
         self.rotary_layer_type = rotary_layer_type
@@ -225,7 +229,7 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
     """The layer list and its name prefixes; from `model`'s modules when given (no copy),
     else as specs each rank builds only for its own stages."""
     n, kind = config.num_hidden_layers, config.model_type
-    eos = generation_eos(config, model)
+    eos, pad = generation_tokens(config, model)
     tied = bool(getattr(config, "tie_word_embeddings", kind == "gpt2"))
     softcap = getattr(config, "final_logit_softcapping", None)
     modeling = _modeling(config)
@@ -239,7 +243,7 @@ def _layers_for(config: Any, model: Any) -> tuple[list[Layer], list[tuple[str, s
         layers.append(LayerSpec(_gpt2_positions, config, model))
         names.append(("wpe.", "transformer.wpe."))
     for index in range(n):
-        layers.append(LayerSpec(_block, modeling, config, index, model, eos))
+        layers.append(LayerSpec(_block, modeling, config, index, model, eos, pad))
         names.append(("layer.", f"{root}{'h' if kind == 'gpt2' else 'layers'}.{index}."))
     layers.append(LayerSpec(_final_norm, modeling, config, model))
     names.append(("norm.", f"{root}{'ln_f' if kind == 'gpt2' else 'norm'}."))
@@ -261,12 +265,13 @@ def _gpt2_positions(config: Any, model: Any) -> nn.Module:
 
 
 def _block(modeling: Any, config: Any, index: int, model: Any,
-           generation_eos: tuple[int, ...] = ()) -> nn.Module:
+           generation_eos: tuple[int, ...] = (), generation_pad: int | None = None
+           ) -> nn.Module:
     if config.model_type == "gpt2":
         layer = model.transformer.h[index] if model is not None else modeling.GPT2Block(
             config, layer_idx=index)
         return HFBlock(layer, config, _mask_function(config, index), None,
-                       generation_eos=generation_eos)
+                       generation_eos=generation_eos, generation_pad=generation_pad)
     family = _LLAMA_SHAPED[config.model_type]
     layer = model.model.layers[index] if model is not None else getattr(
         modeling, f"{family.prefix}DecoderLayer")(config, index)
@@ -274,7 +279,7 @@ def _block(modeling: Any, config: Any, index: int, model: Any,
         modeling, f"{family.prefix}RotaryEmbedding")(config=config)
     layer_type = config.layer_types[index] if family.rotary_per_layer_type else None
     return HFBlock(layer, config, _mask_function(config, index), rotary, layer_type,
-                   generation_eos=generation_eos)
+                   generation_eos=generation_eos, generation_pad=generation_pad)
 
 
 def _final_norm(modeling: Any, config: Any, model: Any) -> nn.Module:

@@ -234,7 +234,8 @@ class ParallelHFBlock(SequenceSwitch, HFBlock):
     def __init__(self, block: HFBlock, region: Region, size: int) -> None:
         super().__init__(block.layer, block.config, block.mask_function, block.rotary,
                          block.rotary_layer_type,
-                         generation_eos=block.generation_eos_token_id)
+                         generation_eos=block.generation_eos_token_id,
+                         generation_pad=block.generation_pad_token_id)
         self.region, self.size = region, size
 
     def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

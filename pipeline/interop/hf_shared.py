@@ -18,7 +18,8 @@ from pipeline.moe.balance_loss import BalanceLoss
 from pipeline.moe.balancing import MoEBalancing
 from pipeline.runtime.loss_normalization import SummedLoss
 
-__all__ = ["IGNORE_INDEX", "HFLayers", "causal_lm_loss", "causal_lm_targets", "generation_eos"]
+__all__ = ["IGNORE_INDEX", "HFLayers", "causal_lm_loss", "causal_lm_targets",
+           "generation_tokens"]
 
 IGNORE_INDEX = -100
 """Label of a token that takes no part in the loss (HF's convention)."""
@@ -127,10 +128,11 @@ def _mask_function(config: Any, index: int) -> Callable[..., Any]:
     return mask
 
 
-def generation_eos(config: Any, model: Any) -> tuple[int, ...]:
-    """The EOS ids HF's ``generate`` stops on by default: the model's generation config; for
-    a config, the ``generation_config.json`` beside it (as ``from_pretrained`` reads it),
-    else the config's own EOS (``GenerationConfig.from_model_config``)."""
+def generation_tokens(config: Any, model: Any) -> tuple[tuple[int, ...], int | None]:
+    """The EOS ids HF's ``generate`` stops on by default, and the pad id it fills finished
+    rows with: the model's generation config; for a config, the ``generation_config.json``
+    beside it (as ``from_pretrained`` reads it), else the config's own
+    (``GenerationConfig.from_model_config``)."""
     generation = importlib.import_module("transformers.generation")
     found = getattr(model, "generation_config", None) if model is not None else None
     if found is None:
@@ -138,5 +140,6 @@ def generation_eos(config: Any, model: Any) -> tuple[int, ...]:
         found = generation.GenerationConfig.from_pretrained(source) \
             if (source / "generation_config.json").is_file() else \
             generation.GenerationConfig.from_model_config(config)
-    eos = found.eos_token_id
-    return () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    eos, pad = found.eos_token_id, found.pad_token_id
+    return (() if eos is None else (eos,) if isinstance(eos, int) else tuple(eos),
+            pad if isinstance(pad, int) and not isinstance(pad, bool) else None)

@@ -47,9 +47,12 @@ class LayerSpec:
         try:
             module = call_with_group(self.typename, self.args, self.kwargs)
         except (TypeError, ValueError) as error:  # the arguments do not fit the class
+            # the reason first, on one line; the arguments (a whole model config can be
+            # one of them) cut short after it
             kind = TypeError if isinstance(error, TypeError) else ValueError
-            raise kind(f"{self!r} with args {self.args!r} and kwargs {self.kwargs!r} cannot be "
-                       f"built: {error}; fix the LayerSpec's arguments") from error
+            reason = " ".join(str(error).split()) or type(error).__name__
+            raise kind(f"{reason} (building {self!r} with args {_brief(self.args)}, kwargs "
+                       f"{_brief(self.kwargs)}; fix the LayerSpec's arguments)") from error
         if not isinstance(module, nn.Module):
             raise TypeError(f"LayerSpec({self.name}) built {type(module).__name__}, not an "
                             "nn.Module; pass plain callables directly instead of wrapping them")
@@ -61,6 +64,12 @@ class LayerSpec:
 
     def __repr__(self) -> str:
         return f"LayerSpec({self.name})"
+
+
+def _brief(value: object, limit: int = 80) -> str:
+    """`value`'s repr on one line, cut to `limit` characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 Layer: TypeAlias = "nn.Module | LayerSpec | TiedLayerSpec | Callable[..., Any]"

@@ -18,6 +18,12 @@ call, and its all-to-all runs inside it (`expert_parallel._Exchange.backward`); 
 its own is how a backward can pause there. The turn makes the two threads one ordered
 program: every rank of an ep group issues its collectives in the same order (the same
 stream, the same handovers), so an all-to-all never meets another one on its peer.
+
+Why a raise in one thread stops the other. A thread that raises issues no more all-to-alls;
+were the other to go on, its all-to-alls would meet the peers' next ones of the failed thread
+(another size, another order), and gloo aborts the process (SIGABRT) before the error could
+be reported. So the other thread stops where it next takes the turn — before it launches
+anything more — with `OtherHalfFailedError`, and `run_interleaved` raises the first error.
 """
 
 from __future__ import annotations
@@ -28,8 +34,13 @@ from typing import Protocol
 
 from torch import nn
 
-__all__ = ["InFlight", "Interleave", "hand_over", "has_expert_all_to_all", "in_turns",
-           "run_interleaved"]
+__all__ = ["InFlight", "Interleave", "OtherHalfFailedError", "hand_over",
+           "has_expert_all_to_all", "in_turns", "run_interleaved"]
+
+
+class OtherHalfFailedError(RuntimeError):
+    """The thread this one takes turns with raised: this one stops before its next all-to-all
+    (the first error is the one `run_interleaved` raises)."""
 
 
 class InFlight(Protocol):
@@ -47,26 +58,36 @@ class Interleave:
         self._condition = threading.Condition()
         self._turn = 0
         self._done = [False, False]
+        self._failed = [False, False]
         self.handovers = 0
         """Times the turn passed to the other thread at an all-to-all (what overlapped)."""
 
     def wait_turn(self, me: int) -> None:
+        """Wait for the turn; `OtherHalfFailedError` if the other thread raised."""
         with self._condition:
             self._condition.wait_for(lambda: self._turn == me)
+            self._stop_if_other_failed(me)
 
     def hand_over(self, me: int) -> None:
-        """Give the turn to the other thread (if it has work left) and wait to get it back."""
+        """Give the turn to the other thread (if it has work left) and wait to get it back;
+        `OtherHalfFailedError` if the other thread raised meanwhile."""
         with self._condition:
-            if self._done[1 - me]:
-                return
-            self._turn = 1 - me
-            self.handovers += 1
-            self._condition.notify_all()
-            self._condition.wait_for(lambda: self._turn == me)
+            if not self._done[1 - me]:
+                self._turn = 1 - me
+                self.handovers += 1
+                self._condition.notify_all()
+                self._condition.wait_for(lambda: self._turn == me)
+            self._stop_if_other_failed(me)
 
-    def finish(self, me: int) -> None:
+    def _stop_if_other_failed(self, me: int) -> None:
+        if self._failed[1 - me]:
+            raise OtherHalfFailedError(
+                f"stopped: the thread this one takes turns with ({1 - me}) raised first")
+
+    def finish(self, me: int, *, failed: bool = False) -> None:
         with self._condition:
             self._done[me] = True
+            self._failed[me] = failed
             self._turn = 1 - me
             self._condition.notify_all()
 
@@ -91,20 +112,23 @@ def in_turns() -> bool:
 def _participate(interleave: Interleave, me: int, work: Callable[[], None],
                  errors: list[BaseException]) -> None:
     _current.turn = (interleave, me)
-    interleave.wait_turn(me)
+    failed = False
     try:
+        interleave.wait_turn(me)
         work()
     except BaseException as error:  # re-raised on the calling thread
+        failed = True
         errors.append(error)
     finally:
         _current.turn = None
-        interleave.finish(me)
+        interleave.finish(me, failed=failed)
 
 
 def run_interleaved(first: Callable[[], None], second: Callable[[], None]) -> int:
     """Run `first` (on a helper thread; it starts: an overlapped pair's backward) and
     `second` (here: the pair's forward) taking turns at their all-to-alls; returns how many
-    times the turn passed. The first error of either is raised here once both have ended."""
+    times the turn passed. The first error of either is raised here once both have ended;
+    the other stops at its next turn (`OtherHalfFailedError`), before another all-to-all."""
     interleave = Interleave()
     errors: list[BaseException] = []
     helper = threading.Thread(target=_participate, args=(interleave, 0, first, errors),

@@ -86,24 +86,27 @@ def _checked(input_ids: Any, max_new_tokens: Any, attention_mask: Any, eos_token
     return mask.to(input_ids.dtype), eos
 
 
-def _default_eos(inference: Inference) -> list[int]:
-    """The EOS ids HF's ``generate`` would stop on: those a layer of the model declares
-    (``generation_eos_token_id``, e.g. `layers_from_hf`'s blocks, from the checkpoint's
+def _generation_defaults(inference: Inference) -> tuple[list[int], int | None]:
+    """The EOS ids HF's ``generate`` would stop on and the pad id it would fill finished
+    rows with, given neither: those a layer of the model declares (``generation_eos_token_id``
+    and ``generation_pad_token_id``, e.g. `layers_from_hf`'s blocks, from the checkpoint's
     generation config), agreed over the pipeline (a rank may hold no such layer)."""
-    declared_here = (getattr(m, "generation_eos_token_id", None)
-                     for m in inference.engine.module.modules())
-    mine: list[int] | None = next((list(e) for e in declared_here if e is not None), None)
+    mine: tuple[list[int], int | None] | None = next(
+        ((list(eos), getattr(m, "generation_pad_token_id", None))
+         for m in inference.engine.module.modules()
+         if (eos := getattr(m, "generation_eos_token_id", None)) is not None), None)
     if not (dist.is_available() and dist.is_initialized()):
-        return mine or []
+        return mine or ([], None)
     engine = inference.engine
     group = engine.groups.pp_group if engine.groups is not None else None
     found: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(found, mine, group=group)
-    declared = [eos for eos in found if eos is not None]
-    if any(eos != declared[0] for eos in declared):
-        raise PipelineConfigError(f"the pipeline's layers declare different EOS ids "
-                                  f"{declared}; pass greedy_generate(eos_token_id=...)")
-    return declared[0] if declared else []
+    declared = [tokens for tokens in found if tokens is not None]
+    if any(tokens != declared[0] for tokens in declared):
+        raise PipelineConfigError(f"the pipeline's layers declare different (EOS ids, pad id) "
+                                  f"{declared}; pass greedy_generate(eos_token_id=..., "
+                                  "pad_token_id=...)")
+    return declared[0] if declared else ([], None)
 
 
 def _last_token_choice(logits: torch.Tensor) -> torch.Tensor:
@@ -162,15 +165,19 @@ def greedy_generate(inference: Inference, input_ids: torch.Tensor, max_new_token
     `attention_mask` marks real tokens (0 for left padding, prompts of different lengths).
     A row that produced an EOS token (any of `eos_token_id`; default, as HF's: the model's
     generation config, which `layers_from_hf`'s blocks carry) is padded with `pad_token_id`
-    (default: the first EOS id) from then on; generation stops when every row has. With
+    (default, as HF's: the generation config's pad id, else the first EOS id) from then
+    on; generation stops when every row has. With
     `use_cache` (default: when the model's layers keep a decoding cache) each step after
     the prompt forwards only the new token; ``use_cache=False`` re-runs the sequence.
     """
     mask, eos = _checked(input_ids, max_new_tokens, attention_mask, eos_token_id,
                          pad_token_id)
+    default_eos, default_pad = _generation_defaults(inference)
     if eos_token_id is None:
-        eos = _default_eos(inference)
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+        eos = default_eos
+    # HF: the pad id given, else the generation config's, else the first EOS id
+    pad = next((token for token in (pad_token_id, default_pad) if token is not None),
+               eos[0] if eos else 0)
     layers = _cached_layers(inference)
     supported = _pipeline_supports_cache(inference, bool(layers))
     if use_cache and not supported:

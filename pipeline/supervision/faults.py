@@ -16,6 +16,7 @@ from collections.abc import Callable
 __all__ = ["FAULT_POINTS", "FaultPoints", "kill_self"]
 
 FAULT_POINTS = (
+    "checkpoint.staging",  # rank 0 made the staging directory; it is not opened yet
     "checkpoint.file",  # a file's bytes are in its temporary name, not yet renamed
     "checkpoint.manifest",  # every rank's files are in place; the manifest is not written
     "checkpoint.commit",  # the manifest is written; the directory is not yet renamed

@@ -34,11 +34,12 @@ def _fill_disk_at(monkeypatch: pytest.MonkeyPatch, prefix: str) -> list[str]:
     real = atomic_files._write_durably
     failed: list[str] = []
 
-    def write(path: str, data: bytes) -> None:
+    def write(path: str, data: bytes, dir_fd: int | None = None) -> None:
         if not os.path.basename(path).startswith(prefix):
-            real(path, data)
+            real(path, data, dir_fd)
             return
-        with open(path, "wb") as handle:  # what fitted before the disk was full
+        with os.fdopen(os.open(path, atomic_files.CREATE_FLAGS, 0o644, dir_fd=dir_fd),
+                       "wb") as handle:  # what fitted before the disk was full
             handle.write(data[:len(data) // 2])
         failed.append(path)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
@@ -185,8 +186,9 @@ def _full_disk_on_rank_1(root: str) -> str:
     engine.save_checkpoint(root)
     engine.train_batch(*MODELS["mlp"].batch(seed=1, batch=8))
     if dist.get_rank() == 1:
-        def full(path: str, data: bytes) -> None:
-            with open(path, "wb") as handle:
+        def full(path: str, data: bytes, dir_fd: int | None = None) -> None:
+            with os.fdopen(os.open(path, atomic_files.CREATE_FLAGS, 0o644, dir_fd=dir_fd),
+                           "wb") as handle:
                 handle.write(data[:len(data) // 2])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
         atomic_files._write_durably = full  # this rank's process only

@@ -5,7 +5,8 @@ target untouched, and `latest` stays a plain file."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ from pipeline.checkpoint import atomic_files, save
 from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.manifest import LATEST
 from pipeline.checkpoint.root_lock import LOCK_NAME, release_root
+from pipeline.checkpoint.staging import StagingDirectory
 from pipeline.errors import CheckpointError
+from pipeline.supervision.faults import FaultPoints
 from tests.support.checkpoint_cases import Job
 
 _PRECIOUS = b"export PATH=/usr/bin  # the user's own file\n"
@@ -91,3 +94,87 @@ def test_symlinks_planted_as_step_directories_leave_their_targets_untouched(
     assert sorted(os.listdir(elsewhere)) == ["keep.txt"]
     assert (elsewhere / "keep.txt").read_bytes() == _PRECIOUS
     assert load_checkpoint(str(root), Job(base_seed=3).parts()).step == 1
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(item.relative_to(path)): item.read_bytes()
+            for item in sorted(path.rglob("*")) if item.is_file()}
+
+
+def _swap_staging_for(root: Path, target: Path, parked: Path) -> Callable[[], None]:
+    """A fault action: move the save's fresh staging directory to `parked` and put a symlink
+    to `target` under its name (what a process with write access to the root can do)."""
+    def swap() -> None:
+        (staging,) = root.glob("step_*.partial-*")
+        os.rename(staging, parked)
+        os.symlink(target, staging)
+    return swap
+
+
+@pytest.mark.parametrize("point", ["checkpoint.staging", "checkpoint.file",
+                                   "checkpoint.commit"])
+def test_a_staging_directory_swapped_for_a_symlink_never_redirects_the_save(
+        root: Path, tmp_path: Path, point: str) -> None:
+    # regression: swapping step_N.partial-<token> for a symlink right after the save made it
+    # made the save write every file (manifest.json and weights included) into the target,
+    # report success, and `verify-checkpoint` pass there
+    job = Job()
+    job.train(1)
+    _save(root, job)
+    target = tmp_path / "other_checkpoint"  # a complete checkpoint outside the root
+    shutil.copytree(root / "step_000001", target)
+    before = _tree(target)
+    parked = root / "parked"  # still inside the root: writes may land only here
+    job.train(1)
+    parts = job.parts()
+    parts.faults = FaultPoints()
+    parts.faults.arm(point, _swap_staging_for(root, target, parked))
+    with pytest.raises(CheckpointError, match="replaced"):
+        save.save_checkpoint(str(root), parts)
+    assert _tree(target) == before, "the save wrote through the swapped-in symlink"
+    assert (root / LATEST).read_text() == "step_000001\n"
+    assert not (root / "step_000002").exists()
+    assert not list(root.glob("step_*.partial-*")), "the planted symlink was left behind"
+    assert load_checkpoint(str(root), Job(base_seed=3).parts()).step == 1
+
+
+def test_a_symlinked_root_is_refused_by_name(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    os.symlink(real, tmp_path / "link")
+    try:
+        with pytest.raises(CheckpointError, match=r"root .*link is a symlink; pass the "
+                                                  r"directory it points to"):
+            _save(tmp_path / "link", Job())
+    finally:
+        release_root(str(tmp_path / "link"))
+    assert not list(real.glob("step_*"))
+
+
+def test_a_swap_between_the_commits_check_and_its_rename_is_undone(
+        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the race a check on a name cannot close: the swap lands right after the check; the
+    # rename then moves the symlink, and the save must notice, undo and refuse
+    job = Job()
+    job.train(1)
+    _save(root, job)
+    target = tmp_path / "other_checkpoint"
+    shutil.copytree(root / "step_000001", target)
+    before = _tree(target)
+    swap = _swap_staging_for(root, target, root / "parked")
+    checked = StagingDirectory.check_named
+    calls: list[str] = []
+
+    def check_then_swap(self: StagingDirectory, name: str) -> None:
+        checked(self, name)
+        if not calls:
+            calls.append(name)
+            swap()
+
+    monkeypatch.setattr(StagingDirectory, "check_named", check_then_swap)
+    job.train(1)
+    with pytest.raises(CheckpointError, match="replaced"):
+        _save(root, job)
+    assert calls and _tree(target) == before
+    assert (root / LATEST).read_text() == "step_000001\n"
+    assert not (root / "step_000002").exists() and not list(root.glob("step_*.partial-*"))

@@ -184,8 +184,12 @@ def test_the_search_time_printed_is_cpu_not_wall(monkeypatch: pytest.MonkeyPatch
 
 def test_a_leaner_runner_up_within_one_percent_is_named(searched: Any) -> None:
     # issue 46: the plot starred a pick needing 71 GiB over a runner-up 0.2 % slower at 44.5
-    from pipeline.planner.report import (LEANER_SAVING, LEANER_WITHIN, leaner_alternative,
-                                         leaner_line)
+    from pipeline.planner.report import (
+        LEANER_SAVING,
+        LEANER_WITHIN,
+        leaner_alternative,
+        leaner_line,
+    )
 
     _, _, result = searched
     pick, top = result.best, result.predictions[:10]

@@ -255,3 +255,35 @@ def test_the_engine_refuses_two_batch_overlap_with_nothing_to_hide() -> None:
     capacity factor: refused on every rank alike (not a silent no-op, no rank left
     waiting); emulated MoE blocks (an all-to-all lane) run it."""
     run_ranks(_engine_refuses_a_model_without_all_to_all, 2, timeout=120)
+
+
+def _failing_block(log: list[str], failing: str) -> object:
+    """`_block`, with half `failing` raising where its experts would run."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        half = "XY"[int(x[0])]
+        for part in ("attention", "a2a dispatch", "experts", "a2a combine"):
+            if part == "experts" and half == failing:
+                log.append(f"{half} raises")
+                raise ValueError(f"planted error in half {half}")
+            if part.startswith("a2a"):
+                log.append(f"launch {half}.{part[4:]}")
+                hand_over(_Done(log, f"{half}.{part[4:]}"))
+            else:
+                log.append(f"{half}.{part}")
+        return x * 2
+    return run
+
+
+@pytest.mark.parametrize("failing", ["X", "Y"])
+def test_a_raise_in_one_half_stops_the_other_before_its_next_all_to_all(failing: str) -> None:
+    # regression: a raise on the helper thread let the other half go on issuing all-to-alls
+    # that met the peers' next ones; gloo aborted the process ("killed by signal 6 without
+    # reporting an error") before the error could surface
+    log: list[str] = []
+    x = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match=f"planted error in half {failing}"):
+        two_batch_forward(_failing_block(log, failing), x, frozenset(),  # type: ignore[arg-type]
+                          lambda a, b, rows: join_halves(a, b, rows, frozenset(), "s"))
+    raised = log.index(f"{failing} raises")
+    assert not [entry for entry in log[raised:] if entry.startswith("launch")], log
+    assert log[:4] == ["X.attention", "launch X.dispatch", "Y.attention", "launch Y.dispatch"]
