@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from pipeline.console import guard_standard_streams
+from pipeline.launcher.console import guard_standard_streams
 
 __all__ = ["COMMAND_MODULES", "EXIT_CODES", "EXIT_INPUT", "EXIT_INTERRUPTED", "EXIT_RUN_FAILED",
            "ArgumentParser", "UsageError", "build_parser", "did_you_mean", "main",

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeline.console import guard_standard_streams
 from pipeline.demo.language_model import TinyLMConfig, lm_layers, lm_loss, synthetic_batch
 from pipeline.demo.user_model import load_recipe, rows_of
+from pipeline.launcher.console import guard_standard_streams
 from pipeline.model.module import PipelineModule
 from pipeline.runtime.engine import PipelineEngine
 from schedules import Timeline
@@ -92,7 +92,7 @@ class ProgressBar:
         bar = "#" * filled + "." * (self.width - filled)
         text = f"[{bar}] step {done}/{self.total}  loss {loss:.4f}  {1000 * seconds:.0f} ms/step"
         # a closed pipe (`| head -1`), a full or closed stdout is not a fault: the rank's
-        # stdout is guarded (`pipeline.console`, train_rank's first step)
+        # stdout is guarded (`pipeline.launcher.console`, train_rank's first step)
         if self.live:
             end = "\n" if done == self.total else ""
             print(f"\r{text}", end=end, flush=True)
