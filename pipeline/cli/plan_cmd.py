@@ -310,6 +310,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--two-batch-overlap is this engine's; {args.engine} runs no "
                          "two-batch overlap; drop --two-batch-overlap")
     halves = args.two_batch_overlap or None
+    # the model read once before the cluster: a local cluster calibrates on ranks for
+    # seconds, and a misspelt --model must be refused before that (its precision is the
+    # cluster's, so the model is read again below)
+    load_model(args.model, seq=args.seq, precision=args.precision or "bf16",
+               cost_batch=args.cost_batch, attention=args.attention)
     cluster = resolve_cluster(args.cluster, nodes=args.nodes)
     if args.device_profile:
         from pipeline.planner.device_profile import apply_device_profile

@@ -228,7 +228,17 @@ def _summary_line(label: str, result: Figures) -> str:
             f"{100 * result.bubble_rate:5.1f}%   idle {100 * result.idle_fraction:5.1f}%")
 
 
+def _check_model_file(model: str | None) -> None:
+    """A --model naming a .py file that is not there, refused before torch is imported (a
+    refusal in a fraction of a second, not after seconds of imports)."""
+    module = (model or "").split(":", 1)[0]
+    if module.endswith(".py") and not Path(module).is_file():
+        raise ValueError(f"--model: no file {module}; give an existing .py path or an "
+                         "importable module name")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_model_file(args.model)
     from pipeline.cli import report_run_failure
     from pipeline.demo.language_model import TinyLMConfig
     from pipeline.demo.train_job import TrainConfig, TrainReport, train_rank

@@ -1,5 +1,6 @@
 """A misspelt choice (a schedule, a subcommand) is answered with the closest names, in-process
-through the console script's entry; an unrelated word gets the list alone."""
+through the console script's entry; an unrelated word gets the list alone; refusals come
+before torch is imported."""
 
 from __future__ import annotations
 
@@ -38,3 +39,25 @@ def test_only_invalid_choice_messages_get_a_suggestion() -> None:
 def test_the_schedule_registry_suggests_too() -> None:
     with pytest.raises(ScheduleConfigError, match=r"did you mean 'zb-h1' or 'zb-h2'\?"):
         generate_schedule("zb_h1", 2, 4)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--model", "nothere.py:build"],
+    ["train", "--schedule", "zbv"],
+    ["plan", "--model", "nothere.json", "--cluster", "local", "--global-batch", "8"],
+])
+def test_a_refusal_comes_before_torch_is_imported(argv: list[str]) -> None:
+    # issue 46: a refusal waited for torch's import (1-2 s quiet, 10-35 s loaded)
+    import subprocess
+    import sys
+
+    from tests.support.cli_helpers import REPO
+
+    script = ("import sys\nfrom pipeline.cli import main\ntry:\n    code = main(sys.argv[1:])\n"
+              "except SystemExit as stop:\n    code = stop.code\n"
+              "print('torch' in sys.modules)\nsys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", script, *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout.strip() == "False", (argv, done.stderr)
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
