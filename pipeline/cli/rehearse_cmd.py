@@ -101,8 +101,6 @@ def _spec(args: argparse.Namespace) -> Any:
     """Read and check everything (costs, schedule, partition) before any process starts."""
     from partition import graph_from_json, parse_method, partition_graph
     from pipeline.limits import check_local_ranks
-    from pipeline.rehearsal.rehearse import RehearsalSpec, emulation_costs
-    from viz import FIGURE_FORMATS, TRACE_FORMATS, check_output_path
 
     chunks = args.chunks if args.chunks is not None else SCHEDULES[args.schedule].default_chunks
     build_schedule(args.schedule, args.stages, args.microbatches, chunks)  # refuses bad p/m/v
@@ -114,6 +112,9 @@ def _spec(args: argparse.Namespace) -> Any:
     graph = graph_from_json(args.costs)
     method, pattern = parse_method(args.partition)
     part = partition_graph(graph, args.stages * chunks, method=method, type_pattern=pattern)
+    from pipeline.rehearsal.rehearse import RehearsalSpec, emulation_costs  # torch, from here
+    from viz import FIGURE_FORMATS, TRACE_FORMATS, check_output_path
+
     layers = emulation_costs(graph, weight_fraction=args.weight_fraction,
                              bytes_scale=args.bytes_scale, time_scale=args.time_scale)
     spec = RehearsalSpec(layers=tuple(layers), boundaries=tuple(part.boundaries),
@@ -134,6 +135,7 @@ def _for_plot(timeline: Timeline, name: str, saved: tuple[float, ...]) -> Timeli
 
 
 def run(args: argparse.Namespace) -> int:
+    spec = _spec(args)  # every input checked, torch-free until the costs are read
     from pipeline.cli import report_run_failure
     from pipeline.errors import RankFailedError
     from pipeline.launcher.processes import launch
@@ -143,7 +145,6 @@ def run(args: argparse.Namespace) -> int:
     from schedules.analysis.memory import predict_memory
     from viz import comparison_table, plot_comparison, write_trace
 
-    spec = _spec(args)
     world = spec.stages * spec.data_parallel
     print(f"rehearsing {spec.schedule} on {world} local ranks (p={spec.stages}, "
           f"dp={spec.data_parallel}, v={spec.chunks}, m={spec.microbatches}), boundaries "

@@ -181,6 +181,10 @@ def _partition(text: str, layers: int, slots: int) -> tuple[int, ...] | str:
 
 def _config(args: argparse.Namespace) -> tuple[Any, int]:
     """The checked `RunConfig` and the world size, before any rank starts."""
+    model = Path(args.model)
+    if not (model / "config.json").is_file():  # before transformers and torch import
+        raise ValueError(f"--model {model}: no config.json there; pass a directory "
+                         "save_pretrained wrote")
     import transformers
 
     from pipeline.interop.hf_layers import MOE, layers_from_hf
@@ -188,10 +192,6 @@ def _config(args: argparse.Namespace) -> tuple[Any, int]:
     from pipeline.jobs.token_data import TokenBatches, open_token_file
     from schedules import generate_schedule
 
-    model = Path(args.model)
-    if not (model / "config.json").is_file():
-        raise ValueError(f"--model {model}: no config.json there; pass a directory "
-                         "save_pretrained wrote")
     options = _options(args)
     hf_config = transformers.AutoConfig.from_pretrained(str(model))
     if hf_config.model_type in MOE:
@@ -245,11 +245,11 @@ def _config(args: argparse.Namespace) -> tuple[Any, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    config, world = _config(args)  # its first check comes before torch imports
     from pipeline.jobs.hf_run import RunReport, run_rank
     from pipeline.launcher.processes import launch
     from pipeline.limits import check_local_ranks
 
-    config, world = _config(args)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun and int(os.environ["WORLD_SIZE"]) != world:
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but "

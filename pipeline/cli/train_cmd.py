@@ -91,10 +91,7 @@ def _heads(width: int) -> int:
 
 def _check_args(args: argparse.Namespace) -> int:
     """Refuse impossible combinations, and sizes this host cannot hold, before any process
-    starts; return chunks per rank."""
-    from pipeline.demo.footprint import check_footprint
-    from pipeline.demo.language_model import TinyLMConfig
-
+    starts; return chunks per rank. Every check before the model's is torch-free."""
     schedule = generate_schedule(args.schedule, args.stages, args.microbatches, args.chunks)
     if not schedule.has_backward:  # it ended in "the step ended holding {'saved': 2}"
         raise ValueError(f"--schedule {args.schedule} runs forwards only (inference): train "
@@ -155,6 +152,9 @@ def _check_args(args: argparse.Namespace) -> int:
             args.recipe.check_tensor_parallel(args.tp)
     layers = args.blocks + 2
     if args.model is None:  # a user's model (--model) has no size flags to estimate from
+        from pipeline.demo.footprint import check_footprint
+        from pipeline.demo.language_model import TinyLMConfig
+
         check_footprint(TinyLMConfig(width=args.width, blocks=args.blocks, seq_len=args.seq_len,
                                      heads=_heads(args.width)),
                         batch_size=args.batch_size, world_size=args.stages * args.data_parallel)
@@ -239,6 +239,7 @@ def _check_model_file(model: str | None) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_model_file(args.model)
+    chunks = _check_args(args)  # before the imports below: a refusal does not wait for torch
     from pipeline.cli import report_run_failure
     from pipeline.demo.language_model import TinyLMConfig
     from pipeline.demo.train_job import TrainConfig, TrainReport, train_rank
@@ -248,7 +249,6 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.runtime.trace import measured_costs
     from viz import plot_timeline, plot_training, write_trace
 
-    chunks = _check_args(args)
     model = TinyLMConfig(width=args.width, blocks=args.blocks, seq_len=args.seq_len,
                          heads=_heads(args.width))
     # 1. Partition on measured per-layer costs (one process, before any rank starts).

@@ -45,6 +45,11 @@ def test_the_schedule_registry_suggests_too() -> None:
     ["train", "--model", "nothere.py:build"],
     ["train", "--schedule", "zbv"],
     ["plan", "--model", "nothere.json", "--cluster", "local", "--global-batch", "8"],
+    ["train", "--tp", "2"],
+    ["train", "--schedule", "forward-only"],
+    ["run", "--model", "nothere", "--data", "nothere.bin", "--steps", "1"],
+    ["rehearse", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4",
+     "--costs", "nothere.json"],
 ])
 def test_a_refusal_comes_before_torch_is_imported(argv: list[str]) -> None:
     # issue 46: a refusal waited for torch's import (1-2 s quiet, 10-35 s loaded)
