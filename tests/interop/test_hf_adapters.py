@@ -4,13 +4,12 @@ owning rank only and export back to a HF state dict."""
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("transformers")
 
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.errors import PipelineConfigError
@@ -27,6 +26,10 @@ from schedules import SCHEDULES
 from tests.support.hf_equivalence import step_differences
 from tests.support.hf_models import FAMILIES, tiny_config, tiny_model, token_batch
 from tests.support.rank_harness import run_ranks
+
+# a skip without importing transformers (a second of collection); the tests import it
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="needs transformers")
 
 TRAINING_SCHEDULES = [name for name in SCHEDULES if name != "forward-only"]
 
