@@ -214,6 +214,13 @@ def test_every_family_and_schedule_equals_the_hf_model() -> None:
               timeout=300)
 
 
+@pytest.mark.multiprocess
+def test_llama_and_gpt2_through_two_schedules_equal_the_hf_model() -> None:
+    """The fast tier's HF case: Llama through 1F1B and ZB-V, GPT-2 (tied) through ZB-H1, the
+    padded batch and greedy generation, in one launch (the sweep above is the full tier's)."""
+    run_ranks(_check_schedules, 2, {"llama": ["1f1b", "zb-v"], "gpt2": ["zb-h1"]}, timeout=300)
+
+
 def _check_steps(rank: int, world_size: int) -> None:
     for family in FAMILIES:
         for tied in (True, False) if family != "gpt2" else (True,):

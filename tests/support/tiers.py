@@ -56,7 +56,7 @@ def read_tier_list(path: Path = LIST_PATH) -> TierList:
             continue
         tier, _, nodeid = line.partition(" ")
         nodeid = nodeid.strip()
-        if tier not in TIERS or not nodeid or " " in nodeid:
+        if tier not in TIERS or not nodeid.startswith("tests"):
             raise ValueError(f"{path.name}:{number}: {raw!r} is not `fast|full NODEID  # why`")
         if nodeid in entries:
             raise ValueError(f"{path.name}:{number}: {nodeid} is listed twice")
