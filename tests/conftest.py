@@ -18,8 +18,10 @@ settings.register_profile("default", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", max_examples=100, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
-HYPOTHESIS_EXAMPLES = {"fast": 20, "full": 100, "all": 100}
-"""Examples per property test: few in the fast tier, the thorough budget in the full tier."""
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+FAST_TIER_EXAMPLES = 20
+"""The fast tier runs each property test with at most this many examples; the full tier runs
+them again with their own budget (`@settings(max_examples=...)`, else the profile's)."""
 SLOW_IN_FAST_TIER_S = 20.0
 """A fast-tier test whose call takes longer is named in the summary (a note, never a failure)."""
 _TIER = pytest.StashKey[str]()
@@ -48,16 +50,12 @@ def pytest_configure(config: pytest.Config) -> None:
     tier = _selected_tier(config)
     config.stash[_SELECTED] = tier
     config.stash[_STALE] = []
-    base = os.environ.get("HYPOTHESIS_PROFILE", "default")
-    settings.register_profile(f"{base}-{tier}", parent=settings.get_profile(base),
-                              max_examples=HYPOTHESIS_EXAMPLES[tier])
-    settings.load_profile(f"{base}-{tier}")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
     tier = config.stash[_SELECTED]
-    return (f"tier: {tier} (hypothesis {HYPOTHESIS_EXAMPLES[tier]} examples); "
-            "docs/testing.md, --tier full|all")
+    budget = f"at most {FAST_TIER_EXAMPLES}" if tier == "fast" else "their own budget of"
+    return f"tier: {tier} (property tests: {budget} examples); docs/testing.md, --tier full|all"
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: `-m full` must see the marker
@@ -77,6 +75,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     selected = config.stash[_SELECTED]
     if selected != "all":
         _deselect_other_tier(config, items, selected)
+    if selected == "fast":
+        for item in items:
+            _cap_examples(item)
+
+
+def _cap_examples(item: pytest.Item) -> None:
+    """Run a property test with at most FAST_TIER_EXAMPLES examples (hypothesis keeps a test's
+    settings on the function it wraps; an unknown layout leaves the test as it is)."""
+    test = getattr(item, "obj", None)
+    own = getattr(test, "_hypothesis_internal_use_settings", None)
+    if isinstance(own, settings) and own.max_examples > FAST_TIER_EXAMPLES:
+        test._hypothesis_internal_use_settings = settings(  # type: ignore[union-attr]
+            own, max_examples=FAST_TIER_EXAMPLES)
 
 
 def _deselect_other_tier(config: pytest.Config, items: list[pytest.Item], selected: str) -> None:
@@ -111,7 +122,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatu
                             config: pytest.Config) -> None:
     write = terminalreporter.write_line
     if config.stash[_SELECTED] == "fast":
-        write("tier fast ran; `python -m pytest -q --tier full` runs the rest (docs/testing.md)")
+        write("tier fast (the default); `python -m pytest -q --tier full` runs the rest "
+              "(docs/testing.md)")
     for nodeid, seconds in _SLOW_IN_FAST_TIER:
         write(f"note: a fast-tier test took {seconds:.1f} s (over {SLOW_IN_FAST_TIER_S:.0f} s): "
               f"{nodeid}; make it cheaper or list it as full in tests/tiers.txt")
