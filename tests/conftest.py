@@ -28,6 +28,7 @@ _TIER = pytest.StashKey[str]()
 _SELECTED = pytest.StashKey[str]()
 _STALE = pytest.StashKey[list[str]]()
 _SLOW_IN_FAST_TIER: list[tuple[str, float]] = []
+_WATCH_SLOW = [False]  # only in fast-tier runs
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -50,6 +51,7 @@ def pytest_configure(config: pytest.Config) -> None:
     tier = _selected_tier(config)
     config.stash[_SELECTED] = tier
     config.stash[_STALE] = []
+    _WATCH_SLOW[0] = tier == "fast"
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -84,6 +86,7 @@ def _cap_examples(item: pytest.Item) -> None:
     """Run a property test with at most FAST_TIER_EXAMPLES examples (hypothesis keeps a test's
     settings on the function it wraps; an unknown layout leaves the test as it is)."""
     test = getattr(item, "obj", None)
+    test = getattr(test, "__func__", test)  # a method's function
     own = getattr(test, "_hypothesis_internal_use_settings", None)
     if isinstance(own, settings) and own.max_examples > FAST_TIER_EXAMPLES:
         test._hypothesis_internal_use_settings = settings(  # type: ignore[union-attr]
@@ -113,7 +116,7 @@ def _deselect_other_tier(config: pytest.Config, items: list[pytest.Item], select
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when == "call" and report.duration > SLOW_IN_FAST_TIER_S \
+    if _WATCH_SLOW[0] and report.when == "call" and report.duration > SLOW_IN_FAST_TIER_S \
             and "full" not in report.keywords:
         _SLOW_IN_FAST_TIER.append((report.nodeid, report.duration))
 
