@@ -7,17 +7,17 @@ import json
 
 import pytest
 
-from tests.support.cli_helpers import run_cli
+from tests.support.cli_helpers import call_cli
 
-pytestmark = pytest.mark.slow  # each test runs the command line in a subprocess
-
+# the `slow` ones solve larger problems to optimality (seconds each)
 needs_solver = pytest.mark.skipif(importlib.util.find_spec("ortools") is None,
                                   reason="the optimality gap needs the 'solver' extra")
 
 
 @needs_solver
+@pytest.mark.slow
 def test_the_gap_column_is_zero_for_an_optimal_schedule_and_positive_for_1f1b() -> None:
-    done = run_cli("compare", "--stages", "3", "--microbatches", "4", "--schedules",
+    done = call_cli("compare", "--stages", "3", "--microbatches", "4", "--schedules",
                    "1f1b,zb-h2", "--optimality-gap", "20")
     assert done.returncode == 0, done.stderr
     header, *rows = [line for line in done.stdout.splitlines()[2:] if line.strip()]
@@ -32,7 +32,7 @@ def test_the_gap_column_is_zero_for_an_optimal_schedule_and_positive_for_1f1b() 
 
 @needs_solver
 def test_json_carries_the_optimum() -> None:
-    done = run_cli("compare", "--stages", "2", "--microbatches", "3", "--schedules", "zb-auto",
+    done = call_cli("compare", "--stages", "2", "--microbatches", "3", "--schedules", "zb-auto",
                    "--optimality-gap", "20", "--json")
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout)["schedules"][0]
@@ -40,14 +40,14 @@ def test_json_carries_the_optimum() -> None:
 
 
 def test_too_large_a_problem_is_one_line_naming_the_limits() -> None:
-    done = run_cli("compare", "--stages", "9", "--microbatches", "4", "--optimality-gap")
+    done = call_cli("compare", "--stages", "9", "--microbatches", "4", "--optimality-gap")
     assert done.returncode == 2
     assert "--stages <= 8 and --microbatches <= 16" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
 
 
 def test_overlap_fraction_speeds_up_only_the_overlapped_dualpipev() -> None:
-    done = run_cli("compare", "--stages", "4", "--microbatches", "8", "--schedules",
+    done = call_cli("compare", "--stages", "4", "--microbatches", "8", "--schedules",
                    "dualpipev,dualpipev-overlap", "--overlap", "0.7", "--json")
     assert done.returncode == 0, done.stderr
     makespans = {row["schedule"]: row["makespan"]
@@ -57,10 +57,11 @@ def test_overlap_fraction_speeds_up_only_the_overlapped_dualpipev() -> None:
 
 
 @needs_solver
+@pytest.mark.slow
 def test_the_optimum_is_never_above_a_listed_schedule() -> None:
     # v-min holds less than any heuristic the solver would start from: its own order is
     # the start, so the optimum at its memory can only be faster (regression: 0%..44%).
-    done = run_cli("compare", "--stages", "3", "--microbatches", "6", "--schedules",
+    done = call_cli("compare", "--stages", "3", "--microbatches", "6", "--schedules",
                    "v-min,v-half,zb-v,1f1b", "--optimality-gap", "10", "--json")
     assert done.returncode == 0, done.stderr
     for row in json.loads(done.stdout)["schedules"]:

@@ -1,19 +1,34 @@
-"""`pipesched simulate` and `pipesched schedule` end to end, in subprocesses."""
+"""`pipesched simulate` and `pipesched schedule` end to end: the console script once in a
+subprocess, the rest in-process through the entry point it calls."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from schedules import Schedule, build_schedule
-from tests.support.cli_helpers import run_cli
+from tests.support.cli_helpers import REPO, call_cli
 
-pytestmark = pytest.mark.slow  # each test runs the command line in a subprocess
+
+@pytest.mark.slow
+@pytest.mark.fast  # the one run of the installed console script itself
+def test_the_console_script_prints_the_figures() -> None:
+    script = Path(sys.executable).with_name("pipesched")
+    if not script.exists():
+        pytest.skip(f"no {script}: the package is not installed here (pip install -e .)")
+    done = subprocess.run([str(script), "simulate", "--schedule", "1f1b", "--stages", "2",
+                           "--microbatches", "3", "--json"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["makespan"] == 12.0
 
 
 def test_simulate_json_has_the_figures() -> None:
-    done = run_cli("simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
+    done = call_cli("simulate", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8",
                    "--backward", "1", "--weight", "0", "--json")
     assert done.returncode == 0, done.stderr
     payload = json.loads(done.stdout)
@@ -25,7 +40,7 @@ def test_simulate_json_has_the_figures() -> None:
 
 
 def test_simulate_table_is_readable() -> None:
-    done = run_cli("simulate", "--schedule", "interleaved", "--stages", "2", "--microbatches",
+    done = call_cli("simulate", "--schedule", "interleaved", "--stages", "2", "--microbatches",
                    "4", "--chunks", "2")
     assert done.returncode == 0, done.stderr
     assert "schedule interleaved   p=2  m=4  v=2" in done.stdout
@@ -33,7 +48,7 @@ def test_simulate_table_is_readable() -> None:
 
 
 def test_schedule_prints_streams_that_parse_back() -> None:
-    done = run_cli("schedule", "--schedule", "1f1b", "--stages", "3", "--microbatches", "5")
+    done = call_cli("schedule", "--schedule", "1f1b", "--stages", "3", "--microbatches", "5")
     assert done.returncode == 0, done.stderr
     parsed = Schedule.from_text(done.stdout, num_microbatches=5)
     assert parsed.streams == build_schedule("1f1b", 3, 5).streams
@@ -54,7 +69,7 @@ def test_bad_values_are_one_line_and_exit_2(args: list[str], message: str) -> No
     for command in ("simulate", "schedule"):
         if command == "schedule" and "--forward" in args:
             continue
-        done = run_cli(command, *args)
+        done = call_cli(command, *args)
         assert done.returncode == 2
         assert message in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -1,4 +1,5 @@
-"""`pipesched train` end to end in a subprocess: tiny config, 2 steps, every output written."""
+"""`pipesched train` end to end in a subprocess: tiny config, 2 steps, every output written;
+its refusals in-process (nothing starts before them)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli_helpers import run_cli
+from tests.support.cli_helpers import call_cli, run_cli
 
 TINY = ["--stages", "2", "--microbatches", "2", "--steps", "2", "--batch-size", "4",
         "--blocks", "2", "--width", "16", "--seq-len", "8"]
@@ -50,7 +51,7 @@ def test_train_writes_timeline_trace_loss_and_summary(tmp_path: Path) -> None:
 def test_train_refuses_bad_input_before_starting(tmp_path: Path, args: list[str],
                                                  message: str) -> None:
     out = [] if "--out" in args else ["--out", str(tmp_path)]
-    done = run_cli("train", *TINY, *args, *out, timeout=120)
+    done = call_cli("train", *TINY, *args, *out)
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr
@@ -60,6 +61,6 @@ def test_train_refuses_bad_input_before_starting(tmp_path: Path, args: list[str]
 def test_train_refuses_unwritable_out(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    done = run_cli("train", *TINY, "--out", str(blocker / "sub"), timeout=120)
+    done = call_cli("train", *TINY, "--out", str(blocker / "sub"))
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1

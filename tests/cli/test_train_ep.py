@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli_helpers import run_cli
+from tests.support.cli_helpers import call_cli
 
 RECIPE = "examples/hf_moe_recipe.py:build"
 
 
 def _one_line_refusal(*args: str) -> str:
-    result = run_cli("train", *args, "--steps", "1", "--batch-size", "12",
-                     "--microbatches", "2")
+    result = call_cli("train", *args, "--steps", "1", "--batch-size", "12",
+                      "--microbatches", "2")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "training" not in result.stdout, result

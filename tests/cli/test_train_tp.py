@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli_helpers import run_cli
+from tests.support.cli_helpers import call_cli, run_cli
 
 
 def test_a_tp_the_model_cannot_take_is_one_line_naming_the_valid_sizes() -> None:
     pytest.importorskip("transformers")
-    result = run_cli("train", "--model", "examples/hf_tensor_parallel_recipe.py:build",
-                     "--stages", "2", "--tp", "3", "--steps", "1", "--batch-size", "8",
-                     "--microbatches", "2")
+    result = call_cli("train", "--model", "examples/hf_tensor_parallel_recipe.py:build",
+                      "--stages", "2", "--tp", "3", "--steps", "1", "--batch-size", "8",
+                      "--microbatches", "2")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "training" not in result.stdout, result
@@ -24,7 +24,7 @@ def test_a_tp_the_model_cannot_take_is_one_line_naming_the_valid_sizes() -> None
 
 
 def test_tp_on_the_demo_model_is_refused() -> None:
-    result = run_cli("train", "--stages", "2", "--tp", "2", "--steps", "1")
+    result = call_cli("train", "--stages", "2", "--tp", "2", "--steps", "1")
     assert result.returncode == 2
     assert "--tp 2: the demo model has no tensor-parallel form" in result.stderr
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.demo.user_model import ModelRecipe, load_recipe
-from tests.support.cli_helpers import run_cli
+from tests.support.cli_helpers import call_cli, run_cli
 
 USER_MODEL = '''
 import torch
@@ -131,8 +131,8 @@ def test_train_runs_a_user_model(tmp_path: Path) -> None:
 
 
 def test_train_refuses_a_model_with_too_few_layers(tmp_path: Path) -> None:
-    done = run_cli("train", "--model", f"{_write(tmp_path)}:build", "--stages", "8",
-                   "--out", str(tmp_path / "out"), timeout=120)
+    done = call_cli("train", "--model", f"{_write(tmp_path)}:build", "--stages", "8",
+                    "--out", str(tmp_path / "out"))
     assert done.returncode == 2
     assert "has 5 layers, too few for 8 stages" in done.stderr
 
@@ -159,9 +159,8 @@ def test_tuple_inputs_split_over_data_parallel_replicas(tmp_path: Path) -> None:
 def test_refused_recipe_fails_in_one_line_before_any_rank(tmp_path: Path, function: str,
                                                           message: str) -> None:
     """Regression: the build check refused the recipe inside every rank: tracebacks, exit 1."""
-    done = run_cli("train", "--model", f"{_write(tmp_path)}:{function}", "--stages", "2",
-                   "--microbatches", "2", "--batch-size", "8", "--out", str(tmp_path / "out"),
-                   timeout=120)
+    done = call_cli("train", "--model", f"{_write(tmp_path)}:{function}", "--stages", "2",
+                    "--microbatches", "2", "--batch-size", "8", "--out", str(tmp_path / "out"))
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and "training" not in done.stdout
     lines = done.stderr.strip().splitlines()

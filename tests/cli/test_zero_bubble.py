@@ -7,13 +7,11 @@ import json
 import pytest
 
 from schedules import SCHEDULES, Schedule, build_schedule
-from tests.support.cli_helpers import run_cli
-
-pytestmark = pytest.mark.slow  # each test runs the command line in a subprocess
+from tests.support.cli_helpers import call_cli
 
 
 def test_zb_v_simulates_with_no_bubble_at_equal_costs() -> None:
-    done = run_cli("simulate", "--schedule", "zb-v", "--stages", "4", "--microbatches", "8",
+    done = call_cli("simulate", "--schedule", "zb-v", "--stages", "4", "--microbatches", "8",
                    "--json")
     assert done.returncode == 0, done.stderr
     payload = json.loads(done.stdout)
@@ -22,11 +20,11 @@ def test_zb_v_simulates_with_no_bubble_at_equal_costs() -> None:
 
 
 def test_zb_auto_takes_a_memory_limit_and_keeps_it() -> None:
-    done = run_cli("simulate", "--schedule", "zb-auto", "--stages", "4", "--microbatches", "12",
+    done = call_cli("simulate", "--schedule", "zb-auto", "--stages", "4", "--microbatches", "12",
                    "--weight", "0.5", "--comm", "0.05", "--memory-limit", "5", "--json")
     assert done.returncode == 0, done.stderr
     assert max(r["peak_activations"] for r in json.loads(done.stdout)["ranks"]) <= 5
-    printed = run_cli("schedule", "--schedule", "zb-auto", "--stages", "3", "--microbatches",
+    printed = call_cli("schedule", "--schedule", "zb-auto", "--stages", "3", "--microbatches",
                       "6", "--memory-limit", "3")
     assert printed.returncode == 0, printed.stderr
     parsed = Schedule.from_text(printed.stdout, num_microbatches=6)
@@ -44,7 +42,7 @@ def test_zb_auto_takes_a_memory_limit_and_keeps_it() -> None:
      "--memory-limit: must be >= 1"),
 ])
 def test_constraint_errors_are_one_line_and_exit_2(args: list[str], message: str) -> None:
-    done = run_cli("simulate", *args)
+    done = call_cli("simulate", *args)
     assert done.returncode == 2
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr

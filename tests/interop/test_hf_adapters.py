@@ -4,13 +4,12 @@ owning rank only and export back to a HF state dict."""
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-
-pytest.importorskip("transformers")
 
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.errors import PipelineConfigError
@@ -27,6 +26,10 @@ from schedules import SCHEDULES
 from tests.support.hf_equivalence import step_differences
 from tests.support.hf_models import FAMILIES, tiny_config, tiny_model, token_batch
 from tests.support.rank_harness import run_ranks
+
+# a skip without importing transformers (a second of collection); the tests import it
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                reason="needs transformers")
 
 TRAINING_SCHEDULES = [name for name in SCHEDULES if name != "forward-only"]
 
@@ -209,6 +212,13 @@ def test_every_family_and_schedule_equals_the_hf_model() -> None:
     run_ranks(_check_schedules, 2, {"gpt2": TRAINING_SCHEDULES, "llama": TRAINING_SCHEDULES,
                                     **{family: ["zb-h1"] for family in FAMILIES[2:]}},
               timeout=300)
+
+
+@pytest.mark.multiprocess
+def test_llama_and_gpt2_through_two_schedules_equal_the_hf_model() -> None:
+    """The fast tier's HF case: Llama through 1F1B and ZB-V, GPT-2 (tied) through ZB-H1, the
+    padded batch and greedy generation, in one launch (the sweep above is the full tier's)."""
+    run_ranks(_check_schedules, 2, {"llama": ["1f1b", "zb-v"], "gpt2": ["zb-h1"]}, timeout=300)
 
 
 def _check_steps(rank: int, world_size: int) -> None:

@@ -19,7 +19,7 @@ from pipeline.planner.limits import (
     estimate_plan_work,
 )
 from pipeline.planner.load import load_model
-from tests.support.cli_helpers import run_cli
+from tests.support.cli_helpers import call_cli
 
 _SHAPE = "layers=24,hidden=2048,heads=16,vocab=50257,seq=2048"
 
@@ -77,13 +77,12 @@ def test_an_ordinary_request_is_within_the_limit() -> None:
     assert 0 < work <= MAX_PLAN_INSTRUCTIONS and cluster.num_devices == 8
 
 
-@pytest.mark.slow
 def test_plan_refuses_a_duplicate_json_key(tmp_path: Path) -> None:
     path = tmp_path / "shape.json"
     path.write_text('{"layers": 2, "layers": 3, "hidden": 64, "heads": 4, "vocab": 100, '
                     '"seq": 32}')
-    done = run_cli("plan", "--model", str(path), "--cluster", "a100-80g", "--global-batch",
-                   "8", timeout=60)
+    done = call_cli("plan", "--model", str(path), "--cluster", "a100-80g", "--global-batch",
+                    "8")
     assert done.returncode == 2 and "gives the key 'layers' twice" in done.stderr
 
 

@@ -3,7 +3,8 @@ step, eval outputs, with GPipe, 1F1B and interleaved (v=2) on p in {1, 2, 4}, m 
 and every other registered schedule (zero bubble, V placement) on p in {2, 4}.
 
 One spawned group per p runs every case inside and compares against the reference computed
-in-rank (the models are tiny), so the whole file costs three launches.
+in-rank (the models are tiny), so the sweep costs three launches (full tier); the fast tier
+runs every schedule family once at p = 2 in one launch.
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ def _cases(p: int) -> list[Case]:
         # the searched and overlapped orders: one case each (their build is the cost)
         cases += [("mlp", name, 2 * p, SCHEDULES[name].default_chunks, 0) for name in SEARCHED]
         cases += [("mlp", "zb-h1", 3, 1, 2), ("transformer", "zb-v", 8, 2, 1)]  # + checkpoints
+    return cases
+
+
+def _family_cases() -> list[Case]:
+    """p = 2: each registered schedule family once (of the searched ones, interleaved zero
+    bubble and DualPipeV's overlapped pairs), split backward under V placement, and
+    recomputation (checkpoint interval 1)."""
+    cases: list[Case] = [("transformer", "1f1b", 3, 1, 0), ("mlp", "v-split", 3, 2, 0),
+                         ("transformer", "interleaved", 4, 2, 1)]
+    cases += [("mlp", name, 4, SCHEDULES[name].default_chunks, 0) for name in SCHEDULES
+              if name not in ("1f1b", "forward-only", *SEARCHED)]
+    cases += [("mlp", name, 4, 2, 0) for name in ("interleaved-zb", "dualpipev-overlap")]
     return cases
 
 
@@ -103,9 +116,18 @@ def _equivalence_rank(p: int, cases: list[Case]) -> dict[str, Any]:
             "data_iter_error": data_iter_error}
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_pipeline_equals_single_process(p: int) -> None:
-    cases = _cases(p)
+    _check_equivalence(p, _cases(p))
+
+
+@pytest.mark.fast
+def test_every_schedule_family_equals_single_process() -> None:
+    _check_equivalence(2, _family_cases())
+
+
+def _check_equivalence(p: int, cases: list[Case]) -> None:
     per_rank = launch(_equivalence_rank, p, p, cases, timeout=60, join_timeout=240)
     problems = []
     for rank, outcome in enumerate(per_rank):

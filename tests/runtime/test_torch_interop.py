@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline import PipelineModule, launch, torch_runtime, torch_stages
+from pipeline import PipelineModule, launch
 from pipeline.model.reference import build_reference, reference_step
 from schedules import (
     Schedule,
@@ -79,6 +79,9 @@ def _torch_runs_case(p: int, case: TorchCase, csv_path: str) -> dict[str, Any]:
     m = schedule.num_microbatches
     module = PipelineModule(spec.layers(), num_stages=p, chunks=schedule.chunks,
                             loss_fn=spec.loss)
+    # imported in the rank: torch.distributed.pipelining costs seconds at collection
+    from pipeline import torch_runtime, torch_stages
+
     stages = torch_stages(module, schedule)
     runtime = torch_runtime(schedule, stages, csv_path, loss_fn=spec.loss)
     optimizer = sgd(module.parameters())

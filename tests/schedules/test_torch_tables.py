@@ -8,13 +8,11 @@ Uses torch's private schedule helpers with stand-in stages (no process group, no
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import pytest
 
 pytest.importorskip("torch")
-
-from torch.distributed.pipelining import schedules as torch_schedules
 
 from schedules import (
     Schedule,
@@ -34,7 +32,15 @@ from schedules import (
     validate,
     zb_v,
 )
-from tests.support.torch_helpers import dump_torch_csv, stand_in_stages, torch_rows
+from tests.support.torch_helpers import (
+    dump_torch_csv,
+    pipelining_schedules,
+    stand_in_stages,
+    torch_rows,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import schedules as torch_schedules
 
 MULTI_STAGE = ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
                "DualPipeV"]
@@ -69,6 +75,7 @@ def test_our_zb_v_and_dualpipev_are_torchs_orders(p: int, m: int) -> None:
 
 @pytest.mark.parametrize(("name", "chunks"), OURS)
 def test_torchs_parser_and_checks_accept_ours(name: str, chunks: int | None) -> None:
+    torch_schedules = pipelining_schedules()
     p, m = 4, 8
     compute = generate_schedule(name, p, m, chunks)
     lowered = build_schedule(name, p, m, chunks)
@@ -87,6 +94,7 @@ def test_torchs_parser_and_checks_accept_ours(name: str, chunks: int | None) -> 
 @pytest.mark.parametrize("name", ["zb-v", "dualpipev"])
 def test_torchs_runtime_loads_our_csv(name: str, form: Literal["compute_only", "compute_comms"],
                                       tmp_path: Path) -> None:
+    torch_schedules = pipelining_schedules()
     p, m = 3, 6
     schedule = (generate_schedule if form == "compute_only" else build_schedule)(name, p, m)
     path = tmp_path / f"{name}.csv"
@@ -106,6 +114,7 @@ def test_torchs_runtime_loads_our_csv(name: str, form: Literal["compute_only", "
 
 
 def test_fuse_backward_matches_torchs_merge_bw() -> None:
+    torch_schedules = pipelining_schedules()
     compute = generate_schedule("zb-v", 3, 6)
     fused = fuse_backward(compute)
     for rank, row in enumerate(to_torch_rows(compute)):
@@ -114,6 +123,7 @@ def test_fuse_backward_matches_torchs_merge_bw() -> None:
 
 
 def _actions(rows: list[list[str]]) -> dict[int, list[torch_schedules._Action | None]]:
+    torch_schedules = pipelining_schedules()
     return {rank: [torch_schedules._Action.from_str(cell) for cell in row]
             for rank, row in enumerate(rows)}
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from pipeline import RankFailedError, launch
 from pipeline.demo.language_model import TinyLMConfig
 from pipeline.demo.train_job import TrainConfig, train_rank
-from tests.support.cli_helpers import run_cli
+from tests.support.cli_helpers import call_cli
 from tests.support.fault_helpers import record_pid, surviving_ranks
 from tests.support.stall_scenarios import STALLS, run_stall
 
@@ -74,7 +74,7 @@ def test_train_config_refuses_a_bad_timeout() -> None:
 
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "soon"])
 def test_train_refuses_a_timeout_that_is_not_a_positive_number(value: str) -> None:
-    result = run_cli("train", "--timeout", value)
+    result = call_cli("train", "--timeout", value)
     assert result.returncode == 2 and "--timeout" in result.stderr, result.stderr
 
 

@@ -8,19 +8,28 @@ exact table a real run would use.
 from __future__ import annotations
 
 import csv
+import importlib
 from pathlib import Path
-from typing import Literal
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal
 from unittest import mock
 
-from torch.distributed.pipelining import schedules as torch_schedules
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-from torch.distributed.pipelining.stage import PipelineStage
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.stage import PipelineStage
 
-__all__ = ["dump_torch_csv", "stand_in_stages", "torch_rows"]
+__all__ = ["dump_torch_csv", "pipelining_schedules", "stand_in_stages", "torch_rows"]
+
+
+def pipelining_schedules() -> ModuleType:
+    """`torch.distributed.pipelining.schedules`, imported when a test runs: importing it costs
+    seconds, which collecting the suite should not pay."""
+    return importlib.import_module("torch.distributed.pipelining.schedules")
 
 
 def stand_in_stages(p: int, v: int) -> list[PipelineStage]:
     """v stand-ins for rank 0's stages in a p-rank group with p·v stages."""
+    from torch.distributed.pipelining.stage import PipelineStage
+
     stage = mock.create_autospec(PipelineStage, instance=True)
     stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, p, None, p * v
     return [stage] * v
@@ -28,6 +37,8 @@ def stand_in_stages(p: int, v: int) -> list[PipelineStage]:
 
 def torch_rows(name: str, p: int, m: int, *, with_comms: bool) -> list[list[str | None]]:
     """torch's actions for schedule class `name` (v = 2), as text (None: idle)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
     actions = get_schedule_ops(name, p, m, 2, with_comms=with_comms)
     return [[None if a is None else str(a) for a in rank] for rank in actions]
 
@@ -40,6 +51,7 @@ def dump_torch_csv(name: str, p: int, m: int, path: Path,
     ones (GPipe, 1F1B) have no `_dump_csv` and only a compute-only table, written here as
     `_dump_csv` would (csv rows of action text, idle slots empty).
     """
+    torch_schedules = pipelining_schedules()
     cls = torch_schedules.get_schedule_class(name)
     if issubclass(cls, torch_schedules.PipelineScheduleSingle):
         if form != "compute_only":

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from matplotlib.axes import Axes
 
 from tests.support.viz_helpers import png_size, svg_size_points
 from viz import plot_partition
+
+if TYPE_CHECKING:  # matplotlib is imported where a test draws, not while collecting
+    from matplotlib.axes import Axes
 
 
 def heights(figure_axes: list[Axes], label: str) -> list[float]:

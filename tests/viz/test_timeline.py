@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-from matplotlib.axes import Axes
 
 from schedules import KINDS, Kind, Timeline, figures
 from schedules.ir.instructions import COMPUTE_KINDS
 from tests.support.viz_helpers import measured_timeline, png_size, simulated, svg_size_points
 from viz import IDLE_LABEL, OutputPathError, bar_extents, bars_labelled, plot_timeline
+
+if TYPE_CHECKING:  # matplotlib is imported where a test draws, not while collecting
+    from matplotlib.axes import Axes
 
 
 def drawn_ops(ax: Axes) -> list[tuple[int, str, float, float]]:
