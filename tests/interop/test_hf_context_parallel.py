@@ -1,0 +1,66 @@
+"""HF Llama-shaped families with each sequence split over cp ranks inside pipeline stages
+equal HF itself (loss, gradients, updated weights within 1e-5 relative, fp32, gloo), and
+planted bugs in the split are caught."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from pipeline.errors import PipelineConfigError
+from pipeline.interop.hf_context_parallel import context_parallel_hf
+from pipeline.interop.hf_layers import layers_from_hf
+from pipeline.parallel.context.sharding import check_context_parallel_sequence
+from tests.support.hf_cp_equivalence import PLANTED, CPCase, cp_step_errors
+from tests.support.hf_models import tiny_config
+from tests.support.rank_harness import run_ranks
+
+TOLERANCE = 1e-5
+
+WORLD_4 = [
+    CPCase("llama", pp=2, cp=2),
+    CPCase("llama", pp=2, cp=2, padded=True),
+    CPCase("mistral", pp=2, cp=2, length=16),  # sliding window 4 across chunk borders
+    CPCase("llama", pp=1, cp=4, length=16),
+]
+PLANTED_CASES = [CPCase("llama", pp=2, cp=2, planted=name) for name in PLANTED]
+
+
+def _run_cases(rank: int, world: int, cases: list[CPCase], planted: list[CPCase]) -> None:
+    for case in cases:
+        errors = cp_step_errors(case)
+        assert max(errors.values()) < TOLERANCE, f"{case.label()}: {errors}"
+    for case in planted:
+        module, name, replacement = PLANTED[case.planted]
+        original = getattr(module, name)
+        setattr(module, name, replacement)
+        try:
+            errors = cp_step_errors(case)
+        finally:
+            setattr(module, name, original)
+        assert max(errors.values()) > 1e-3, f"planted {case.planted} passed: {errors}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_pp2_cp2_and_cp4_equal_hf_and_planted_bugs_fail() -> None:
+    run_ranks(_run_cases, 4, WORLD_4, PLANTED_CASES, timeout=900)
+
+
+def test_a_sequence_that_does_not_cut_into_2cp_chunks_is_refused() -> None:
+    with pytest.raises(PipelineConfigError, match=r"context_parallel=3 .* sequence length 8 "
+                                                  r"is not a multiple of 6.*among \[1, 2, 4\]"):
+        check_context_parallel_sequence(8, 3)
+    check_context_parallel_sequence(8, 2)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma2", "phi3"])
+def test_uncovered_families_are_refused_by_name(family: str) -> None:
+    with pytest.raises(PipelineConfigError, match=f"covers model types .*got '{family}'"):
+        context_parallel_hf(layers_from_hf(tiny_config(family, tied=False)))
+
+
+def test_tied_embeddings_are_refused() -> None:
+    with pytest.raises(PipelineConfigError, match="tied input and output embeddings"):
+        context_parallel_hf(layers_from_hf(tiny_config("llama", tied=True)))
