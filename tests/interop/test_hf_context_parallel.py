@@ -23,6 +23,8 @@ WORLD_4 = [
     CPCase("llama", pp=2, cp=2, padded=True),
     CPCase("mistral", pp=2, cp=2, length=16),  # sliding window 4 across chunk borders
     CPCase("llama", pp=1, cp=4, length=16),
+    CPCase("qwen2", pp=2, cp=2, zero=True, recompute="full"),
+    CPCase("llama", pp=2, cp=2, padded=True, schedule="zb-h1", recompute="selective"),
 ]
 PLANTED_CASES = [CPCase("llama", pp=2, cp=2, planted=name) for name in PLANTED]
 

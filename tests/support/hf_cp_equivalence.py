@@ -61,11 +61,16 @@ class CPCase:
     padded: bool = False
     length: int = 8
     schedule: str = "1f1b"
+    zero: bool = False
+    """ZeRO-1: optimizer state sharded over dp × cp."""
+    recompute: str = "none"
     planted: str = ""
 
     def label(self) -> str:
         return "-".join(p for p in (self.family, f"pp{self.pp}", f"cp{self.cp}",
                                     "padded" if self.padded else "", self.schedule,
+                                    "zero1" if self.zero else "",
+                                    "" if self.recompute == "none" else self.recompute,
                                     self.planted) if p)
 
 
@@ -92,7 +97,7 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
     labels = causal_lm_targets(ids, mask if case.padded else None)
     hf = context_parallel_hf(layers_from_hf(tiny_config(case.family, tied=False)))
     module = PipelineModule(hf.layers, num_stages=case.pp, loss_fn=hf.loss_fn,
-                            partition_method="uniform")
+                            partition_method="uniform", recompute=case.recompute)
     with tempfile.TemporaryDirectory() as directory:
         box = [directory]
         dist.broadcast_object_list(box, src=0)
@@ -101,7 +106,8 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
         dist.barrier()
         load_hf_weights(module, hf, box[0])  # read as each rank builds its stages
         engine = PipelineEngine(module, schedule=case.schedule, num_microbatches=2,
-                                context_parallel=case.cp, timeout=60,
+                                context_parallel=case.cp, zero_stage=int(case.zero),
+                                timeout=60,
                                 optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE))
         dist.barrier()
     inputs = (ids, mask) if case.padded else ids
@@ -115,6 +121,7 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
     grad = _relative([(grads[key], reference[hf.hf_name(*key)].grad)
                       for key, _ in module.named_layer_parameters()])
     torch.optim.SGD(hf_model.parameters(), lr=LEARNING_RATE).step()
+    engine.finish_param_gather()
     param = _relative([(p.detach(), reference[hf.hf_name(*key)].detach())
                        for key, p in module.named_layer_parameters()])
     return {"loss": abs(loss - expected.item()) / abs(expected.item()), "grad": grad,
