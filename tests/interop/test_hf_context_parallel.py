@@ -13,6 +13,7 @@ from pipeline.interop.hf_context_parallel import context_parallel_hf
 from pipeline.interop.hf_layers import layers_from_hf
 from pipeline.parallel.context.sharding import check_context_parallel_sequence
 from tests.support.hf_cp_equivalence import PLANTED, CPCase, cp_step_errors
+from tests.support.hf_cp_memory import saved_activation_bytes
 from tests.support.hf_models import tiny_config
 from tests.support.rank_harness import run_ranks
 
@@ -48,6 +49,18 @@ def _run_cases(rank: int, world: int, cases: list[CPCase], planted: list[CPCase]
 @pytest.mark.slow
 def test_pp2_cp2_and_cp4_equal_hf_and_planted_bugs_fail() -> None:
     run_ranks(_run_cases, 4, WORLD_4, PLANTED_CASES, timeout=900)
+
+
+def _check_activation_bytes(rank: int, world: int) -> None:
+    split, whole = saved_activation_bytes(64)
+    # half the tokens per rank; only the gathered keys / values and the mask see all 64
+    assert 0.5 * whole <= split < 0.6 * whole, (rank, split, whole)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_cp2_saves_about_half_the_activation_bytes_of_cp1_per_rank() -> None:
+    run_ranks(_check_activation_bytes, 4, timeout=600)
 
 
 def test_a_sequence_that_does_not_cut_into_2cp_chunks_is_refused() -> None:
