@@ -43,6 +43,11 @@ from pipeline.interop.hf_layers import (
     _final_norm,
     _lm_head,
 )
+from pipeline.interop.hf_modules_tp import VocabSlot
+from pipeline.interop.hf_tensor_parallel import _block as tp_block
+from pipeline.interop.hf_tensor_parallel import _head as tp_head
+from pipeline.interop.hf_tensor_parallel import _replicated as tp_replicated
+from pipeline.interop.hf_tensor_parallel import _summed_loss as tp_summed_loss
 from pipeline.model.build_context import current_process_groups
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
@@ -57,9 +62,11 @@ from pipeline.parallel.context.sharding import (
     rank_positions,
     shard_sequence,
 )
+from pipeline.parallel.tensor.vocab_cross_entropy import vocab_parallel_token_losses
 from pipeline.runtime.loss_normalization import SummedLoss
 
-__all__ = ["ATTENTION_NAME", "COVERED", "ContextSlot", "context_parallel_hf"]
+__all__ = ["ATTENTION_NAME", "COVERED", "ContextEmbedding", "ContextMask", "ContextSlot",
+           "context_parallel_hf"]
 
 COVERED = ("llama", "mistral", "qwen2", "qwen3")
 """Model types whose attention is HF's Llama-shaped attention module (rotary, GQA, sliding
@@ -108,25 +115,21 @@ class ContextEmbedding(HFEmbedding):
         return (hidden, positions, *(() if mask is None else (mask,)))
 
 
-class ContextBlock(HFBlock):
-    """An HF decoder layer whose attention runs over the cp group (`context_parallel_attention`)
-    with the mask of this rank's queries against every rank's keys."""
+@dataclasses.dataclass(frozen=True)
+class ContextMask:
+    """A block's mask function (HF's ``create_causal_mask`` signature): this rank's queries
+    against every cp rank's keys, on global positions (`context_mask`)."""
 
-    def __init__(self, block: HFBlock, slot: ContextSlot, window: int | None) -> None:
-        super().__init__(block.layer, block.config, block.mask_function, block.rotary,
-                         block.rotary_layer_type, generation_eos=block.generation_eos_token_id)
-        self.slot = slot
-        self.window = window
+    slot: ContextSlot
+    window: int | None
 
-    def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, positions, *rest = value
-        if len(rest) > 1:
-            raise _refuse_decoding("a block got cache rows")
-        padding = rest[0] if rest else None
+    def __call__(self, config: Any, hidden: torch.Tensor, attention_mask: Any, cache: Any,
+                 positions: torch.Tensor) -> torch.Tensor:
+        if cache is not None:
+            raise _refuse_decoding("a block got a cache")
         length = positions.shape[-1] * self.slot.size
         keys = gathered_positions(length, self.slot.size, positions.device)
-        mask = context_mask(positions, keys, padding, self.window)
-        return (self.attend(hidden, mask, positions, None), positions, *rest)
+        return context_mask(positions, keys, attention_mask, self.window)
 
 
 def _register_attention() -> None:
@@ -162,7 +165,8 @@ def _context_block(original: LayerSpec, slot: ContextSlot) -> nn.Module:
     setattr(attention, GROUP_ATTRIBUTE, slot.group)
     masks = importlib.import_module("transformers.masking_utils")
     sliding = block.mask_function is masks.create_sliding_window_causal_mask
-    return ContextBlock(block, slot, block.config.sliding_window if sliding else None)
+    block.mask_function = ContextMask(slot, block.config.sliding_window if sliding else None)
+    return block
 
 
 def _per_token(original: LayerSpec, slot: ContextSlot) -> nn.Module:
@@ -176,9 +180,15 @@ def _rank_targets(slot: ContextSlot, labels: torch.Tensor) -> torch.Tensor:
     return shard_sequence(shifted, slot.rank, slot.size)
 
 
-def _loss_sum(slot: ContextSlot, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, -2),
-                           _rank_targets(slot, labels).flatten(),
+def _loss_sum(slot: ContextSlot, vocab: VocabSlot | None, logits: torch.Tensor,
+              labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross entropy of this rank's tokens; vocab-parallel when the logits are this tp
+    rank's vocabulary slice (`tensor_parallel_hf`'s head, `vocab`)."""
+    targets = _rank_targets(slot, labels)
+    if vocab is not None and vocab.group is not None:
+        return vocab_parallel_token_losses(logits, targets, vocab.vocab_start, vocab.group,
+                                           IGNORE_INDEX)[0].sum()
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(),
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -197,18 +207,30 @@ def _check_covered(hf: HFLayers) -> None:
         raise PipelineConfigError(
             f"context_parallel_hf does not cover tied input and output embeddings yet "
             f"({kind!r} with tie_word_embeddings=True); untie them or use context_parallel=1")
-    expected = [_block] * (len(hf.layers) - 3) + [_final_norm, _lm_head]
+    plain = [_block] * (len(hf.layers) - 3) + [_final_norm, _lm_head]
+    split = [tp_block] * (len(hf.layers) - 3) + [tp_replicated, tp_head]
     found = [getattr(layer, "typename", None) for layer in hf.layers[1:]]
-    if found != expected or not isinstance(hf.layers[0], LayerSpec):
+    if found not in (plain, split) or not isinstance(hf.layers[0], LayerSpec):
         raise PipelineConfigError(
-            "context_parallel_hf needs layers_from_hf's layers unchanged (embedding, blocks, "
-            "norm, head as specs); apply it to layers_from_hf(config) directly, not to "
-            "another transform's result (tensor_parallel_hf does not combine with it yet)")
+            "context_parallel_hf needs the layers of layers_from_hf, or of tensor_parallel_hf "
+            "over them, unchanged (embedding, blocks, norm, head as specs); apply it last")
+
+
+def _vocab_slot(hf: HFLayers) -> VocabSlot | None:
+    """`tensor_parallel_hf`'s vocabulary slot (filled by its head as it builds), if `hf`
+    is its result: the loss is then vocab-parallel."""
+    loss_sum = getattr(hf.summed_loss, "loss_sum", None)
+    if isinstance(loss_sum, functools.partial) and loss_sum.func is tp_summed_loss:
+        slot: VocabSlot = loss_sum.args[0].slot
+        return slot
+    return None
 
 
 def context_parallel_hf(hf: HFLayers) -> HFLayers:
     """`hf` with each sequence split over the cp group its layers are built with (cp = 1,
-    as in the single-process reference: HF's result on the whole sequence). Train with
+    as in the single-process reference: HF's result on the whole sequence); `hf` may be
+    `tensor_parallel_hf`'s result (cp outside tp: the tp-split attention's local heads
+    gather their keys and values over cp, the loss stays vocab-parallel). Train with
     ``PipelineEngine(PipelineModule(cp_hf.layers, loss_fn=cp_hf.loss_fn, ...),
     context_parallel=c)``, every cp rank of a replica passing the same batch, whose length
     must be a multiple of 2·c (`check_context_parallel_sequence`). Both `loss_fn` and
@@ -222,6 +244,7 @@ def context_parallel_hf(hf: HFLayers) -> HFLayers:
         factory = (_embedding if index == 0 else _context_block
                    if index < len(hf.layers) - 2 else _per_token)
         layers.append(LayerSpec(factory, layer, slot))
-    summed = SummedLoss(functools.partial(_loss_sum, slot), functools.partial(_count, slot),
+    summed = SummedLoss(functools.partial(_loss_sum, slot, _vocab_slot(hf)),
+                        functools.partial(_count, slot),
                         "context-parallel token cross entropy, ignore_index=-100, shifted")
     return dataclasses.replace(hf, layers=layers, loss_fn=summed, summed_loss=summed)

@@ -26,6 +26,10 @@ WORLD_4 = [
     CPCase("llama", pp=1, cp=4, length=16),
     CPCase("qwen2", pp=2, cp=2, zero=True, recompute="full"),
     CPCase("llama", pp=2, cp=2, padded=True, schedule="zb-h1", recompute="selective"),
+    # cp over tp (tensor_parallel_hf, then context_parallel_hf): heads split, keys and
+    # values of the local heads gathered over cp, the loss vocab-parallel
+    CPCase("llama", pp=1, cp=2, tp=2),
+    CPCase("qwen2", pp=1, cp=2, tp=2, sequence_parallel=True, padded=True),
 ]
 PLANTED_CASES = [CPCase("llama", pp=2, cp=2, planted=name) for name in PLANTED]
 
@@ -51,6 +55,13 @@ def test_pp2_cp2_and_cp4_equal_hf_and_planted_bugs_fail() -> None:
     run_ranks(_run_cases, 4, WORLD_4, PLANTED_CASES, timeout=900)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_pp2_tp2_cp2_with_sequence_parallelism_equals_hf() -> None:
+    run_ranks(_run_cases, 8, [CPCase("llama", pp=2, cp=2, tp=2, sequence_parallel=True)], [],
+              timeout=600)
+
+
 def _check_activation_bytes(rank: int, world: int) -> None:
     split, whole = saved_activation_bytes(64)
     # half the tokens per rank; only the gathered keys / values and the mask see all 64
@@ -74,6 +85,12 @@ def test_a_sequence_that_does_not_cut_into_2cp_chunks_is_refused() -> None:
 def test_uncovered_families_are_refused_by_name(family: str) -> None:
     with pytest.raises(PipelineConfigError, match=f"covers model types .*got '{family}'"):
         context_parallel_hf(layers_from_hf(tiny_config(family, tied=False)))
+
+
+def test_other_transforms_are_refused() -> None:
+    hf = context_parallel_hf(layers_from_hf(tiny_config("llama", tied=False)))
+    with pytest.raises(PipelineConfigError, match="apply it last"):
+        context_parallel_hf(hf)
 
 
 def test_tied_embeddings_are_refused() -> None:

@@ -13,10 +13,12 @@ from pipeline import PipelineEngine, PipelineModule
 from pipeline.interop import hf_context_parallel
 from pipeline.interop.hf_context_parallel import context_parallel_hf
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
+from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.interop.hf_weights import load_hf_weights
 from pipeline.parallel.context import sharding
 from pipeline.parallel.context.attention import context_mask
 from pipeline.parallel.data_parallel import NoOpGradReducer
+from pipeline.parallel.tensor.shard_layout import layout_of
 from pipeline.runtime import parallel_setup
 from tests.support.hf_models import tiny_config, tiny_model, token_batch
 
@@ -53,11 +55,13 @@ PLANTED: dict[str, tuple[Any, str, Any]] = {
 
 @dataclass(frozen=True)
 class CPCase:
-    """A tiny HF family at pp × cp (dp = 1) under a schedule."""
+    """A tiny HF family at pp × cp × tp (dp = 1) under a schedule."""
 
     family: str
     pp: int
     cp: int
+    tp: int = 1
+    sequence_parallel: bool = False
     padded: bool = False
     length: int = 8
     schedule: str = "1f1b"
@@ -68,6 +72,8 @@ class CPCase:
 
     def label(self) -> str:
         return "-".join(p for p in (self.family, f"pp{self.pp}", f"cp{self.cp}",
+                                    f"tp{self.tp}" if self.tp > 1 else "",
+                                    "sp" if self.sequence_parallel else "",
                                     "padded" if self.padded else "", self.schedule,
                                     "zero1" if self.zero else "",
                                     "" if self.recompute == "none" else self.recompute,
@@ -95,7 +101,10 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
     hf_model = tiny_model(case.family, tied=False, seed=3)
     ids, mask = token_batch(4, case.length, seed=2, padded=case.padded)
     labels = causal_lm_targets(ids, mask if case.padded else None)
-    hf = context_parallel_hf(layers_from_hf(tiny_config(case.family, tied=False)))
+    hf = layers_from_hf(tiny_config(case.family, tied=False))
+    if case.tp > 1:  # cp over tp: the order the transforms compose in
+        hf = tensor_parallel_hf(hf, sequence_parallel=case.sequence_parallel)
+    hf = context_parallel_hf(hf)
     module = PipelineModule(hf.layers, num_stages=case.pp, loss_fn=hf.loss_fn,
                             partition_method="uniform", recompute=case.recompute)
     with tempfile.TemporaryDirectory() as directory:
@@ -106,7 +115,8 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
         dist.barrier()
         load_hf_weights(module, hf, box[0])  # read as each rank builds its stages
         engine = PipelineEngine(module, schedule=case.schedule, num_microbatches=2,
-                                context_parallel=case.cp, zero_stage=int(case.zero),
+                                context_parallel=case.cp, tensor_parallel=case.tp,
+                                zero_stage=int(case.zero),
                                 timeout=60,
                                 optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE))
         dist.barrier()
@@ -118,11 +128,15 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
                         labels=labels).loss
     expected.backward()
     reference = dict(hf_model.named_parameters())
-    grad = _relative([(grads[key], reference[hf.hf_name(*key)].grad)
-                      for key, _ in module.named_layer_parameters()])
+    def mine(param: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        layout = layout_of(param)  # a tp slice: the same slice of HF's tensor
+        return whole if layout is None else layout.shard(whole)
+
+    grad = _relative([(grads[key], mine(p, reference[hf.hf_name(*key)].grad))
+                      for key, p in module.named_layer_parameters()])
     torch.optim.SGD(hf_model.parameters(), lr=LEARNING_RATE).step()
     engine.finish_param_gather()
-    param = _relative([(p.detach(), reference[hf.hf_name(*key)].detach())
+    param = _relative([(p.detach(), mine(p, reference[hf.hf_name(*key)].detach()))
                        for key, p in module.named_layer_parameters()])
     return {"loss": abs(loss - expected.item()) / abs(expected.item()), "grad": grad,
             "param": param}
