@@ -28,7 +28,7 @@ WORLD_4 = [
     CPCase("llama", pp=2, cp=2, padded=True, schedule="zb-h1", recompute="selective"),
     # cp over tp (tensor_parallel_hf, then context_parallel_hf): heads split, keys and
     # values of the local heads gathered over cp, the loss vocab-parallel
-    CPCase("llama", pp=1, cp=2, tp=2),
+    CPCase("llama", pp=1, cp=2, tp=2, sequence_parallel=True, overlap=True),
     CPCase("qwen2", pp=1, cp=2, tp=2, sequence_parallel=True, padded=True),
 ]
 PLANTED_CASES = [CPCase("llama", pp=2, cp=2, planted=name) for name in PLANTED]

@@ -62,6 +62,8 @@ class CPCase:
     cp: int
     tp: int = 1
     sequence_parallel: bool = False
+    overlap: bool = False
+    """``tensor_parallel_hf(..., overlap=True)``: tp collectives beside the GEMMs."""
     padded: bool = False
     length: int = 8
     schedule: str = "1f1b"
@@ -74,6 +76,7 @@ class CPCase:
         return "-".join(p for p in (self.family, f"pp{self.pp}", f"cp{self.cp}",
                                     f"tp{self.tp}" if self.tp > 1 else "",
                                     "sp" if self.sequence_parallel else "",
+                                    "overlap" if self.overlap else "",
                                     "padded" if self.padded else "", self.schedule,
                                     "zero1" if self.zero else "",
                                     "" if self.recompute == "none" else self.recompute,
@@ -103,7 +106,8 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
     labels = causal_lm_targets(ids, mask if case.padded else None)
     hf = layers_from_hf(tiny_config(case.family, tied=False))
     if case.tp > 1:  # cp over tp: the order the transforms compose in
-        hf = tensor_parallel_hf(hf, sequence_parallel=case.sequence_parallel)
+        hf = tensor_parallel_hf(hf, sequence_parallel=case.sequence_parallel,
+                                overlap=case.overlap)
     hf = context_parallel_hf(hf)
     module = PipelineModule(hf.layers, num_stages=case.pp, loss_fn=hf.loss_fn,
                             partition_method="uniform", recompute=case.recompute)
