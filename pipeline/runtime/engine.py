@@ -469,6 +469,10 @@ class PipelineEngine:
         return info
 
     def _checkpoint_parts(self) -> CheckpointParts:
+        if self.topology.cp > 1:  # the files are laid out per dp rank, not dp × cp
+            raise PipelineConfigError(f"checkpoints do not run with context_parallel="
+                                      f"{self.topology.cp} yet; save from a context_parallel=1 "
+                                      "job, or export with save_hf_checkpoint")
         optimizer: Any = self.optimizer
         regions = (zero_regions(self.module, self.training.tied)
                    if isinstance(optimizer, ShardedOptimizer) else None)
