@@ -59,7 +59,8 @@ class ProcessGroups:
 
     @property
     def dp_size(self) -> int:
-        return self.topology.dp
+        """Ranks in `dp_group` (dp, or dp × cp under context parallelism)."""
+        return self.topology.gradient_replicas
 
 
 

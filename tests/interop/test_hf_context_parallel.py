@@ -29,6 +29,9 @@ WORLD_4 = [
     CPCase("llama", pp=2, cp=2, padded=True),
     CPCase("mistral", pp=2, cp=2, length=16),  # sliding window 4 across chunk borders
     CPCase("llama", pp=1, cp=4, length=16),
+    # each replica its own rows; gradients averaged over dp × cp
+    CPCase("llama", pp=1, cp=2, dp=2, padded=True),
+    CPCase("llama", pp=1, cp=2, dp=2, zero=True),  # ZeRO-1 shards over dp × cp = 4
     CPCase("qwen2", pp=2, cp=2, zero=True, recompute="full"),
     CPCase("llama", pp=2, cp=2, padded=True, schedule="zb-h1", recompute="selective"),
     # cp over tp (tensor_parallel_hf, then context_parallel_hf): heads split, keys and

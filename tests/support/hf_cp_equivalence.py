@@ -15,7 +15,7 @@ from pipeline.interop import hf_context_parallel
 from pipeline.interop.hf_context_parallel import context_parallel_hf
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
-from pipeline.interop.hf_weights import load_hf_weights
+from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights
 from pipeline.parallel.context import sharding
 from pipeline.parallel.context.attention import context_mask
 from pipeline.parallel.data_parallel import NoOpGradReducer
@@ -56,12 +56,14 @@ PLANTED: dict[str, tuple[Any, str, Any]] = {
 
 @dataclass(frozen=True)
 class CPCase:
-    """A tiny HF family at pp × cp × tp (dp = 1) under a schedule."""
+    """A tiny HF family at pp × dp × cp × tp under a schedule."""
 
     family: str
     pp: int
     cp: int
     tp: int = 1
+    dp: int = 1
+    """Replicas, each passing its own rows (the same rows on each of its cp ranks)."""
     sequence_parallel: bool = False
     overlap: bool = False
     """``tensor_parallel_hf(..., overlap=True)``: tp collectives beside the GEMMs."""
@@ -76,6 +78,7 @@ class CPCase:
     def label(self) -> str:
         return "-".join(p for p in (self.family, f"pp{self.pp}", f"cp{self.cp}",
                                     f"tp{self.tp}" if self.tp > 1 else "",
+                                    f"dp{self.dp}" if self.dp > 1 else "",
                                     "sp" if self.sequence_parallel else "",
                                     "overlap" if self.overlap else "",
                                     "padded" if self.padded else "", self.schedule,
@@ -98,8 +101,8 @@ def _relative(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
 def cp_step_errors(case: CPCase) -> dict[str, float]:
     """On every rank: one SGD step of `case` (weights read from a `save_pretrained`
     directory; every cp rank given the whole batch) against HF's model(labels=) + backward
-    + the same step. Relative errors of the loss, the reduced gradients and the updated
-    weights (the largest over the ranks)."""
+    + the same step. Relative errors of the loss, the reduced gradients, the updated
+    weights and the whole exported state dict (the largest over the ranks)."""
     torch.set_num_threads(1)
     sharding.check_context_parallel_sequence(case.length, case.cp)
     hf_model = tiny_model(case.family, tied=False, seed=3)
@@ -121,12 +124,15 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
         load_hf_weights(module, hf, box[0])  # read as each rank builds its stages
         engine = PipelineEngine(module, schedule=case.schedule, num_microbatches=2,
                                 context_parallel=case.cp, tensor_parallel=case.tp,
+                                data_parallel=case.dp,
                                 zero_stage=int(case.zero),
                                 timeout=60,
                                 optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE))
         dist.barrier()
-    inputs = (ids, mask) if case.padded else ids
-    loss = engine.train_batch(inputs, labels)
+    rows = ids.shape[0] // case.dp
+    mine = slice(engine.position.dp_rank * rows, (engine.position.dp_rank + 1) * rows)
+    inputs = (ids[mine], mask[mine]) if case.padded else ids[mine]
+    loss = engine.train_batch(inputs, labels[mine])
     grads = engine.reduced_gradients()
 
     expected = hf_model(input_ids=ids, attention_mask=mask if case.padded else None,
@@ -143,8 +149,14 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
     engine.finish_param_gather()
     param = _relative([(p.detach(), mine(p, reference[hf.hf_name(*key)].detach()))
                        for key, p in module.named_layer_parameters()])
+    state = gather_hf_state_dict(module, hf)  # what save_hf_checkpoint writes
+    target = hf_model.state_dict()
+    if set(state) != set(target):
+        raise AssertionError(f"{case.label()}: the export's keys differ from HF's: "
+                             f"{sorted(set(state) ^ set(target))}")
+    export = _relative([(state[name], target[name]) for name in state])
     return {"loss": abs(loss - expected.item()) / abs(expected.item()), "grad": grad,
-            "param": param}
+            "param": param, "export": export}
 
 
 def cp_checkpoint_refusal() -> str:
