@@ -68,9 +68,10 @@ from pipeline.runtime.loss_normalization import SummedLoss
 __all__ = ["ATTENTION_NAME", "COVERED", "ContextEmbedding", "ContextMask", "ContextSlot",
            "context_parallel_hf"]
 
-COVERED = ("llama", "mistral", "qwen2", "qwen3")
+COVERED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 """Model types whose attention is HF's Llama-shaped attention module (rotary, GQA, sliding
-window by config): only its attention function is swapped."""
+window by config or layer type, no attention-logit soft-capping): only its attention
+function is swapped."""
 ATTENTION_NAME = "pipesched_context_parallel"
 """The name `context_parallel_attention` is registered under in HF's AttentionInterface."""
 
@@ -203,6 +204,12 @@ def _check_covered(hf: HFLayers) -> None:
             f"context_parallel_hf covers model types {', '.join(COVERED)}; got {kind!r} "
             "(its attention or positions are not the Llama shape this swaps into): train it "
             "with context_parallel=1")
+    if getattr(hf.config, "use_bidirectional_attention", False) or getattr(
+            hf.config, "attn_logit_softcapping", None) is not None:
+        raise PipelineConfigError(
+            f"context_parallel_hf builds causal masks and plain softmax attention; {kind!r} "
+            "with use_bidirectional_attention=True or attn_logit_softcapping set is not "
+            "covered: use context_parallel=1")
     if any(isinstance(layer, TiedLayerSpec) for layer in hf.layers):
         raise PipelineConfigError(
             f"context_parallel_hf does not cover tied input and output embeddings yet "

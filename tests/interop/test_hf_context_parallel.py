@@ -28,6 +28,9 @@ WORLD_4 = [
     CPCase("llama", pp=2, cp=2),
     CPCase("llama", pp=2, cp=2, padded=True),
     CPCase("mistral", pp=2, cp=2, length=16),  # sliding window 4 across chunk borders
+    CPCase("phi3", pp=2, cp=2, length=16),  # fused qkv_proj, sliding window by config
+    CPCase("gemma3_text", pp=2, cp=2, length=16, padded=True),  # sliding layer, scaled embedding
+    CPCase("qwen3", pp=2, cp=2),  # per-head q_norm / k_norm
     CPCase("llama", pp=1, cp=4, length=16),
     # each replica its own rows; gradients averaged over dp × cp
     CPCase("llama", pp=1, cp=2, dp=2, padded=True),
@@ -91,10 +94,17 @@ def test_a_sequence_that_does_not_cut_into_2cp_chunks_is_refused() -> None:
     check_context_parallel_sequence(8, 2)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gemma2", "phi3"])
+@pytest.mark.parametrize("family", ["gpt2", "gemma2"])
 def test_uncovered_families_are_refused_by_name(family: str) -> None:
     with pytest.raises(PipelineConfigError, match=f"covers model types .*got '{family}'"):
         context_parallel_hf(layers_from_hf(tiny_config(family, tied=False)))
+
+
+def test_bidirectional_attention_is_refused() -> None:
+    config = tiny_config("gemma3_text", tied=False)
+    config.use_bidirectional_attention = True
+    with pytest.raises(PipelineConfigError, match="use_bidirectional_attention=True"):
+        context_parallel_hf(layers_from_hf(config))
 
 
 def test_other_transforms_are_refused() -> None:
