@@ -26,7 +26,7 @@ import copy
 import dataclasses
 import functools
 import importlib
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,7 @@ from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.context.attention import (
     GROUP_ATTRIBUTE,
+    RING_ATTRIBUTE,
     context_mask,
     context_parallel_attention,
 )
@@ -155,7 +156,7 @@ def _embedding(original: LayerSpec, slot: ContextSlot) -> nn.Module:
     return ContextEmbedding(built.embedding, slot)
 
 
-def _context_block(original: LayerSpec, slot: ContextSlot) -> nn.Module:
+def _context_block(original: LayerSpec, slot: ContextSlot, ring: bool = False) -> nn.Module:
     block = _built(original, slot)
     assert isinstance(block, HFBlock)
     _register_attention()
@@ -164,6 +165,7 @@ def _context_block(original: LayerSpec, slot: ContextSlot) -> nn.Module:
     config._attn_implementation = ATTENTION_NAME
     attention.config = config
     setattr(attention, GROUP_ATTRIBUTE, slot.group)
+    setattr(attention, RING_ATTRIBUTE, ring)
     masks = importlib.import_module("transformers.masking_utils")
     sliding = block.mask_function is masks.create_sliding_window_causal_mask
     block.mask_function = ContextMask(slot, block.config.sliding_window if sliding else None)
@@ -233,7 +235,8 @@ def _vocab_slot(hf: HFLayers) -> VocabSlot | None:
     return None
 
 
-def context_parallel_hf(hf: HFLayers) -> HFLayers:
+def context_parallel_hf(hf: HFLayers, *, attention: Literal["all-gather", "ring"] = "all-gather"
+                        ) -> HFLayers:
     """`hf` with each sequence split over the cp group its layers are built with (cp = 1,
     as in the single-process reference: HF's result on the whole sequence); `hf` may be
     `tensor_parallel_hf`'s result (cp outside tp: the tp-split attention's local heads
@@ -242,15 +245,21 @@ def context_parallel_hf(hf: HFLayers) -> HFLayers:
     context_parallel=c)``, every cp rank of a replica passing the same batch, whose length
     must be a multiple of 2·c (`check_context_parallel_sequence`). Both `loss_fn` and
     `summed_loss` are the summed token cross entropy: the engine normalises it by the
-    step's global token count, which is HF's mean over the batch."""
+    step's global token count, which is HF's mean over the batch. `attention`: "all-gather"
+    (keys and values gathered over cp, Llama 3's choice) or "ring" (passed round the cp
+    group, merged by an online softmax; `pipeline.parallel.context.ring`)."""
+    if attention not in ("all-gather", "ring"):
+        raise PipelineConfigError(f"attention must be 'all-gather' or 'ring', got "
+                                  f"{attention!r}")
     _check_covered(hf)
     slot = ContextSlot()
     layers: list[Layer] = []
     for index, layer in enumerate(hf.layers):
         assert isinstance(layer, LayerSpec)
-        factory = (_embedding if index == 0 else _context_block
-                   if index < len(hf.layers) - 2 else _per_token)
-        layers.append(LayerSpec(factory, layer, slot))
+        if 0 < index < len(hf.layers) - 2:
+            layers.append(LayerSpec(_context_block, layer, slot, attention == "ring"))
+        else:
+            layers.append(LayerSpec(_embedding if index == 0 else _per_token, layer, slot))
     summed = SummedLoss(functools.partial(_loss_sum, slot, _vocab_slot(hf)),
                         functools.partial(_count, slot),
                         "context-parallel token cross entropy, ignore_index=-100, shifted")

@@ -41,8 +41,13 @@ WORLD_4 = [
     # values of the local heads gathered over cp, the loss vocab-parallel
     CPCase("llama", pp=1, cp=2, tp=2, sequence_parallel=True, overlap=True),
     CPCase("qwen2", pp=1, cp=2, tp=2, sequence_parallel=True, padded=True),
+    # ring attention: K/V passed round the cp group, online softmax
+    CPCase("llama", pp=2, cp=2, ring=True),
+    CPCase("mistral", pp=1, cp=4, length=16, padded=True, ring=True),
+    CPCase("llama", pp=1, cp=2, tp=2, sequence_parallel=True, ring=True, recompute="full"),
 ]
-PLANTED_CASES = [CPCase("llama", pp=2, cp=2, planted=name) for name in PLANTED]
+PLANTED_CASES = [CPCase("llama", pp=2, cp=2, planted=name, ring=name.startswith("ring"))
+                 for name in PLANTED]
 
 
 def _run_cases(rank: int, world: int, cases: list[CPCase], planted: list[CPCase]) -> None:
@@ -105,6 +110,12 @@ def test_bidirectional_attention_is_refused() -> None:
     config.use_bidirectional_attention = True
     with pytest.raises(PipelineConfigError, match="use_bidirectional_attention=True"):
         context_parallel_hf(layers_from_hf(config))
+
+
+def test_an_unknown_attention_is_refused() -> None:
+    with pytest.raises(PipelineConfigError, match="'all-gather' or 'ring', got 'flash'"):
+        context_parallel_hf(layers_from_hf(tiny_config("llama", tied=False)),
+                            attention="flash")  # type: ignore[arg-type]
 
 
 def test_other_transforms_are_refused() -> None:

@@ -16,7 +16,7 @@ from pipeline.interop.hf_context_parallel import context_parallel_hf
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights
-from pipeline.parallel.context import sharding
+from pipeline.parallel.context import ring, sharding
 from pipeline.parallel.context.attention import context_mask
 from pipeline.parallel.data_parallel import NoOpGradReducer
 from pipeline.parallel.tensor.shard_layout import layout_of
@@ -40,6 +40,16 @@ def _strictly_earlier(query: torch.Tensor, key: torch.Tensor, padding: Any = Non
     return context_mask(query - 1, key, padding, window)
 
 
+def _block_without_its_weight(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Planted bug in ring attention: each block's log-sum-exp dropped, so the online softmax
+    merges the blocks' outputs with equal weight."""
+    out, lse = _RING_BLOCK(*args)
+    return out, torch.zeros_like(lse)
+
+
+_RING_BLOCK = ring._block
+
+
 def _no_reduction(*_: Any, **__: Any) -> NoOpGradReducer:
     """Planted bug: gradients are not reduced over the cp ranks."""
     return NoOpGradReducer()
@@ -50,6 +60,7 @@ PLANTED: dict[str, tuple[Any, str, Any]] = {
                               _keys_in_natural_order),
     "mask-off-by-one": (hf_context_parallel, "context_mask", _strictly_earlier),
     "no-cp-reduction": (parallel_setup, "make_grad_reducer", _no_reduction),
+    "ring-block-weight-dropped": (ring, "_block", _block_without_its_weight),
 }
 """name -> (module, attribute, replacement)."""
 
@@ -67,6 +78,8 @@ class CPCase:
     sequence_parallel: bool = False
     overlap: bool = False
     """``tensor_parallel_hf(..., overlap=True)``: tp collectives beside the GEMMs."""
+    ring: bool = False
+    """``context_parallel_hf(..., attention="ring")``."""
     padded: bool = False
     length: int = 8
     schedule: str = "1f1b"
@@ -81,6 +94,7 @@ class CPCase:
                                     f"dp{self.dp}" if self.dp > 1 else "",
                                     "sp" if self.sequence_parallel else "",
                                     "overlap" if self.overlap else "",
+                                    "ring" if self.ring else "",
                                     "padded" if self.padded else "", self.schedule,
                                     "zero1" if self.zero else "",
                                     "" if self.recompute == "none" else self.recompute,
@@ -112,7 +126,7 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
     if case.tp > 1:  # cp over tp: the order the transforms compose in
         hf = tensor_parallel_hf(hf, sequence_parallel=case.sequence_parallel,
                                 overlap=case.overlap)
-    hf = context_parallel_hf(hf)
+    hf = context_parallel_hf(hf, attention="ring" if case.ring else "all-gather")
     module = PipelineModule(hf.layers, num_stages=case.pp, loss_fn=hf.loss_fn,
                             partition_method="uniform", recompute=case.recompute)
     with tempfile.TemporaryDirectory() as directory:

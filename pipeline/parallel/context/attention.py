@@ -15,12 +15,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pipeline.errors import PipelineConfigError
+from pipeline.parallel.context.ring import ring_attention
 from pipeline.parallel.tensor.sequence import gather_from_sequence_parallel_region
 
-__all__ = ["context_mask", "context_parallel_attention"]
+__all__ = ["GROUP_ATTRIBUTE", "RING_ATTRIBUTE", "context_mask", "context_parallel_attention"]
 
 GROUP_ATTRIBUTE = "context_parallel_group"
 """The attribute of an attention module holding its cp group (None: cp = 1)."""
+RING_ATTRIBUTE = "context_parallel_ring"
+"""The attribute of an attention module that, True, runs `ring.ring_attention` instead of
+the all-gather."""
 
 
 def context_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -55,9 +60,20 @@ def context_parallel_attention(module: Any, query: torch.Tensor, key: torch.Tens
     head_dim), after rotary): this rank's queries against every cp rank's keys and values.
     `attention_mask` is `context_mask`'s (this rank's queries × the gathered keys)."""
     group = getattr(module, GROUP_ATTRIBUTE, None)
+    heads = query.shape[1]
+    if group is not None and getattr(module, RING_ATTRIBUTE, False):
+        if attention_mask is None:
+            raise ValueError("ring attention needs context_mask's mask (this rank's queries "
+                             "against every rank's keys)")
+        if dropout:
+            raise PipelineConfigError(f"ring attention runs without attention dropout, got "
+                                      f"{dropout}; set the config's attention_dropout to 0 "
+                                      "or use the all-gather attention")
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out = ring_attention(query, key, value, attention_mask, group, scale)
+        return out.transpose(1, 2).contiguous(), None
     keys = gather_from_sequence_parallel_region(key, group, dim=2)
     values = gather_from_sequence_parallel_region(value, group, dim=2)
-    heads = query.shape[1]
     out = F.scaled_dot_product_attention(
         query, _repeat_heads(keys, heads), _repeat_heads(values, heads),
         attn_mask=attention_mask, dropout_p=dropout, scale=scaling)
