@@ -39,6 +39,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="tensor-parallel size: each stage's layers split over T ranks "
                              "(P × D × T local ranks); needs a --model whose recipe splits "
                              "(e.g. tensor_parallel_hf layers) and says which T it can take")
+    parser.add_argument("--cp", type=positive_int, default=1, metavar="C",
+                        help="context-parallel size: each sequence split over C ranks "
+                             "(P × D × C × T local ranks); needs a --model whose recipe "
+                             "splits sequences (e.g. context_parallel_hf layers)")
     parser.add_argument("--expert-parallel", type=positive_int, default=1, metavar="E",
                         help="expert-parallel size: each MoE layer's experts split over E of "
                              "the --data-parallel replicas (E divides D and the experts); "
@@ -99,14 +103,18 @@ def _check_args(args: argparse.Namespace) -> int:
     chunks = schedule.chunks
     from pipeline.limits import check_local_ranks
 
-    check_local_ranks(args.stages * args.data_parallel * args.tp,
-                      "--stages × --data-parallel × --tp")
+    check_local_ranks(args.stages * args.data_parallel * args.cp * args.tp,
+                      "--stages × --data-parallel × --cp × --tp")
     if args.zero_stage == 3 and args.expert_parallel > 1:
         raise ValueError(f"--zero-stage 3 does not shard expert parameters over the "
                          f"expert-data-parallel group yet: use --zero-stage 1 or 2 with "
                          f"--expert-parallel {args.expert_parallel}")
     if not args.reshard_after_forward and args.zero_stage != 3:
         raise ValueError("--no-reshard-after-forward is ZeRO-3's: add --zero-stage 3")
+    if args.cp > 1 and args.model is None:
+        raise ValueError(f"--cp {args.cp}: the demo model has no context-parallel form; pass "
+                         "--model with a recipe of context-parallel layers (e.g. "
+                         "examples/hf_tensor_parallel_recipe.py:build), or --cp 1")
     if args.tp > 1 and args.model is None:
         raise ValueError(f"--tp {args.tp}: the demo model has no tensor-parallel form; pass "
                          "--model with a recipe of split layers (e.g. tensor_parallel_hf's), "
@@ -150,6 +158,14 @@ def _check_args(args: argparse.Namespace) -> int:
                                  "functools.partial(check_tensor_parallel_size, config)) or "
                                  "use --tp 1")
             args.recipe.check_tensor_parallel(args.tp)
+        if args.cp > 1:
+            if args.recipe.check_context_parallel is None:
+                raise ValueError(f"--cp {args.cp}: --model {args.model}'s recipe has no "
+                                 "check_context_parallel, so it does not say its layers "
+                                 "split sequences; set it (for context_parallel_hf layers: "
+                                 "functools.partial(check_context_parallel_sequence, length)) "
+                                 "or use --cp 1")
+            args.recipe.check_context_parallel(args.cp)
     layers = args.blocks + 2
     if args.model is None:  # a user's model (--model) has no size flags to estimate from
         from pipeline.demo.footprint import check_footprint
@@ -261,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     config = TrainConfig(stages=args.stages, schedule=args.schedule,
                          microbatches=args.microbatches, chunks=chunks,
                          data_parallel=args.data_parallel, tensor_parallel=args.tp,
+                         context_parallel=args.cp,
                          expert_parallel=args.expert_parallel,
                          two_batch_overlap=args.two_batch_overlap,
                          zero_stage=args.zero_stage,
@@ -268,9 +285,10 @@ def run(args: argparse.Namespace) -> int:
                          batch_size=args.batch_size, lr=args.lr, seed=args.seed, model=model,
                          user_model=args.model,
                          boundaries=tuple(part.boundaries), timeout=args.timeout)
-    world = args.stages * args.data_parallel * args.tp
+    world = args.stages * args.data_parallel * args.cp * args.tp
     print(f"training {args.schedule} on {world} CPU ranks (p={args.stages}, "
-          f"dp={args.data_parallel}, tp={args.tp}, ep={args.expert_parallel}, v={chunks}, "
+          f"dp={args.data_parallel}, {f'cp={args.cp}, ' if args.cp > 1 else ''}tp={args.tp}, "
+          f"ep={args.expert_parallel}, v={chunks}, "
           f"{f'ZeRO-{args.zero_stage}, ' if args.zero_stage else ''}"
           f"m={args.microbatches}), "
           f"{args.steps} steps")

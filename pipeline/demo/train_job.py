@@ -36,6 +36,8 @@ class TrainConfig:
     """Replicas of the pipeline; each gets its own slice of every batch."""
     tensor_parallel: int = 1
     """Ranks each stage's layers are split over (the user model's layers must split)."""
+    context_parallel: int = 1
+    """Ranks each sequence is split over (every one of them is given the replica's rows)."""
     expert_parallel: int = 1
     """Replicas each MoE layer's experts are split over (carved from data_parallel)."""
     two_batch_overlap: bool = False
@@ -122,6 +124,7 @@ def train_rank(config: TrainConfig) -> TrainReport | None:
                             num_microbatches=config.microbatches,
                             optimizer=lambda params: torch.optim.Adam(params, lr=config.lr),
                             timeout=config.timeout, tensor_parallel=config.tensor_parallel,
+                            context_parallel=config.context_parallel,
                             expert_parallel=config.expert_parallel,
                             two_batch_overlap=config.two_batch_overlap,
                             zero_stage=config.zero_stage,

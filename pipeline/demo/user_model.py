@@ -76,6 +76,10 @@ class ModelRecipe:
     """Raises ValueError when the layers cannot split over ``--tp`` ranks (for
     `tensor_parallel_hf` layers: ``functools.partial(check_tensor_parallel_size, config)``);
     called before any rank starts. None: ``--tp`` above 1 is refused."""
+    check_context_parallel: Callable[[int], None] | None = None
+    """Raises ValueError when the layers cannot split each sequence over ``--cp`` ranks (for
+    `context_parallel_hf` layers: ``functools.partial(check_context_parallel_sequence,
+    sequence_length)``); called before any rank starts. None: ``--cp`` above 1 is refused."""
 
 
 def _import(module: str) -> Any:
@@ -140,15 +144,17 @@ def load_recipe(spec: str) -> ModelRecipe:
             raise ValueError(f"--model: {spec} returned a dict without {missing}; return "
                              "ModelRecipe(layers=..., loss_fn=..., batch=...)")
         recipe = ModelRecipe(recipe["layers"], recipe["loss_fn"], recipe["batch"],
-                             recipe.get("check_tensor_parallel"))
+                             recipe.get("check_tensor_parallel"),
+                             recipe.get("check_context_parallel"))
     if not isinstance(recipe, ModelRecipe):
         raise ValueError(f"--model: {spec} returned {type(recipe).__name__}; return "
                          "pipeline.demo.user_model.ModelRecipe(layers=..., loss_fn=..., "
                          "batch=...)")
-    if not callable(recipe.loss_fn) or not callable(recipe.batch) or not (
-            recipe.check_tensor_parallel is None or callable(recipe.check_tensor_parallel)):
-        raise ValueError(f"--model: {spec}: loss_fn, batch and check_tensor_parallel must be "
-                         "callables")
+    if not callable(recipe.loss_fn) or not callable(recipe.batch) or not all(
+            check is None or callable(check) for check in (recipe.check_tensor_parallel,
+                                                           recipe.check_context_parallel)):
+        raise ValueError(f"--model: {spec}: loss_fn, batch, check_tensor_parallel and "
+                         "check_context_parallel must be callables")
     return recipe
 
 

@@ -1,4 +1,4 @@
-"""What the engine does beyond the pipeline itself: dp / tp sizes, ZeRO stage, precision."""
+"""What the engine does beyond the pipeline itself: dp / cp / tp sizes, ZeRO stage, precision."""
 
 from __future__ import annotations
 
@@ -123,7 +123,12 @@ class ParallelConfig:
 
     data_parallel: int | None = None
     """Replicas (dp); each passes its own part of the batch. None: what the world size leaves
-    after pipeline_parallel × tensor_parallel."""
+    after pipeline_parallel × context_parallel × tensor_parallel."""
+    context_parallel: int = 1
+    """Ranks splitting each sequence (cp): every cp rank of a replica passes the same batch
+    and keeps 2 of its 2·cp sequence chunks; the layers must be context-parallel (e.g.
+    `pipeline.interop.hf_context_parallel.context_parallel_hf`). Gradients are averaged over
+    dp × cp."""
     tensor_parallel: int = 1
     """Ranks splitting each stage's tensors (tp); the model's layers must be tensor-parallel
     layers (e.g. `LayerSpec(ColumnParallelLinear, ...)`) to gain from it."""
@@ -182,6 +187,10 @@ class ParallelConfig:
             None if self.data_parallel is None else count_problem("data_parallel",
                                                                   self.data_parallel),
             count_problem("tensor_parallel", self.tensor_parallel),
+            count_problem("context_parallel", self.context_parallel),
+            None if self.context_parallel == 1 or self.expert_parallel == 1 else
+            f"expert_parallel={self.expert_parallel} does not run with context_parallel="
+            f"{self.context_parallel} yet; use one of them",
             None if self.precision in get_args(Precision) else
             f"precision must be one of {get_args(Precision)}, got {self.precision!r}",
             _positive_number_problem("gradient_clipping", self.gradient_clipping,

@@ -1,4 +1,4 @@
-"""Process groups for a pp × dp × tp `Topology`, and the ZeRO-stage check for pipelines."""
+"""Process groups for a pp × dp × cp × tp `Topology`, and the ZeRO-stage check for pipelines."""
 
 from __future__ import annotations
 
@@ -33,11 +33,12 @@ class ProcessGroups:
     pp_group: ProcessGroup
     """The ranks of this rank's pipeline (same dp and tp coordinates)."""
     dp_group: ProcessGroup
-    """Replicas of this rank's stage shard: gradients are reduced (or reduce-scattered) here."""
+    """Replicas of this rank's stage shard: gradients are reduced (or reduce-scattered) here
+    (the dp × cp ranks under context parallelism)."""
     tp_group: ProcessGroup
     """The ranks that split this stage's tensors (Megatron's tensor-model-parallel group)."""
     model_parallel_group: ProcessGroup
-    """pp × tp ranks sharing this rank's dp coordinate: one whole model replica. A gradient
+    """pp × tp ranks sharing this rank's dp (and cp) coordinate: one whole model replica. A gradient
     norm over replicated (non-ZeRO) gradients is summed here, not over the world, so that
     data-parallel copies are not counted dp times (Megatron's model-parallel group)."""
     world_group: ProcessGroup
@@ -49,6 +50,9 @@ class ProcessGroups:
     expert_dp_group: ProcessGroup | None = None
     """The replicas holding this rank's experts (their gradients' reduction); None when
     ep = 1 (then it is dp_group)."""
+    cp_group: ProcessGroup | None = None
+    """The ranks splitting one sequence (attention gathers keys and values over them);
+    None when cp = 1."""
 
     @property
     def rank(self) -> int:
@@ -56,16 +60,18 @@ class ProcessGroups:
 
     @property
     def dp_size(self) -> int:
-        return self.topology.dp
+        """Ranks in `dp_group` (dp, or dp × cp under context parallelism)."""
+        return self.topology.gradient_replicas
 
 
 
 def check_world_size(topology: Topology, world_size: int) -> None:
-    """Raise `TopologyError` unless `world_size` equals pp · dp · tp."""
+    """Raise `TopologyError` unless `world_size` equals pp · dp · cp · tp."""
     if world_size != topology.world_size:
+        context = f"context_parallel={topology.cp} × " if topology.cp > 1 else ""
         raise TopologyError(
             f"world size {world_size} does not match pipeline_parallel={topology.pp} × "
-            f"data_parallel={topology.dp} × tensor_parallel={topology.tp} = "
+            f"data_parallel={topology.dp} × {context}tensor_parallel={topology.tp} = "
             f"{topology.world_size}; launch {topology.world_size} processes or choose sizes "
             f"whose product is {world_size} (Topology.for_world({world_size}, dp=..., tp=...))")
 
@@ -76,7 +82,8 @@ def create_process_groups(topology: Topology, *, use_device_mesh: bool = True) -
 
     With `use_device_mesh` the pp/dp/tp groups come from a CPU `DeviceMesh` with dims
     ("pp", "dp", "tp"); without it, from `new_group` over `Topology.all_*_groups()`, created
-    in the same fixed order on every rank (a `new_group` call is itself collective).
+    in the same fixed order on every rank (a `new_group` call is itself collective). With
+    cp > 1 the groups come from `new_group` (the dp × cp gradient group is no mesh dimension).
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -85,7 +92,7 @@ def create_process_groups(topology: Topology, *, use_device_mesh: bool = True) -
     check_world_size(topology, dist.get_world_size())
     position = topology.position(dist.get_rank())
     mesh: DeviceMesh | None = None
-    if use_device_mesh:
+    if use_device_mesh and topology.cp == 1:
         mesh = init_device_mesh(
             "cpu", (topology.pp, topology.dp, topology.tp), mesh_dim_names=MESH_DIM_NAMES)
         pp_group, dp_group, tp_group = (mesh.get_group(name) for name in MESH_DIM_NAMES)
@@ -94,8 +101,9 @@ def create_process_groups(topology: Topology, *, use_device_mesh: bool = True) -
         dp_group = _own_group(topology.all_dp_groups(), position.dp_group)
         tp_group = _own_group(topology.all_tp_groups(), position.tp_group)
     # DeviceMesh has no flattened (pp, tp) group without private API; build it directly.
-    model_parallel_group = _own_group(_model_parallel_groups(topology),
-                                      _model_parallel_ranks(topology, position.dp_rank))
+    model_parallel_group = _own_group(
+        _model_parallel_groups(topology),
+        _model_parallel_ranks(topology, position.dp_rank, position.cp_rank))
     world_group = dist.group.WORLD
     if world_group is None:  # only when the default group was destroyed meanwhile
         raise RuntimeError("the default process group disappeared while creating groups")
@@ -104,22 +112,26 @@ def create_process_groups(topology: Topology, *, use_device_mesh: bool = True) -
         ep_group = _own_group(topology.all_ep_groups(), position.ep_group)
         expert_dp_group = _own_group(topology.all_expert_dp_groups(),
                                      position.expert_dp_group)
+    cp_group = _own_group(topology.all_cp_groups(), position.cp_group) \
+        if topology.cp > 1 else None
     groups = ProcessGroups(topology=topology, position=position, pp_group=pp_group,
                            dp_group=dp_group, tp_group=tp_group,
                            model_parallel_group=model_parallel_group,
                            world_group=world_group, mesh=mesh, ep_group=ep_group,
-                           expert_dp_group=expert_dp_group)
+                           expert_dp_group=expert_dp_group, cp_group=cp_group)
     _check_members(groups)
     return groups
 
 
-def _model_parallel_ranks(topology: Topology, dp_rank: int) -> tuple[int, ...]:
-    return tuple(topology.rank_of(k, dp_rank, t)
+def _model_parallel_ranks(topology: Topology, dp_rank: int, cp_rank: int = 0
+                         ) -> tuple[int, ...]:
+    return tuple(topology.rank_of(k, dp_rank, t, cp_rank)
                  for k in range(topology.pp) for t in range(topology.tp))
 
 
 def _model_parallel_groups(topology: Topology) -> list[tuple[int, ...]]:
-    return [_model_parallel_ranks(topology, d) for d in range(topology.dp)]
+    return [_model_parallel_ranks(topology, d, c)
+            for d in range(topology.dp) for c in range(topology.cp)]
 
 
 def create_gather_group(groups: ProcessGroups) -> ProcessGroup:

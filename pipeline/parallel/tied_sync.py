@@ -3,6 +3,7 @@ summed gradients)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -56,13 +57,13 @@ def create_tied_groups(topology: Topology, owner_pp_ranks: Mapping[str, Iterable
         if not owners or not all(0 <= k < topology.pp for k in owners):
             raise TopologyError(f"tied key {key!r}: owner pipeline ranks {owners} must be a "
                                 f"non-empty subset of 0..{topology.pp - 1}")
-        for d in range(topology.dp):
-            for t in range(topology.tp):
-                ranks = tuple(topology.rank_of(k, d, t) for k in owners)
-                group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-                if (position.dp_rank, position.tp_rank) == (d, t) and \
-                        position.pp_rank in owners:
-                    mine[key] = TiedGroup(ranks, group)
+        for d, c, t in itertools.product(range(topology.dp), range(topology.cp),
+                                         range(topology.tp)):
+            ranks = tuple(topology.rank_of(k, d, t, c) for k in owners)
+            group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+            if (position.dp_rank, position.cp_rank, position.tp_rank) == (d, c, t) and \
+                    position.pp_rank in owners:
+                mine[key] = TiedGroup(ranks, group)
     return mine
 
 

@@ -1,5 +1,5 @@
-"""The pp × dp × tp process grid as one immutable value (tp innermost, pp outermost), with
-expert parallelism (ep) carved from each stage's data-parallel ranks.
+"""The pp × dp × cp × tp process grid as one immutable value (tp innermost, pp outermost),
+with expert parallelism (ep) carved from each stage's data-parallel ranks.
 
 Pure Python: the same value names every rank's neighbours and groups before any process
 group exists, so configuration errors surface before processes start.
@@ -32,7 +32,8 @@ class RankPosition:
     """Global ranks of pipeline ranks 0..pp-1 that share this rank's (dp, tp) coordinates:
     the ranks this one exchanges activations with."""
     dp_group: tuple[int, ...]
-    """Ranks holding the same stage and tensor shard: gradients are reduced over them."""
+    """Ranks holding the same stage and tensor shard: gradients are reduced over them (with
+    context parallelism the dp × cp ranks, as Megatron-Core reduces over dp × cp)."""
     tp_group: tuple[int, ...]
     """Ranks that split this stage's tensors."""
     ep_rank: int = 0
@@ -43,14 +44,21 @@ class RankPosition:
     expert_dp_group: tuple[int, ...] = ()
     """Ranks holding the same experts (same ep_rank, dp / ep of them): expert gradients are
     reduced over them only."""
+    cp_rank: int = 0
+    """Which two of the sequence's 2·cp chunks this rank keeps (context parallelism)."""
+    cp_group: tuple[int, ...] = ()
+    """Ranks splitting one sequence (same pp, dp, tp): attention gathers keys and values
+    over them."""
 
 
 @dataclass(frozen=True)
 class Topology:
-    """pp pipeline ranks × dp data-parallel replicas × tp tensor-parallel shards.
+    """pp pipeline ranks × dp data-parallel replicas × cp context-parallel ranks × tp
+    tensor-parallel shards.
 
-    Global rank = (pp_rank · dp + dp_rank) · tp + tp_rank, the order Megatron and
-    DeepSpeed use, so tensor-parallel ranks (the chattiest) are neighbours.
+    Global rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank, the order
+    Megatron uses (tp, then cp, innermost), so tensor-parallel ranks (the chattiest) are
+    neighbours, then the context-parallel ones.
     """
 
     pp: int
@@ -60,9 +68,12 @@ class Topology:
     """Expert parallelism: each stage's dp replicas form dp / ep groups of ep consecutive
     replicas that split every MoE layer's experts (ep divides dp; DeepSpeed-MoE and
     Megatron-Core carve it from dp the same way)."""
+    cp: int = 1
+    """Context parallelism: cp ranks per (pp, dp, tp) coordinate take the same batch and
+    each keeps 2 of its 2·cp sequence chunks (`pipeline.parallel.context`)."""
 
     def __post_init__(self) -> None:
-        for name in ("pp", "dp", "tp", "ep"):
+        for name in ("pp", "dp", "tp", "ep", "cp"):
             problem = count_problem(name, getattr(self, name))
             if problem is not None:
                 raise TopologyError(problem)
@@ -71,35 +82,50 @@ class Topology:
                 f"expert parallelism ep={self.ep} must divide data parallelism dp={self.dp} "
                 f"(the experts are split over dp replicas); choose ep among "
                 f"{[k for k in range(1, self.dp + 1) if self.dp % k == 0]}")
+        if self.ep > 1 and self.cp > 1:
+            raise TopologyError(
+                f"expert parallelism ep={self.ep} does not run with context parallelism "
+                f"cp={self.cp} yet (tokens would be dispatched per sequence chunk); use one")
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
-    def rank_of(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0) -> int:
-        """Global rank at grid coordinates (pp_rank, dp_rank, tp_rank)."""
+    @property
+    def gradient_replicas(self) -> int:
+        """dp · cp: the ranks whose gradients of one parameter (shard) are averaged."""
+        return self.dp * self.cp
+
+    def rank_of(self, pp_rank: int, dp_rank: int = 0, tp_rank: int = 0,
+                cp_rank: int = 0) -> int:
+        """Global rank at grid coordinates (pp_rank, dp_rank, cp_rank, tp_rank)."""
         for name, value, size in (("pp_rank", pp_rank, self.pp), ("dp_rank", dp_rank, self.dp),
-                                  ("tp_rank", tp_rank, self.tp)):
+                                  ("tp_rank", tp_rank, self.tp), ("cp_rank", cp_rank, self.cp)):
             if not 0 <= value < size:
                 raise TopologyError(f"{name} {value} is outside 0..{size - 1}")
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+        return ((pp_rank * self.dp + dp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
     def position(self, rank: int) -> RankPosition:
         """Everything one global rank needs to know about its place in the grid."""
         if not 0 <= rank < self.world_size:
             raise TopologyError(
                 f"rank {rank} is outside 0..{self.world_size - 1} (pp={self.pp} × dp={self.dp} "
-                f"× tp={self.tp})")
+                f"× cp={self.cp} × tp={self.tp})")
         tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
         ep_rank, first_replica = dp_rank % self.ep, dp_rank - dp_rank % self.ep
         return RankPosition(
             rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
             is_first_stage=pp_rank == 0, is_last_stage=pp_rank == self.pp - 1,
-            pipeline_ranks=tuple(self.rank_of(k, dp_rank, tp_rank) for k in range(self.pp)),
-            dp_group=tuple(self.rank_of(pp_rank, d, tp_rank) for d in range(self.dp)),
-            tp_group=tuple(self.rank_of(pp_rank, dp_rank, t) for t in range(self.tp)),
+            pipeline_ranks=tuple(self.rank_of(k, dp_rank, tp_rank, cp_rank)
+                                 for k in range(self.pp)),
+            dp_group=tuple(self.rank_of(pp_rank, d, tp_rank, c)
+                           for d in range(self.dp) for c in range(self.cp)),
+            tp_group=tuple(self.rank_of(pp_rank, dp_rank, t, cp_rank) for t in range(self.tp)),
+            cp_rank=cp_rank,
+            cp_group=tuple(self.rank_of(pp_rank, dp_rank, tp_rank, c) for c in range(self.cp)),
             ep_rank=ep_rank,
             ep_group=tuple(self.rank_of(pp_rank, first_replica + e, tp_rank)
                            for e in range(self.ep)),
@@ -114,8 +140,13 @@ class Topology:
 
     def all_tp_groups(self) -> list[tuple[int, ...]]:
         """Every tensor-parallel group, in a fixed order."""
-        return [self.position(self.rank_of(k, d, 0)).tp_group
-                for k in range(self.pp) for d in range(self.dp)]
+        return [self.position(self.rank_of(k, d, 0, c)).tp_group
+                for k in range(self.pp) for d in range(self.dp) for c in range(self.cp)]
+
+    def all_cp_groups(self) -> list[tuple[int, ...]]:
+        """Every context-parallel group, in a fixed order."""
+        return [self.position(self.rank_of(k, d, t)).cp_group
+                for k in range(self.pp) for d in range(self.dp) for t in range(self.tp)]
 
     def all_ep_groups(self) -> list[tuple[int, ...]]:
         """Every expert-parallel group, in a fixed order."""
@@ -130,8 +161,8 @@ class Topology:
 
     def all_pipeline_groups(self) -> list[tuple[int, ...]]:
         """Every pipeline (pp) group, in a fixed order."""
-        return [self.position(self.rank_of(0, d, t)).pipeline_ranks
-                for d in range(self.dp) for t in range(self.tp)]
+        return [self.position(self.rank_of(0, d, t, c)).pipeline_ranks
+                for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
 
     @classmethod
     def for_world(cls, world_size: int, *, dp: int = 1, tp: int = 1) -> Topology:

@@ -110,7 +110,8 @@ class PipelineEngine(StepRunner, EngineState):
         dist.all_gather_object(prints, fingerprint(module, self.schedule, world, {
             "dynamic_shapes": self.config.dynamic_shapes,
             "two_batch_overlap": self.config.two_batch_overlap,
-            "topology": (topology.pp, topology.dp, topology.tp), "parallel": repr(parallel)}))
+            "topology": (topology.pp, topology.dp, topology.cp, topology.tp),
+            "parallel": repr(parallel)}))
         check_agreement(prints, list(range(world)))
         self.progress.enter("engine set-up")
         # 3. This rank's groups, stages (tp layers get their group), reducer, optimizer,

@@ -57,7 +57,7 @@ class StepRunner(EngineFields):
         # 1. This rank's microbatches; every rank agrees the batch is usable. The replicas
         #    take dp rank 0's buffers (DDP's broadcast_buffers).
         microbatches, split_targets = self._prepare(m, inputs, targets, data_iter, training)
-        if self.config.parallel.broadcast_buffers and self.topology.dp > 1 \
+        if self.config.parallel.broadcast_buffers and self.topology.gradient_replicas > 1 \
                 and self.groups is not None:
             broadcast_buffers(list(self.module.buffers()), self.groups.dp_group)
         # 2. Run this rank's stream.
@@ -95,7 +95,7 @@ class StepRunner(EngineFields):
             state.loss_sum = self._interpreter.loss_share(state)
             small_all_reduce(state.loss_sum, link=self.comm.local,
                              group=None if self.groups is None else self.groups.world_group)
-        loss = state.loss_sum / self.topology.dp  # the mean over the replicas
+        loss = state.loss_sum / self.topology.gradient_replicas  # mean over dp × cp shares
         self.progress.enter(f"between steps, after step {self.global_step + training}")
         return float(loss[0]), state.outputs
 

@@ -137,8 +137,9 @@ def _summed(engine: NormalizedEngine) -> SummedLoss:
 
 def _set_scale(engine: NormalizedEngine, loss_fn: SummedLoss, targets: list[Any] | None) -> None:
     """Every rank learns N, the items counted over the whole step (one all-reduce over the
-    world: each dp replica's last stage contributes once); the last stage sets
-    scale = m · dp / N. Every rank refuses a step that counts nothing, together."""
+    world: each dp replica's last stage contributes once, each cp rank its own tokens); the
+    last stage sets scale = m · dp · cp / N (the reducer averages over dp × cp). Every rank
+    refuses a step that counts nothing, together."""
     counted = torch.zeros((), dtype=torch.float64)
     if targets is not None and engine.position.tp_rank == 0:
         for part in targets:
@@ -148,7 +149,7 @@ def _set_scale(engine: NormalizedEngine, loss_fn: SummedLoss, targets: list[Any]
     if total <= 0:
         raise PipelineConfigError(f"{loss_fn!r} counts no items in this step's targets (every "
                                   "label is ignored?); give each batch at least one real token")
-    loss_fn.scale = engine.num_microbatches * engine.topology.dp / total
+    loss_fn.scale = engine.num_microbatches * engine.topology.gradient_replicas / total
 
 
 def _take(engine: NormalizedEngine, targets: Any, data_iter: Iterator[Any] | None

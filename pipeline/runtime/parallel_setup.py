@@ -1,4 +1,4 @@
-"""3D parallel setup: the pp × dp × tp grid, tied weights, dp / ZeRO-1 reduction, precision.
+"""3D parallel setup: the pp × dp × cp × tp grid, tied weights, dp / ZeRO-1 reduction, precision.
 
 The engine calls, on every rank in the same order (every step below that creates a group
 or communicates is collective):
@@ -71,30 +71,34 @@ __all__ = [
 
 def resolve_topology(world_size: int, num_stages: int, topology: Topology | None,
                      config: ParallelConfig) -> Topology:
-    """The pp × dp × tp grid, checked against the world size, the module and the ZeRO stage."""
-    pp, tp = num_stages, config.tensor_parallel
+    """The pp × dp × cp × tp grid, checked against the world size, the module and the ZeRO
+    stage."""
+    pp, tp, cp = num_stages, config.tensor_parallel, config.context_parallel
     if topology is None:
         dp = config.data_parallel
         if dp is None:
-            if world_size % (pp * tp):
+            if world_size % (pp * tp * cp):
+                context = f" × context_parallel={cp}" if cp > 1 else ""
                 raise PipelineConfigError(
-                    f"world size {world_size} is not divisible by num_stages={pp} × "
-                    f"tensor_parallel={tp}; launch a multiple of {pp * tp} ranks or change "
-                    f"num_stages / tensor_parallel")
-            dp = world_size // (pp * tp)
+                    f"world size {world_size} is not divisible by num_stages={pp}{context} × "
+                    f"tensor_parallel={tp}; launch a multiple of {pp * cp * tp} ranks or "
+                    f"change num_stages / tensor_parallel")
+            dp = world_size // (pp * tp * cp)
         try:  # sizes are checked ints >= 1 (ParallelConfig); ep must divide dp
-            topology = Topology(pp, dp, tp, config.expert_parallel)
+            topology = Topology(pp, dp, tp, config.expert_parallel, cp)
         except TopologyError as error:
             raise PipelineConfigError(str(error)) from error
     else:
         asked = {"num_stages": (topology.pp, pp), "data_parallel": (topology.dp,
                                                                     config.data_parallel),
                  "tensor_parallel": (topology.tp, tp),
-                 "expert_parallel": (topology.ep, config.expert_parallel)}
+                 "expert_parallel": (topology.ep, config.expert_parallel),
+                 "context_parallel": (topology.cp, cp)}
         clashes = [f"{name}={mine} but the topology has {theirs}"
                    for name, (theirs, mine) in asked.items()
                    if mine is not None and mine != theirs and not (
-                       name in ("tensor_parallel", "expert_parallel") and mine == 1)]
+                       name in ("tensor_parallel", "expert_parallel", "context_parallel")
+                       and mine == 1)]
         if clashes:
             raise PipelineConfigError(f"topology {topology} disagrees with the arguments: "
                                       f"{'; '.join(clashes)}; pass only one of them")
@@ -178,7 +182,7 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
     else:
         reducer = gradient_reducer or (
             make_grad_reducer(groups.dp_group, bucket_mb=config.bucket_mb)
-            if groups is not None and topology.dp > 1 else NoOpGradReducer())
+            if groups is not None and topology.gradient_replicas > 1 else NoOpGradReducer())
         built = make_optimizer(optimizer, params)
         if config.overlap_grad_reduce and isinstance(reducer, BucketedGradReducer):
             _watch_stages(reducer, module, tied)
