@@ -25,7 +25,7 @@ from pipeline.checkpoint.manifest import parse_manifest, read_manifest, resolve_
 from pipeline.demo.user_model import load_recipe
 from pipeline.errors import PipelineError
 from pipeline.files import read_json_file
-from pipeline.interop.deepspeed_compat import read_client_state
+from pipeline.interop.ds_client_state import read_client_state
 from pipeline.limits import check_timeout
 from pipeline.parallel.optimizer import make_optimizer
 from pipeline.runtime.interpreter import Interpreter

@@ -18,7 +18,7 @@ from pipeline.checkpoint.manifest import MANIFEST
 from pipeline.checkpoint.save import save_checkpoint
 from pipeline.checkpoint.signing import KEY_ENV
 from pipeline.errors import CheckpointError
-from pipeline.interop.deepspeed_compat import CLIENT_STATE, client_state_bytes, read_client_state
+from pipeline.interop.ds_client_state import CLIENT_STATE, client_state_bytes, read_client_state
 from tests.support.checkpoint_cases import Job
 
 
