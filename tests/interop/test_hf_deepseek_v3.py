@@ -1,6 +1,7 @@
 """DeepSeek-V3 through `layers_from_hf`: from a `save_pretrained` directory one step's loss and
-every gradient equal HF's, the group-limited sigmoid router chooses as HF's on a planted near
-tie, the export is `save_pretrained`'s; planted routing bugs fail; bad configs are one line."""
+every gradient equal HF's (single-process and pp 2 × dp 2 × ep 2, where the aux-free bias moves
+as defined), the group-limited sigmoid router chooses as HF's on a planted near tie, the export
+is `save_pretrained`'s; planted routing bugs fail; bad configs are one line."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def _step_differences(tmp_path: Path, groups: int, top_groups: int) -> dict[str,
     grads = [_relative(param.grad, reference[hf.hf_name(*key)].grad)
              for key, param in module.named_layer_parameters()]
     assert len(grads) == len(reference)
-    return {"loss": abs(float(loss) - float(expected)) / float(expected), "grad": max(grads)}
+    return {"loss": abs(float(loss.detach()) - float(expected.detach())) / float(expected.detach()),
+            "grad": max(grads)}
 
 
 @pytest.mark.parametrize(("groups", "top_groups"), [(2, 1), (4, 2)])
@@ -84,6 +86,14 @@ def _bias_in_the_weights(logits: torch.Tensor, top_k: int, *, groups: int, top_g
 
 
 @pytest.mark.parametrize("planted", [_plain_top_k, _bias_in_the_weights])
+def test_planted_routing_bugs_fail_the_near_tie_choice(monkeypatch: pytest.MonkeyPatch,
+                                                       planted: Any) -> None:
+    monkeypatch.setattr(layer_module, "route_grouped", planted)
+    with pytest.raises(AssertionError):
+        test_router_choice_equals_hf_on_a_planted_near_tie()
+
+
+@pytest.mark.parametrize("planted", [_plain_top_k, _bias_in_the_weights])
 def test_planted_routing_bugs_fail_the_step_comparison(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, planted: Any) -> None:
     monkeypatch.setattr(layer_module, "route_grouped", planted)
@@ -109,15 +119,25 @@ def test_router_choice_equals_hf_on_a_planted_near_tie() -> None:
     ours: MoEFeedForward = block.layer.mlp
     ours.load_state_dict({**ours.state_dict(), "gate.weight": gate.weight.detach(),
                           "gate.e_score_correction_bias": gate.e_score_correction_bias})
-    routing = route_grouped(torch.nn.functional.linear(tokens, ours.gate.weight),
-                            ours.config.top_k, groups=ours.config.groups,
-                            top_groups=ours.config.top_groups,
-                            normalize=ours.config.normalize_top_k, scaling=ours.config.scaling,
-                            bias=ours.bias)
-    order, hf_order = routing.experts.argsort(dim=-1), hf_experts.argsort(dim=-1)
-    assert torch.equal(routing.experts.gather(1, order), hf_experts.gather(1, hf_order))
-    assert torch.allclose(routing.weights.gather(1, order), hf_weights.gather(1, hf_order))
-    assert len(set(map(tuple, routing.experts.sort(dim=-1)[0].tolist()))) > 1
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    local = ours.dispatcher
+
+    def recording(experts: Any, hidden: torch.Tensor, chosen: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+        seen.append((chosen, weights))
+        return local(experts, hidden, chosen, weights)
+
+    ours.dispatcher = recording
+    ours.eval()
+    with torch.no_grad():
+        ours(tokens.unsqueeze(0), None)
+    chosen, weights = seen[0]
+    order, hf_order = chosen.argsort(dim=-1), hf_experts.argsort(dim=-1)
+    assert torch.equal(chosen.gather(1, order), hf_experts.gather(1, hf_order))
+    # the same fp32 operations as HF's: equal far below the bias's 1e-7 steps
+    assert torch.allclose(weights.gather(1, order), hf_weights.gather(1, hf_order),
+                          rtol=0.0, atol=1e-8)
+    assert len(set(map(tuple, chosen.sort(dim=-1)[0].tolist()))) > 1  # token-dependent
 
 
 def test_export_holds_save_pretrained_names_and_loads(tmp_path: Path) -> None:
@@ -192,12 +212,39 @@ def test_tensor_parallel_latent_attention_is_refused() -> None:
         tensor_parallel_hf(layers_from_hf(tiny_moe_config(FAMILY)))
 
 
+def _expected_biases(routes: tuple[torch.Tensor, ...]) -> dict[int, torch.Tensor]:
+    """HF layer -> the aux-free bias after one step, by definition: the checkpoint's bias
+    plus 1e-3 · sign(mean load - load), the loads counted from the choices HF's own router
+    makes on the step's router logits (`routes`: one per MoE layer; an identity-weight copy
+    of its router re-reads them)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    model = tiny_moe_model(FAMILY, seed=3)
+    dense = model.config.first_k_dense_replace
+    assert len(routes) == len(model.model.layers) - dense
+    expected = {}
+    for index, layer in enumerate(model.model.layers[dense:], start=dense):
+        config = tiny_moe_config(FAMILY)
+        config.hidden_size = config.n_routed_experts
+        router = DeepseekV3TopkRouter(config)
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(config.n_routed_experts))
+            router.e_score_correction_bias.copy_(layer.mlp.gate.e_score_correction_bias)
+            chosen = router(routes[index - dense].float())[2]
+        load = torch.bincount(chosen.reshape(-1), minlength=8).float()
+        bias = layer.mlp.gate.e_score_correction_bias.detach()
+        expected[index] = bias + 1e-3 * torch.sign(load.mean() - load)
+    return expected
+
+
 def _pipelined_rank(rank: int, world_size: int, out: str) -> None:
     found = moe_step_differences(FAMILY, pp=2, dp=2, ep=2, export=True)
+    expected = _expected_biases(found["routes"])
+    bias = max(_relative(moved, expected[index]) for index, moved in found["biases"].items())
     if rank == 0:
         keep = {k: found[k] for k in ("loss", "grad", "param", "export", "export_names",
                                       "export_problems")}
-        torch.save(keep, out)
+        torch.save(keep | {"bias": bias, "bias_layers": sorted(found["biases"])}, out)
 
 
 @pytest.mark.multiprocess
@@ -208,3 +255,5 @@ def test_pp2_dp2_ep2_step_equals_hf(tmp_path: Path) -> None:
     found = torch.load(out)
     assert all(found[k] <= TOLERANCE for k in ("loss", "grad", "param", "export")), found
     assert found["export_names"] and not found["export_problems"], found
+    # DeepSeek-V3's default aux-free balancing moved the checkpoint's bias as defined
+    assert found["bias_layers"] and found["bias"] <= 1e-6, found
