@@ -6,9 +6,10 @@ embeddings, LayerNorm blocks, lm_head always tied to ``wte``) and the Llama shap
 (scaled by sqrt(hidden) for Gemma), rotary positions (one per layer type for Gemma 3), RMSNorm
 blocks, sliding-window layers where the config says so, lm_head tied when
 ``tie_word_embeddings``, logits soft-capped when ``final_logit_softcapping`` is set).
-Mixture-of-experts families (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``) come from
-`pipeline.interop.hf_moe`; other MoE families are refused. Needs ``transformers``
-(``pip install pipesched[hf]``, tested from 5.9 to 5.24); the core never imports it.
+Mixture-of-experts families (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,
+``deepseek_v3``) come from `pipeline.interop.hf_moe`; other MoE families are refused.
+Needs ``transformers`` (``pip install pipesched[hf]``, tested from 5.9 to 5.24); the core never
+imports it.
 
 Legend of the value between stages: ``(hidden, position_ids)`` or, when the inputs came as
 ``(input_ids, attention_mask)``, ``(hidden, position_ids, attention_mask)``; while decoding

@@ -1,10 +1,15 @@
-"""HF mixture-of-experts causal LMs as pipeline layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE).
+"""HF mixture-of-experts causal LMs as pipeline layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+DeepSeek-V3).
 
 `pipeline.interop.hf_layers.layers_from_hf` hands these families here. Each decoder layer is
 HF's own, with its ``mlp`` swapped for `pipeline.moe.layer.MoEFeedForward` holding HF's
 router, stacked experts and (Qwen2-MoE) gated shared expert under HF's names, so weights
 load and export as for the dense families; layers a family keeps dense
-(``mlp_only_layers``, ``decoder_sparse_step``) keep HF's MLP.
+(``mlp_only_layers``, ``decoder_sparse_step``, ``first_k_dense_replace``) keep HF's MLP.
+DeepSeek-V3 keeps HF's multi-head latent attention module and its router (with the
+``e_score_correction_bias`` buffer its checkpoint holds); it balances "aux-free" by default,
+moving that bias, as DeepSeek-V3 trained (HF's model adds no balancing loss: a step equals
+HF's, only the bias moves after it; "none" keeps the bias fixed).
 
 Legend of the value between stages: ``(hidden, balance, position_ids[, attention_mask])``;
 ``balance`` is a one-element fp32 tensor (1-d, so eval outputs join over microbatches),
@@ -27,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import PipelineConfigError
-from pipeline.interop.hf_moe_families import COVERED_MOE
+from pipeline.interop.hf_moe_families import COVERED_MOE, LATENT_ATTENTION
 from pipeline.interop.hf_recompute import mark_attention_cores
 from pipeline.interop.hf_shared import (
     IGNORE_INDEX,
@@ -56,6 +61,13 @@ def router_config(config: Any, capacity_factor: float | None = None,
     """The family's routing: E experts, top-k, and whether the k weights are renormalised;
     dropless unless `capacity_factor` is given (`pipeline.moe.capacity`)."""
     mixtral = config.model_type == "mixtral"
+    if config.model_type == "deepseek_v3":
+        return RouterConfig(num_experts=config.n_routed_experts,
+                            top_k=config.num_experts_per_tok,
+                            normalize_top_k=bool(config.norm_topk_prob), scoring="sigmoid",
+                            groups=config.n_group, top_groups=config.topk_group,
+                            scaling=float(config.routed_scaling_factor),
+                            capacity_factor=capacity_factor, drop_policy=drop_policy)
     return RouterConfig(
         num_experts=config.num_local_experts if mixtral else config.num_experts,
         top_k=config.num_experts_per_tok,
@@ -214,6 +226,7 @@ def _block(config: Any, index: int, balance: BalanceLoss | None,
         layer.mlp = MoEFeedForward(routing, mlp.gate, mlp.experts,
                                    shared_expert=getattr(mlp, "shared_expert", None),
                                    shared_expert_gate=getattr(mlp, "shared_expert_gate", None),
+                                   shared_experts=getattr(mlp, "shared_experts", None),
                                    balance=balance, balancing=balancing,
                                    jitter_noise=float(getattr(mlp, "jitter_noise", 0.0) or 0.0))
     return MoEBlock(layer, config, _mask_function(config, index),
@@ -231,7 +244,24 @@ def _lm_head(config: Any) -> nn.Module:
 def _is_sparse(config: Any, index: int) -> bool:
     if config.model_type in ("mixtral", "olmoe"):  # every layer sparse
         return True
+    if config.model_type == "deepseek_v3":
+        return index >= config.first_k_dense_replace
     return index not in config.mlp_only_layers and (index + 1) % config.decoder_sparse_step == 0
+
+
+MAX_EXPERT_ELEMENTS = 2 ** 40
+"""One MoE layer's expert weights (E · 3 · hidden · expert width) above this would never be
+allocated (4 TiB in fp32; DeepSeek-V3's are 1.1e10): refused before anything is built."""
+
+
+def _size_problem(config: Any, experts: int) -> str | None:
+    width = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+    elements = experts * 3 * int(config.hidden_size) * width
+    if elements <= MAX_EXPERT_ELEMENTS:
+        return None
+    return (f"{experts} experts of hidden {config.hidden_size} x width {width} are {elements:.3g} "
+            f"weights per MoE layer, more than {MAX_EXPERT_ELEMENTS:.3g} that could ever be "
+            "allocated: lower the expert count")
 
 
 def _check(config: Any, expert_parallel: int, capacity_factor: float | None,
@@ -242,9 +272,15 @@ def _check(config: Any, expert_parallel: int, capacity_factor: float | None,
         routing = router_config(config, capacity_factor, drop_policy)
     except ValueError as error:
         raise PipelineConfigError(f"{config.model_type}: {error}") from error
-    problem = expert_parallel_problem(routing.num_experts, routing.top_k, expert_parallel)
+    problem = (expert_parallel_problem(routing.num_experts, routing.top_k, expert_parallel)
+               or _size_problem(config, routing.num_experts))
     if problem is not None:
         raise PipelineConfigError(f"{config.model_type}: {problem}")
+    if config.model_type in LATENT_ATTENTION and balancing.method not in ("aux-free", "none"):
+        raise PipelineConfigError(
+            f"{config.model_type} balances with 'aux-free' (its correction bias moves) or "
+            f"'none', not {balancing.method!r}: HF's model adds no balancing loss, and the "
+            "census-free losses read softmax probabilities, not its sigmoid scores")
     if balancing.method == "hf-batch":
         noisy = {name: getattr(config, name, 0.0) or 0.0
                  for name in ("router_jitter_noise", "attention_dropout")}
@@ -277,6 +313,8 @@ def moe_layers_from_hf(config: Any, *, attn_implementation: str | None = None,
     "microbatch", "sequence", "aux-free" and "none" train with plain ``engine.train_batch``
     (the engine moves an aux-free bias after each step).
     """
+    if balancing is None and config.model_type in LATENT_ATTENTION:
+        balancing = "aux-free"  # DeepSeek-V3's own; the step still equals HF's
     try:
         chosen = resolve_balancing(balancing, config)
     except ValueError as error:

@@ -3,17 +3,28 @@
 Covered: decoder layers of the shape pre-norm attention + pre-norm MoE, the MoE a softmax
 top-k router (``gate.weight``) over stacked experts (``experts.gate_up_proj`` /
 ``down_proj``), an optional sigmoid-gated shared expert, and HF's Switch load-balancing loss
-(`pipeline.interop.hf_moe`). The others differ in a way those layers would silently get
+(`pipeline.interop.hf_moe`); and DeepSeek-V3: HF's multi-head latent attention (tp 1
+only), a group-limited sigmoid router with a correction bias, ungated shared experts and
+dense first layers. The others differ in a way those layers would silently get
 wrong, so they are refused naming the difference (transformers 5.x).
 """
 
 from __future__ import annotations
 
-__all__ = ["COVERED_MOE", "UNCOVERED_MOE", "moe_refusal"]
+__all__ = ["CHECKPOINT_BUFFERS", "COVERED_MOE", "LATENT_ATTENTION", "UNCOVERED_MOE",
+           "moe_refusal"]
 
 COVERED_MOE = {"mixtral": ("mixtral", "Mixtral"), "qwen2_moe": ("qwen2_moe", "Qwen2Moe"),
-               "qwen3_moe": ("qwen3_moe", "Qwen3Moe"), "olmoe": ("olmoe", "Olmoe")}
+               "qwen3_moe": ("qwen3_moe", "Qwen3Moe"), "olmoe": ("olmoe", "Olmoe"),
+               "deepseek_v3": ("deepseek_v3", "DeepseekV3")}
 """model_type -> (``transformers.models.<module>``, class-name prefix)."""
+
+LATENT_ATTENTION = ("deepseek_v3",)
+"""Covered families whose attention is multi-head latent attention (HF's own module: no
+tensor-parallel split)."""
+
+CHECKPOINT_BUFFERS = ("e_score_correction_bias",)
+"""Buffer names HF's checkpoints hold (loaded and exported with the parameters)."""
 
 UNCOVERED_MOE = {
     "phimoe": "its router is SparseMixer (a two-pass masked top-2 with jitter), not a "
@@ -26,8 +37,6 @@ UNCOVERED_MOE = {
     "qwen3_next": "it mixes Gated-DeltaNet linear-attention layers with gated attention",
     "deepseek_v2": "its attention is multi-head latent attention and its router is "
                    "group-limited with a routed scaling factor",
-    "deepseek_v3": "its attention is multi-head latent attention and its router scores "
-                   "by sigmoid with a correction bias over expert groups",
     "flex_olmo": "its norms come after attention and the MoE (post-norm), not before",
     "dbrx": "its experts and router are laid out differently (fused ffn, normalised "
             "by a p-norm) and its attention is fused Wqkv with clipping",

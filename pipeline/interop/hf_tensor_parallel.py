@@ -68,6 +68,7 @@ from pipeline.interop.hf_modules_tp import (
     enter_on_call,
     vocab_logits,
 )
+from pipeline.interop.hf_moe_families import LATENT_ATTENTION
 from pipeline.interop.hf_overlap import fuse_columns_on_call
 from pipeline.interop.hf_tp_split import (
     column_names,
@@ -300,6 +301,10 @@ def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
     prices it); `ops` is the GEMM / collective seam emulated devices replace.
     `shift_labels=False`: targets come shifted already, token t predicts target t (the
     packed windows `pipesched run` reads from a token file), not HF's label t+1."""
+    if hf.config.model_type in LATENT_ATTENTION:
+        raise PipelineConfigError(
+            f"tensor_parallel_hf does not split {hf.config.model_type!r}'s multi-head latent "
+            "attention (its q/kv low-rank projections): train it at tensor_parallel=1")
     if not isinstance(overlap, bool):
         raise PipelineConfigError(f"overlap must be True or False, got {overlap!r}")
     if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) \

@@ -3,7 +3,7 @@ the pipelined parameters back to a HF state dict."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,15 @@ from pipeline.interop.hf_checkpoint_reader import (
 )
 from pipeline.interop.hf_layers import HFLayers
 from pipeline.interop.hf_moe_checkpoint import moe_key_map
+from pipeline.interop.hf_moe_families import CHECKPOINT_BUFFERS
 from pipeline.model.build_context import current_process_groups
 from pipeline.model.module import PipelineModule
 from pipeline.moe.expert_parallel import expert_parallel_problem, local_experts
 from pipeline.parallel.param_marks import expert_shard
 from pipeline.parallel.tensor.shard_layout import ShardLayout, layout_of, mark_sharded
 
-__all__ = ["gather_hf_state_dict", "hf_checkpoint_tensors", "hf_state_dict", "load_hf_weights",
-           "read_hf_tensors", "save_hf_checkpoint"]
+__all__ = ["checkpoint_tensors", "gather_hf_state_dict", "hf_checkpoint_tensors",
+           "hf_state_dict", "load_hf_weights", "read_hf_tensors", "save_hf_checkpoint"]
 
 WeightSource = str | Path | Mapping[str, torch.Tensor]
 """A local HF checkpoint directory (``model.safetensors`` or a sharded index), or a state
@@ -41,6 +42,18 @@ def read_hf_tensors(directory: str | Path, keys: list[str],
     a key with a layout in `layouts` (a tensor-parallel slice) reads only this rank's rows
     (safetensors ``get_slice``), not the whole tensor."""
     return read_pieces(tensor_source(directory), keys, layouts or {})
+
+
+def checkpoint_tensors(module: PipelineModule
+                       ) -> Iterator[tuple[tuple[int, str], torch.Tensor]]:
+    """`module.named_layer_parameters()`, then the buffers HF's checkpoints hold too
+    (`CHECKPOINT_BUFFERS`, e.g. DeepSeek-V3's ``e_score_correction_bias``), keyed alike."""
+    yield from module.named_layer_parameters()
+    for index in sorted(int(key) for key in module.stages):
+        for key, layer in module.stage(index).layers.items():
+            for name, buffer in layer.named_buffers():
+                if name.rsplit(".", 1)[-1] in CHECKPOINT_BUFFERS:
+                    yield (int(key), name), buffer
 
 
 def _want(param: torch.Tensor, fused: bool) -> tuple[Want, range | None]:
@@ -65,7 +78,7 @@ def _want(param: torch.Tensor, fused: bool) -> tuple[Want, range | None]:
 
 def _load_now(module: PipelineModule, hf: HFLayers, source: WeightSource) -> list[str]:
     key_map = moe_key_map(hf.config.model_type)
-    held = list(module.named_layer_parameters())
+    held = list(checkpoint_tensors(module))
     keys = [hf.hf_name(layer, name) for (layer, name), _ in held]
     wants, fills = {}, {}
     for ((_, _), param), key in zip(held, keys):
@@ -111,7 +124,7 @@ def hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torch.Tenso
     slice is this rank's slice, `layout_of` it says which; an expert-parallel shard holds only
     this rank's experts: `gather_hf_state_dict` joins both)."""
     return {hf.hf_name(layer, name): _with_layout(param.detach().cpu().clone(), param)
-            for (layer, name), param in module.named_layer_parameters()}
+            for (layer, name), param in checkpoint_tensors(module)}
 
 
 def _with_layout(copy: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

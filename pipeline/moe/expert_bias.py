@@ -1,7 +1,8 @@
 """DeepSeek-V3's auxiliary-loss-free balancing: the per-expert bias and its update per step.
 
 Each aux-free MoE layer keeps two [E] fp32 buffers: ``expert_bias`` b (persistent: the
-engine's checkpoint saves and restores it with the layer's weights) and ``expert_load``
+engine's checkpoint saves and restores it with the layer's weights; DeepSeek-V3's router holds
+its own, ``gate.e_score_correction_bias``, which HF's checkpoint carries) and ``expert_load``
 (not persistent), the top-k assignments its training forwards made this step. b is added to
 the routing scores for the top-k choice only (`pipeline.moe.routing.route`), never to the
 combine weights. After each optimizer step (DeepSeek-AI, "DeepSeek-V3 Technical Report",
@@ -39,7 +40,7 @@ def aux_free_layers(module: nn.Module) -> list[MoEFeedForward]:
     """The MoE layers of `module` that balance by expert bias, in module order (the same
     order on every replica of a stage)."""
     return [m for m in module.modules()
-            if isinstance(m, MoEFeedForward) and m.expert_bias is not None]
+            if isinstance(m, MoEFeedForward) and m.balancing.method == "aux-free"]
 
 
 def update_expert_biases(layers: list[MoEFeedForward], group: ProcessGroup | None) -> None:

@@ -47,7 +47,7 @@ def expert_parallel_problem(num_experts: int, top_k: int, ep: int) -> str | None
     if num_experts % ep:
         return (f"expert_parallel={ep} must divide the {num_experts} experts of each MoE layer "
                 f"(each ep rank holds E / ep); choose among "
-                f"{[k for k in range(1, num_experts + 1) if num_experts % k == 0]}")
+                f"{[k for k in range(1, min(num_experts, 64) + 1) if num_experts % k == 0]}")
     return None
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,7 @@ from pipeline.moe.balancing import MoEBalancing
 from pipeline.moe.capacity import DropPolicy, expert_capacity, mark_dropped
 from pipeline.moe.experts import Dispatcher, LocalDispatcher
 from pipeline.moe.router_losses import layer_router_loss, token_weights
-from pipeline.moe.routing import route, router_statistics
+from pipeline.moe.routing import route, route_grouped, router_statistics
 
 __all__ = ["MoEFeedForward", "RouterConfig"]
 
@@ -37,11 +37,22 @@ class RouterConfig:
     drop_policy: DropPolicy = "probs"
     """Which slots an over-full expert keeps: "probs" (the largest combine weights,
     Megatron-Core's default) or "position" (the first tokens)."""
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    """"softmax": `pipeline.moe.routing.route`; "sigmoid": DeepSeek-V3's group-limited
+    sigmoid router (`pipeline.moe.routing.route_grouped`), which the fields below shape."""
+    groups: int = 1
+    """sigmoid: the expert groups (``n_group``); E must divide by it."""
+    top_groups: int = 1
+    """sigmoid: the groups whose experts stay eligible per token (``topk_group``)."""
+    scaling: float = 1.0
+    """sigmoid: the combine weights' factor (``routed_scaling_factor``)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts} (the "
                              "number of experts); lower num_experts_per_tok")
+        if self.scoring == "sigmoid":
+            self._check_groups()
         factor = self.capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(
                 factor, (int, float)) or not 0 < factor < float("inf")):
@@ -50,6 +61,22 @@ class RouterConfig:
         if self.drop_policy not in ("probs", "position"):
             raise ValueError(f"drop_policy must be 'probs' or 'position', got "
                              f"{self.drop_policy!r}")
+
+    def _check_groups(self) -> None:
+        experts, groups, top = self.num_experts, self.groups, self.top_groups
+        if groups < 1 or experts % groups:
+            raise ValueError(f"n_group={groups} must be >= 1 and divide the {experts} routed "
+                             "experts (each group holds E / n_group)")
+        if experts // groups < 2:
+            raise ValueError(f"n_group={groups} leaves {experts // groups} expert per group; "
+                             "groups are scored by their two best experts: use n_group <= "
+                             f"{experts // 2}")
+        if not 1 <= top <= groups:
+            raise ValueError(f"topk_group={top} must be in 1..n_group={groups}")
+        if self.top_k > top * (experts // groups):
+            raise ValueError(f"num_experts_per_tok={self.top_k} exceeds the "
+                             f"{top * (experts // groups)} experts of topk_group={top} "
+                             f"groups; raise topk_group or lower num_experts_per_tok")
 
 
 class MoEFeedForward(nn.Module):
@@ -71,6 +98,7 @@ class MoEFeedForward(nn.Module):
     def __init__(self, config: RouterConfig, gate: nn.Module, experts: nn.Module, *,
                  shared_expert: nn.Module | None = None,
                  shared_expert_gate: nn.Module | None = None,
+                 shared_experts: nn.Module | None = None,
                  balance: BalanceLoss | None = None,
                  balancing: MoEBalancing | None = None, jitter_noise: float = 0.0) -> None:
         super().__init__()
@@ -79,20 +107,34 @@ class MoEFeedForward(nn.Module):
         self.experts = experts
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
+        if shared_experts is not None:  # DeepSeek's, ungated, under HF's name
+            self.shared_experts = shared_experts
         self.balance = balance
         self.balancing = balancing or MoEBalancing(method="none")
         self.jitter_noise = jitter_noise
         self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts)
         aux_free = self.balancing.method == "aux-free"
+        # a router holding its own correction bias (DeepSeek-V3's e_score_correction_bias,
+        # in HF's checkpoint) is the aux-free bias: no second copy
+        own = aux_free and self._correction_bias() is None
         self.register_buffer("expert_bias", torch.zeros(config.num_experts)
-                             if aux_free else None)
+                             if own else None)
         self.register_buffer("expert_load", torch.zeros(config.num_experts)
                              if aux_free else None, persistent=False)
+
+    def _correction_bias(self) -> torch.Tensor | None:
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        return bias if isinstance(bias, torch.Tensor) else None
+
+    def _selection_bias(self) -> torch.Tensor | None:
+        """The bias added to the scores for the top-k choice (None: none)."""
+        own = self.expert_bias
+        return own if isinstance(own, torch.Tensor) else self._correction_bias()
 
     @property
     def bias(self) -> torch.Tensor:
         """The aux-free expert bias [E] (refused when the layer balances otherwise)."""
-        bias = self.expert_bias
+        bias = self._selection_bias() if self.balancing.method == "aux-free" else None
         if not isinstance(bias, torch.Tensor):
             raise AttributeError("this MoE layer has no expert bias (balancing method "
                                  f"{self.balancing.method!r}, not 'aux-free')")
@@ -111,10 +153,11 @@ class MoEFeedForward(nn.Module):
         # the bias moves in steps of ~1e-3: keep it (and the load) in fp32 when the module
         # is cast to half precision, as Megatron-Core keeps its expert_bias
         super()._apply(fn, recurse)
-        for name in ("expert_bias", "expert_load"):
-            buffer = self._buffers.get(name)
+        for owner, name in ((self, "expert_bias"), (self, "expert_load"),
+                            (self.gate, "e_score_correction_bias")):
+            buffer = owner._buffers.get(name)
             if buffer is not None and buffer.dtype != torch.float32:
-                self._buffers[name] = buffer.float()
+                owner._buffers[name] = buffer.float()
         return self
 
     def two_batch_problem(self) -> str | None:
@@ -142,14 +185,20 @@ class MoEFeedForward(nn.Module):
                                                       1.0 + self.jitter_noise)
             tokens = tokens * noise
         router: Any = self.gate.weight
-        logits = F.linear(tokens, router)
-        bias = self.expert_bias if isinstance(self.expert_bias, torch.Tensor) else None
-        routing = route(logits, self.config.top_k, normalize=self.config.normalize_top_k,
-                        bias=bias)
-        if bias is not None and self.training:
+        bias = self._selection_bias()
+        config = self.config
+        if config.scoring == "sigmoid":  # HF's DeepSeek-V3 router runs in fp32
+            logits = F.linear(tokens.float(), router.float())
+            routing = route_grouped(logits, config.top_k, groups=config.groups,
+                                    top_groups=config.top_groups,
+                                    normalize=config.normalize_top_k, scaling=config.scaling,
+                                    bias=bias)
+        else:
+            logits = F.linear(tokens, router)
+            routing = route(logits, config.top_k, normalize=config.normalize_top_k, bias=bias)
+        if self.balancing.method == "aux-free" and self.training:
             self._count_load(routing.experts, mask)
         chosen = routing.experts
-        config = self.config
         if config.capacity_factor is not None:
             capacity = expert_capacity(tokens.shape[0], config.top_k, config.num_experts,
                                        config.capacity_factor)
@@ -159,6 +208,9 @@ class MoEFeedForward(nn.Module):
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = self.shared_expert(tokens)
             out = out + torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+        shared_experts = getattr(self, "shared_experts", None)
+        if shared_experts is not None:
+            out = out + shared_experts(tokens)
         return out.reshape(shape), self._share(routing, logits, mask, shape[0])
 
     def _share(self, routing: Any, logits: torch.Tensor, mask: torch.Tensor | None,

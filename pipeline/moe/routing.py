@@ -1,4 +1,5 @@
-"""Top-k softmax routing and the per-expert statistics the load-balancing loss is made of."""
+"""Top-k routing (softmax, or DeepSeek-V3's group-limited sigmoid) and the per-expert statistics
+the load-balancing loss is made of."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["RouterStatistics", "Routing", "route", "router_statistics"]
+__all__ = ["RouterStatistics", "Routing", "route", "route_grouped", "router_statistics"]
 
 
 class Routing(NamedTuple):
@@ -50,6 +51,31 @@ def route(logits: torch.Tensor, top_k: int, *, normalize: bool,
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(probs, weights.to(logits.dtype), experts)
+
+
+def route_grouped(logits: torch.Tensor, top_k: int, *, groups: int, top_groups: int,
+                  normalize: bool, scaling: float, bias: torch.Tensor | None) -> Routing:
+    """DeepSeek-V3's router (HF's ``DeepseekV3TopkRouter``), legend: n tokens, E experts in
+    G = `groups` groups of E / G, k = `top_k`.
+
+    Scores s = sigmoid(logits) in fp32; the choice reads s + `bias` (the correction bias,
+    `e_score_correction_bias`; None: zeros): each group is scored by the sum of its two best
+    experts, only the `top_groups` best groups stay eligible, and the k best eligible experts
+    are chosen. Their combine weights are the unbiased s, divided by their sum (+1e-20) when
+    `normalize`, times `scaling` (``routed_scaling_factor``). ``probs`` holds s."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores if bias is None else scores + bias.detach().float()
+    n, num_experts = choice.shape
+    per_group = choice.view(n, groups, num_experts // groups)
+    group_scores = per_group.topk(2, dim=-1)[0].sum(dim=-1)  # [n, G]
+    best_groups = torch.topk(group_scores, top_groups, dim=-1)[1]
+    eligible = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    eligible = eligible.unsqueeze(-1).expand_as(per_group).reshape(n, num_experts)
+    experts = torch.topk(choice.masked_fill(~eligible, float("-inf")), top_k, dim=-1)[1]
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(scores, (weights * scaling).to(logits.dtype), experts)
 
 
 def router_statistics(routing: Routing, mask: torch.Tensor | None) -> RouterStatistics:

@@ -14,7 +14,13 @@ import torch.distributed as dist
 
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
-from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights, save_hf_checkpoint
+from pipeline.interop.hf_moe import router_config
+from pipeline.interop.hf_weights import (
+    checkpoint_tensors,
+    gather_hf_state_dict,
+    load_hf_weights,
+    save_hf_checkpoint,
+)
 from pipeline.moe.balance_loss import train_batch_balanced
 from pipeline.moe.layer import MoEFeedForward
 from pipeline.parallel.param_marks import expert_shard
@@ -33,17 +39,13 @@ LEARNING_RATE = 0.1
 SHARD = "20KB"
 """save_pretrained's shard size: the tiny models' experts spread over several files."""
 INDEX = "model.safetensors.index.json"
-EXPERTS = 4
-"""The tiny models' experts per layer (`tiny_moe_config`)."""
-
-
 def _expected_reads(family: str, module: PipelineModule, hf: Any, ep: int,
                     replica: int) -> list[str]:
-    """The checkpoint names this rank needs: its stages' tensors, of each layer's experts
-    only ep rank ``replica % ep``'s EXPERTS / ep consecutive ones."""
-    ep_rank, local = replica % ep, EXPERTS // ep
+    """The checkpoint names this rank needs: its stages' tensors, of each layer's E experts
+    only ep rank ``replica % ep``'s E / ep consecutive ones."""
+    ep_rank, local = replica % ep, router_config(hf.config).num_experts // ep
     mine = range(ep_rank * local, (ep_rank + 1) * local)
-    keys = {hf.hf_name(*key) for key, _ in module.named_layer_parameters()}
+    keys = {hf.hf_name(*key) for key, _ in checkpoint_tensors(module)}
     return sorted(name for key in keys for name in checkpoint_names(family, key, mine))
 
 
@@ -96,7 +98,7 @@ def _biases(module: PipelineModule, stages: tuple[int, ...]) -> dict[int, torch.
     for stage in stages:
         for key, layer in module.stage(stage).layers.items():
             for m in layer.modules():
-                if isinstance(m, MoEFeedForward) and m.expert_bias is not None:
+                if isinstance(m, MoEFeedForward) and m.balancing.method == "aux-free":
                     found[int(key) - 1] = m.bias.detach().clone()
     return found
 

@@ -15,12 +15,24 @@ VOCAB = 50
 
 
 def tiny_moe_config(family: str, *, top_k: int = 2, coefficient: float = 0.5,
-                    tied: bool = False) -> Any:
+                    tied: bool = False, groups: int = 4, top_groups: int = 2) -> Any:
     """2 layers, hidden 32, 4 experts of width 16, the balancing loss on with a coefficient
     large enough to move the gradients visibly; Qwen2-MoE with its gated shared expert and
     HF's default norm_topk_prob=False, Qwen3-MoE with norm_topk_prob=True, OLMoE with its
-    clip_qkv set low enough to clamp."""
+    clip_qkv set low enough to clamp. DeepSeek-V3: 4 layers (the first dense), 8 experts in
+    `groups` groups of which `top_groups` stay eligible, one shared expert, low-rank q and
+    kv (multi-head latent attention), vocab 128, no balancing loss (HF's adds none)."""
     import transformers
+
+    if family == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            hidden_size=32, num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=128, max_position_embeddings=16,
+            intermediate_size=24, moe_intermediate_size=16, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=top_k, n_group=groups,
+            topk_group=top_groups, q_lora_rank=12, kv_lora_rank=8, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, tie_word_embeddings=tied, bos_token_id=0,
+            eos_token_id=0, pad_token_id=None)
 
     shape = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
@@ -45,7 +57,12 @@ def tiny_moe_model(family: str, *, seed: int = 0, **options: Any) -> nn.Module:
     import transformers
 
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(tiny_moe_config(family, **options))
+    model = transformers.AutoModelForCausalLM.from_config(tiny_moe_config(family, **options))
+    if family == "deepseek_v3":  # a correction bias that changes the choice (HF's init: 0)
+        with torch.no_grad():
+            for layer in model.model.layers[model.config.first_k_dense_replace:]:
+                layer.mlp.gate.e_score_correction_bias.uniform_(-0.3, 0.3)
+    return model
 
 
 def plant_ties_and_an_idle_expert(model: nn.Module) -> None:
