@@ -7,6 +7,10 @@ Marker convention for code blocks (see docs/README.md's "Writing these pages"):
   PYTHONPATH set to the repository; bash: `bash -e` in a temporary directory, same
   PYTHONPATH, so `pipesched` runs this checkout's code). Only for blocks that finish within a
   few seconds on a CPU and need no network, GPU or optional package.
+- `<!-- not run: REASON -->` instead says why a block is not run (it installs packages, needs
+  a GPU, hosts or a checkpoint, or is a fragment); a test it names must exist. Every ```python
+  and ```bash block carries one of the two (issue 46: a refused example had landed because
+  CI only compiled it).
 - Every other ```python block is compiled with `compile()` and each name it imports from our
   packages (`pipeline`, `schedules`, `partition`, `viz`) must resolve.
 - Every other ```bash block: each `pipesched COMMAND --flag` in it must name a real
@@ -34,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 OUR_PACKAGES = ("pipeline", "schedules", "partition", "viz")
 RUNNABLE = "<!-- runnable -->"
+_NOT_RUN = re.compile(r"^<!-- not run: (?P<why>.+?) -->$")
 RUN_TIMEOUT = 120.0   # seconds; a block takes a few on a quiet machine
 
 _FENCE = re.compile(r"^```(\w*)\s*$")
@@ -50,6 +55,8 @@ class Block:
     language: str
     text: str
     runnable: bool
+    not_run: str | None = None
+    """The reason its `<!-- not run: ... -->` marker gives (None: no such marker)."""
 
     def __str__(self) -> str:
         return f"{self.page.relative_to(ROOT)}:{self.line}"
@@ -69,8 +76,9 @@ def _blocks(page: Path) -> list[Block]:
         while end < len(lines) and lines[end].strip() != "```":
             end += 1
         runnable = start > 0 and lines[start - 1].strip() == RUNNABLE
+        exempt = _NOT_RUN.match(lines[start - 1].strip()) if start > 0 else None
         blocks.append(Block(page, start + 1, match.group(1), "\n".join(lines[start + 1:end]),
-                            runnable))
+                            runnable, exempt["why"] if exempt else None))
         index = end + 1
     return blocks
 
@@ -228,6 +236,28 @@ def _runnable_param(block: Block) -> object:
         or "pipesched rehearse" in block.text
     return pytest.param(block, id=str(block),
                         marks=[pytest.mark.multiprocess] if spawns else [])
+
+
+def test_every_code_block_runs_or_says_why_not() -> None:
+    silent = [str(block) for block in ALL_BLOCKS
+              if block.language in ("python", "bash") and not block.runnable
+              and block.not_run is None]
+    assert not silent, (f"blocks neither {RUNNABLE} nor <!-- not run: REASON -->: {silent}")
+    for block in ALL_BLOCKS:
+        if block.not_run is None:
+            continue
+        assert len(block.not_run.split()) >= 3, f"{block}: say why it is not run"
+        for named in re.findall(r"tests/[\w/]+\.py", block.not_run):
+            assert (ROOT / named).is_file(), f"{block}: its reason names {named}, not a file"
+
+
+def test_a_silent_block_is_found(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("text\n\n```bash\npipesched train\n```\n\n<!-- not run: it needs "
+                    "two hosts -->\n```bash\ntorchrun x\n```\n")
+    found = _blocks(page)
+    assert [(block.runnable, block.not_run) for block in found] == [
+        (False, None), (False, "it needs two hosts")]
 
 
 def test_runnable_blocks_are_python_or_bash() -> None:
