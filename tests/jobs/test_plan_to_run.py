@@ -30,6 +30,30 @@ def _torchrun(line: str, env: dict[str, str]) -> str:
     return done.stdout
 
 
+def _kill_after_step(line: str, env: dict[str, str], metrics_file: Path, step: int) -> None:
+    """Start the printed line and SIGKILL its whole process group once `metrics_file` holds a
+    record of `step` (a crash after the last checkpoint, whose step must be run again)."""
+    import signal
+    import time
+
+    started = subprocess.Popen(["bash", "-c", line], cwd=ROOT, start_new_session=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=os.environ | {"PYTHONPATH": str(ROOT)} | env)
+    deadline = time.monotonic() + 400
+    try:
+        while time.monotonic() < deadline and started.poll() is None:
+            text = metrics_file.read_text() if metrics_file.exists() else ""
+            done = [json.loads(record)["step"] for record in text.splitlines()
+                    if record.endswith("}")]  # a line being written is not read yet
+            if any(logged >= step for logged in done):
+                break
+            time.sleep(0.05)
+        assert started.poll() is None, "the run ended before it could be killed"
+    finally:
+        os.killpg(started.pid, signal.SIGKILL)
+        started.wait(timeout=60)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_the_printed_plan_runs_under_torchrun_resumes_and_equals_an_uninterrupted_run(
@@ -45,10 +69,12 @@ def test_the_printed_plan_runs_under_torchrun_resumes_and_equals_an_uninterrupte
     assert "set DATA" in out and "STEPS" in out and "CHECKPOINT_DIR" in out
     assert "HEAD_NODE" not in line
 
-    # interrupted: 2 steps and a checkpoint, then the same line resumes to step 4
+    # interrupted: 2 steps and a checkpoint; the same line for 4 steps killed (SIGKILL, every
+    # process) once it has logged step 3, past the checkpoint; then it resumes to step 4
     interrupted = tmp_path / "interrupted"
     env = {"DATA": str(data), "CHECKPOINT_DIR": str(interrupted)}
     first = _torchrun(line, env | {"STEPS": "2"})
+    _kill_after_step(line, env | {"STEPS": "4"}, interrupted / "metrics.jsonl", step=3)
     second = _torchrun(line, env | {"STEPS": "4"})
     assert "from the HF weights" in first and "resumed at step 2" in second
     logged = [int(m.group(1)) for m in STEP_LINE.finditer(first + second)]
