@@ -7,7 +7,8 @@ gradients live: ZeRO-1 keeps each region's whole main-gradient buffer through th
 reduce-scatters it once after the stage's last backward; ZeRO-2 reduce-scatters every
 backward's buckets as they fill (`pipeline.parallel.zero_grad_store`) and keeps only the
 (k, s) shard, so after the step a rank holds 4Ψ/d gradient bytes (fp32) instead of 4Ψ, at
-the price of m reductions a step instead of one.
+the price of m reductions a step instead of one. Half parameters (bf16 / fp16) keep a
+half gradient shard (2Ψ/d) and its fp32 copy only through the step (DeepSpeed's 2 + 14/d).
 """
 
 from __future__ import annotations
@@ -65,8 +66,49 @@ class GradShardedOptimizer(ShardedOptimizer):
         store.flush()
         region.reduced = True
 
+    @staticmethod
+    def _grad_dtype(param_dtype: torch.dtype) -> torch.dtype:
+        """Gradients are reduced and kept in the parameters' dtype: half parameters keep a
+        half shard (DeepSpeed's ZeRO-2 / 3: 2 + 14/d and 16/d bytes per parameter)."""
+        return param_dtype
+
     def _settle(self, region: ShardRegion) -> None:
-        self._point_grads(region, _store(region).settle())
+        shard = _store(region).settle()
+        # a half shard's fp32 copy is made once a step (a second wait keeps the clipped one)
+        if shard.dtype == torch.float32 or region.master.grad is None:
+            self._point_grads(region, shard)
+
+    def _step_grad(self, region: ShardRegion) -> torch.Tensor:
+        """The fp32 gradient the step sees; after the step (its fp32 copy released) a half
+        shard's, read back in fp32 (as the step saw it, rounded to the half dtype)."""
+        store = region.store
+        if region.master.grad is None and store is not None \
+                and store.shard.dtype != torch.float32:
+            return store.shard.float()
+        return super()._step_grad(region)
+
+    def publish(self) -> None:
+        """Release the fp32 gradient copies (half parameters), then publish as ZeRO-1."""
+        self._release_fp32_grads()
+        super().publish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ZeRO-1's; also drops the fp32 copies of half shards a skipped step left."""
+        self._release_fp32_grads()
+        super().zero_grad(set_to_none)
+
+    def _release_fp32_grads(self) -> None:
+        """Half shards: write the fp32 gradient the step saw (clipped, unscaled) back into the
+        shard and drop the copy, so only the half shard (2/d bytes) outlives the step."""
+        for region in self._regions.values():
+            grad, store = region.master.grad, region.store
+            if grad is None or store is None or store.shard.dtype == torch.float32:
+                continue
+            with torch.no_grad():
+                store.shard.copy_(grad)
+            region.master.grad = None
+            for piece in region.pieces:
+                piece.tensor.grad = None
 
 
 def _store(region: ShardRegion) -> ShardGradStore:
