@@ -13,14 +13,21 @@ half gradient shard (2Ψ/d) and its fp32 copy only through the step (DeepSpeed's
 
 from __future__ import annotations
 
-import torch
+from collections import deque
+from collections.abc import Mapping, Sequence
 
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
+from pipeline.parallel.optimizer import OptimizerFactory
 from pipeline.parallel.tied_sync import TIED_REGION
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.parallel.zero_collectives import COLLECTIVES, BucketReduction, Launched
 from pipeline.parallel.zero_grad_store import ShardGradStore
 from pipeline.parallel.zero_layout import ShardLayout
-from pipeline.parallel.zero_region import ShardRegion
+from pipeline.parallel.zero_region import Collective, ShardRegion
 
 __all__ = ["GradShardedOptimizer"]
 
@@ -34,6 +41,21 @@ class GradShardedOptimizer(ShardedOptimizer):
     same point. `last_backward` is not needed (every backward's gradients are final for
     their bucket) and does nothing.
     """
+
+    MAX_IN_FLIGHT = 2
+    """Bucket reductions a rank keeps in flight (over all its regions): launching one more
+    first waits for the oldest, so the transient buffers alive stay about two buckets (and
+    the bucket filling), not a whole backward's gradients (DeepSpeed's two ipg buffers)."""
+
+    def __init__(self, params_by_stage: Mapping[int, Sequence[nn.Parameter]],
+                 optimizer_factory: OptimizerFactory, group: ProcessGroup | None, *,
+                 bucket_mb: float = DEFAULT_BUCKET_MB, average: bool = True,
+                 collective: Collective = "auto", overlap_param_gather: bool = False) -> None:
+        self._window: deque[tuple[ShardGradStore, torch.Tensor]] = deque()
+        """Launched (store, bucket buffer), oldest first (some settled by now)."""
+        super().__init__(params_by_stage, optimizer_factory, group, bucket_mb=bucket_mb,
+                         average=average, collective=collective,
+                         overlap_param_gather=overlap_param_gather)
 
     def backward_done(self, stage_index: int) -> None:
         """One B or W of `stage_index` ended: launch its region's unfilled buckets."""
@@ -50,7 +72,15 @@ class GradShardedOptimizer(ShardedOptimizer):
         region.store = ShardGradStore(
             region.params, region.offsets, layout, grad_dtype, self.dp_rank,
             lambda b, buffer: self._reduce_bucket(buffer, layout),
-            hooked=key != TIED_REGION)
+            hooked=key != TIED_REGION, on_send=self._bound_in_flight)
+
+    def _bound_in_flight(self, store: ShardGradStore, buffer: torch.Tensor) -> None:
+        """Keep at most `MAX_IN_FLIGHT` launched reductions unsettled (the oldest first: every
+        replica launched them in the same order, so waiting cannot deadlock)."""
+        self._window.append((store, buffer))
+        while len(self._window) > self.MAX_IN_FLIGHT:
+            oldest, held = self._window.popleft()
+            oldest.settle_oldest(held)
 
     def _reduce_bucket(self, buffer: torch.Tensor, layout: ShardLayout) -> Launched:
         """Launch the reduction of one bucket's transient buffer (d pieces of s)."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from pipeline import PipelineEngine, PipelineModule, launch
 from pipeline.parallel.model_state import count_model_states
+from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.parallel.zero3 import FullyShardedOptimizer
 from schedules.analysis.accounting import model_state_bytes
 from tests.support.engine3d_models import Case, run_case
@@ -160,3 +161,46 @@ def test_zero3_reading_half_parameters_keeps_the_fp32_masters_and_takes_writes()
         assert row["finer"], row  # the masters hold more than bf16 can (else nothing to lose)
         assert row["kept"], row
         assert row["written"], row
+
+
+def _step_peak(zero: int) -> float:
+    """The most model-state bytes per parameter alive during one bf16 step (pp1 × dp4, 8
+    layers): sampled after each layer's gather, each gradient's arrival in its bucket and
+    around the inner step (fp32 gradient copies, new moments); gathered layers and bucket
+    buffers count."""
+    torch.manual_seed(0)
+    module = PipelineModule([nn.Linear(256, 256) for _ in range(8)], num_stages=1,
+                            loss_fn=F.mse_loss)
+    engine = PipelineEngine(module, num_microbatches=4, data_parallel=4, zero_stage=zero,
+                            precision="bf16", half_parameters=True, timeout=60,
+                            optimizer=lambda p: torch.optim.Adam(p, lr=1e-3))
+    sharded = engine.optimizer
+    assert isinstance(sharded, ShardedOptimizer)
+    peak, built = [0], engine.module
+
+    def sample(*_: object) -> None:
+        live = count_model_states(built, sharded).total + sharded.transient_bytes()
+        peak[0] = max(peak[0], live)
+    for layer in built.modules():
+        if isinstance(layer, nn.Linear):
+            layer.register_forward_pre_hook(sample)
+            for param in layer.parameters():
+                param.register_post_accumulate_grad_hook(sample)
+    sharded.optimizer.register_step_pre_hook(sample)
+    sharded.optimizer.register_step_post_hook(sample)  # the moments exist from the first step
+    engine.train_batch(torch.randn(32, 256), torch.randn(32, 256))
+    engine.stop_watchdog()
+    return peak[0] / sum(p.numel() for p in built.parameters())
+
+
+def _peaks() -> dict[int, float]:
+    return {zero: _step_peak(zero) for zero in (1, 3)}
+
+
+@pytest.mark.multiprocess
+def test_zero3_step_peak_is_at_most_six_tenths_of_zero1s_at_d4() -> None:
+    for peaks in launch(_peaks, 4, timeout=60, join_timeout=300):
+        # ZeRO-1: 6 + 12/4 = 9 held whole; ZeRO-3: 14/4 + one layer gathered + two buckets
+        # in flight + the step's fp32 gradient copies (4/4)
+        assert peaks[1] == pytest.approx(9.0, rel=0.01), peaks
+        assert peaks[3] <= 0.6 * peaks[1], peaks
