@@ -5,6 +5,7 @@ accounting prices, at or under DeepSpeed's 2 + 14/d and 16/d per parameter."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +18,8 @@ from pipeline.parallel.model_state import count_model_states
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.parallel.zero3 import FullyShardedOptimizer
 from schedules.analysis.accounting import model_state_bytes
-from tests.support.engine3d_models import Case, run_case
+from tests.support.engine3d_models import MODELS, OPTIMIZERS, Case, run_case
+from tests.support.equivalence import gathered_weights
 
 HALF_TOLERANCE = 2e-2
 """bf16 parameters: the ZeRO-1 half case's tolerance (test_model_states.py)."""
@@ -204,3 +206,39 @@ def test_zero3_step_peak_is_at_most_six_tenths_of_zero1s_at_d4() -> None:
         # in flight + the step's fp32 gradient copies (4/4)
         assert peaks[1] == pytest.approx(9.0, rel=0.01), peaks
         assert peaks[3] <= 0.6 * peaks[1], peaks
+
+
+def _half_checkpoint(root: str, zero: int, resume: bool) -> dict[str, Any]:
+    """Two bf16 steps saved (or the checkpoint loaded), then two more: losses and weights."""
+    spec = MODELS["mlp"]
+    module = PipelineModule(spec.layers(), num_stages=2, loss_fn=spec.loss, base_seed=7)
+    engine = PipelineEngine(module, num_microbatches=4, optimizer=OPTIMIZERS["adam"],
+                            data_parallel=2, zero_stage=zero, precision="bf16",
+                            half_parameters=True, timeout=60)
+    if resume:
+        engine.load_checkpoint(root)
+    losses = []
+    for _ in range(2 if resume else 4):
+        inputs, targets = spec.batch(engine.global_step, 16)
+        mine = slice(8 * engine.position.dp_rank, 8 * engine.position.dp_rank + 8)
+        losses.append(engine.train_batch(inputs[mine], targets[mine]))
+        if not resume and engine.global_step == 2:
+            engine.save_checkpoint(root)
+    engine.stop_watchdog()
+    return {"losses": losses[-2:], "weights": gathered_weights(engine)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [2, 3])
+def test_half_zero_2_and_3_checkpoints_resume_exactly_with_their_fp32_masters(
+        tmp_path: Path, zero: int) -> None:
+    # saving reads (ZeRO-3: gathers) the bf16 parameters; rounding the masters to them, or
+    # losing them, would make the resumed run step differently
+    root = str(tmp_path)
+    straight = launch(_half_checkpoint, 4, root, zero, False, timeout=60, join_timeout=240)
+    resumed = launch(_half_checkpoint, 4, root, zero, True, timeout=60, join_timeout=240)
+    assert resumed[0]["losses"] == straight[0]["losses"]
+    for key, value in straight[0]["weights"].items():
+        assert value.dtype == torch.bfloat16, key
+        assert torch.equal(resumed[0]["weights"][key], value), key
