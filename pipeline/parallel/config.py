@@ -82,11 +82,11 @@ def _half_parameters_problem(value: object, precision: object, zero_stage: objec
     if precision not in ("bf16", "fp16"):
         return (f"half_parameters=True stores parameters in bf16 or fp16: set precision='bf16' "
                 f"or 'fp16' (got {precision!r})")
-    if zero_stage != ZeroStage.OPTIMIZER_STATE:
-        return ("half_parameters=True needs zero_stage=1 (ZeRO-2 / 3 take fp32 parameters "
-                "here): without ZeRO its fp32 masters cost 18 (bf16) or 20 (fp16) bytes per "
-                "parameter, while autocast over fp32 parameters (half_parameters=False) "
-                "takes 16")
+    if zero_stage not in (ZeroStage.OPTIMIZER_STATE, ZeroStage.GRADIENTS,
+                          ZeroStage.PARAMETERS):
+        return ("half_parameters=True needs zero_stage=1, 2 or 3: without ZeRO its fp32 "
+                "masters cost 18 (bf16) or 20 (fp16) bytes per parameter, while autocast "
+                "over fp32 parameters (half_parameters=False) takes 16")
     return None
 
 
@@ -148,11 +148,14 @@ class ParallelConfig:
     """'bf16' or 'fp16': stages run under autocast, parameters and optimizer stay fp32
     (master weights). 'fp16' adds dynamic loss scaling with a rank-wide overflow vote."""
     half_parameters: bool = False
-    """bf16 / fp16 with ZeRO-1: store the parameters in the half dtype, accumulate gradients
-    into fp32 main-gradient buffers (fp16: fp16 ones) and step fp32 master shards
-    (Megatron's Float16Module + distributed optimizer): 6 + 12/d bytes per parameter with
-    Adam in bf16, 4 + 16/d in fp16, instead of autocast's 8 + 8/d. Without ZeRO autocast's
-    16 is already leaner than the 18 / 20 this would take, so it is refused there."""
+    """bf16 / fp16 with ZeRO: store the parameters in the half dtype and step fp32 master
+    shards (Megatron's Float16Module + distributed optimizer). ZeRO-1 accumulates gradients
+    into fp32 main-gradient buffers (fp16: fp16 ones): 6 + 12/d bytes per parameter with
+    Adam in bf16, 4 + 16/d in fp16, instead of autocast's 8 + 8/d. ZeRO-2 / 3 keep the
+    reduced gradient shard in the half dtype, as DeepSpeed does (its fp32 copy lives only
+    through the step): 2 + 14/d and 14/d (DeepSpeed's 2 + 14/d and 16/d; ZeRO-3 gathers
+    from the fp32 master, so no half shard of the parameters is kept). Without ZeRO
+    autocast's 16 is already leaner than the 18 / 20 this would take, so it is refused."""
     overlap_grad_reduce: bool = True
     """Launch each gradient bucket's reduction (dp all-reduce, or ZeRO-1's reduce-scatter)
     from the gradient hooks of a stage's last backward as soon as the bucket is final (DDP,

@@ -305,8 +305,7 @@ class ShardedOptimizer(ShardInspection, torch.optim.Optimizer):
         for param in params:
             offsets.append(numel)
             numel += param.numel()
-        # fp16 keeps fp16 gradients (Megatron's fp16 row: 2 + 2 + 16/d); bf16 and fp32 fp32
-        grad_dtype = torch.float16 if dtype == torch.float16 else torch.float32
+        grad_dtype = self._grad_dtype(dtype)
         layout = ShardLayout.plan(numel, self.dp_size,
                                   max(1, self.bucket_bytes // grad_dtype.itemsize))
         flat_param = torch.zeros(layout.size, dtype=dtype)
@@ -324,6 +323,12 @@ class ShardedOptimizer(ShardInspection, torch.optim.Optimizer):
                              pieces=cut_pieces(params, offsets, layout, self.dp_rank, master))
         self._attach_grads(key, region, grad_dtype)
         return region
+
+    @staticmethod
+    def _grad_dtype(param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype gradients are reduced and kept in: fp16 keeps fp16 gradients (Megatron's
+        fp16 row: 2 + 2 + 16/d); bf16 and fp32 fp32."""
+        return torch.float16 if param_dtype == torch.float16 else torch.float32
 
     def _master_is_view(self, key: int) -> bool:
         """Whether region `key`'s fp32 master may be a view of its parameters (ZeRO-3 frees

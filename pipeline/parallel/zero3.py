@@ -47,7 +47,7 @@ from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
 from pipeline.parallel.optimizer import OptimizerFactory
 from pipeline.parallel.tied_sync import TIED_REGION
 from pipeline.parallel.zero2 import GradShardedOptimizer
-from pipeline.parallel.zero_region import Collective
+from pipeline.parallel.zero_region import Collective, aliases
 
 __all__ = ["UNIT_STRIDE", "FullyShardedOptimizer"]
 
@@ -129,8 +129,12 @@ class FullyShardedOptimizer(GradShardedOptimizer):
             return
         region = self._regions[key]
         if key in self._exposed and keep_writes:
-            with torch.no_grad():
-                region.master.copy_(region.layout.shard(region.flat_param, self.dp_rank))
+            with torch.no_grad():  # only what was written: a half copy of an unwritten
+                # master would round the master to the half dtype
+                mine = region.layout.shard(region.flat_param, self.dp_rank)
+                written = mine != region.master.to(mine.dtype)
+                region.master.copy_(torch.where(written, mine.to(region.master.dtype),
+                                                region.master))
         self._exposed.discard(key)
         region.flat_param.untyped_storage().resize_(0)
         self._gathered.discard(key)
@@ -191,8 +195,13 @@ class FullyShardedOptimizer(GradShardedOptimizer):
     def publish(self) -> None:
         """After the masters stepped: free every unit (the next forward gathers the new
         values) and all-gather the unsharded tied region as ZeRO-1 does."""
+        self._release_fp32_grads()
         for key in self._stage_of:
             self.free(key, keep_writes=False)
+        for key, region in self._regions.items():  # the tied region of half parameters
+            if key not in self._stage_of and not aliases(region.master, region.flat_param):
+                region.layout.shard(region.flat_param, self.dp_rank).copy_(
+                    region.master.detach())
         self.param_gather.launch([(key, region.flat_param, region.layout)
                                   for key, region in self._regions.items()
                                   if key not in self._stage_of])

@@ -47,7 +47,11 @@ class ShardGradStore:
 
     def __init__(self, params: Sequence[nn.Parameter], offsets: Sequence[int],
                  layout: ShardLayout, dtype: torch.dtype, dp_rank: int, launch: LaunchBucket,
-                 *, hooked: bool = True) -> None:
+                 *, hooked: bool = True,
+                 on_send: Callable[[ShardGradStore, torch.Tensor], None] | None = None
+                 ) -> None:
+        self._on_send = on_send
+        """Told of every launched bucket buffer (a bound on the buffers in flight)."""
         self.params, self.offsets = list(params), list(offsets)
         self.layout, self.dp_rank, self._launch = layout, dp_rank, launch
         self.dtype = dtype
@@ -139,6 +143,16 @@ class ShardGradStore:
         if buffer is None:  # no gradient reached it: the replicas still reduce it together
             buffer = torch.zeros(self.layout.dp_size * self.layout.piece, dtype=self.dtype)
         self._in_flight.append((b, buffer, self._launch(b, buffer)))
+        if self._on_send is not None:
+            self._on_send(self, buffer)
+
+    def settle_oldest(self, buffer: torch.Tensor) -> bool:
+        """Wait for the oldest reduction in flight if its buffer is `buffer` (then add its
+        piece into the shard and drop it); False when that one was settled already."""
+        if not self._in_flight or self._in_flight[0][1] is not buffer:
+            return False
+        self._settle(1)
+        return True
 
     def _settle(self, upto: int) -> None:
         done, self._in_flight = self._in_flight[:upto], self._in_flight[upto:]

@@ -80,6 +80,12 @@ class ShardInspection:
             total += sum(t.numel() * t.element_size() for t in held)
         return total
 
+    def transient_bytes(self) -> int:
+        """Bytes of ZeRO-2 / 3 gradient bucket buffers alive now (filling or on the wire;
+        none after `wait`), which `held_tensors` leaves out."""
+        return sum(r.store.transient_bytes() for r in self._regions.values()
+                   if r.store is not None)
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this object keeps beyond the inner optimizer's state, by kind:
         'parameters' (flat buffers), 'gradients' (main-gradient buffers, shard gradients),

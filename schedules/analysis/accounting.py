@@ -73,7 +73,9 @@ def model_state_bytes(precision: Precision = "fp32", *, zero_stage: int = 0,
     layers come and go: they are activations-like workspace, not model state.
 
     "bf16" / "fp16" mean half-precision parameters with fp32 masters (the engine's
-    ``half_parameters=True``); autocast over fp32 parameters is priced as "fp32"."""
+    ``half_parameters=True``); autocast over fp32 parameters is priced as "fp32". ZeRO-2 / 3
+    keep half gradient shards there (2 + 14/d, DeepSpeed's figure) and ZeRO-3 no half copy
+    of the weights between uses (14/d, under DeepSpeed's 16/d)."""
     if precision not in _STATES:
         raise ScheduleConfigError(f"precision must be one of {sorted(_STATES)}, got "
                                   f"{precision!r}")
@@ -87,6 +89,10 @@ def model_state_bytes(precision: Precision = "fp32", *, zero_stage: int = 0,
         raise ScheduleConfigError(f"optimizer_factor must be a number >= 0, got "
                                   f"{optimizer_factor!r}")
     parameters, gradients, sharded = _STATES[precision]
+    if precision != "fp32" and zero_stage >= 2:
+        # half gradient shards, their fp32 copy only through the step (DeepSpeed's 2 + 14/d);
+        # ZeRO-3 gathers from the fp32 master: no half shard of the weights persists
+        parameters, gradients, sharded = (0.0 if zero_stage == 3 else 2.0), 2.0, 12.0
     sharded += 4.0 * (optimizer_factor - 2.0)  # the table's Adam moments are 8 of it
     d = data_parallel
     return ParameterBytes(parameters / d if zero_stage >= 3 else parameters,

@@ -123,7 +123,7 @@ def test_zero3_frees_layers_and_reshard_after_forward_trades_gathers_for_memory(
     ({"zero_stage": 3, "expert_parallel": 2}, "expert parameters"),
     ({"zero_stage": 3, "overlap_param_gather": True}, "overlap_param_gather"),
     ({"zero_stage": 3, "reshard_after_forward": 1}, "reshard_after_forward"),
-    ({"zero_stage": 2, "precision": "bf16", "half_parameters": True}, "zero_stage=1"),
+    ({"zero_stage": 0, "precision": "bf16", "half_parameters": True}, "zero_stage=1, 2 or 3"),
 ])
 def test_what_zero_2_and_3_do_not_run_with_is_refused(options: dict[str, Any],
                                                       match: str) -> None:
@@ -133,5 +133,7 @@ def test_what_zero_2_and_3_do_not_run_with_is_refused(options: dict[str, Any],
 
 def test_zero_stages_2_and_3_are_accepted() -> None:
     assert ParallelConfig(zero_stage=2).zero_stage is ZeroStage.GRADIENTS
+    assert ParallelConfig(zero_stage=3, precision="bf16", half_parameters=True).zero_stage \
+        is ZeroStage.PARAMETERS
     assert ParallelConfig(zero_stage=3, reshard_after_forward=False).zero_stage \
         is ZeroStage.PARAMETERS

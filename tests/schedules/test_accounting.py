@@ -34,15 +34,22 @@ def test_model_states_are_megatrons_figures(d: int) -> None:
 def test_zero_stages_are_the_zero_papers_formulas(d: int) -> None:
     # Rajbhandari et al. 2020, Figure 1 (mixed-precision Adam, K = 12): baseline (2 + 2 + K),
     # P_os 2 + 2 + K/d, P_os+g 2 + (2 + K)/d, P_os+g+p (2 + 2 + K)/d, each part by its stage.
-    # Ours counts fp32 main gradients for bf16 (4, not the paper's 2) and fp32 has (4, 4, 8).
+    # Ours counts fp32 main gradients for bf16 under ZeRO-0 / 1 (4, not the paper's 2) and
+    # fp32 has (4, 4, 8); ZeRO-2 / 3 keep half gradient shards (the paper's 2 + 14/d) and
+    # ZeRO-3 no half weights between uses (14/d, under the paper's 16/d).
     for (params, grads, optimizer), precision in (((4, 4, 8), "fp32"), ((2, 4, 12), "bf16")):
         expected = {0: params + grads + optimizer, 1: params + grads + optimizer / d,
                     2: params + (grads + optimizer) / d, 3: (params + grads + optimizer) / d}
+        if precision == "bf16":
+            expected |= {2: 2 + 14 / d, 3: 14 / d}
         for stage, total in expected.items():
             got = model_state_bytes(precision, zero_stage=stage,  # type: ignore[arg-type]
                                     data_parallel=d)
             assert got.total == pytest.approx(total), (precision, stage)
     assert model_state_bytes("fp32", zero_stage=3, data_parallel=4).total == 4  # 16Ψ / 4
+    for precision in ("bf16", "fp16"):  # DeepSpeed's mixed-precision figures, or under
+        assert model_state_bytes(precision, zero_stage=2, data_parallel=d).total == 2 + 14 / d
+        assert model_state_bytes(precision, zero_stage=3, data_parallel=d).total <= 16 / d
     for bad in (4, -1, True):
         with pytest.raises(ScheduleConfigError, match="zero_stage"):
             model_state_bytes("fp32", zero_stage=bad)
