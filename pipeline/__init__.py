@@ -35,7 +35,7 @@ _LAZY: dict[str, str] = {
     "torch_runtime": "pipeline.interop.torch_pipelining",
     # DeepSpeed's entry point and HF adapters (transformers only when these are used)
     "initialize": "pipeline.interop.deepspeed_compat",
-    "RepeatingLoader": "pipeline.interop.deepspeed_compat",
+    "RepeatingLoader": "pipeline.interop.ds_engine",
     "layers_from_hf": "pipeline.interop.hf_layers",
     "load_hf_weights": "pipeline.interop.hf_weights",
     "gather_hf_state_dict": "pipeline.interop.hf_weights",
