@@ -72,8 +72,9 @@ def test_an_unmapped_mixture_of_experts_family_names_the_covered_ones() -> None:
                                        num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, vocab_size=50,
                                        num_local_experts=4)
-    with pytest.raises(PipelineConfigError, match=r"mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3, "
-                                                  r"not 'phimoe' \(4 experts\): its router "
+    with pytest.raises(PipelineConfigError, match=r"mixtral, qwen2_moe, qwen3_moe, olmoe, "
+                                                  r"deepseek_v3, not 'phimoe' \(4 experts\): "
+                                                  r"its router "
                                                   r"is SparseMixer"):
         layers_from_hf(config)
 
