@@ -292,6 +292,12 @@ def run(args: argparse.Namespace) -> int:
           f"{f'ZeRO-{args.zero_stage}, ' if args.zero_stage else ''}"
           f"m={args.microbatches}), "
           f"{args.steps} steps")
+    if args.two_batch_overlap:  # issue 46: it ran 5.6x slower here with no word
+        print("note: --two-batch-overlap hides an expert all-to-all behind the other half's "
+              "compute; between local CPU ranks gloo's all-to-all costs microseconds, so the "
+              "halves add thread hand-overs and hide nothing: expect each step slower than "
+              "without it (it pays where the all-to-all crosses devices: "
+              "docs/huggingface-and-deepspeed.md)", file=sys.stderr)
     try:
         report: TrainReport | None = launch(train_rank, world, config,
                                             timeout=args.timeout, quiet=True)[0]

@@ -64,3 +64,17 @@ def test_hf_whole_batch_balancing_is_one_line_naming_the_census_free_methods(
     line = _one_line_refusal("--model", f"{recipe}:build", "--stages", "1")
     assert "HF's whole-batch load-balancing loss" in line
     assert "balancing='microbatch'" in line, line
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_batch_overlap_on_local_ranks_says_it_will_be_slower(tmp_path: Path) -> None:
+    # issue 46: the CPU demo ran 5.6x slower under --two-batch-overlap with no word
+    from tests.support.cli_helpers import run_cli
+
+    result = run_cli("train", "--model", RECIPE, "--stages", "2", "--data-parallel", "2",
+                     "--expert-parallel", "2", "--two-batch-overlap", "--steps", "1",
+                     "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "note: --two-batch-overlap hides an expert all-to-all" in result.stderr
+    assert "expect each step slower" in result.stderr
