@@ -88,8 +88,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
                         help="context parallelism: above 1 refused, outside the search's space")
     parser.add_argument("--fsdp", action="store_true",
-                        help="fully sharded data parallelism (ZeRO-3): refused, outside the "
-                             "search's space")
+                        help="fully sharded data parallelism: searched as ZeRO-3 "
+                             "(= --zero 3)")
     parser.add_argument("--schedules", default=None, metavar="NAMES",
                         help="comma-separated schedules to consider (default: all training ones)")
     parser.add_argument("--tensor-parallel", default=None, metavar="SIZES",
@@ -107,7 +107,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--microbatch-size", default=None, metavar="SIZES",
                         help="comma-separated microbatch sizes (samples) to consider")
     parser.add_argument("--zero", default=None, metavar="STAGES",
-                        help="ZeRO stages to consider: 0, 1 or 0,1")
+                        help="ZeRO stages to consider, comma-separated among 0,1,2,3 "
+                             "(default 0,1; 2 and 3 shard gradients and weights too, at m "
+                             "collectives a step)")
     parser.add_argument("--recompute", default=None, metavar="MODES",
                         help="activation recomputation to consider, comma-separated: none, "
                              "selective (attention's core), full (whole layers), partial "
@@ -179,14 +181,16 @@ def _sizes(text: str | None, what: str = "tensor-parallel") -> tuple[int, ...] |
     return sizes
 
 
-def _zero_stages(text: str | None) -> tuple[int, ...] | None:
+def _zero_stages(text: str | None, fsdp: bool) -> tuple[int, ...] | None:
+    """The --zero stages; --fsdp (fully sharded data parallelism) is ZeRO-3."""
     names = _names(text, "zero")
+    if fsdp and names is not None and "3" not in names:
+        raise ValueError(f"--fsdp is ZeRO-3, but --zero {text} leaves 3 out: add 3 to --zero "
+                         f"or drop --fsdp")
     if names is None:
-        return None
-    if any(name not in ("0", "1") for name in names):
-        from pipeline.planner.engines import outside_space
-
-        raise outside_space(f"ZeRO stage {text}", "ZeRO-2/3")
+        return (3,) if fsdp else None
+    if any(name not in ("0", "1", "2", "3") for name in names):
+        raise ValueError(f"--zero {text}: ZeRO stages are 0, 1, 2 and 3 (e.g. --zero 0,1,2,3)")
     return tuple(int(name) for name in names)
 
 
@@ -292,8 +296,7 @@ def run(args: argparse.Namespace) -> int:
     for asked, feature, name in ((args.precision == "fp8", "--precision fp8", "FP8"),
                                  (args.context_parallel > 1,
                                   f"--context-parallel {args.context_parallel}",
-                                  "context parallelism"),
-                                 (args.fsdp, "--fsdp", "ZeRO-2/3")):
+                                  "context parallelism")):
         if asked:
             raise outside_space(feature, name)
     if (args.nodes is not None and args.nodes > MAX_DEVICES) or \
@@ -360,7 +363,8 @@ def run(args: argparse.Namespace) -> int:
         pipeline_parallel=_sizes(args.pp, "pp"), data_parallel=_sizes(args.dp, "dp"),
         expert_parallel=_sizes(args.ep, "ep"),
         microbatch_sizes=_sizes(args.microbatch_size, "microbatch-size"),
-        zero_stages=_zero_stages(args.zero), recompute_choices=_recompute(args), top=args.top,
+        zero_stages=_zero_stages(args.zero, args.fsdp), recompute_choices=_recompute(args),
+        top=args.top,
         overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap,
         two_batch_overlap=halves))
     tensor_parallel = options.tensor_parallel or (

@@ -88,7 +88,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--partition", default=None, metavar="CUTS",
                         help="stage cuts into layers_from_hf's layers, e.g. 0,3,6 (plan "
                              "prints them), or a method: parameters (default), uniform")
-    parser.add_argument("--zero", type=int, choices=(0, 1), default=None,
+    parser.add_argument("--zero-stage", "--zero", dest="zero", type=int,
+                        choices=(0, 1, 2, 3), default=None,
                         help="ZeRO stage (default 0)")
     parser.add_argument("--recompute", choices=("none", "selective", "full", "partial"),
                         default=None, help="activation recomputation (default none)")

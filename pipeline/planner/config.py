@@ -89,13 +89,13 @@ class PlanConfig:
 
     def train_command(self, global_batch: int) -> str:
         """The `pipesched train` arguments of this configuration (the demo model: its CLI
-        has no tensor-parallel, ZeRO or recomputation switches, named when needed)."""
+        has no tensor-parallel or recomputation switches, named when needed)."""
         text = (f"pipesched train --schedule {self.schedule} --stages {self.pp} "
                 f"--chunks {self.chunks} --microbatches {self.num_microbatches} "
-                f"--data-parallel {self.dp} --batch-size {global_batch}")
+                f"--data-parallel {self.dp} --batch-size {global_batch}"
+                + (f" --zero-stage {self.zero_stage}" if self.zero_stage else ""))
         extra = [name for name, on in (("tensor_parallel", self.tp > 1),
                                        (f"expert_parallel={self.ep}", self.ep > 1),
-                                       ("zero_stage", self.zero_stage > 0),
                                        (f"recompute={self.recompute_label()}",
                                         self.recomputes)) if on]
         return text + (f"   # plus {', '.join(extra)}: PipelineEngine only" if extra else "")

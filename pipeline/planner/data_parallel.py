@@ -3,6 +3,8 @@ all-gather for the simulator's lane (`schedules.analysis.reduction`, `.gather`),
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
@@ -12,7 +14,7 @@ from pipeline.planner.stages import StageTable
 from schedules import GradReduction, ParamGather
 
 __all__ = ["ADAM_UPDATE_BYTES", "BUCKET_PARAMETERS", "grad_reduction", "param_gather",
-           "stage_buckets", "update_seconds"]
+           "sharded_comm_seconds", "stage_buckets", "update_seconds"]
 
 BUCKET_PARAMETERS = 40_000_000
 """Gradients a data-parallel bucket holds: Megatron's default (`--ddp-bucket-size`, 40M
@@ -83,8 +85,8 @@ def param_gather(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
     layers taken as equal). `params` as `grad_reduction`'s. At ep > 1 the dense parameters
     are gathered over dp and the stage's 1/ep of the experts over dp / ep, one after the
     other on the lane (the engine gathers each half over its own group). None without
-    ZeRO-1 or where dp = 1."""
-    if not zero_stage or dp == 1:
+    ZeRO-1/2 or where dp = 1 (ZeRO-3 gathers before every use: `sharded_comm_seconds`)."""
+    if not zero_stage or zero_stage == 3 or dp == 1:
         return None
     dense, experts = _with_experts(table.params if params is None else params,
                                    np.asarray(table.experts, dtype=float), ep)
@@ -104,15 +106,48 @@ def update_seconds(rank_params: np.ndarray, cluster: ClusterSpec, *, dp: int, tp
     """Per rank: optimizer step seconds and the ZeRO-1 all-gather seconds exposed after it
     (blocking: all of it; with `overlap_param_gather` none here, the simulator places it).
     `rank_experts`: the routed experts' parameters per rank (all E), of which it steps 1/ep,
-    ZeRO-1's shard of them 1/(dp / ep), gathered over that group."""
+    ZeRO-1's shard of them 1/(dp / ep), gathered over that group. ZeRO-2 keeps ZeRO-1's
+    gather after the step; ZeRO-3 has none there (its gathers: `sharded_comm_seconds`)."""
     experts = np.zeros(len(rank_params)) if rank_experts is None else rank_experts
     rank_params, experts = _with_experts(rank_params, experts, ep)
     shard = rank_params / (dp if zero_stage else 1) + experts / (dp // ep if zero_stage else 1)
     step = cluster.op_overhead + shard * update_bytes / cluster.memory_bandwidth
-    if not zero_stage or overlap_param_gather:
+    if not zero_stage or zero_stage == 3 or overlap_param_gather:
         return step, np.zeros(len(rank_params))
     # ZeRO-1: reduce-scatter before the step (overlapped), all-gather after it (exposed)
     return step, np.array([_gather_seconds(x, dp, tp, cluster)
                            + (_gather_seconds(mine, dp // ep, tp * ep, cluster) if mine
                               else 0.0)
                            for x, mine in zip(rank_params, experts, strict=True)])
+
+
+def sharded_comm_seconds(stage_params: np.ndarray, stage_layers: Sequence[int],
+                         placement: Sequence[int], cluster: ClusterSpec, *, dp: int, tp: int,
+                         zero_stage: int, num_microbatches: int, grad_reduce_bytes: float
+                         ) -> np.ndarray:
+    """Per rank: the seconds ZeRO-2/3 add to the step beyond ZeRO-1's collectives, exposed
+    (zeros at ZeRO-0/1 or dp = 1). `stage_params`: per stage, the parameters one tp rank
+    holds; `stage_layers`: its layers (ZeRO-3's units); `placement`: each stage's rank.
+
+    ZeRO-2 and 3 reduce-scatter every backward's gradients (`pipeline.parallel.zero2`): m a
+    step, of which the simulator places the last as ZeRO-1's (`grad_reduction`); the other
+    m - 1 are priced here as exposed (an upper bound: the engine launches them on a side
+    stream from the backward's hooks, and the planner credits no overlap with later work).
+    ZeRO-3 also all-gathers each layer's fp32 parameters before its forward and again before
+    its backward (`pipeline.parallel.zero3`, reshard_after_forward=True, the engine's
+    default): 2·m gathers per layer a step, each blocking the op that waits for it (no
+    prefetch), one collective per layer, so each pays its latency."""
+    if zero_stage < 2 or dp == 1:
+        return np.zeros(max(placement, default=-1) + 1)
+    m = num_microbatches
+    seconds = np.zeros(max(placement) + 1)
+    for params, layers, rank in zip(stage_params, stage_layers, placement, strict=True):
+        count = float(params)
+        if not count:
+            continue
+        seconds[rank] += (m - 1) * allreduce_seconds(count * grad_reduce_bytes, dp, tp,
+                                                     cluster) / 2
+        if zero_stage == 3:
+            units = max(1, int(layers))
+            seconds[rank] += 2 * m * units * _gather_seconds(count / units, dp, tp, cluster)
+    return seconds

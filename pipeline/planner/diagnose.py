@@ -59,11 +59,14 @@ def _memory_fix(memory: MemoryBreakdown, options: SearchOptions) -> str:
             "more devices (--nodes)"
         return "activations are the largest part: " + ", ".join(
             [*more, "a smaller --seq", fixed])
-    zero = options.zero_stages is not None and 1 not in options.zero_stages
+    stages = (0, 1) if options.zero_stages is None else options.zero_stages
+    zero = ([] if 1 in stages else ["allow ZeRO-1 (--zero 0,1)"]) + (
+        [] if 3 in stages else ["allow ZeRO-2/3 (--zero 0,1,2,3: gradients and weights "
+                                "sharded too)"])
     experts = ["allow larger expert parallelism (--ep)"] \
         if options.expert_parallel is not None else []
     return ("the model's state (parameters, gradients, optimizer) is the largest part: "
-            + ", ".join((["allow ZeRO-1 (--zero 0,1)"] if zero else []) + experts
+            + ", ".join(zero + experts
                         + ["more devices (--nodes)", "a smaller model"]))
 
 

@@ -15,8 +15,6 @@ __all__ = ["DEEPSPEED", "ENGINES", "ENGINE_PROFILES", "MEGATRON_CORE", "OUTSIDE_
 OUTSIDE_SPACE: MappingProxyType[str, str] = MappingProxyType({
     "context parallelism": "the sequence split over ranks (Megatron-Core's "
                            "--context-parallel-size, ring attention)",
-    "ZeRO-2/3": "gradients (ZeRO-2) or parameters too (ZeRO-3, FSDP) sharded over dp, "
-                "gathered and reduced every microbatch",
     "FP8": "FP8 GEMMs (Transformer Engine's --fp8-format)",
 })
 """Parallelism and precision the search cannot express, as the engine does not run them:
@@ -27,7 +25,7 @@ def outside_space(asked: str, feature: str) -> PlanError:
     """The error for a request (`asked`, as the user wrote it) of a feature in
     `OUTSIDE_SPACE`."""
     return PlanError(f"{asked}: {feature} ({OUTSIDE_SPACE[feature]}) is outside pipesched "
-                     f"plan's space: it searches pp × tp × dp with ZeRO-0/1, the schedules, "
+                     f"plan's space: it searches pp × tp × dp with ZeRO-0 to 3, the schedules, "
                      f"microbatching and recomputation in bf16/fp16/fp32, what the engine runs; "
                      f"plan without it (add it to the engine first)")
 

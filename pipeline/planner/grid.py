@@ -96,7 +96,7 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                 excluded["experts"] += 1
                 continue
             names = ("1f1b",) if pp == 1 else options.schedules
-            zeros = (0, 1) if dp > 1 else (0,)
+            zeros = _zero_stages(dp, options.zero_stages)
             for name in names:
                 for chunks in _chunk_options(name, pp, n, options.max_chunks):
                     recomputes = [choice for mode in modes
@@ -122,8 +122,20 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                                 continue
                             for recompute, k in recomputes:
                                 for ep in eps:
+                                    if zero == 3 and ep > 1:  # the engine refuses it
+                                        excluded["experts"] += 1
+                                        continue
                                     yield PlanConfig.enumerated(
                                         pp=pp, tp=tp, dp=dp, schedule=name, chunks=chunks,
                                         microbatch_size=b, num_microbatches=m,
                                         zero_stage=zero, recompute=recompute,
                                         recompute_layers=k, ep=ep)
+
+
+def _zero_stages(dp: int, asked: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The ZeRO stages to enumerate at `dp`: 0 and 1 by default, 2 and 3 only when asked
+    (`SearchOptions.zero_stages`: they trade m collectives a step for memory); 0 alone at
+    dp = 1, where nothing is sharded."""
+    if dp == 1:
+        return (0,)
+    return (0, 1, 2, 3) if asked is not None and any(z >= 2 for z in asked) else (0, 1)

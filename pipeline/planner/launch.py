@@ -95,7 +95,7 @@ def _run_command(config: PlanConfig, global_batch: int, target: LaunchTarget,
     flags = [f"--model {shlex.quote(target.hf.directory)} --data $DATA --steps $STEPS "
              f"--checkpoint $CHECKPOINT_DIR --metrics $CHECKPOINT_DIR/metrics.jsonl"]
     for name, value in run_arguments(config, global_batch, target, boundaries).items():
-        flag = "--" + name.replace("_", "-")
+        flag = "--zero-stage" if name == "zero" else "--" + name.replace("_", "-")
         if isinstance(value, bool):
             flags += [flag] if value else []
         else:

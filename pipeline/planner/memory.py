@@ -129,7 +129,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
 
     Model states per parameter from `schedules.analysis.accounting.model_state_bytes`: 16 bytes
     without ZeRO, 8 + 8/dp with ZeRO-1 (Megatron's distributed optimizer: gradients in one
-    buffer, Adam's moments on a 1/dp shard that is a view of the fp32 parameters).
+    buffer, Adam's moments on a 1/dp shard that is a view of the fp32 parameters), 4 + 12/dp
+    with ZeRO-2, 16/dp with ZeRO-3 (a gathered layer is transient, not priced here).
 
     Another engine's gradient bytes per parameter beyond these: `extra_gradient_bytes` held
     through the step, `step_gradient_bytes` only at its optimizer step, when no activation
@@ -262,9 +263,11 @@ def rank_states(stage_params: ArrayLike, placement: Sequence[int], ranks: int, *
 def _bytes_per_parameter(*, dp: int, zero: int, state_bytes: tuple[float, float, float] | None,
                          extra_gradient_bytes: float) -> tuple[float, float, float]:
     """Parameter, gradient and optimizer bytes per parameter of a dense stage: the engine's
-    (`_state_bytes`) or the given `state_bytes`, ZeRO-1 sharding the optimizer's over dp."""
-    states = _state_bytes(min(zero, 1), dp)
-    parameters, gradients, optimizer = PARAM_BYTES, states.gradients, states.optimizer
+    (`_state_bytes`: ZeRO-1 shards the optimizer's over dp, ZeRO-2 also the gradients,
+    ZeRO-3 also the parameters) or the given `state_bytes`, ZeRO-1 sharding the
+    optimizer's over dp."""
+    states = _state_bytes(zero, dp)  # ZeRO-2 shards the gradients too, ZeRO-3 the weights
+    parameters, gradients, optimizer = states.parameters, states.gradients, states.optimizer
     if state_bytes is not None:
         parameters, gradients, optimizer = state_bytes
         optimizer = optimizer / dp if zero else optimizer
@@ -288,7 +291,7 @@ def _expert_states(where: np.ndarray, ranks: int, stage_expert_params: ArrayLike
         expert_bytes[2] *= expert_parallel / dp if zero else 1.0
         return experts, expert_bytes
     own = expert_state_bytes("fp32", expert_parallel=expert_parallel, data_parallel=dp,
-                             zero_stage=min(zero, 1))
+                             zero_stage=zero)
     return experts, np.array([own.parameters,
                               own.gradients + extra_gradient_bytes / expert_parallel,
                               own.optimizer])

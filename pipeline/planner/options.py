@@ -46,7 +46,8 @@ class SearchOptions:
     """The engine's mixture-of-experts runs are priced (this engine's expert parallelism);
     False: a MoE model is refused by name for this engine."""
     zero_stages: tuple[int, ...] | None = None
-    """ZeRO stages to try (0, 1); None: both where dp > 1."""
+    """ZeRO stages to try (0-3); None: 0 and 1 where dp > 1 (2 and 3 only when asked:
+    `grid._zero_stages`)."""
     recompute_choices: tuple[str | bool, ...] | None = None
     """Recomputation modes to try: none, selective (attention's core), full (every layer),
     partial (full on the first k layers of each stage, k a quarter, half and three quarters
@@ -136,9 +137,9 @@ class SearchOptions:
                     isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes)):
                 raise PlanError(f"{name}={sizes!r} must be whole numbers >= 1")
         if self.zero_stages is not None and (not self.zero_stages or any(
-                z not in (0, 1) or isinstance(z, bool) for z in self.zero_stages)):
-            raise PlanError(f"zero_stages={self.zero_stages!r} must be 0 and/or 1 (ZeRO-2/3 "
-                            f"would communicate every microbatch, refused with pipelines)")
+                z not in (0, 1, 2, 3) or isinstance(z, bool) for z in self.zero_stages)):
+            raise PlanError(f"zero_stages={self.zero_stages!r} must be ZeRO stages among "
+                            f"0, 1, 2, 3")
         for name in ("step_gradient_bytes", "update_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:

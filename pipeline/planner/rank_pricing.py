@@ -174,10 +174,12 @@ class RankPricing:
 
     def update_seconds(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
         """Per rank: optimizer step seconds, the exposed seconds around it (ZeRO-1's
-        all-gather, this engine's tied-region reduction) and the tied copies' all-reduce
+        all-gather, this engine's tied-region reduction, ZeRO-2/3's per-microbatch
+        collectives) and the tied copies' all-reduce
         before it (`tied.tied_allreduce_seconds`), per partition, placement, dp and ZeRO."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
-               placement_of(config), config.dp, config.zero_stage, config.ep)
+               placement_of(config), config.dp, config.zero_stage, config.ep,
+               config.num_microbatches if config.zero_stage >= 2 else 0)
         if key not in self._updates:
             self._updates[key] = self._price_update(config)
         return self._updates[key]
@@ -197,6 +199,14 @@ class RankPricing:
             exposed = exposed + tied_step_reduction(
                 held, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
                 element_bytes=self.grad_reduce_bytes)
+        if config.zero_stage >= 2:  # ZeRO-2/3's per-microbatch collectives, exposed
+            exposed = exposed + data_parallel.sharded_comm_seconds(
+                stage_params(table, placement) + table.experts / config.ep
+                if self.model.experts else stage_params(table, placement),
+                [len(stage) for stage in table.stages], placement, self.cluster,
+                dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
+                num_microbatches=config.num_microbatches,
+                grad_reduce_bytes=self.grad_reduce_bytes)
         return step, exposed, tied
 
 

@@ -13,7 +13,8 @@ from pipeline.planner.predict import Prediction
 from pipeline.planner.search import PlanResult, format_counts
 
 __all__ = ["LEANER_SAVING", "LEANER_WITHIN", "format_breakdown", "format_table", "gap_parts",
-           "leaner_alternative", "leaner_line", "loss_reason", "plan_document", "plot_plan"]
+           "leaner_alternative", "leaner_line", "loss_reason", "plan_document", "plot_plan",
+           "zero_line"]
 
 GIB = 2**30
 # cause of a step's time -> the word the table uses for it
@@ -74,6 +75,22 @@ def leaner_alternative(result: PlanResult, top: int = 10) -> tuple[int, Predicti
     return min(close, key=lambda item: (item[1].memory.total, item[0]), default=None)
 
 
+def zero_line(result: PlanResult, cluster: ClusterSpec) -> str | None:
+    """Why the pick shards gradients or weights (ZeRO-2/3), which costs collectives every
+    microbatch: faster than the best at a lower stage, or nothing at a lower stage both fits
+    and runs faster (memory). None below ZeRO-2."""
+    z = result.best.config.zero_stage
+    if z < 2:
+        return None
+    lower = [p for p in result.predictions if p.config.zero_stage < z]
+    if lower:
+        best = lower[0]
+        return (f"why z{z}: faster than the best at ZeRO 0-{z - 1}, {best.config.label()}, "
+                f"by {_seconds(best.step_seconds - result.best.step_seconds)}")
+    return (f"why z{z}: memory: no configuration at ZeRO 0-{z - 1} both fits in "
+            f"{cluster.device_memory / GIB:.1f} GiB and runs faster")
+
+
 def leaner_line(result: PlanResult, top: int = 10) -> str | None:
     """Why the pick is the pick when a nearly-as-fast runner-up holds much less memory."""
     found = leaner_alternative(result, top)
@@ -113,7 +130,7 @@ def format_table(result: PlanResult, cluster: ClusterSpec, global_batch: int, *,
         f"pick: {config.label()}  (memory: rank {pick.memory_rank} holds the most, "
         + ", ".join(f"{key} {value / scale:.1f}" for key, value in pick.memory.to_dict().items()
                     if key != "total") + f" {unit})",
-        *filter(None, [leaner_line(result, top)]),
+        *filter(None, [zero_line(result, cluster), leaner_line(result, top)]),
         *(f"  {line}" for line in launch_lines(engine, config, global_batch, blocks,
                                                target=target, boundaries=pick.boundaries)),
     ]

@@ -50,7 +50,7 @@ _TEXT_FLAGS = {  # (command, flag) -> how its value is bounded
     ("plan", "--pp"): "plan_cmd._sizes", ("plan", "--tp"): "plan_cmd._sizes",
     ("plan", "--dp"): "plan_cmd._sizes", ("plan", "--ep"): "plan_cmd._sizes",
     ("plan", "--microbatch-size"): "plan_cmd._sizes",
-    ("plan", "--zero"): "0 or 1 each", ("plan", "--recompute"): "mode names",
+    ("plan", "--zero"): "0, 1, 2 or 3 each", ("plan", "--recompute"): "mode names",
     ("plan", "--price"): "parse_config: each item once, sizes dividing the devices",
     ("compare", "--schedules"): "schedule_names: known names",
     ("profile-device", "--sizes"): "_sizes: at most 8 sizes of at most 8192",

@@ -149,8 +149,6 @@ def test_every_refusal_names_its_cause(case: Callable[[], object], words: list[s
 
 @pytest.mark.parametrize(("flags", "words"), [
     (["--context-parallel", "2"], "context parallelism"),
-    (["--fsdp"], "ZeRO-2/3"),
-    (["--zero", "0,2"], "ZeRO-2/3"),
     (["--precision", "fp8"], "FP8"),
 ])
 def test_features_outside_the_search_are_refused_plainly(
@@ -160,3 +158,15 @@ def test_features_outside_the_search_are_refused_plainly(
     error = capsys.readouterr().err
     assert code == 2
     assert f"{words} (" in error and "is outside pipesched plan's space" in error
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (["--zero", "0,4"], "--zero 0,4: ZeRO stages are 0, 1, 2 and 3"),
+    (["--fsdp", "--zero", "0,1"], "--fsdp is ZeRO-3, but --zero 0,1 leaves 3 out"),
+])
+def test_zero_stages_outside_0_to_3_are_refused_by_value(
+        flags: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--model", "layers=4,hidden=256,heads=4,vocab=100,seq=64",
+                 "--cluster", "a100-80g", "--global-batch", "8", *flags])
+    assert code == 2
+    assert words in capsys.readouterr().err

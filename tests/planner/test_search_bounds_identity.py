@@ -22,6 +22,7 @@ from pipeline.planner.memory import GRAD_BYTES, recompute_workspace, stage_activ
 from pipeline.planner.peaks import warm_up_held
 from pipeline.planner.predict import PlanConfig, PlanContext
 from pipeline.planner.pricing import (
+    allreduce_seconds,
     layer_selective_seconds,
     layer_split_times,
     layer_times,
@@ -42,7 +43,8 @@ MOE = load_model("layers=6,hidden=512,heads=8,vocab=1000,seq=256,mlp=swiglu,norm
                  "tied_embeddings=true")
 IDENTITY_CASES = {name: CASES[name] for name in (
     "tp-and-v-schedules", "megatron-2021-step-peak", "tied-embeddings",
-    "tied-megatron-2021-engine", "deeper-tight-zero", "overlapped-param-gather")} | {
+    "tied-megatron-2021-engine", "deeper-tight-zero", "overlapped-param-gather",
+    "zero-2-3")} | {
     "moe-experts": (MOE, _cluster(4.0, 2), 32, SearchOptions(
         max_chunks=2, schedules=("1f1b", "interleaved", "zb-h1", "zb-v"))),
 }
@@ -54,9 +56,8 @@ def _peak_total(params: np.ndarray, held: np.ndarray, tied: np.ndarray | None,
                 state_bytes: tuple[float, float, float] | None) -> float:
     """`peak_rank_memory(...)[0].total` with one "stage" per rank, as it was written before
     the search kept its parts (frozen here: the floor's code under test shares it)."""
-    states = model_state_bytes("fp32", zero_stage=min(zero, 1), data_parallel=dp)
-    parameters, gradients, optimizer = model_state_bytes("fp32").parameters, \
-        states.gradients, states.optimizer
+    states = model_state_bytes("fp32", zero_stage=zero, data_parallel=dp)
+    parameters, gradients, optimizer = states.parameters, states.gradients, states.optimizer
     if state_bytes is not None:
         parameters, gradients, optimizer = state_bytes
         optimizer = optimizer / dp if zero else optimizer
@@ -70,7 +71,7 @@ def _peak_total(params: np.ndarray, held: np.ndarray, tied: np.ndarray | None,
         expert_bytes[2] *= ep / dp if zero else 1.0
     else:
         own = expert_state_bytes("fp32", expert_parallel=ep, data_parallel=dp,
-                                 zero_stage=min(zero, 1))
+                                 zero_stage=zero)
         expert_bytes = np.array([own.parameters, own.gradients + extra_gradient_bytes / ep,
                                  own.optimizer])
     expert_states = experts * expert_bytes.sum()
@@ -254,7 +255,29 @@ class Oracle:
                 np.bincount(where, weights=tied_held, minlength=pp), context.cluster,
                 dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
                 element_bytes=context.grad_reduce_bytes)
+        if config.zero_stage >= 2 and config.dp > 1:
+            exposed = exposed + self.sharded(config, a, a["params"] + copies
+                                             + (a["experts"] / config.ep
+                                                if context.model.experts else 0.0))
         return step, exposed, tied
+
+    def sharded(self, config: PlanConfig, a: dict[str, Any], held: np.ndarray) -> np.ndarray:
+        """ZeRO-2/3 per stage: m - 1 reduce-scatters of its gradients beyond the simulated
+        last one (half an all-reduce each); ZeRO-3 also gathers each layer's fp32
+        parameters before every forward and backward, 2·m gathers per layer."""
+        cluster, dp, tp, m = self.context.cluster, config.dp, config.tp, \
+            config.num_microbatches
+        seconds = np.zeros(config.pp)
+        for count, stage, rank in zip(held, a["stages"], a["placement"], strict=True):
+            if not count:
+                continue
+            seconds[rank] += (m - 1) * allreduce_seconds(
+                float(count) * self.context.grad_reduce_bytes, dp, tp, cluster) / 2
+            if config.zero_stage == 3:
+                layers = max(1, len(stage))
+                seconds[rank] += 2 * m * layers * allreduce_seconds(
+                    float(count) / layers * 4.0, dp, tp, cluster) / 2
+        return seconds
 
 
 def _mismatches(case: str, enough: int = 10**9) -> tuple[int, list[str]]:
@@ -304,7 +327,7 @@ def test_the_cases_cover_what_the_floor_and_bound_depend_on() -> None:
             seen["ep"].add(config.ep)
             seen["schedule"].add(config.schedule)
             seen["b"].add(config.microbatch_size)
-    assert seen["zero"] == {0, 1} and seen["ep"] >= {1, 2, 4}
+    assert seen["zero"] == {0, 1, 2, 3} and seen["ep"] >= {1, 2, 4}
     assert seen["recompute"] >= {"none", "selective", "full", "partial"}
     assert seen["schedule"] >= {"zb-v", "dualpipev", "interleaved", "1f1b", "gpipe"}
     assert len(seen["b"]) >= 4
