@@ -13,8 +13,8 @@ __all__ = ["DEEPSPEED", "ENGINES", "ENGINE_PROFILES", "MEGATRON_CORE", "OUTSIDE_
            "engine_options", "launch_lines", "outside_space"]
 
 OUTSIDE_SPACE: MappingProxyType[str, str] = MappingProxyType({
-    "context parallelism": "the sequence split over ranks (Megatron-Core's "
-                           "--context-parallel-size, ring attention)",
+    "context parallelism": "the sequence split over ranks: searched for --engine pipesched "
+                           "only; Megatron-Core's --context-parallel-size is not priced",
     "ZeRO-2/3": "gradients (ZeRO-2) or parameters too (ZeRO-3, FSDP) sharded over dp, "
                 "gathered and reduced every microbatch",
     "FP8": "FP8 GEMMs (Transformer Engine's --fp8-format)",

@@ -148,7 +148,7 @@ def test_every_refusal_names_its_cause(case: Callable[[], object], words: list[s
 
 
 @pytest.mark.parametrize(("flags", "words"), [
-    (["--context-parallel", "2"], "context parallelism"),
+    (["--context-parallel", "2", "--engine", "deepspeed"], "context parallelism"),
     (["--fsdp"], "ZeRO-2/3"),
     (["--zero", "0,2"], "ZeRO-2/3"),
     (["--precision", "fp8"], "FP8"),

@@ -1,0 +1,73 @@
+"""`pipesched plan` searching context parallelism: a 128k-token pick, refusals, the accounting."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from pipeline.cli import main
+from pipeline.planner import PlanConfig, SearchOptions, load_model, resolve_cluster
+from pipeline.planner.search import _context, price
+
+__all__: list[str] = []
+
+LLAMA_70B_128K = ("layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,"
+                  "seq=131072,mlp=swiglu,norm=rmsnorm,bias=none")
+GQA = ("layers=8,hidden=1024,heads=16,kv_heads=4,vocab=32000,seq=1024,mlp=swiglu,"
+       "norm=rmsnorm,bias=none")
+
+
+def test_128k_llama_70b_on_64_h100_picks_cp_for_memory(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    assert main(["plan", "--model", LLAMA_70B_128K, "--cluster", "h100-80g", "--nodes", "8",
+                 "--global-batch", "16", "--context-parallel", "8", "--sequence-parallel",
+                 "--pp", "1,2,4", "--microbatch-size", "2", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    pick = re.search(r"^pick: (.*?)  \(", out, re.M)
+    assert pick is not None, out
+    cp = re.search(r" cp(\d+) ", pick.group(1) + " ")
+    assert cp is not None and int(cp.group(1)) > 1, pick.group(1)
+    assert f"why cp{cp.group(1)}: memory: no configuration without context parallelism " \
+           f"fits" in out
+    assert f"context_parallel={cp.group(1)}" in out  # the engine's argument
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--cp", "3"], "2·cp = 6 to divide the sequence 131072"),
+    (["--cp", "2", "--engine", "megatron-core"], "outside"),
+])
+def test_a_cp_the_engine_cannot_run_is_refused_in_one_line(
+        argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", LLAMA_70B_128K, "--cluster", "h100-80g", "--nodes", "8",
+                 "--global-batch", "16", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.startswith("pipesched plan: error:") \
+        and err.count("\n") == 1, err
+
+
+def test_cp_divides_the_activations_and_adds_the_gathered_kv_and_their_collectives() -> None:
+    model = load_model(GQA, precision="bf16")
+    cluster = resolve_cluster("h100-80g", nodes=1)
+    context = _context(model, cluster, 8, None, SearchOptions())
+    for recompute in ("none", "selective", "full"):
+        one, two = (context.table(PlanConfig(
+            pp=2, tp=2, dp=4 // cp, cp=cp, schedule="1f1b", chunks=1, microbatch_size=1,
+            num_microbatches=8 // (4 // cp), zero_stage=0, recompute=recompute))
+            for cp in (1, 2))
+        # the definition: 4 blocks a stage, each gathering the whole sequence's K and V:
+        # 2 · 1024 tokens · (4 heads · 64) · 2 bytes (bf16) / tp 2, kept unless recomputed
+        kv = 4 * 2 * 1024 * (4 * 64) * 2 / 2 * (recompute != "full")
+        np.testing.assert_allclose(two.held, one.held / 2 + kv, rtol=1e-12)
+        np.testing.assert_allclose(two.workspace, one.workspace / 2, rtol=1e-12)
+    config = PlanConfig(pp=2, tp=2, dp=1, cp=2, schedule="1f1b", chunks=1, microbatch_size=1,
+                        num_microbatches=8, zero_stage=0, recompute="none")
+    prediction = price(model, cluster, 8, config)
+    breakdown = prediction.breakdown
+    # per microbatch and block: an all-gather of K/V forward and a reduce-scatter of their
+    # gradients backward, each moving half of 2·1024·256·2 / 2 bytes over NVLink (cp 2)
+    bandwidth, latency = cluster.link(4)
+    one = 0.5 * (2 * 1024 * 256 * 2 / 2) / bandwidth + latency
+    assert breakdown["cp_comm"] == pytest.approx(8 * 4 * 2 * one, rel=1e-9)
+    assert sum(breakdown.values()) == pytest.approx(prediction.step_seconds, rel=1e-9)
