@@ -136,7 +136,8 @@ def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *
                                                          boundaries=pick.boundaries)}
         | ({"run_arguments": run_arguments(pick.config, global_batch, target,
                                            pick.boundaries)}
-           if engine == "pipesched" and target is not None and target.hf is not None else {}),
+           if engine == "pipesched" and target is not None and target.hf is not None
+           and pick.config.cp == 1 else {}),  # `pipesched run` has no context parallelism
         "ranked": [p.to_dict() | {"why_slower": loss_reason(p, pick),
                                   "gap_parts": gap_parts(p, pick)}
                    for p in result.predictions[:top]],

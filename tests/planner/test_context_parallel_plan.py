@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,3 +73,24 @@ def test_cp_divides_the_activations_and_adds_the_gathered_kv_and_their_collectiv
     one = 0.5 * (2 * 1024 * 256 * 2 / 2) / bandwidth + latency
     assert breakdown["cp_comm"] == pytest.approx(8 * 4 * 2 * one, rel=1e-9)
     assert sum(breakdown.values()) == pytest.approx(prediction.step_seconds, rel=1e-9)
+
+
+def test_a_hf_model_picked_with_cp_prints_the_context_parallel_entry(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `pipesched run` has no cp: the pick is printed as the Python entry with
+    # context_parallel_hf and PipelineEngine(context_parallel=), and --json leaves out the
+    # run arguments that would drop it
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False}))
+    argv = ["plan", "--model", str(tmp_path), "--cluster", "h100-80g", "--global-batch", "8",
+            "--cp", "2", "--top", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "hf = context_parallel_hf(hf)" in out and "context_parallel=2" in out, out
+    assert "pipeline.cli run" not in out
+    assert main([*argv, "--json"]) == 0
+    pick = json.loads(capsys.readouterr().out)["pick"]
+    assert pick["config"]["cp"] == 2 and "run_arguments" not in pick
