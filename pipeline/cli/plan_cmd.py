@@ -279,35 +279,9 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
                       recompute_layers=recompute_layers, ep=sizes.get("ep", 1))
 
 
-def _context_sizes(args: argparse.Namespace, seq: int, devices: int) -> tuple[int, ...]:
-    """The cp sizes searched: --cp's (checked by the search), or every cp up to
-    --context-parallel that divides the devices and cuts the sequence into 2·cp chunks."""
-    sizes = _sizes(args.cp, "cp")
-    if sizes is not None:
-        return sizes
-    return tuple(cp for cp in range(1, args.context_parallel + 1)
-                 if cp == 1 or (devices % cp == 0 and seq % (2 * cp) == 0))
-
-
-def _why_context_parallel(cp: int, model: Any, cluster: Any, global_batch: int,
-                          precision: str, options: Any) -> str:
-    """One line: why the pick splits sequences (memory: nothing without cp fits; else time)."""
-    from dataclasses import replace
-
-    from pipeline.planner import PlanError, plan
-
-    try:
-        plain = plan(model, cluster, global_batch, precision=precision,
-                     options=replace(options, context_parallel=(1,), top=1))
-    except PlanError:
-        return (f"why cp{cp}: memory: no configuration without context parallelism fits in "
-                f"{cluster.device_memory / 2**30:.0f} GiB per device")
-    return (f"why cp{cp}: time: the fastest without context parallelism "
-            f"({plain.best.config.label()}) takes {plain.best.step_seconds:.3f} s a step")
-
-
 def run(args: argparse.Namespace) -> int:
     from pipeline.planner import SearchOptions, load_model, plan, resolve_cluster
+    from pipeline.planner.context_choice import context_sizes, why_context_parallel
     from pipeline.planner.engines import ENGINE_PROFILES, engine_options, outside_space
     from pipeline.planner.hf_config import hf_model_type
     from pipeline.planner.launch import LaunchTarget, hf_source
@@ -395,8 +369,8 @@ def run(args: argparse.Namespace) -> int:
         microbatch_sizes=_sizes(args.microbatch_size, "microbatch-size"),
         zero_stages=_zero_stages(args.zero), recompute_choices=_recompute(args), top=args.top,
         overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap,
-        two_batch_overlap=halves), context_parallel=_context_sizes(args, model.seq,
-                                                                   cluster.num_devices))
+        two_batch_overlap=halves), context_parallel=context_sizes(
+            _sizes(args.cp, "cp"), args.context_parallel, model.seq, cluster.num_devices))
     tensor_parallel = options.tensor_parallel or (
         divisors(cluster.devices_per_node) if model.tensor_parallel_ok else (1,))
     check_plan_work(len(model.layers), cluster.nodes, cluster.devices_per_node, tensor_parallel,
@@ -409,8 +383,8 @@ def run(args: argparse.Namespace) -> int:
         print(header)
         print(format_table(result, cluster, args.global_batch, top=args.top, **launch))
         if result.best.config.cp > 1:
-            print(_why_context_parallel(result.best.config.cp, model, cluster, args.global_batch,
-                                        precision, options))
+            print(why_context_parallel(result.best.config.cp, model, cluster,
+                                       args.global_batch, precision, options))
     if args.plot:
         plot_plan(result, cluster, args.plot, top=args.top)
         print(f"pipesched plan: wrote {args.plot}", file=sys.stderr)

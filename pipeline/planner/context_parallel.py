@@ -90,3 +90,4 @@ def context_costs(table: StageTable, costs: StageCosts, batch: int) -> StageCost
     return replace(costs, forward=costs.forward + gather,
                    input_grad=costs.input_grad + again + gather,
                    recompute=costs.recompute + again, cp_comm=2 * gather + again)
+
