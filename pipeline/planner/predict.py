@@ -66,7 +66,8 @@ class Prediction:
     memory_rank: int
     breakdown: dict[str, float]
     """Seconds of the step by cause on the rank that finishes last: compute, recomputation,
-    tp_comm, ep_comm (the expert all-to-all, exposed), bubble (idle and P2P waits; with
+    tp_comm, cp_comm (context parallelism's K/V collectives, only where cp > 1), ep_comm
+    (the expert all-to-all, exposed), bubble (idle and P2P waits; with
     `blocking_p2p` the messages), dp_comm
     (exposed), tied_comm (`tied.py`, waits included), optimizer. They sum to `step_seconds`."""
     boundaries: tuple[int, ...]

@@ -19,6 +19,7 @@ GIB = 2**30
 # cause of a step's time -> the word the table uses for it
 _CAUSES = {"bubble": "bubble", "tp_comm": "communication", "ep_comm": "communication",
            "dp_comm": "communication", "tied_comm": "communication",
+           "cp_comm": "communication",
            "recomputation": "recomputation",
            "compute": "compute", "optimizer": "optimizer"}
 
@@ -29,7 +30,8 @@ def gap_parts(loser: Prediction, pick: Prediction) -> dict[str, float]:
     `loser.step_seconds - pick.step_seconds`: both breakdowns sum to their steps."""
     parts: dict[str, float] = {}
     for key, word in _CAUSES.items():
-        parts[word] = parts.get(word, 0.0) + loser.breakdown[key] - pick.breakdown[key]
+        parts[word] = parts.get(word, 0.0) + loser.breakdown.get(key, 0.0) \
+            - pick.breakdown.get(key, 0.0)  # cp_comm: only where cp > 1
     return parts
 
 

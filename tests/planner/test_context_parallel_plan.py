@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pipeline.cli import main
-from pipeline.planner import PlanConfig, SearchOptions, load_model, resolve_cluster
+from pipeline.planner import PlanConfig, SearchOptions, load_model, plan, resolve_cluster
+from pipeline.planner.report import gap_parts
 from pipeline.planner.search import _context, price
 
 __all__: list[str] = []
@@ -94,3 +95,15 @@ def test_a_hf_model_picked_with_cp_prints_the_context_parallel_entry(
     assert main([*argv, "--json"]) == 0
     pick = json.loads(capsys.readouterr().out)["pick"]
     assert pick["config"]["cp"] == 2 and "run_arguments" not in pick
+
+
+def test_why_slower_parts_sum_to_the_gap_with_and_without_cp() -> None:
+    model = load_model(GQA, precision="bf16")
+    cluster = resolve_cluster("h100-80g", nodes=1)
+    result = plan(model, cluster, 8, options=SearchOptions(context_parallel=(1, 2, 4),
+                                                           top=20, max_chunks=2))
+    cps = {p.config.cp for p in result.predictions}
+    assert cps >= {1, 2}, cps
+    for loser in result.predictions:
+        gap = loser.step_seconds - result.best.step_seconds
+        assert sum(gap_parts(loser, result.best).values()) == pytest.approx(gap, abs=1e-12)
