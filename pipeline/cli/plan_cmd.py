@@ -62,7 +62,8 @@ PRICING ONE CONFIGURATION
   --price pp4,tp2,dp8,1f1b,b1 prints one configuration's full breakdown. Items: ppN, tpN,
   dpN (two of the three are enough), bN (microbatch size, default 1), a schedule name
   (default 1f1b), vN (chunks per rank), z0/z1 (ZeRO stage), rc (full recomputation), epN
-  (expert parallelism of a mixture-of-experts model, dividing dp and the experts).
+  (expert parallelism of a mixture-of-experts model, dividing dp and the experts), cpN
+  (context parallelism: pp · tp · dp · cp are the devices).
 """
 
 
@@ -217,7 +218,7 @@ def _price_setting(item: str, schedules: Any) -> str:
         return "schedule"
     if item in ("rc", "recompute", "rs", "selective") or item.startswith("rc"):
         return "recomputation"
-    return next((prefix for prefix in ("pp", "tp", "dp", "ep", "b", "v", "z")
+    return next((prefix for prefix in ("pp", "tp", "dp", "ep", "cp", "b", "v", "z")
                  if item.startswith(prefix)), item)
 
 
@@ -247,19 +248,21 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
         if item.startswith("rc") and item[2:].isdigit() and int(item[2:]) >= 1:
             recompute, recompute_layers = "full", int(item[2:])
             continue
-        for prefix in ("pp", "tp", "dp", "ep", "b", "v", "z"):
+        for prefix in ("pp", "tp", "dp", "ep", "cp", "b", "v", "z"):
             if item.startswith(prefix) and item[len(prefix):].isdigit() \
                     and int(item[len(prefix):]) >= (0 if prefix == "z" else 1):
                 sizes[prefix] = int(item[len(prefix):])
                 break
         else:
-            raise ValueError(f"--price {text!r}: item {item!r} is none of ppN, tpN, dpN, epN, bN, "
-                             f"vN, z0, z1, rc, rs, rcK or a schedule ({', '.join(SCHEDULES)})")
+            raise ValueError(f"--price {text!r}: item {item!r} is none of ppN, tpN, dpN, epN, "
+                             f"cpN, bN, vN, z0, z1, rc, rs, rcK or a schedule "
+                             f"({', '.join(SCHEDULES)})")
     if len([key for key in ("pp", "tp", "dp") if key in sizes]) < 2:
         raise ValueError(f"--price {text!r} needs at least two of ppN, tpN, dpN")
     for key in ("pp", "tp", "dp"):
         if key not in sizes:
             first, second = (sizes[k] for k in ("pp", "tp", "dp") if k != key)
+            first *= sizes.get("cp", 1)  # devices = pp · tp · dp · cp
             if devices % (first * second):
                 raise ValueError(f"--price {text!r}: {first} × {second} does not divide the "
                                  f"{devices} devices")
@@ -276,7 +279,8 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
                       chunks=chunks, microbatch_size=b,
                       num_microbatches=global_batch // (sizes["dp"] * b),
                       zero_stage=sizes.get("z", 0), recompute=recompute,
-                      recompute_layers=recompute_layers, ep=sizes.get("ep", 1))
+                      recompute_layers=recompute_layers, ep=sizes.get("ep", 1),
+                      cp=sizes.get("cp", 1))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -348,6 +352,8 @@ def run(args: argparse.Namespace) -> int:
               f"global batch {args.global_batch}\n")
     if args.price:
         config = parse_config(args.price, cluster.num_devices, args.global_batch)
+        if config.cp > 1 and args.engine != "pipesched":
+            raise outside_space(f"--price {args.price}", "context parallelism")
         engine = engine_options(args.engine, overlap_param_gather=args.overlap_param_gather
                                 or None, tp_overlap=tp_overlap, two_batch_overlap=halves)
         prediction = price(model, cluster, args.global_batch, config, precision=precision,

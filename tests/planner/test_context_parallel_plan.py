@@ -107,3 +107,17 @@ def test_why_slower_parts_sum_to_the_gap_with_and_without_cp() -> None:
     for loser in result.predictions:
         gap = loser.step_seconds - result.best.step_seconds
         assert sum(gap_parts(loser, result.best).values()) == pytest.approx(gap, abs=1e-12)
+
+
+def test_price_names_a_cp_and_prices_it_as_the_search(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    argv = ["plan", "--model", GQA, "--cluster", "h100-80g", "--global-batch", "8", "--json"]
+    assert main([*argv, "--price", "pp2,tp2,cp2,1f1b,b1"]) == 0
+    priced = json.loads(capsys.readouterr().out)
+    assert priced["config"]["cp"] == 2 and priced["config"]["dp"] == 1
+    assert priced["breakdown"]["cp_comm"] > 0
+    assert main([*argv, "--cp", "2", "--pp", "2", "--tp", "2", "--microbatch-size", "1",
+                 "--schedules", "1f1b", "--recompute", "none", "--zero", "0"]) == 0
+    searched = json.loads(capsys.readouterr().out)["pick"]
+    assert searched["config"]["label"] == priced["config"]["label"]
+    assert searched["step_seconds"] == priced["step_seconds"]
