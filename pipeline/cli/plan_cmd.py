@@ -62,7 +62,8 @@ PRICING ONE CONFIGURATION
   --price pp4,tp2,dp8,1f1b,b1 prints one configuration's full breakdown. Items: ppN, tpN,
   dpN (two of the three are enough), bN (microbatch size, default 1), a schedule name
   (default 1f1b), vN (chunks per rank), z0/z1 (ZeRO stage), rc (full recomputation), epN
-  (expert parallelism of a mixture-of-experts model, dividing dp and the experts).
+  (expert parallelism of a mixture-of-experts model, dividing dp and the experts), cpN
+  (context parallelism: pp · tp · dp · cp are the devices).
 """
 
 
@@ -86,7 +87,12 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="compute precision (default: the cluster's; local: fp32); fp8 "
                              "is refused: outside the search's space")
     parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
-                        help="context parallelism: above 1 refused, outside the search's space")
+                        help="context parallelism: search every cp up to N that divides the "
+                             "devices and cuts the sequence into 2·cp chunks (default 1: "
+                             "none); --engine pipesched only")
+    parser.add_argument("--cp", default=None, metavar="SIZES",
+                        help="comma-separated context-parallel sizes to consider (each must "
+                             "divide the devices, 2·cp the sequence)")
     parser.add_argument("--fsdp", action="store_true",
                         help="fully sharded data parallelism: searched as ZeRO-3 "
                              "(= --zero 3)")
@@ -216,7 +222,7 @@ def _price_setting(item: str, schedules: Any) -> str:
         return "schedule"
     if item in ("rc", "recompute", "rs", "selective") or item.startswith("rc"):
         return "recomputation"
-    return next((prefix for prefix in ("pp", "tp", "dp", "ep", "b", "v", "z")
+    return next((prefix for prefix in ("pp", "tp", "dp", "ep", "cp", "b", "v", "z")
                  if item.startswith(prefix)), item)
 
 
@@ -246,19 +252,21 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
         if item.startswith("rc") and item[2:].isdigit() and int(item[2:]) >= 1:
             recompute, recompute_layers = "full", int(item[2:])
             continue
-        for prefix in ("pp", "tp", "dp", "ep", "b", "v", "z"):
+        for prefix in ("pp", "tp", "dp", "ep", "cp", "b", "v", "z"):
             if item.startswith(prefix) and item[len(prefix):].isdigit() \
                     and int(item[len(prefix):]) >= (0 if prefix == "z" else 1):
                 sizes[prefix] = int(item[len(prefix):])
                 break
         else:
-            raise ValueError(f"--price {text!r}: item {item!r} is none of ppN, tpN, dpN, epN, bN, "
-                             f"vN, z0, z1, rc, rs, rcK or a schedule ({', '.join(SCHEDULES)})")
+            raise ValueError(f"--price {text!r}: item {item!r} is none of ppN, tpN, dpN, epN, "
+                             f"cpN, bN, vN, z0, z1, rc, rs, rcK or a schedule "
+                             f"({', '.join(SCHEDULES)})")
     if len([key for key in ("pp", "tp", "dp") if key in sizes]) < 2:
         raise ValueError(f"--price {text!r} needs at least two of ppN, tpN, dpN")
     for key in ("pp", "tp", "dp"):
         if key not in sizes:
             first, second = (sizes[k] for k in ("pp", "tp", "dp") if k != key)
+            first *= sizes.get("cp", 1)  # devices = pp · tp · dp · cp
             if devices % (first * second):
                 raise ValueError(f"--price {text!r}: {first} × {second} does not divide the "
                                  f"{devices} devices")
@@ -275,11 +283,13 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
                       chunks=chunks, microbatch_size=b,
                       num_microbatches=global_batch // (sizes["dp"] * b),
                       zero_stage=sizes.get("z", 0), recompute=recompute,
-                      recompute_layers=recompute_layers, ep=sizes.get("ep", 1))
+                      recompute_layers=recompute_layers, ep=sizes.get("ep", 1),
+                      cp=sizes.get("cp", 1))
 
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.planner import SearchOptions, load_model, plan, resolve_cluster
+    from pipeline.planner.context_choice import context_sizes, why_context_parallel
     from pipeline.planner.engines import ENGINE_PROFILES, engine_options, outside_space
     from pipeline.planner.hf_config import hf_model_type
     from pipeline.planner.launch import LaunchTarget, hf_source
@@ -293,8 +303,9 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.planner.search import price
     from pipeline.planner.stages import block_span
 
+    cp_asked = args.context_parallel > 1 or args.cp is not None
     for asked, feature, name in ((args.precision == "fp8", "--precision fp8", "FP8"),
-                                 (args.context_parallel > 1,
+                                 (cp_asked and args.engine != "pipesched",
                                   f"--context-parallel {args.context_parallel}",
                                   "context parallelism")):
         if asked:
@@ -344,6 +355,8 @@ def run(args: argparse.Namespace) -> int:
               f"global batch {args.global_batch}\n")
     if args.price:
         config = parse_config(args.price, cluster.num_devices, args.global_batch)
+        if config.cp > 1 and args.engine != "pipesched":
+            raise outside_space(f"--price {args.price}", "context parallelism")
         engine = engine_options(args.engine, overlap_param_gather=args.overlap_param_gather
                                 or None, tp_overlap=tp_overlap, two_batch_overlap=halves)
         prediction = price(model, cluster, args.global_batch, config, precision=precision,
@@ -366,7 +379,8 @@ def run(args: argparse.Namespace) -> int:
         zero_stages=_zero_stages(args.zero, args.fsdp), recompute_choices=_recompute(args),
         top=args.top,
         overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap,
-        two_batch_overlap=halves))
+        two_batch_overlap=halves), context_parallel=context_sizes(
+            _sizes(args.cp, "cp"), args.context_parallel, model.seq, cluster.num_devices))
     tensor_parallel = options.tensor_parallel or (
         divisors(cluster.devices_per_node) if model.tensor_parallel_ok else (1,))
     check_plan_work(len(model.layers), cluster.nodes, cluster.devices_per_node, tensor_parallel,
@@ -378,6 +392,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(header)
         print(format_table(result, cluster, args.global_batch, top=args.top, **launch))
+        if result.best.config.cp > 1:
+            print(why_context_parallel(result.best.config.cp, model, cluster,
+                                       args.global_batch, precision, options))
     if args.plot:
         plot_plan(result, cluster, args.plot, top=args.top)
         print(f"pipesched plan: wrote {args.plot}", file=sys.stderr)

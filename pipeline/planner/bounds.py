@@ -70,7 +70,7 @@ class SearchBounds:
         warm = config.schedule if config.schedule in _WARM else None
         key = (config.pp, config.chunks, config.tp, config.recompute, config.recompute_layers,
                self._placement_id(config), config.zero_stage, config.dp, warm, config.ep,
-               config.microbatch_size)
+               config.cp, config.microbatch_size)
         floor = self._floors.get(key)
         if floor is None:
             floor = self._floors[key] = self._floor(config, key)
@@ -110,7 +110,7 @@ class SearchBounds:
         `counts` microbatches) what `RankStates.peak_rows` finds of its held bytes."""
         placement = schedule_placement(config.schedule, config.pp, config.chunks)
         partition = (config.pp * config.chunks, config.tp, config.recompute,
-                     config.recompute_layers, placement)
+                     config.recompute_layers, placement, config.cp)
         states_key = (partition, config.dp, config.zero_stage, config.ep,
                       self.context.torch_ddp(config))
         states = self._states.get(states_key)
@@ -129,7 +129,7 @@ class SearchBounds:
         tied = self.context.tied_grad_bytes(config)
         if tied is not None:  # per rank, as `params` and `held` are
             tied = np.bincount(placement, weights=tied, minlength=config.pp)
-        return rank_states(params, range(config.pp), config.pp, dp=config.dp,
+        return rank_states(params, range(config.pp), config.pp, dp=config.dp * config.cp,
                            zero=config.zero_stage, stage_gradient_bytes=tied,
                            stage_expert_params=self.context.rank_experts(config),
                            expert_parallel=config.ep, **self.context.engine_bytes(config))
@@ -161,7 +161,7 @@ class SearchBounds:
         Kept per what it depends on: configurations differing only in a schedule of the
         same placement and backward share it."""
         key = (self._parts_key(config), config.num_microbatches, config.dp,
-               config.zero_stage, config.ep)
+               config.zero_stage, config.ep, config.cp)
         if key not in self._bounds:
             self._bounds[key] = self._bound(config)
         return self._bounds[key]
@@ -206,4 +206,4 @@ class SearchBounds:
         placement = schedule_placement(config.schedule, config.pp, config.chunks)
         return (config.pp * config.chunks, config.tp, config.recompute,
                 config.recompute_layers, placement, config.microbatch_size,
-                config.schedule in FUSED_BACKWARD)
+                config.schedule in FUSED_BACKWARD, config.cp)

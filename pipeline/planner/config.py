@@ -33,8 +33,13 @@ class PlanConfig:
     ep: int = 1
     """Expert parallelism: ep of each stage's dp replicas split every MoE layer's experts
     (ep divides dp and the experts; 1 for a dense model)."""
+    cp: int = 1
+    """Context parallelism: cp ranks split each sequence (2·cp chunks, K/V all-gathered)."""
 
     def __post_init__(self) -> None:
+        if type(self.cp) is not int or self.cp < 1 or (self.cp > 1 and self.ep > 1):
+            raise PlanError(f"cp={self.cp!r} must be a whole number >= 1, and 1 with expert "
+                            f"parallelism (ep={self.ep}): the engine runs them apart")
         if type(self.ep) is not int or (self.ep != 1 and (self.ep < 1 or self.dp % self.ep)):
             valid = ", ".join(str(k) for k in range(1, self.dp + 1) if self.dp % k == 0)
             raise PlanError(f"ep={self.ep!r} must be a whole number >= 1 dividing dp={self.dp} "
@@ -53,7 +58,7 @@ class PlanConfig:
     @classmethod
     def enumerated(cls, *, pp: int, tp: int, dp: int, schedule: str, chunks: int,
                    microbatch_size: int, num_microbatches: int, zero_stage: int,
-                   recompute: str, recompute_layers: int, ep: int) -> PlanConfig:
+                   recompute: str, recompute_layers: int, ep: int, cp: int = 1) -> PlanConfig:
         """A configuration the search's enumeration made, valid by construction (ep one of
         `expert_sizes`, recompute and recompute_layers from its modes): made without
         `__post_init__`'s checks, which cost as much as the rest of making one, ~10^5 times
@@ -63,7 +68,8 @@ class PlanConfig:
         config.__dict__.update(pp=pp, tp=tp, dp=dp, schedule=schedule, chunks=chunks,
                                microbatch_size=microbatch_size,
                                num_microbatches=num_microbatches, zero_stage=zero_stage,
-                               recompute=recompute, recompute_layers=recompute_layers, ep=ep)
+                               recompute=recompute, recompute_layers=recompute_layers, ep=ep,
+                               cp=cp)
         return config
 
     @property
@@ -85,7 +91,8 @@ class PlanConfig:
                 "schedule": self.schedule, "num_microbatches": self.num_microbatches,
                 "data_parallel": self.dp, "tensor_parallel": self.tp,
                 "zero_stage": self.zero_stage} | (
-                    {"expert_parallel": self.ep} if self.ep > 1 else {})
+                    {"expert_parallel": self.ep} if self.ep > 1 else {}) | (
+                    {"context_parallel": self.cp} if self.cp > 1 else {})
 
     def train_command(self, global_batch: int) -> str:
         """The `pipesched train` arguments of this configuration (the demo model: its CLI
@@ -96,6 +103,7 @@ class PlanConfig:
                 + (f" --zero-stage {self.zero_stage}" if self.zero_stage else ""))
         extra = [name for name, on in (("tensor_parallel", self.tp > 1),
                                        (f"expert_parallel={self.ep}", self.ep > 1),
+                                       (f"context_parallel={self.cp}", self.cp > 1),
                                        (f"recompute={self.recompute_label()}",
                                         self.recomputes)) if on]
         return text + (f"   # plus {', '.join(extra)}: PipelineEngine only" if extra else "")
@@ -103,7 +111,8 @@ class PlanConfig:
     def label(self) -> str:
         v = f" v{self.chunks}" if self.chunks > 1 else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
-        return (f"pp{self.pp} tp{self.tp} dp{self.dp}{ep} {self.schedule}{v} "
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return (f"pp{self.pp} tp{self.tp} dp{self.dp}{cp}{ep} {self.schedule}{v} "
                 f"b{self.microbatch_size}"
                 f" m{self.num_microbatches} z{self.zero_stage}{_RECOMPUTE_TAGS[self.recompute]}"
                 f"{self.recompute_layers or ''}")

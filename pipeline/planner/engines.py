@@ -13,8 +13,8 @@ __all__ = ["DEEPSPEED", "ENGINES", "ENGINE_PROFILES", "MEGATRON_CORE", "OUTSIDE_
            "engine_options", "launch_lines", "outside_space"]
 
 OUTSIDE_SPACE: MappingProxyType[str, str] = MappingProxyType({
-    "context parallelism": "the sequence split over ranks (Megatron-Core's "
-                           "--context-parallel-size, ring attention)",
+    "context parallelism": "the sequence split over ranks: searched for --engine pipesched "
+                           "only; Megatron-Core's --context-parallel-size is not priced",
     "FP8": "FP8 GEMMs (Transformer Engine's --fp8-format)",
 })
 """Parallelism and precision the search cannot express, as the engine does not run them:

@@ -75,11 +75,12 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
     def allowed(value: int, choices: tuple[int, ...] | None) -> bool:
         return choices is None or value in choices
 
-    for tp in _tensor_sizes(model, cluster, options):
-        if devices % tp:
+    for tp, cp in ((t, c) for t in _tensor_sizes(model, cluster, options)
+                   for c in options.context_parallel):
+        if devices % (tp * cp):
             continue
-        for pp in divisors(devices // tp):
-            dp = devices // (tp * pp)
+        for pp in divisors(devices // (tp * cp)):
+            dp = devices // (tp * pp * cp)
             if pp > n:
                 excluded["layers"] += 1
                 continue
@@ -96,7 +97,8 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                 excluded["experts"] += 1
                 continue
             names = ("1f1b",) if pp == 1 else options.schedules
-            zeros = _zero_stages(dp, options.zero_stages)
+            # ZeRO shards over dp × cp; ZeRO-2/3 are priced over dp alone, so not beside cp
+            zeros = _zero_stages(dp * cp, options.zero_stages if cp == 1 else None)
             for name in names:
                 for chunks in _chunk_options(name, pp, n, options.max_chunks):
                     recomputes = [choice for mode in modes
@@ -129,7 +131,7 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                                         pp=pp, tp=tp, dp=dp, schedule=name, chunks=chunks,
                                         microbatch_size=b, num_microbatches=m,
                                         zero_stage=zero, recompute=recompute,
-                                        recompute_layers=k, ep=ep)
+                                        recompute_layers=k, ep=ep, cp=cp)
 
 
 def _zero_stages(dp: int, asked: tuple[int, ...] | None) -> tuple[int, ...]:

@@ -127,7 +127,7 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
         text = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
         return [f"PipelineModule/PipelineEngine: {text}", config.train_command(global_batch),
                 _torchrun(target, "your_script.py") + "   # one process per device"]
-    if config.ep == 1:  # a dense model: `pipesched run` trains it as it is
+    if config.ep == 1 and config.cp == 1:  # dense, whole sequences: `pipesched run` trains it
         return _run_command(config, global_batch, target, boundaries)
     source = target.hf.directory
     module = (f"num_stages={config.pp}, chunks={config.chunks}, loss_fn=hf.loss_fn, "
@@ -139,6 +139,7 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
               f"data_parallel={config.dp}, tensor_parallel={config.tp}, "
               f"zero_stage={config.zero_stage}"
               + (f", expert_parallel={config.ep}" if config.ep > 1 else "")
+              + (f", context_parallel={config.cp}" if config.cp > 1 else "")
               + (", two_batch_overlap=True" if halves else ""))
     experts = f", expert_parallel={config.ep}" if config.ep > 1 else ""
     per_replica = global_batch // config.dp
@@ -157,6 +158,9 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
             f"  hf = layers_from_hf(transformers.AutoConfig.from_pretrained({source!r})"
             f"{experts})",
             *split,
+            *(["  from pipeline.interop.hf_context_parallel import context_parallel_hf",
+               "  hf = context_parallel_hf(hf)   # last: each cp rank keeps 2 of 2·cp "
+               "sequence chunks"] if config.cp > 1 else []),
             f"  module = PipelineModule(hf.layers, {module})",
             f"  load_hf_weights(module, hf, {source!r})",
             f"  engine = PipelineEngine(module, {engine}, "

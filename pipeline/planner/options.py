@@ -42,6 +42,8 @@ class SearchOptions:
     expert_parallel: tuple[int, ...] | None = None
     """ep sizes to try for a mixture-of-experts model; None: every divisor of dp that
     divides the experts (`expert_parallel.expert_sizes`)."""
+    context_parallel: tuple[int, ...] = (1,)
+    """cp sizes to try (context parallelism; each must cut the sequence into 2·cp chunks)."""
     prices_experts: bool = True
     """The engine's mixture-of-experts runs are priced (this engine's expert parallelism);
     False: a MoE model is refused by name for this engine."""
@@ -131,7 +133,7 @@ class SearchOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a whole number >= 1")
         for name in ("tensor_parallel", "pipeline_parallel", "data_parallel",
-                     "microbatch_sizes", "expert_parallel"):
+                     "microbatch_sizes", "expert_parallel", "context_parallel"):
             sizes = getattr(self, name)
             if sizes is not None and (not sizes or any(
                     isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in sizes)):

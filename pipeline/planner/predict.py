@@ -66,7 +66,8 @@ class Prediction:
     memory_rank: int
     breakdown: dict[str, float]
     """Seconds of the step by cause on the rank that finishes last: compute, recomputation,
-    tp_comm, ep_comm (the expert all-to-all, exposed), bubble (idle and P2P waits; with
+    tp_comm, cp_comm (context parallelism's K/V collectives, only where cp > 1), ep_comm
+    (the expert all-to-all, exposed), bubble (idle and P2P waits; with
     `blocking_p2p` the messages), dp_comm
     (exposed), tied_comm (`tied.py`, waits included), optimizer. They sum to `step_seconds`."""
     boundaries: tuple[int, ...]
@@ -139,7 +140,7 @@ class PlanContext(RankPricing):
     p2p_gather: bool = True
     """With `blocking_p2p`, the receiver all-gathers the t pieces over NVLink (Megatron-LM
     2021's scatter/gather); False: each tp rank sends its own part, nothing to gather."""
-    _tables: dict[tuple[int, int, str, int], StageTable] = field(default_factory=dict)
+    _tables: dict[tuple[int, int, str, int, int], StageTable] = field(default_factory=dict)
     _prices: dict[tuple[int, str], LayerPrices] = field(default_factory=dict)
     _partitions: dict[tuple[int, int, bool], tuple[int, ...]] = field(default_factory=dict)
     _graphs: dict[tuple[int, bool], ModelGraph] = field(default_factory=dict)
@@ -231,7 +232,8 @@ class PlanContext(RankPricing):
             table, self.cluster, batch=config.microbatch_size, ep=config.ep, tp=config.tp,
             two_batch=self.two_batch_overlap and config.microbatch_size >= 2)
         costs = table.costs(config.microbatch_size, split)
-        p2p_bandwidth, p2p_latency = self.cluster.link(config.pp * config.dp * config.tp)
+        devices = config.pp * config.dp * config.cp * config.tp
+        p2p_bandwidth, p2p_latency = self.cluster.link(devices)
         # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
         # over NVLink (Narayanan et al. 2021, section 4.1)
         boundary = costs.boundary_bytes / config.tp
@@ -239,7 +241,7 @@ class PlanContext(RankPricing):
                                       and config.schedule == "interleaved"):
             forward, input_grad = blocking_p2p(
                 self.cluster, placement_of(config), tp=config.tp, gather=self.p2p_gather,
-                devices=config.pp * config.dp * config.tp, forward=costs.forward,
+                devices=devices, forward=costs.forward,
                 input_grad=costs.input_grad, boundary_bytes=costs.boundary_bytes)
             model = CostModel(forward=forward.tolist(), backward=input_grad.tolist(),
                               weight=costs.weight_grad.tolist(), all_to_all=all_to_all)
@@ -254,8 +256,9 @@ class PlanContext(RankPricing):
         if schedule is None:
             return None
         gather = None if not self.overlap_param_gather else data_parallel.param_gather(
-            table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
-            params=stage_params(table, placement_of(config)), ep=config.ep)
+            table, self.cluster, dp=config.dp * config.cp, tp=config.tp,
+            zero_stage=config.zero_stage, params=stage_params(table, placement_of(config)),
+            ep=config.ep)
         step, exposed, tied = self.update_seconds(config)
         simulated = replace(model, reduction=self._reduction(config, table), gather=gather)
         if beaten_above < math.inf:
@@ -276,7 +279,6 @@ class PlanContext(RankPricing):
         breakdown = step_breakdown(parts, last, costs, np.asarray(placement_of(config)) == last,
                                    config.num_microbatches, ep_comm, step, exposed)
         tokens = self.global_batch * self.model.seq
-        devices = config.pp * config.tp * config.dp
         model_flops = 3 * self.model.flops_per_sample * self.global_batch
         return Prediction(config, total, tokens / total, model_flops / total / devices,
                           memory[0], memory[1], breakdown, table.boundaries)

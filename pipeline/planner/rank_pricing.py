@@ -11,6 +11,7 @@ import pipeline.planner.data_parallel as data_parallel
 from partition import ModelGraph, partition_graph
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.config import PlanConfig
+from pipeline.planner.context_parallel import context_table
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.peaks import PeakCounts
@@ -45,7 +46,7 @@ class RankPricing:
     tied_reduce_at_step: bool
     tp_overlap: str
     state_bytes: tuple[float, float, float] | None
-    _tables: dict[tuple[int, int, str, int], StageTable]
+    _tables: dict[tuple[int, int, str, int, int], StageTable]
     _prices: dict[tuple[int, str], LayerPrices]
     _partitions: dict[tuple[int, int, bool], tuple[int, ...]]
     _graphs: dict[tuple[int, bool], ModelGraph]
@@ -55,7 +56,8 @@ class RankPricing:
     def table(self, config: PlanConfig) -> StageTable:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
         (compute only: every cut carries the same hidden-state bytes) into p·v stages."""
-        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers)
+        key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
+               config.cp)
         if key not in self._tables:
             # the cuts see full recomputation of every layer; selective and partial
             # recomputation are not priced per layer here (a partial one depends on the cuts
@@ -73,10 +75,10 @@ class RankPricing:
             if prices is None:  # shared by the tables of one tp size and recomputation mode
                 prices = self._prices[config.tp, config.recompute] = LayerPrices.of(
                     self.model.layers, next(iter(self._prices.values()), None))
-            self._tables[key] = StageTable.build(self.model.layers, cuts, self.cluster,
-                                                 self.precision, config.tp, config.recompute,
-                                                 config.recompute_layers, self.tp_overlap,
-                                                 prices)
+            self._tables[key] = context_table(StageTable.build(
+                self.model.layers, cuts, self.cluster, self.precision, config.tp,
+                config.recompute, config.recompute_layers, self.tp_overlap, prices),
+                config.cp, config.tp)
         return self._tables[key]
 
     def _cuts(self, stages: int, tp: int, again: bool) -> tuple[int, ...]:
@@ -115,7 +117,7 @@ class RankPricing:
         else:
             raise ValueError(f"{config.label()}: a memory needs the schedule's trace")
         return peak_rank_memory(stage_params(table, placement), activations,
-                                table.workspace * b, placement, dp=config.dp,
+                                table.workspace * b, placement, dp=config.dp * config.cp,
                                 zero=config.zero_stage, recompute=config.recomputes,
                                 stage_gradient_bytes=self.tied_grad_bytes(config),
                                 stage_expert_params=table.experts if self.model.experts
@@ -150,7 +152,7 @@ class RankPricing:
         and the recomputation workspace, per sample."""
         placement = placement_of(config)
         key = (config.pp * config.chunks, config.tp, config.recompute,
-               config.recompute_layers, placement)
+               config.recompute_layers, placement, config.cp)
         if key not in self._rank_sums:
             table = self.table(config)
             workspace = np.zeros(config.pp)
@@ -178,7 +180,7 @@ class RankPricing:
         collectives) and the tied copies' all-reduce
         before it (`tied.tied_allreduce_seconds`), per partition, placement, dp and ZeRO."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
-               placement_of(config), config.dp, config.zero_stage, config.ep,
+               placement_of(config), config.dp, config.zero_stage, config.ep, config.cp,
                config.num_microbatches if config.zero_stage >= 2 else 0)
         if key not in self._updates:
             self._updates[key] = self._price_update(config)
@@ -186,10 +188,10 @@ class RankPricing:
 
     def _price_update(self, config: PlanConfig) -> tuple[np.ndarray, ...]:
         table, placement = self.table(config), placement_of(config)
-        tied = tied_allreduce_seconds(table, placement, self.cluster, dp=config.dp,
+        tied = tied_allreduce_seconds(table, placement, self.cluster, dp=config.dp * config.cp,
                                       tp=config.tp, element_bytes=self.grad_reduce_bytes)
         step, exposed = data_parallel.update_seconds(
-            self._rank_params(config), self.cluster, dp=config.dp, tp=config.tp,
+            self._rank_params(config), self.cluster, dp=config.dp * config.cp, tp=config.tp,
             zero_stage=config.zero_stage, overlap_param_gather=self.overlap_param_gather,
             update_bytes=self.update_bytes, rank_experts=self.rank_experts(config),
             ep=config.ep)
@@ -197,7 +199,8 @@ class RankPricing:
             held = np.bincount(placement, weights=tied_held(table, placement),
                                minlength=config.pp)
             exposed = exposed + tied_step_reduction(
-                held, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
+                held, self.cluster, dp=config.dp * config.cp, tp=config.tp,
+                zero_stage=config.zero_stage,
                 element_bytes=self.grad_reduce_bytes)
         if config.zero_stage >= 2:  # ZeRO-2/3's per-microbatch collectives, exposed
             exposed = exposed + data_parallel.sharded_comm_seconds(
@@ -217,8 +220,9 @@ class RankPricing:
         if self.tied_reduce_at_step:  # reduced at STEP instead (`_price_update`)
             params = params - tied_held(table, placement_of(config))
         return data_parallel.grad_reduction(
-            table, self.cluster, dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
-            grad_reduce_bytes=self.grad_reduce_bytes, overlap=overlap, params=params,
+            table, self.cluster, dp=config.dp * config.cp, tp=config.tp,
+            zero_stage=config.zero_stage, grad_reduce_bytes=self.grad_reduce_bytes,
+            overlap=overlap, params=params,
             ep=config.ep)
 
 

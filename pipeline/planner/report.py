@@ -20,6 +20,7 @@ GIB = 2**30
 # cause of a step's time -> the word the table uses for it
 _CAUSES = {"bubble": "bubble", "tp_comm": "communication", "ep_comm": "communication",
            "dp_comm": "communication", "tied_comm": "communication",
+           "cp_comm": "communication",
            "recomputation": "recomputation",
            "compute": "compute", "optimizer": "optimizer"}
 
@@ -30,7 +31,8 @@ def gap_parts(loser: Prediction, pick: Prediction) -> dict[str, float]:
     `loser.step_seconds - pick.step_seconds`: both breakdowns sum to their steps."""
     parts: dict[str, float] = {}
     for key, word in _CAUSES.items():
-        parts[word] = parts.get(word, 0.0) + loser.breakdown[key] - pick.breakdown[key]
+        parts[word] = parts.get(word, 0.0) + loser.breakdown.get(key, 0.0) \
+            - pick.breakdown.get(key, 0.0)  # cp_comm: only where cp > 1
     return parts
 
 
@@ -153,7 +155,8 @@ def plan_document(result: PlanResult, cluster: ClusterSpec, global_batch: int, *
                                                          boundaries=pick.boundaries)}
         | ({"run_arguments": run_arguments(pick.config, global_batch, target,
                                            pick.boundaries)}
-           if engine == "pipesched" and target is not None and target.hf is not None else {}),
+           if engine == "pipesched" and target is not None and target.hf is not None
+           and pick.config.cp == 1 else {}),  # `pipesched run` has no context parallelism
         "ranked": [p.to_dict() | {"why_slower": loss_reason(p, pick),
                                   "gap_parts": gap_parts(p, pick)}
                    for p in result.predictions[:top]],

@@ -46,6 +46,14 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
         problems.append(f"data-parallel size {', '.join(map(str, bad))} does not divide the "
                         f"global batch {global_batch}")
     problems += _expert_problems(model, options)
+    for cp in options.context_parallel:
+        if cp > 1 and (model.seq % (2 * cp) or devices % cp):
+            problems.append(f"context-parallel size {cp} needs 2·cp = {2 * cp} to divide the "
+                            f"sequence {model.seq} and cp to divide the {devices} devices; "
+                            f"choose a cp with both")
+        elif cp > 1 and model.experts:
+            problems.append(f"context-parallel size {cp}: {model.name} has experts, and the "
+                            f"engine runs context parallelism on dense models only; use cp 1")
     if problems:
         raise PlanError("; ".join(problems))
 

@@ -203,10 +203,12 @@ def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: 
         options = SearchOptions(overlap_grad_reduce=overlap_grad_reduce)
     check_request(model, cluster, global_batch, replace(
         options, tensor_parallel=(config.tp,), pipeline_parallel=(config.pp,),
-        data_parallel=(config.dp,), expert_parallel=(config.ep,)))
-    if config.pp * config.tp * config.dp != cluster.num_devices:
-        raise PlanError(f"{config.label()} uses {config.pp * config.tp * config.dp} devices; "
-                        f"the cluster has {cluster.num_devices} (pp · tp · dp must equal it)")
+        data_parallel=(config.dp,), expert_parallel=(config.ep,),
+        context_parallel=(config.cp,)))
+    used = config.pp * config.tp * config.dp * config.cp
+    if used != cluster.num_devices:
+        raise PlanError(f"{config.label()} uses {used} devices; the cluster has "
+                        f"{cluster.num_devices} (pp · tp · dp · cp must equal it)")
     if config.dp * config.microbatch_size * config.num_microbatches != global_batch:
         raise PlanError(f"{config.label()}: dp · b · m = "
                         f"{config.dp * config.microbatch_size * config.num_microbatches}, not "

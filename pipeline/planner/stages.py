@@ -153,6 +153,8 @@ class StageCosts:
     tp_comm: np.ndarray
     recompute: np.ndarray
     boundary_bytes: np.ndarray
+    cp_comm: np.ndarray | None = None
+    """Context parallelism's K/V all-gathers and reduce-scatters inside the ops (None: cp 1)."""
 
     @property
     def total(self) -> np.ndarray:
@@ -200,6 +202,15 @@ class StageTable:
     prices: LayerPrices | None = field(default=None, compare=False, repr=False)
     """The layer prices this table shares with others of its tp size and recomputation mode
     (`LayerPrices`, made for it alone when not given)."""
+    cp: int = 1
+    """Context parallelism (`context_parallel.context_table` makes a table with cp > 1)."""
+    cp_bytes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))
+    """Per stage: bytes per sample of its layers' gathered K/V (whole sequence), and how
+    many attention layers gather them (`context_parallel.context_table`)."""
+    cp_again: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))
+    """The same of the layers recomputed whole (they gather again)."""
+    cp_stride: int = 1
+    """Ranks between cp neighbours (tp)."""
     _priced: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -265,8 +276,10 @@ class StageTable:
 
             overhead = self.cluster.op_overhead  # the runtime's fixed cost, once per op
             stages, recomputed = prices.compositions(self.boundaries, self.recompute_layers)
-            sums = np.array([stage_sums(run) for run in stages])
-            again = np.array([stage_again(run) for run in recomputed])
+            # context parallelism: each of cp ranks runs 1/cp of every layer's work (causal
+            # load balancing), each op still paying the fixed cost once
+            sums = np.array([stage_sums(run) for run in stages]) / self.cp
+            again = np.array([stage_again(run) for run in recomputed]) / self.cp
             sums[:, :4] += overhead
             if self.recompute != "none":  # the recomputation is one more forward op
                 again += overhead
@@ -281,5 +294,10 @@ class StageTable:
         forward, backward, input_grad, weight_grad, comm, recompute = self._price(batch)
         if not split:
             input_grad, weight_grad = backward / 2, backward / 2
-        return StageCosts(forward, input_grad + recompute, weight_grad, comm, recompute,
-                          self.boundary * batch)
+        costs = StageCosts(forward, input_grad + recompute, weight_grad, comm, recompute,
+                           self.boundary * batch)
+        if self.cp == 1:
+            return costs
+        from pipeline.planner.context_parallel import context_costs
+
+        return context_costs(self, costs, batch)

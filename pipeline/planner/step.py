@@ -68,7 +68,8 @@ def step_breakdown(parts: StepParts, last: int, costs: StageCosts, mine: np.ndar
     tp_comm = m * float(costs.tp_comm[mine].sum())
     recompute = m * float(costs.recompute[mine].sum())
     rank_end, ready, waited = parts.rank_end, parts.ready, parts.waited
-    return {"compute": busy - tp_comm - recompute,
+    cp = {} if costs.cp_comm is None else {"cp_comm": m * float(costs.cp_comm[mine].sum())}
+    return {"compute": busy - tp_comm - recompute - sum(cp.values()), **cp,
             "recomputation": recompute, "tp_comm": tp_comm, "ep_comm": ep_comm,
             "bubble": float(rank_end[last] - busy - ep_comm - waited[last]),
             "dp_comm": float(ready[last] - rank_end[last] + exposed[last] + waited[last]),

@@ -148,7 +148,7 @@ def test_every_refusal_names_its_cause(case: Callable[[], object], words: list[s
 
 
 @pytest.mark.parametrize(("flags", "words"), [
-    (["--context-parallel", "2"], "context parallelism"),
+    (["--context-parallel", "2", "--engine", "deepspeed"], "context parallelism"),
     (["--precision", "fp8"], "FP8"),
 ])
 def test_features_outside_the_search_are_refused_plainly(

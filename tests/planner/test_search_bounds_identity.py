@@ -44,7 +44,7 @@ MOE = load_model("layers=6,hidden=512,heads=8,vocab=1000,seq=256,mlp=swiglu,norm
 IDENTITY_CASES = {name: CASES[name] for name in (
     "tp-and-v-schedules", "megatron-2021-step-peak", "tied-embeddings",
     "tied-megatron-2021-engine", "deeper-tight-zero", "overlapped-param-gather",
-    "zero-2-3")} | {
+    "zero-2-3", "context-parallel")} | {
     "moe-experts": (MOE, _cluster(4.0, 2), 32, SearchOptions(
         max_chunks=2, schedules=("1f1b", "interleaved", "zb-h1", "zb-v"))),
 }
@@ -128,19 +128,28 @@ class Oracle:
         """Per stage: parameters, tied parameters, held and workspace bytes per sample,
         experts; the placement."""
         key = (config.pp, config.chunks, config.tp, config.recompute, config.recompute_layers,
-               config.schedule)
+               config.schedule, config.cp)
         if key not in self._arrays:
             self._arrays[key] = self._stage_arrays(config)
         return self._arrays[key]
 
     def _stage_arrays(self, config: PlanConfig) -> dict[str, Any]:
-        stages, tp = self.stages(config), config.tp
+        stages, tp, cp = self.stages(config), config.tp, config.cp
         mode = (config.recompute, config.recompute_layers)
+        # context parallelism: sequence-proportional bytes / cp, plus every attention layer's
+        # gathered K and V of the whole sequence (2·S·kv_width·element / t) kept for the
+        # backward, except by the layers recomputed whole
+        kv = [sum(_kv(layer, tp) for layer in s) for s in stages]
+        again = [sum(_kv(layer, tp) for layer in _whole(s, config)) for s in stages]
+        held = [stage_activation_bytes(s, tp, 1, *mode) for s in stages]
+        if cp > 1:
+            held = [h / cp + k - a for h, k, a in zip(held, kv, again, strict=True)]
         return {"params": np.array([sum(layer.params(tp) for layer in s) for s in stages]),
                 "tied": np.array([sum(layer.tied_params_split / tp for layer in s)
                                   for s in stages]),
-                "held": np.array([stage_activation_bytes(s, tp, 1, *mode) for s in stages]),
-                "workspace": np.array([recompute_workspace(s, tp, 1, *mode) for s in stages]),
+                "held": np.array(held),
+                "workspace": np.array([recompute_workspace(s, tp, 1, *mode) for s in stages])
+                / cp,
                 "experts": np.array([sum(layer.expert_params for layer in s)
                                      for s in stages]),
                 "placement": SCHEDULES[config.schedule].placement(config.pp, config.chunks),
@@ -167,7 +176,8 @@ class Oracle:
             tied = np.bincount(where, weights=tied_held * GRAD_BYTES, minlength=pp)
         experts = np.bincount(where, weights=a["experts"], minlength=pp) \
             if context.model.experts else None
-        return _peak_total(params, held, tied, experts, dp=config.dp, zero=config.zero_stage,
+        return _peak_total(params, held, tied, experts, dp=config.dp * config.cp,
+                           zero=config.zero_stage,
                            ep=config.ep, **context.engine_bytes(config))
 
     def _prices(self, layer: LayerProfile, index: int, b: int, tp: int, recompute: str
@@ -194,14 +204,24 @@ class Oracle:
         for stage in stages:
             prices = [self._prices(layer, index[id(layer)], b, tp, config.recompute)
                       for layer in stage]
-            sums = [sum(p[i] for p in prices) + overhead for i in range(4)]
+            sums = [sum(p[i] for p in prices) / config.cp + overhead for i in range(4)]
             k = config.recompute_layers or len(stage)
-            again = sum(p[5] for p in prices[:k])
+            again = sum(p[5] for p in prices[:k]) / config.cp
             if config.recompute != "none":
                 again += overhead
             forward, backward, input_grad, weight_grad = sums
             if not split:
                 input_grad, weight_grad = backward / 2, backward / 2
+            if config.cp > 1:  # a K/V all-gather per attention layer forward, and again
+                # where recomputed; their gradients' reduce-scatter in the input gradient
+                ring = self.context.cluster.link(config.cp * config.tp)
+                each = {id(layer): (config.cp - 1) / config.cp * _kv(layer, tp) * b / ring[0]
+                        + (config.cp - 1) * ring[1] for layer in stage if _kv(layer, tp) > 0}
+                gather = sum(each.get(id(layer), 0.0) for layer in stage)
+                regather = sum(each.get(id(layer), 0.0) for layer in _whole(stage, config))
+                rows.append((forward + gather, input_grad + again + regather + gather,
+                             weight_grad))
+                continue
             rows.append((forward, input_grad + again, weight_grad))
         forward, input_grad, weight_grad = (np.array(column) for column in zip(*rows,
                                                                               strict=True))
@@ -238,14 +258,15 @@ class Oracle:
         context, pp, where = self.context, config.pp, np.asarray(a["placement"])
         table = SimpleNamespace(tied=a["tied"])
         copies = np.where(where != where[0], a["tied"], 0.0)
+        dp = config.dp * config.cp  # gradients reduced over dp × cp
         tied = tied_allreduce_seconds(table, a["placement"], context.cluster,  # type: ignore[arg-type]
-                                      dp=config.dp, tp=config.tp,
+                                      dp=dp, tp=config.tp,
                                       element_bytes=context.grad_reduce_bytes)
         experts = np.bincount(where, weights=a["experts"], minlength=pp) \
             if context.model.experts else None
         step, exposed = data_parallel.update_seconds(
             np.bincount(where, weights=a["params"] + copies, minlength=pp), context.cluster,
-            dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
+            dp=dp, tp=config.tp, zero_stage=config.zero_stage,
             overlap_param_gather=context.overlap_param_gather,
             update_bytes=context.update_bytes, rank_experts=experts, ep=config.ep)
         if context.tied_reduce_at_step:
@@ -253,7 +274,7 @@ class Oracle:
             tied_held[0] += float(a["tied"].max(initial=0.0))
             exposed = exposed + tied_step_reduction(
                 np.bincount(where, weights=tied_held, minlength=pp), context.cluster,
-                dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
+                dp=dp, tp=config.tp, zero_stage=config.zero_stage,
                 element_bytes=context.grad_reduce_bytes)
         if config.zero_stage >= 2 and config.dp > 1:
             exposed = exposed + self.sharded(config, a, a["params"] + copies
@@ -278,6 +299,21 @@ class Oracle:
                 seconds[rank] += 2 * m * layers * allreduce_seconds(
                     float(count) / layers * 4.0, dp, tp, cluster) / 2
         return seconds
+
+
+def _kv(layer: LayerProfile, tp: int) -> float:
+    """A block's whole-sequence K and V per sample on one tp rank, from its shape."""
+    shape = layer.shape
+    if shape is None or shape.role != "block":
+        return 0.0
+    return 2.0 * shape.seq * shape.kv_width * shape.element / tp
+
+
+def _whole(stage: Sequence[LayerProfile], config: PlanConfig) -> Sequence[LayerProfile]:
+    """The layers of a stage recomputed whole (full: all of them, or the first k)."""
+    if config.recompute != "full":
+        return ()
+    return stage[:config.recompute_layers] if config.recompute_layers else stage
 
 
 def _mismatches(case: str, enough: int = 10**9) -> tuple[int, list[str]]:
@@ -317,7 +353,7 @@ def test_the_cases_cover_what_the_floor_and_bound_depend_on() -> None:
     # recomputation modes, warm-up schedules, tied copies under ZeRO-1, experts at ep > 1,
     # torch DDP at p = 1, uniform layers
     seen: dict[str, set[Any]] = {"zero": set(), "recompute": set(), "ep": set(),
-                                 "schedule": set(), "b": set()}
+                                 "schedule": set(), "b": set(), "cp": set()}
     for model, cluster, batch, options in IDENTITY_CASES.values():
         for config in configurations(model, cluster, batch, options):
             # made unchecked (`PlanConfig.enumerated`): each passes the checks, equal
@@ -327,15 +363,33 @@ def test_the_cases_cover_what_the_floor_and_bound_depend_on() -> None:
             seen["ep"].add(config.ep)
             seen["schedule"].add(config.schedule)
             seen["b"].add(config.microbatch_size)
+            seen["cp"].add(config.cp)
     assert seen["zero"] == {0, 1, 2, 3} and seen["ep"] >= {1, 2, 4}
     assert seen["recompute"] >= {"none", "selective", "full", "partial"}
     assert seen["schedule"] >= {"zb-v", "dualpipev", "interleaved", "1f1b", "gpipe"}
-    assert len(seen["b"]) >= 4
+    assert len(seen["b"]) >= 4 and seen["cp"] == {1, 2, 4}
 
 
-@pytest.mark.parametrize("planted", ["tied gradient dropped", "b of the next size"])
+@pytest.mark.parametrize("planted", ["tied gradient dropped", "b of the next size",
+                                     "cp activations undivided", "cp gathers left out"])
 def test_a_planted_bug_in_the_floor_is_caught(planted: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    if planted.startswith("cp"):
+        import pipeline.planner.context_parallel as context_parallel
+
+        honest_table = context_parallel.context_table
+        if planted == "cp activations undivided":
+            def undivided(table: Any, cp: int, stride: int) -> Any:
+                made = honest_table(table, cp, stride)
+                return made if cp == 1 else replace(made, held=made.held + table.held)
+            monkeypatch.setattr("pipeline.planner.rank_pricing.context_table", undivided)
+        else:
+            monkeypatch.setattr(context_parallel, "context_costs",
+                                lambda table, costs, batch: replace(
+                                    costs, cp_comm=costs.forward * 0.0))
+        _, problems = _mismatches("context-parallel", enough=1)
+        assert problems
+        return
     if planted == "tied gradient dropped":
         monkeypatch.setattr(PlanContext, "tied_grad_bytes", lambda self, config: None)
         case = "tied-embeddings"

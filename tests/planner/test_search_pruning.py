@@ -18,6 +18,8 @@ __all__: list[str] = []
 
 GIB = 2**30
 SMALL = transformer_profile(parse_shape("layers=8,hidden=1024,heads=16,vocab=32000,seq=1024"))
+GQA = transformer_profile(parse_shape("layers=8,hidden=1024,heads=16,kv_heads=4,vocab=32000,"
+                                     "seq=1024,mlp=swiglu,norm=rmsnorm,bias=none"))
 DEEP = transformer_profile(parse_shape("layers=16,hidden=2048,heads=16,vocab=32000,seq=2048"))
 TIED = transformer_profile(parse_shape("layers=8,hidden=1024,heads=16,vocab=32000,seq=1024,"
                                        "tied_embeddings=true"))
@@ -35,6 +37,10 @@ CASES = {
     "roomy-8-devices": (SMALL, _cluster(40.0, 2), 16, SearchOptions(max_chunks=2,
                                                                     searched_max=4)),
     "tight-8-devices": (DEEP, _cluster(4.0, 2), 16, SearchOptions(max_chunks=2)),
+    # context parallelism: cp 2 and 4 beside none, sequences of 1024 tokens in 2·cp chunks
+    "context-parallel": (GQA, _cluster(6.0, 2), 8, SearchOptions(
+        max_chunks=2, context_parallel=(1, 2, 4),
+        schedules=("1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev"))),
     "tp-and-v-schedules": (SMALL, _cluster(12.0, 1), 16, SearchOptions(
         max_chunks=2, schedules=("1f1b", "zb-h1", "interleaved", "zb-v", "dualpipev",
                                  "dualpipev-overlap", "v-half", "v-min", "zb-auto"))),
