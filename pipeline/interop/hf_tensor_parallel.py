@@ -84,6 +84,7 @@ from pipeline.parallel.tensor.sequence import sum_gradient_over_tensor_parallel
 from pipeline.parallel.tensor.split_check import mark_replicated
 from pipeline.parallel.tensor.vocab_cross_entropy import vocab_parallel_token_losses
 from pipeline.runtime.loss_normalization import SummedLoss
+from pipeline.runtime.whole_vocabulary import vocab_parallel_loss
 
 __all__ = ["check_tensor_parallel_size", "tensor_parallel_hf", "valid_tensor_parallel_sizes"]
 
@@ -336,5 +337,8 @@ def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
     summed = SummedLoss(functools.partial(_summed_loss, plan), functools.partial(_count, plan),
                         "vocab-parallel token cross entropy, ignore_index=-100"
                         + (", shifted" if shift_labels else ""))
-    return dataclasses.replace(hf, layers=layers, loss_fn=functools.partial(_mean_loss, plan),
-                               summed_loss=summed)
+    # both take the vocabulary slices: the engine passes them ungathered (a user's own loss
+    # gets the gathered logits, `pipeline.runtime.whole_vocabulary`)
+    return dataclasses.replace(hf, layers=layers,
+                               loss_fn=vocab_parallel_loss(functools.partial(_mean_loss, plan)),
+                               summed_loss=vocab_parallel_loss(summed))
