@@ -76,6 +76,7 @@ from pipeline.interop.hf_tp_split import (
     split_gpt2,
     split_mlp,
 )
+from pipeline.model.layer_rng import tensor_parallel_rank_stream
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.tensor.collectives import tp_rank_and_size
@@ -208,7 +209,8 @@ class _SequencePositions(SequenceSwitch, GPT2Positions):
             return super().forward(value)
         hidden, positions, *rest = value
         mine = positions.chunk(self.size, dim=-1)[self.rank]
-        return (self.drop(hidden + self.wpe(mine)), positions, *rest)
+        with tensor_parallel_rank_stream(self.rank):  # this rank's tokens' own masks
+            return (self.drop(hidden + self.wpe(mine)), positions, *rest)
 
 
 def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
