@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from pipeline.interop.hf_layers import HFBlock
+from pipeline.model.layer_rng import tensor_parallel_rank_stream
 from pipeline.parallel.tensor.collectives import (
     copy_to_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
@@ -246,7 +247,9 @@ class ParallelHFBlock(SequenceSwitch, HFBlock):
         batch, _, width = hidden.shape
         whole = hidden[:, :1].expand(batch, hidden.shape[SEQUENCE_DIM] * self.size, width)
         mask = self.mask_function(self.config, whole, attention_mask, None, positions)
-        return (self.attend(hidden, mask, positions, None), positions, *rest)
+        with tensor_parallel_rank_stream(tp_rank_and_size(self.region.group)[0]):
+            # this rank's tokens (and heads): dropout masks of their own, as Megatron's
+            return (self.attend(hidden, mask, positions, None), positions, *rest)
 
 
 def enter_on_call(module: nn.Module, region: Region) -> None:

@@ -77,6 +77,7 @@ from pipeline.interop.hf_tp_split import (
     split_gpt2,
     split_mlp,
 )
+from pipeline.model.layer_rng import tensor_parallel_rank_stream
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.tensor.collectives import tp_rank_and_size
@@ -85,6 +86,7 @@ from pipeline.parallel.tensor.sequence import sum_gradient_over_tensor_parallel
 from pipeline.parallel.tensor.split_check import mark_replicated
 from pipeline.parallel.tensor.vocab_cross_entropy import vocab_parallel_token_losses
 from pipeline.runtime.loss_normalization import SummedLoss
+from pipeline.runtime.whole_vocabulary import vocab_parallel_loss
 
 __all__ = ["check_tensor_parallel_size", "tensor_parallel_hf", "valid_tensor_parallel_sizes"]
 
@@ -208,7 +210,8 @@ class _SequencePositions(SequenceSwitch, GPT2Positions):
             return super().forward(value)
         hidden, positions, *rest = value
         mine = positions.chunk(self.size, dim=-1)[self.rank]
-        return (self.drop(hidden + self.wpe(mine)), positions, *rest)
+        with tensor_parallel_rank_stream(self.rank):  # this rank's tokens' own masks
+            return (self.drop(hidden + self.wpe(mine)), positions, *rest)
 
 
 def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
@@ -341,5 +344,8 @@ def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
     summed = SummedLoss(functools.partial(_summed_loss, plan), functools.partial(_count, plan),
                         "vocab-parallel token cross entropy, ignore_index=-100"
                         + (", shifted" if shift_labels else ""))
-    return dataclasses.replace(hf, layers=layers, loss_fn=functools.partial(_mean_loss, plan),
-                               summed_loss=summed)
+    # both take the vocabulary slices: the engine passes them ungathered (a user's own loss
+    # gets the gathered logits, `pipeline.runtime.whole_vocabulary`)
+    return dataclasses.replace(hf, layers=layers,
+                               loss_fn=vocab_parallel_loss(functools.partial(_mean_loss, plan)),
+                               summed_loss=vocab_parallel_loss(summed))

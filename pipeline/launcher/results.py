@@ -83,10 +83,13 @@ def failure_error(results: list[Result | None], codes: tuple[int | None, ...],
     """One error naming the rank that failed first, or None when every rank returned.
 
     In order: the join deadline passing (`still_running` the ranks it found running); a
-    rank killed by a signal before any other failed (the others' errors are its echo); a
-    rank's own exception or sys.exit; the rank that timed-out ranks name as stalled; the rank
-    a stopped rank read in the failure record; a rank that died without a word; a rank that
-    ended with code 0 but no result."""
+    rank killed by a signal, or exiting non-zero without a report, before any other failed
+    (the others' errors are its echo); a rank's own exception or sys.exit; the rank that
+    timed-out ranks name as stalled; the rank a stopped rank read in the failure record; a
+    rank that died without a word; a rank that ended with code 0 but no result. An error
+    every rank raised alike (a refusal each reaches on its own) is reported once, as every
+    rank's, with the lowest rank's details (`rank`), rather than as whichever rank wrote
+    first."""
     summary = _summary(codes)
     if still_running is not None:
         finished = [r for r in range(len(codes)) if r not in still_running]
@@ -101,6 +104,13 @@ def failure_error(results: list[Result | None], codes: tuple[int | None, ...],
                 f"rank {rank} was killed by signal {-code} ({_signal_name(code)}) without "
                 f"reporting an error; every other rank was stopped ({summary})",
                 rank=rank, exit_codes=codes)
+        if results[rank] is None and code is not None and code > 0:
+            # os._exit(n) or a crash inside a collective: its partners' errors ("Connection
+            # reset by peer") are its echo, not their own faults
+            return RankFailedError(
+                f"rank {rank} exited with code {code} without reporting an error (os._exit, "
+                f"or a crash outside Python); the other ranks' errors followed from it "
+                f"({summary})", rank=rank, exit_codes=codes)
     for rank in first_failed:
         if results[rank] is None and codes[rank] == 0:
             return RankFailedError(
@@ -110,10 +120,15 @@ def failure_error(results: list[Result | None], codes: tuple[int | None, ...],
     own = _reports(results, ("error", "exit"))
     if own:
         rank, report = own[0]
+        who = f"rank {rank} failed"
+        if len(own) == len(results) > 1 and len({r.message for _, r in own}) == 1:
+            # a refusal every rank raised: no rank is to blame; the lowest rank's details
+            rank, report = min(own, key=lambda item: item[0])
+            who = f"every rank ({len(results)}) failed with the same error"
         where = f" at instruction {report.instruction}" if report.instruction else ""
         tail = f"\n--- traceback of rank {rank} ---\n{report.traceback}" if report.traceback \
             else ""
-        return RankFailedError(f"rank {rank} failed{where}: {report.message}\n({summary}){tail}",
+        return RankFailedError(f"{who}{where}: {report.message}\n({summary}){tail}",
                                rank=rank, instruction=report.instruction, exit_codes=codes)
     stalls = [(rank, report, report.caused_by) for rank, report in _reports(results, ("stall",))
               if report.caused_by is not None]

@@ -40,7 +40,8 @@ import torch
 
 from pipeline.device import seed_accelerator_rng
 
-__all__ = ["ForwardKey", "call_seeded", "current_forward_key", "forward_key", "layer_seed"]
+__all__ = ["ForwardKey", "call_seeded", "current_forward_key", "forward_key", "layer_seed",
+           "tensor_parallel_rank_stream"]
 
 _T = TypeVar("_T")
 _SEED_BITS = 63  # torch.manual_seed takes any int64; keep it non-negative
@@ -60,6 +61,10 @@ class ForwardKey(NamedTuple):
 # A context variable (like `build_context`): the key is scoped to one instruction's
 # forward, set by the engine, and gone afterwards.
 _KEY: ContextVar[ForwardKey | None] = ContextVar("pipesched_forward_key", default=None)
+_SEED: ContextVar[tuple[int, torch.device] | None] = ContextVar("pipesched_layer_seed",
+                                                               default=None)
+"""The seed and device of the layer running now (`call_seeded`, also in a recompute, which
+runs outside the forward's key), for `tensor_parallel_rank_stream`."""
 
 
 @contextmanager
@@ -103,8 +108,39 @@ def call_seeded(seed: int, device: torch.device, fn: Callable[[Any], _T], x: Any
     saved = cpu.get_state()
     restore_accelerator = seed_accelerator_rng(device, seed)
     cpu.manual_seed(seed)
+    token = _SEED.set((seed, device))
     try:
         return fn(x)
+    finally:
+        _SEED.reset(token)
+        cpu.set_state(saved)
+        restore_accelerator()
+
+
+@contextmanager
+def tensor_parallel_rank_stream(tp_rank: int) -> Iterator[None]:
+    """Inside, the layer's draws come from a stream of its own per tp rank (seeded from the
+    layer's seed and `tp_rank`); afterwards the layer's stream is as before.
+
+    For a region where each tp rank holds a different part of the activations (a sequence-
+    parallel slice): one seed on every rank would give token t on rank 0 the
+    mask of token t + s/t on rank 1. Megatron forks its tensor-model-parallel generator
+    (``get_cuda_rng_tracker().fork()``, seed + 2718 + tp rank) around such dropouts. Outside
+    a seeded layer (no engine key, no `base_seed`) the global generators are left alone."""
+    current = _SEED.get()
+    if current is None:
+        yield
+        return
+    seed, device = current
+    text = f"pipesched-tp-rank-rng:{seed}:{tp_rank}".encode()
+    forked = int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(),
+                            "little") >> (64 - _SEED_BITS)
+    cpu = torch.default_generator
+    saved = cpu.get_state()
+    restore_accelerator = seed_accelerator_rng(device, forked)
+    cpu.manual_seed(forked)
+    try:
+        yield
     finally:
         cpu.set_state(saved)
         restore_accelerator()

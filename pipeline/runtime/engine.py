@@ -44,6 +44,7 @@ from pipeline.runtime.schedule_setup import (
 from pipeline.runtime.shapes import ShapeBook
 from pipeline.runtime.trace import StepStats, Trace
 from pipeline.runtime.two_batch import two_batch_stages
+from pipeline.runtime.whole_vocabulary import loss_for_last_stage
 from pipeline.supervision.failure import Watchdog
 from pipeline.supervision.faults import FaultPoints
 from pipeline.supervision.progress import ProgressRecord
@@ -150,7 +151,8 @@ class PipelineEngine(StepRunner, EngineState):
             module=module, pp_rank=self.pp_rank, placement=self.schedule.placement,
             num_microbatches=self.schedule.num_microbatches, comm=self.comm,
             shapes=self._shapes, trace=self._trace, reducer=self.gradient_reducer,
-            loss_fn=module.loss_fn, optimizer_step=self.training.step, device=self.device,
+            loss_fn=loss_for_last_stage(module, module.loss_fn, groups, topology.tp),
+            optimizer_step=self.training.step, device=self.device,
             split_stages=frozenset(op.stage for op in self.schedule.streams[self.pp_rank]
                                    if op.kind is Kind.I),
             precision=parallel.precision, loss_scale=self.training.loss_scale,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipeline.model.module import LossFn, PipelineModule, Stage
@@ -69,7 +70,11 @@ class InterpreterBase:
         try:
             result = wait()
         except RuntimeError as error:
-            stall = explain_stall(self.progress.rank, list(self.comm.pipeline_ranks), rank)
+            # every rank, not only this pipeline's: the rank at the end of the waits may be
+            # blocked in a tp collective or an expert all-to-all with a rank of another one
+            ranks = range(dist.get_world_size()) if dist.is_initialized() \
+                else self.comm.pipeline_ranks
+            stall = explain_stall(self.progress.rank, list(ranks), rank)
             why = f"; {stall.explanation}" if stall.explanation else ""
             raise StallError(f"no data from pipeline rank {peer} (global rank {rank}) for "
                              f"{what}: {error}{why}", culprit=stall.culprit) from error

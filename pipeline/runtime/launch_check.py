@@ -11,6 +11,12 @@ batch of a shape the model does not take is found too.
 
 from __future__ import annotations
 
+import ctypes
+import math
+import sys
+import threading
+import time
+from types import FrameType
 from typing import Any
 
 from pipeline.errors import PipelineConfigError
@@ -38,7 +44,7 @@ class LaunchCheck:
 
     def __init__(self, module: PipelineModule, config: EngineConfig | None = None, *,
                  inputs: Any = None, targets: Any = None, trace: bool = True,
-                 **options: Any) -> None:
+                 trace_timeout: float = 60.0, **options: Any) -> None:
         if not isinstance(module, PipelineModule):
             raise PipelineConfigError(f"LaunchCheck needs the PipelineModule that fn builds, "
                                       f"got {type(module).__name__}")
@@ -48,6 +54,10 @@ class LaunchCheck:
         if not isinstance(trace, bool):
             raise PipelineConfigError(f"LaunchCheck: trace must be True or False, got "
                                       f"{trace!r}")
+        if isinstance(trace_timeout, bool) or not isinstance(trace_timeout, int | float) \
+                or not math.isfinite(trace_timeout) or trace_timeout <= 0:
+            raise PipelineConfigError(f"LaunchCheck: trace_timeout must be a number of "
+                                      f"seconds > 0, got {trace_timeout!r}")
         if config is not None and not isinstance(config, EngineConfig):
             raise PipelineConfigError(f"LaunchCheck: config must be an EngineConfig, got "
                                       f"{config!r}")
@@ -61,6 +71,8 @@ class LaunchCheck:
         self.trace = trace
         """Run one microbatch of `inputs` through the layers and the loss on the meta device
         (`shape_trace`): a batch of the wrong shape is found here too."""
+        self.trace_timeout = float(trace_timeout)
+        """Seconds the trace may take: a layer that never returns is refused, not waited on."""
 
     def problems(self, world_size: int) -> list[str]:
         """Every reason the ranks of a `world_size` launch would refuse the run (empty: none
@@ -83,8 +95,9 @@ class LaunchCheck:
             first = [None if value is None else split_microbatches(value, num_microbatches,
                                                                    what)[0]
                      for what, value in (("inputs", self.inputs), ("targets", self.targets))]
-            batch = [problem for problem in [trace_problem(self.module, *first)]
-                     if problem is not None]
+            autocast = self.config.parallel.precision != "fp32"
+            batch = [problem for problem in [_bounded_trace(
+                self.module, first, autocast, self.trace_timeout)] if problem is not None]
         return found + batch
 
     def check(self, world_size: int) -> None:
@@ -99,10 +112,75 @@ class LaunchCheck:
                 f"config={self.config!r})")
 
 
+class _TraceStopped(BaseException):
+    """Raised inside a trace past its time (not an `Exception`: a layer's own handler
+    should not swallow it)."""
+
+
+def _bounded_trace(module: PipelineModule, first: list[Any], autocast: bool,
+                   timeout: float) -> str | None:
+    """`trace_problem` in a thread given `timeout` seconds; past it, the trace is stopped
+    (an exception raised in the thread at its next Python line) and refused: a layer or
+    loss that loops would hang every rank, and here the launching process."""
+    outcome: list[Any] = []
+
+    def trace() -> None:
+        try:
+            outcome.append(("done", trace_problem(module, *first, autocast=autocast)))
+        except _TraceStopped:
+            pass
+        except BaseException as error:  # raised in the caller's thread below
+            outcome.append(("raised", error))
+
+    worker = threading.Thread(target=trace, name="pipesched-launch-check-trace", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive() and worker.ident is not None:
+        _stop(worker.ident)
+        return (f"one microbatch through the layers and the loss on the meta device did not "
+                f"finish within trace_timeout={timeout:g} s: a layer or loss that never "
+                f"returns would hang every rank; fix it, or pass LaunchCheck(..., "
+                f"trace_timeout=<more seconds>) or trace=False")
+    kind, value = outcome[0]
+    if kind == "raised":
+        raise value
+    result: str | None = value
+    return result
+
+
+def _stop(ident: int, patience: float = 2.0) -> None:
+    """Raise `_TraceStopped` in thread `ident` at its next Python line, once it is outside
+    any import (stopping an import half-way would leave a half-initialised module, e.g.
+    torch's lazy sympy, for the whole process); a thread still importing after `patience`
+    seconds is left to run (a daemon, ended with the process)."""
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        frame = sys._current_frames().get(ident)
+        if frame is None:
+            return
+        if not _importing(frame):
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                                       ctypes.py_object(_TraceStopped))
+            return
+        time.sleep(0.01)
+
+
+def _importing(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _batch_problems(inputs: Any, targets: Any, m: int) -> list[str]:
     """What `train_batch(inputs, targets)` would refuse with `m` microbatches (the split the
     engine makes; inputs and targets holding one sample count)."""
     found: list[str] = []
+    if inputs is None and targets is not None:
+        found.append("targets given without inputs: every rank's train_batch(inputs, targets) "
+                     "needs the batch's inputs too; pass LaunchCheck(..., inputs=one rank's "
+                     "inputs, targets=...)")
     sizes: dict[str, int] = {}
     for what, value in (("inputs", inputs), ("targets", targets)):
         if value is None:

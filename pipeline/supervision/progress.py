@@ -110,8 +110,10 @@ def looks_like_timeout(error: BaseException) -> bool:
 def name_culprit(answers: Mapping[int, RankState], ranks: Sequence[int], me: int,
                  waited_for: int | None, patience: float) -> Stall:
     """The rank that stopped progressing: follow the waits from `waited_for` (the rank `me`
-    timed out on; None after a collective) to a rank that does not answer or is busy; in a
-    collective, the first silent rank, else the first busy one."""
+    timed out on; None after a collective) to a rank that does not answer or is busy (unless
+    another rank answers nothing: a busy rank may be blocked in a collective inside its
+    instruction with that one); in a collective, the first silent rank, else the first busy
+    one."""
     def silent(rank: int) -> str:
         return (f"rank {rank} stopped progressing: it answered no probe within {patience:g} s "
                 f"(stopped, hung outside Python, dead, or not yet running an engine)")
@@ -125,6 +127,12 @@ def name_culprit(answers: Mapping[int, RankState], ranks: Sequence[int], me: int
             return Stall(rank, f"{silent(rank)}; chain of waits: {waits}")
         state = answers[rank]
         if state.waiting_on is None:
+            quiet = [r for r in ranks if r != me and r not in answers]
+            if quiet:  # `rank` is blocked with it inside the instruction (a tp all-reduce,
+                # an expert all-to-all): the rank that answers nothing stopped, not `rank`
+                return Stall(quiet[0], f"{silent(quiet[0])}; rank {rank}, at the end of the "
+                                       f"chain of waits {waits}, answers from inside "
+                                       f"{state.where()} (a collective with it)")
             return Stall(rank, f"rank {rank} holds the pipeline up: it is in {state.where()} "
                                f"and not waiting for data; chain of waits: {waits}")
         rank = state.waiting_on

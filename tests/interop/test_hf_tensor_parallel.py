@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 
 from pipeline.errors import PipelineConfigError
-from pipeline.interop import hf_tensor_parallel
+from pipeline.interop import hf_tensor_parallel, hf_tp_split
 from pipeline.interop.hf_modules_tp import Region
 from pipeline.interop.hf_tensor_parallel import (
     check_tensor_parallel_size,
@@ -95,7 +95,7 @@ def _reduced_twice(original: Any) -> Any:
 
 
 PLANTED: dict[str, tuple[Any, str, Any, TPCase]] = {
-    "fused-as-one-block": (hf_tensor_parallel, "_column", _fused_as_one_block,
+    "fused-as-one-block": (hf_tp_split, "_column", _fused_as_one_block,
                            TPCase("gpt2", 2)),
     "missing-all-reduce": (Region, "leave", lambda original: _without_reduction,
                            TPCase("gpt2", 2)),

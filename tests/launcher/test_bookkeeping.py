@@ -59,6 +59,9 @@ def test_a_config_mistake_on_every_rank_is_printed_once(capfd: pytest.CaptureFix
     printed = capfd.readouterr().err
     assert "1fb1" not in printed, printed  # the raised error says it, with a traceback
     assert str(caught.value).count("pipeline.errors.PipelineConfigError:") == 1  # one rank's
+    # every rank raised it: no rank blamed (issue 49 item 8), the lowest one's details
+    assert str(caught.value).startswith("every rank (4) failed with the same error: ")
+    assert caught.value.rank == 0
 
 
 @pytest.mark.multiprocess
@@ -117,26 +120,43 @@ def _error(kind: str, message: str, when: float, caused_by: int | None = None) -
 
 
 def test_the_launcher_blames_the_rank_that_failed_first() -> None:
-    results = [_error("stopped", "stopped", 2.0, caused_by=2), None, _error("error", "Boom", 1.0),
-               ("ok", 1)]
+    results: list[Result | None] = [_error("stopped", "stopped", 2.0, caused_by=2), None,
+                                    _error("error", "Boom", 1.0), ("ok", 1)]
     failure = failure_error(results, (3, -9, 1, 0), [2], None, None)
     assert failure is not None
     assert failure.rank == 2 and failure.instruction == "2F1" and "Boom" in str(failure)
 
 
 def test_a_rank_killed_first_is_blamed_before_the_errors_it_caused() -> None:
-    results = [_error("error", "connection closed", 2.0), None, ("ok", 1)]
+    results: list[Result | None] = [_error("error", "connection closed", 2.0), None, ("ok", 1)]
     failure = failure_error(results, (1, -9, 0), [1], None, None)
     assert failure is not None and failure.rank == 1 and "SIGKILL" in str(failure)
 
 
 def test_the_rank_most_timed_out_ranks_name_is_blamed_over_the_reporters() -> None:
-    results = [_error("stall", "timed out", 1.0, caused_by=2),
-               _error("stall", "timed out", 1.5, caused_by=2),
-               _error("stall", "timed out", 1.2, caused_by=0), None]
+    results: list[Result | None] = [_error("stall", "timed out", 1.0, caused_by=2),
+                                    _error("stall", "timed out", 1.5, caused_by=2),
+                                    _error("stall", "timed out", 1.2, caused_by=0), None]
     failure = failure_error(results, (1, 1, 1, -9), [0], None, None)
     assert failure is not None and failure.rank == 2
     assert str(failure).startswith("rank 2 stopped progressing; rank 0 timed out waiting")
+
+
+def test_a_refusal_every_rank_raised_blames_no_rank() -> None:
+    """Regression: it read "rank 3 failed: ..." naming whichever rank wrote first."""
+    refusal = "PipelineConfigError: tp 3 does not divide 4 heads (raised on rank 0)"
+    results: list[Result | None] = [_error("error", refusal, 2.0),
+                                    _error("error", refusal, 1.5), _error("error", refusal, 1.0)]
+    failure = failure_error(results, (1, 1, 1), [2], None, None)
+    assert failure is not None and failure.rank == 0
+    assert str(failure).startswith(f"every rank (3) failed with the same error at "
+                                   f"instruction 2F1: {refusal}")
+    results[1] = _error("error", refusal + ".", 1.5)  # not the same on every rank: first
+    failure = failure_error(results, (1, 1, 1), [2], None, None)
+    assert failure is not None and failure.rank == 2 and str(failure).startswith("rank 2 failed")
+    results[1] = ("ok", 1)  # one rank returned: the first to fail
+    failure = failure_error(results, (1, 0, 1), [2], None, None)
+    assert failure is not None and failure.rank == 2
 
 
 def test_every_rank_returning_is_no_failure() -> None:

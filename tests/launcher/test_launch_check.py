@@ -111,7 +111,7 @@ def test_a_run_that_fits_goes_on_to_start_ranks() -> None:
 @pytest.mark.usefixtures("no_rank_may_start")
 def test_a_check_that_is_not_one_is_refused() -> None:
     with pytest.raises(PipelineConfigError, match=r"check must be a pipeline\.LaunchCheck"):
-        launch(_rank_main, 2, check=_module())  # type: ignore[arg-type]
+        launch(_rank_main, 2, check=_module())
 
 
 def _refused_by_definition(world: int, pp: int, tp: int, dp: int | None, batch: int,
@@ -168,7 +168,7 @@ def test_planted_bug_launch_not_checking_is_caught(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.usefixtures("no_rank_may_start")
 def test_planted_bug_no_shape_trace_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launch_check, "trace_problem", lambda *args: None)
+    monkeypatch.setattr(launch_check, "trace_problem", lambda *args, **kwargs: None)
     run, _ = MISTAKES["inputs of another width"]
     with pytest.raises(Spawned):
         run()

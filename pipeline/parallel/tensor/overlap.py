@@ -135,11 +135,27 @@ def _gathered_matmul(x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup 
     return out, torch.cat(gathered, dim=-1)
 
 
+def _keep_autocast(ctx: Any, x: torch.Tensor) -> None:
+    """Note the forward's autocast (device type, dtype or None) on `ctx`: autograd runs a
+    Function's backward outside it, where a bf16/fp16 gradient would meet an fp32 weight
+    (``Half != float``) in the GEMMs (as `torch.amp.custom_bwd`, for any device type)."""
+    device_type = x.device.type
+    ctx.autocast = device_type, torch.get_autocast_dtype(device_type) \
+        if torch.is_autocast_enabled(device_type) else None
+
+
+def _forward_autocast(ctx: Any) -> torch.autocast:
+    """The forward's autocast around a backward (`_keep_autocast`)."""
+    device_type, dtype = ctx.autocast
+    return torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)
+
+
 class _ColumnLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None,
                 sequence_parallel: bool, overlap: bool, chunks: int, dim: int,
                 ops: TensorParallelOps, *parts: torch.Tensor) -> torch.Tensor:
+        _keep_autocast(ctx, x)
         # x: the sequence slice under sequence parallelism; the weight's row blocks `parts`
         # are saved, not their concatenation (a copy of the weight per microbatch)
         ctx.save_for_backward(x, *parts)
@@ -153,6 +169,11 @@ class _ColumnLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with _forward_autocast(ctx):
+            return _ColumnLinear.gradients(ctx, grad)
+
+    @staticmethod
+    def gradients(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *parts = ctx.saved_tensors
         group, sequence_parallel, overlap, dim, ops = ctx.settings
         gather = _launch(ops, overlap, Collective.ALL_GATHER, x, group, dim) \
@@ -176,6 +197,7 @@ class _RowLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, group: ProcessGroup | None,
                 sequence_parallel: bool, overlap: bool, chunks: int, dim: int,
                 ops: TensorParallelOps) -> torch.Tensor:
+        _keep_autocast(ctx, x)
         ctx.save_for_backward(x, weight)
         ctx.settings = group, sequence_parallel, overlap, chunks, dim, ops
         collective = Collective.REDUCE_SCATTER if sequence_parallel else Collective.ALL_REDUCE
@@ -187,6 +209,11 @@ class _RowLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        with _forward_autocast(ctx):
+            return _RowLinear.gradients(ctx, grad)
+
+    @staticmethod
+    def gradients(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         group, sequence_parallel, overlap, chunks, dim, ops = ctx.settings
         if sequence_parallel:  # the reduce-scatter's backward: all-gather dY, slice by slice
