@@ -49,6 +49,7 @@ _TEXT_FLAGS = {  # (command, flag) -> how its value is bounded
     ("plan", "--tensor-parallel"): "plan_cmd._sizes: 1..MAX_COUNT each",
     ("plan", "--pp"): "plan_cmd._sizes", ("plan", "--tp"): "plan_cmd._sizes",
     ("plan", "--dp"): "plan_cmd._sizes", ("plan", "--ep"): "plan_cmd._sizes",
+    ("plan", "--cp"): "plan_cmd._sizes",
     ("plan", "--microbatch-size"): "plan_cmd._sizes",
     ("plan", "--zero"): "0, 1, 2 or 3 each", ("plan", "--recompute"): "mode names",
     ("plan", "--price"): "parse_config: each item once, sizes dividing the devices",
