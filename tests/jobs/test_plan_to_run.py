@@ -74,13 +74,14 @@ def test_the_printed_plan_runs_under_torchrun_resumes_and_equals_an_uninterrupte
     interrupted = tmp_path / "interrupted"
     env = {"DATA": str(data), "CHECKPOINT_DIR": str(interrupted)}
     first = _torchrun(line, env | {"STEPS": "2"})
-    _kill_after_step(line, env | {"STEPS": "4"}, interrupted / "metrics.jsonl", step=3)
+    # (asked for 100 steps, so no step's end can race the kill to a final checkpoint)
+    _kill_after_step(line, env | {"STEPS": "100"}, interrupted / "metrics.jsonl", step=3)
     second = _torchrun(line, env | {"STEPS": "4"})
     assert "from the HF weights" in first and "resumed at step 2" in second
     logged = [int(m.group(1)) for m in STEP_LINE.finditer(first + second)]
     assert logged == [1, 2, 3, 4], first + second  # rank 0 alone, one line a step
     resumed = metrics(interrupted)
-    assert sorted(resumed) == [1, 2, 3, 4]
+    assert set(resumed) >= {1, 2, 3, 4}  # the killed run's later steps may be logged too
     assert all(resumed[s]["tokens_per_second"] > 0 and resumed[s]["mfu"] > 0 and
                resumed[s]["tflops_per_device"] > 0 for s in resumed)
     assert [resumed[s]["data_position"] for s in range(1, 5)] == [4, 8, 12, 16]
