@@ -65,6 +65,7 @@ from pipeline.parallel.context.sharding import (
 )
 from pipeline.parallel.tensor.vocab_cross_entropy import vocab_parallel_token_losses
 from pipeline.runtime.loss_normalization import SummedLoss
+from pipeline.runtime.whole_vocabulary import vocab_parallel_loss
 
 __all__ = ["ATTENTION_NAME", "COVERED", "ContextEmbedding", "ContextMask", "ContextSlot",
            "context_parallel_hf"]
@@ -260,7 +261,10 @@ def context_parallel_hf(hf: HFLayers, *, attention: Literal["all-gather", "ring"
             layers.append(LayerSpec(_context_block, layer, slot, attention == "ring"))
         else:
             layers.append(LayerSpec(_embedding if index == 0 else _per_token, layer, slot))
-    summed = SummedLoss(functools.partial(_loss_sum, slot, _vocab_slot(hf)),
+    vocab = _vocab_slot(hf)
+    summed = SummedLoss(functools.partial(_loss_sum, slot, vocab),
                         functools.partial(_count, slot),
                         "context-parallel token cross entropy, ignore_index=-100, shifted")
+    if vocab is not None:  # over tp it reads its rank's vocabulary slice, as tp's own loss
+        summed = vocab_parallel_loss(summed)
     return dataclasses.replace(hf, layers=layers, loss_fn=summed, summed_loss=summed)
