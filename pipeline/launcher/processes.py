@@ -36,7 +36,6 @@ from pipeline.device import (
 from pipeline.device.staged_backend import backend_available
 from pipeline.errors import PipelineConfigError
 from pipeline.launcher.forkserver_guard import GUARD_ENV
-from pipeline.launcher.forkserver_ready import READY_ENV
 from pipeline.launcher.in_place import run_in_place
 from pipeline.launcher.rank_worker import worker
 from pipeline.launcher.results import (
@@ -56,8 +55,7 @@ T = TypeVar("T")
 _GRACE = 5.0  # seconds the other ranks get to stop by themselves once one has failed
 _PRELOAD = ("pipeline.launcher.forkserver_guard",  # first: before torch's long import
             "torch", "torch.distributed", "torch._dynamo", "torch.optim",
-            "pipeline.runtime.engine",
-            "pipeline.launcher.forkserver_ready")  # last: the launcher waits for it
+            "pipeline.runtime.engine")
 
 
 @runtime_checkable
@@ -166,8 +164,7 @@ def _start_fork_server_deaf_to_ctrl_c() -> None:
     """Start the fork server (and resource tracker) deaf to SIGINT: a Ctrl-C on the terminal
     reaches the whole process group, and the fork server, still importing torch, printed a
     KeyboardInterrupt traceback; its ranks inherit the same, so the launcher alone answers
-    Ctrl-C (one line) and ends them. Then wait, signals free, until the fork server has
-    imported its preloads: the first rank's start would wait for that with them held."""
+    Ctrl-C (one line) and ends them."""
     from multiprocessing import forkserver
 
     if threading.current_thread() is not threading.main_thread():
@@ -177,53 +174,13 @@ def _start_fork_server_deaf_to_ctrl_c() -> None:
     # was lost; a blocked one stays pending and raises KeyboardInterrupt here once unblocked.
     # The fork server inherits the blocked mask (deaf while it starts) and its first preload,
     # `forkserver_guard`, ignores SIGINT for good and unblocks it.
-    before = _server_pid()
-    # in multiprocessing's directory of this process (the fork server's socket is there too)
-    ready = os.path.join(multiprocessing.util.get_temp_dir(), "pipesched-forkserver-ready")
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     os.environ[GUARD_ENV] = str(os.getpid())  # the fork server dies with this process
-    os.environ[READY_ENV] = ready  # and says when it has imported its preloads
     try:
         forkserver.ensure_running()
     finally:
         os.environ.pop(GUARD_ENV, None)
-        os.environ.pop(READY_ENV, None)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    try:
-        server = _server_pid()
-        if server is not None and server != before:
-            _wait_until_ready(server, ready)
-    finally:
-        if os.path.exists(ready):
-            os.remove(ready)
-
-
-def _server_pid() -> int | None:
-    """The running fork server's pid (multiprocessing keeps it private)."""
-    from multiprocessing import forkserver
-
-    pid: int | None = getattr(forkserver._forkserver, "_forkserver_pid", None)
-    return pid
-
-
-def _wait_until_ready(server: int, ready: str, patience: float = 300.0) -> None:
-    """Wait, with SIGINT and SIGTERM free to end this process, until the fork server has
-    imported its preloads (`forkserver_ready` creates `ready`), it died, or `patience`
-    seconds passed; only then are ranks started with those signals held."""
-    deadline = time.monotonic() + patience
-    while not os.path.exists(ready) and time.monotonic() < deadline:
-        if not _running(server):
-            return  # it died (left for multiprocessing to reap): starting a rank says why
-        time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` runs (not a zombie), without reaping it."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _owned_directories(context: Any) -> list[str]:
