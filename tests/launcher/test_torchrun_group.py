@@ -23,7 +23,10 @@ module = PipelineModule([LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.Linear, 4, 4)]
 engine = PipelineEngine(module, schedule="1f1b", num_microbatches=2, timeout=60,
                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
 loss = engine.train_batch(torch.ones(4, 4), torch.zeros(4, 4))
-print("world", dist.get_world_size(), "rank", dist.get_rank(), "loss", loss > 0)
+import os, sys
+# one write of one line: two ranks share this stdout, and print's separate writes interleaved
+os.write(sys.stdout.fileno(),
+         f"world {dist.get_world_size()} rank {dist.get_rank()} loss {loss > 0}\\n".encode())
 engine.stop_watchdog()
 dist.destroy_process_group()
 """
