@@ -24,19 +24,8 @@ class _Done:
 def test_the_two_threads_alternate_at_each_all_to_all() -> None:
     """The order of `schedules.analysis.all_to_all.PAIR_ORDER`: B starts, each hands the
     stream over at its all-to-all and waits for it when it gets the stream back."""
-    log: list[str] = []
-
-    def op(name: str, parts: list[str]) -> None:
-        for part in parts:
-            if part.startswith("a2a"):
-                log.append(f"launch {name}.{part}")
-                hand_over(_Done(log, f"{name}.{part}"))
-            else:
-                log.append(f"{name}.{part}")
-
-    handovers = run_interleaved(
-        lambda: op("B", ["head", "a2a combine", "experts", "a2a dispatch", "attention"]),
-        lambda: op("F", ["attention", "a2a dispatch", "experts", "a2a combine", "rest"]))
+    log, handovers = _turns(["head", "a2a combine", "experts", "a2a dispatch", "attention"],
+                            ["attention", "a2a dispatch", "experts", "a2a combine", "rest"])
     assert log == [
         "B.head", "launch B.a2a combine", "F.attention", "launch F.a2a dispatch",
         "wait B.a2a combine", "B.experts", "launch B.a2a dispatch",
@@ -45,7 +34,9 @@ def test_the_two_threads_alternate_at_each_all_to_all() -> None:
     assert handovers == 4
 
 
-def _turns(backward: list[str], forward: list[str]) -> list[str]:
+def _turns(backward: list[str], forward: list[str]) -> tuple[list[str], int]:
+    """What a pair's two threads did, in order ("launch"/"wait" around each all-to-all),
+    and how often the turn passed."""
     log: list[str] = []
 
     def op(name: str, parts: list[str]) -> None:
@@ -56,8 +47,8 @@ def _turns(backward: list[str], forward: list[str]) -> list[str]:
             else:
                 log.append(f"{name}.{part}")
 
-    run_interleaved(lambda: op("B", backward), lambda: op("F", forward))
-    return log
+    handovers = run_interleaved(lambda: op("B", backward), lambda: op("F", forward))
+    return log, handovers
 
 
 def test_a_dense_op_in_a_pair_runs_whole() -> None:
@@ -65,11 +56,11 @@ def test_a_dense_op_in_a_pair_runs_whole() -> None:
     layer (issue 43: it was priced as interleaved): a dense B, which starts, runs whole and
     F's all-to-alls are then all exposed; a dense F runs whole at B's first all-to-all."""
     moe_f = ["attention", "a2a dispatch", "experts", "a2a combine"]
-    assert _turns(["mlp", "attention"], moe_f) == [
+    assert _turns(["mlp", "attention"], moe_f)[0] == [
         "B.mlp", "B.attention", "F.attention", "launch F.a2a dispatch",
         "wait F.a2a dispatch", "F.experts", "launch F.a2a combine", "wait F.a2a combine"]
     moe_b = ["a2a combine", "experts", "a2a dispatch", "attention"]
-    assert _turns(moe_b, ["attention", "mlp"]) == [
+    assert _turns(moe_b, ["attention", "mlp"])[0] == [
         "launch B.a2a combine", "F.attention", "F.mlp", "wait B.a2a combine", "B.experts",
         "launch B.a2a dispatch", "wait B.a2a dispatch", "B.attention"]
 
