@@ -56,6 +56,11 @@ _GRACE = 5.0  # seconds the other ranks get to stop by themselves once one has f
 _PRELOAD = ("pipeline.launcher.forkserver_guard",  # first: before torch's long import
             "torch", "torch.distributed", "torch._dynamo", "torch.optim",
             "pipeline.runtime.engine")
+# One thread at a time starts the fork server: GUARD_ENV lives in the process-wide
+# environment, and a worker thread starting the server while the main thread had it set
+# gave the server a parent-death signal tied to that worker thread, so the server died when
+# the thread ended (a job launched from a thread pool, then the next launch hit EOF).
+_START_LOCK = threading.Lock()
 
 
 @runtime_checkable
@@ -165,6 +170,11 @@ def _start_fork_server_deaf_to_ctrl_c() -> None:
     reaches the whole process group, and the fork server, still importing torch, printed a
     KeyboardInterrupt traceback; its ranks inherit the same, so the launcher alone answers
     Ctrl-C (one line) and ends them."""
+    with _START_LOCK:
+        _start_fork_server_locked()
+
+
+def _start_fork_server_locked() -> None:
     from multiprocessing import forkserver
 
     if threading.current_thread() is not threading.main_thread():
