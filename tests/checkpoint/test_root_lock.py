@@ -124,9 +124,22 @@ def _engine() -> PipelineEngine:
 def _wait_for(path: Path, what: str) -> None:
     deadline = time.monotonic() + WAIT
     while not path.exists():
+        if Path(path.parent, _FIRST_FAILED).exists():
+            raise RuntimeError(f"gave up waiting for {what}: the first job failed")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not happen within {WAIT:.0f} s ({path} is missing)")
         time.sleep(0.05)
+
+
+_FIRST_FAILED = "first_failed"  # in the gate folder: the first job raised, nobody waits for it
+
+
+def _run_first_job(root: str, gate: str) -> list[dict[str, Any]]:
+    try:
+        return launch(_first_job, 2, root, gate, timeout=WAIT, join_timeout=2 * WAIT)
+    except BaseException:
+        Path(gate, _FIRST_FAILED).touch()
+        raise
 
 
 def _first_job(root: str, gate: str) -> dict[str, Any]:
@@ -176,14 +189,13 @@ def test_a_second_job_cannot_sweep_away_a_save_in_progress(tmp_path: Path) -> No
     root, gate = tmp_path / "ckpt", tmp_path / "gate"
     gate.mkdir()
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(launch, _first_job, 2, str(root), str(gate), timeout=WAIT,
-                            join_timeout=2 * WAIT)
+        first = pool.submit(_run_first_job, str(root), str(gate))
         try:
             second = launch(_second_job, 2, str(root), str(gate), timeout=WAIT,
                             join_timeout=2 * WAIT)
         finally:
             (gate / "second_tried").touch()  # whatever happened, the first job goes on
-        saved = first.result(timeout=3 * WAIT)
+            saved = first.result(timeout=3 * WAIT)  # the first job's own error comes first
     holder = saved[0]["pid"]
     for rank, result in enumerate(second):  # every rank of the second job got the typed error
         assert result["refused"] is not None, f"rank {rank} of the second job saved"
