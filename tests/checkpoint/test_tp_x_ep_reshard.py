@@ -22,6 +22,8 @@ TP_EP = Layout(pp=1, tp=2, dp=2, ep=2)
 CASES = [
     ReshardCase("mixtral", TP_EP, (Layout(pp=2, dp=2, ep=2), Layout(pp=2, tp=2))),
     ReshardCase("mixtral", Layout(pp=2, dp=2, ep=2), (TP_EP,)),
+    ReshardCase("mixtral", Layout(pp=1, tp=2, dp=2, ep=2, zero=True),
+                (Layout(pp=2, dp=2, ep=2, zero=True), Layout(pp=1, tp=4))),
     ReshardCase("deepseek_v3", TP_EP, (Layout(pp=2, dp=2, ep=2), Layout(pp=1, tp=4))),
 ]
 
