@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_modules_tp import (
     ParallelEmbedding,
     ParallelLMHead,
@@ -61,8 +62,11 @@ from pipeline.parallel.tensor.sequence import (
 __all__ = ["TENSOR_PARALLEL_MOE", "ParallelMoEBlock", "ParallelMoEHead", "dense_ffn_width",
            "moe_tensor_parallel_problem", "parallel_moe_block", "parallel_tied_moe_head"]
 
-TENSOR_PARALLEL_MOE = ("mixtral", "deepseek_v3")
+TENSOR_PARALLEL_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 """The MoE families `tensor_parallel_hf` splits (each checked against HF at pp2 × tp2 × ep2)."""
+
+_NOT_SPLIT = {"olmoe": "its q_norm / k_norm normalise over all heads at once, which tp would "
+                       "split between ranks"}
 
 
 def dense_ffn_width(config: Any) -> int | None:
@@ -80,9 +84,10 @@ def moe_tensor_parallel_problem(hf: Any, overlap: bool) -> str | None:
     (None: it does)."""
     model_type = hf.config.model_type
     if model_type not in TENSOR_PARALLEL_MOE:
+        reason = _NOT_SPLIT.get(model_type, "it is not mapped")
         return (f"tensor_parallel_hf splits the MoE families {', '.join(TENSOR_PARALLEL_MOE)}, "
-                f"not {model_type!r}, yet; train it at tensor_parallel=1 (expert_parallel "
-                "splits its experts)")
+                f"not {model_type!r} ({reason}) yet; train it at tensor_parallel=1 "
+                "(expert_parallel splits its experts)")
     balancing = hf.balancing
     if balancing is not None and (balancing.adds_aux_loss
                                   or balancing.router_z_loss_coef > 0):
@@ -136,6 +141,11 @@ class ParallelMoEBlock(SequenceSwitch, MoEBlock):
         for param in moe.parameters():
             sum_gradient_over_tensor_parallel(param, group)
         sliced = self.region.splits_sequence
+        if not sliced and normed.shape[SEQUENCE_DIM] % self.size:
+            raise PipelineConfigError(
+                f"sequence length {normed.shape[SEQUENCE_DIM]} is not divisible by "
+                f"tensor_parallel={self.size}: each tp rank routes its 1/t of the sequence to "
+                "the experts; pad or cut batches to a multiple of tp")
         tokens = normed if sliced else scatter_to_sequence_parallel_region(normed, group)
         mine = None if attention_mask is None else split_sequence(
             attention_mask, self.size, self.rank)

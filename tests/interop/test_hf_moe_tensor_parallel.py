@@ -2,9 +2,11 @@
 and without sequence parallelism), each expert whole on its ep rank. From a `save_pretrained`
 directory, one SGD step of tiny Mixtral (HF's whole-batch balancing loss,
 ``output_router_logits=True``) and tiny DeepSeek-V3 (multi-head latent attention split by
-heads, aux-free bias) at pp 2 × tp 2 × ep 2 (8 ranks) equals HF's step on the whole batch
-within 1e-5 (loss, every gradient slice, updated weights; DeepSeek-V3's bias moved as
-defined); three planted bugs fail; bad configurations are one line before ranks start.
+heads, aux-free bias), each with and without sequence parallelism, and of Qwen2-MoE (shared
+expert, without) and Qwen3-MoE (per-head q/k norms, with), at pp 2 × tp 2 × ep 2 (8 ranks)
+equals HF's step on the whole batch within 1e-5 (loss, every gradient slice, updated weights;
+DeepSeek-V3's bias moved as defined); four planted bugs fail; bad configurations are one
+line before ranks start.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.errors import PipelineConfigError
-from pipeline.interop import hf_moe_tp
+from pipeline.interop import hf_moe_tp, hf_tp_split
 from pipeline.interop.hf_layers import layers_from_hf
 from pipeline.interop.hf_tensor_parallel import check_tensor_parallel_size, tensor_parallel_hf
 from pipeline.parallel.config import ParallelConfig
@@ -34,7 +37,8 @@ from tests.support.hf_moe_models import (
 from tests.support.rank_harness import run_ranks
 
 TOLERANCE = 1e-5
-CASES = [("mixtral", False), ("mixtral", True), ("deepseek_v3", False), ("deepseek_v3", True)]
+CASES = [("mixtral", False), ("mixtral", True), ("deepseek_v3", False), ("deepseek_v3", True),
+         ("qwen2_moe", False), ("qwen3_moe", True)]
 
 
 # -- planted bugs (each swaps one piece of pipeline.interop.hf_moe_tp for the case) ----------
@@ -56,20 +60,25 @@ def _balance_of_own_slice(self: Any, value: tuple[torch.Tensor, torch.Tensor]
 
 
 def _no_gradient_sum(param: torch.Tensor, group: Any) -> None:
-    """Planted bug: the experts' and router's gradients (of 1/t of the tokens each) are not
-    summed over tp."""
+    """Planted bug: gradients that each tp rank holds only a part of (the experts' and the
+    router's, of 1/t of the tokens each) are not summed over tp."""
 
 
-PLANTED: dict[str, tuple[str, Any, str]] = {
-    "double count": ("ParallelMoEBlock", _experts_on_every_tp_rank, "_experts"),
-    "one slice's router statistics": ("ParallelMoEHead", _balance_of_own_slice, "forward"),
-    "expert gradients not summed": ("", _no_gradient_sum, "sum_gradient_over_tensor_parallel"),
+PLANTED: dict[str, tuple[str, Any, str, Any]] = {
+    "double count": ("mixtral", hf_moe_tp.ParallelMoEBlock, "_experts",
+                     _experts_on_every_tp_rank),
+    "one slice's router statistics": ("mixtral", hf_moe_tp.ParallelMoEHead, "forward",
+                                      _balance_of_own_slice),
+    "expert gradients not summed": ("mixtral", hf_moe_tp, "sum_gradient_over_tensor_parallel",
+                                    _no_gradient_sum),
+    # DeepSeek-V3's q_a / kv_a projections and norms: each rank's heads give part of theirs
+    "latent projections' gradients not summed": (
+        "deepseek_v3", hf_tp_split, "sum_gradient_over_tensor_parallel", _no_gradient_sum),
 }
 
 
 @contextlib.contextmanager
-def _planted(owner_name: str, replacement: Callable[..., Any], name: str) -> Iterator[None]:
-    owner: Any = getattr(hf_moe_tp, owner_name) if owner_name else hf_moe_tp
+def _planted(owner: Any, name: str, replacement: Callable[..., Any]) -> Iterator[None]:
     original = getattr(owner, name)
     setattr(owner, name, replacement)
     try:
@@ -90,15 +99,19 @@ def _ranks(rank: int, world_size: int, out: str) -> None:
                                      sequence_parallel=sequence_parallel)
         label = f"{family}{' sp' if sequence_parallel else ''}"
         results[label] = {k: found[k] for k in ("loss", "grad", "param")}
-        if family == "deepseek_v3":  # the aux-free bias moved as defined, alike on every rank
+        if family == "deepseek_v3":  # the aux-free bias moved as defined, on every rank
             expected = expected_aux_free_biases(found["routes"])
-            results[label]["bias"] = max(
+            worst = torch.tensor(max(
                 float((moved - expected[index]).abs().max() / expected[index].abs().max())
-                for index, moved in found["biases"].items())
-            results[label]["bias_layers"] = sorted(found["biases"])
-    for bug, (owner, replacement, name) in PLANTED.items():
-        with _planted(owner, replacement, name):
-            found = moe_step_differences("mixtral", pp=2, dp=2, ep=2, tp=2)
+                for index, moved in found["biases"].items()))
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            layers: list[Any] = [None] * world_size
+            dist.all_gather_object(layers, sorted(found["biases"]))
+            results[label]["bias"] = float(worst)
+            results[label]["bias_layers"] = sorted({i for mine in layers for i in mine})
+    for bug, (family, owner, name, replacement) in PLANTED.items():
+        with _planted(owner, name, replacement):
+            found = moe_step_differences(family, pp=2, dp=2, ep=2, tp=2)
         results[f"planted: {bug}"] = _worst(found)
     if rank == 0:
         torch.save(results, out)
@@ -115,7 +128,8 @@ def test_pp2_tp2_ep2_steps_equal_hf_and_planted_bugs_fail(tmp_path: Path) -> Non
         label = f"{family}{' sp' if sequence_parallel else ''}"
         assert _worst(found[label]) <= TOLERANCE, (label, found[label])
         if family == "deepseek_v3":
-            assert found[label]["bias_layers"] and found[label]["bias"] <= 1e-6, found[label]
+            assert found[label]["bias_layers"] == [1, 2, 3], found[label]  # every MoE layer
+            assert found[label]["bias"] <= 1e-6, found[label]
     for bug in PLANTED:
         assert found[f"planted: {bug}"] > 1e-3, (bug, found)
 
@@ -136,10 +150,9 @@ def test_a_dense_ffn_that_tp_does_not_divide_is_one_line() -> None:
         check_tensor_parallel_size(config, 4)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
-def test_families_not_checked_at_tp_are_refused(family: str) -> None:
-    with pytest.raises(PipelineConfigError, match=rf"mixtral, deepseek_v3, not '{family}'"):
-        tensor_parallel_hf(layers_from_hf(tiny_moe_config(family)))
+def test_olmoe_whose_qk_norms_span_all_heads_is_refused() -> None:
+    with pytest.raises(PipelineConfigError, match=r"deepseek_v3, not 'olmoe' \(its q_norm"):
+        tensor_parallel_hf(layers_from_hf(tiny_moe_config("olmoe")))
 
 
 def test_per_microbatch_balancing_at_tp_is_refused() -> None:
