@@ -2,11 +2,12 @@
 and without sequence parallelism), each expert whole on its ep rank. From a `save_pretrained`
 directory, one SGD step of tiny Mixtral (HF's whole-batch balancing loss,
 ``output_router_logits=True``) and tiny DeepSeek-V3 (multi-head latent attention split by
-heads, aux-free bias), each with and without sequence parallelism, and of Qwen2-MoE (shared
-expert, without) and Qwen3-MoE (per-head q/k norms, with), at pp 2 × tp 2 × ep 2 (8 ranks)
-equals HF's step on the whole batch within 1e-5 (loss, every gradient slice, updated weights;
-DeepSeek-V3's bias moved as defined); four planted bugs fail; bad configurations are one
-line before ranks start.
+heads, aux-free bias), each with and without sequence parallelism, of Qwen2-MoE (shared
+expert, without) and Qwen3-MoE (per-head q/k norms, with), and of Mixtral under
+dualpipev-overlap and two-batch overlap (all-to-alls handed over), at pp 2 × tp 2 × ep 2
+(8 ranks) equals HF's step on the whole batch within 1e-5 (loss, every gradient slice,
+updated weights; DeepSeek-V3's bias moved as defined); four planted bugs fail; bad
+configurations are one line before ranks start.
 """
 
 from __future__ import annotations
@@ -37,8 +38,15 @@ from tests.support.hf_moe_models import (
 from tests.support.rank_harness import run_ranks
 
 TOLERANCE = 1e-5
-CASES = [("mixtral", False), ("mixtral", True), ("deepseek_v3", False), ("deepseek_v3", True),
-         ("qwen2_moe", False), ("qwen3_moe", True)]
+SP: dict[str, Any] = {"sequence_parallel": True}
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral": ("mixtral", {}), "mixtral sp": ("mixtral", SP),
+    "deepseek_v3": ("deepseek_v3", {}), "deepseek_v3 sp": ("deepseek_v3", SP),
+    "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe sp": ("qwen3_moe", SP),
+    # the all-to-all hidden under the other microbatch's (or half's) compute
+    "mixtral sp dualpipev-overlap": ("mixtral", SP | {"schedule": "dualpipev-overlap"}),
+    "mixtral two-batch": ("mixtral", {"two_batch_overlap": True}),
+}
 
 
 # -- planted bugs (each swaps one piece of pipeline.interop.hf_moe_tp for the case) ----------
@@ -94,11 +102,12 @@ def _worst(found: dict[str, Any]) -> float:
 def _ranks(rank: int, world_size: int, out: str) -> None:
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
-    for family, sequence_parallel in CASES:
-        found = moe_step_differences(family, pp=2, dp=2, ep=2, tp=2,
-                                     sequence_parallel=sequence_parallel)
-        label = f"{family}{' sp' if sequence_parallel else ''}"
+    for label, (family, options) in CASES.items():
+        found = moe_step_differences(family, pp=2, dp=2, ep=2, tp=2, **options)
         results[label] = {k: found[k] for k in ("loss", "grad", "param")}
+        handovers = torch.tensor(found["handovers"] + found["two_batch_handovers"])
+        dist.all_reduce(handovers)
+        results[label]["handovers"] = int(handovers)
         if family == "deepseek_v3":  # the aux-free bias moved as defined, on every rank
             expected = expected_aux_free_biases(found["routes"])
             worst = torch.tensor(max(
@@ -124,9 +133,10 @@ def test_pp2_tp2_ep2_steps_equal_hf_and_planted_bugs_fail(tmp_path: Path) -> Non
     run_ranks(_ranks, 8, out, timeout=900)
     found = torch.load(out)
     print(found)  # shown with pytest -s
-    for family, sequence_parallel in CASES:
-        label = f"{family}{' sp' if sequence_parallel else ''}"
+    for label, (family, options) in CASES.items():
         assert _worst(found[label]) <= TOLERANCE, (label, found[label])
+        overlapped = "schedule" in options or "two_batch_overlap" in options
+        assert (found[label]["handovers"] > 0) == overlapped, (label, found[label])
         if family == "deepseek_v3":
             assert found[label]["bias_layers"] == [1, 2, 3], found[label]  # every MoE layer
             assert found[label]["bias"] <= 1e-6, found[label]
