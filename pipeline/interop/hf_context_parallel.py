@@ -47,7 +47,7 @@ from pipeline.interop.hf_modules_tp import VocabSlot
 from pipeline.interop.hf_tensor_parallel import _block as tp_block
 from pipeline.interop.hf_tensor_parallel import _head as tp_head
 from pipeline.interop.hf_tensor_parallel import _replicated as tp_replicated
-from pipeline.interop.hf_tensor_parallel import _summed_loss as tp_summed_loss
+from pipeline.interop.hf_tp_losses import summed_loss as tp_summed_loss
 from pipeline.model.build_context import current_process_groups
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec

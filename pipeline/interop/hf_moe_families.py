@@ -3,10 +3,11 @@
 Covered: decoder layers of the shape pre-norm attention + pre-norm MoE, the MoE a softmax
 top-k router (``gate.weight``) over stacked experts (``experts.gate_up_proj`` /
 ``down_proj``), an optional sigmoid-gated shared expert, and HF's Switch load-balancing loss
-(`pipeline.interop.hf_moe`); and DeepSeek-V3: HF's multi-head latent attention (tp 1
-only), a group-limited sigmoid router with a correction bias, ungated shared experts and
-dense first layers. The others differ in a way those layers would silently get
-wrong, so they are refused naming the difference (transformers 5.x).
+(`pipeline.interop.hf_moe`); and DeepSeek-V3: HF's multi-head latent attention (split by
+heads at tp > 1, `pipeline.interop.hf_tp_split.split_latent_attention`), a group-limited
+sigmoid router with a correction bias, ungated shared experts and dense first layers. The
+others differ in a way those layers would silently get wrong, so they are refused naming the
+difference (transformers 5.x).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ COVERED_MOE = {"mixtral": ("mixtral", "Mixtral"), "qwen2_moe": ("qwen2_moe", "Qw
 """model_type -> (``transformers.models.<module>``, class-name prefix)."""
 
 LATENT_ATTENTION = ("deepseek_v3",)
-"""Covered families whose attention is multi-head latent attention (HF's own module: no
-tensor-parallel split)."""
+"""Covered families whose attention is multi-head latent attention (HF's own module, split by
+heads at tp > 1)."""
 
 CHECKPOINT_BUFFERS = ("e_score_correction_bias",)
 """Buffer names HF's checkpoints hold (loaded and exported with the parameters)."""

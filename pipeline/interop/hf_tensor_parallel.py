@@ -48,7 +48,6 @@ from torch.distributed import ProcessGroup
 
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_layers import (
-    IGNORE_INDEX,
     GPT2Positions,
     HFBlock,
     HFEmbedding,
@@ -56,7 +55,6 @@ from pipeline.interop.hf_layers import (
     SoftCappedHead,
     _soft_cap,
     _tied_head,
-    causal_lm_loss,
 )
 from pipeline.interop.hf_modules_tp import (
     ParallelEmbedding,
@@ -68,8 +66,24 @@ from pipeline.interop.hf_modules_tp import (
     enter_on_call,
     vocab_logits,
 )
-from pipeline.interop.hf_moe_families import LATENT_ATTENTION
+from pipeline.interop.hf_moe import MoEBlock, MoEEmbedding, MoEHead
+from pipeline.interop.hf_moe_families import COVERED_MOE
+from pipeline.interop.hf_moe_tp import (
+    ParallelMoEHead,
+    dense_ffn_width,
+    moe_tensor_parallel_problem,
+    parallel_moe_block,
+    parallel_tied_moe_head,
+)
 from pipeline.interop.hf_overlap import fuse_columns_on_call
+from pipeline.interop.hf_tp_losses import (
+    BalancedVocabSummedLoss,
+    TensorParallelPlan,
+    count_targets,
+    mean_loss,
+    moe_mean_loss,
+    summed_loss,
+)
 from pipeline.interop.hf_tp_split import (
     column_names,
     head_shape,
@@ -84,26 +98,15 @@ from pipeline.parallel.tensor.collectives import tp_rank_and_size
 from pipeline.parallel.tensor.overlap import REAL_OPS, TensorParallelOps
 from pipeline.parallel.tensor.sequence import sum_gradient_over_tensor_parallel
 from pipeline.parallel.tensor.split_check import mark_replicated
-from pipeline.parallel.tensor.vocab_cross_entropy import vocab_parallel_token_losses
 from pipeline.runtime.loss_normalization import SummedLoss
 from pipeline.runtime.whole_vocabulary import vocab_parallel_loss
 
 __all__ = ["check_tensor_parallel_size", "tensor_parallel_hf", "valid_tensor_parallel_sizes"]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    config: Any
-    sequence_parallel: bool
-    slot: VocabSlot = dataclasses.field(compare=False)
-    overlap: bool = False
-    chunks: int = 2
-    ops: TensorParallelOps = dataclasses.field(default=REAL_OPS, compare=False)
-    shift_labels: bool = True
-
-
 def _size_problems(config: Any, tp: int) -> list[str]:
     heads, kv_heads, ffn = head_shape(config)
+    moe = config.model_type in COVERED_MOE
     problems = []
     if heads % tp:
         problems.append(f"{heads} attention heads")
@@ -111,6 +114,8 @@ def _size_problems(config: Any, tp: int) -> list[str]:
         problems.append(f"{kv_heads} key/value heads (" + (
             "Phi-3's fused qkv_proj: tp must divide them)" if config.model_type == "phi3"
             else "tp must divide them or be a multiple of them)"))
+    if moe:  # the experts stay whole (expert tensor parallelism 1): only dense MLPs split
+        ffn = dense_ffn_width(config) or tp
     if ffn % tp:
         problems.append(f"FFN width {ffn}")
     return problems
@@ -149,7 +154,7 @@ def _from_model(original: LayerSpec) -> bool:
     return any(isinstance(arg, nn.Module) for arg in original.args)
 
 
-def _embedding(make: Any, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
+def _embedding(make: Any, plan: TensorParallelPlan, group: ProcessGroup | None = None) -> nn.Module:
     full = make()
     if tp_rank_and_size(group)[1] == 1:
         return full
@@ -157,11 +162,12 @@ def _embedding(make: Any, plan: _Plan, group: ProcessGroup | None = None) -> nn.
     return ParallelEmbedding(full, Region(group, plan.sequence_parallel))
 
 
-def _untied_embedding(make: Any, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
+def _untied_embedding(make: Any, plan: TensorParallelPlan,
+                      group: ProcessGroup | None = None) -> nn.Module:
     return HFEmbedding(_embedding(make, plan, group))
 
 
-def _parallel_tied_head(module: nn.Module, hidden: torch.Tensor, *, plan: _Plan,
+def _parallel_tied_head(module: nn.Module, hidden: torch.Tensor, *, plan: TensorParallelPlan,
                         softcap: float | None) -> torch.Tensor:
     if not isinstance(module, ParallelEmbedding):
         return _tied_head(module, hidden, softcap=softcap)
@@ -169,7 +175,8 @@ def _parallel_tied_head(module: nn.Module, hidden: torch.Tensor, *, plan: _Plan,
                                   module.vocab_start), softcap)
 
 
-def _head(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
+def _head(original: LayerSpec, plan: TensorParallelPlan,
+          group: ProcessGroup | None = None) -> nn.Module:
     _, size = tp_rank_and_size(group)
     module = _built(original, size, plan.config)
     if size == 1:
@@ -180,7 +187,7 @@ def _head(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) -
     return ParallelLMHead(module, region, plan.slot)
 
 
-def _replicated(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None
+def _replicated(original: LayerSpec, plan: TensorParallelPlan, group: ProcessGroup | None = None
                 ) -> nn.Module:
     """The final norm (and GPT-2's positions): whole on every rank; with sequence
     parallelism each rank sees its part of the tokens, so gradients are summed."""
@@ -214,7 +221,8 @@ class _SequencePositions(SequenceSwitch, GPT2Positions):
             return (self.drop(hidden + self.wpe(mine)), positions, *rest)
 
 
-def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) -> nn.Module:
+def _block(original: LayerSpec, plan: TensorParallelPlan,
+           group: ProcessGroup | None = None) -> nn.Module:
     rank, size = tp_rank_and_size(group)
     block = _built(original, size, plan.config)
     if size == 1:
@@ -244,48 +252,36 @@ def _block(original: LayerSpec, plan: _Plan, group: ProcessGroup | None = None) 
     return ParallelHFBlock(block, region, size)
 
 
-# -- the loss --------------------------------------------------------------------------------
-
-def _shifted(labels: torch.Tensor, shift: bool = True) -> torch.Tensor:
-    """Token t's target: label t+1 (HF's labels), or label t (targets shifted already)."""
-    return torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:] if shift \
-        else labels
-
-
-def _token_losses(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return vocab_parallel_token_losses(logits, _shifted(labels, plan.shift_labels),
-                                       plan.slot.vocab_start,
-                                       plan.slot.group, IGNORE_INDEX)
+def _moe_embedding(original: LayerSpec, plan: TensorParallelPlan,
+                   group: ProcessGroup | None = None) -> nn.Module:
+    _, size = tp_rank_and_size(group)
+    module = _built(original, size, plan.config)
+    if size == 1:
+        return module
+    assert isinstance(module, MoEEmbedding)
+    return MoEEmbedding(ParallelEmbedding(module.embedding,
+                                          Region(group, plan.sequence_parallel)))
 
 
-def _split(plan: _Plan, logits: torch.Tensor) -> bool:
-    """Whether the logits are a vocabulary slice (an engine rank at tp > 1), not whole."""
-    return logits.shape[-1] != plan.config.vocab_size
+def _moe_block(original: LayerSpec, plan: TensorParallelPlan,
+               group: ProcessGroup | None = None) -> nn.Module:
+    _, size = tp_rank_and_size(group)
+    block = _built(original, size, plan.config)
+    if size == 1:
+        return block
+    assert isinstance(block, MoEBlock)
+    return parallel_moe_block(block, plan.config, Region(group, plan.sequence_parallel,
+                                                         plan.overlap, plan.chunks, plan.ops))
 
 
-def _whole_loss(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    if plan.shift_labels:
-        return causal_lm_loss(logits, labels)
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), labels.flatten(),
-                                             ignore_index=IGNORE_INDEX)
-
-
-def _mean_loss(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    if not _split(plan, logits):
-        return _whole_loss(plan, logits, labels)
-    losses, counted = _token_losses(plan, logits, labels)
-    return losses.sum() / counted.sum()
-
-
-def _summed_loss(plan: _Plan, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    if not _split(plan, logits):
-        return _whole_loss(plan, logits, labels) * _count(plan, labels)
-    return _token_losses(plan, logits, labels)[0].sum()
-
-
-def _count(plan: _Plan, labels: torch.Tensor) -> torch.Tensor:
-    return (_shifted(labels, plan.shift_labels) != IGNORE_INDEX).sum()
+def _moe_head(original: LayerSpec, plan: TensorParallelPlan,
+              group: ProcessGroup | None = None) -> nn.Module:
+    _, size = tp_rank_and_size(group)
+    module = _built(original, size, plan.config)
+    if size == 1:
+        return module
+    assert isinstance(module, MoEHead)
+    return ParallelMoEHead(module, Region(group, plan.sequence_parallel), plan.slot)
 
 
 # -- the transform ---------------------------------------------------------------------------
@@ -304,18 +300,18 @@ def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
     prices it); `ops` is the GEMM / collective seam emulated devices replace.
     `shift_labels=False`: targets come shifted already, token t predicts target t (the
     packed windows `pipesched run` reads from a token file), not HF's label t+1."""
-    if hf.config.model_type in LATENT_ATTENTION:
-        raise PipelineConfigError(
-            f"tensor_parallel_hf does not split {hf.config.model_type!r}'s multi-head latent "
-            "attention (its q/kv low-rank projections): train it at tensor_parallel=1")
+    moe = hf.config.model_type in COVERED_MOE
+    problem = moe_tensor_parallel_problem(hf, overlap) if moe else None
+    if problem is not None:
+        raise PipelineConfigError(problem)
     if not isinstance(overlap, bool):
         raise PipelineConfigError(f"overlap must be True or False, got {overlap!r}")
     if isinstance(overlap_chunks, bool) or not isinstance(overlap_chunks, int) \
             or overlap_chunks < 1:
         raise PipelineConfigError(f"overlap_chunks must be an int >= 1 (the slices each "
                                   f"overlapped collective is cut in), got {overlap_chunks!r}")
-    plan = _Plan(hf.config, sequence_parallel, VocabSlot(), overlap, overlap_chunks, ops,
-                 shift_labels)
+    plan = TensorParallelPlan(hf.config, sequence_parallel, VocabSlot(), overlap,
+                              overlap_chunks, ops, shift_labels)
     gpt2 = hf.config.model_type == "gpt2"
     first_block = 2 if gpt2 else 1
     last_block = len(hf.layers) - 3
@@ -323,7 +319,8 @@ def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
     for index, layer in enumerate(hf.layers):
         if isinstance(layer, TiedLayerSpec):  # embedding and tied head: one module, sliced
             head = index == len(hf.layers) - 1
-            forward_fn = functools.partial(
+            forward_fn = functools.partial(parallel_tied_moe_head, slot=plan.slot) \
+                if head and moe else functools.partial(
                 _parallel_tied_head, plan=plan,
                 softcap=getattr(hf.config, "final_logit_softcapping", None)) if head \
                 else layer.forward_fn
@@ -334,18 +331,21 @@ def tensor_parallel_hf(hf: HFLayers, *, sequence_parallel: bool = False,
             raise TypeError(f"layer {index} of the HF layers is {type(layer).__name__}, not a "
                             "spec; pass layers_from_hf's result unchanged")
         if index == 0:
-            layers.append(LayerSpec(_untied_embedding, layer.args[0], plan))
+            layers.append(LayerSpec(_moe_embedding, layer, plan) if moe
+                          else LayerSpec(_untied_embedding, layer.args[0], plan))
         elif first_block <= index <= last_block:
-            layers.append(LayerSpec(_block, layer, plan))
+            layers.append(LayerSpec(_moe_block if moe else _block, layer, plan))
         elif index == len(hf.layers) - 1:
-            layers.append(LayerSpec(_head, layer, plan))
+            layers.append(LayerSpec(_moe_head if moe else _head, layer, plan))
         else:  # GPT-2's positions, the final norm
             layers.append(LayerSpec(_replicated, layer, plan))
-    summed = SummedLoss(functools.partial(_summed_loss, plan), functools.partial(_count, plan),
-                        "vocab-parallel token cross entropy, ignore_index=-100"
-                        + (", shifted" if shift_labels else ""))
+    name = "vocab-parallel token cross entropy, ignore_index=-100" + (
+        ", shifted" if shift_labels else "")
+    summed = (BalancedVocabSummedLoss if moe else SummedLoss)(
+        functools.partial(summed_loss, plan), functools.partial(count_targets, plan),
+        name + (" + balancing loss" if moe else ""))
+    mean = functools.partial(moe_mean_loss if moe else mean_loss, plan)
     # both take the vocabulary slices: the engine passes them ungathered (a user's own loss
     # gets the gathered logits, `pipeline.runtime.whole_vocabulary`)
-    return dataclasses.replace(hf, layers=layers,
-                               loss_fn=vocab_parallel_loss(functools.partial(_mean_loss, plan)),
+    return dataclasses.replace(hf, layers=layers, loss_fn=vocab_parallel_loss(mean),
                                summed_loss=vocab_parallel_loss(summed))

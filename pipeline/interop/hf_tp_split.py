@@ -9,7 +9,8 @@ from pipeline.interop.hf_modules_tp import HeadRows, Region, RowParallel, shard_
 from pipeline.parallel.tensor.collectives import tp_rank_and_size
 from pipeline.parallel.tensor.sequence import sum_gradient_over_tensor_parallel
 
-__all__ = ["column_names", "head_shape", "split_attention", "split_gpt2", "split_mlp"]
+__all__ = ["column_names", "head_shape", "split_attention", "split_gpt2",
+           "split_latent_attention", "split_mlp"]
 
 
 def head_shape(config: Any) -> tuple[int, int, int]:
@@ -73,6 +74,26 @@ def split_attention(attention: Any, config: Any, region: Region, rank: int,
     attention.config = copy.copy(attention.config)  # Phi-3 cuts its fused output by these
     attention.config.num_attention_heads = heads // size
     attention.config.num_key_value_heads = local_kv
+
+
+def split_latent_attention(attention: Any, config: Any, region: Region) -> None:
+    """DeepSeek's multi-head latent attention by heads: the up-projections (``q_b_proj``, or
+    ``q_proj`` without a q rank, and ``kv_b_proj``) keep this rank's heads' rows, ``o_proj``
+    their columns; the low-rank down-projections ``q_a_proj`` / ``kv_a_proj_with_mqa`` (the
+    latent and the shared rotary key) and their norms stay whole, their gradients summed
+    over tp (each rank's heads contribute a part)."""
+    heads = config.num_attention_heads
+    query = attention.q_proj if attention.q_proj is not None else attention.q_b_proj
+    _column(query, (heads * attention.qk_head_dim,), region)
+    _column(attention.kv_b_proj, (heads * (attention.qk_nope_head_dim + attention.v_head_dim),),
+            region)
+    attention.o_proj = RowParallel(attention.o_proj, region)
+    for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+        part = getattr(attention, name, None)
+        if part is not None:
+            for param in part.parameters():
+                sum_gradient_over_tensor_parallel(param, region.group)
+    attention.num_heads = heads // tp_rank_and_size(region.group)[1]
 
 
 def split_mlp(mlp: Any, region: Region) -> None:

@@ -14,7 +14,8 @@ replicas too) and c̄ their mean over the E experts:
 
 so an overloaded expert is chosen less next step and an underloaded one more. The loads
 are summed in one all-reduce over the stage's data-parallel group (every layer of the
-stage in one tensor), so every replica computes the same bias. A layer recomputed in the
+stage in one tensor; a second over tp, whose ranks each route 1/t of the tokens), so every
+replica computes the same bias. A layer recomputed in the
 backward (activation checkpointing) leaves its load as the forward left it
 (`pipeline.recompute_region.ForwardOnce` restores buffers), so each token counts once.
 """
@@ -43,15 +44,19 @@ def aux_free_layers(module: nn.Module) -> list[MoEFeedForward]:
             if isinstance(m, MoEFeedForward) and m.balancing.method == "aux-free"]
 
 
-def update_expert_biases(layers: list[MoEFeedForward], group: ProcessGroup | None) -> None:
+def update_expert_biases(layers: list[MoEFeedForward], group: ProcessGroup | None,
+                         tp_group: ProcessGroup | None = None) -> None:
     """After an optimizer step: sum each layer's load over `group` (the data-parallel group;
-    None: this rank is the only replica), move its bias, and start the next step's count."""
+    None: this rank is the only replica) and `tp_group` (tensor parallelism: each tp rank
+    routes 1/t of the tokens, `pipeline.interop.hf_moe_tp`), move its bias, and start the
+    next step's count."""
     if not layers:
         return
     with torch.no_grad():
         loads = torch.stack([layer.load for layer in layers])  # [layers, E]
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(loads, group=group)
+        for over in (group, tp_group):
+            if over is not None and dist.get_world_size(over) > 1:
+                dist.all_reduce(loads, group=over)
         for layer, load in zip(layers, loads, strict=True):
             layer.bias.copy_(updated_expert_bias(layer.bias, load,
                                                  layer.balancing.bias_update_rate))

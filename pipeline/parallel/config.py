@@ -109,11 +109,17 @@ def _expert_parallel_problem(config: ParallelConfig) -> str | None:
     if dp is not None and dp % ep:
         return (f"expert_parallel={ep} must divide data_parallel={dp} (the experts are split "
                 f"over dp replicas); choose among {[k for k in range(1, dp + 1) if dp % k == 0]}")
-    if config.tensor_parallel > 1:
-        return (f"expert_parallel={ep} does not run with tensor_parallel="
-                f"{config.tensor_parallel} yet (experts are not split over tp); use one of "
-                "them")
     return None
+
+
+def _expert_tensor_parallel_problem(value: object) -> str | None:
+    problem = count_problem("expert_tensor_parallel", value)
+    if problem is not None or value == 1:
+        return problem
+    return (f"expert_tensor_parallel={value} is not supported: each expert stays whole on its "
+            "expert-parallel rank (expert tensor parallelism 1, Megatron-Core's default) while "
+            "tensor_parallel splits attention and dense layers; use expert_tensor_parallel=1 "
+            "and raise expert_parallel instead")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +141,12 @@ class ParallelConfig:
     expert_parallel: int = 1
     """Ranks splitting each MoE layer's experts (ep), carved from dp: ep consecutive
     replicas exchange tokens by all-to-all (`pipeline.moe.expert_parallel`); ep must divide
-    data_parallel and every MoE layer's expert count."""
+    data_parallel and every MoE layer's expert count. With tensor_parallel > 1 the ep groups
+    are per tp rank: each tp rank dispatches its 1/t of the tokens (`pipeline.interop.
+    hf_moe_tp`)."""
+    expert_tensor_parallel: int = 1
+    """Ranks splitting each expert's weights (Megatron-Core's ``expert_tensor_parallel_size``).
+    Only 1 runs: every expert is whole on its ep rank; larger values are refused."""
     zero_stage: ZeroStage = ZeroStage.DISABLED
     """`ZeroStage.OPTIMIZER_STATE` shards optimizer state over dp (ZeRO-1), `GRADIENTS` also
     the gradients (ZeRO-2), `PARAMETERS` also the parameters (ZeRO-3); the ints 0-3 are
@@ -209,6 +220,7 @@ class ParallelConfig:
             None if isinstance(self.broadcast_buffers, bool) else
             f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}",
             _expert_parallel_problem(self),
+            _expert_tensor_parallel_problem(self.expert_tensor_parallel),
             None if isinstance(self.reshard_after_forward, bool) else
             f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}",
         ]

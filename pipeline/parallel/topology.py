@@ -40,7 +40,8 @@ class RankPosition:
     """Which 1/ep of each MoE layer's experts this rank holds (dp_rank mod ep)."""
     ep_group: tuple[int, ...] = ()
     """The ep consecutive dp replicas that split the experts between them: tokens are
-    dispatched and combined over them (all-to-all)."""
+    dispatched and combined over them (all-to-all). Same pp and tp coordinates: at tp > 1
+    each tp rank dispatches its own 1/t of the tokens (`pipeline.interop.hf_moe_tp`)."""
     expert_dp_group: tuple[int, ...] = ()
     """Ranks holding the same experts (same ep_rank, dp / ep of them): expert gradients are
     reduced over them only."""

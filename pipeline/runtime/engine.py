@@ -230,7 +230,9 @@ class PipelineEngine(StepRunner, EngineState):
         loss, _ = self._run(self.schedule, inputs, targets, data_iter, training=True)
         self.global_step += 1
         update_expert_biases(self._expert_bias_layers,
-                             None if self.groups is None else self.groups.dp_group)
+                             None if self.groups is None else self.groups.dp_group,
+                             None if self.groups is None or self.topology.tp == 1
+                             else self.groups.tp_group)
         step = self.training.step
         if (not math.isfinite(loss) or step.nonfinite) and self.config.on_nonfinite == "raise":
             raise self._nonfinite(loss)  # same branch on every rank: both facts are global

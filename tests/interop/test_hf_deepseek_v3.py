@@ -17,13 +17,16 @@ pytest.importorskip("transformers")
 from pipeline import PipelineModule
 from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
-from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.interop.hf_weights import hf_checkpoint_tensors, hf_state_dict, load_hf_weights
 from pipeline.moe import layer as layer_module
 from pipeline.moe.layer import MoEFeedForward
 from pipeline.moe.routing import Routing, route_grouped
 from tests.support.hf_moe_equivalence import moe_step_differences
-from tests.support.hf_moe_models import tiny_moe_config, tiny_moe_model
+from tests.support.hf_moe_models import (
+    expected_aux_free_biases,
+    tiny_moe_config,
+    tiny_moe_model,
+)
 from tests.support.rank_harness import run_ranks
 
 TOLERANCE = 1e-5
@@ -207,39 +210,9 @@ def test_default_balancing_is_aux_free_on_the_checkpoint_bias() -> None:
     assert not isinstance(hf.layers[1].build().layer.mlp, MoEFeedForward)  # type: ignore
 
 
-def test_tensor_parallel_latent_attention_is_refused() -> None:
-    with pytest.raises(PipelineConfigError, match=r"multi-head latent attention.*=1"):
-        tensor_parallel_hf(layers_from_hf(tiny_moe_config(FAMILY)))
-
-
-def _expected_biases(routes: tuple[torch.Tensor, ...]) -> dict[int, torch.Tensor]:
-    """HF layer -> the aux-free bias after one step, by definition: the checkpoint's bias
-    plus 1e-3 · sign(mean load - load), the loads counted from the choices HF's own router
-    makes on the step's router logits (`routes`: one per MoE layer; an identity-weight copy
-    of its router re-reads them)."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
-
-    model = tiny_moe_model(FAMILY, seed=3)
-    dense = model.config.first_k_dense_replace
-    assert len(routes) == len(model.model.layers) - dense
-    expected = {}
-    for index, layer in enumerate(model.model.layers[dense:], start=dense):
-        config = tiny_moe_config(FAMILY)
-        config.hidden_size = config.n_routed_experts
-        router = DeepseekV3TopkRouter(config)
-        with torch.no_grad():
-            router.weight.copy_(torch.eye(config.n_routed_experts))
-            router.e_score_correction_bias.copy_(layer.mlp.gate.e_score_correction_bias)
-            chosen = router(routes[index - dense].float())[2]
-        load = torch.bincount(chosen.reshape(-1), minlength=8).float()
-        bias = layer.mlp.gate.e_score_correction_bias.detach()
-        expected[index] = bias + 1e-3 * torch.sign(load.mean() - load)
-    return expected
-
-
 def _pipelined_rank(rank: int, world_size: int, out: str) -> None:
     found = moe_step_differences(FAMILY, pp=2, dp=2, ep=2, export=True)
-    expected = _expected_biases(found["routes"])
+    expected = expected_aux_free_biases(found["routes"])
     bias = max(_relative(moved, expected[index]) for index, moved in found["biases"].items())
     if rank == 0:
         keep = {k: found[k] for k in ("loss", "grad", "param", "export", "export_names",

@@ -84,9 +84,10 @@ def test_clipped_expert_parallel_steps_equal_hf_with_clip_grad_norm() -> None:
     run_ranks(_check, 4, timeout=400)
 
 
-def test_ep_with_tensor_parallel_is_still_refused_but_clipping_is_not() -> None:
-    with pytest.raises(PipelineConfigError, match=r"expert_parallel=2 does not run with "
-                                                  r"tensor_parallel=2"):
-        ParallelConfig(data_parallel=2, tensor_parallel=2, expert_parallel=2)
+def test_ep_with_tensor_parallel_and_clipping_are_accepted_but_expert_tp_is_not() -> None:
+    ParallelConfig(data_parallel=2, tensor_parallel=2, expert_parallel=2)
+    with pytest.raises(PipelineConfigError, match=r"expert_tensor_parallel=2 is not supported"):
+        ParallelConfig(data_parallel=2, tensor_parallel=2, expert_parallel=2,
+                       expert_tensor_parallel=2)
     ParallelConfig(data_parallel=2, expert_parallel=2, gradient_clipping=1.0, zero_stage=1,
                    overlap_param_gather=True)

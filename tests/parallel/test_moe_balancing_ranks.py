@@ -91,7 +91,7 @@ def _restored_biases(directory: str) -> dict[int, torch.Tensor]:
     return _biases(module, engine.stage_ids)
 
 
-def _updated_without_reduction(layers: Any, group: Any) -> None:
+def _updated_without_reduction(layers: Any, group: Any, tp_group: Any = None) -> None:
     """Planted bug: each replica moves its bias by its own loads only."""
     update_expert_biases(layers, None)
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_moe import router_config
+from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.interop.hf_weights import (
     checkpoint_tensors,
     gather_hf_state_dict,
@@ -24,6 +25,7 @@ from pipeline.interop.hf_weights import (
 from pipeline.moe.balance_loss import train_batch_balanced
 from pipeline.moe.layer import MoEFeedForward
 from pipeline.parallel.param_marks import expert_shard
+from pipeline.parallel.tensor.shard_layout import layout_of
 from pipeline.parallel.zero import ShardedOptimizer
 from tests.support.hf_models import token_batch
 from tests.support.hf_moe_files import checkpoint_names, recording_reads
@@ -109,6 +111,7 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
                          schedule: str = "1f1b", export: bool = False,
                          strict_reads: bool = True, partition_method: str = "uniform",
                          balancing: Any = None, reference: HFLoss | None = None,
+                         tp: int = 1, sequence_parallel: bool = False,
                          **engine: Any) -> dict[str, Any]:
     """On every rank: the pipelined step (SGD, 4 microbatches per replica, `schedule`) of the tiny
     `family` model against HF's on the concatenated batch of all replicas.
@@ -131,19 +134,22 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
     (the last one's loss and gradients compared; the weights after all of them).
     `balancing`: `layers_from_hf`'s; `reference`: the loss HF's model is stepped on instead
     of its own (`HFLoss`). Also returns ``biases`` (HF layer index -> this rank's aux-free
-    expert bias after the steps) and the ``engine``."""
+    expert bias after the steps) and the ``engine``. `tp` > 1: `tensor_parallel_hf`'s split
+    (with `sequence_parallel`), each rank's gradient slices against HF's same slices."""
     hf_model = tiny_moe_model(family, seed=3, top_k=top_k, tied=tied)
     if ties:
         plant_ties_and_an_idle_expert(hf_model)
     ids, mask = token_batch(8 * dp, 8, seed=2, padded=padded)
     labels = causal_lm_targets(ids, mask if padded else None)
-    replica = dist.get_rank() % dp  # Topology: rank = pp_rank · dp + dp_rank
+    replica = dist.get_rank() // tp % dp  # Topology: rank = (pp_rank · dp + dp_rank) · tp + tp_rank
     hf = layers_from_hf(tiny_moe_config(family, top_k=top_k, tied=tied), balancing=balancing)
+    if tp > 1:
+        hf = tensor_parallel_hf(hf, sequence_parallel=sequence_parallel)
     chunks = 2 if schedule.startswith("dualpipev") else 1
     module = PipelineModule(hf.layers, num_stages=pp, chunks=chunks,
                             loss_fn=hf.summed_loss if padded else hf.loss_fn,
                             partition_method=partition_method)
-    options: dict[str, Any] = {"data_parallel": dp, "expert_parallel": ep,
+    options: dict[str, Any] = {"data_parallel": dp, "expert_parallel": ep, "tensor_parallel": tp,
                                "gradient_clipping": clip, **engine}
     if zero:  # True: ZeRO-1
         options["zero_stage"] = int(zero)
@@ -183,6 +189,9 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
         shard = expert_shard(param)
         if shard is not None:  # this rank's experts of the layer
             expected_grad = expected_grad[shard[0]:shard[0] + param.shape[0]]
+        layout = layout_of(param)
+        if layout is not None:  # this tp rank's slice
+            expected_grad = layout.shard(expected_grad)
         # an expert shard no token reached has no gradient: HF's rows must then be zero
         differences.append(_relative(grads.get(key, torch.zeros_like(param)), expected_grad)
                            if expected_grad.abs().max() > 0 or key in grads

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MOE_FAMILIES", "plant_ties_and_an_idle_expert", "tiny_moe_config",
-           "tiny_moe_model"]
+__all__ = ["MOE_FAMILIES", "expected_aux_free_biases", "plant_ties_and_an_idle_expert",
+           "tiny_moe_config", "tiny_moe_model"]
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 VOCAB = 50
@@ -73,3 +73,28 @@ def plant_ties_and_an_idle_expert(model: nn.Module) -> None:
             gate = layer.mlp.gate.weight
             v = torch.randn(gate.shape[1]) * 4
             gate.copy_(torch.stack([v, v, -v, torch.zeros_like(v)]))
+
+
+def expected_aux_free_biases(routes: tuple[torch.Tensor, ...]) -> dict[int, torch.Tensor]:
+    """Tiny DeepSeek-V3's HF layer -> its aux-free bias after one step, by definition: the
+    checkpoint's bias plus 1e-3 · sign(mean load - load), the loads counted from the choices
+    HF's own router makes on the step's router logits (`routes`: one per MoE layer; an
+    identity-weight copy of its router re-reads them)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    model: Any = tiny_moe_model("deepseek_v3", seed=3)
+    dense = model.config.first_k_dense_replace
+    assert len(routes) == len(model.model.layers) - dense
+    expected = {}
+    for index, layer in enumerate(model.model.layers[dense:], start=dense):
+        config = tiny_moe_config("deepseek_v3")
+        config.hidden_size = config.n_routed_experts
+        router = DeepseekV3TopkRouter(config)
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(config.n_routed_experts))
+            router.e_score_correction_bias.copy_(layer.mlp.gate.e_score_correction_bias)
+            chosen = router(routes[index - dense].float())[2]
+        load = torch.bincount(chosen.reshape(-1), minlength=8).float()
+        bias = layer.mlp.gate.e_score_correction_bias.detach()
+        expected[index] = bias + 1e-3 * torch.sign(load.mean() - load)
+    return expected

@@ -24,6 +24,7 @@ from tests.support.hf_moe_models import tiny_moe_config, tiny_moe_model
 __all__ = ["Layout", "ReshardCase", "hf_refusal", "reshard_differences"]
 
 BATCH = 8
+MOE_MODELS = ("mixtral", "deepseek_v3")
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -54,8 +55,9 @@ class ReshardCase:
     """A model saved at `saved` after one Adam step, resumed at each of `loads`."""
 
     model: str
-    """'gpt2', 'llama' (HF, tensor_parallel_hf), 'mixtral' (HF MoE) or 'tp' (the engine's
-    own tensor-parallel layers)."""
+    """'gpt2', 'llama' (HF, tensor_parallel_hf), 'mixtral' or 'deepseek_v3' (HF MoE,
+    tensor_parallel_hf where the layout has tp) or 'tp' (the engine's own tensor-parallel
+    layers)."""
     saved: Layout
     loads: tuple[Layout, ...] = field(default_factory=tuple)
 
@@ -71,9 +73,12 @@ class _Run:
             module = PipelineModule(spec.layers(), num_stages=layout.pp, loss_fn=spec.loss,
                                     partition_method="uniform", base_seed=seed)
         else:
-            moe = model == "mixtral"
+            moe = model in MOE_MODELS
             config = tiny_moe_config(model) if moe else tiny_config(model)
-            self.hf = layers_from_hf(config) if moe else tensor_parallel_hf(layers_from_hf(config))
+            # an MoE model split over tp only where the layout has tp (its checkpoint names
+            # are the same either way)
+            self.hf = layers_from_hf(config) if moe and layout.tp == 1 \
+                else tensor_parallel_hf(layers_from_hf(config))
             module = PipelineModule(self.hf.layers, num_stages=layout.pp, loss_fn=self.hf.loss_fn,
                                     partition_method="uniform")
             weights = (tiny_moe_model(model, seed=seed) if moe else tiny_model(model, seed=seed))
@@ -91,7 +96,7 @@ class _Run:
             return engine.train_batch(inputs[rows], targets[rows])
         ids, _ = token_batch(BATCH, 8, seed=seed)
         labels = causal_lm_targets(ids)
-        if self.model == "mixtral":
+        if self.model in MOE_MODELS:  # DeepSeek-V3's aux-free balancing needs no census
             return train_batch_balanced(engine, self.hf.balance, ids[rows], labels[rows])
         return engine.train_batch(ids[rows], labels[rows])
 
