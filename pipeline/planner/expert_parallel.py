@@ -93,11 +93,15 @@ def _per_stage_list(value: float | Sequence[float], stages: int) -> list[float]:
     return [float(v) for v in value] if isinstance(value, Sequence) else [float(value)] * stages
 
 
-def exposed_all_to_all(timeline: Timeline, model: CostModel, rank: int, stages: int
-                        ) -> float:
-    """Seconds `rank`'s ops ran beyond their compute: the expert all-to-all the simulator's
-    lane left exposed (all of it in an op run alone; in an overlapped F&B pair, the part the
-    other op's compute did not hide)."""
+def exposed_all_to_all(timeline: Timeline, model: CostModel, rank: int, stages: int,
+                       without: Timeline | None = None) -> float:
+    """Seconds of `rank`'s step the expert all-to-all is the cause of: its own ops run
+    beyond their compute (the all-to-all the simulator's lane left exposed: all of it in an
+    op run alone; in an overlapped F&B pair, the part the other op's compute did not hide),
+    or, when longer, the delay it adds to the rank's compute end: that end in `timeline`
+    less its end in `without` (the same schedule and costs simulated with no all-to-all),
+    which also counts the waits for the other ranks' all-to-alls (a rank whose stages have
+    no MoE layer waits on them, and once booked that wait as bubble: issue 48)."""
     forward, backward, weight, _, _ = model.resolve(stages)
     compute = {Kind.F: forward, Kind.B: np.add(backward, weight),
                Kind.OVERLAP_B: np.add(backward, weight), Kind.I: backward, Kind.W: weight}
@@ -107,4 +111,12 @@ def exposed_all_to_all(timeline: Timeline, model: CostModel, rank: int, stages: 
     for kind, times in compute.items():
         mine = rows & (timeline.kind == KIND_CODES[kind])
         alone += float(np.asarray(times, dtype=float)[timeline.stage[mine]].sum())
-    return max(ran - alone, 0.0)
+    own = max(ran - alone, 0.0)
+    if without is None:
+        return own
+    return max(own, _compute_end(timeline, rank) - _compute_end(without, rank))
+
+
+def _compute_end(timeline: Timeline, rank: int) -> float:
+    rows = (timeline.rank == rank) & timeline.compute_mask()
+    return float(timeline.end[rows].max()) if rows.any() else 0.0

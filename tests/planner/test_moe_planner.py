@@ -151,7 +151,9 @@ def test_all_to_all_is_dispatch_and_combine_of_top_k_copies(devices_per_node: in
     assert inside.weight == lane.weight
     assert exposed_in_ops(replace(lane, all_to_all=None)).all_to_all is None
     priced = price(model, cluster, 64, config)
-    assert priced.breakdown["ep_comm"] == pytest.approx(4 * 2 * (4 * 2 * one), rel=1e-9)
+    # ep_comm: at least the rank's own m·(forward + backward) all-to-alls, and what they
+    # and the other rank's delay its compute end (`test_moe_breakdown` checks that oracle)
+    assert priced.breakdown["ep_comm"] >= 4 * 2 * (4 * 2 * one) * (1 - 1e-9)
     assert sum(priced.breakdown.values()) == pytest.approx(priced.step_seconds, rel=1e-9)
 
 
