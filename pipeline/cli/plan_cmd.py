@@ -279,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
                           nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
                           seq=model.seq, sequence_parallel=args.sequence_parallel,
                           tp_comm_overlap=args.tp_comm_overlap,
-                          two_batch_overlap=args.two_batch_overlap)
+                          two_batch_overlap=args.two_batch_overlap,
+                          experts=model.experts)
     launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first, "target": target}
     header = (f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "
               f"global batch {args.global_batch}\n")

@@ -114,7 +114,8 @@ def _pipesched_exposed(layer: LayerProfile, cluster: ClusterSpec, precision: str
     collective = allreduce_seconds(nbytes, tp, 1, cluster) / halves
     chunk = allreduce_seconds(nbytes / chunks, tp, 1, cluster) / halves
     linears = [ParallelLinearCosts(kind, *times, collective=collective, chunk_collective=chunk)
-               for kind, times in block_linear_times(shape, batch, tp, cluster, precision)]
+               for kind, times in block_linear_times(shape, batch, tp, cluster, precision)
+               if kind != "expert"]  # a MoE block's experts: no tensor-parallel collective
     return linears_exposed(linears, sequence_parallel=shape.sequence_parallel, overlap=True,
                            chunks=chunks)
 
@@ -162,6 +163,8 @@ def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: 
     forward = backward = 0.0
     for kind, (gemm, input_grad, weight_grad) in block_linear_times(shape, batch, tp, cluster,
                                                                     precision):
+        if kind == "expert":  # a MoE block's experts: no tensor-parallel collective
+            continue
         forward += _ring_exchange(gemm, collective, tp)
         if kind == "column":
             backward += max(0.0, collective - input_grad) + max(0.0, collective - weight_grad)
