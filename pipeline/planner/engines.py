@@ -106,8 +106,9 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
   `pricing.layer_tp_pass_seconds`;
 - the tied word embeddings' gradient reduced with the rest (`tied_reduce_at_step` False).
 - mixture-of-experts models with --expert-model-parallel-size ep and
-  --expert-tensor-parallel-size 1 (the pick's line gives it: its default is tp), tp > 1 beside it under sequence
-  parallelism (`arguments.py` requires it with experts and tp): attention and the dense
+  --expert-tensor-parallel-size 1 (the pick's line gives it: its default is tp), tp > 1
+  beside it under sequence parallelism (`arguments.py` requires it with experts and tp):
+  attention and the dense
   layers split over tp, the experts over ep only, each tp rank's s/t tokens through the
   all-to-all token dispatcher (`--moe-token-dispatcher-type alltoall`), the experts'
   gradients and distributed-optimizer shards over the t·d / ep ranks holding the same
