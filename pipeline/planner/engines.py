@@ -108,13 +108,12 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
 - mixture-of-experts models with --expert-model-parallel-size ep and
   --expert-tensor-parallel-size 1 (the pick's line gives it: its default is tp), tp > 1
   beside it under sequence parallelism (`arguments.py` requires it with experts and tp):
-  attention and the dense
-  layers split over tp, the experts over ep only, each tp rank's s/t tokens through the
-  all-to-all token dispatcher (`--moe-token-dispatcher-type alltoall`), the experts'
-  gradients and distributed-optimizer shards over the t·d / ep ranks holding the same
-  experts (`expert_parallel.expert_group`); priced as this engine's MoE is (one GEMM of
-  the k·f_e width at balanced routing, ep carved from dp t ranks apart, not the newer
-  "parallel folding" of ep over tp × dp).
+  attention and the dense layers split over tp, the experts over ep only, each tp rank's
+  s/t tokens through the all-to-all token dispatcher (`--moe-token-dispatcher-type
+  alltoall`), the experts' gradients and distributed-optimizer shards over the t·d / ep
+  ranks holding the same experts (`expert_parallel.expert_group`); priced as this
+  engine's MoE is (one GEMM of the k·f_e width at balanced routing, ep carved from dp t
+  ranks apart, not the newer "parallel folding" of ep over tp × dp).
 Not modelled: context parallelism, FP8, FSDP (`OUTSIDE_SPACE`)."""
 
 DEEPSPEED_COMMIT = "38327e07f6cd39b63418f60cedd1651b0be3e7c3"
