@@ -25,8 +25,8 @@ DEEPSEEK_LIKE = ("layers=12,hidden=1024,heads=8,vocab=32000,seq=2048,mlp=swiglu,
                  "bias=none,learned_positions=false,ffn=4096,experts=16,topk=4,expert_ffn=1024,"
                  "dense_layers=0;1;2")
 """Fine-grained experts (16, top 4) after three dense blocks, as DeepSeek-V2 has one."""
-CLUSTER = replace(PRESETS["h100-80g"], nodes=4, devices_per_node=4)
-"""4 devices a node: an ep of 4 or more replicas spans nodes."""
+CLUSTER = replace(PRESETS["h100-80g"], nodes=8, devices_per_node=2)
+"""2 devices a node: an ep group of 4 (pp 4) spans two nodes, of 2 (pp 8) one."""
 
 
 def _without_all_to_all(model: ModelProfile) -> ModelProfile:
