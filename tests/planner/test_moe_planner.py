@@ -151,8 +151,7 @@ def test_all_to_all_is_dispatch_and_combine_of_top_k_copies(devices_per_node: in
     assert inside.weight == lane.weight
     assert exposed_in_ops(replace(lane, all_to_all=None)).all_to_all is None
     priced = price(model, cluster, 64, config)
-    # ep_comm: at least the rank's own m·(forward + backward) all-to-alls, and what they
-    # and the other rank's delay its compute end (`test_moe_breakdown` checks that oracle)
+    # at least its own m·(F + B) all-to-alls (the delay to its end: test_moe_breakdown)
     assert priced.breakdown["ep_comm"] >= 4 * 2 * (4 * 2 * one) * (1 - 1e-9)
     assert sum(priced.breakdown.values()) == pytest.approx(priced.step_seconds, rel=1e-9)
 
@@ -243,8 +242,7 @@ def test_pick_uses_ep_when_experts_dominate_memory_and_ep_1_for_a_dense_model() 
 
 
 def _ep_rules(config: PlanConfig, experts: int) -> bool:
-    """The engine's rules, from their definition: ep divides dp and the experts; tp 1 for
-    a model without sequence parallelism (as these are)."""
+    """The engine's rules: ep divides dp and the experts; tp 1 without sequence parallelism."""
     return config.dp % config.ep == 0 and experts % config.ep == 0 \
         and (config.ep == 1 or config.tp == 1)
 
