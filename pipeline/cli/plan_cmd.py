@@ -27,7 +27,8 @@ model directory (GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the mixtu
 experts Mixtral, Qwen2-MoE, Qwen3-MoE; --seq defaults to its max_position_embeddings), or a
 partitioner cost JSON (times per --cost-batch samples). A mixture of experts as a shape:
 experts=,topk=,expert_ffn=[,shared_ffn=,shared_gate=true,sparse_step=,dense_layers=0;5];
-the search then tries every expert-parallel size ep (--ep) dividing dp and the experts.
+the search then tries every expert-parallel size ep (--ep) dividing dp and the experts,
+beside tp > 1 with --sequence-parallel (experts whole on each tp rank, split over ep).
 CLUSTER: a100-80g, h100-80g, a800-80g (8 devices a node; --nodes sets how many nodes),
 local (this machine, calibrated in a few seconds), or a JSON file (see CLUSTER FILES below).
 """
@@ -279,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
                           nodes=cluster.nodes, devices_per_node=cluster.devices_per_node,
                           seq=model.seq, sequence_parallel=args.sequence_parallel,
                           tp_comm_overlap=args.tp_comm_overlap,
-                          two_batch_overlap=args.two_batch_overlap)
+                          two_batch_overlap=args.two_batch_overlap,
+                          experts=model.experts)
     launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first, "target": target}
     header = (f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "
               f"global batch {args.global_batch}\n")

@@ -132,7 +132,8 @@ class SearchBounds:
         return rank_states(params, range(config.pp), config.pp, dp=config.dp * config.cp,
                            zero=config.zero_stage, stage_gradient_bytes=tied,
                            stage_expert_params=self.context.rank_experts(config),
-                           expert_parallel=config.ep, **self.context.engine_bytes(config))
+                           expert_parallel=config.ep, expert_replicas=config.tp,
+                           **self.context.engine_bytes(config))
 
     def _warm_bytes(self, config: PlanConfig, partition: tuple[Any, ...], m: int,
                     each: np.ndarray) -> np.ndarray:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.expert_parallel import expert_group
 from pipeline.planner.memory import PARAM_BYTES
 from pipeline.planner.pricing import allreduce_seconds
 from pipeline.planner.stages import StageTable
@@ -40,15 +41,16 @@ def grad_reduction(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
     backward as they become final, one after another on one stream; only what cannot hide
     behind that backward is exposed). ZeRO-1 reduce-scatters: half an all-reduce's traffic.
     Without `overlap`, everything starts once the rank's pipeline has drained (Narayanan et
-    al. 2021). `params`: per stage, default `table.params` (`tied.stage_params` adds
-    a tied copy). The routed experts' gradients (`StageTable.experts`): with the rest at
-    ep = 1; above, each rank's 1/ep of them over the dp / ep ranks holding the same experts
-    (`Topology.expert_dp_group`: tp · ep ranks apart), after the dense ones on the same
-    stream. None where dp = 1."""
-    if dp == 1:
+    al. 2021). `params`: per stage, default `table.params` (`tied.stage_params` adds a tied
+    copy). The routed experts' gradients (`StageTable.experts`): each rank's 1/ep of them
+    over the t · dp / ep ranks holding the same experts (`expert_parallel.expert_group`;
+    `Topology.expert_dp_group` at t = 1), after the dense ones on the same stream; with the
+    rest at ep = t = 1. None where dp = 1 (at t > 1 a MoE stage's experts, whole on each tp
+    rank, are still reduced over them)."""
+    if dp == 1 and (tp == 1 or not np.any(table.experts)):
         return None
     held = table.params if params is None else params
-    held, experts = _with_experts(held, table.experts, ep)
+    held, experts = _with_experts(held, table.experts, ep, tp)
 
     def reduce(count: float, group: int, stride: int) -> float:
         if not count:  # no experts here: no second collective, not even its latency
@@ -56,17 +58,20 @@ def grad_reduction(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
         return allreduce_seconds(count * grad_reduce_bytes, group, stride, cluster) \
             / (2 if zero_stage else 1)
 
-    seconds = [reduce(float(count), dp, tp) + reduce(float(mine), dp // ep, tp * ep)
+    group, stride = expert_group(dp, tp, ep)
+    seconds = [reduce(float(count), dp, tp) + reduce(float(mine), group, stride)
                for count, mine in zip(held, experts, strict=True)]
     return GradReduction(time=seconds, buckets=stage_buckets(table, held + experts),
                          start="overlap" if overlap else "after_flush")
 
 
-def _with_experts(params: np.ndarray, experts: np.ndarray, ep: int
+def _with_experts(params: np.ndarray, experts: np.ndarray, ep: int, tp: int
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """(parameters reduced over dp, expert parameters one rank holds, reduced over dp / ep):
-    at ep = 1 the experts are replicated like the rest and reduced with them."""
-    if ep == 1:
+    """(parameters reduced over dp, expert parameters one rank holds, reduced over their
+    group, `expert_parallel.expert_group`): at ep = tp = 1 the experts are replicated like
+    the rest and reduced with them (at tp > 1 they are whole on every tp rank, the rest
+    split: two groups even at ep = 1)."""
+    if ep == 1 and tp == 1:
         return params + experts, np.zeros(len(params))
     return params, experts / ep
 
@@ -83,16 +88,18 @@ def param_gather(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
     `overlap_param_gather`): each stage's first forward of the next step waits, layer by
     layer, for the buckets holding its parameters (`schedules.analysis.gather`; the stage's
     layers taken as equal). `params` as `grad_reduction`'s. At ep > 1 the dense parameters
-    are gathered over dp and the stage's 1/ep of the experts over dp / ep, one after the
-    other on the lane (the engine gathers each half over its own group). None without
-    ZeRO-1/2 or where dp = 1 (ZeRO-3 gathers before every use: `sharded_comm_seconds`)."""
+    are gathered over dp and the stage's 1/ep of the experts over their group
+    (`expert_parallel.expert_group`), one after the other on the lane (the engine gathers
+    each half over its own group). None without ZeRO-1/2 or where dp = 1 (ZeRO-3 gathers
+    before every use: `sharded_comm_seconds`)."""
     if not zero_stage or zero_stage == 3 or dp == 1:
         return None
     dense, experts = _with_experts(table.params if params is None else params,
-                                   np.asarray(table.experts, dtype=float), ep)
+                                   np.asarray(table.experts, dtype=float), ep, tp)
+    group, stride = expert_group(dp, tp, ep)
     times = [_gather_seconds(float(x), dp, tp, cluster)
-             + (_gather_seconds(float(mine), dp // ep, tp * ep, cluster)
-                if mine and dp // ep > 1 else 0.0)
+             + (_gather_seconds(float(mine), group, stride, cluster)
+                if mine and group > 1 else 0.0)
              for x, mine in zip(dense, experts, strict=True)]
     return ParamGather(time=times, buckets=stage_buckets(table, dense + experts), overlap=True,
                        layers=[len(stage) for stage in table.stages])
@@ -106,17 +113,19 @@ def update_seconds(rank_params: np.ndarray, cluster: ClusterSpec, *, dp: int, tp
     """Per rank: optimizer step seconds and the ZeRO-1 all-gather seconds exposed after it
     (blocking: all of it; with `overlap_param_gather` none here, the simulator places it).
     `rank_experts`: the routed experts' parameters per rank (all E), of which it steps 1/ep,
-    ZeRO-1's shard of them 1/(dp / ep), gathered over that group. ZeRO-2 keeps ZeRO-1's
-    gather after the step; ZeRO-3 has none there (its gathers: `sharded_comm_seconds`)."""
+    ZeRO-1's shard of them 1/(t · dp / ep), gathered over that group
+    (`expert_parallel.expert_group`). ZeRO-2 keeps ZeRO-1's gather after the step; ZeRO-3
+    has none there (its gathers: `sharded_comm_seconds`)."""
     experts = np.zeros(len(rank_params)) if rank_experts is None else rank_experts
-    rank_params, experts = _with_experts(rank_params, experts, ep)
-    shard = rank_params / (dp if zero_stage else 1) + experts / (dp // ep if zero_stage else 1)
+    rank_params, experts = _with_experts(rank_params, experts, ep, tp)
+    group, stride = expert_group(dp, tp, ep)
+    shard = rank_params / (dp if zero_stage else 1) + experts / (group if zero_stage else 1)
     step = cluster.op_overhead + shard * update_bytes / cluster.memory_bandwidth
     if not zero_stage or zero_stage == 3 or overlap_param_gather:
         return step, np.zeros(len(rank_params))
     # ZeRO-1: reduce-scatter before the step (overlapped), all-gather after it (exposed)
     return step, np.array([_gather_seconds(x, dp, tp, cluster)
-                           + (_gather_seconds(mine, dp // ep, tp * ep, cluster) if mine
+                           + (_gather_seconds(mine, group, stride, cluster) if mine
                               else 0.0)
                            for x, mine in zip(rank_params, experts, strict=True)])
 

@@ -76,8 +76,7 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
     "uniform_layers": True, "interleaved_groups": True, "interleaved_min_pp": 2,
     "blocking_p2p": True, "p2p_overlap_interleaved": True, "p2p_gather": False,
     "grad_reduce_bytes": 4.0, "update_bytes": 38.0, "tied_reduce_at_step": False,
-    "tp_overlap": "megatron-core", "state_bytes": (2.0, 4.0, 12.0),
-    "prices_experts": False})
+    "tp_overlap": "megatron-core", "state_bytes": (2.0, 4.0, 12.0)})
 """Megatron-Core as its current scripts run it (`MEGATRON_CORE_COMMIT`;
 `examples/llama/train_llama3_8b_h100_fp8.sh`: --sequence-parallel
 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather, and
@@ -106,9 +105,16 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
   `arguments.py` allows only with sequence parallelism: `ENGINE_PROFILES`), priced by
   `pricing.layer_tp_pass_seconds`;
 - the tied word embeddings' gradient reduced with the rest (`tied_reduce_at_step` False).
-Not modelled: context parallelism, FP8, FSDP (`OUTSIDE_SPACE`); its mixture-of-experts runs
-(--expert-model-parallel-size, grouped GEMMs, its token dispatchers) are not priced
-(`prices_experts` False): a MoE model is refused for it."""
+- mixture-of-experts models with --expert-model-parallel-size ep and
+  --expert-tensor-parallel-size 1 (the pick's line gives it: its default is tp), tp > 1
+  beside it under sequence parallelism (`arguments.py` requires it with experts and tp):
+  attention and the dense layers split over tp, the experts over ep only, each tp rank's
+  s/t tokens through the all-to-all token dispatcher (`--moe-token-dispatcher-type
+  alltoall`), the experts' gradients and distributed-optimizer shards over the t·d / ep
+  ranks holding the same experts (`expert_parallel.expert_group`); priced as this
+  engine's MoE is (one GEMM of the k·f_e width at balanced routing, ep carved from dp t
+  ranks apart, not the newer "parallel folding" of ep over tp × dp).
+Not modelled: context parallelism, FP8, FSDP (`OUTSIDE_SPACE`)."""
 
 DEEPSPEED_COMMIT = "38327e07f6cd39b63418f60cedd1651b0be3e7c3"
 """The microsoft/DeepSpeed commit (2025-02-21) `DEEPSPEED` is read from."""

@@ -2,8 +2,12 @@
 all-to-all a MoE stage pays inside each F and B (`schedules.analysis.all_to_all`).
 
 Legend: E routed experts per MoE layer, k top-k, h hidden, s sequence, b microbatch, e
-bytes of an activation element, d data-parallel replicas, ep the ranks splitting the
-experts (consecutive dp replicas, tp ranks apart: `pipeline.parallel.topology`).
+bytes of an activation element, d data-parallel replicas, t tensor-parallel ranks, ep the
+ranks splitting the experts (consecutive dp replicas, t ranks apart:
+`pipeline.parallel.topology`). With t > 1 the experts are not split over t (expert tensor
+parallelism 1, Megatron-Core's default `--expert-tensor-parallel-size 1`): attention and
+the dense layers split over t, each tp rank routes its s/t tokens (sequence parallelism)
+through its own ep group, and the t ranks of a replica hold the same E / ep experts.
 """
 
 from __future__ import annotations
@@ -19,21 +23,28 @@ from schedules import CostModel, Kind
 from schedules.analysis.all_to_all import ExpertAllToAll
 from schedules.analysis.timeline import KIND_CODES, Timeline
 
-__all__ = ["all_to_all_seconds", "expert_all_to_all", "expert_sizes", "exposed_all_to_all",
-           "exposed_in_ops"]
+__all__ = ["all_to_all_seconds", "expert_all_to_all", "expert_group", "expert_sizes",
+           "exposed_all_to_all", "exposed_in_ops"]
 
 
-def expert_sizes(dp: int, experts: int, allowed: Sequence[int] | None = None, *,
-                 tp: int = 1) -> list[int]:
+def expert_sizes(dp: int, experts: int, allowed: Sequence[int] | None = None) -> list[int]:
     """The ep sizes the engine runs at this grid point: ep divides dp (the experts are
-    split over dp replicas) and the E experts (E / ep each); above 1 only at tp = 1
-    (`ParallelConfig` refuses tp with expert_parallel); among `allowed` when given. A dense
-    model (E = 0): [1]."""
+    split over dp replicas) and the E experts (E / ep each), at any tp (experts unsplit
+    over tp); among `allowed` when given. A dense model (E = 0): [1]."""
     if not experts:
         return [1]
-    sizes = [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0
-             and (ep == 1 or tp == 1)]
+    sizes = [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0]
     return [ep for ep in sizes if allowed is None or ep in allowed]
+
+
+def expert_group(dp: int, tp: int, ep: int) -> tuple[int, int]:
+    """(ranks, stride) of the group holding the same experts, over which their gradients are
+    reduced and ZeRO-1 shards their optimizer state: the t ranks of each of the d / ep
+    replicas with the same ep rank (expert tensor parallelism 1: Megatron-Core's expert
+    data-parallel group, t·d / ep ranks). In the rank order (t innermost, then the replicas)
+    its members sit in runs of t, t·ep apart: a stride of ep on average, which puts the
+    right count of them on each node (`pricing.allreduce_seconds`)."""
+    return tp * dp // ep, ep
 
 
 def all_to_all_seconds(nbytes: float, ep: int, stride: int, cluster: ClusterSpec) -> float:
@@ -62,13 +73,14 @@ def expert_all_to_all(table: StageTable, cluster: ClusterSpec, *, batch: int, ep
     """Each stage's expert all-to-all inside one microbatch of `batch` samples: every MoE
     layer dispatches each token's hidden state to its k experts and combines their outputs
     back, two all-to-alls of s·k·h·e bytes per sample (`LayerProfile.all_to_all_bytes`),
-    in the forward; the backward sends the gradients of both the other way, two more. None
-    where nothing is exchanged (ep = 1, or a dense model). `two_batch`: forwards outside
-    pairs run as two halves (`ExpertAllToAll.two_batch`)."""
+    in the forward; the backward sends the gradients of both the other way, two more. At
+    tp > 1 each tp rank sends its sequence slice, 1/t of them, over its ep group (t ranks
+    apart). None where nothing is exchanged (ep = 1, or a dense model). `two_batch`:
+    forwards outside pairs run as two halves (`ExpertAllToAll.two_batch`)."""
     if ep <= 1 or not table.moe_layers.any():
         return None
     seconds = np.array([
-        2 * count * all_to_all_seconds(total / count * batch, ep, tp, cluster) if count
+        2 * count * all_to_all_seconds(total / count * batch / tp, ep, tp, cluster) if count
         else 0.0 for count, total in zip(table.moe_layers, table.all_to_all, strict=True)])
     return ExpertAllToAll(forward=seconds.tolist(), backward=seconds.tolist(),
                           two_batch=two_batch)
@@ -93,11 +105,15 @@ def _per_stage_list(value: float | Sequence[float], stages: int) -> list[float]:
     return [float(v) for v in value] if isinstance(value, Sequence) else [float(value)] * stages
 
 
-def exposed_all_to_all(timeline: Timeline, model: CostModel, rank: int, stages: int
-                        ) -> float:
-    """Seconds `rank`'s ops ran beyond their compute: the expert all-to-all the simulator's
-    lane left exposed (all of it in an op run alone; in an overlapped F&B pair, the part the
-    other op's compute did not hide)."""
+def exposed_all_to_all(timeline: Timeline, model: CostModel, rank: int, stages: int,
+                       without: Timeline | None = None) -> float:
+    """Seconds of `rank`'s step the expert all-to-all is the cause of: its own ops run
+    beyond their compute (the all-to-all the simulator's lane left exposed: all of it in an
+    op run alone; in an overlapped F&B pair, the part the other op's compute did not hide),
+    or, when longer, the delay it adds to the rank's compute end: that end in `timeline`
+    less its end in `without` (the same schedule and costs simulated with no all-to-all),
+    which also counts the waits for the other ranks' all-to-alls (a rank whose stages have
+    no MoE layer waits on them, and once booked that wait as bubble: issue 48)."""
     forward, backward, weight, _, _ = model.resolve(stages)
     compute = {Kind.F: forward, Kind.B: np.add(backward, weight),
                Kind.OVERLAP_B: np.add(backward, weight), Kind.I: backward, Kind.W: weight}
@@ -107,4 +123,12 @@ def exposed_all_to_all(timeline: Timeline, model: CostModel, rank: int, stages: 
     for kind, times in compute.items():
         mine = rows & (timeline.kind == KIND_CODES[kind])
         alone += float(np.asarray(times, dtype=float)[timeline.stage[mine]].sum())
-    return max(ran - alone, 0.0)
+    own = max(ran - alone, 0.0)
+    if without is None:
+        return own
+    return max(own, _compute_end(timeline, rank) - _compute_end(without, rank))
+
+
+def _compute_end(timeline: Timeline, rank: int) -> float:
+    rows = (timeline.rank == rank) & timeline.compute_mask()
+    return float(timeline.end[rows].max()) if rows.any() else 0.0

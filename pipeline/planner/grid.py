@@ -56,7 +56,7 @@ def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
                   options: SearchOptions) -> list[int]:
     if options.tensor_parallel is not None:
         return list(options.tensor_parallel)
-    if model.experts:  # the engine runs MoE layers unsplit (`check_request`)
+    if model.experts and not model.sequence_parallel:  # `check_request`'s rule
         return [1]
     if model.tensor_parallel_ok and model.heads is not None:
         return [t for t in divisors(cluster.devices_per_node) if not model.tp_refusals(t)]
@@ -92,7 +92,7 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                     or not allowed(dp, options.data_parallel):
                 excluded["filters"] += 1
                 continue
-            eps = expert_sizes(dp, model.experts, options.expert_parallel, tp=tp)
+            eps = expert_sizes(dp, model.experts, options.expert_parallel)
             if not eps:
                 excluded["experts"] += 1
                 continue

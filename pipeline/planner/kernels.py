@@ -52,6 +52,10 @@ class LayerShape:
     tp_overlap_chunks: int = 2
     """Slices an overlapped block (`pricing.TP_OVERLAPS` "pipesched") pipelines its
     collectives in, the engine's `chunks` default."""
+    experts: bool = False
+    """The block's MLP is a MoE's experts, unsplit over tp (expert tensor parallelism 1):
+    its GEMMs run the rank's s/t tokens (sequence parallelism) at full width, with no
+    tensor-parallel collective (`block_linear_times`' "expert" linears)."""
     engine: Literal["pipesched", "megatron-2021"] = "pipesched"
     """Whose code runs the layer: "megatron-2021" adds the element-wise passes Megatron-LM's
     code of 2021 runs besides this engine's (`_megatron_2021_block`,
@@ -188,17 +192,25 @@ def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int
 
 def block_linear_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,
                        precision: str
-                       ) -> list[tuple[Literal["column", "row"], tuple[float, float, float]]]:
-    """A block's four tensor-parallel linears in order (qkv, proj, fc1 — gate and up at
-    once when gated —, fc2), each its kind and (forward, input gradient, weight gradient)
-    GEMM seconds on one of `tp` ranks."""
+                       ) -> list[tuple[Literal["column", "row", "expert"],
+                                       tuple[float, float, float]]]:
+    """A block's four linears in order (qkv, proj, fc1 — gate and up at once when gated —,
+    fc2), each its kind and (forward, input gradient, weight gradient) GEMM seconds on one
+    of `tp` ranks: column- and row-parallel, or, for a MoE block's experts
+    (`LayerShape.experts`), "expert": unsplit, on the rank's s/t tokens."""
     e, h, k = shape.element, shape.hidden, shape.kv_width
     tokens, width = batch * shape.seq, math.ceil(shape.ffn / tp)
     q = shape.heads * shape.head_size
     inner = 2 if shape.gated else 1
-    return [("column", _linear(tokens, h, math.ceil((q + 2 * k) / tp), cluster, precision, e)),
-            ("row", _linear(tokens, math.ceil(q / tp), h, cluster, precision, e)),
-            ("column", _linear(tokens, h, inner * width, cluster, precision, e)),
+    attention: list[tuple[Literal["column", "row", "expert"], tuple[float, float, float]]] = [
+        ("column", _linear(tokens, h, math.ceil((q + 2 * k) / tp), cluster, precision, e)),
+        ("row", _linear(tokens, math.ceil(q / tp), h, cluster, precision, e))]
+    if shape.experts:
+        local = math.ceil(tokens / tp)
+        return [*attention,
+                ("expert", _linear(local, h, inner * shape.ffn, cluster, precision, e)),
+                ("expert", _linear(local, shape.ffn, h, cluster, precision, e))]
+    return [*attention, ("column", _linear(tokens, h, inner * width, cluster, precision, e)),
             ("row", _linear(tokens, width, h, cluster, precision, e))]
 
 

@@ -44,6 +44,8 @@ class LaunchTarget:
     two_batch_overlap: bool = False
     """Priced with two-batch overlap (`pipesched plan --two-batch-overlap`): the engine line
     of an MoE pick whose microbatches can be halved turns it on."""
+    experts: int = 0
+    """The model's routed experts per MoE layer (0: dense)."""
 
 
 def _torchrun(target: LaunchTarget, script: str) -> str:
@@ -199,6 +201,9 @@ def _megatron_core(config: PlanConfig, global_batch: int, target: LaunchTarget,
     flags = _megatron_parallel_flags(config, global_batch, blocks)
     if config.tp > 1:
         flags.append("--sequence-parallel --tp-comm-overlap")
+    if target.experts:  # priced at expert tensor parallelism 1 (its default is tp's)
+        flags.append(f"--expert-model-parallel-size {config.ep} "
+                     "--expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall")
     flags.append("--overlap-grad-reduce")
     if config.zero_stage:
         flags.append("--use-distributed-optimizer --overlap-param-gather")

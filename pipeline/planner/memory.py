@@ -117,8 +117,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                      step_gradient_bytes: float = 0.0,
                      stage_gradient_bytes: ArrayLike | None = None,
                      state_bytes: tuple[float, float, float] | None = None,
-                     stage_expert_params: ArrayLike | None = None, expert_parallel: int = 1
-                     ) -> tuple[MemoryBreakdown, int]:
+                     stage_expert_params: ArrayLike | None = None, expert_parallel: int = 1,
+                     expert_replicas: int = 1) -> tuple[MemoryBreakdown, int]:
     """Memory of the pipeline rank holding the most, and that rank.
 
     `stage_params`: parameters one tp rank holds, per stage; `rank_activations`: the
@@ -155,7 +155,7 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                          step_gradient_bytes=step_gradient_bytes,
                          stage_gradient_bytes=stage_gradient_bytes, state_bytes=state_bytes,
                          stage_expert_params=stage_expert_params,
-                         expert_parallel=expert_parallel)
+                         expert_parallel=expert_parallel, expert_replicas=expert_replicas)
     return states.peak(activations + (workspace if recompute else 0.0))
 
 
@@ -225,10 +225,12 @@ def rank_states(stage_params: ArrayLike, placement: Sequence[int], ranks: int, *
                 zero: int, extra_gradient_bytes: float = 0.0, step_gradient_bytes: float = 0.0,
                 stage_gradient_bytes: ArrayLike | None = None,
                 state_bytes: tuple[float, float, float] | None = None,
-                stage_expert_params: ArrayLike | None = None, expert_parallel: int = 1
-                ) -> RankStates:
+                stage_expert_params: ArrayLike | None = None, expert_parallel: int = 1,
+                expert_replicas: int = 1) -> RankStates:
     """The model states of `peak_rank_memory`'s ranks (its arguments but the activations),
-    to price held activations against (`RankStates.peak`)."""
+    to price held activations against (`RankStates.peak`). `expert_replicas`: the tp ranks
+    of a replica holding the same experts (expert tensor parallelism 1), over which with
+    the dp / ep replicas ZeRO-1 shards the experts' optimizer state."""
     per_parameter = _bytes_per_parameter(dp=dp, zero=zero, state_bytes=state_bytes,
                                          extra_gradient_bytes=extra_gradient_bytes)
     parameters, gradients, optimizer = per_parameter
@@ -246,7 +248,8 @@ def rank_states(stage_params: ArrayLike, placement: Sequence[int], ranks: int, *
     params = np.asarray(stage_params, dtype=float) if own else np.bincount(
         where, weights=np.asarray(stage_params, dtype=float), minlength=ranks)
     experts, expert_bytes = _expert_states(where, ranks, stage_expert_params, expert_parallel,
-                                           dp=dp, zero=zero, state_bytes=state_bytes,
+                                           dp=dp * expert_replicas, zero=zero,
+                                           state_bytes=state_bytes,
                                            extra_gradient_bytes=extra_gradient_bytes)
     more = np.zeros(ranks) if stage_gradient_bytes is None else (
         np.asarray(stage_gradient_bytes, dtype=float) if own else np.bincount(

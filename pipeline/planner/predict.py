@@ -275,7 +275,8 @@ class PlanContext(RankPricing):
         # the breakdown of the rank that finishes last: its parts sum to the step
         last = int(np.argmax(parts.finish))
         ep_comm = 0.0 if all_to_all is None else exposed_all_to_all(
-            timeline, model, last, config.pp * config.chunks)
+            timeline, model, last, config.pp * config.chunks,
+            without=simulate(schedule, replace(simulated, all_to_all=None), runs=self._runs))
         breakdown = step_breakdown(parts, last, costs, np.asarray(placement_of(config)) == last,
                                    config.num_microbatches, ep_comm, step, exposed)
         tokens = self.global_batch * self.model.seq

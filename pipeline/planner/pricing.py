@@ -13,6 +13,7 @@ from pipeline.planner.kernels import (
     layer_kernel_times,
 )
 from pipeline.planner.profile import LayerProfile
+from pipeline.planner.userbuffers import sm_contention_seconds, userbuffers_sms
 from schedules.analysis.tp_overlap import ParallelLinearCosts, linears_exposed
 
 __all__ = ["TP_OVERLAPS", "allreduce_seconds", "layer_selective_seconds", "layer_split_times",
@@ -114,7 +115,8 @@ def _pipesched_exposed(layer: LayerProfile, cluster: ClusterSpec, precision: str
     collective = allreduce_seconds(nbytes, tp, 1, cluster) / halves
     chunk = allreduce_seconds(nbytes / chunks, tp, 1, cluster) / halves
     linears = [ParallelLinearCosts(kind, *times, collective=collective, chunk_collective=chunk)
-               for kind, times in block_linear_times(shape, batch, tp, cluster, precision)]
+               for kind, times in block_linear_times(shape, batch, tp, cluster, precision)
+               if kind != "expert"]  # a MoE block's experts: no tensor-parallel collective
     return linears_exposed(linears, sequence_parallel=shape.sequence_parallel, overlap=True,
                            chunks=chunks)
 
@@ -143,7 +145,9 @@ def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: 
     column-parallel linear's input re-gather beside its input-gradient GEMM and the input
     gradient's reduce-scatter beside its weight-gradient GEMM (bulk overlap: max(0, q - g)
     each), a row-parallel linear's output-gradient gather pipelined against its input-
-    gradient GEMM. Elsewhere (embedding, head, no sequence parallelism for megatron-core):
+    gradient GEMM; each GEMM beside a "pipeline" or "bulk" overlap slowed by the SMs its
+    communication kernel holds (`userbuffers`: Transformer Engine's SM counts in NeMo's H100
+    recipe). Elsewhere (embedding, head, no sequence parallelism for megatron-core):
     exposed whole."""
     if overlap not in TP_OVERLAPS:
         raise ValueError(f"tp overlap {overlap!r} must be one of {', '.join(TP_OVERLAPS)}")
@@ -160,8 +164,15 @@ def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: 
         return whole, 1.5 * whole
     collective = allreduce_seconds(layer.tp_allreduce_bytes * batch, tp, 1, cluster) / 2
     forward = backward = 0.0
-    for kind, (gemm, input_grad, weight_grad) in block_linear_times(shape, batch, tp, cluster,
-                                                                    precision):
+    for index, (kind, (gemm, input_grad, weight_grad)) in enumerate(
+            block_linear_times(shape, batch, tp, cluster, precision)):
+        if kind == "expert":  # a MoE block's experts: no tensor-parallel collective
+            continue
+        # the SMs userbuffers' kernels take from the GEMMs they run beside
+        sms = userbuffers_sms(index)
+        forward += sm_contention_seconds(gemm, cluster.sm_count, sms[0])
+        backward += (sm_contention_seconds(input_grad, cluster.sm_count, sms[1])
+                     + sm_contention_seconds(weight_grad, cluster.sm_count, sms[2]))
         forward += _ring_exchange(gemm, collective, tp)
         if kind == "column":
             backward += max(0.0, collective - input_grad) + max(0.0, collective - weight_grad)

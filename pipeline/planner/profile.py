@@ -165,6 +165,13 @@ class ModelProfile:
     def tensor_parallel_ok(self) -> bool:
         return self.heads is not None and not any(layer.measured for layer in self.layers)
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Its blocks run with sequence parallelism (norms, residuals and, in a MoE block,
+        the tokens entering the expert all-to-all split over tp)."""
+        return any(layer.shape is not None and layer.shape.sequence_parallel
+                   for layer in self.layers)
+
 
 def profile_from_cost_json(source: str | os.PathLike[str] | Mapping[str, Any], *,
                            cost_batch: int = 1) -> ModelProfile:

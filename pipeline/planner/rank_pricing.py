@@ -122,6 +122,7 @@ class RankPricing:
                                 stage_gradient_bytes=self.tied_grad_bytes(config),
                                 stage_expert_params=table.experts if self.model.experts
                                 else None, expert_parallel=config.ep,
+                                expert_replicas=config.tp,
                                 **self.engine_bytes(config))
 
     def tied_grad_bytes(self, config: PlanConfig) -> np.ndarray | None:

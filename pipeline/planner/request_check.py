@@ -60,8 +60,9 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
 
 def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
     """What of the request the engine cannot run with the model's experts: an engine whose
-    MoE runs are not priced, tp > 1 with experts, an ep size that is not 1 for a dense
-    model, or that does not divide the experts or any of the data-parallel sizes asked for."""
+    MoE runs are not priced, tp > 1 with experts but without sequence parallelism, an ep
+    size that is not 1 for a dense model, or that does not divide the experts or any of the
+    data-parallel sizes asked for."""
     sizes, experts = options.expert_parallel or (), model.experts
     if not experts:
         bad = [size for size in sizes if size > 1]
@@ -71,11 +72,13 @@ def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
         return [f"{model.name} is a mixture of experts; the engine these options model "
                 "(--engine) has its MoE runs unpriced: plan it with --engine pipesched"]
     problems = []
-    if any(size > 1 for size in options.tensor_parallel or ()):
+    if any(size > 1 for size in options.tensor_parallel or ()) \
+            and not model.sequence_parallel:
         problems.append(f"tensor-parallel size {', '.join(map(str, options.tensor_parallel or ()))}"
-                        f": the engine runs mixture-of-experts layers at tp 1 "
-                        f"(tensor_parallel_hf splits dense layers only, and expert_parallel "
-                        f"refuses tensor_parallel > 1); use --tp 1 and --ep for the experts")
+                        f": tensor parallelism with experts runs with sequence parallelism "
+                        f"only (each tp rank routes its s/t tokens; Megatron-Core: \"sequence "
+                        f"parallelism must be used\" with experts and tp); add "
+                        f"--sequence-parallel, or use --tp 1 and --ep for the experts")
     valid = [k for k in range(1, experts + 1) if experts % k == 0]
     bad = [size for size in sizes if experts % size]
     if bad:

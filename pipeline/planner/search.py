@@ -24,6 +24,7 @@ from pipeline.planner.options import (
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction, is_cost_aware
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.request_check import check_request
+from pipeline.planner.split_cause import split_message, uneven_fit
 from pipeline.planner.stages import block_span
 from pipeline.planner.step import Beaten
 from schedules.ir.schedule import gc_paused
@@ -145,12 +146,30 @@ def plan(model: ModelProfile, cluster: ClusterSpec, global_batch: int, *,
         count += 1
     if not result.predictions:
         first, end = block_span(model.layers)
+        _refuse_for_split(model, cluster, global_batch, precision, options, result, log,
+                          end - first)
         raise nothing_fits(log, result.considered, result.leanest, cluster, global_batch,
                            model, options, end - first)
     result.predictions.sort(key=lambda p: (p.step_seconds, p.memory.total, p.config))
     result.seconds = time.process_time() - started_cpu
     result.wall_seconds = time.perf_counter() - started
     return result
+
+
+def _refuse_for_split(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
+                      precision: str | None, options: SearchOptions, result: PlanResult,
+                      log: SearchLog, blocks: int) -> None:
+    """Raise the refusal that names the engine's even layer split when it, not the model's
+    size, is why nothing fits: the leanest configuration the engine runs is over memory,
+    and one the split alone refused fits (`split_cause.uneven_fit`)."""
+    if result.leanest is None or not log.excluded["uniform"] \
+            or result.leanest[1].total <= cluster.device_memory:
+        return
+    uneven = uneven_fit(model, cluster, global_batch, options,
+                        lambda free: _context(model, cluster, global_batch, precision, free))
+    if uneven is not None and uneven[1] <= cluster.device_memory:
+        leanest = (result.leanest[0], result.leanest[1].total)
+        raise PlanError(split_message(model, cluster, leanest, uneven, blocks, log.grid))
 
 
 def _beaten_above(times: np.ndarray, sizes: np.ndarray, memory: float,

@@ -68,6 +68,8 @@ def step_breakdown(parts: StepParts, last: int, costs: StageCosts, mine: np.ndar
     tp_comm = m * float(costs.tp_comm[mine].sum())
     recompute = m * float(costs.recompute[mine].sum())
     rank_end, ready, waited = parts.rank_end, parts.ready, parts.waited
+    # the all-to-all's share of the rank's idle time, never more than that time
+    ep_comm = min(ep_comm, max(float(rank_end[last] - busy - waited[last]), 0.0))
     cp = {} if costs.cp_comm is None else {"cp_comm": m * float(costs.cp_comm[mine].sum())}
     return {"compute": busy - tp_comm - recompute - sum(cp.values()), **cp,
             "recomputation": recompute, "tp_comm": tp_comm, "ep_comm": ep_comm,

@@ -159,7 +159,7 @@ class TransformerShape:
         """(split over t, replicated, experts) parameters of a MoE block: its attention and
         norms as a dense block's, its router, shared expert and gate held whole, its E
         experts (`ExpertShape.expert_parameters`, split over ep, not over t: the engine runs
-        MoE layers at t = 1)."""
+        expert tensor parallelism 1, as Megatron-Core's default)."""
         assert self.moe is not None
         split, replicated = self.block_split_replicated()
         h, matrices = self.hidden, self.mlp_matrices
@@ -336,13 +336,18 @@ def _moe_block(shape: TransformerShape, block: Callable[[TransformerShape], Laye
     hidden state sent to its k experts, s·k·h elements per sample each way
     (`expert_parallel.expert_all_to_all`). The router's logits and the dispatch's index
     bookkeeping are not counted in the activations (E and k words per token against
-    k·(3f_e) of the experts' own)."""
+    k·(3f_e) of the experts' own). At t > 1 its MLP is the experts unsplit on the rank's s/t
+    tokens (`kernels.LayerShape.experts`): attention's collectives only, one all-reduce's
+    bytes a pass, none around the MLP (its all-to-all takes and returns the rank's slice)."""
     assert shape.moe is not None
     active = replace(shape, ffn=shape.moe.active_ffn, moe=None)
     split, replicated, experts = shape.moe_block_parameters()
-    return replace(block(active), flops_split=shape.seq * shape.moe_block_flops_per_token(),
+    dense = block(active)
+    assert dense.shape is not None
+    return replace(dense, flops_split=shape.seq * shape.moe_block_flops_per_token(),
                    params_split=split, params_replicated=replicated, expert_params=experts,
-                   all_to_all_bytes=shape.seq * shape.moe.topk * shape.hidden * element)
+                   all_to_all_bytes=shape.seq * shape.moe.topk * shape.hidden * element,
+                   tp_allreduces=1, shape=replace(dense.shape, experts=True))
 
 
 def _label(shape: TransformerShape) -> str:

@@ -151,7 +151,8 @@ def test_all_to_all_is_dispatch_and_combine_of_top_k_copies(devices_per_node: in
     assert inside.weight == lane.weight
     assert exposed_in_ops(replace(lane, all_to_all=None)).all_to_all is None
     priced = price(model, cluster, 64, config)
-    assert priced.breakdown["ep_comm"] == pytest.approx(4 * 2 * (4 * 2 * one), rel=1e-9)
+    # at least its own m·(F + B) all-to-alls (the delay to its end: test_moe_breakdown)
+    assert priced.breakdown["ep_comm"] >= 4 * 2 * (4 * 2 * one) * (1 - 1e-9)
     assert sum(priced.breakdown.values()) == pytest.approx(priced.step_seconds, rel=1e-9)
 
 
@@ -241,7 +242,7 @@ def test_pick_uses_ep_when_experts_dominate_memory_and_ep_1_for_a_dense_model() 
 
 
 def _ep_rules(config: PlanConfig, experts: int) -> bool:
-    """The engine's rules, from their definition: ep divides dp and the experts; tp 1."""
+    """The engine's rules: ep divides dp and the experts; tp 1 without sequence parallelism."""
     return config.dp % config.ep == 0 and experts % config.ep == 0 \
         and (config.ep == 1 or config.tp == 1)
 
@@ -284,12 +285,12 @@ REFUSALS: list[tuple[str, Callable[[], object], list[str]]] = [
     ("ep on a dense model", lambda: plan(load_model(SHAPE), _small_cluster(80), 16,
                                          options=SearchOptions(expert_parallel=(2,))),
      ["expert-parallel size 2", "has no experts"]),
-    ("tp with experts", lambda: plan(load_model(MOE), _small_cluster(80), 16,
-                                     options=SearchOptions(tensor_parallel=(2,))),
-     ["tensor-parallel size 2", "at tp 1"]),
+    ("tp with experts without sequence parallelism", lambda: plan(
+        load_model(MOE), _small_cluster(80), 16, options=SearchOptions(tensor_parallel=(2,))),
+     ["tensor-parallel size 2", "with sequence parallelism only", "--sequence-parallel"]),
     ("an engine whose MoE runs are unpriced", lambda: plan(
         load_model(MOE), _small_cluster(80), 16,
-        options=SearchOptions(**engine_options("megatron-core"))),
+        options=SearchOptions(**engine_options("deepspeed"))),
      ["mixture of experts", "--engine pipesched"]),
     ("price: ep does not divide dp", lambda: PlanConfig(
         pp=2, tp=1, dp=4, schedule="1f1b", chunks=1, microbatch_size=1, num_microbatches=4,

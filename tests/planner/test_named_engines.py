@@ -83,6 +83,7 @@ def _ring_by_events(gemm: float, collective: float, tp: int) -> float:
 
 def test_megatron_core_tp_overlap_matches_an_event_simulation_and_hides_communication() -> None:
     from pipeline.planner.kernels import block_linear_times
+    from pipeline.planner.userbuffers import userbuffers_sms
 
     block = MODEL.layers[1]
     assert block.shape is not None and block.shape.sequence_parallel
@@ -91,11 +92,17 @@ def test_megatron_core_tp_overlap_matches_an_event_simulation_and_hides_communic
     overlapped = layer_tp_pass_seconds(block, CLUSTER, "bf16", batch, tp, "megatron-core")
     collective = allreduce_seconds(block.tp_allreduce_bytes * batch, tp, 1, CLUSTER) / 2
     forward = backward = 0.0
-    for kind, (gemm, input_grad, weight_grad) in block_linear_times(block.shape, batch, tp,
-                                                                    CLUSTER, "bf16"):
+    sms = CLUSTER.sm_count
+    for index, (kind, (gemm, input_grad, weight_grad)) in enumerate(
+            block_linear_times(block.shape, batch, tp, CLUSTER, "bf16")):
         forward += _ring_by_events(gemm, collective, tp)
         backward += (max(0.0, collective - input_grad) + max(0.0, collective - weight_grad)
                      if kind == "column" else _ring_by_events(input_grad, collective, tp))
+        # and each GEMM on the SMs userbuffers' kernel leaves it (`test_userbuffers`)
+        held = userbuffers_sms(index)
+        forward += gemm * held[0] / (sms - held[0])
+        backward += input_grad * held[1] / (sms - held[1]) \
+            + weight_grad * held[2] / (sms - held[2])
     assert overlapped == pytest.approx((forward, backward), rel=1e-9)
     assert overlapped[0] < whole[0] and overlapped[1] < whole[1]
     # the embedding and head have no overlap rule: exposed whole
