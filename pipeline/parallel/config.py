@@ -48,14 +48,7 @@ def _zero_stage_problem(value: object) -> str | None:
 
 def _sharded_stage_problem(config: ParallelConfig) -> str | None:
     """What ZeRO-2 / 3 do not run with yet (each refused up front, never a wrong answer)."""
-    if config.zero_stage not in (ZeroStage.GRADIENTS, ZeroStage.PARAMETERS):
-        return None
-    stage = int(config.zero_stage)
-    if stage == 3 and config.expert_parallel > 1:
-        return (f"zero_stage=3 does not shard expert parameters over the expert-data-"
-                f"parallel group yet; use zero_stage=1 or 2 with expert_parallel="
-                f"{config.expert_parallel}, or expert_parallel=1")
-    if stage == 3 and config.overlap_param_gather:
+    if config.zero_stage is ZeroStage.PARAMETERS and config.overlap_param_gather:
         return ("overlap_param_gather=True overlaps the all-gather after the step, which "
                 "zero_stage=3 does not do (each layer gathers before its own forward); "
                 "drop it")

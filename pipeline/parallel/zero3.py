@@ -57,7 +57,8 @@ UNIT_STRIDE = 1 << 16
 
 class FullyShardedOptimizer(GradShardedOptimizer):
     """ZeRO-3: `units_by_stage[s]` lists stage s's layers (modules), each one unit sharded
-    over `group`; `tied` parameters form one unsharded region. Reducer and optimizer, as
+    over `group` (of a layer's parameters, those `select` accepts: the expert-parallel form
+    holds dense and expert ones in two of these); `tied` parameters form one unsharded region. Reducer and optimizer, as
     `ShardedOptimizer`; call `finish_param_gather` before reading parameters outside a
     forward (it gathers every unit; the next forward or step frees them again)."""
 
@@ -65,7 +66,8 @@ class FullyShardedOptimizer(GradShardedOptimizer):
                  optimizer_factory: OptimizerFactory, group: ProcessGroup | None, *,
                  gather_group: ProcessGroup | None, tied: Sequence[nn.Parameter] = (),
                  reshard_after_forward: bool = True, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 average: bool = True, collective: Collective = "auto") -> None:
+                 average: bool = True, collective: Collective = "auto",
+                 select: Callable[[nn.Parameter], bool] | None = None) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be True or False, got "
                             f"{reshard_after_forward!r}")
@@ -81,8 +83,8 @@ class FullyShardedOptimizer(GradShardedOptimizer):
         for stage in sorted(units_by_stage):
             self.units_of_stage[stage] = []
             for position, layer in enumerate(units_by_stage[stage]):
-                params = [p for p in layer.parameters()
-                          if p.requires_grad and id(p) not in seen]
+                params = [p for p in layer.parameters() if p.requires_grad
+                          and id(p) not in seen and (select is None or select(p))]
                 seen.update(id(p) for p in params)
                 if params:
                     key = stage * UNIT_STRIDE + position
@@ -188,9 +190,14 @@ class FullyShardedOptimizer(GradShardedOptimizer):
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Take back what was written into exposed units, then step as ZeRO-1 / 2."""
+        self.take_back_writes()
+        super().step(closure)
+
+    def take_back_writes(self) -> None:
+        """Free the units `finish_param_gather` exposed, keeping what was written into this
+        rank's piece of them (before the masters step)."""
         for key in list(self._exposed):
             self.free(key)
-        super().step(closure)
 
     def publish(self) -> None:
         """After the masters stepped: free every unit (the next forward gathers the new

@@ -106,7 +106,8 @@ def _biases(module: PipelineModule, stages: tuple[int, ...]) -> dict[int, torch.
 def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: int = 0,
                          top_k: int = 2, ties: bool = False, padded: bool = False,
                          tied: bool = False, clip: float | None = None, steps: int = 1,
-                         schedule: str = "1f1b", export: bool = False,
+                         schedule: str = "1f1b", chunks: int | None = None,
+                         export: bool = False,
                          strict_reads: bool = True, partition_method: str = "uniform",
                          balancing: Any = None, reference: HFLoss | None = None,
                          **engine: Any) -> dict[str, Any]:
@@ -126,6 +127,7 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
     HF's, and ``export_names``, whether its names are `save_pretrained`'s. `padded`:
     right-padded rows with their attention mask, the token-summed loss (padding counts in
     neither loss, as in HF).
+    `chunks`: stages per rank (default 2 for DualPipeV, else 1).
     `clip`: the engine's gradient_clipping against torch's clip_grad_norm_ on HF's model (then
     also ``norm``, the relative difference of the norms before clipping). `steps`: steps taken
     (the last one's loss and gradients compared; the weights after all of them).
@@ -139,7 +141,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
     labels = causal_lm_targets(ids, mask if padded else None)
     replica = dist.get_rank() % dp  # Topology: rank = pp_rank · dp + dp_rank
     hf = layers_from_hf(tiny_moe_config(family, top_k=top_k, tied=tied), balancing=balancing)
-    chunks = 2 if schedule.startswith("dualpipev") else 1
+    if chunks is None:  # stages per rank
+        chunks = 2 if schedule.startswith("dualpipev") else 1
     module = PipelineModule(hf.layers, num_stages=pp, chunks=chunks,
                             loss_fn=hf.summed_loss if padded else hf.loss_fn,
                             partition_method=partition_method)
