@@ -7,11 +7,12 @@ parameters laid end to end). Between uses a unit's flat parameter buffer has no 
 fp32 (k, s) master. The unit is all-gathered (one all_gather_single per bucket, into the
 buffer's own storage) before its forward and before its backward, and freed:
 
-    reshard_after_forward=True   F: gather, run, free.  B / I / W: gather when the layer's
-                                 output gradient arrives (a hook on the output tensor, which
+    reshard_after_forward=True   F: gather, run, free.  B / I / W: gather when a layer's
+                                 output gradient arrives (a hook on the output tensors, which
                                  fires for B, I and for W's per-layer backward alike), free
-                                 the stage's other units then (their backward is done) and
-                                 every unit at the end of each B / W (`backward_done`).
+                                 the stage's later units once every output of the layer has
+                                 its gradient (their backward is done) and every unit at the
+                                 end of each B / W (`backward_done`).
     reshard_after_forward=False  gathered at its first forward, kept through the step's
                                  forwards and backwards, freed at the step (torchtitan's
                                  `reshard_after_forward=False`: fewer gathers, more memory).
@@ -230,20 +231,28 @@ class FullyShardedOptimizer(GradShardedOptimizer):
         def reshard_unit(module: nn.Module, args: Any, output: Any) -> None:
             del module, args
             if torch.is_grad_enabled():
-                for tensor in _tensors(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(self._before_backward(key))
+                hooked = [tensor for tensor in _tensors(output) if tensor.requires_grad]
+                remaining = [len(hooked)]  # outputs of this forward still awaiting a gradient
+                for tensor in hooked:
+                    tensor.register_hook(self._before_backward(key, remaining))
             if self.reshard_after_forward:
                 self.free(key)
         return reshard_unit
 
-    def _before_backward(self, key: int) -> Callable[[torch.Tensor], None]:
+    def _before_backward(self, key: int, remaining: list[int]
+                         ) -> Callable[[torch.Tensor], None]:
+        # Why count outputs: a layer may output a second tensor whose gradient arrives early,
+        # by a shortcut to the loss (an MoE layer's balancing-loss scalar, carried with the
+        # activations). Its hook gathers the layer (its router's backward may run now), but
+        # the later layers' backward may still be running. Only once every output of this
+        # forward has its gradient have all its consumers, the stage's later layers, finished.
         def gather_for_backward(grad: torch.Tensor) -> None:
             del grad
-            if self.reshard_after_forward:  # the stage's later layers are done with theirs
-                for other in self.units_of_stage[self._stage_of[key]]:
-                    if other != key:
-                        self.free(other)
+            remaining[0] -= 1
+            if self.reshard_after_forward and remaining[0] <= 0:
+                for later in self.units_of_stage[self._stage_of[key]]:
+                    if later > key:  # earlier ones may be gathered already for a shortcut
+                        self.free(later)
             self.gather(key)
         return gather_for_backward
 

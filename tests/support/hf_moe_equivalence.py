@@ -133,7 +133,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
     (the last one's loss and gradients compared; the weights after all of them).
     `balancing`: `layers_from_hf`'s; `reference`: the loss HF's model is stepped on instead
     of its own (`HFLoss`). Also returns ``biases`` (HF layer index -> this rank's aux-free
-    expert bias after the steps) and the ``engine``."""
+    expert bias after the steps), the ``engine`` and ``unit_bytes``, what ZeRO-3's layers
+    held gathered after the last step (0 when each layer is freed)."""
     hf_model = tiny_moe_model(family, seed=3, top_k=top_k, tied=tied)
     if ties:
         plant_ties_and_an_idle_expert(hf_model)
@@ -176,6 +177,7 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
         loss = train_batch_balanced(pipelined, hf.balance, inputs, labels[rows])
         expected, norm = _hf_step(hf_model, ids, mask if padded else None, labels, clip,
                                   reference)
+    unit_bytes = getattr(pipelined.optimizer, "unit_storage_bytes", lambda: 0)()
     with torch.no_grad():
         routes = hf_model(input_ids=ids, output_router_logits=True).router_logits
     reference = dict(hf_model.named_parameters())
@@ -200,7 +202,7 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
     param = max(_relative(state[name], reference[name]) for name in reference)
     found = {"loss": abs(loss - expected) / abs(expected), "grad": float(worst),
              "param": param, "routes": routes, "reads": sorted(reads),
-             "expected_reads": expected_reads,
+             "expected_reads": expected_reads, "unit_bytes": unit_bytes,
              "handovers": pipelined._interpreter.pair_handovers,  # the engine's own counts
              "two_batch_handovers": pipelined._interpreter.two_batch_handovers,
              "biases": _biases(module, pipelined.stage_ids), "engine": pipelined}
