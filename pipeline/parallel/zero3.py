@@ -11,8 +11,9 @@ buffer's own storage) before its forward and before its backward, and freed:
                                  output gradient arrives (a hook on the output tensors, which
                                  fires for B, I and for W's per-layer backward alike), free
                                  the stage's later units once every output of the layer has
-                                 its gradient (their backward is done) and every unit at the
-                                 end of each B / W (`backward_done`).
+                                 its gradient (their backward is done), and the units whose
+                                 backward did not begin in this autograd call; every unit at
+                                 the end of each B / W (`backward_done`).
     reshard_after_forward=False  gathered at its first forward, kept through the step's
                                  forwards and backwards, freed at the step (torchtitan's
                                  `reshard_after_forward=False`: fewer gathers, more memory).
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
@@ -59,9 +61,10 @@ UNIT_STRIDE = 1 << 16
 class FullyShardedOptimizer(GradShardedOptimizer):
     """ZeRO-3: `units_by_stage[s]` lists stage s's layers (modules), each one unit sharded
     over `group` (of a layer's parameters, those `select` accepts: the expert-parallel form
-    holds dense and expert ones in two of these); `tied` parameters form one unsharded region. Reducer and optimizer, as
-    `ShardedOptimizer`; call `finish_param_gather` before reading parameters outside a
-    forward (it gathers every unit; the next forward or step frees them again)."""
+    holds dense and expert ones in two of these); `tied` parameters form one unsharded
+    region. Reducer and optimizer, as `ShardedOptimizer`; call `finish_param_gather` before
+    reading parameters outside a forward (it gathers every unit; the next forward or step
+    frees them again)."""
 
     def __init__(self, units_by_stage: Mapping[int, Sequence[nn.Module]],
                  optimizer_factory: OptimizerFactory, group: ProcessGroup | None, *,
@@ -92,6 +95,9 @@ class FullyShardedOptimizer(GradShardedOptimizer):
                     regions[key], modules[key] = params, layer
                     self.units_of_stage[stage].append(key)
         self._gathered: set[int] = set()
+        self._in_backward: set[int] = set()
+        """Units whose output gradient arrived in the running autograd call (cleared at its
+        end by an engine callback, as FSDP's post-backward one)."""
         self._exposed: set[int] = set()
         """Units gathered for reading outside a forward, whose values may have been set."""
         super().__init__(regions, optimizer_factory, group, bucket_mb=bucket_mb,
@@ -241,18 +247,23 @@ class FullyShardedOptimizer(GradShardedOptimizer):
 
     def _before_backward(self, key: int, remaining: list[int]
                          ) -> Callable[[torch.Tensor], None]:
-        # Why count outputs: a layer may output a second tensor whose gradient arrives early,
-        # by a shortcut to the loss (an MoE layer's balancing-loss scalar, carried with the
-        # activations). Its hook gathers the layer (its router's backward may run now), but
-        # the later layers' backward may still be running. Only once every output of this
-        # forward has its gradient have all its consumers, the stage's later layers, finished.
+        # Why count outputs: a layer's outputs may get their gradients far apart (an MoE
+        # layer's balancing-loss scalar, carried with the activations to the loss, may get
+        # its gradient only after the stage's earlier layers began their backward). Once
+        # every output of this forward has its gradient, all its consumers, the stage's
+        # later layers, are done with theirs; so is every unit whose backward did not begin
+        # in this autograd call (a former call's leftover, as I leaves its last layer for W).
+        # Those go; earlier units that began in this call may still be running.
         def gather_for_backward(grad: torch.Tensor) -> None:
             del grad
             remaining[0] -= 1
+            if not self._in_backward:  # the first hook of this autograd call
+                Variable._execution_engine.queue_callback(self._in_backward.clear)
+            self._in_backward.add(key)
             if self.reshard_after_forward and remaining[0] <= 0:
-                for later in self.units_of_stage[self._stage_of[key]]:
-                    if later > key:  # earlier ones may be gathered already for a shortcut
-                        self.free(later)
+                for other in self.units_of_stage[self._stage_of[key]]:
+                    if other > key or other not in self._in_backward:
+                        self.free(other)
             self.gather(key)
         return gather_for_backward
 
