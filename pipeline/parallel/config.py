@@ -48,7 +48,7 @@ def _zero_stage_problem(value: object) -> str | None:
 
 def _sharded_stage_problem(config: ParallelConfig) -> str | None:
     """What ZeRO-2 / 3 do not run with yet (each refused up front, never a wrong answer)."""
-    if config.zero_stage is ZeroStage.PARAMETERS and config.overlap_param_gather:
+    if config.zero_stage == ZeroStage.PARAMETERS and config.overlap_param_gather:
         return ("overlap_param_gather=True overlaps the all-gather after the step, which "
                 "zero_stage=3 does not do (each layer gathers before its own forward); "
                 "drop it")
