@@ -137,6 +137,10 @@ class ParallelConfig:
     """ZeRO-3: free each layer's gathered parameters after its forward and gather them again
     for its backward (less memory); False keeps them from the first forward until the step
     (torchtitan's `reshard_after_forward`: fewer gathers)."""
+    prefetch_next_unit: bool = True
+    """ZeRO-3: launch the next layer's gather before a layer's forward (the previous one's
+    before its backward), so it overlaps the compute; False gathers each layer when it is
+    needed (one layer gathered at a time, every gather exposed)."""
     precision: Precision = "fp32"
     """'bf16' or 'fp16': stages run under autocast, parameters and optimizer stay fp32
     (master weights). 'fp16' adds dynamic loss scaling with a rank-wide overflow vote."""
@@ -204,6 +208,8 @@ class ParallelConfig:
             _expert_parallel_problem(self),
             None if isinstance(self.reshard_after_forward, bool) else
             f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}",
+            None if isinstance(self.prefetch_next_unit, bool) else
+            f"prefetch_next_unit must be True or False, got {self.prefetch_next_unit!r}",
         ]
         zero = _zero_stage_problem(self.zero_stage) or _sharded_stage_problem(self)
         found = [problem for problem in (*problems, zero) if problem is not None]

@@ -60,17 +60,18 @@ class ExpertFullyShardedOptimizer(ExpertShardedOptimizer):
                  expert_dp_group: ProcessGroup, ep: int, *, gather_group: ProcessGroup,
                  expert_gather_group: ProcessGroup, tied: Sequence[nn.Parameter] = (),
                  reshard_after_forward: bool = True,
-                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB, prefetch_next_unit: bool = True) -> None:
         dense = FullyShardedOptimizer(
             units_by_stage, placeholder_optimizer, dp_group, gather_group=gather_group,
             tied=tied, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb,
-            select=_is_dense)
+            select=_is_dense, prefetch_next_unit=prefetch_next_unit)
         has_experts = any(_is_expert(p) for layers in units_by_stage.values()
                           for layer in layers for p in layer.parameters())
         experts = _ExpertFullShards(
             units_by_stage, placeholder_optimizer, expert_dp_group, ep=ep,
             gather_group=expert_gather_group, reshard_after_forward=reshard_after_forward,
-            bucket_mb=bucket_mb, select=_is_expert) if has_experts else None
+            bucket_mb=bucket_mb, select=_is_expert,
+            prefetch_next_unit=prefetch_next_unit) if has_experts else None
         self.fully_sharded: list[FullyShardedOptimizer] = [
             half for half in (dense, experts) if half is not None]
         self.join(dense, experts, optimizer_factory)

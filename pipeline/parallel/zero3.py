@@ -18,6 +18,11 @@ buffer's own storage) before its forward and before its backward, and freed:
                                  forwards and backwards, freed at the step (torchtitan's
                                  `reshard_after_forward=False`: fewer gathers, more memory).
 
+Prefetch (`prefetch_next_unit`, FSDP's forward / backward prefetch): a forward launches the
+next unit's gather (async) before running its own layer, a backward the previous unit's, so
+one unit's gather is in flight while another computes (two units gathered at a time, not one).
+Every replica launches it at the same hook, so the gathers keep one order per group.
+
 Gradients are ZeRO-2's (`GradShardedOptimizer`): reduce-scattered per backward into the shard.
 
 Why not torch's `fully_shard` (FSDP2): it drives gathering and resharding from module
@@ -71,7 +76,8 @@ class FullyShardedOptimizer(GradShardedOptimizer):
                  gather_group: ProcessGroup | None, tied: Sequence[nn.Parameter] = (),
                  reshard_after_forward: bool = True, bucket_mb: float = DEFAULT_BUCKET_MB,
                  average: bool = True, collective: Collective = "auto",
-                 select: Callable[[nn.Parameter], bool] | None = None) -> None:
+                 select: Callable[[nn.Parameter], bool] | None = None,
+                 prefetch_next_unit: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be True or False, got "
                             f"{reshard_after_forward!r}")
@@ -95,6 +101,11 @@ class FullyShardedOptimizer(GradShardedOptimizer):
                     regions[key], modules[key] = params, layer
                     self.units_of_stage[stage].append(key)
         self._gathered: set[int] = set()
+        self.prefetch_next_unit = prefetch_next_unit
+        """Launch the next unit's gather before this one's compute (the previous one's in a
+        backward): one unit in flight while one computes."""
+        self._in_flight: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}
+        """Unit -> its launched, unwaited bucket gathers (and their sources)."""
         self._in_backward: set[int] = set()
         """Units whose output gradient arrived in the running autograd call (cleared at its
         end by an engine callback, as FSDP's post-backward one)."""
@@ -115,20 +126,33 @@ class FullyShardedOptimizer(GradShardedOptimizer):
     # -- gathering and freeing ---------------------------------------------------------------
 
     def gather(self, key: int) -> None:
-        """All-gather unit `key`'s parameters from every rank's master shard (collective over
-        `gather_group`; nothing when gathered already)."""
+        """All-gather unit `key`'s parameters from every rank's master shard and wait for
+        them (collective over `gather_group`; a prefetched unit: only the wait)."""
+        self.prefetch(key)
+        self._wait_gather(key)
+
+    def prefetch(self, key: int) -> None:
+        """Launch unit `key`'s all-gather without waiting (nothing when gathered or launched
+        already); `gather` (or `free`) waits for it."""
         if key in self._gathered:
             return
         region = self._regions[key]
         flat, layout = region.flat_param, region.layout
         flat.untyped_storage().resize_(layout.size * flat.element_size())
+        launched = []
         with torch.no_grad():
             for b in range(layout.num_buckets):
                 mine = region.master.detach()[b].to(flat.dtype)
                 self.stats.record("all_gather", mine)
-                dist.all_gather_single(flat[slice(*layout.bucket(b))], mine,
-                                       group=self.gather_group)
+                launched.append((dist.all_gather_single(
+                    flat[slice(*layout.bucket(b))], mine, group=self.gather_group,
+                    async_op=True), mine))  # the source stays alive until the wait
+        self._in_flight[key] = launched
         self._gathered.add(key)
+
+    def _wait_gather(self, key: int) -> None:
+        for work, _ in self._in_flight.pop(key, ()):
+            work.wait()
 
     def free(self, key: int, *, keep_writes: bool = True) -> None:
         """Drop unit `key`'s gathered parameters (their storage; the views stay). A unit
@@ -136,6 +160,7 @@ class FullyShardedOptimizer(GradShardedOptimizer):
         `keep_writes` this rank's piece of it goes back into the master first."""
         if key not in self._gathered:
             return
+        self._wait_gather(key)  # never drop storage a gather still writes
         region = self._regions[key]
         if key in self._exposed and keep_writes:
             with torch.no_grad():  # only what was written: a half copy of an unwritten
@@ -231,7 +256,17 @@ class FullyShardedOptimizer(GradShardedOptimizer):
         def gather_unit(module: nn.Module, args: Any) -> None:
             del module, args
             self.gather(key)
+            self._prefetch_beside(key, +1)
         return gather_unit
+
+    def _prefetch_beside(self, key: int, step: int) -> None:
+        """Prefetch the unit `step` places from `key` in its stage (none past either end)."""
+        if not self.prefetch_next_unit:
+            return
+        units = self.units_of_stage[self._stage_of[key]]
+        index = units.index(key) + step
+        if 0 <= index < len(units):
+            self.prefetch(units[index])
 
     def _after_forward(self, key: int) -> Callable[[nn.Module, Any, Any], None]:
         def reshard_unit(module: nn.Module, args: Any, output: Any) -> None:
@@ -265,6 +300,7 @@ class FullyShardedOptimizer(GradShardedOptimizer):
                     if other > key or other not in self._in_backward:
                         self.free(other)
             self.gather(key)
+            self._prefetch_beside(key, -1)
         return gather_for_backward
 
 

@@ -50,13 +50,15 @@ def shard_stages(module: PipelineModule, tied: TiedWeightSynchronizer | None,
             groups.topology.ep, gather_group=gather_group,
             expert_gather_group=create_expert_gather_group(groups),
             tied=[] if tied is None else tied.params,
-            reshard_after_forward=config.reshard_after_forward, bucket_mb=config.bucket_mb)
+            reshard_after_forward=config.reshard_after_forward, bucket_mb=config.bucket_mb,
+            prefetch_next_unit=config.prefetch_next_unit)
     elif stage is ZeroStage.PARAMETERS:
         sharded = FullyShardedOptimizer(
             _stage_layers(module), inner, groups.dp_group,
             gather_group=create_gather_group(groups),
             tied=[] if tied is None else tied.params,
-            reshard_after_forward=config.reshard_after_forward, bucket_mb=config.bucket_mb)
+            reshard_after_forward=config.reshard_after_forward, bucket_mb=config.bucket_mb,
+            prefetch_next_unit=config.prefetch_next_unit)
     elif groups.expert_dp_group is not None:  # expert states over their own group
         sharded = ExpertShardedOptimizer(zero_regions(module, tied), inner, groups.dp_group,
                                          groups.expert_dp_group, groups.topology.ep,
