@@ -6,7 +6,7 @@ Bytes are counted on the live storages right after the step (`count_model_states
 storage once; ZeRO-3's gathered layers are freed by then); the formula column is
 `schedules.analysis.accounting.model_state_bytes` (Rajbhandari et al. 2020: 16, 8 + 8/d,
 4 + 12/d, 16/d for fp32 Adam). Also ZeRO-3's most bytes of layers gathered at once during
-the step (with and without `reshard_after_forward`).
+the step (with and without `reshard_after_forward` and `prefetch_next_unit`).
 
 Mixed precision (bf16 parameters, fp32 master shards, `half_parameters=True`), pp1 × dp d for
 d = 2 and 4: the same count next to the accounting and DeepSpeed's published mixed-precision
@@ -35,28 +35,30 @@ from schedules.analysis.accounting import model_state_bytes
 __all__ = ["main"]
 
 WIDTH, LAYERS, DP = 256, 8, 2
-CONFIGS = [(0, True), (1, True), (2, True), (3, True), (3, False)]
-"""(ZeRO stage, reshard_after_forward)."""
+CONFIGS = [(0, True, True), (1, True, True), (2, True, True), (3, True, True),
+           (3, True, False), (3, False, True)]
+"""(ZeRO stage, reshard_after_forward, prefetch_next_unit)."""
 
 
 def _peak_gathered(sharded: FullyShardedOptimizer, peak: list[int]) -> None:
-    gather = sharded.gather
+    launch_gather = sharded.prefetch  # every gather that collects launches here
 
     def counted(key: int) -> None:
-        gather(key)
+        launch_gather(key)
         peak[0] = max(peak[0], sum(sharded.layouts()[k].size * 4
                                    for k in sharded.gathered_units()))
-    sharded.gather = counted  # type: ignore[method-assign]
+    sharded.prefetch = counted  # type: ignore[method-assign]
 
 
 def _measure() -> list[dict[str, Any]]:
     rows = []
-    for zero, reshard in CONFIGS:
+    for zero, reshard, prefetch in CONFIGS:
         torch.manual_seed(0)
         module = PipelineModule([nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)], num_stages=2,
                                 loss_fn=F.mse_loss)
         engine = PipelineEngine(module, schedule="1f1b", num_microbatches=4, data_parallel=DP,
                                 zero_stage=zero, reshard_after_forward=reshard,
+                                prefetch_next_unit=prefetch,
                                 optimizer=lambda p: torch.optim.Adam(p, lr=1e-4))
         peak = [0]
         if isinstance(engine.optimizer, FullyShardedOptimizer):
@@ -68,7 +70,8 @@ def _measure() -> list[dict[str, Any]]:
             stats.reset()
         engine.train_batch(x, y)
         counted = count_model_states(engine.module, engine.optimizer)
-        rows.append({"zero": zero, "reshard": reshard, "per_parameter": counted.per_parameter,
+        rows.append({"zero": zero, "reshard": reshard, "prefetch": prefetch,
+                     "per_parameter": counted.per_parameter,
                      "gradients": counted.gradients / counted.num_parameters,
                      "sent": 0 if stats is None else stats.payload_bytes,
                      "params": counted.num_parameters, "peak_gathered": peak[0]})
@@ -140,12 +143,14 @@ def main() -> None:
     rows = launch(_measure, 2 * DP, join_timeout=900)[0]
     print(f"\n## Model states per rank, pp2 × dp{DP}, fp32 Adam (rank 0, {rows[0]['params']:,} "
           f"parameters)\n")
-    print("| ZeRO | reshard_after_forward | ours (B/param) | paper (B/param) | gradients "
-          "(B/param) | payload sent a step (KiB) | ZeRO-3 peak gathered (KiB) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| ZeRO | reshard_after_forward | prefetch_next_unit | ours (B/param) | paper "
+          "(B/param) | gradients (B/param) | payload sent a step (KiB) | ZeRO-3 peak gathered "
+          "(KiB) |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         paper = model_state_bytes("fp32", zero_stage=row["zero"], data_parallel=DP).total
         print(f"| {row['zero']} | {row['reshard'] if row['zero'] == 3 else '-'} | "
+              f"{row['prefetch'] if row['zero'] == 3 else '-'} | "
               f"{row['per_parameter']:.2f} | {paper:.2f} | {row['gradients']:.2f} | "
               f"{row['sent'] / 1024:.0f} | "
               f"{row['peak_gathered'] / 1024 if row['zero'] == 3 else 0:.0f} |")

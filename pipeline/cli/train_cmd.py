@@ -105,10 +105,6 @@ def _check_args(args: argparse.Namespace) -> int:
 
     check_local_ranks(args.stages * args.data_parallel * args.cp * args.tp,
                       "--stages × --data-parallel × --cp × --tp")
-    if args.zero_stage == 3 and args.expert_parallel > 1:
-        raise ValueError(f"--zero-stage 3 does not shard expert parameters over the "
-                         f"expert-data-parallel group yet: use --zero-stage 1 or 2 with "
-                         f"--expert-parallel {args.expert_parallel}")
     if not args.reshard_after_forward and args.zero_stage != 3:
         raise ValueError("--no-reshard-after-forward is ZeRO-3's: add --zero-stage 3")
     if args.cp > 1 and args.model is None:

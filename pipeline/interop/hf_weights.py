@@ -122,7 +122,10 @@ def load_hf_weights(module: PipelineModule, hf: HFLayers, source: WeightSource) 
 def hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torch.Tensor]:
     """This rank's parameters under their HF names (detached CPU copies; a tensor-parallel
     slice is this rank's slice, `layout_of` it says which; an expert-parallel shard holds only
-    this rank's experts: `gather_hf_state_dict` joins both)."""
+    this rank's experts: `gather_hf_state_dict` joins both). Collective under ZeRO-3 or
+    overlapped parameter gathers: the module's state-dict hooks complete the gathers first
+    (a ZeRO-3 layer between uses has no storage to read)."""
+    module.state_dict()
     return {hf.hf_name(layer, name): _with_layout(param.detach().cpu().clone(), param)
             for (layer, name), param in checkpoint_tensors(module)}
 

@@ -48,14 +48,7 @@ def _zero_stage_problem(value: object) -> str | None:
 
 def _sharded_stage_problem(config: ParallelConfig) -> str | None:
     """What ZeRO-2 / 3 do not run with yet (each refused up front, never a wrong answer)."""
-    if config.zero_stage not in (ZeroStage.GRADIENTS, ZeroStage.PARAMETERS):
-        return None
-    stage = int(config.zero_stage)
-    if stage == 3 and config.expert_parallel > 1:
-        return (f"zero_stage=3 does not shard expert parameters over the expert-data-"
-                f"parallel group yet; use zero_stage=1 or 2 with expert_parallel="
-                f"{config.expert_parallel}, or expert_parallel=1")
-    if stage == 3 and config.overlap_param_gather:
+    if config.zero_stage == ZeroStage.PARAMETERS and config.overlap_param_gather:
         return ("overlap_param_gather=True overlaps the all-gather after the step, which "
                 "zero_stage=3 does not do (each layer gathers before its own forward); "
                 "drop it")
@@ -155,6 +148,10 @@ class ParallelConfig:
     """ZeRO-3: free each layer's gathered parameters after its forward and gather them again
     for its backward (less memory); False keeps them from the first forward until the step
     (torchtitan's `reshard_after_forward`: fewer gathers)."""
+    prefetch_next_unit: bool = True
+    """ZeRO-3: launch the next layer's gather before a layer's forward (the previous one's
+    before its backward), so it overlaps the compute; False gathers each layer when it is
+    needed (one layer gathered at a time, every gather exposed)."""
     precision: Precision = "fp32"
     """'bf16' or 'fp16': stages run under autocast, parameters and optimizer stay fp32
     (master weights). 'fp16' adds dynamic loss scaling with a rank-wide overflow vote."""
@@ -223,6 +220,8 @@ class ParallelConfig:
             _expert_tensor_parallel_problem(self.expert_tensor_parallel),
             None if isinstance(self.reshard_after_forward, bool) else
             f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}",
+            None if isinstance(self.prefetch_next_unit, bool) else
+            f"prefetch_next_unit must be True or False, got {self.prefetch_next_unit!r}",
         ]
         zero = _zero_stage_problem(self.zero_stage) or _sharded_stage_problem(self)
         found = [problem for problem in (*problems, zero) if problem is not None]

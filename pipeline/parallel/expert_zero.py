@@ -20,7 +20,7 @@ from pipeline.parallel.zero_collectives import Launched
 from pipeline.parallel.zero_groups import carry_groups
 from pipeline.parallel.zero_layout import ShardLayout
 
-__all__ = ["ExpertShardedOptimizer"]
+__all__ = ["ExpertGradShards", "ExpertShardedOptimizer", "placeholder_optimizer"]
 
 
 class _ExpertShards(ShardedOptimizer):
@@ -38,7 +38,7 @@ class _ExpertShards(ShardedOptimizer):
         super()._launch_bucket(region, b)  # type: ignore[arg-type]
 
 
-class _ExpertGradShards(GradShardedOptimizer):
+class ExpertGradShards(GradShardedOptimizer):
     """ZeRO-2 of expert shards over the expert-dp group: each bucket of every backward
     averaged over its dp / ep ranks and divided by ep (as `_ExpertShards`)."""
 
@@ -49,6 +49,12 @@ class _ExpertGradShards(GradShardedOptimizer):
     def _reduce_bucket(self, buffer: torch.Tensor, layout: ShardLayout) -> Launched:
         buffer.div_(self.ep)
         return super()._reduce_bucket(buffer, layout)
+
+
+def placeholder_optimizer(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """A half's own optimizer, never stepped: the joined one steps the user's one optimizer
+    over both halves."""
+    return torch.optim.SGD(list(params), lr=0.0)
 
 
 class _GatherClock:
@@ -77,24 +83,25 @@ class ExpertShardedOptimizer(ShardedOptimizer):
                  overlap_param_gather: bool = False, zero_stage: int = 1) -> None:
         if zero_stage not in (1, 2):
             raise PipelineConfigError(f"ExpertShardedOptimizer runs ZeRO-1 or 2, got "
-                                      f"zero_stage={zero_stage!r}")
+                                      f"zero_stage={zero_stage!r} (ZeRO-3: "
+                                      f"ExpertFullyShardedOptimizer)")
         dense_class, expert_class = ((ShardedOptimizer, _ExpertShards) if zero_stage == 1
-                                     else (GradShardedOptimizer, _ExpertGradShards))
+                                     else (GradShardedOptimizer, ExpertGradShards))
         dense: dict[int, list[torch.nn.Parameter]] = {}
         experts: dict[int, list[torch.nn.Parameter]] = {}
         for key, params in params_by_stage.items():
             dense[key], experts[key] = split_expert_parameters(params)
+        self.join(dense_class(dense, placeholder_optimizer, dp_group, bucket_mb=bucket_mb,
+                              overlap_param_gather=overlap_param_gather),
+                  expert_class(experts, placeholder_optimizer, expert_dp_group, ep=ep,
+                               bucket_mb=bucket_mb, overlap_param_gather=overlap_param_gather)
+                  if any(experts.values()) else None,
+                  optimizer_factory)
 
-        def placeholder(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
-            # never stepped: `step` steps the user's one optimizer over both halves
-            return torch.optim.SGD(list(params), lr=0.0)
-
-        self.dense = dense_class(dense, placeholder, dp_group, bucket_mb=bucket_mb,
-                                 overlap_param_gather=overlap_param_gather)
-        self.experts = (expert_class(experts, placeholder, expert_dp_group, ep=ep,
-                                     bucket_mb=bucket_mb,
-                                     overlap_param_gather=overlap_param_gather)
-                        if any(experts.values()) else None)
+    def join(self, dense: ShardedOptimizer, experts: ShardedOptimizer | None,
+             optimizer_factory: OptimizerFactory) -> None:
+        """Become the two halves' one optimizer (both built with `placeholder_optimizer`)."""
+        self.dense, self.experts = dense, experts
         self.halves = [h for h in (self.dense, self.experts) if h is not None]
         # the user's factory sees every parameter (dense and expert, as torch would); its
         # groups are carried onto both halves' shard pieces
@@ -109,7 +116,8 @@ class ExpertShardedOptimizer(ShardedOptimizer):
                                                   self.dense.dp_rank)
         self.stats = self.dense.stats
         self.param_gather = _GatherClock(*self.halves)  # type: ignore[assignment]
-        self._expert_ids = {id(p) for params in experts.values() for p in params}
+        self._expert_ids = (set() if experts is None
+                            else {id(p) for p in experts.model_parameters()})
 
     def _split(self, params: Sequence[torch.nn.Parameter]
                ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:

@@ -14,6 +14,7 @@ __all__ = [
     "MESH_DIM_NAMES",
     "ProcessGroups",
     "check_world_size",
+    "create_expert_gather_group",
     "create_gather_group",
     "create_process_groups",
 ]
@@ -139,6 +140,16 @@ def create_gather_group(groups: ProcessGroups) -> ProcessGroup:
     which must not share an order with the gradient reductions on `dp_group`). Collective:
     every rank calls it, in the same order."""
     return _own_group(groups.topology.all_dp_groups(), groups.position.dp_group)
+
+
+def create_expert_gather_group(groups: ProcessGroups) -> ProcessGroup:
+    """A second group over this rank's expert-data-parallel replicas (ZeRO-3's gathers of
+    expert parameters, as `create_gather_group`'s for dense ones). Collective: every rank
+    calls it, in the same order; needs ep > 1."""
+    if groups.expert_dp_group is None:
+        raise TopologyError(f"{groups.topology} has no expert-data-parallel group (ep = 1): "
+                            f"gather expert parameters over create_gather_group's group")
+    return _own_group(groups.topology.all_expert_dp_groups(), groups.position.expert_dp_group)
 
 
 def _own_group(all_groups: list[tuple[int, ...]], mine: tuple[int, ...]) -> ProcessGroup:

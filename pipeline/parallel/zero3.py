@@ -7,14 +7,21 @@ parameters laid end to end). Between uses a unit's flat parameter buffer has no 
 fp32 (k, s) master. The unit is all-gathered (one all_gather_single per bucket, into the
 buffer's own storage) before its forward and before its backward, and freed:
 
-    reshard_after_forward=True   F: gather, run, free.  B / I / W: gather when the layer's
-                                 output gradient arrives (a hook on the output tensor, which
+    reshard_after_forward=True   F: gather, run, free.  B / I / W: gather when a layer's
+                                 output gradient arrives (a hook on the output tensors, which
                                  fires for B, I and for W's per-layer backward alike), free
-                                 the stage's other units then (their backward is done) and
-                                 every unit at the end of each B / W (`backward_done`).
+                                 the stage's later units once every output of the layer has
+                                 its gradient (their backward is done), and the units whose
+                                 backward did not begin in this autograd call; every unit at
+                                 the end of each B / W (`backward_done`).
     reshard_after_forward=False  gathered at its first forward, kept through the step's
                                  forwards and backwards, freed at the step (torchtitan's
                                  `reshard_after_forward=False`: fewer gathers, more memory).
+
+Prefetch (`prefetch_next_unit`, FSDP's forward / backward prefetch): a forward launches the
+next unit's gather (async) before running its own layer, a backward the previous unit's, so
+one unit's gather is in flight while another computes (two units gathered at a time, not one).
+Every replica launches it at the same hook, so the gathers keep one order per group.
 
 Gradients are ZeRO-2's (`GradShardedOptimizer`): reduce-scattered per backward into the shard.
 
@@ -40,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
@@ -57,15 +65,19 @@ UNIT_STRIDE = 1 << 16
 
 class FullyShardedOptimizer(GradShardedOptimizer):
     """ZeRO-3: `units_by_stage[s]` lists stage s's layers (modules), each one unit sharded
-    over `group`; `tied` parameters form one unsharded region. Reducer and optimizer, as
-    `ShardedOptimizer`; call `finish_param_gather` before reading parameters outside a
-    forward (it gathers every unit; the next forward or step frees them again)."""
+    over `group` (of a layer's parameters, those `select` accepts: the expert-parallel form
+    holds dense and expert ones in two of these); `tied` parameters form one unsharded
+    region. Reducer and optimizer, as `ShardedOptimizer`; call `finish_param_gather` before
+    reading parameters outside a forward (it gathers every unit; the next forward or step
+    frees them again)."""
 
     def __init__(self, units_by_stage: Mapping[int, Sequence[nn.Module]],
                  optimizer_factory: OptimizerFactory, group: ProcessGroup | None, *,
                  gather_group: ProcessGroup | None, tied: Sequence[nn.Parameter] = (),
                  reshard_after_forward: bool = True, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 average: bool = True, collective: Collective = "auto") -> None:
+                 average: bool = True, collective: Collective = "auto",
+                 select: Callable[[nn.Parameter], bool] | None = None,
+                 prefetch_next_unit: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(f"reshard_after_forward must be True or False, got "
                             f"{reshard_after_forward!r}")
@@ -81,14 +93,22 @@ class FullyShardedOptimizer(GradShardedOptimizer):
         for stage in sorted(units_by_stage):
             self.units_of_stage[stage] = []
             for position, layer in enumerate(units_by_stage[stage]):
-                params = [p for p in layer.parameters()
-                          if p.requires_grad and id(p) not in seen]
+                params = [p for p in layer.parameters() if p.requires_grad
+                          and id(p) not in seen and (select is None or select(p))]
                 seen.update(id(p) for p in params)
                 if params:
                     key = stage * UNIT_STRIDE + position
                     regions[key], modules[key] = params, layer
                     self.units_of_stage[stage].append(key)
         self._gathered: set[int] = set()
+        self.prefetch_next_unit = prefetch_next_unit
+        """Launch the next unit's gather before this one's compute (the previous one's in a
+        backward): one unit in flight while one computes."""
+        self._in_flight: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}
+        """Unit -> its launched, unwaited bucket gathers (and their sources)."""
+        self._in_backward: set[int] = set()
+        """Units whose output gradient arrived in the running autograd call (cleared at its
+        end by an engine callback, as FSDP's post-backward one)."""
         self._exposed: set[int] = set()
         """Units gathered for reading outside a forward, whose values may have been set."""
         super().__init__(regions, optimizer_factory, group, bucket_mb=bucket_mb,
@@ -106,20 +126,33 @@ class FullyShardedOptimizer(GradShardedOptimizer):
     # -- gathering and freeing ---------------------------------------------------------------
 
     def gather(self, key: int) -> None:
-        """All-gather unit `key`'s parameters from every rank's master shard (collective over
-        `gather_group`; nothing when gathered already)."""
+        """All-gather unit `key`'s parameters from every rank's master shard and wait for
+        them (collective over `gather_group`; a prefetched unit: only the wait)."""
+        self.prefetch(key)
+        self._wait_gather(key)
+
+    def prefetch(self, key: int) -> None:
+        """Launch unit `key`'s all-gather without waiting (nothing when gathered or launched
+        already); `gather` (or `free`) waits for it."""
         if key in self._gathered:
             return
         region = self._regions[key]
         flat, layout = region.flat_param, region.layout
         flat.untyped_storage().resize_(layout.size * flat.element_size())
+        launched = []
         with torch.no_grad():
             for b in range(layout.num_buckets):
                 mine = region.master.detach()[b].to(flat.dtype)
                 self.stats.record("all_gather", mine)
-                dist.all_gather_single(flat[slice(*layout.bucket(b))], mine,
-                                       group=self.gather_group)
+                launched.append((dist.all_gather_single(
+                    flat[slice(*layout.bucket(b))], mine, group=self.gather_group,
+                    async_op=True), mine))  # the source stays alive until the wait
+        self._in_flight[key] = launched
         self._gathered.add(key)
+
+    def _wait_gather(self, key: int) -> None:
+        for work, _ in self._in_flight.pop(key, ()):
+            work.wait()
 
     def free(self, key: int, *, keep_writes: bool = True) -> None:
         """Drop unit `key`'s gathered parameters (their storage; the views stay). A unit
@@ -127,6 +160,7 @@ class FullyShardedOptimizer(GradShardedOptimizer):
         `keep_writes` this rank's piece of it goes back into the master first."""
         if key not in self._gathered:
             return
+        self._wait_gather(key)  # never drop storage a gather still writes
         region = self._regions[key]
         if key in self._exposed and keep_writes:
             with torch.no_grad():  # only what was written: a half copy of an unwritten
@@ -188,9 +222,14 @@ class FullyShardedOptimizer(GradShardedOptimizer):
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
         """Take back what was written into exposed units, then step as ZeRO-1 / 2."""
+        self.take_back_writes()
+        super().step(closure)
+
+    def take_back_writes(self) -> None:
+        """Free the units `finish_param_gather` exposed, keeping what was written into this
+        rank's piece of them (before the masters step)."""
         for key in list(self._exposed):
             self.free(key)
-        super().step(closure)
 
     def publish(self) -> None:
         """After the masters stepped: free every unit (the next forward gathers the new
@@ -217,27 +256,51 @@ class FullyShardedOptimizer(GradShardedOptimizer):
         def gather_unit(module: nn.Module, args: Any) -> None:
             del module, args
             self.gather(key)
+            self._prefetch_beside(key, +1)
         return gather_unit
+
+    def _prefetch_beside(self, key: int, step: int) -> None:
+        """Prefetch the unit `step` places from `key` in its stage (none past either end)."""
+        if not self.prefetch_next_unit:
+            return
+        units = self.units_of_stage[self._stage_of[key]]
+        index = units.index(key) + step
+        if 0 <= index < len(units):
+            self.prefetch(units[index])
 
     def _after_forward(self, key: int) -> Callable[[nn.Module, Any, Any], None]:
         def reshard_unit(module: nn.Module, args: Any, output: Any) -> None:
             del module, args
             if torch.is_grad_enabled():
-                for tensor in _tensors(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(self._before_backward(key))
+                hooked = [tensor for tensor in _tensors(output) if tensor.requires_grad]
+                remaining = [len(hooked)]  # outputs of this forward still awaiting a gradient
+                for tensor in hooked:
+                    tensor.register_hook(self._before_backward(key, remaining))
             if self.reshard_after_forward:
                 self.free(key)
         return reshard_unit
 
-    def _before_backward(self, key: int) -> Callable[[torch.Tensor], None]:
+    def _before_backward(self, key: int, remaining: list[int]
+                         ) -> Callable[[torch.Tensor], None]:
+        # Why count outputs: a layer's outputs may get their gradients far apart (an MoE
+        # layer's balancing-loss scalar, carried with the activations to the loss, may get
+        # its gradient only after the stage's earlier layers began their backward). Once
+        # every output of this forward has its gradient, all its consumers, the stage's
+        # later layers, are done with theirs; so is every unit whose backward did not begin
+        # in this autograd call (a former call's leftover, as I leaves its last layer for W).
+        # Those go; earlier units that began in this call may still be running.
         def gather_for_backward(grad: torch.Tensor) -> None:
             del grad
-            if self.reshard_after_forward:  # the stage's later layers are done with theirs
+            remaining[0] -= 1
+            if not self._in_backward:  # the first hook of this autograd call
+                Variable._execution_engine.queue_callback(self._in_backward.clear)
+            self._in_backward.add(key)
+            if self.reshard_after_forward and remaining[0] <= 0:
                 for other in self.units_of_stage[self._stage_of[key]]:
-                    if other != key:
+                    if other > key or other not in self._in_backward:
                         self.free(other)
             self.gather(key)
+            self._prefetch_beside(key, -1)
         return gather_for_backward
 
 

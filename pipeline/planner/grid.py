@@ -124,7 +124,7 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                                 continue
                             for recompute, k in recomputes:
                                 for ep in eps:
-                                    if zero == 3 and ep > 1:  # the engine refuses it
+                                    if zero == 3 and ep > 1:  # runs, but not priced yet
                                         excluded["experts"] += 1
                                         continue
                                     yield PlanConfig.enumerated(

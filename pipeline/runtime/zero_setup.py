@@ -15,7 +15,12 @@ from torch import nn
 from pipeline.model.module import PipelineModule
 from pipeline.parallel.config import ParallelConfig, ZeroStage
 from pipeline.parallel.expert_zero import ExpertShardedOptimizer
-from pipeline.parallel.groups import ProcessGroups, create_gather_group
+from pipeline.parallel.expert_zero3 import ExpertFullyShardedOptimizer
+from pipeline.parallel.groups import (
+    ProcessGroups,
+    create_expert_gather_group,
+    create_gather_group,
+)
 from pipeline.parallel.optimizer import OptimizerFactory
 from pipeline.parallel.tied_sync import TiedWeightSynchronizer, split_tied
 from pipeline.parallel.zero import ShardedOptimizer
@@ -36,13 +41,24 @@ def shard_stages(module: PipelineModule, tied: TiedWeightSynchronizer | None,
 
     sharded: ShardedOptimizer
     stage = config.zero_stage
-    if stage is ZeroStage.PARAMETERS:
-        layers = {int(key): list(module.stage(int(key)).layers.values())
-                  for key in module.stages}
-        sharded = FullyShardedOptimizer(
-            layers, inner, groups.dp_group, gather_group=create_gather_group(groups),
+    if stage is ZeroStage.PARAMETERS and groups.expert_dp_group is not None:
+        # dense units over dp, expert units over the expert-dp group (gather groups first,
+        # in one order on every rank: creating a group is collective)
+        gather_group = create_gather_group(groups)
+        sharded = ExpertFullyShardedOptimizer(
+            _stage_layers(module), inner, groups.dp_group, groups.expert_dp_group,
+            groups.topology.ep, gather_group=gather_group,
+            expert_gather_group=create_expert_gather_group(groups),
             tied=[] if tied is None else tied.params,
-            reshard_after_forward=config.reshard_after_forward, bucket_mb=config.bucket_mb)
+            reshard_after_forward=config.reshard_after_forward, bucket_mb=config.bucket_mb,
+            prefetch_next_unit=config.prefetch_next_unit)
+    elif stage is ZeroStage.PARAMETERS:
+        sharded = FullyShardedOptimizer(
+            _stage_layers(module), inner, groups.dp_group,
+            gather_group=create_gather_group(groups),
+            tied=[] if tied is None else tied.params,
+            reshard_after_forward=config.reshard_after_forward, bucket_mb=config.bucket_mb,
+            prefetch_next_unit=config.prefetch_next_unit)
     elif groups.expert_dp_group is not None:  # expert states over their own group
         sharded = ExpertShardedOptimizer(zero_regions(module, tied), inner, groups.dp_group,
                                          groups.expert_dp_group, groups.topology.ep,
@@ -69,11 +85,17 @@ def shard_stages(module: PipelineModule, tied: TiedWeightSynchronizer | None,
     return sharded
 
 
+def _stage_layers(module: PipelineModule) -> dict[int, list[nn.Module]]:
+    """Stage -> its layers, in order (ZeRO-3's units)."""
+    return {int(key): list(module.stage(int(key)).layers.values()) for key in module.stages}
+
+
 def checkpoint_regions(module: PipelineModule, tied: TiedWeightSynchronizer | None,
                        optimizer: object) -> dict[int, list[nn.Parameter]] | None:
     """The regions a checkpoint describes `optimizer` by (None: not a ZeRO optimizer):
-    ZeRO-3's per-layer units as it built them, else one per stage (`zero_regions`)."""
-    if isinstance(optimizer, FullyShardedOptimizer):
+    ZeRO-3's per-layer units as it built them (with ep: each unit's dense parameters, then
+    its experts'), else one per stage (`zero_regions`)."""
+    if isinstance(optimizer, FullyShardedOptimizer | ExpertFullyShardedOptimizer):
         return optimizer.region_parameters()
     if isinstance(optimizer, ShardedOptimizer):
         return zero_regions(module, tied)

@@ -19,7 +19,10 @@ TOLERANCE = 1e-5
 RUNS = [(2, "1f1b", 1, True), (2, "interleaved", 2, True), (2, "zb-v", 2, True),
         (3, "1f1b", 1, True), (3, "interleaved", 2, True), (3, "zb-v", 2, True),
         (3, "1f1b", 1, False), (3, "zb-v", 2, False)]
-"""(zero_stage, schedule, chunks per rank, reshard_after_forward)."""
+"""(zero_stage, schedule, chunks per rank, reshard_after_forward); ZeRO-3 prefetches."""
+
+UNPREFETCHED = [(3, "1f1b", 1, True), (3, "zb-v", 2, True)]
+"""ZeRO-3 runs again with prefetch_next_unit=False."""
 
 
 COMPOSED = [
@@ -43,6 +46,9 @@ def _every_run() -> dict[str, list[dict[str, Any]]]:
     return {"hf": [{"run": run, **zero_differences(run[0], run[1], run[2],
                                                    reshard_after_forward=run[3])}
                    for run in RUNS],
+            "unprefetched": [{"run": run, **zero_differences(
+                run[0], run[1], run[2], reshard_after_forward=run[3], prefetch_next_unit=False)}
+                for run in UNPREFETCHED],
             "composed": [run_case(case) for case in COMPOSED]}
 
 
@@ -54,7 +60,7 @@ def launched() -> list[dict[str, list[dict[str, Any]]]]:
 
 @pytest.fixture(scope="module")
 def per_rank(launched: list[dict[str, list[dict[str, Any]]]]) -> list[list[dict[str, Any]]]:
-    return [outcome["hf"] for outcome in launched]
+    return [outcome["hf"] + outcome["unprefetched"] for outcome in launched]
 
 
 @pytest.mark.multiprocess
@@ -95,23 +101,34 @@ def test_gradients_held_after_the_step_are_the_shard(per_rank: list[list[dict[st
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_zero3_frees_layers_and_reshard_after_forward_trades_gathers_for_memory(
-        per_rank: list[list[dict[str, Any]]]) -> None:
-    for results in per_rank:
-        by_run = {result["run"]: result for result in results}
+        launched: list[dict[str, list[dict[str, Any]]]]) -> None:
+    """Gathers and the most layers gathered at once in the first step (m = 4 microbatches):
+    prefetching the next layer keeps one more gathered, never adds a gather."""
+    for outcome in launched:
+        by_run = {result["run"]: result for result in outcome["hf"]}
+        alone = {result["run"]: result for result in outcome["unprefetched"]}
         assert by_run[(3, "1f1b", 1, True)]["units"] >= 3  # several layers per stage
-        for run, result in by_run.items():
+        for run, result in [*by_run.items(), *alone.items()]:
             if run[0] != 3:
                 continue
             assert result["unit_storage_bytes"] == 0, run  # after the step: shards only
             assert result["gathered_bytes"] == 0, run
-            units, m = result["units"], 4
-            if run[3] and run[1] != "zb-v":  # one layer at a time, gathered for each F and B
-                assert result["step_peak"] == 1 and result["step_gathers"] == 2 * m * units, run
-            elif run[3]:  # ZB-V: I leaves its last layer gathered until that stage's W
-                assert result["step_peak"] <= 2 and (
-                    2 * m * units <= result["step_gathers"] <= 3 * m * units), run
-            else:  # every layer gathered once, kept until the step
-                assert result["step_gathers"] == result["units"] == result["step_peak"], run
+        m = 4
+        for runs, extra in ((by_run, 1), (alone, 0)):  # prefetched: one more layer gathered
+            for run, result in runs.items():
+                units = result.get("units", 0)
+                if run[0] != 3:
+                    continue
+                if run[3] and run[1] != "zb-v":  # one layer at a time for each F and B
+                    assert result["step_peak"] == 1 + extra, run
+                    assert result["step_gathers"] == 2 * m * units, run
+                elif run[3]:  # ZB-V: I leaves its last layer gathered until that stage's W
+                    assert result["step_peak"] <= 2 + extra and (
+                        2 * m * units <= result["step_gathers"] <= 3 * m * units), run
+                else:  # every layer gathered once, kept until the step
+                    assert result["step_gathers"] == units == result["step_peak"], run
+        for run, result in alone.items():  # prefetching moves gathers earlier, adds none
+            assert result["step_gathers"] == by_run[run]["step_gathers"], run
         for schedule, chunks in (("1f1b", 1), ("zb-v", 2)):
             resharded = by_run[(3, schedule, chunks, True)]["step_gathers"]
             kept = by_run[(3, schedule, chunks, False)]["step_gathers"]
@@ -120,7 +137,6 @@ def test_zero3_frees_layers_and_reshard_after_forward_trades_gathers_for_memory(
 
 @pytest.mark.parametrize("options, match", [
     ({"zero_stage": 4}, "GRADIENTS=2, PARAMETERS=3"),
-    ({"zero_stage": 3, "expert_parallel": 2}, "expert parameters"),
     ({"zero_stage": 3, "overlap_param_gather": True}, "overlap_param_gather"),
     ({"zero_stage": 3, "reshard_after_forward": 1}, "reshard_after_forward"),
     ({"zero_stage": 0, "precision": "bf16", "half_parameters": True}, "zero_stage=1, 2 or 3"),

@@ -108,7 +108,8 @@ def _biases(module: PipelineModule, stages: tuple[int, ...]) -> dict[int, torch.
 def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: int = 0,
                          top_k: int = 2, ties: bool = False, padded: bool = False,
                          tied: bool = False, clip: float | None = None, steps: int = 1,
-                         schedule: str = "1f1b", export: bool = False,
+                         schedule: str = "1f1b", chunks: int | None = None,
+                         export: bool = False,
                          strict_reads: bool = True, partition_method: str = "uniform",
                          balancing: Any = None, reference: HFLoss | None = None,
                          tp: int = 1, sequence_parallel: bool = False,
@@ -129,13 +130,16 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
     HF's, and ``export_names``, whether its names are `save_pretrained`'s. `padded`:
     right-padded rows with their attention mask, the token-summed loss (padding counts in
     neither loss, as in HF).
+    `chunks`: stages per rank (default 2 for DualPipeV, else 1).
     `clip`: the engine's gradient_clipping against torch's clip_grad_norm_ on HF's model (then
     also ``norm``, the relative difference of the norms before clipping). `steps`: steps taken
     (the last one's loss and gradients compared; the weights after all of them).
     `balancing`: `layers_from_hf`'s; `reference`: the loss HF's model is stepped on instead
     of its own (`HFLoss`). Also returns ``biases`` (HF layer index -> this rank's aux-free
-    expert bias after the steps) and the ``engine``. `tp` > 1: `tensor_parallel_hf`'s split
-    (with `sequence_parallel`), each rank's gradient slices against HF's same slices."""
+    expert bias after the steps), the ``engine`` and ``unit_bytes``, what ZeRO-3's layers
+    held gathered after the last step (0 when each layer is freed). `tp` > 1:
+    `tensor_parallel_hf`'s split (with `sequence_parallel`), each rank's gradient slices
+    against HF's same slices."""
     hf_model = tiny_moe_model(family, seed=3, top_k=top_k, tied=tied)
     if ties:
         plant_ties_and_an_idle_expert(hf_model)
@@ -145,7 +149,8 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
     hf = layers_from_hf(tiny_moe_config(family, top_k=top_k, tied=tied), balancing=balancing)
     if tp > 1:
         hf = tensor_parallel_hf(hf, sequence_parallel=sequence_parallel)
-    chunks = 2 if schedule.startswith("dualpipev") else 1
+    if chunks is None:  # stages per rank
+        chunks = 2 if schedule.startswith("dualpipev") else 1
     module = PipelineModule(hf.layers, num_stages=pp, chunks=chunks,
                             loss_fn=hf.summed_loss if padded else hf.loss_fn,
                             partition_method=partition_method)
@@ -179,6 +184,7 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
         loss = train_batch_balanced(pipelined, hf.balance, inputs, labels[rows])
         expected, norm = _hf_step(hf_model, ids, mask if padded else None, labels, clip,
                                   reference)
+    unit_bytes = getattr(pipelined.optimizer, "unit_storage_bytes", lambda: 0)()
     with torch.no_grad():
         routes = hf_model(input_ids=ids, output_router_logits=True).router_logits
     reference = dict(hf_model.named_parameters())
@@ -206,7 +212,7 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
     param = max(_relative(state[name], reference[name]) for name in reference)
     found = {"loss": abs(loss - expected) / abs(expected), "grad": float(worst),
              "param": param, "routes": routes, "reads": sorted(reads),
-             "expected_reads": expected_reads,
+             "expected_reads": expected_reads, "unit_bytes": unit_bytes,
              "handovers": pipelined._interpreter.pair_handovers,  # the engine's own counts
              "two_batch_handovers": pipelined._interpreter.two_batch_handovers,
              "biases": _biases(module, pipelined.stage_ids), "engine": pipelined}

@@ -42,7 +42,13 @@ _SCHEDULE_TESTS = ("tests/schedules/test_golden.py", "tests/schedules/test_prope
 _VALIDATOR_TESTS = ("tests/schedules/test_validator.py",
                     "tests/schedules/test_validator_mutations.py")
 
-_ZERO_TESTS = ("tests/parallel/test_zero_stages.py",)
+_ZERO_TESTS = ("tests/parallel/test_zero_stages.py::test_loss_gradients_and_weights_equal_hf",)
+"""A node id: named, a full-tier test runs in the default tier (a named file runs only its
+fast-tier tests when it has any, and test_zero_stages.py has)."""
+_ZERO_EP_TESTS = ("tests/parallel/test_zero_stages_moe.py",)
+_ZERO_EP_SPLIT = ("tests/parallel/test_zero_stages_moe.py::"
+                  "test_expert_shards_split_over_two_ranks_step_as_hf",)
+"""pp2 × dp4 × ep2: expert-dp groups of two ranks, so a wrong group of the same size runs."""
 
 BUGS: tuple[PlantedBug, ...] = (
     PlantedBug("1F1B warm-up count one too many", "schedules/generators/classic.py",
@@ -137,12 +143,27 @@ BUGS: tuple[PlantedBug, ...] = (
                " + self._launch(b, buffer)))", _ZERO_TESTS),
     PlantedBug("ZeRO-3 takes back a gathered layer's shard from the wrong rank",
                "pipeline/parallel/zero3.py",
-               "region.layout.shard(region.flat_param, self.dp_rank)",
-               "region.layout.shard(region.flat_param, 1 - self.dp_rank)", _ZERO_TESTS),
+               "mine = region.layout.shard(region.flat_param, self.dp_rank)",
+               "mine = region.layout.shard(region.flat_param, 1 - self.dp_rank)", _ZERO_TESTS),
     PlantedBug("ZeRO-3 gathers a layer's buckets out of rank order", "pipeline/parallel/zero3.py",
                "                mine = region.master.detach()[b].to(flat.dtype)",
                "                mine = region.master.detach()[b].to(flat.dtype).flip(0)",
                _ZERO_TESTS),
+    PlantedBug("ZeRO-3 computes with a prefetched layer before its gather arrived",
+               "pipeline/parallel/zero3.py",
+               "        self.prefetch(key)\n        self._wait_gather(key)\n",
+               "        self.prefetch(key)\n", _ZERO_TESTS),
+    PlantedBug("ZeRO-3 with ep shards and reduces expert parameters over dp as dense ones",
+               "pipeline/parallel/expert_zero3.py", "    return expert_shard(param) is None",
+               "    return True", _ZERO_EP_TESTS),
+    PlantedBug("ZeRO-3 with ep gathers expert shards from the ranks holding other experts",
+               "pipeline/runtime/zero_setup.py",
+               "expert_gather_group=create_expert_gather_group(groups),",
+               "expert_gather_group=groups.ep_group or create_expert_gather_group(groups),",
+               _ZERO_EP_SPLIT),
+    PlantedBug("ZeRO-3 with ep reduces expert gradients over the ep group",
+               "pipeline/runtime/zero_setup.py", "groups.dp_group, groups.expert_dp_group,",
+               "groups.dp_group, groups.ep_group or groups.expert_dp_group,", _ZERO_EP_SPLIT),
 )
 
 

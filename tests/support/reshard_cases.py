@@ -34,20 +34,21 @@ def _adam(params: Any) -> torch.optim.Optimizer:
 
 @dataclass(frozen=True)
 class Layout:
-    """(pp, tp, dp, ep) and whether the optimizer is ZeRO-1."""
+    """(pp, tp, dp, ep) and the ZeRO stage (True: ZeRO-1)."""
 
     pp: int
     tp: int = 1
     dp: int = 1
     ep: int = 1
-    zero: bool = False
+    zero: int = 0
 
     def label(self) -> str:
-        return f"pp{self.pp}-tp{self.tp}-dp{self.dp}-ep{self.ep}" + ("-zero1" if self.zero else "")
+        return (f"pp{self.pp}-tp{self.tp}-dp{self.dp}-ep{self.ep}"
+                + (f"-zero{int(self.zero)}" if self.zero else ""))
 
     def engine_options(self) -> dict[str, Any]:
         return {"tensor_parallel": self.tp, "data_parallel": self.dp,
-                "expert_parallel": self.ep, "zero_stage": 1 if self.zero else 0}
+                "expert_parallel": self.ep, "zero_stage": int(self.zero)}
 
 
 @dataclass(frozen=True)

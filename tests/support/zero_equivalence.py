@@ -50,18 +50,19 @@ def _saved_llama(directory: str) -> torch.nn.Module:
 
 def _count_gathers(sharded: FullyShardedOptimizer, result: dict[str, Any]) -> None:
     """Count the unit gathers that collect, and the most units gathered at once."""
-    gather = sharded.gather
+    launch = sharded.prefetch  # every gather that collects launches here (prefetched or not)
 
     def counted(key: int) -> None:
         if key not in sharded.gathered_units():
             result["gathers"] += 1
-        gather(key)
+        launch(key)
         result["peak_gathered"] = max(result["peak_gathered"], len(sharded.gathered_units()))
-    sharded.gather = counted  # type: ignore[method-assign]
+    sharded.prefetch = counted  # type: ignore[method-assign]
 
 
 def zero_differences(zero_stage: int, schedule: str, chunks: int, *,
-                     reshard_after_forward: bool = True) -> dict[str, Any]:
+                     reshard_after_forward: bool = True,
+                     prefetch_next_unit: bool = True) -> dict[str, Any]:
     """Two steps of the pipelined, data-parallel ZeRO run (each replica its half of the
     batch) and of HF on the whole batch: max |difference| of loss, reduced gradients and
     updated weights; and after the last step the gradient bytes this rank holds next to its
@@ -77,6 +78,7 @@ def zero_differences(zero_stage: int, schedule: str, chunks: int, *,
         engine = PipelineEngine(module, schedule=schedule, num_microbatches=4, timeout=60,
                                 data_parallel=2, zero_stage=zero_stage, bucket_mb=2**-12,
                                 reshard_after_forward=reshard_after_forward,
+                                prefetch_next_unit=prefetch_next_unit,
                                 optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
         dist.barrier()
     sharded = engine.optimizer
