@@ -36,6 +36,7 @@ from pipeline.device import (
 from pipeline.device.staged_backend import backend_available
 from pipeline.errors import PipelineConfigError
 from pipeline.launcher.forkserver_guard import GUARD_ENV
+from pipeline.launcher.forkserver_ready import READY_ENV
 from pipeline.launcher.in_place import run_in_place
 from pipeline.launcher.rank_worker import worker
 from pipeline.launcher.results import (
@@ -45,8 +46,10 @@ from pipeline.launcher.results import (
 )
 from pipeline.limits import MAX_TIMEOUT, check_local_ranks
 from pipeline.supervision.orphans import (
+    ProcessIdentity,
     Reaper,
     identity_of,
+    is_running,
 )
 
 __all__ = ["PreLaunchCheck", "launch"]
@@ -55,7 +58,9 @@ T = TypeVar("T")
 _GRACE = 5.0  # seconds the other ranks get to stop by themselves once one has failed
 _PRELOAD = ("pipeline.launcher.forkserver_guard",  # first: before torch's long import
             "torch", "torch.distributed", "torch._dynamo", "torch.optim",
-            "pipeline.runtime.engine")
+            "pipeline.runtime.engine",
+            "pipeline.launcher.forkserver_ready")  # last: says the imports are done
+_READY_PATIENCE = 300.0  # seconds the launcher waits, signals free, for the fork server
 # One thread at a time starts the fork server: GUARD_ENV lives in the process-wide
 # environment, and a worker thread starting the server while the main thread had it set
 # gave the server a parent-death signal tied to that worker thread, so the server died when
@@ -156,8 +161,12 @@ def _check_arguments(fn: object, world_size: object, timeout: object, backend: o
         raise PipelineConfigError("launch: " + "; ".join(problems))
 
 
+def _method(start_method: str | None) -> str:
+    return start_method or ("forkserver" if sys.platform.startswith("linux") else "spawn")
+
+
 def _context(start_method: str | None) -> Any:
-    method = start_method or ("forkserver" if sys.platform.startswith("linux") else "spawn")
+    method = _method(start_method)
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         context.set_forkserver_preload(list(_PRELOAD))  # ranks fork with torch already imported
@@ -169,34 +178,56 @@ def _start_fork_server_deaf_to_ctrl_c() -> None:
     """Start the fork server (and resource tracker) deaf to SIGINT: a Ctrl-C on the terminal
     reaches the whole process group, and the fork server, still importing torch, printed a
     KeyboardInterrupt traceback; its ranks inherit the same, so the launcher alone answers
-    Ctrl-C (one line) and ends them."""
+    Ctrl-C (one line) and ends them. Then, if it started one, wait with SIGINT and SIGTERM
+    free until the fork server has imported its preloads: the first rank's start waits for
+    that import (15 s on a loaded host), and ranks start with those signals held."""
+    ready = os.path.join(multiprocessing.util.get_temp_dir(), "pipesched-forkserver-ready")
     with _START_LOCK:
-        _start_fork_server_locked()
+        server = _start_fork_server_locked(ready)
+    if server is None:
+        return
+    try:
+        deadline = time.monotonic() + _READY_PATIENCE
+        # no /proc (started None): no wait, the ranks' start waits instead
+        while server.started is not None and is_running(server) and \
+                not os.path.exists(ready) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        if os.path.exists(ready):
+            os.remove(ready)
 
 
-def _start_fork_server_locked() -> None:
+def _start_fork_server_locked(ready: str) -> ProcessIdentity | None:
+    """Start the fork server if none runs; the one started here, on the main thread, to
+    create `ready` once it has imported its preloads (None otherwise)."""
     from multiprocessing import forkserver
 
     if threading.current_thread() is not threading.main_thread():
         forkserver.ensure_running()
-        return
+        return None
+    state: Any = forkserver._forkserver  # private: no public way to the fork server's pid
+    before = state._forkserver_pid
     # SIGINT blocked, not ignored: an ignored signal is discarded, so a Ctrl-C in this window
     # was lost; a blocked one stays pending and raises KeyboardInterrupt here once unblocked.
     # The fork server inherits the blocked mask (deaf while it starts) and its first preload,
     # `forkserver_guard`, ignores SIGINT for good and unblocks it.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     os.environ[GUARD_ENV] = str(os.getpid())  # the fork server dies with this process
+    os.environ[READY_ENV] = ready  # and says when it is ready (`forkserver_ready`)
     try:
         forkserver.ensure_running()
     finally:
         os.environ.pop(GUARD_ENV, None)
+        os.environ.pop(READY_ENV, None)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    server: int | None = state._forkserver_pid
+    return None if server is None or server == before else identity_of(server)
 
 
-def _owned_directories(context: Any) -> list[str]:
+def _owned_directories(method: str) -> list[str]:
     """This process's temporary directories a rank removes if the launcher dies: the fork
     server's socket lives in multiprocessing's per-process directory."""
-    if context.get_start_method() != "forkserver":
+    if method != "forkserver":
         return []
     return [multiprocessing.util.get_temp_dir()]  # created now, so the fork server uses it
 
@@ -204,19 +235,21 @@ def _owned_directories(context: Any) -> list[str]:
 def _spawn(fn: Callable[..., T], world_size: int, args: tuple[Any, ...], timeout: float,
            backend: str | None, join_timeout: float | None, threads: int | None,
            start_method: str | None, grace: float, quiet: bool) -> list[T]:
-    context = _context(start_method)
     workdir = tempfile.mkdtemp(prefix="pipesched-")
     launcher = identity_of(os.getpid())
-    cleanup = [workdir, *_owned_directories(context)]
-    reaper = Reaper(cleanup)  # before any rank: from now on nothing outlives this process
-    # A path, not a file:// URL: a '#', '?' or newline in TMPDIR would end or bend the URL
-    # (the rendezvous escaped to a shorter path, went stale, and later launches hung)
-    rendezvous = os.path.join(workdir, "rendezvous")
-    processes = [context.Process(target=worker, name=f"pipesched-rank-{rank}", args=(
-        rank, world_size, rendezvous, backend or default_backend(world_size), timeout,
-        threads, fn,
-        args, workdir, launcher, cleanup, quiet)) for rank in range(world_size)]
+    cleanup = [workdir, *_owned_directories(_method(start_method))]
+    # Before the fork server, whose start waits for its imports with SIGTERM free: from now
+    # on nothing outlives this process
+    reaper = Reaper(cleanup)
+    processes: list[Any] = []
     try:
+        context = _context(start_method)
+        # A path, not a file:// URL: a '#', '?' or newline in TMPDIR would end or bend the
+        # URL (the rendezvous escaped to a shorter path, went stale, later launches hung)
+        rendezvous = os.path.join(workdir, "rendezvous")
+        processes = [context.Process(target=worker, name=f"pipesched-rank-{rank}", args=(
+            rank, world_size, rendezvous, backend or default_backend(world_size), timeout,
+            threads, fn, args, workdir, launcher, cleanup, quiet)) for rank in range(world_size)]
         with _signals_deferred():  # a rank started but not yet known could not be stopped
             for process in processes:
                 process.start()

@@ -184,12 +184,12 @@ class Reaper:
         me = identity_of(os.getpid())
         # -I -S: the standard library only, fast; a session of its own, so that a Ctrl-C
         # on the terminal, which interrupts the launcher, leaves the reaper to clean up.
+        # The directories on its command line: known to it from its start, even if this
+        # process dies before the reaper has run a line of its own.
         self._process: subprocess.Popen[bytes] | None = subprocess.Popen(
             [sys.executable, "-I", "-S", os.path.abspath(__file__), str(me.pid),
-             me.started or ""], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            start_new_session=True)
-        for path in directories:
-            self._tell(f"dir {path}")
+             me.started or "", *directories], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, start_new_session=True)
 
     def watch(self, pid: int) -> None:
         """Kill process `pid` (checked by its start time) if the launcher dies."""
@@ -223,39 +223,50 @@ class Reaper:
             pass  # the reaper is gone; the ranks' own mechanisms remain
 
 
-def _reap(launcher: ProcessIdentity) -> int:
+def _reap(launcher: ProcessIdentity, directories: Sequence[str]) -> int:
     """The reaper's main: follow the launcher's instructions on stdin until it says "done",
-    or until it exits, then kill its ranks and remove its directories."""
+    or until it exits, then kill its ranks and remove its `directories`."""
     for number in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(number, signal.SIG_IGN)
     ranks: list[ProcessIdentity] = []
-    directories: list[str] = []
     pending = b""
+    stdin = sys.stdin.fileno()
+
+    def follow(chunk: bytes) -> bool:
+        """Take the complete lines read so far; whether one said "done"."""
+        nonlocal pending
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            word, _, rest = line.decode().partition(" ")
+            if word == "done":
+                return True
+            if word == "pid":
+                pid, _, started = rest.partition(" ")
+                ranks.append(ProcessIdentity(int(pid), started or None))
+        return False
+
     descriptor = _pidfd(launcher)
     poller = select.poll()
-    poller.register(sys.stdin.fileno(), select.POLLIN)
+    poller.register(stdin, select.POLLIN)
     if descriptor is not None:
         poller.register(descriptor, select.POLLIN)
     reading = True
     while is_running(launcher):
         events = poller.poll(None if descriptor is not None and reading else _POLL * 1000)
-        if not reading or not any(fd == sys.stdin.fileno() for fd, _ in events):
+        if not reading or not any(fd == stdin for fd, _ in events):
             continue
-        chunk = os.read(sys.stdin.fileno(), 65536)
+        chunk = os.read(stdin, 65536)
         if not chunk:  # EOF: the launcher closed its end or died (ranks may hold copies)
             reading = False
-            poller.unregister(sys.stdin.fileno())
+            poller.unregister(stdin)
             continue
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            word, _, rest = line.decode().partition(" ")
-            if word == "done":
-                return 0
-            if word == "dir":
-                directories.append(rest)
-            elif word == "pid":
-                pid, _, started = rest.partition(" ")
-                ranks.append(ProcessIdentity(int(pid), started or None))
+        if follow(chunk):
+            return 0
+    # The launcher can die before this loop has read what it wrote (before this process
+    # even started): a rank it named then outlived it. Read the rest now, without waiting
+    # for an end of file, which never comes while ranks forked from the launcher hold copies.
+    if reading and follow(_unread(stdin)):
+        return 0
     for rank in ranks:
         if is_running(rank):
             try:
@@ -270,5 +281,19 @@ def _reap(launcher: ProcessIdentity) -> int:
     return 0
 
 
+def _unread(descriptor: int) -> bytes:
+    """What `descriptor` holds now, without waiting for more."""
+    os.set_blocking(descriptor, False)
+    data = b""
+    while True:
+        try:
+            chunk = os.read(descriptor, 65536)
+        except BlockingIOError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
 if __name__ == "__main__":  # the reaper process `Reaper` starts
-    sys.exit(_reap(ProcessIdentity(int(sys.argv[1]), sys.argv[2] or None)))
+    sys.exit(_reap(ProcessIdentity(int(sys.argv[1]), sys.argv[2] or None), sys.argv[3:]))

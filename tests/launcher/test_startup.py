@@ -4,6 +4,7 @@ line, not a traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import pipeline.cli
@@ -20,13 +22,24 @@ from pipeline.launcher import processes
 _REPO = str(Path(__file__).resolve().parents[2])
 _LAUNCHER = """
 import time
-from multiprocessing import forkserver
 from pipeline.launcher.processes import _context
 
-_context(None)  # starts the fork server, which then imports torch for a while
-print(forkserver._forkserver._forkserver_pid, flush=True)
+print("starting", flush=True)
+_context(None)  # starts the fork server, and waits while it imports torch
 time.sleep(600)
 """
+
+
+def _fork_server_of(launcher: int) -> int:
+    """The fork server `launcher` starts (waits for it to appear)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher).children():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if "multiprocessing.forkserver import main" in " ".join(child.cmdline()):
+                    return child.pid
+        time.sleep(0.02)
+    raise AssertionError("the launcher started no fork server")
 
 
 def _gone(pid: int) -> bool:
@@ -42,8 +55,8 @@ def test_the_fork_server_dies_with_a_launcher_killed_while_it_imports_torch() ->
     # regression: it outlived a SIGKILLed launcher for 15.6-18 s (importing torch first)
     launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER], stdout=subprocess.PIPE,
                                 text=True, env={**os.environ, "PYTHONPATH": _REPO})
-    assert launcher.stdout is not None
-    server = int(launcher.stdout.readline())
+    assert launcher.stdout is not None and launcher.stdout.readline() == "starting\n"
+    server = _fork_server_of(launcher.pid)  # just started: it imports torch for seconds
     launcher.kill()
     launcher.wait(30)
     # the kernel kills it as the launcher dies; 2 s is far above that and far below the

@@ -2,6 +2,8 @@
 2 ranks that train and save a checkpoint every step until stopped (under torchrun it runs in
 place), or that stop at a start-up POINT (`KILL_POINTS`) until killed:
 
+- ``importing``: the fork server is still importing its preloads (one that never ends
+  stands for torch's import on a loaded host), the launcher waiting for it;
 - ``starting``: the launcher has had a rank forked but not yet learnt its pid;
 - ``unpickling``: both ranks block, before `launch`'s worker runs, in a C call holding the
   GIL (so no Python thread of theirs runs);
@@ -31,11 +33,13 @@ import psutil
 import torch.distributed as dist
 
 from pipeline import PipelineEngine, PipelineModule, launch
+from pipeline.launcher import processes as launcher_processes
+from tests.support import endless_import
 from tests.support.pipeline_models import MODELS, mlp_layers
 
 __all__ = ["KILL_POINTS", "KillOutcome", "kill_launcher"]
 
-KILL_POINTS = ("starting", "unpickling", "rendezvous", "first-step", "training")
+KILL_POINTS = ("importing", "starting", "unpickling", "rendezvous", "first-step", "training")
 
 _REPO = str(Path(__file__).resolve().parents[2])
 _START = 180.0  # seconds the job may take to start training on a loaded machine
@@ -122,6 +126,8 @@ def _reached(workdir: str, point: str) -> bool:
     """Whether the job stopped at (or, for ``training``, reached) `point`."""
     def marks(pattern: str) -> int:
         return len(glob.glob(os.path.join(workdir, pattern)))
+    if point == "importing":
+        return marks("importing") == 1
     if point == "starting":
         return marks("starting") == 1
     if point == "unpickling":
@@ -203,6 +209,13 @@ def kill_launcher(workdir: str, start_method: str, signal_number: int,
         log.close()
 
 
+def _import_forever(workdir: str) -> None:
+    """Give the fork server, after its first preload (the guard), one that never ends."""
+    os.environ[endless_import.MARK_ENV] = os.path.join(workdir, "importing")
+    preloads = launcher_processes._PRELOAD
+    launcher_processes._PRELOAD = (preloads[0], endless_import.__name__, *preloads[1:])
+
+
 def _pause_after_fork(workdir: str) -> None:
     """Make the launcher's first fork-server start stop after the fork, before it learns
     the new rank's pid (where an interrupted `Process.start` would lose the rank)."""
@@ -222,9 +235,12 @@ if __name__ == "__main__":
     directory, method = sys.argv[1], sys.argv[2]
     stop_at = sys.argv[3] if len(sys.argv) > 3 else "training"
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as in `pipesched train`
+    if stop_at == "importing":
+        _import_forever(directory)
     if stop_at == "starting":
         _pause_after_fork(directory)
-    blocking = None if stop_at in ("starting", "training") else _Blocker(directory, stop_at)
+    blocking = (None if stop_at in ("importing", "starting", "training")
+                else _Blocker(directory, stop_at))
     try:
         launch(_train_forever, 2, directory, blocking, timeout=60,
                start_method=None if method == "torchrun" else method)
