@@ -16,8 +16,8 @@ from pipeline.interop.hf_context_parallel import context_parallel_hf
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights
+from pipeline.parallel.context import mask as position_mask
 from pipeline.parallel.context import ring, sharding
-from pipeline.parallel.context.attention import context_mask
 from pipeline.parallel.data_parallel import NoOpGradReducer
 from pipeline.parallel.tensor.shard_layout import layout_of
 from pipeline.runtime import parallel_setup
@@ -37,7 +37,7 @@ def _keys_in_natural_order(length: int, cp: int, device: Any = None) -> torch.Te
 def _strictly_earlier(query: torch.Tensor, key: torch.Tensor, padding: Any = None,
                       window: Any = None) -> torch.Tensor:
     """Planted bug: the causal mask off by one (a token does not see itself)."""
-    return context_mask(query - 1, key, padding, window)
+    return _CONTEXT_MASK(query - 1, key, padding, window)
 
 
 def _block_without_its_weight(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,6 +48,7 @@ def _block_without_its_weight(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _RING_BLOCK = ring._block
+_CONTEXT_MASK = position_mask.context_mask
 
 
 def _no_reduction(*_: Any, **__: Any) -> NoOpGradReducer:
@@ -58,7 +59,7 @@ def _no_reduction(*_: Any, **__: Any) -> NoOpGradReducer:
 PLANTED: dict[str, tuple[Any, str, Any]] = {
     "keys-in-natural-order": (hf_context_parallel, "gathered_positions",
                               _keys_in_natural_order),
-    "mask-off-by-one": (hf_context_parallel, "context_mask", _strictly_earlier),
+    "mask-off-by-one": (position_mask, "context_mask", _strictly_earlier),
     "no-cp-reduction": (parallel_setup, "make_grad_reducer", _no_reduction),
     "ring-block-weight-dropped": (ring, "_block", _block_without_its_weight),
 }
