@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from pipeline import PipelineEngine, PipelineModule
-from pipeline.errors import PipelineConfigError
 from pipeline.interop import hf_context_parallel
 from pipeline.interop.hf_context_parallel import context_parallel_hf
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
@@ -23,7 +22,7 @@ from pipeline.parallel.tensor.shard_layout import layout_of
 from pipeline.runtime import parallel_setup
 from tests.support.hf_models import tiny_config, tiny_model, token_batch
 
-__all__ = ["PLANTED", "CPCase", "cp_checkpoint_refusal", "cp_step_errors"]
+__all__ = ["PLANTED", "CPCase", "cp_step_errors"]
 
 LEARNING_RATE = 0.1
 
@@ -172,17 +171,3 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
     export = _relative([(state[name], target[name]) for name in state])
     return {"loss": abs(loss - expected.item()) / abs(expected.item()), "grad": grad,
             "param": param, "export": export}
-
-
-def cp_checkpoint_refusal() -> str:
-    """The error `save_checkpoint` raises at pp 2 × cp 2 on every rank (refused, not torn)."""
-    hf = context_parallel_hf(layers_from_hf(tiny_config("llama", tied=False)))
-    module = PipelineModule(hf.layers, num_stages=2, loss_fn=hf.loss_fn,
-                            partition_method="uniform")
-    engine = PipelineEngine(module, num_microbatches=2, context_parallel=2, timeout=60)
-    with tempfile.TemporaryDirectory() as directory:
-        try:
-            engine.save_checkpoint(directory)
-        except PipelineConfigError as error:
-            return str(error)
-    raise AssertionError("save_checkpoint ran at context_parallel=2")
