@@ -21,7 +21,7 @@ __all__: list[str] = []
 
 
 def _gathered_kept(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any,
-                   group: Any, scale: float) -> torch.Tensor:
+                   group: Any, scale: float, ops: Any = None) -> torch.Tensor:
     """Planted bug: autograd through the K/V all-gather and SDPA, which keeps the gathered
     keys and values (and the dense mask) for the backward of every layer."""
     keys = gather_from_sequence_parallel_region(key, group, dim=2)

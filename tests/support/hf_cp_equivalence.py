@@ -39,14 +39,14 @@ def _strictly_earlier(query: torch.Tensor, key: torch.Tensor, padding: Any = Non
     return _CONTEXT_MASK(query - 1, key, padding, window)
 
 
-def _block_without_its_weight(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_without_its_weight(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                              block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Planted bug in ring attention: each block's log-sum-exp dropped, so the online softmax
     merges the blocks' outputs with equal weight."""
-    out, lse = _RING_BLOCK(*args)
-    return out, torch.zeros_like(lse)
+    return _RING_MERGE(out, lse, block_out, torch.zeros_like(block_lse))
 
 
-_RING_BLOCK = ring._block
+_RING_MERGE = ring._merge
 _CONTEXT_MASK = position_mask.context_mask
 
 
@@ -60,7 +60,7 @@ PLANTED: dict[str, tuple[Any, str, Any]] = {
                               _keys_in_natural_order),
     "mask-off-by-one": (position_mask, "context_mask", _strictly_earlier),
     "no-cp-reduction": (parallel_setup, "make_grad_reducer", _no_reduction),
-    "ring-block-weight-dropped": (ring, "_block", _block_without_its_weight),
+    "ring-block-weight-dropped": (ring, "_merge", _merge_without_its_weight),
 }
 """name -> (module, attribute, replacement)."""
 

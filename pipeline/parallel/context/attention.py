@@ -22,13 +22,17 @@ from pipeline.parallel.context.mask import PositionMask, context_mask
 from pipeline.parallel.context.ring import ring_attention
 from pipeline.parallel.tensor.sequence import gather_from_sequence_parallel_region
 
-__all__ = ["GROUP_ATTRIBUTE", "RING_ATTRIBUTE", "context_mask", "context_parallel_attention"]
+__all__ = ["GROUP_ATTRIBUTE", "OPS_ATTRIBUTE", "RING_ATTRIBUTE", "context_mask",
+           "context_parallel_attention"]
 
 GROUP_ATTRIBUTE = "context_parallel_group"
 """The attribute of an attention module holding its cp group (None: cp = 1)."""
 RING_ATTRIBUTE = "context_parallel_ring"
 """The attribute of an attention module that, True, runs `ring.ring_attention` instead of
 the all-gather."""
+OPS_ATTRIBUTE = "context_parallel_ops"
+"""The attribute of an attention module holding its `ops.ContextParallelOps` (absent: the
+real kernels and messages; `pipeline.rehearsal.emulated_cp` sets timed ones)."""
 
 
 def _repeat_heads(tensor: torch.Tensor, heads: int) -> torch.Tensor:
@@ -50,6 +54,7 @@ def context_parallel_attention(module: Any, query: torch.Tensor, key: torch.Tens
                          f"this rank's queries against every rank's keys), got "
                          f"{type(attention_mask).__name__}")
     group = getattr(module, GROUP_ATTRIBUTE, None)
+    ops = getattr(module, OPS_ATTRIBUTE, None)
     heads = query.shape[1]
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     if group is not None and getattr(module, RING_ATTRIBUTE, False):
@@ -57,9 +62,9 @@ def context_parallel_attention(module: Any, query: torch.Tensor, key: torch.Tens
             raise PipelineConfigError(f"ring attention runs without attention dropout, got "
                                       f"{dropout}; set the config's attention_dropout to 0 "
                                       "or use the all-gather attention")
-        out = ring_attention(query, key, value, attention_mask.dense(), group, scale)
+        out = ring_attention(query, key, value, attention_mask, group, scale, ops=ops)
     elif not dropout:
-        out = gathered_attention(query, key, value, attention_mask, group, scale)
+        out = gathered_attention(query, key, value, attention_mask, group, scale, ops)
     else:
         keys = gather_from_sequence_parallel_region(key, group, dim=2)
         values = gather_from_sequence_parallel_region(value, group, dim=2)
