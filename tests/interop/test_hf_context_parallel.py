@@ -89,6 +89,13 @@ def test_uncovered_families_are_refused_by_name(family: str) -> None:
         context_parallel_hf(layers_from_hf(tiny_config(family, tied=False)))
 
 
+def test_a_moe_family_is_refused_by_name() -> None:
+    from tests.support.hf_moe_models import tiny_moe_config
+
+    with pytest.raises(PipelineConfigError, match=r"covers model types .*got 'mixtral'"):
+        context_parallel_hf(layers_from_hf(tiny_moe_config("mixtral")))
+
+
 def test_bidirectional_attention_is_refused() -> None:
     config = tiny_config("gemma3_text", tied=False)
     config.use_bidirectional_attention = True
