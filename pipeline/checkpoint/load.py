@@ -126,7 +126,7 @@ def _prepare(path: str, parts: CheckpointParts, load_optimizer: bool) -> _Prepar
         rng = None
         topology = parts.topology
         if manifest.topology == (topology.pp, topology.dp, topology.tp) \
-                and manifest.ep == topology.ep:
+                and manifest.ep == topology.ep and manifest.cp == topology.cp:
             entry = next((e for e in manifest.files if e.path == rng_file(parts.rank)), None)
             rng = None if entry is None else check_rng(
                 _read(step_dir, entry), where=os.path.join(step_dir, entry.path))
@@ -236,7 +236,7 @@ def _read_optimizer(step_dir: str, manifest: Manifest, parts: CheckpointParts
     """The assembled state of every parameter this rank holds, from the files that have it."""
     mine = set(parts.layers)
     pp, dp, saved_tp = manifest.topology
-    saved = Topology(pp, dp, saved_tp, manifest.ep)
+    saved = Topology(pp, dp, saved_tp, manifest.ep, cp=manifest.cp)
     tp_rank = parts.topology.position(parts.rank).tp_rank
     grid = SavedGrid.of(manifest, parts.topology.tp, tp_rank)
     # under the same tp a rank reads only its own tp rank's files, else every one (to merge)

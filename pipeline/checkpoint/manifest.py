@@ -111,6 +111,9 @@ class Manifest:
     the signed `latest` (`pipeline.checkpoint.pointer`)."""
     ep: int = 1
     """Expert parallelism of the saving job (1 in checkpoints from before it was recorded)."""
+    cp: int = 1
+    """Context parallelism of the saving job (1 in checkpoints from before it was recorded):
+    its cp ranks hold the same weights, so cp rank 0 writes them; world_size is pp·dp·cp·tp."""
     splits: tuple[SavedSplit, ...] = ()
     """Every parameter saved as tp or ep slices, and how it was cut (`pipeline.checkpoint.
     reshard` merges them under another tp or ep)."""
@@ -203,10 +206,11 @@ def parse_manifest(raw: bytes | str, *, where: str = MANIFEST) -> Manifest:
         optimizer_class=read.text(doc, "optimizer_class"),
         loss_scaler=_loss_scaler(doc.get("loss_scaler"), read), files=_files(doc, read),
         run_id=read.text(doc, "run_id", _RUN_ID) if "run_id" in doc else "",
-        ep=read.integer(doc, "ep", 1) if "ep" in doc else 1, splits=_splits(doc, read))
-    if manifest.world_size != math.prod(manifest.topology):
-        read.problems.append(f"world_size={manifest.world_size} is not pp·dp·tp of topology "
-                             f"{list(manifest.topology)}")
+        ep=read.integer(doc, "ep", 1) if "ep" in doc else 1, splits=_splits(doc, read),
+        cp=read.integer(doc, "cp", 1) if "cp" in doc else 1)
+    if manifest.cp < 1 or manifest.world_size != math.prod(manifest.topology) * manifest.cp:
+        read.problems.append(f"world_size={manifest.world_size} is not pp·dp·cp·tp of topology "
+                             f"{list(manifest.topology)} and cp={manifest.cp}")
     if not read.problems:  # every number bounded by the files it describes
         read.problems += bound_problems(manifest)
     if read.problems:

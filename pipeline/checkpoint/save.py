@@ -197,8 +197,10 @@ def _payloads(parts: CheckpointParts) -> list[tuple[str, str, tuple[int, ...], C
     files: list[tuple[str, str, tuple[int, ...], Callable[[], Any]]] = []
     layers = parts.layers
     # data-parallel replicas hold the same weights, but for the experts: the first ep
-    # replicas (dp ranks 0 .. ep-1) hold different ones (ep rank 0's are in the layer file)
-    ep_rank = position.ep_rank if position.dp_rank < parts.topology.ep else -1
+    # replicas (dp ranks 0 .. ep-1) hold different ones (ep rank 0's are in the layer file);
+    # context-parallel ranks hold the same weights and optimizer state: cp rank 0 writes them
+    writes = position.dp_rank < parts.topology.ep and position.cp_rank == 0
+    ep_rank = position.ep_rank if writes else -1
     for index, layer in sorted(layers.items()):
         state = layer.state_dict()
         if ep_rank > 0:
@@ -348,4 +350,4 @@ def _manifest(parts: CheckpointParts, entries: list[FileEntry], run_id: str,
         optimizer_class=parts.optimizer_class,
         loss_scaler=None if parts.loss_scaler is None else parts.loss_scaler.state_dict(),
         files=tuple(sorted(entries, key=lambda entry: entry.path)), run_id=run_id,
-        ep=topology.ep, splits=splits)
+        ep=topology.ep, splits=splits, cp=topology.cp)

@@ -54,9 +54,9 @@ from pipeline.model.tied import TiedLayerSpec
 from pipeline.parallel.context.attention import (
     GROUP_ATTRIBUTE,
     RING_ATTRIBUTE,
-    context_mask,
     context_parallel_attention,
 )
+from pipeline.parallel.context.mask import PositionMask
 from pipeline.parallel.context.sharding import (
     check_context_parallel_sequence,
     gathered_positions,
@@ -121,18 +121,19 @@ class ContextEmbedding(HFEmbedding):
 @dataclasses.dataclass(frozen=True)
 class ContextMask:
     """A block's mask function (HF's ``create_causal_mask`` signature): this rank's queries
-    against every cp rank's keys, on global positions (`context_mask`)."""
+    against every cp rank's keys, on global positions: a `PositionMask`, which the attention
+    makes dense while it runs (`context_mask`) and keeps for the backward as positions."""
 
     slot: ContextSlot
     window: int | None
 
     def __call__(self, config: Any, hidden: torch.Tensor, attention_mask: Any, cache: Any,
-                 positions: torch.Tensor) -> torch.Tensor:
+                 positions: torch.Tensor) -> PositionMask:
         if cache is not None:
             raise _refuse_decoding("a block got a cache")
         length = positions.shape[-1] * self.slot.size
         keys = gathered_positions(length, self.slot.size, positions.device)
-        return context_mask(positions, keys, attention_mask, self.window)
+        return PositionMask(positions, keys, attention_mask, self.window)
 
 
 def _register_attention() -> None:

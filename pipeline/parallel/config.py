@@ -201,7 +201,8 @@ class ParallelConfig:
             count_problem("context_parallel", self.context_parallel),
             None if self.context_parallel == 1 or self.expert_parallel == 1 else
             f"expert_parallel={self.expert_parallel} does not run with context_parallel="
-            f"{self.context_parallel} yet; use one of them",
+            f"{self.context_parallel} yet (context_parallel_hf covers no MoE family); use "
+            "one of them",
             None if self.precision in get_args(Precision) else
             f"precision must be one of {get_args(Precision)}, got {self.precision!r}",
             _positive_number_problem("gradient_clipping", self.gradient_clipping,

@@ -86,7 +86,9 @@ class Topology:
         if self.ep > 1 and self.cp > 1:
             raise TopologyError(
                 f"expert parallelism ep={self.ep} does not run with context parallelism "
-                f"cp={self.cp} yet (tokens would be dispatched per sequence chunk); use one")
+                f"cp={self.cp} yet (context_parallel_hf covers no MoE family, and the expert "
+                f"groups and the balancing loss's census are not laid out over cp); use one "
+                f"of them")
 
     @property
     def world_size(self) -> int:

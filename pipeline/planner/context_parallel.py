@@ -36,9 +36,11 @@ def _recomputed(stage: tuple[LayerProfile, ...], recompute: str, k: int
 
 def context_table(table: StageTable, cp: int, stride: int) -> StageTable:
     """`table` as one of cp ranks holds it: its activations, recomputation workspace and
-    boundary messages (all proportional to the sequence) divided by cp, plus each attention
-    layer's gathered K/V, which autograd keeps for the backward unless the layer is
-    recomputed whole (then the recomputed forward gathers them again). Its stage times
+    boundary messages (all proportional to the sequence) divided by cp. The gathered K/V
+    are not held: the engine's attention keeps this rank's own keys and values and gathers
+    them again in the backward (`pipeline.parallel.context.gathered`); `cp_bytes` /
+    `cp_again` record per stage the gathered bytes and how many layers gather them (all,
+    and those recomputed whole), which `context_costs` prices. Its stage times
     (`StageTable._price`) are divided by cp. `stride`: tp, the distance of cp neighbours
     in the rank order (tp innermost, then cp)."""
     if cp == 1:
@@ -55,9 +57,9 @@ def context_table(table: StageTable, cp: int, stride: int) -> StageTable:
     if not whole[:, 0].any():
         raise PlanError("context parallelism needs a transformer shape or Hugging Face "
                         "model (its attention layers' K/V widths); a cost JSON has none")
-    return replace(table, held=table.held / cp + whole[:, 0] - again[:, 0],
-                   workspace=table.workspace / cp, boundary=table.boundary / cp, cp=cp,
-                   cp_bytes=whole, cp_again=again, cp_stride=stride, _priced={})
+    return replace(table, held=table.held / cp, workspace=table.workspace / cp,
+                   boundary=table.boundary / cp, cp=cp, cp_bytes=whole, cp_again=again,
+                   cp_stride=stride, _priced={})
 
 
 def gather_seconds(nbytes: float, cp: int, stride: int, cluster: ClusterSpec) -> float:
@@ -82,12 +84,13 @@ def _layers_seconds(table: StageTable, batch: int, again: bool) -> np.ndarray:
 
 def context_costs(table: StageTable, costs: StageCosts, batch: int) -> StageCosts:
     """`costs` of one of cp ranks (compute already divided by cp) plus, per attention layer,
-    the K/V all-gather in the forward (again in a recomputed forward) and the reduce-scatter
-    of their gradients in the input-gradient backward, none overlapped (the engine's are
-    not); `cp_comm` says how much of the ops they are."""
+    the K/V all-gather in the forward (again in a recomputed forward), and in the
+    input-gradient backward the K/V all-gather again (they are not kept) and the
+    reduce-scatter of their gradients, none overlapped (the engine's are not); `cp_comm`
+    says how much of the ops they are."""
     gather = _layers_seconds(table, batch, again=False)
     again = _layers_seconds(table, batch, again=True)
     return replace(costs, forward=costs.forward + gather,
-                   input_grad=costs.input_grad + again + gather,
-                   recompute=costs.recompute + again, cp_comm=2 * gather + again)
+                   input_grad=costs.input_grad + again + 2 * gather,
+                   recompute=costs.recompute + again, cp_comm=3 * gather + again)
 

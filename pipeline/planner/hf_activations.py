@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipeline.planner.profile import ModelProfile
+from pipeline.planner.profile import LayerProfile, ModelProfile
 from pipeline.planner.transformer import TransformerShape
 from schedules.analysis.eager_activations import eager_core_bytes, eager_layer_activation_bytes
 
-__all__ = ["EAGER_FAMILIES", "UNCOVERED", "eager_block_bytes", "hf_eager_profile"]
+__all__ = ["EAGER_FAMILIES", "UNCOVERED", "eager_block_bytes", "eager_head_bytes",
+           "hf_eager_profile"]
 
 EAGER_FAMILIES = {"llama": 4, "mistral": 4, "qwen2": 4, "gpt2": 5}
 """Families whose block `eager_layer_activation_bytes` prices, checked against the bytes
@@ -49,11 +50,28 @@ def eager_block_bytes(shape: TransformerShape, family: str, *,
     return 2 * two - one, split, split - eager_core_bytes(shape.seq, 1, shape.heads)
 
 
+def eager_head_bytes(shape: TransformerShape, *, sequence_parallel: bool
+                     ) -> tuple[float, float]:
+    """(replicated, tp-split) bytes one sample keeps of the head of a HF model as this
+    engine runs it, the fp32 logits the loss saves aside (`loss_held_split`, unchanged):
+    the final norm's tensors (RMSNorm: its input, the normalized tensor and rsqrt,
+    2·s·h + s; LayerNorm: its input, mean and rstd, s·h + 2·s), the output projection's
+    input (s·h; Korthikanti's head counts one s·h for the norm and one for the projection)
+    and the loss's int64 targets (8·s bytes). Under sequence parallelism the norm's tensors
+    and the projection's input are this rank's slice (split); else replicated."""
+    s, h = shape.seq, shape.hidden
+    norm = 2 * s * h + s if shape.norm != "layernorm" else s * h + 2 * s
+    tensors = 4.0 * (norm + s * h)
+    targets = 8.0 * s
+    return (targets, tensors) if sequence_parallel else (targets + tensors, 0.0)
+
+
 def hf_eager_profile(profile: ModelProfile, shape: TransformerShape, family: str, *,
                      sequence_parallel: bool, sliding_window: int | None = None
                      ) -> ModelProfile:
-    """`profile` (`transformer_profile` of a HF config's `shape`) with its blocks' activations
-    as this engine's HF blocks keep them (`eager_block_bytes`); a fully recomputed block keeps
+    """`profile` (`transformer_profile` of a HF config's `shape`) with its blocks' and head's
+    activations as this engine's HF layers keep them (`eager_block_bytes`,
+    `eager_head_bytes`); a fully recomputed block keeps
     its input hidden state in fp32 (the residual stream stays fp32 under autocast, the
     weights being fp32). A family in `UNCOVERED` keeps Korthikanti's pricing, its label
     saying so and why, as does a `sliding_window` not longer than the sequence (Mistral's,
@@ -78,9 +96,18 @@ def hf_eager_profile(profile: ModelProfile, shape: TransformerShape, family: str
                                      f"layer, not {family}'s eager HF blocks: {why}]")
     replicated, split, selective = eager_block_bytes(shape, family,
                                                      sequence_parallel=sequence_parallel)
-    layers = tuple(
-        replace(layer, held_split=split, held_replicated=replicated,
-                selective_held_split=selective, input_bytes=4 * shape.seq * shape.hidden)
-        if layer.name.startswith("block") else layer for layer in profile.layers)
+    head_replicated, head_split = eager_head_bytes(shape, sequence_parallel=sequence_parallel)
+
+    def eager(layer: LayerProfile) -> LayerProfile:
+        if layer.name.startswith("block"):
+            return replace(layer, held_split=split, held_replicated=replicated,
+                           selective_held_split=selective,
+                           input_bytes=4 * shape.seq * shape.hidden)
+        if layer.name == "head":
+            return replace(layer, held_split=layer.loss_held_split + head_split,
+                           held_replicated=head_replicated)
+        return layer
+
+    layers = tuple(eager(layer) for layer in profile.layers)
     return replace(profile, layers=layers,
                    name=f"{profile.name} [activations: eager HF {family} blocks]")

@@ -10,7 +10,6 @@ import torch
 
 from pipeline.checkpoint.load import load_checkpoint
 from pipeline.checkpoint.save import CheckpointInfo, CheckpointParts, Stateful, save_checkpoint
-from pipeline.errors import PipelineConfigError
 from pipeline.parallel.rank_optimizer import RankOptimizer
 from pipeline.parallel.zero import ShardedOptimizer
 from pipeline.runtime.engine_fields import EngineFields
@@ -94,10 +93,6 @@ class EngineState(EngineFields):
         return info
 
     def _checkpoint_parts(self) -> CheckpointParts:
-        if self.topology.cp > 1:  # the files are laid out per dp rank, not dp × cp
-            raise PipelineConfigError(f"checkpoints do not run with context_parallel="
-                                      f"{self.topology.cp} yet; save from a context_parallel=1 "
-                                      "job, or export with save_hf_checkpoint")
         optimizer: Any = self.optimizer
         regions = checkpoint_regions(self.module, self.training.tied, optimizer)  # ZeRO 1-3
         return CheckpointParts(

@@ -118,14 +118,9 @@ class Oracle:
     def _stage_arrays(self, config: PlanConfig) -> dict[str, Any]:
         stages, tp, cp = self.stages(config), config.tp, config.cp
         mode = (config.recompute, config.recompute_layers)
-        # context parallelism: sequence-proportional bytes / cp, plus every attention layer's
-        # gathered K and V of the whole sequence (2·S·kv_width·element / t) kept for the
-        # backward, except by the layers recomputed whole
-        kv = [sum(_kv(layer, tp) for layer in s) for s in stages]
-        again = [sum(_kv(layer, tp) for layer in _whole(s, config)) for s in stages]
-        held = [stage_activation_bytes(s, tp, 1, *mode) for s in stages]
-        if cp > 1:
-            held = [h / cp + k - a for h, k, a in zip(held, kv, again, strict=True)]
+        # context parallelism: sequence-proportional bytes / cp; the gathered K and V are
+        # gathered again in the backward, not kept
+        held = [stage_activation_bytes(s, tp, 1, *mode) / cp for s in stages]
         return {"params": np.array([sum(layer.params(tp) for layer in s) for s in stages]),
                 "tied": np.array([sum(layer.tied_params_split / tp for layer in s)
                                   for s in stages]),
@@ -195,13 +190,14 @@ class Oracle:
             if not split:
                 input_grad, weight_grad = backward / 2, backward / 2
             if config.cp > 1:  # a K/V all-gather per attention layer forward, and again
-                # where recomputed; their gradients' reduce-scatter in the input gradient
+                # where recomputed; in the input gradient the all-gather again (K/V are not
+                # kept) and their gradients' reduce-scatter
                 ring = self.context.cluster.link(config.cp * config.tp)
                 each = {id(layer): (config.cp - 1) / config.cp * _kv(layer, tp) * b / ring[0]
                         + (config.cp - 1) * ring[1] for layer in stage if _kv(layer, tp) > 0}
                 gather = sum(each.get(id(layer), 0.0) for layer in stage)
                 regather = sum(each.get(id(layer), 0.0) for layer in _whole(stage, config))
-                rows.append((forward + gather, input_grad + again + regather + gather,
+                rows.append((forward + gather, input_grad + again + regather + 2 * gather,
                              weight_grad))
                 continue
             rows.append((forward, input_grad + again, weight_grad))

@@ -50,7 +50,7 @@ def test_a_cp_the_engine_cannot_run_is_refused_in_one_line(
         and err.count("\n") == 1, err
 
 
-def test_cp_divides_the_activations_and_adds_the_gathered_kv_and_their_collectives() -> None:
+def test_cp_divides_the_activations_and_prices_the_kv_collectives() -> None:
     model = load_model(GQA, precision="bf16")
     cluster = resolve_cluster("h100-80g", nodes=1)
     context = _context(model, cluster, 8, None, SearchOptions())
@@ -59,20 +59,22 @@ def test_cp_divides_the_activations_and_adds_the_gathered_kv_and_their_collectiv
             pp=2, tp=2, dp=4 // cp, cp=cp, schedule="1f1b", chunks=1, microbatch_size=1,
             num_microbatches=8 // (4 // cp), zero_stage=0, recompute=recompute))
             for cp in (1, 2))
-        # the definition: 4 blocks a stage, each gathering the whole sequence's K and V:
-        # 2 · 1024 tokens · (4 heads · 64) · 2 bytes (bf16) / tp 2, kept unless recomputed
-        kv = 4 * 2 * 1024 * (4 * 64) * 2 / 2 * (recompute != "full")
-        np.testing.assert_allclose(two.held, one.held / 2 + kv, rtol=1e-12)
+        # the definition: every activation is of the rank's S / cp tokens; the gathered K/V
+        # (4 blocks a stage, 2 · 1024 tokens · (4 heads · 64) · 2 bytes (bf16) / tp 2) are
+        # gathered again in the backward, not kept
+        np.testing.assert_allclose(two.held, one.held / 2, rtol=1e-12)
+        np.testing.assert_allclose(two.cp_bytes[:, 0], 4 * 2 * 1024 * (4 * 64) * 2 / 2)
         np.testing.assert_allclose(two.workspace, one.workspace / 2, rtol=1e-12)
     config = PlanConfig(pp=2, tp=2, dp=1, cp=2, schedule="1f1b", chunks=1, microbatch_size=1,
                         num_microbatches=8, zero_stage=0, recompute="none")
     prediction = price(model, cluster, 8, config)
     breakdown = prediction.breakdown
-    # per microbatch and block: an all-gather of K/V forward and a reduce-scatter of their
-    # gradients backward, each moving half of 2·1024·256·2 / 2 bytes over NVLink (cp 2)
+    # per microbatch and block: an all-gather of K/V forward, and backward the all-gather
+    # again and a reduce-scatter of their gradients, each moving half of 2·1024·256·2 / 2
+    # bytes over NVLink (cp 2)
     bandwidth, latency = cluster.link(4)
     one = 0.5 * (2 * 1024 * 256 * 2 / 2) / bandwidth + latency
-    assert breakdown["cp_comm"] == pytest.approx(8 * 4 * 2 * one, rel=1e-9)
+    assert breakdown["cp_comm"] == pytest.approx(8 * 4 * 3 * one, rel=1e-9)
     assert sum(breakdown.values()) == pytest.approx(prediction.step_seconds, rel=1e-9)
 
 

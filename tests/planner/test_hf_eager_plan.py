@@ -188,8 +188,13 @@ def test_plan_cli_prices_eager_blocks_on_pipesched_only(tmp_path: Path) -> None:
                          "--global-batch", "8", "--precision", "fp32", "--engine", engine,
                          "--price", "pp1,tp1,dp8,b1", "--json"]) == 0
         held[engine] = json.loads(out.getvalue())["memory"]["activations"]
-    eager = _block(load_model(model, seq=SEQ, precision="fp32"))
-    fused = _block(load_model(model, seq=SEQ, precision="fp32", hf_eager=False))
-    # the two configurations differ by the blocks' bytes only (2 blocks, 1 sample held)
+    eager_model = load_model(model, seq=SEQ, precision="fp32")
+    fused_model = load_model(model, seq=SEQ, precision="fp32", hf_eager=False)
+    eager, fused = _block(eager_model), _block(fused_model)
+    eager_head, fused_head = eager_model.layers[-1], fused_model.layers[-1]
+    # the two configurations differ by the blocks' and the head's bytes (2 blocks, 1 sample
+    # held): the eager head keeps the projection's input, the norm's rsqrt and the int64
+    # targets besides
+    assert eager_head.held(1) - fused_head.held(1) == 4 * (SEQ * 32 + SEQ) + 8 * SEQ
     assert held["pipesched"] - held["deepspeed"] == pytest.approx(
-        2 * (eager.held(1) - fused.held(1)))
+        2 * (eager.held(1) - fused.held(1)) + eager_head.held(1) - fused_head.held(1))

@@ -10,20 +10,19 @@ import torch
 import torch.distributed as dist
 
 from pipeline import PipelineEngine, PipelineModule
-from pipeline.errors import PipelineConfigError
 from pipeline.interop import hf_context_parallel
 from pipeline.interop.hf_context_parallel import context_parallel_hf
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.interop.hf_weights import gather_hf_state_dict, load_hf_weights
+from pipeline.parallel.context import mask as position_mask
 from pipeline.parallel.context import ring, sharding
-from pipeline.parallel.context.attention import context_mask
 from pipeline.parallel.data_parallel import NoOpGradReducer
 from pipeline.parallel.tensor.shard_layout import layout_of
 from pipeline.runtime import parallel_setup
 from tests.support.hf_models import tiny_config, tiny_model, token_batch
 
-__all__ = ["PLANTED", "CPCase", "cp_checkpoint_refusal", "cp_step_errors"]
+__all__ = ["PLANTED", "CPCase", "cp_step_errors"]
 
 LEARNING_RATE = 0.1
 
@@ -37,17 +36,18 @@ def _keys_in_natural_order(length: int, cp: int, device: Any = None) -> torch.Te
 def _strictly_earlier(query: torch.Tensor, key: torch.Tensor, padding: Any = None,
                       window: Any = None) -> torch.Tensor:
     """Planted bug: the causal mask off by one (a token does not see itself)."""
-    return context_mask(query - 1, key, padding, window)
+    return _CONTEXT_MASK(query - 1, key, padding, window)
 
 
-def _block_without_its_weight(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_without_its_weight(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+                              block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Planted bug in ring attention: each block's log-sum-exp dropped, so the online softmax
     merges the blocks' outputs with equal weight."""
-    out, lse = _RING_BLOCK(*args)
-    return out, torch.zeros_like(lse)
+    return _RING_MERGE(out, lse, block_out, torch.zeros_like(block_lse))
 
 
-_RING_BLOCK = ring._block
+_RING_MERGE = ring._merge
+_CONTEXT_MASK = position_mask.context_mask
 
 
 def _no_reduction(*_: Any, **__: Any) -> NoOpGradReducer:
@@ -58,9 +58,9 @@ def _no_reduction(*_: Any, **__: Any) -> NoOpGradReducer:
 PLANTED: dict[str, tuple[Any, str, Any]] = {
     "keys-in-natural-order": (hf_context_parallel, "gathered_positions",
                               _keys_in_natural_order),
-    "mask-off-by-one": (hf_context_parallel, "context_mask", _strictly_earlier),
+    "mask-off-by-one": (position_mask, "context_mask", _strictly_earlier),
     "no-cp-reduction": (parallel_setup, "make_grad_reducer", _no_reduction),
-    "ring-block-weight-dropped": (ring, "_block", _block_without_its_weight),
+    "ring-block-weight-dropped": (ring, "_merge", _merge_without_its_weight),
 }
 """name -> (module, attribute, replacement)."""
 
@@ -171,17 +171,3 @@ def cp_step_errors(case: CPCase) -> dict[str, float]:
     export = _relative([(state[name], target[name]) for name in state])
     return {"loss": abs(loss - expected.item()) / abs(expected.item()), "grad": grad,
             "param": param, "export": export}
-
-
-def cp_checkpoint_refusal() -> str:
-    """The error `save_checkpoint` raises at pp 2 × cp 2 on every rank (refused, not torn)."""
-    hf = context_parallel_hf(layers_from_hf(tiny_config("llama", tied=False)))
-    module = PipelineModule(hf.layers, num_stages=2, loss_fn=hf.loss_fn,
-                            partition_method="uniform")
-    engine = PipelineEngine(module, num_microbatches=2, context_parallel=2, timeout=60)
-    with tempfile.TemporaryDirectory() as directory:
-        try:
-            engine.save_checkpoint(directory)
-        except PipelineConfigError as error:
-            return str(error)
-    raise AssertionError("save_checkpoint ran at context_parallel=2")
