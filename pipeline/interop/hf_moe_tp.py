@@ -14,7 +14,10 @@ holds the same experts, router and shared experts whole; each sees 1/t of the to
 their gradients are summed over tp (`sum_gradient_over_tensor_parallel`), as a norm's under
 sequence parallelism. The balancing-loss share each rank carries covers its own tokens; the
 head sums it over tp (g: all-reduce forward, identity backward), so every tp rank's loss is
-the whole loss and each share's gradient reaches only the router that made it.
+the whole loss and each share's gradient reaches only the router that made it. The
+census-free losses (per-microbatch, sequence, z) are defined over the whole microbatch's
+tokens: each rank sums their counts and token totals over tp before forming its share
+(`MoEFeedForward.token_group`, `pipeline.moe.router_losses`).
 """
 
 from __future__ import annotations
@@ -88,13 +91,6 @@ def moe_tensor_parallel_problem(hf: Any, overlap: bool) -> str | None:
         return (f"tensor_parallel_hf splits the MoE families {', '.join(TENSOR_PARALLEL_MOE)}, "
                 f"not {model_type!r} ({reason}) yet; train it at tensor_parallel=1 "
                 "(expert_parallel splits its experts)")
-    balancing = hf.balancing
-    if balancing is not None and (balancing.adds_aux_loss
-                                  or balancing.router_z_loss_coef > 0):
-        return (f"{model_type}'s {balancing.method!r} balancing (z-loss coef "
-                f"{balancing.router_z_loss_coef}) is computed per microbatch over all its "
-                "tokens, which tp splits between ranks: use 'hf-batch', 'aux-free' or 'none' "
-                "with tensor_parallel_hf")
     if overlap:
         return (f"tensor_parallel_hf(overlap=True) is not wired for {model_type}'s MoE "
                 "blocks yet; use overlap=False")
@@ -109,6 +105,9 @@ class ParallelMoEBlock(SequenceSwitch, MoEBlock):
         super().__init__(block.layer, block.config, block.mask_function, block.rotary)
         self.region = region
         self.rank, self.size = tp_rank_and_size(region.group)
+        moe = getattr(block.layer, "mlp", None)
+        if isinstance(moe, MoEFeedForward):  # its per-microbatch losses see 1/t of the tokens
+            moe.token_group = region.group
 
     def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, balance, positions, *rest = value

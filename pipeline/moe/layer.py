@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from pipeline.moe.balance_loss import BalanceLoss
 from pipeline.moe.balancing import MoEBalancing
@@ -112,6 +113,7 @@ class MoEFeedForward(nn.Module):
         self.balance = balance
         self.balancing = balancing or MoEBalancing(method="none")
         self.jitter_noise = jitter_noise
+        self.token_group: ProcessGroup | None = None
         self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts)
         aux_free = self.balancing.method == "aux-free"
         # a router holding its own correction bias (DeepSeek-V3's e_score_correction_bias,
@@ -219,7 +221,8 @@ class MoEFeedForward(nn.Module):
         share = logits.new_zeros((), dtype=torch.float32)
         if self.balance is not None:
             share = share + self.balance.share(router_statistics(routing, mask))
-        losses = layer_router_loss(self.balancing, routing, logits, mask, sequences)
+        losses = layer_router_loss(self.balancing, routing, logits, mask, sequences,
+                                   self.token_group)
         return share if losses is None else share + losses
 
     def _count_load(self, experts: torch.Tensor, mask: torch.Tensor | None) -> None:

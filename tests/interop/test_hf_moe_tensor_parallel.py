@@ -28,6 +28,7 @@ from pipeline.errors import PipelineConfigError
 from pipeline.interop import hf_moe_tp, hf_tp_split
 from pipeline.interop.hf_layers import layers_from_hf
 from pipeline.interop.hf_tensor_parallel import check_tensor_parallel_size, tensor_parallel_hf
+from pipeline.moe.balancing import MoEBalancing
 from pipeline.parallel.config import ParallelConfig
 from pipeline.parallel.tensor.collectives import reduce_from_tensor_parallel_region
 from tests.support.hf_moe_equivalence import moe_step_differences
@@ -165,10 +166,12 @@ def test_olmoe_whose_qk_norms_span_all_heads_is_refused() -> None:
         tensor_parallel_hf(layers_from_hf(tiny_moe_config("olmoe")))
 
 
-def test_per_microbatch_balancing_at_tp_is_refused() -> None:
-    hf = layers_from_hf(tiny_moe_config("mixtral"), balancing="microbatch")
-    with pytest.raises(PipelineConfigError, match=r"'microbatch' balancing .*'hf-batch'"):
-        tensor_parallel_hf(hf)
+def test_census_free_balancing_at_tp_is_accepted_and_sums_over_tp() -> None:
+    """Per-microbatch, sequence and z-losses build at tp > 1 (their statistics summed over
+    the tp group, checked on 8 ranks in tests/parallel/test_moe_balancing_tp.py)."""
+    for method in ("microbatch", "sequence"):
+        balancing = MoEBalancing(method=method, router_z_loss_coef=1e-3)  # type: ignore[arg-type]
+        tensor_parallel_hf(layers_from_hf(tiny_moe_config("mixtral"), balancing=balancing))
 
 
 def test_expert_tensor_parallel_above_one_is_refused() -> None:
