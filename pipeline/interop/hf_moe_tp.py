@@ -65,7 +65,7 @@ from pipeline.parallel.tensor.sequence import (
 __all__ = ["TENSOR_PARALLEL_MOE", "ParallelMoEBlock", "ParallelMoEHead", "dense_ffn_width",
            "moe_tensor_parallel_problem", "parallel_moe_block", "parallel_tied_moe_head"]
 
-TENSOR_PARALLEL_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+TENSOR_PARALLEL_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2")
 """The MoE families `tensor_parallel_hf` splits (each checked against HF at pp2 × tp2 × ep2)."""
 
 _NOT_SPLIT = {"olmoe": "its q_norm / k_norm normalise over all heads at once, which tp would "
@@ -75,7 +75,7 @@ _NOT_SPLIT = {"olmoe": "its q_norm / k_norm normalise over all heads at once, wh
 def dense_ffn_width(config: Any) -> int | None:
     """The width of the dense MLPs tp splits (None: every layer is MoE; the experts stay
     whole at expert tensor parallelism 1, so their width need not divide)."""
-    if config.model_type == "deepseek_v3":
+    if config.model_type in LATENT_ATTENTION:  # DeepSeek-V2 / V3
         return int(config.intermediate_size) if config.first_k_dense_replace > 0 else None
     dense = bool(getattr(config, "mlp_only_layers", None)) or \
         int(getattr(config, "decoder_sparse_step", 1) or 1) > 1

@@ -42,17 +42,18 @@ class RouterConfig:
     """"softmax": `pipeline.moe.routing.route`; "sigmoid": DeepSeek-V3's group-limited
     sigmoid router (`pipeline.moe.routing.route_grouped`), which the fields below shape."""
     groups: int = 1
-    """sigmoid: the expert groups (``n_group``); E must divide by it."""
+    """The expert groups (``n_group``; sigmoid: DeepSeek-V3's, softmax: DeepSeek-V2's
+    ``group_limited_greedy`` when > 1); E must divide by it."""
     top_groups: int = 1
-    """sigmoid: the groups whose experts stay eligible per token (``topk_group``)."""
+    """The groups whose experts stay eligible per token (``topk_group``)."""
     scaling: float = 1.0
-    """sigmoid: the combine weights' factor (``routed_scaling_factor``)."""
+    """The combine weights' factor (``routed_scaling_factor``)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts} (the "
                              "number of experts); lower num_experts_per_tok")
-        if self.scoring == "sigmoid":
+        if self.scoring == "sigmoid" or self.groups != 1:
             self._check_groups()
         factor = self.capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(
@@ -68,7 +69,7 @@ class RouterConfig:
         if groups < 1 or experts % groups:
             raise ValueError(f"n_group={groups} must be >= 1 and divide the {experts} routed "
                              "experts (each group holds E / n_group)")
-        if experts // groups < 2:
+        if self.scoring == "sigmoid" and experts // groups < 2:
             raise ValueError(f"n_group={groups} leaves {experts // groups} expert per group; "
                              "groups are scored by their two best experts: use n_group <= "
                              f"{experts // 2}")
@@ -197,7 +198,9 @@ class MoEFeedForward(nn.Module):
                                     bias=bias)
         else:
             logits = F.linear(tokens, router)
-            routing = route(logits, config.top_k, normalize=config.normalize_top_k, bias=bias)
+            routing = route(logits, config.top_k, normalize=config.normalize_top_k, bias=bias,
+                            groups=config.groups, top_groups=config.top_groups,
+                            scaling=config.scaling)
         if self.balancing.method == "aux-free" and self.training:
             self._count_load(routing.experts, mask)
         chosen = routing.experts

@@ -2,7 +2,8 @@
 and without sequence parallelism), each expert whole on its ep rank. From a `save_pretrained`
 directory, one SGD step of tiny Mixtral (HF's whole-batch balancing loss,
 ``output_router_logits=True``) and tiny DeepSeek-V3 (multi-head latent attention split by
-heads, aux-free bias), each with and without sequence parallelism, of Qwen2-MoE (shared
+heads, aux-free bias), each with and without sequence parallelism, of DeepSeek-V2 (with,
+group-limited softmax router; V2-Lite's shape without), of Qwen2-MoE (shared
 expert, without) and Qwen3-MoE (per-head q/k norms, with), and of Mixtral under
 dualpipev-overlap and two-batch overlap (all-to-alls handed over), at pp 2 × tp 2 × ep 2
 (8 ranks) equals HF's step on the whole batch within 1e-5 (loss, every gradient slice,
@@ -44,6 +45,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", {}), "mixtral sp": ("mixtral", SP),
     "deepseek_v3": ("deepseek_v3", {}), "deepseek_v3 sp": ("deepseek_v3", SP),
     "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe sp": ("qwen3_moe", SP),
+    # group-limited softmax router, low-rank q; V2-Lite: greedy, q projected directly
+    "deepseek_v2 sp": ("deepseek_v2", SP),
+    "deepseek_v2-lite": ("deepseek_v2", {"model_options": {"groups": 1, "q_rank": None}}),
     # the all-to-all hidden under the other microbatch's (or half's) compute
     "mixtral sp dualpipev-overlap": ("mixtral", SP | {"schedule": "dualpipev-overlap"}),
     "mixtral two-batch": ("mixtral", {"two_batch_overlap": True}),

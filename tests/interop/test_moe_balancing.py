@@ -215,7 +215,7 @@ def _biased_oracle(layer: MoEFeedForward, x: torch.Tensor, bias: torch.Tensor
 
 
 def _route_with_biased_weights(logits: torch.Tensor, top_k: int, *, normalize: bool,
-                               bias: torch.Tensor | None = None) -> Any:
+                               bias: torch.Tensor | None = None, **grouping: Any) -> Any:
     """Planted bug: the bias added to the gate weights too (the combine uses probs + bias)."""
     from pipeline.moe.routing import Routing
 
