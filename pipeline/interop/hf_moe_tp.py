@@ -65,7 +65,7 @@ from pipeline.parallel.tensor.sequence import (
 __all__ = ["TENSOR_PARALLEL_MOE", "ParallelMoEBlock", "ParallelMoEHead", "dense_ffn_width",
            "moe_tensor_parallel_problem", "parallel_moe_block", "parallel_tied_moe_head"]
 
-TENSOR_PARALLEL_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2")
+TENSOR_PARALLEL_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 """The MoE families `tensor_parallel_hf` splits (each checked against HF at pp2 × tp2 × ep2)."""
 
 _NOT_SPLIT = {"olmoe": "its q_norm / k_norm normalise over all heads at once, which tp would "
