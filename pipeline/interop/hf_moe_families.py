@@ -21,11 +21,11 @@ __all__ = ["CHECKPOINT_BUFFERS", "COVERED_MOE", "LATENT_ATTENTION", "UNCOVERED_M
 
 COVERED_MOE = {"mixtral": ("mixtral", "Mixtral"), "qwen2_moe": ("qwen2_moe", "Qwen2Moe"),
                "qwen3_moe": ("qwen3_moe", "Qwen3Moe"), "olmoe": ("olmoe", "Olmoe"),
-               "deepseek_v3": ("deepseek_v3", "DeepseekV3"),
-               "deepseek_v2": ("deepseek_v2", "DeepseekV2")}
+               "deepseek_v2": ("deepseek_v2", "DeepseekV2"),
+               "deepseek_v3": ("deepseek_v3", "DeepseekV3")}
 """model_type -> (``transformers.models.<module>``, class-name prefix)."""
 
-LATENT_ATTENTION = ("deepseek_v3", "deepseek_v2")
+LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")
 """Covered families whose attention is multi-head latent attention (HF's own module, split by
 heads at tp > 1)."""
 
