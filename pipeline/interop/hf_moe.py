@@ -70,7 +70,7 @@ def router_config(config: Any, capacity_factor: float | None = None,
                             top_k=config.num_experts_per_tok, normalize_top_k=False,
                             groups=config.n_group if grouped else 1,
                             top_groups=config.topk_group if grouped else 1,
-                            scaling=float(config.routed_scaling_factor),
+                            scaling=float(config.routed_scaling_factor), fp32_logits=True,
                             capacity_factor=capacity_factor, drop_policy=drop_policy)
     if config.model_type == "deepseek_v3":
         return RouterConfig(num_experts=config.n_routed_experts,

@@ -48,6 +48,9 @@ class RouterConfig:
     """The groups whose experts stay eligible per token (``topk_group``)."""
     scaling: float = 1.0
     """The combine weights' factor (``routed_scaling_factor``)."""
+    fp32_logits: bool = False
+    """softmax: the router's logits computed in fp32 (DeepSeek-V2's router; the sigmoid
+    router always does), not in the tokens' dtype (Mixtral's, Qwen's)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -197,7 +200,8 @@ class MoEFeedForward(nn.Module):
                                     normalize=config.normalize_top_k, scaling=config.scaling,
                                     bias=bias)
         else:
-            logits = F.linear(tokens, router)
+            logits = (F.linear(tokens.float(), router.float()) if config.fp32_logits
+                      else F.linear(tokens, router))
             routing = route(logits, config.top_k, normalize=config.normalize_top_k, bias=bias,
                             groups=config.groups, top_groups=config.top_groups,
                             scaling=config.scaling)

@@ -20,8 +20,10 @@ from pipeline.errors import PipelineConfigError
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_weights import hf_checkpoint_tensors, hf_state_dict, load_hf_weights
 from pipeline.moe import layer as layer_module
+from pipeline.moe.balancing import MoEBalancing
 from pipeline.moe.layer import MoEFeedForward
 from pipeline.moe.routing import Routing, route
+from tests.interop.test_moe_balancing import sequence_oracle, z_oracle
 from tests.support.hf_moe_equivalence import moe_step_differences
 from tests.support.hf_moe_models import tiny_moe_config, tiny_moe_model
 from tests.support.rank_harness import run_ranks
@@ -38,13 +40,15 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
-def _step_differences(tmp_path: Path, shape: dict[str, Any]) -> dict[str, float]:
+def _step_differences(tmp_path: Path, shape: dict[str, Any], balancing: Any = None,
+                      oracle: Any = None) -> dict[str, float]:
     """One forward and backward of our single-stage layers loaded from HF's `save_pretrained`
     directory against HF's own on the same batch: the loss's and the worst gradient's
-    relative differences."""
+    relative differences. `oracle` (one layer's router logits -> its balancing loss) adds to
+    HF's loss, per MoE layer, what `balancing` should add."""
     model = tiny_moe_model(FAMILY, seed=3, **shape)
     model.save_pretrained(tmp_path)
-    hf = layers_from_hf(tiny_moe_config(FAMILY, **shape))
+    hf = layers_from_hf(tiny_moe_config(FAMILY, **shape), balancing=balancing)
     module = PipelineModule(hf.layers, num_stages=1, loss_fn=hf.loss_fn)
     load_hf_weights(module, hf, tmp_path)
     module.materialize([0])
@@ -52,7 +56,11 @@ def _step_differences(tmp_path: Path, shape: dict[str, Any]) -> dict[str, float]
     labels = causal_lm_targets(ids)
     loss = hf.loss_fn(module.stage(0)(ids), labels)
     loss.backward()
-    expected = model(input_ids=ids, labels=labels).loss
+    out = model(input_ids=ids, labels=labels, output_router_logits=oracle is not None)
+    expected = out.loss
+    if oracle is not None:
+        assert len(out.router_logits) == 3  # the MoE layers 1..3
+        expected = expected + sum(oracle(logits) for logits in out.router_logits)
     expected.backward()
     reference = dict(model.named_parameters())
     grads = [_relative(param.grad, reference[hf.hf_name(*key)].grad)
@@ -65,6 +73,19 @@ def _step_differences(tmp_path: Path, shape: dict[str, Any]) -> dict[str, float]
 @pytest.mark.parametrize("label", list(SHAPES))
 def test_step_from_save_pretrained_equals_hf(tmp_path: Path, label: str) -> None:
     found = _step_differences(tmp_path, SHAPES[label])
+    assert found["loss"] <= TOLERANCE and found["grad"] <= TOLERANCE, found
+
+
+def test_sequence_loss_equals_its_definition_on_v2_lite(tmp_path: Path) -> None:
+    """DeepSeek-V2's own balancing shape, the sequence-level loss, with the z-loss: loss and
+    every gradient within 1e-5 of HF's model plus the oracles on its router logits (greedy
+    routing: the oracle's plain top-k is the router's choice)."""
+    balancing = MoEBalancing(method="sequence", aux_loss_coef=0.5, router_z_loss_coef=0.01)
+
+    def oracle(logits: torch.Tensor) -> torch.Tensor:
+        return sequence_oracle(logits, 2, 0.5, 4) + z_oracle(logits, 0.01)
+
+    found = _step_differences(tmp_path, SHAPES["V2-Lite: greedy, q direct"], balancing, oracle)
     assert found["loss"] <= TOLERANCE and found["grad"] <= TOLERANCE, found
 
 
