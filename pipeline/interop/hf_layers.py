@@ -7,7 +7,8 @@ embeddings, LayerNorm blocks, lm_head always tied to ``wte``) and the Llama shap
 blocks, sliding-window layers where the config says so, lm_head tied when
 ``tie_word_embeddings``, logits soft-capped when ``final_logit_softcapping`` is set).
 Mixture-of-experts families (``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,
-``deepseek_v3``) come from `pipeline.interop.hf_moe`; other MoE families are refused.
+``deepseek_v2``, ``deepseek_v3``) come from `pipeline.interop.hf_moe`; other MoE families are
+refused.
 Needs ``transformers`` (``pip install pipesched[hf]``, tested from 5.9 to 5.24); the core never
 imports it.
 

@@ -1,5 +1,5 @@
 """HF mixture-of-experts causal LMs as pipeline layers (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
-DeepSeek-V3).
+DeepSeek-V2, DeepSeek-V3).
 
 `pipeline.interop.hf_layers.layers_from_hf` hands these families here. Each decoder layer is
 HF's own, with its ``mlp`` swapped for `pipeline.moe.layer.MoEFeedForward` holding HF's
@@ -9,7 +9,10 @@ load and export as for the dense families; layers a family keeps dense
 DeepSeek-V3 keeps HF's multi-head latent attention module and its router (with the
 ``e_score_correction_bias`` buffer its checkpoint holds); it balances "aux-free" by default,
 moving that bias, as DeepSeek-V3 trained (HF's model adds no balancing loss: a step equals
-HF's, only the bias moves after it; "none" keeps the bias fixed).
+HF's, only the bias moves after it; "none" keeps the bias fixed). DeepSeek-V2 keeps the same
+attention with a softmax router (`pipeline.moe.routing.route`, greedy or group-limited, its
+weights scaled by ``routed_scaling_factor``); HF's model adds no balancing loss, so it
+balances "none" by default ("microbatch", "sequence" and "aux-free" are a choice).
 
 Legend of the value between stages: ``(hidden, balance, position_ids[, attention_mask])``;
 ``balance`` is a one-element fp32 tensor (1-d, so eval outputs join over microbatches),
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import PipelineConfigError
-from pipeline.interop.hf_moe_families import COVERED_MOE, LATENT_ATTENTION
+from pipeline.interop.hf_moe_families import COVERED_MOE, LATENT_ATTENTION, deepseek_v2_problem
 from pipeline.interop.hf_recompute import mark_attention_cores
 from pipeline.interop.hf_shared import (
     IGNORE_INDEX,
@@ -61,6 +64,14 @@ def router_config(config: Any, capacity_factor: float | None = None,
     """The family's routing: E experts, top-k, and whether the k weights are renormalised;
     dropless unless `capacity_factor` is given (`pipeline.moe.capacity`)."""
     mixtral = config.model_type == "mixtral"
+    if config.model_type == "deepseek_v2":  # HF's router: softmax, never renormalised
+        grouped = config.topk_method == "group_limited_greedy"
+        return RouterConfig(num_experts=config.n_routed_experts,
+                            top_k=config.num_experts_per_tok, normalize_top_k=False,
+                            groups=config.n_group if grouped else 1,
+                            top_groups=config.topk_group if grouped else 1,
+                            scaling=float(config.routed_scaling_factor), fp32_logits=True,
+                            capacity_factor=capacity_factor, drop_policy=drop_policy)
     if config.model_type == "deepseek_v3":
         return RouterConfig(num_experts=config.n_routed_experts,
                             top_k=config.num_experts_per_tok,
@@ -244,7 +255,7 @@ def _lm_head(config: Any) -> nn.Module:
 def _is_sparse(config: Any, index: int) -> bool:
     if config.model_type in ("mixtral", "olmoe"):  # every layer sparse
         return True
-    if config.model_type == "deepseek_v3":
+    if config.model_type in LATENT_ATTENTION:  # DeepSeek-V2 / V3
         return index >= config.first_k_dense_replace
     return index not in config.mlp_only_layers and (index + 1) % config.decoder_sparse_step == 0
 
@@ -268,6 +279,9 @@ def _check(config: Any, expert_parallel: int, capacity_factor: float | None,
            drop_policy: DropPolicy, balancing: MoEBalancing) -> RouterConfig:
     """Refuse what would silently differ from HF, or could not be split, before any rank
     builds anything."""
+    v2 = deepseek_v2_problem(config) if config.model_type == "deepseek_v2" else None
+    if v2 is not None:
+        raise PipelineConfigError(f"deepseek_v2: {v2}")
     try:
         routing = router_config(config, capacity_factor, drop_policy)
     except ValueError as error:
@@ -276,7 +290,12 @@ def _check(config: Any, expert_parallel: int, capacity_factor: float | None,
                or _size_problem(config, routing.num_experts))
     if problem is not None:
         raise PipelineConfigError(f"{config.model_type}: {problem}")
-    if config.model_type in LATENT_ATTENTION and balancing.method not in ("aux-free", "none"):
+    if config.model_type == "deepseek_v2" and balancing.method == "hf-batch":
+        raise PipelineConfigError(
+            "deepseek_v2 does not take 'hf-batch' balancing: HF's DeepSeek-V2 adds no "
+            "balancing loss (even with output_router_logits); use 'none' (its default, the "
+            "step equals HF's), 'microbatch', 'sequence' or 'aux-free'")
+    if config.model_type == "deepseek_v3" and balancing.method not in ("aux-free", "none"):
         raise PipelineConfigError(
             f"{config.model_type} balances with 'aux-free' (its correction bias moves) or "
             f"'none', not {balancing.method!r}: HF's model adds no balancing loss, and the "
@@ -313,8 +332,10 @@ def moe_layers_from_hf(config: Any, *, attn_implementation: str | None = None,
     "microbatch", "sequence", "aux-free" and "none" train with plain ``engine.train_batch``
     (the engine moves an aux-free bias after each step).
     """
-    if balancing is None and config.model_type in LATENT_ATTENTION:
+    if balancing is None and config.model_type == "deepseek_v3":
         balancing = "aux-free"  # DeepSeek-V3's own; the step still equals HF's
+    if balancing is None and config.model_type == "deepseek_v2":
+        balancing = "none"  # HF's DeepSeek-V2 adds no balancing loss
     try:
         chosen = resolve_balancing(balancing, config)
     except ValueError as error:

@@ -14,7 +14,10 @@ holds the same experts, router and shared experts whole; each sees 1/t of the to
 their gradients are summed over tp (`sum_gradient_over_tensor_parallel`), as a norm's under
 sequence parallelism. The balancing-loss share each rank carries covers its own tokens; the
 head sums it over tp (g: all-reduce forward, identity backward), so every tp rank's loss is
-the whole loss and each share's gradient reaches only the router that made it.
+the whole loss and each share's gradient reaches only the router that made it. The
+census-free losses (per-microbatch, sequence, z) are defined over the whole microbatch's
+tokens: each rank sums their counts and token totals over tp before forming its share
+(`MoEFeedForward.token_group`, `pipeline.moe.router_losses`).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from pipeline.parallel.tensor.sequence import (
 __all__ = ["TENSOR_PARALLEL_MOE", "ParallelMoEBlock", "ParallelMoEHead", "dense_ffn_width",
            "moe_tensor_parallel_problem", "parallel_moe_block", "parallel_tied_moe_head"]
 
-TENSOR_PARALLEL_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+TENSOR_PARALLEL_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 """The MoE families `tensor_parallel_hf` splits (each checked against HF at pp2 × tp2 × ep2)."""
 
 _NOT_SPLIT = {"olmoe": "its q_norm / k_norm normalise over all heads at once, which tp would "
@@ -72,7 +75,7 @@ _NOT_SPLIT = {"olmoe": "its q_norm / k_norm normalise over all heads at once, wh
 def dense_ffn_width(config: Any) -> int | None:
     """The width of the dense MLPs tp splits (None: every layer is MoE; the experts stay
     whole at expert tensor parallelism 1, so their width need not divide)."""
-    if config.model_type == "deepseek_v3":
+    if config.model_type in LATENT_ATTENTION:  # DeepSeek-V2 / V3
         return int(config.intermediate_size) if config.first_k_dense_replace > 0 else None
     dense = bool(getattr(config, "mlp_only_layers", None)) or \
         int(getattr(config, "decoder_sparse_step", 1) or 1) > 1
@@ -88,13 +91,6 @@ def moe_tensor_parallel_problem(hf: Any, overlap: bool) -> str | None:
         return (f"tensor_parallel_hf splits the MoE families {', '.join(TENSOR_PARALLEL_MOE)}, "
                 f"not {model_type!r} ({reason}) yet; train it at tensor_parallel=1 "
                 "(expert_parallel splits its experts)")
-    balancing = hf.balancing
-    if balancing is not None and (balancing.adds_aux_loss
-                                  or balancing.router_z_loss_coef > 0):
-        return (f"{model_type}'s {balancing.method!r} balancing (z-loss coef "
-                f"{balancing.router_z_loss_coef}) is computed per microbatch over all its "
-                "tokens, which tp splits between ranks: use 'hf-batch', 'aux-free' or 'none' "
-                "with tensor_parallel_hf")
     if overlap:
         return (f"tensor_parallel_hf(overlap=True) is not wired for {model_type}'s MoE "
                 "blocks yet; use overlap=False")
@@ -109,6 +105,9 @@ class ParallelMoEBlock(SequenceSwitch, MoEBlock):
         super().__init__(block.layer, block.config, block.mask_function, block.rotary)
         self.region = region
         self.rank, self.size = tp_rank_and_size(region.group)
+        moe = getattr(block.layer, "mlp", None)
+        if isinstance(moe, MoEFeedForward):  # its per-microbatch losses see 1/t of the tokens
+            moe.token_group = region.group
 
     def forward(self, value: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, balance, positions, *rest = value

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from pipeline.moe.balance_loss import BalanceLoss
 from pipeline.moe.balancing import MoEBalancing
@@ -41,17 +42,21 @@ class RouterConfig:
     """"softmax": `pipeline.moe.routing.route`; "sigmoid": DeepSeek-V3's group-limited
     sigmoid router (`pipeline.moe.routing.route_grouped`), which the fields below shape."""
     groups: int = 1
-    """sigmoid: the expert groups (``n_group``); E must divide by it."""
+    """The expert groups (``n_group``; sigmoid: DeepSeek-V3's, softmax: DeepSeek-V2's
+    ``group_limited_greedy`` when > 1); E must divide by it."""
     top_groups: int = 1
-    """sigmoid: the groups whose experts stay eligible per token (``topk_group``)."""
+    """The groups whose experts stay eligible per token (``topk_group``)."""
     scaling: float = 1.0
-    """sigmoid: the combine weights' factor (``routed_scaling_factor``)."""
+    """The combine weights' factor (``routed_scaling_factor``)."""
+    fp32_logits: bool = False
+    """softmax: the router's logits computed in fp32 (DeepSeek-V2's router; the sigmoid
+    router always does), not in the tokens' dtype (Mixtral's, Qwen's)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must be in 1..{self.num_experts} (the "
                              "number of experts); lower num_experts_per_tok")
-        if self.scoring == "sigmoid":
+        if self.scoring == "sigmoid" or self.groups != 1:
             self._check_groups()
         factor = self.capacity_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(
@@ -67,7 +72,7 @@ class RouterConfig:
         if groups < 1 or experts % groups:
             raise ValueError(f"n_group={groups} must be >= 1 and divide the {experts} routed "
                              "experts (each group holds E / n_group)")
-        if experts // groups < 2:
+        if self.scoring == "sigmoid" and experts // groups < 2:
             raise ValueError(f"n_group={groups} leaves {experts // groups} expert per group; "
                              "groups are scored by their two best experts: use n_group <= "
                              f"{experts // 2}")
@@ -112,6 +117,7 @@ class MoEFeedForward(nn.Module):
         self.balance = balance
         self.balancing = balancing or MoEBalancing(method="none")
         self.jitter_noise = jitter_noise
+        self.token_group: ProcessGroup | None = None
         self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts)
         aux_free = self.balancing.method == "aux-free"
         # a router holding its own correction bias (DeepSeek-V3's e_score_correction_bias,
@@ -194,8 +200,11 @@ class MoEFeedForward(nn.Module):
                                     normalize=config.normalize_top_k, scaling=config.scaling,
                                     bias=bias)
         else:
-            logits = F.linear(tokens, router)
-            routing = route(logits, config.top_k, normalize=config.normalize_top_k, bias=bias)
+            logits = (F.linear(tokens.float(), router.float()) if config.fp32_logits
+                      else F.linear(tokens, router))
+            routing = route(logits, config.top_k, normalize=config.normalize_top_k, bias=bias,
+                            groups=config.groups, top_groups=config.top_groups,
+                            scaling=config.scaling)
         if self.balancing.method == "aux-free" and self.training:
             self._count_load(routing.experts, mask)
         chosen = routing.experts
@@ -219,7 +228,8 @@ class MoEFeedForward(nn.Module):
         share = logits.new_zeros((), dtype=torch.float32)
         if self.balance is not None:
             share = share + self.balance.share(router_statistics(routing, mask))
-        losses = layer_router_loss(self.balancing, routing, logits, mask, sequences)
+        losses = layer_router_loss(self.balancing, routing, logits, mask, sequences,
+                                   self.token_group)
         return share if losses is None else share + losses
 
     def _count_load(self, experts: torch.Tensor, mask: torch.Tensor | None) -> None:

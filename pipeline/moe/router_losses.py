@@ -16,16 +16,28 @@ counts in none of them, as in Megatron-Core's ``padding_mask`` forms.
 
 Each is a per-layer, per-microbatch loss; the layer's share carried to the loss is their sum
 (`pipeline.moe.balancing`). A microbatch (or sequence) with no real token adds 0.
+
+Tensor parallelism (`pipeline.interop.hf_moe_tp`, expert tp 1) has each of the t ranks of a
+``group`` route 1/t of the microbatch's positions. Each loss is linear in the probabilities
+(or the logsumexp²) given the counts c and token totals T, so each rank sums c and T over the
+group first (no gradient: one all-reduce of [E + 1] or [b, E + 1] values,
+`reduce_token_statistics`) and forms its share over its own tokens with the whole
+microbatch's c and T; the shares summed over tp (the head does) are the loss, and each
+share's gradient is the loss's gradient with respect to its own tokens' probabilities
+(Megatron-Core sums ``tokens_per_expert`` over its tp × cp group the same way).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from pipeline.moe.balancing import MoEBalancing
 from pipeline.moe.routing import Routing
 
-__all__ = ["layer_router_loss", "sequence_loss", "switch_loss", "token_weights", "z_loss"]
+__all__ = ["layer_router_loss", "reduce_token_statistics", "sequence_loss", "switch_loss",
+           "token_weights", "z_loss"]
 
 
 def token_weights(mask: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
@@ -35,6 +47,17 @@ def token_weights(mask: torch.Tensor | None, n: int, device: torch.device) -> to
     return mask.reshape(-1).to(device, torch.float32)
 
 
+def reduce_token_statistics(statistics: torch.Tensor, group: ProcessGroup | None
+                            ) -> torch.Tensor:
+    """`statistics` (counts and token totals, no gradient) summed over `group`, the ranks
+    routing the other slices of this microbatch's tokens (None or one rank: as given)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return statistics
+    statistics = statistics.detach().clone()
+    dist.all_reduce(statistics, group=group)
+    return statistics
+
+
 def _assignments(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[n, E] fp32: 1 where the token chose the expert among its top-k."""
     one_hot = torch.zeros(experts.shape[0], num_experts, device=experts.device)
@@ -42,34 +65,39 @@ def _assignments(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def switch_loss(probs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None,
-                coefficient: float) -> torch.Tensor:
+                coefficient: float, group: ProcessGroup | None = None) -> torch.Tensor:
     """Megatron-Core's Switch loss of one layer on one microbatch (module docstring);
     `probs` [n, E], `experts` [n, k] the top-k choice, `weights` [n] (None: every token
-    real, the common case, in fewer operations: this runs per layer and microbatch)."""
+    real, the common case, in fewer operations: this runs per layer and microbatch);
+    `group`: the ranks holding the microbatch's other tokens (this rank's share)."""
     num_experts, top_k = probs.shape[1], experts.shape[1]
-    if weights is None:
-        with torch.no_grad():
-            counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
-        scale = coefficient * num_experts / (top_k * probs.shape[0] ** 2)
-        return torch.dot(counts.to(probs.dtype), probs.sum(0)) * scale
-    tokens = weights.sum()
     with torch.no_grad():
-        counts = (_assignments(experts, num_experts) * weights.unsqueeze(-1)).sum(0)
-    prob_sums = (probs * weights.unsqueeze(-1)).sum(0)
+        if weights is None:
+            counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
+            tokens = counts.new_full((1,), float(probs.shape[0]))
+        else:
+            counts = (_assignments(experts, num_experts) * weights.unsqueeze(-1)).sum(0)
+            tokens = weights.sum().reshape(1)
+        summed = reduce_token_statistics(torch.cat([counts, tokens]), group)
+        counts, tokens = summed[:-1], summed[-1]
+    prob_sums = probs.sum(0) if weights is None else (probs * weights.unsqueeze(-1)).sum(0)
     return torch.dot(counts, prob_sums) * (coefficient * num_experts / top_k) \
         / tokens.clamp_min(1.0) ** 2
 
 
 def sequence_loss(probs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                  sequences: int, coefficient: float) -> torch.Tensor:
+                  sequences: int, coefficient: float, group: ProcessGroup | None = None
+                  ) -> torch.Tensor:
     """DeepSeek's sequence-level loss of one layer on one microbatch of `sequences` rows
-    (module docstring); tokens are in row-major [b, s] order."""
+    (module docstring); tokens are in row-major [b, s] order (`group`: the ranks holding
+    the other positions of the same rows; this rank's share)."""
     num_experts, top_k = probs.shape[1], experts.shape[1]
     w = weights.reshape(sequences, -1, 1)  # [b, s, 1]
-    per_sequence = w.sum(1)  # [b, 1]: T_j
     with torch.no_grad():
         counts = (_assignments(experts, num_experts).reshape(sequences, -1, num_experts)
                   * w).sum(1)  # [b, E]
+        summed = reduce_token_statistics(torch.cat([counts, w.sum(1)], dim=-1), group)
+        counts, per_sequence = summed[:, :-1], summed[:, -1:]  # c_{j,e}, T_j [b, 1]
         fractions = counts * num_experts / (top_k * per_sequence.clamp_min(1.0))
     mean_probs = (probs.reshape(sequences, -1, num_experts) * w).sum(1) \
         / per_sequence.clamp_min(1.0)  # [b, E]
@@ -78,27 +106,33 @@ def sequence_loss(probs: torch.Tensor, experts: torch.Tensor, weights: torch.Ten
     return coefficient * per_row.sum() / real.sum().clamp_min(1.0)
 
 
-def z_loss(logits: torch.Tensor, weights: torch.Tensor, coefficient: float) -> torch.Tensor:
-    """ST-MoE's router z-loss of one layer on one microbatch (module docstring)."""
+def z_loss(logits: torch.Tensor, weights: torch.Tensor, coefficient: float,
+           group: ProcessGroup | None = None) -> torch.Tensor:
+    """ST-MoE's router z-loss of one layer on one microbatch (module docstring; `group`:
+    the ranks holding the microbatch's other tokens)."""
     squared = torch.logsumexp(logits.float(), dim=-1) ** 2
-    return coefficient * (squared * weights).sum() / weights.sum().clamp_min(1.0)
+    with torch.no_grad():
+        tokens = reduce_token_statistics(weights.sum().reshape(1), group)[0]
+    return coefficient * (squared * weights).sum() / tokens.clamp_min(1.0)
 
 
 def layer_router_loss(balancing: MoEBalancing, routing: Routing, logits: torch.Tensor,
-                      mask: torch.Tensor | None, sequences: int) -> torch.Tensor | None:
+                      mask: torch.Tensor | None, sequences: int,
+                      group: ProcessGroup | None = None) -> torch.Tensor | None:
     """This layer's census-free losses on one microbatch (0-d fp32), or None when the
-    balancing adds none: `logits` [n, E], `mask` the [b, s] attention mask or None."""
+    balancing adds none: `logits` [n, E], `mask` the [b, s] attention mask or None; `group`
+    the ranks routing the microbatch's other tokens (tensor parallelism; None: none)."""
     terms: list[torch.Tensor] = []
     coefficient = float(balancing.aux_loss_coef or 0.0)
     weights = token_weights(mask, logits.shape[0], logits.device)
     if balancing.method == "microbatch":
         terms.append(switch_loss(routing.probs, routing.experts,
-                                 None if mask is None else weights, coefficient))
+                                 None if mask is None else weights, coefficient, group))
     elif balancing.method == "sequence":
         terms.append(sequence_loss(routing.probs, routing.experts, weights, sequences,
-                                   coefficient))
+                                   coefficient, group))
     if balancing.router_z_loss_coef > 0:
-        terms.append(z_loss(logits, weights, balancing.router_z_loss_coef))
+        terms.append(z_loss(logits, weights, balancing.router_z_loss_coef, group))
     if not terms:
         return None
     return terms[0] if len(terms) == 1 else torch.stack(terms).sum()

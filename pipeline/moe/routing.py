@@ -34,22 +34,40 @@ class RouterStatistics(NamedTuple):
 
 
 def route(logits: torch.Tensor, top_k: int, *, normalize: bool,
-          bias: torch.Tensor | None = None) -> Routing:
+          bias: torch.Tensor | None = None, groups: int = 1, top_groups: int = 1,
+          scaling: float = 1.0) -> Routing:
     """Softmax in fp32, the k most probable experts, and (`normalize`, Mixtral always and
     Qwen-MoE with ``norm_topk_prob``) their weights divided by their sum, cast back to the
     logits' dtype as HF's routers do.
 
     `bias` ([E], DeepSeek-V3's auxiliary-loss-free balancing, `pipeline.moe.expert_bias`)
     is added to the probabilities for choosing the k experts only: the combine weights are
-    the chosen experts' unbiased probabilities."""
+    the chosen experts' unbiased probabilities.
+
+    DeepSeek-V2 (HF's ``DeepseekV2TopkRouter``): `groups` > 1 is its
+    ``group_limited_greedy``: the E experts in G = `groups` groups of E / G, each group scored
+    by its best expert, only the `top_groups` best groups' experts eligible (the others'
+    scores set to 0, as HF does); the combine weights are multiplied by `scaling`
+    (``routed_scaling_factor``)."""
     probs = F.softmax(logits.float(), dim=-1)
-    if bias is None:
+    choice = probs if bias is None else probs + bias.detach().float()
+    if groups > 1:
+        n, num_experts = choice.shape
+        per_group = choice.view(n, groups, num_experts // groups)
+        best_groups = torch.topk(per_group.amax(dim=-1), top_groups, dim=-1)[1]
+        eligible = torch.zeros(n, groups, dtype=torch.bool, device=choice.device)
+        eligible.scatter_(1, best_groups, True)
+        choice = choice.masked_fill(
+            ~eligible.unsqueeze(-1).expand_as(per_group).reshape(n, num_experts), 0.0)
+    if bias is None and groups == 1:
         weights, experts = torch.topk(probs, top_k, dim=-1)
     else:
-        _, experts = torch.topk(probs + bias.detach().float(), top_k, dim=-1)
+        experts = torch.topk(choice, top_k, dim=-1)[1]
         weights = probs.gather(1, experts)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        weights = weights * scaling
     return Routing(probs, weights.to(logits.dtype), experts)
 
 

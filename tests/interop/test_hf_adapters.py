@@ -73,9 +73,8 @@ def test_an_unmapped_mixture_of_experts_family_names_the_covered_ones() -> None:
                                        num_key_value_heads=2, vocab_size=50,
                                        num_local_experts=4)
     with pytest.raises(PipelineConfigError, match=r"mixtral, qwen2_moe, qwen3_moe, olmoe, "
-                                                  r"deepseek_v3, not 'phimoe' \(4 experts\): "
-                                                  r"its router "
-                                                  r"is SparseMixer"):
+                                                  r"deepseek_v2, deepseek_v3, not 'phimoe' "
+                                                  r"\(4 experts\): its router is SparseMixer"):
         layers_from_hf(config)
 
 

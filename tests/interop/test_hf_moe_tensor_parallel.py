@@ -2,7 +2,8 @@
 and without sequence parallelism), each expert whole on its ep rank. From a `save_pretrained`
 directory, one SGD step of tiny Mixtral (HF's whole-batch balancing loss,
 ``output_router_logits=True``) and tiny DeepSeek-V3 (multi-head latent attention split by
-heads, aux-free bias), each with and without sequence parallelism, of Qwen2-MoE (shared
+heads, aux-free bias), each with and without sequence parallelism, of DeepSeek-V2 (with,
+group-limited softmax router; V2-Lite's shape without), of Qwen2-MoE (shared
 expert, without) and Qwen3-MoE (per-head q/k norms, with), and of Mixtral under
 dualpipev-overlap and two-batch overlap (all-to-alls handed over), at pp 2 × tp 2 × ep 2
 (8 ranks) equals HF's step on the whole batch within 1e-5 (loss, every gradient slice,
@@ -28,6 +29,7 @@ from pipeline.errors import PipelineConfigError
 from pipeline.interop import hf_moe_tp, hf_tp_split
 from pipeline.interop.hf_layers import layers_from_hf
 from pipeline.interop.hf_tensor_parallel import check_tensor_parallel_size, tensor_parallel_hf
+from pipeline.moe.balancing import MoEBalancing
 from pipeline.parallel.config import ParallelConfig
 from pipeline.parallel.tensor.collectives import reduce_from_tensor_parallel_region
 from tests.support.hf_moe_equivalence import moe_step_differences
@@ -43,6 +45,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("mixtral", {}), "mixtral sp": ("mixtral", SP),
     "deepseek_v3": ("deepseek_v3", {}), "deepseek_v3 sp": ("deepseek_v3", SP),
     "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe sp": ("qwen3_moe", SP),
+    # group-limited softmax router, low-rank q; V2-Lite: greedy, q projected directly
+    "deepseek_v2 sp": ("deepseek_v2", SP),
+    "deepseek_v2-lite": ("deepseek_v2", {"model_options": {"groups": 1, "q_rank": None}}),
     # the all-to-all hidden under the other microbatch's (or half's) compute
     "mixtral sp dualpipev-overlap": ("mixtral", SP | {"schedule": "dualpipev-overlap"}),
     "mixtral two-batch": ("mixtral", {"two_batch_overlap": True}),
@@ -165,10 +170,12 @@ def test_olmoe_whose_qk_norms_span_all_heads_is_refused() -> None:
         tensor_parallel_hf(layers_from_hf(tiny_moe_config("olmoe")))
 
 
-def test_per_microbatch_balancing_at_tp_is_refused() -> None:
-    hf = layers_from_hf(tiny_moe_config("mixtral"), balancing="microbatch")
-    with pytest.raises(PipelineConfigError, match=r"'microbatch' balancing .*'hf-batch'"):
-        tensor_parallel_hf(hf)
+def test_census_free_balancing_at_tp_is_accepted_and_sums_over_tp() -> None:
+    """Per-microbatch, sequence and z-losses build at tp > 1 (their statistics summed over
+    the tp group, checked on 8 ranks in tests/parallel/test_moe_balancing_tp.py)."""
+    for method in ("microbatch", "sequence"):
+        balancing = MoEBalancing(method=method, router_z_loss_coef=1e-3)  # type: ignore[arg-type]
+        tensor_parallel_hf(layers_from_hf(tiny_moe_config("mixtral"), balancing=balancing))
 
 
 def test_expert_tensor_parallel_above_one_is_refused() -> None:

@@ -113,6 +113,7 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
                          strict_reads: bool = True, partition_method: str = "uniform",
                          balancing: Any = None, reference: HFLoss | None = None,
                          tp: int = 1, sequence_parallel: bool = False,
+                         model_options: dict[str, Any] | None = None,
                          **engine: Any) -> dict[str, Any]:
     """On every rank: the pipelined step (SGD, 4 microbatches per replica, `schedule`) of the tiny
     `family` model against HF's on the concatenated batch of all replicas.
@@ -139,14 +140,16 @@ def moe_step_differences(family: str, *, pp: int, dp: int, ep: int = 1, zero: in
     expert bias after the steps), the ``engine`` and ``unit_bytes``, what ZeRO-3's layers
     held gathered after the last step (0 when each layer is freed). `tp` > 1:
     `tensor_parallel_hf`'s split (with `sequence_parallel`), each rank's gradient slices
-    against HF's same slices."""
-    hf_model = tiny_moe_model(family, seed=3, top_k=top_k, tied=tied)
+    against HF's same slices. `model_options`: more `tiny_moe_config` options (DeepSeek's
+    groups, q rank)."""
+    shape = {"top_k": top_k, "tied": tied, **(model_options or {})}
+    hf_model = tiny_moe_model(family, seed=3, **shape)
     if ties:
         plant_ties_and_an_idle_expert(hf_model)
     ids, mask = token_batch(8 * dp, 8, seed=2, padded=padded)
     labels = causal_lm_targets(ids, mask if padded else None)
     replica = dist.get_rank() // tp % dp  # Topology: rank = (pp_rank · dp + dp_rank) · tp + tp_rank
-    hf = layers_from_hf(tiny_moe_config(family, top_k=top_k, tied=tied), balancing=balancing)
+    hf = layers_from_hf(tiny_moe_config(family, **shape), balancing=balancing)
     if tp > 1:
         hf = tensor_parallel_hf(hf, sequence_parallel=sequence_parallel)
     if chunks is None:  # stages per rank

@@ -15,14 +15,33 @@ VOCAB = 50
 
 
 def tiny_moe_config(family: str, *, top_k: int = 2, coefficient: float = 0.5,
-                    tied: bool = False, groups: int = 4, top_groups: int = 2) -> Any:
+                    tied: bool = False, groups: int = 4, top_groups: int | None = None,
+                    q_rank: int | None = 12) -> Any:
     """2 layers, hidden 32, 4 experts of width 16, the balancing loss on with a coefficient
     large enough to move the gradients visibly; Qwen2-MoE with its gated shared expert and
     HF's default norm_topk_prob=False, Qwen3-MoE with norm_topk_prob=True, OLMoE with its
     clip_qkv set low enough to clamp. DeepSeek-V3: 4 layers (the first dense), 8 experts in
     `groups` groups of which `top_groups` stay eligible, one shared expert, low-rank q and
-    kv (multi-head latent attention), vocab 128, no balancing loss (HF's adds none)."""
+    kv (multi-head latent attention), vocab 128, no balancing loss (HF's adds none);
+    `top_groups` None: 2. DeepSeek-V2: the same shape with a softmax router, group-limited
+    (`groups` > 1; `top_groups` None: 1, so that the limit changes the top-2 choice, which
+    two groups scored by their best expert never would) or greedy (`groups` 1), weights
+    scaled by 1.5; `q_rank` None: q projected directly (V2-Lite)."""
     import transformers
+
+    if family == "deepseek_v2":
+        grouped = groups > 1
+        return transformers.DeepseekV2Config(
+            hidden_size=32, num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=128, max_position_embeddings=16,
+            intermediate_size=24, moe_intermediate_size=16, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=top_k,
+            topk_method="group_limited_greedy" if grouped else "greedy",
+            n_group=groups if grouped else None,
+            topk_group=(top_groups or 1) if grouped else None,
+            routed_scaling_factor=1.5, q_lora_rank=q_rank, kv_lora_rank=8,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, tie_word_embeddings=tied,
+            bos_token_id=0, eos_token_id=0, pad_token_id=None)
 
     if family == "deepseek_v3":
         return transformers.DeepseekV3Config(
@@ -30,7 +49,7 @@ def tiny_moe_config(family: str, *, top_k: int = 2, coefficient: float = 0.5,
             num_key_value_heads=4, vocab_size=128, max_position_embeddings=16,
             intermediate_size=24, moe_intermediate_size=16, n_routed_experts=8,
             n_shared_experts=1, num_experts_per_tok=top_k, n_group=groups,
-            topk_group=top_groups, q_lora_rank=12, kv_lora_rank=8, qk_rope_head_dim=4,
+            topk_group=top_groups or 2, q_lora_rank=q_rank, kv_lora_rank=8, qk_rope_head_dim=4,
             qk_nope_head_dim=4, v_head_dim=8, tie_word_embeddings=tied, bos_token_id=0,
             eos_token_id=0, pad_token_id=None)
 
