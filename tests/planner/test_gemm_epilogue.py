@@ -76,3 +76,14 @@ def test_table_1_spread_between_the_smallest_and_largest_runs_narrows() -> None:
     with mock.patch.dict(PRESETS, {"a100-80g": old_a100}):
         old = row_ratio(small, 0.70) / row_ratio(large, 0.70)
     assert 1 < new < old - 0.03
+
+
+def test_a_cluster_file_sets_the_flag() -> None:
+    from pipeline.planner.cluster import cluster_from_json
+
+    assert cluster_from_json({"preset": "h100-80g", "gemm_epilogue_serial": True}
+                             ).gemm_epilogue_serial
+    assert not cluster_from_json({"preset": "a100-80g", "gemm_epilogue_serial": False}
+                                 ).gemm_epilogue_serial
+    with pytest.raises(PlanError, match="gemm_epilogue_serial=1 must be true or false"):
+        cluster_from_json({"preset": "a100-80g", "gemm_epilogue_serial": 1})
