@@ -165,7 +165,9 @@ def _non_negative(value: object) -> bool:
 #   the allocator's fragmentation come out of it too and are not priced (0.5-1.5 GiB of
 #   "non-PyTorch memory" in the same messages): set `device_memory` lower for a margin.
 # Efficiencies: element-wise kernels 0.85 of HBM bandwidth, collectives 0.8 of the link
-# (NCCL's bus bandwidth ~240 GB/s of NVLink's 300 one way), 4 µs a kernel. The one constant
+# (NCCL's bus bandwidth ~240 GB/s of NVLink's 300 one way), 4 µs a kernel: each a device
+# figure, though set in the pass that first compared with Table 1, and not refitted by its
+# leave-one-out (benchmarks/term_sensitivity.py shows what each moves). The one constant
 # fitted to runs is the share of an SM's peak a full 256 × 128 GEMM tile's k-loop reaches,
 # fitted to Narayanan et al. 2021 (Megatron-LM, SC'21, Table 1; leave-one-out error in
 # benchmarks/table1_loo.py): 0.7225 on the A100s, whose kernels store each output tile after
