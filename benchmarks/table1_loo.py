@@ -4,7 +4,8 @@ rows, the tenth scored with it.
 The A100 presets' GEMM tile efficiency (`pipeline.planner.cluster._DEVICE_MODEL`, 0.70: the
 share of an SM's peak a full 256 × 128 tile reaches) is the only figure calibrated against
 Table 1 (`bench_published.py`); the element-wise and link efficiencies and the kernel cost
-come from device microbenchmarks and datasheets. For each row r, the efficiency that
+are device figures (set in the pass that first compared with Table 1, not refitted here;
+`term_sensitivity.py` shows what each moves). For each row r, the efficiency that
 minimises the sum of squared log ratios (predicted / published TFLOP/s) over the other nine
 rows is found on a grid, and row r is priced with it: its leave-one-out ratio. Issue 48's
 target: within ±5 % on at least 8 of the 10 rows.
