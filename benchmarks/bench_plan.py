@@ -259,8 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.part in ("published", "all"):
         from bench_published import published_part, sweeps_part
         from published_sensitivity import disagreement_part
+        from table1_loo import loo_lines
 
         print("\n".join(published_part()))
+        print("\n".join(["", *loo_lines()]))
         print("\n".join(["", *disagreement_part()]))
         print("\n".join(["", *sweeps_part()]))
     if args.part in ("local", "all"):

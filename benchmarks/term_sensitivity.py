@@ -1,8 +1,7 @@
 """How much each first-principles efficiency term moves a dense 70B and an MoE prediction
 (issue 48's sensitivity table): the step of a fixed configuration priced with the term and
-with it switched off, under `--engine megatron-core` on H100s. Terms so far: the SMs
-Transformer Engine's overlap kernels take from the GEMMs beside them
-(`pipeline.planner.userbuffers`).
+with it switched off (`--engine megatron-core` on H100s), and an SC'21 Table 1 run
+(`--engine megatron-2021` on A100s) beside them, the one case where Ampere-only terms act.
 
     PYTHONPATH=. python benchmarks/term_sensitivity.py
 """
@@ -12,8 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
+from typing import Any
 from unittest import mock
 
+import pipeline.planner.kernels as kernels
 import pipeline.planner.pricing as pricing
 from pipeline.planner import PRESETS, PlanConfig, SearchOptions, load_model
 from pipeline.planner.engines import engine_options
@@ -26,7 +27,7 @@ LLAMA_70B = ("layers=80,hidden=8192,heads=64,kv_heads=8,vocab=128256,seq=4096,ml
 MIXTRAL_8X22B = ("layers=56,hidden=6144,heads=48,kv_heads=8,vocab=32768,seq=4096,mlp=swiglu,"
                  "norm=rmsnorm,bias=none,learned_positions=false,ffn=16384,experts=8,topk=2,"
                  "expert_ffn=16384,dropout=false")
-CASES: tuple[tuple[str, str, int, int, PlanConfig], ...] = (
+CORE_CASES: tuple[tuple[str, str, int, int, PlanConfig], ...] = (
     ("Llama-3-70B shape, 128 H100", LLAMA_70B, 16, 512,
      PlanConfig(pp=4, tp=4, dp=8, schedule="interleaved", chunks=4, microbatch_size=1,
                 num_microbatches=64, zero_stage=1, recompute="none")),
@@ -35,7 +36,36 @@ CASES: tuple[tuple[str, str, int, int, PlanConfig], ...] = (
                 num_microbatches=64, zero_stage=1, recompute="none", ep=2)),
 )
 """(name, model, nodes, global batch, configuration): the configurations the planner picks
-for them today (`docs/planner.md`)."""
+for them today (`docs/planner.md`), under megatron-core on `h100-80g`."""
+TABLE_1_ROW = 6
+"""SC'21 Table 1's 145.6B run (t8 p8 b2 v2 on 1,536 A100s), `bench_published.ROWS`."""
+
+
+def _core_step(model: str, nodes: int, batch: int, config: PlanConfig) -> float:
+    options = SearchOptions(**engine_options("megatron-core"))
+    profile = load_model(model, sequence_parallel=True)
+    cluster = replace(PRESETS["h100-80g"], nodes=nodes)
+    return price(profile, cluster, batch, config, options=options).step_seconds
+
+
+def _table_1_step() -> float:
+    from benchmarks.bench_published import MEGATRON_2021, ROWS, _model
+
+    row = ROWS[TABLE_1_ROW]
+    cluster = replace(PRESETS["a100-80g"], nodes=row.gpus // 8)
+    return price(_model(row), cluster, row.batch, row.config(), precision="fp16",
+                 options=SearchOptions(**MEGATRON_2021)).step_seconds
+
+
+def _cases() -> list[tuple[str, Callable[[], float]]]:
+    cases: list[tuple[str, Callable[[], float]]] = [
+        (f"{name}, {config.label()}",
+         lambda m=model, n=nodes, b=batch, c=config: _core_step(m, n, b, c))
+        for name, model, nodes, batch, config in CORE_CASES]
+    return [*cases, ("SC'21 145.6B, 1536 A100, pp8 tp8 b2 v2 (megatron-2021)", _table_1_step)]
+
+
+CASES = tuple(name for name, _ in _cases())
 
 
 @contextmanager
@@ -44,28 +74,46 @@ def _no_userbuffers_sms() -> Iterator[None]:
         yield
 
 
-TERMS: tuple[tuple[str, Callable[[], AbstractContextManager[None]]], ...] = (
-    ("userbuffers SMs beside the GEMMs", _no_userbuffers_sms),
+@contextmanager
+def _no_tile_quantization() -> Iterator[None]:
+    """One-element tiles at full share: a GEMM at its FLOPs over the fitted SM rate, no
+    partial tiles, no partial last wave, no smaller tiles' lower reuse."""
+    with mock.patch.object(kernels, "_TILES", ((1, 1, 1.0),)):
+        yield
+
+
+def _presets_with(**fields: Any) -> Callable[[], AbstractContextManager[object]]:
+    def switch() -> AbstractContextManager[object]:
+        return mock.patch.dict(PRESETS, {name: replace(PRESETS[name], **fields)
+                                         for name in ("a100-80g", "h100-80g")})
+    return switch
+
+
+TERMS: tuple[tuple[str, Callable[[], AbstractContextManager[Any]]], ...] = (
+    ("userbuffers SMs beside the GEMMs (`userbuffers.sm_contention_seconds`)",
+     _no_userbuffers_sms),
+    ("GEMM epilogue after the k-loop, Ampere (`kernels.epilogue_seconds`)",
+     _presets_with(gemm_epilogue_serial=False)),
+    ("GEMM tile shapes and wave quantization (`kernels._TILES`)", _no_tile_quantization),
+    ("kernel launch, 4 µs a kernel (`kernel_overhead`)", _presets_with(kernel_overhead=0.0)),
+    ("runtime cost, 20 µs a stage op (`op_overhead`)", _presets_with(op_overhead=0.0)),
+    ("element-wise kernels at 0.85 of HBM (`memory_efficiency`)",
+     _presets_with(memory_efficiency=1.0)),
+    ("collectives at 0.8 of the link (`link_efficiency`)", _presets_with(link_efficiency=1.0)),
 )
 """(term, a context manager that switches it off)."""
 
 
-def _step(model: str, nodes: int, batch: int, config: PlanConfig) -> float:
-    options = SearchOptions(**engine_options("megatron-core"))
-    profile = load_model(model, sequence_parallel=True)
-    cluster = replace(PRESETS["h100-80g"], nodes=nodes)
-    return price(profile, cluster, batch, config, options=options).step_seconds
-
-
 def sensitivity_lines() -> list[str]:
     lines = ["| term | case | step with | step without | moved |", "|---|---|---:|---:|---:|"]
+    cases = _cases()
+    base = [step() for _, step in cases]
     for term, off in TERMS:
-        for name, model, nodes, batch, config in CASES:
-            with_term = _step(model, nodes, batch, config)
+        for (name, step), with_term in zip(cases, base, strict=True):
             with off():
-                without = _step(model, nodes, batch, config)
-            lines.append(f"| {term} | {name}, {config.label()} | {with_term:.2f} s | "
-                         f"{without:.2f} s | {with_term / without - 1:+.1%} |")
+                without = step()
+            lines.append(f"| {term} | {name} | {with_term:.2f} s | {without:.2f} s | "
+                         f"{with_term / without - 1:+.1%} |")
     return lines
 
 

@@ -41,8 +41,10 @@ CLUSTER FILES
   nodes, devices_per_node, device_memory (bytes), peak_flops ({"bf16": FLOP/s}),
   achieved_fraction, intra_bandwidth, intra_latency, inter_bandwidth, inter_latency,
   memory_bandwidth (bytes/s, seconds). Device model (optional): sm_count, gemm_efficiency,
-  memory_efficiency, kernel_overhead, nics_per_node, nic_bandwidth, link_efficiency; or
-  measure it: pipesched profile-device --output dev.json, then --device-profile dev.json.
+  memory_efficiency, kernel_overhead, nics_per_node, nic_bandwidth, link_efficiency,
+  gemm_epilogue_serial (true: each GEMM stores its output after its k-loop, as Ampere's
+  kernels do; the A100 presets); or measure it: pipesched profile-device --output
+  dev.json, then --device-profile dev.json.
 
 ENGINES
   --engine megatron-2021 prices what Megatron-LM of 2021 could run and how it ran it
