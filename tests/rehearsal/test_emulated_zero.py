@@ -28,15 +28,20 @@ CONFIGS: list[dict[str, Any]] = [
     {"zero_stage": 3, "reshard_after_forward": False},
     {"zero_stage": 3, "reshard_after_forward": False, "prefetch_next_unit": False},
 ]
-LINKS = [EmulatedLinkCosts(byte_seconds=1e-3, latency=0.05),   # gathers < compute
-         EmulatedLinkCosts(byte_seconds=1.2e-2, latency=0.1)]  # gathers > compute
+HEAVY_FORWARD = EmulatedCost(forward=8.0, input_grad=1.0, weight_grad=1.0, output_elements=4,
+                             param_elements=PARAMS)
+CASES = [(COST, EmulatedLinkCosts(byte_seconds=1e-3, latency=0.05)),  # gathers < compute
+         (COST, EmulatedLinkCosts(byte_seconds=1.2e-2, latency=0.1)),  # gathers > compute
+         # a reduction > two layers' backward: the third waits for the first (the window of
+         # two in flight), the forward after catches the link up
+         (HEAVY_FORWARD, EmulatedLinkCosts(byte_seconds=3.83e-2, latency=0.1))]
 
 
-def _run(link: EmulatedLinkCosts, options: dict[str, Any], steps: int = 2
-         ) -> tuple[float, float]:
+def _run(cost: EmulatedCost, link: EmulatedLinkCosts, options: dict[str, Any],
+         steps: int = 2) -> tuple[float, float]:
     """(virtual seconds of the last step, of its compute alone)."""
     clock = VirtualClock()
-    module = PipelineModule(emulated_layers([COST] * LAYERS, clock), num_stages=1,
+    module = PipelineModule(emulated_layers([cost] * LAYERS, clock), num_stages=1,
                             loss_fn=emulated_loss, base_seed=None)
     engine = PipelineEngine(module, schedule="1f1b", num_microbatches=M, data_parallel=2,
                             timeout=60, bucket_mb=PARAMS * 4 / 2**20,
@@ -50,13 +55,14 @@ def _run(link: EmulatedLinkCosts, options: dict[str, Any], steps: int = 2
             engine.train_batch(x, x)
     finally:
         engine.stop_watchdog()
-    compute = M * (LAYERS * (COST.forward + COST.weight_grad)
-                   + (LAYERS - 1) * COST.input_grad)
+    compute = M * (LAYERS * (cost.forward + cost.weight_grad)
+                   + (LAYERS - 1) * cost.input_grad)
     return clock.time - start, compute
 
 
-def _predicted(link: EmulatedLinkCosts, options: dict[str, Any]) -> float:
-    layers = [layer_costs(COST, link, 2, first=u == 0) for u in range(LAYERS)]
+def _predicted(cost: EmulatedCost, link: EmulatedLinkCosts, options: dict[str, Any]
+               ) -> float:
+    layers = [layer_costs(cost, link, 2, first=u == 0) for u in range(LAYERS)]
     zero = options["zero_stage"]
     step_gather = [link.ring(PARAMS * 4, 2)] * LAYERS if zero == 2 else []
     return zero_exposed(layers, zero_stage=zero, microbatches=M,
@@ -66,25 +72,25 @@ def _predicted(link: EmulatedLinkCosts, options: dict[str, Any]) -> float:
 
 
 def _engine_follows_the_rule(rank: int, size: int) -> None:
-    for link in LINKS:
+    for cost, link in CASES:
         for options in CONFIGS:
-            step, compute = _run(link, options)
-            assert step - compute == pytest.approx(_predicted(link, options), rel=1e-9), \
-                (link, options)
+            step, compute = _run(cost, link, options)
+            assert step - compute == pytest.approx(_predicted(cost, link, options),
+                                                   rel=1e-9), (cost, link, options)
 
 
 def _planted(rank: int, size: int, bug: str) -> None:
-    link, options = LINKS[1], {"zero_stage": 3}
+    (cost, link), options = CASES[1], {"zero_stage": 3}
     if bug == "no prefetch":  # the engine prefetches nothing, priced as prefetching
-        step, compute = _run(link, {**options, "prefetch_next_unit": False})
+        step, compute = _run(cost, link, {**options, "prefetch_next_unit": False})
     else:  # every reduce-scatter waited for as soon as launched
         window = GradShardedOptimizer.MAX_IN_FLIGHT
         GradShardedOptimizer.MAX_IN_FLIGHT = 0
         try:
-            step, compute = _run(link, options)
+            step, compute = _run(cost, link, options)
         finally:
             GradShardedOptimizer.MAX_IN_FLIGHT = window
-    assert step - compute != pytest.approx(_predicted(link, options), rel=1e-3)
+    assert step - compute != pytest.approx(_predicted(cost, link, options), rel=1e-3)
 
 
 @pytest.mark.multiprocess
