@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
 from pipeline.parallel.data_parallel import CommStats
+from pipeline.parallel.zero_collectives import Waitable
+from pipeline.parallel.zero_comm import ZeroCollectives
 from pipeline.parallel.zero_layout import ShardLayout
 
 __all__ = ["BucketKey", "ParamGather"]
@@ -47,9 +48,11 @@ class ParamGather:
         self.stats = stats
         self.overlap = overlap
         """Leave the gathers in flight after `launch` (the next forward waits for them)."""
+        self.comm = ZeroCollectives()
+        """What launches the gathers (`ShardedOptimizer.use_collectives`)."""
         self.wait_seconds = 0.0
         """Seconds spent blocked waiting for gathers (exposed gather time), accumulated."""
-        self._pending: dict[BucketKey, tuple[dist.Work, torch.Tensor]] = {}
+        self._pending: dict[BucketKey, tuple[Waitable, torch.Tensor]] = {}
 
     @property
     def in_flight(self) -> frozenset[BucketKey]:
@@ -67,10 +70,8 @@ class ParamGather:
                 outputs = [flat[slice(*layout.owned(b, q))] for q in range(layout.dp_size)]
                 mine = outputs[self.dp_rank].clone()  # the input must not alias an output
                 self.stats.record("all_gather", mine)
-                work = dist.all_gather(outputs, mine, group=self.group, async_op=True)
-                if work is None:
-                    raise RuntimeError("all_gather(async_op=True) returned no work handle")
-                self._pending[(key, b)] = (work, mine)
+                self._pending[(key, b)] = (self.comm.gather_pieces(outputs, mine, self.group),
+                                           mine)
         if not self.overlap:
             self.wait()
 

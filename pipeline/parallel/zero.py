@@ -40,7 +40,8 @@ from pipeline.parallel.optimizer import OptimizerFactory, build_optimizer
 from pipeline.parallel.param_gather import BucketKey, ParamGather
 from pipeline.parallel.precision import clip_coefficient, counts_in_norm, global_grad_norm
 from pipeline.parallel.tied_sync import TIED_REGION
-from pipeline.parallel.zero_collectives import COLLECTIVES, BucketReduction
+from pipeline.parallel.zero_collectives import BucketReduction
+from pipeline.parallel.zero_comm import ZeroCollectives
 from pipeline.parallel.zero_groups import ShardPiece, carry_groups, cut_pieces
 from pipeline.parallel.zero_inspect import ShardInspection
 from pipeline.parallel.zero_layout import ShardLayout
@@ -105,6 +106,8 @@ class ShardedOptimizer(ShardInspection, torch.optim.Optimizer):
         + slice where the backend lacks reduce_scatter (d× the received bytes, same
         result)."""
         self.stats = CommStats()
+        self.comm = ZeroCollectives()
+        """What launches every reduction and gather (`use_collectives`)."""
         self.param_gather = ParamGather(group, self.dp_rank, self.stats,
                                         overlap=overlap_param_gather)
         """The all-gather of updated parameters after `step` (blocking or overlapped)."""
@@ -143,6 +146,12 @@ class ShardedOptimizer(ShardInspection, torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    def use_collectives(self, comm: ZeroCollectives) -> None:
+        """Launch every later gradient reduction and parameter gather through `comm` (the
+        seam where `pipeline.rehearsal.emulated_zero` times them on an emulated link)."""
+        self.comm = comm
+        self.param_gather.comm = comm
 
     def model_parameters(self) -> list[torch.nn.Parameter]:
         """This rank's model parameters held here, in region order (what the factory gets)."""
@@ -360,7 +369,7 @@ class ShardedOptimizer(ShardInspection, torch.optim.Optimizer):
             region.flat_grad[slice(*region.layout.bucket(b))].div_(self.dp_size)
         bucket = BucketReduction(region.flat_grad, region.layout, b, self.dp_rank, self.group,
                                  self.stats)
-        region.pending += COLLECTIVES[self.collective](bucket)
+        region.pending += self.comm.reduce_bucket(self.collective, bucket)
 
     def _norm_pieces(self, tp_rank: int) -> Iterable[torch.Tensor]:
         """Slices of the grad shards that belong to parameters counted in the norm."""

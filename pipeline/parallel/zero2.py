@@ -24,7 +24,7 @@ from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
 from pipeline.parallel.optimizer import OptimizerFactory
 from pipeline.parallel.tied_sync import TIED_REGION
 from pipeline.parallel.zero import ShardedOptimizer
-from pipeline.parallel.zero_collectives import COLLECTIVES, BucketReduction, Launched
+from pipeline.parallel.zero_collectives import BucketReduction, Launched
 from pipeline.parallel.zero_grad_store import ShardGradStore
 from pipeline.parallel.zero_layout import ShardLayout
 from pipeline.parallel.zero_region import Collective, ShardRegion
@@ -87,7 +87,7 @@ class GradShardedOptimizer(ShardedOptimizer):
         if self.average:
             buffer.div_(self.dp_size)  # before the sum, as DDP, so fp16 sums stay in range
         one_bucket = ShardLayout(layout.dp_size * layout.piece, layout.dp_size, 1, layout.piece)
-        return COLLECTIVES[self.collective](BucketReduction(
+        return self.comm.reduce_bucket(self.collective, BucketReduction(
             buffer, one_bucket, 0, self.dp_rank, self.group, self.stats))
 
     def _launch_reduce(self, region: ShardRegion) -> None:

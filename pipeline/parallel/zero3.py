@@ -45,7 +45,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed import ProcessGroup
@@ -55,6 +54,7 @@ from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
 from pipeline.parallel.optimizer import OptimizerFactory
 from pipeline.parallel.tied_sync import TIED_REGION
 from pipeline.parallel.zero2 import GradShardedOptimizer
+from pipeline.parallel.zero_collectives import Waitable
 from pipeline.parallel.zero_region import Collective, aliases
 
 __all__ = ["UNIT_STRIDE", "FullyShardedOptimizer"]
@@ -104,7 +104,7 @@ class FullyShardedOptimizer(GradShardedOptimizer):
         self.prefetch_next_unit = prefetch_next_unit
         """Launch the next unit's gather before this one's compute (the previous one's in a
         backward): one unit in flight while one computes."""
-        self._in_flight: dict[int, list[tuple[dist.Work, torch.Tensor]]] = {}
+        self._in_flight: dict[int, list[tuple[Waitable, torch.Tensor]]] = {}
         """Unit -> its launched, unwaited bucket gathers (and their sources)."""
         self._in_backward: set[int] = set()
         """Units whose output gradient arrived in the running autograd call (cleared at its
@@ -144,9 +144,9 @@ class FullyShardedOptimizer(GradShardedOptimizer):
             for b in range(layout.num_buckets):
                 mine = region.master.detach()[b].to(flat.dtype)
                 self.stats.record("all_gather", mine)
-                launched.append((dist.all_gather_single(
-                    flat[slice(*layout.bucket(b))], mine, group=self.gather_group,
-                    async_op=True), mine))  # the source stays alive until the wait
+                launched.append((self.comm.gather_flat(
+                    flat[slice(*layout.bucket(b))], mine, self.gather_group),
+                    mine))  # the source stays alive until the wait
         self._in_flight[key] = launched
         self._gathered.add(key)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,11 +19,21 @@ from torch.distributed import ProcessGroup
 from pipeline.parallel.data_parallel import CommStats
 from pipeline.parallel.zero_layout import ShardLayout
 
-__all__ = ["COLLECTIVES", "BucketReduction", "Finish", "Launched"]
+__all__ = ["COLLECTIVES", "BucketReduction", "Finish", "Launched", "Waitable"]
+
+
+
+class Waitable(Protocol):
+    """A launched collective (a `dist.Work`, or an emulated one): `wait` returns once it
+    has arrived."""
+
+    def wait(self) -> object:
+        """Block until the collective finished."""
+
 
 Finish = Callable[[], None]
 """Completes one pending collective's bookkeeping once its work handle is waited."""
-Launched = list[tuple[dist.Work, Finish | None]]
+Launched = list[tuple[Waitable, Finish | None]]
 
 
 @dataclass(frozen=True)

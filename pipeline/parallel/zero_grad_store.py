@@ -23,17 +23,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from pipeline.parallel.grad_buffer import BucketLaunches
-from pipeline.parallel.zero_collectives import Finish
+from pipeline.parallel.zero_collectives import Launched
 from pipeline.parallel.zero_layout import ShardLayout
 
 __all__ = ["LaunchBucket", "ShardGradStore", "notify_backward_done"]
 
-LaunchBucket = Callable[[int, torch.Tensor], list[tuple[dist.Work, Finish | None]]]
+LaunchBucket = Callable[[int, torch.Tensor], Launched]
 """(bucket b, its d·s transient buffer) -> the launched reduction of it (not waited)."""
 
 
@@ -61,7 +60,7 @@ class ShardGradStore:
         self.buckets: dict[int, torch.Tensor] = {}
         """Bucket index -> its transient d·s buffer while it fills (then it is on the wire,
         in `_in_flight`, until its piece is added into the shard and it is dropped)."""
-        self._in_flight: list[tuple[int, torch.Tensor, list[tuple[dist.Work, Finish | None]]]] = []
+        self._in_flight: list[tuple[int, torch.Tensor, Launched]] = []
         self._settled_upto = 0
         """`_in_flight` entries before this index belong to an earlier backward."""
         self._stale = False

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from pipeline.parallel.grad_buffer import GradBuffer
-from pipeline.parallel.zero_collectives import Finish
+from pipeline.parallel.zero_collectives import Launched
 from pipeline.parallel.zero_grad_store import ShardGradStore
 from pipeline.parallel.zero_groups import ShardPiece
 from pipeline.parallel.zero_layout import ShardLayout
@@ -47,7 +47,7 @@ class ShardRegion:
     """ZeRO-1: the whole main-gradient buffer, reduce-scattered once per step."""
     store: ShardGradStore | None = None
     """ZeRO-2 and 3: the reduced gradient shard, filled bucket by bucket every backward."""
-    pending: list[tuple[dist.Work, Finish | None]] = field(default_factory=list)
+    pending: Launched = field(default_factory=list)
     """Launched bucket reductions, each with what to do once it arrived (all_to_all: sum)."""
     reduced: bool = False
 

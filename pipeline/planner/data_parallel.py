@@ -13,6 +13,7 @@ from pipeline.planner.memory import PARAM_BYTES
 from pipeline.planner.pricing import allreduce_seconds
 from pipeline.planner.stages import StageTable
 from schedules import GradReduction, ParamGather
+from schedules.analysis.zero_exposure import ZeroLayerCosts, zero_exposed
 
 __all__ = ["ADAM_UPDATE_BYTES", "BUCKET_PARAMETERS", "grad_reduction", "param_gather",
            "sharded_comm_seconds", "stage_buckets", "update_seconds"]
@@ -132,31 +133,38 @@ def update_seconds(rank_params: np.ndarray, cluster: ClusterSpec, *, dp: int, tp
 
 def sharded_comm_seconds(stage_params: np.ndarray, stage_layers: Sequence[int],
                          placement: Sequence[int], cluster: ClusterSpec, *, dp: int, tp: int,
-                         zero_stage: int, num_microbatches: int, grad_reduce_bytes: float
-                         ) -> np.ndarray:
+                         zero_stage: int, num_microbatches: int, grad_reduce_bytes: float,
+                         forward: np.ndarray, backward: np.ndarray) -> np.ndarray:
     """Per rank: the seconds ZeRO-2/3 add to the step beyond ZeRO-1's collectives, exposed
     (zeros at ZeRO-0/1 or dp = 1). `stage_params`: per stage, the parameters one tp rank
-    holds; `stage_layers`: its layers (ZeRO-3's units); `placement`: each stage's rank.
+    holds; `stage_layers`: its layers (ZeRO-3's units); `placement`: each stage's rank;
+    `forward`, `backward`: each stage's seconds a microbatch.
 
-    ZeRO-2 and 3 reduce-scatter every backward's gradients (`pipeline.parallel.zero2`): m a
-    step, of which the simulator places the last as ZeRO-1's (`grad_reduction`); the other
-    m - 1 are priced here as exposed (an upper bound: the engine launches them on a side
-    stream from the backward's hooks, and the planner credits no overlap with later work).
-    ZeRO-3 also all-gathers each layer's fp32 parameters before its forward and again before
-    its backward (`pipeline.parallel.zero3`, reshard_after_forward=True, the engine's
-    default): 2·m gathers per layer a step, each blocking the op that waits for it (no
-    prefetch), one collective per layer, so each pays its latency."""
+    The engine's rule (`schedules.analysis.zero_exposure`, the one its emulated runs follow
+    to the tick, `tests/rehearsal/test_emulated_zero.py`), per stage, its layers taken as
+    equal, its ops back to back, each layer one reduce-scatter bucket: ZeRO-2 and 3
+    reduce-scatter every backward's gradients (`pipeline.parallel.zero2`) as layers finish,
+    hidden behind the backward and the next forward unless the link falls behind; ZeRO-3
+    all-gathers each layer before its forward and its backward (`reshard_after_forward`, the
+    engine's default) and prefetches the next layer's (`prefetch_next_unit`, also the
+    default), so a gather hides behind the previous layer's compute. What the step waits
+    for, the last backward's reductions, is the simulator's (`grad_reduction`, as ZeRO-1's),
+    and ZeRO-2's all-gather after the step `update_seconds`'."""
     if zero_stage < 2 or dp == 1:
         return np.zeros(max(placement, default=-1) + 1)
-    m = num_microbatches
     seconds = np.zeros(max(placement) + 1)
-    for params, layers, rank in zip(stage_params, stage_layers, placement, strict=True):
+    for params, layers, rank, f, b in zip(stage_params, stage_layers, placement, forward,
+                                          backward, strict=True):
         count = float(params)
         if not count:
             continue
-        seconds[rank] += (m - 1) * allreduce_seconds(count * grad_reduce_bytes, dp, tp,
-                                                     cluster) / 2
-        if zero_stage == 3:
-            units = max(1, int(layers))
-            seconds[rank] += 2 * m * units * _gather_seconds(count / units, dp, tp, cluster)
+        units = max(1, int(layers))
+        layer = ZeroLayerCosts(
+            forward=float(f) / units, weight_grad=float(b) / (2 * units),
+            input_grad=float(b) / (2 * units),
+            gather=_gather_seconds(count / units, dp, tp, cluster) if zero_stage == 3 else 0.0,
+            reduce=allreduce_seconds(count / units * grad_reduce_bytes, dp, tp, cluster) / 2)
+        exposure = zero_exposed([layer] * units, zero_stage=zero_stage,
+                                microbatches=num_microbatches)
+        seconds[rank] += exposure.forward + exposure.backward
     return seconds

@@ -182,7 +182,8 @@ class RankPricing:
         before it (`tied.tied_allreduce_seconds`), per partition, placement, dp and ZeRO."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
                placement_of(config), config.dp, config.zero_stage, config.ep, config.cp,
-               config.num_microbatches if config.zero_stage >= 2 else 0)
+               config.num_microbatches if config.zero_stage >= 2 else 0,
+               config.microbatch_size if config.zero_stage >= 2 else 0)
         if key not in self._updates:
             self._updates[key] = self._price_update(config)
         return self._updates[key]
@@ -204,13 +205,15 @@ class RankPricing:
                 zero_stage=config.zero_stage,
                 element_bytes=self.grad_reduce_bytes)
         if config.zero_stage >= 2:  # ZeRO-2/3's per-microbatch collectives, exposed
+            costs = table.costs(config.microbatch_size)
             exposed = exposed + data_parallel.sharded_comm_seconds(
                 stage_params(table, placement) + table.experts / config.ep
                 if self.model.experts else stage_params(table, placement),
                 [len(stage) for stage in table.stages], placement, self.cluster,
                 dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
                 num_microbatches=config.num_microbatches,
-                grad_reduce_bytes=self.grad_reduce_bytes)
+                grad_reduce_bytes=self.grad_reduce_bytes, forward=costs.forward,
+                backward=costs.input_grad + costs.weight_grad)
         return step, exposed, tied
 
 

@@ -28,6 +28,7 @@ from pipeline.planner.stages import uniform_boundaries
 from pipeline.planner.tied import tied_allreduce_seconds, tied_step_reduction
 from schedules import SCHEDULES
 from schedules.analysis.accounting import expert_state_bytes, model_state_bytes
+from schedules.analysis.zero_exposure import ZeroLayerCosts, zero_exposed
 
 __all__ = ["Oracle"]
 
@@ -261,21 +262,28 @@ class Oracle:
         return step, exposed, tied
 
     def sharded(self, config: PlanConfig, a: dict[str, Any], held: np.ndarray) -> np.ndarray:
-        """ZeRO-2/3 per stage: m - 1 reduce-scatters of its gradients beyond the simulated
-        last one (half an all-reduce each); ZeRO-3 also gathers each layer's fp32
-        parameters before every forward and backward, 2·m gathers per layer."""
-        cluster, dp, tp, m = self.context.cluster, config.dp, config.tp, \
-            config.num_microbatches
+        """ZeRO-2/3 per stage: the engine's rule (`zero_exposure.zero_exposed`) on its layers
+        taken as equal, each a share of the stage's F and fused B, its reduce-scatter (half
+        an all-reduce of its gradients) and ZeRO-3's all-gather of its fp32 parameters; what
+        waits in the forwards and backwards (the step's wait is the simulator's)."""
+        cluster, dp, tp = self.context.cluster, config.dp, config.tp
+        forward, fused_i, fused_w = self.costs(config, a["stages"], split=False)
         seconds = np.zeros(config.pp)
-        for count, stage, rank in zip(held, a["stages"], a["placement"], strict=True):
+        for count, stage, rank, f, b in zip(held, a["stages"], a["placement"], forward,
+                                            fused_i + fused_w, strict=True):
             if not count:
                 continue
-            seconds[rank] += (m - 1) * allreduce_seconds(
-                float(count) * self.context.grad_reduce_bytes, dp, tp, cluster) / 2
-            if config.zero_stage == 3:
-                layers = max(1, len(stage))
-                seconds[rank] += 2 * m * layers * allreduce_seconds(
-                    float(count) / layers * 4.0, dp, tp, cluster) / 2
+            n = max(1, len(stage))
+            layer = ZeroLayerCosts(
+                forward=float(f) / n, weight_grad=float(b) / (2 * n),
+                input_grad=float(b) / (2 * n),
+                gather=allreduce_seconds(float(count) / n * 4.0, dp, tp, cluster) / 2
+                if config.zero_stage == 3 else 0.0,
+                reduce=allreduce_seconds(float(count) / n * self.context.grad_reduce_bytes,
+                                         dp, tp, cluster) / 2)
+            exposure = zero_exposed([layer] * n, zero_stage=config.zero_stage,
+                                    microbatches=config.num_microbatches)
+            seconds[rank] += exposure.forward + exposure.backward
         return seconds
 
 

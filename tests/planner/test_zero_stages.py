@@ -37,20 +37,30 @@ def test_rank_memory_holds_the_stages_bytes_per_parameter(zero: int) -> None:
 
 
 def test_zero_2_and_3_collectives_from_their_definition() -> None:
-    # two stages on ranks 0, 1 (3 and 5 layers), m = 4, d = 4, fp32 gradients
+    # two stages on ranks 0, 1 (3 and 5 layers), m = 4, d = 4, fp32 gradients; per layer
+    # r: its reduce-scatter, g: its all-gather
     params, layers, m, d = np.array([3e8, 5e8]), [3, 5], 4, 4
-    rs = [allreduce_seconds(x * 4.0, d, 1, A100) / 2 for x in params]
+    rs = [allreduce_seconds(x / n * 4.0, d, 1, A100) / 2 for x, n in zip(params, layers)]
     ag = [allreduce_seconds(x / n * 4.0, d, 1, A100) / 2 for x, n in zip(params, layers)]
 
-    def priced(zero: int) -> np.ndarray:
+    def priced(zero: int, compute: float) -> np.ndarray:
+        work = np.full(2, compute)
         return sharded_comm_seconds(params, layers, [0, 1], A100, dp=d, tp=1, zero_stage=zero,
-                                    num_microbatches=m, grad_reduce_bytes=4.0)
-    assert priced(0).tolist() == priced(1).tolist() == [0.0, 0.0]
-    assert priced(2) == pytest.approx([(m - 1) * x for x in rs])  # the last one simulated
-    assert priced(3) == pytest.approx([(m - 1) * r + 2 * m * n * g
-                                       for r, g, n in zip(rs, ag, layers)])
+                                    num_microbatches=m, grad_reduce_bytes=4.0,
+                                    forward=work, backward=2 * work)
+    assert priced(0, 0).tolist() == priced(1, 0).tolist() == [0.0, 0.0]
+    # no compute hides anything: every collective in turn on the link, but for the last
+    # backward's two reductions still in flight at the step (the simulator's)
+    assert priced(2, 0.0) == pytest.approx([(m * n - 2) * r for r, n in zip(rs, layers)])
+    assert priced(3, 0.0) == pytest.approx([(m * n - 2) * r + 2 * m * n * g
+                                            for r, g, n in zip(rs, ag, layers)])
+    # compute ahead of the link: the reductions hide behind the backward, each gather
+    # behind the previous layer (prefetch) but the first of each forward and backward
+    assert priced(2, 100.0).tolist() == [0.0, 0.0]
+    assert priced(3, 100.0) == pytest.approx([2 * m * g for g in ag])
     assert sharded_comm_seconds(params, layers, [0, 1], A100, dp=1, tp=1, zero_stage=3,
-                                num_microbatches=m, grad_reduce_bytes=4.0).tolist() == [0, 0]
+                                num_microbatches=m, grad_reduce_bytes=4.0,
+                                forward=np.ones(2), backward=np.ones(2)).tolist() == [0, 0]
 
 
 def test_states_that_fit_only_at_zero_3_pick_z3_and_say_why(
@@ -82,7 +92,7 @@ def test_zero_3_priced_with_zero_1_bytes_fails_the_pick(
 
 
 def test_zero_3_costs_time_where_zero_1_fits(capsys: pytest.CaptureFixture[str]) -> None:
-    # a small model: every stage fits; ZeRO-2/3's collectives make them slower than ZeRO-1
+    # a small model: every stage fits; ZeRO-3's gathers make it slower than ZeRO-1
     small = ["--model", "layers=8,hidden=1024,heads=16,vocab=32000,seq=512",
              "--cluster", "a100-80g", "--global-batch", "32", "--pp", "2", "--tp", "1",
              "--microbatch-size", "2", "--schedules", "1f1b", "--no-recompute"]
@@ -93,4 +103,6 @@ def test_zero_3_costs_time_where_zero_1_fits(capsys: pytest.CaptureFixture[str])
                     if line.startswith("  1 "))
         value, unit = line.split()[8:10]
         times[zero] = float(value) * {"s": 1.0, "ms": 1e-3}[unit]
-    assert times[1] < times[2] < times[3]
+    # ZeRO-2's per-backward reductions hide behind the backwards here (the engine's rule,
+    # `schedules.analysis.zero_exposure`); ZeRO-3's first gather of each F and B cannot
+    assert times[1] <= times[2] < times[3]
