@@ -50,6 +50,7 @@ from pipeline.interop.hf_tp_split import (
 )
 from pipeline.model.layer_rng import tensor_parallel_rank_stream
 from pipeline.moe.layer import MoEFeedForward
+from pipeline.parallel.param_marks import is_tensor_parallel
 from pipeline.parallel.tensor.collectives import (
     reduce_from_tensor_parallel_region,
     tp_rank_and_size,
@@ -136,9 +137,11 @@ class ParallelMoEBlock(SequenceSwitch, MoEBlock):
                  attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         group = self.region.group
         # here, not at build: expert parallelism swaps the expert tensors for new shard
-        # parameters after the build (registering twice is a no-op)
+        # parameters after the build (registering twice is a no-op); experts split over tp
+        # (expert_tensor_parallel = tp) keep their shard's own gradient
         for param in moe.parameters():
-            sum_gradient_over_tensor_parallel(param, group)
+            if not is_tensor_parallel(param):
+                sum_gradient_over_tensor_parallel(param, group)
         sliced = self.region.splits_sequence
         if not sliced and normed.shape[SEQUENCE_DIM] % self.size:
             raise PipelineConfigError(
