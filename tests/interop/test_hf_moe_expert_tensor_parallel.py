@@ -4,8 +4,9 @@ them and their partial outputs reduce-scattered back. From a `save_pretrained` d
 SGD step of tiny Mixtral (HF's whole-batch balancing loss) at pp 2 × tp 2 × ep 2, with and
 without sequence parallelism, of DeepSeek-V3 (shared experts, aux-free bias; with) and of
 Mixtral at pp 1 × dp 4 × tp 2 × ep 1 (no all-to-all: the local dispatcher), 8 ranks, equals
-HF's step on the whole batch within 1e-5 (loss, every gradient slice, updated weights); two
-planted bugs (partials not reduced over tp, reduced twice) fail; bad values are one line.
+HF's step on the whole batch within 1e-5 (loss, every gradient slice, updated weights); three
+planted bugs (partials not reduced over tp, reduced twice, the shards' gradients summed over
+tp) fail; bad values are one line.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ pytest.importorskip("transformers")
 
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.errors import PipelineConfigError
+from pipeline.interop import hf_moe_tp
 from pipeline.interop.hf_layers import layers_from_hf
 from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.moe import expert_tensor_parallel
@@ -74,19 +76,25 @@ def _partials_reduced_twice(experts: nn.Module, rows: torch.Tensor, counts: list
     return returned.view(size, own, *returned.shape[1:]).sum(0)
 
 
-PLANTED = {"partials not reduced": _partials_not_reduced,
-           "partials reduced twice": _partials_reduced_twice}
+PLANTED: dict[str, tuple[Any, str, Any]] = {
+    "partials not reduced": (expert_tensor_parallel, "tensor_parallel_expert_outputs",
+                             _partials_not_reduced),
+    "partials reduced twice": (expert_tensor_parallel, "tensor_parallel_expert_outputs",
+                               _partials_reduced_twice),
+    # the experts' shard gradients summed over tp as if each tp rank held them whole
+    "expert shard gradients summed over tp": (hf_moe_tp, "is_tensor_parallel",
+                                              lambda param: False),
+}
 
 
 @contextlib.contextmanager
-def _planted(replacement: Any) -> Iterator[None]:
-    name = "tensor_parallel_expert_outputs"
-    original = getattr(expert_tensor_parallel, name)
-    setattr(expert_tensor_parallel, name, replacement)
+def _planted(owner: Any, name: str, replacement: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
     try:
         yield
     finally:
-        setattr(expert_tensor_parallel, name, original)
+        setattr(owner, name, original)
 
 
 def _worst(found: dict[str, Any]) -> float:
@@ -103,8 +111,8 @@ def _ranks(rank: int, world_size: int, out: str) -> None:
                    if layout_of(p) is not None
                    and p.dim() == 3]  # the experts' stacked weights, split over tp
         results[label]["split experts"] = len(sharded)
-    for bug, replacement in PLANTED.items():
-        with _planted(replacement):
+    for bug, (owner, name, replacement) in PLANTED.items():
+        with _planted(owner, name, replacement):
             found = moe_step_differences("mixtral", pp=2, dp=2, ep=2, tp=2, **ETP)
         results[f"planted: {bug}"] = _worst(found)
     if rank == 0:
