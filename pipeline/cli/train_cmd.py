@@ -237,7 +237,8 @@ def _check_experts(layers: list[Any], ep: int, etp: int) -> None:
     moe = [m for layer in layers for m in layer.modules() if isinstance(m, MoEFeedForward)]
     if etp > 1 and not moe:
         raise ValueError(f"--expert-tensor-parallel {etp}: --model has no MoE layers; use 1")
-    widths = sorted({int(m.experts.down_proj.shape[-1]) for m in moe})
+    downs: list[Any] = [m.experts.down_proj for m in moe]  # [E, H, I] each
+    widths = sorted({int(down.shape[-1]) for down in downs})
     if any(width % etp for width in widths):
         raise ValueError(f"--expert-tensor-parallel {etp} must divide the experts' "
                          f"intermediate size {widths}; use 1")
