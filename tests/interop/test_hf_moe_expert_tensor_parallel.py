@@ -3,7 +3,8 @@ column-split and down projection row-split over tp, the tp group's routed rows g
 them and their partial outputs reduce-scattered back. From a `save_pretrained` directory, one
 SGD step of tiny Mixtral (HF's whole-batch balancing loss) at pp 2 × tp 2 × ep 2, with and
 without sequence parallelism, of DeepSeek-V3 (shared experts, aux-free bias; with) and of
-Mixtral at pp 1 × dp 4 × tp 2 × ep 1 (no all-to-all: the local dispatcher), 8 ranks, equals
+Mixtral at pp 1 × dp 4 × tp 2 × ep 1 (no all-to-all: the local dispatcher), and of Mixtral
+under dualpipev-overlap and two-batch overlap (exchanges handed over), 8 ranks, equals
 HF's step on the whole batch within 1e-5 (loss, every gradient slice, updated weights); three
 planted bugs (partials not reduced over tp, reduced twice, the shards' gradients summed over
 tp) fail; bad values are one line.
@@ -45,6 +46,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3 pp2 ep2 sp": ("deepseek_v3", {"pp": 2, "dp": 2, "ep": 2,
                                                "sequence_parallel": True}),
     "mixtral pp1 dp4 ep1": ("mixtral", {"pp": 1, "dp": 4, "ep": 1}),
+    # the tp exchanges and the all-to-alls handed over between a pair's (or halves') threads
+    "mixtral pp2 ep2 sp dualpipev-overlap": ("mixtral", {
+        "pp": 2, "dp": 2, "ep": 2, "sequence_parallel": True, "schedule": "dualpipev-overlap"}),
+    "mixtral pp2 ep2 two-batch": ("mixtral", {"pp": 2, "dp": 2, "ep": 2,
+                                              "two_batch_overlap": True}),
 }
 
 
@@ -111,6 +117,9 @@ def _ranks(rank: int, world_size: int, out: str) -> None:
                    if layout_of(p) is not None
                    and p.dim() == 3]  # the experts' stacked weights, split over tp
         results[label]["split experts"] = len(sharded)
+        handovers = torch.tensor(found["handovers"] + found["two_batch_handovers"])
+        dist.all_reduce(handovers)
+        results[label]["handovers"] = int(handovers)
     for bug, (owner, name, replacement) in PLANTED.items():
         with _planted(owner, name, replacement):
             found = moe_step_differences("mixtral", pp=2, dp=2, ep=2, tp=2, **ETP)
@@ -126,9 +135,11 @@ def test_expert_tensor_parallel_steps_equal_hf_and_planted_bugs_fail(tmp_path: P
     run_ranks(_ranks, 8, out, timeout=900)
     found = torch.load(out)
     print(found)  # shown with pytest -s
-    for label in CASES:
+    for label, (_, options) in CASES.items():
         assert _worst(found[label]) <= TOLERANCE, (label, found[label])
         assert found[label]["split experts"] > 0, (label, found[label])
+        overlapped = "schedule" in options or "two_batch_overlap" in options
+        assert (found[label]["handovers"] > 0) == overlapped, (label, found[label])
     for bug in PLANTED:
         assert found[f"planted: {bug}"] > 1e-3, (bug, found)
 
