@@ -17,7 +17,9 @@ head sums it over tp (g: all-reduce forward, identity backward), so every tp ran
 the whole loss and each share's gradient reaches only the router that made it. The
 census-free losses (per-microbatch, sequence, z) are defined over the whole microbatch's
 tokens: each rank sums their counts and token totals over tp before forming its share
-(`MoEFeedForward.token_group`, `pipeline.moe.router_losses`).
+(`MoEFeedForward.token_group`, `pipeline.moe.router_losses`). With
+``expert_tensor_parallel = tp`` the engine splits the experts over tp as well
+(`pipeline.moe.expert_tensor_parallel`): their shards keep their own gradients.
 """
 
 from __future__ import annotations
