@@ -239,10 +239,12 @@ def _read_optimizer(step_dir: str, manifest: Manifest, parts: CheckpointParts
     saved = Topology(pp, dp, saved_tp, manifest.ep, cp=manifest.cp)
     tp_rank = parts.topology.position(parts.rank).tp_rank
     grid = SavedGrid.of(manifest, parts.topology.tp, tp_rank)
-    # under the same tp a rank reads only its own tp rank's files, else every one (to merge)
+    cuts = {key: cut_of(param) for key, param in parts.module.named_layer_parameters()}
+    # under the same tp cuts a rank reads only its own tp rank's files, else every one (to
+    # merge; the same tp with experts split or whole, expert_tensor_parallel, also merges)
+    own = saved_tp == parts.topology.tp and grid.same_tp_cuts(cuts)
     files = [entry for entry in manifest.files if entry.role == "optimizer"
-             and mine & set(entry.layers)
-             and (saved_tp != parts.topology.tp or entry.rank % saved_tp == tp_rank)]
+             and mine & set(entry.layers) and (not own or entry.rank % saved_tp == tp_rank)]
     payloads = [_read(step_dir, entry) for entry in files]
     positions = [saved.position(entry.rank) for entry in files]
     pieces = [((position.tp_rank, position.ep_rank), piece)
@@ -271,7 +273,6 @@ def _read_optimizer(step_dir: str, manifest: Manifest, parts: CheckpointParts
                               "not a list of mappings; it was not written by this pipesched",
                               path=os.path.join(step_dir, files[0].path))
     shapes = {key: tuple(param.shape) for key, param in parts.module.named_layer_parameters()}
-    cuts = {key: cut_of(param) for key, param in parts.module.named_layer_parameters()}
     state = assemble_resharded(pieces, wanted, cuts, shapes, grid, where=step_dir)
     wrong = [f"layer {key[0]} {key[1]!r}: saved {entry.shape}, here {shapes[key]}"
              for key, entry in state.items() if key in shapes and entry.shape != shapes[key]]

@@ -96,6 +96,18 @@ class SavedGrid:
                    tp_rank if manifest.topology[2] == tp else 0,
                    bool(manifest.splits) or manifest.topology[2] == 1)
 
+    def same_tp_cuts(self, cuts: Mapping[ParamKey, Cut | None]) -> bool:
+        """Whether every parameter of `cuts` is cut over tp here exactly as it was saved
+        (then a rank's own tp slice is all it reads)."""
+        for key, cut in cuts.items():
+            split = self.splits.get(key)
+            saved = split is not None and split.axis == "tp"
+            here = cut is not None and cut.axis == "tp"
+            if saved != here or (split is not None and here and cut is not None
+                                 and not cut.same_cut(split)):
+                return False
+        return True
+
     def slices(self, key: ParamKey, cut: Cut | None
                ) -> tuple[SavedSplit | None, list[Slice], bool]:
         """The saved split of `key`, the slices to read, and whether this rank's part is

@@ -47,6 +47,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="expert-parallel size: each MoE layer's experts split over E of "
                              "the --data-parallel replicas (E divides D and the experts); "
                              "needs a --model with MoE layers (default 1)")
+    parser.add_argument("--expert-tensor-parallel", type=positive_int, default=1, metavar="ET",
+                        help="1 (default): each expert whole on its expert-parallel rank; "
+                             "--tp's value: each expert's weights split over the tp group too "
+                             "(Megatron-Core's --expert-tensor-parallel-size)")
     parser.add_argument("--two-batch-overlap", action="store_true",
                         help="run each forward of an MoE stage as two halves of its "
                              "microbatch taking turns at their expert all-to-alls (hides "
@@ -115,6 +119,9 @@ def _check_args(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp {args.tp}: the demo model has no tensor-parallel form; pass "
                          "--model with a recipe of split layers (e.g. tensor_parallel_hf's), "
                          "or --tp 1")
+    if args.expert_tensor_parallel not in (1, args.tp):
+        raise ValueError(f"--expert-tensor-parallel {args.expert_tensor_parallel} must be 1 "
+                         f"(experts whole) or --tp {args.tp} (experts split over tp)")
     if args.expert_parallel > 1:
         if args.model is None:
             raise ValueError(f"--expert-parallel {args.expert_parallel}: the demo model has no "
@@ -205,7 +212,8 @@ def _partition(args: argparse.Namespace, config: Any, num_stages: int
 
         layers = [build_layer(layer, k, base_seed=args.seed)
                   for k, layer in enumerate(args.recipe.layers)]
-        _check_experts(layers, args.expert_parallel)  # still before any rank starts
+        # still before any rank starts
+        _check_experts(layers, args.expert_parallel, args.expert_tensor_parallel)
         sample, _ = args.recipe.batch(0, microbatch)
     else:
         layers = [spec.build() for spec in lm_layers(config)]
@@ -218,13 +226,22 @@ def _partition(args: argparse.Namespace, config: Any, num_stages: int
     return part, held
 
 
-def _check_experts(layers: list[Any], ep: int) -> None:
-    """The --model's MoE layers against --expert-parallel; HF's whole-batch balancing loss
-    (which needs `train_batch_balanced`, not the demo's `train_batch`) is refused."""
+def _check_experts(layers: list[Any], ep: int, etp: int) -> None:
+    """The --model's MoE layers against --expert-parallel and --expert-tensor-parallel; HF's
+    whole-batch balancing loss (which needs `train_batch_balanced`, not the demo's
+    `train_batch`) is refused."""
     from pipeline.moe.expert_parallel import check_expert_layers
     from pipeline.moe.layer import MoEFeedForward
 
     check_expert_layers(layers, ep)
+    moe = [m for layer in layers for m in layer.modules() if isinstance(m, MoEFeedForward)]
+    if etp > 1 and not moe:
+        raise ValueError(f"--expert-tensor-parallel {etp}: --model has no MoE layers; use 1")
+    downs: list[Any] = [m.experts.down_proj for m in moe]  # [E, H, I] each
+    widths = sorted({int(down.shape[-1]) for down in downs})
+    if any(width % etp for width in widths):
+        raise ValueError(f"--expert-tensor-parallel {etp} must divide the experts' "
+                         f"intermediate size {widths}; use 1")
     if any(isinstance(m, MoEFeedForward) and m.balance is not None
            for layer in layers for m in layer.modules()):
         raise ValueError("--model's MoE layers add HF's whole-batch load-balancing loss "
@@ -275,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
                          data_parallel=args.data_parallel, tensor_parallel=args.tp,
                          context_parallel=args.cp,
                          expert_parallel=args.expert_parallel,
+                         expert_tensor_parallel=args.expert_tensor_parallel,
                          two_batch_overlap=args.two_batch_overlap,
                          zero_stage=args.zero_stage,
                          reshard_after_forward=args.reshard_after_forward, steps=args.steps,
@@ -284,7 +302,9 @@ def run(args: argparse.Namespace) -> int:
     world = args.stages * args.data_parallel * args.cp * args.tp
     print(f"training {args.schedule} on {world} CPU ranks (p={args.stages}, "
           f"dp={args.data_parallel}, {f'cp={args.cp}, ' if args.cp > 1 else ''}tp={args.tp}, "
-          f"ep={args.expert_parallel}, v={chunks}, "
+          f"ep={args.expert_parallel}, "
+          f"{f'etp={args.expert_tensor_parallel}, ' if args.expert_tensor_parallel > 1 else ''}"
+          f"v={chunks}, "
           f"{f'ZeRO-{args.zero_stage}, ' if args.zero_stage else ''}"
           f"m={args.microbatches}), "
           f"{args.steps} steps")

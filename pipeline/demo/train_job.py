@@ -40,6 +40,8 @@ class TrainConfig:
     """Ranks each sequence is split over (every one of them is given the replica's rows)."""
     expert_parallel: int = 1
     """Replicas each MoE layer's experts are split over (carved from data_parallel)."""
+    expert_tensor_parallel: int = 1
+    """1: experts whole; tensor_parallel: each expert split over the tp group too."""
     two_batch_overlap: bool = False
     """Forwards of MoE stages as two halves taking turns (`EngineConfig.two_batch_overlap`)."""
     zero_stage: int = 0
@@ -126,6 +128,7 @@ def train_rank(config: TrainConfig) -> TrainReport | None:
                             timeout=config.timeout, tensor_parallel=config.tensor_parallel,
                             context_parallel=config.context_parallel,
                             expert_parallel=config.expert_parallel,
+                            expert_tensor_parallel=config.expert_tensor_parallel,
                             two_batch_overlap=config.two_batch_overlap,
                             zero_stage=config.zero_stage,
                             reshard_after_forward=config.reshard_after_forward)

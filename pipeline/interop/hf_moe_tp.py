@@ -17,7 +17,9 @@ head sums it over tp (g: all-reduce forward, identity backward), so every tp ran
 the whole loss and each share's gradient reaches only the router that made it. The
 census-free losses (per-microbatch, sequence, z) are defined over the whole microbatch's
 tokens: each rank sums their counts and token totals over tp before forming its share
-(`MoEFeedForward.token_group`, `pipeline.moe.router_losses`).
+(`MoEFeedForward.token_group`, `pipeline.moe.router_losses`). With
+``expert_tensor_parallel = tp`` the engine splits the experts over tp as well
+(`pipeline.moe.expert_tensor_parallel`): their shards keep their own gradients.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from pipeline.interop.hf_tp_split import (
 )
 from pipeline.model.layer_rng import tensor_parallel_rank_stream
 from pipeline.moe.layer import MoEFeedForward
+from pipeline.parallel.param_marks import is_tensor_parallel
 from pipeline.parallel.tensor.collectives import (
     reduce_from_tensor_parallel_region,
     tp_rank_and_size,
@@ -136,9 +139,11 @@ class ParallelMoEBlock(SequenceSwitch, MoEBlock):
                  attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         group = self.region.group
         # here, not at build: expert parallelism swaps the expert tensors for new shard
-        # parameters after the build (registering twice is a no-op)
+        # parameters after the build (registering twice is a no-op); experts split over tp
+        # (expert_tensor_parallel = tp) keep their shard's own gradient
         for param in moe.parameters():
-            sum_gradient_over_tensor_parallel(param, group)
+            if not is_tensor_parallel(param):
+                sum_gradient_over_tensor_parallel(param, group)
         sliced = self.region.splits_sequence
         if not sliced and normed.shape[SEQUENCE_DIM] % self.size:
             raise PipelineConfigError(

@@ -166,14 +166,18 @@ def gather_hf_state_dict(module: PipelineModule, hf: HFLayers) -> dict[str, torc
     parts: list[Any] = [None] * dist.get_world_size()
     mine = {key: (value, layout_of(value)) for key, value in hf_state_dict(module, hf).items()}
     dist.all_gather_object(parts, (mine, shards))
-    merged = _merge([state for state, _ in parts])
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    merged = _merge([{key: value for key, value in state.items() if key not in starts}
+                     for state, starts in parts])
+    # expert-parallel shards (each maybe tp slices, expert_tensor_parallel > 1): each
+    # shard's slices merged, then the experts in order along dim 0
+    pieces: dict[str, dict[int, list[tuple[torch.Tensor, ShardLayout | None]]]] = {}
     for state, starts in parts:
-        for key, (value, _) in state.items():
-            if key in starts:  # expert-parallel shards: experts in order along dim 0
-                pieces.setdefault(key, {})[starts[key][0]] = value
+        for key, value in state.items():
+            if key in starts:
+                pieces.setdefault(key, {}).setdefault(starts[key][0], []).append(value)
     for key, by_first in pieces.items():
-        merged[key] = torch.cat([by_first[first] for first in sorted(by_first)])
+        merged[key] = torch.cat([_merge([{key: one} for one in by_first[first]])[key]
+                                 for first in sorted(by_first)])
     tied_key = hf.names[-1][1] + "weight"
     if tied_key != "lm_head.weight" and tied_key in merged:
         merged["lm_head.weight"] = merged[tied_key]

@@ -32,8 +32,8 @@ from pipeline.moe.layer import MoEFeedForward
 from pipeline.parallel.groups import ProcessGroups
 from pipeline.parallel.param_marks import mark_expert_shard
 
-__all__ = ["AllToAllDispatcher", "check_expert_layers", "expert_major_order",
-           "expert_parallel_problem", "local_experts", "parallelize_experts"]
+__all__ = ["AllToAllDispatcher", "check_expert_layers", "exchange_rows",
+           "expert_major_order", "expert_parallel_problem", "local_experts", "parallelize_experts"]
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 """The stacked expert tensors, experts along dim 0."""
@@ -94,8 +94,8 @@ class _Exchange(torch.autograd.Function):
         return back, None, None, None
 
 
-def _exchange(rows: torch.Tensor, receive: list[int], send: list[int],
-              group: ProcessGroup) -> torch.Tensor:
+def exchange_rows(rows: torch.Tensor, receive: list[int], send: list[int],
+                  group: ProcessGroup) -> torch.Tensor:
     """Rows to the ranks of `group`: send[r] of them to rank r, receive[r] from it."""
     result: torch.Tensor = _Exchange.apply(rows, receive, send, group)
     return result
@@ -121,6 +121,8 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
         self.ep = ep
         self.local = num_experts // ep
+        self.expert_outputs: bank.ExpertOutputs = bank.expert_outputs
+        """The experts' GEMMs (expert tensor parallelism swaps in its own)."""
 
     def __call__(self, experts: nn.Module, hidden: torch.Tensor, chosen: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
@@ -135,11 +137,11 @@ class AllToAllDispatcher:
         send = counts.view(self.ep, self.local).sum(1).tolist()
         receive = matrix.sum(1).tolist()
         # 2. Dispatch; regroup the received rows from (source, expert) to (expert, source).
-        received = _exchange(hidden[token_of_slot], receive, send, self.group)
+        received = exchange_rows(hidden[token_of_slot], receive, send, self.group)
         regroup = expert_major_order(matrix)
-        out = bank.expert_outputs(experts, received[regroup], matrix.sum(0).tolist())
+        out = self.expert_outputs(experts, received[regroup], matrix.sum(0).tolist())
         # 3. Combine: back to (source, expert) order, to the sources, weighted into tokens.
-        returned = _exchange(out[torch.argsort(regroup)], send, receive, self.group)
+        returned = exchange_rows(out[torch.argsort(regroup)], send, receive, self.group)
         returned = returned * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(hidden).index_add_(0, token_of_slot,
                                                    returned.to(hidden.dtype))

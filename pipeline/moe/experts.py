@@ -9,7 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Dispatcher", "LocalDispatcher", "expert_outputs", "group_by_expert"]
+__all__ = ["Dispatcher", "ExpertOutputs", "LocalDispatcher", "expert_outputs",
+           "group_by_expert"]
+
+ExpertOutputs = Callable[[nn.Module, torch.Tensor, list[int]], torch.Tensor]
+"""(experts, rows grouped by local expert, rows per expert) -> their outputs, in order."""
 
 
 def expert_outputs(experts: nn.Module, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -55,12 +59,14 @@ class LocalDispatcher:
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
+        self.expert_outputs: ExpertOutputs = expert_outputs
+        """The experts' GEMMs (expert tensor parallelism swaps in its own)."""
 
     def __call__(self, experts: nn.Module, hidden: torch.Tensor, chosen: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
         top_k = chosen.shape[-1]
         order, counts = group_by_expert(chosen, self.num_experts)
         token_of_slot = order // top_k
-        out = expert_outputs(experts, hidden[token_of_slot], counts.tolist())
+        out = self.expert_outputs(experts, hidden[token_of_slot], counts.tolist())
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(hidden).index_add_(0, token_of_slot, out.to(hidden.dtype))

@@ -105,14 +105,15 @@ def _expert_parallel_problem(config: ParallelConfig) -> str | None:
     return None
 
 
-def _expert_tensor_parallel_problem(value: object) -> str | None:
+def _expert_tensor_parallel_problem(config: ParallelConfig) -> str | None:
+    value, tp = config.expert_tensor_parallel, config.tensor_parallel
     problem = count_problem("expert_tensor_parallel", value)
-    if problem is not None or value == 1:
+    if problem is not None or value in (1, tp):
         return problem
-    return (f"expert_tensor_parallel={value} is not supported: each expert stays whole on its "
-            "expert-parallel rank (expert tensor parallelism 1, Megatron-Core's default) while "
-            "tensor_parallel splits attention and dense layers; use expert_tensor_parallel=1 "
-            "and raise expert_parallel instead")
+    return (f"expert_tensor_parallel={value} is not supported with tensor_parallel={tp}: "
+            "each expert is either whole on its expert-parallel rank (1, Megatron-Core's "
+            f"default) or split over the tp group ({tp}); use expert_tensor_parallel=1 or "
+            f"{tp}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,7 +140,10 @@ class ParallelConfig:
     hf_moe_tp`)."""
     expert_tensor_parallel: int = 1
     """Ranks splitting each expert's weights (Megatron-Core's ``expert_tensor_parallel_size``).
-    Only 1 runs: every expert is whole on its ep rank; larger values are refused."""
+    1: every expert is whole on its ep rank. tensor_parallel: each expert's gate / up
+    projections column-split and down projection row-split over the tp group, the tp
+    group's routed tokens gathered for them (`pipeline.moe.expert_tensor_parallel`); other
+    values are refused."""
     zero_stage: ZeroStage = ZeroStage.DISABLED
     """`ZeroStage.OPTIMIZER_STATE` shards optimizer state over dp (ZeRO-1), `GRADIENTS` also
     the gradients (ZeRO-2), `PARAMETERS` also the parameters (ZeRO-3); the ints 0-3 are
@@ -218,7 +222,7 @@ class ParallelConfig:
             None if isinstance(self.broadcast_buffers, bool) else
             f"broadcast_buffers must be True or False, got {self.broadcast_buffers!r}",
             _expert_parallel_problem(self),
-            _expert_tensor_parallel_problem(self.expert_tensor_parallel),
+            _expert_tensor_parallel_problem(self),
             None if isinstance(self.reshard_after_forward, bool) else
             f"reshard_after_forward must be True or False, got {self.reshard_after_forward!r}",
             None if isinstance(self.prefetch_next_unit, bool) else

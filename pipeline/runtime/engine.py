@@ -18,6 +18,7 @@ from pipeline.launcher.torchrun_group import init_from_torchrun
 from pipeline.model.module import PipelineModule
 from pipeline.moe.expert_bias import aux_free_layers, update_expert_biases
 from pipeline.moe.expert_parallel import parallelize_experts
+from pipeline.moe.expert_tensor_parallel import split_experts_over_tensor_parallel
 from pipeline.moe.interleave import has_expert_all_to_all
 from pipeline.parallel.data_parallel import GradReducer
 from pipeline.parallel.groups import ProcessGroups, create_process_groups
@@ -126,6 +127,8 @@ class PipelineEngine(StepRunner, EngineState):
         module.materialize(self.schedule.stages_of(self.pp_rank), self.device, groups=groups)
         if topology.ep > 1 and groups is not None:  # each MoE layer keeps its 1/ep experts
             parallelize_experts(module, groups)
+        if parallel.expert_tensor_parallel > 1 and groups is not None:  # experts over tp
+            split_experts_over_tensor_parallel(module, groups)
         check_layers_split(((int(key), layer) for stage in self.stage_ids
                             for key, layer in module.stage(stage).layers.items()), topology.tp)
         # over the world (not the pipeline group): STEP's vote spans every rank

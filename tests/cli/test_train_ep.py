@@ -1,7 +1,9 @@
-"""`pipesched train --expert-parallel`: sizes that cannot split are one line before any rank."""
+"""`pipesched train --expert-parallel` / `--expert-tensor-parallel`: sizes that cannot split
+are one line before any rank; experts split over tp train as whole ones."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -78,3 +80,47 @@ def test_two_batch_overlap_on_local_ranks_says_it_will_be_slower(tmp_path: Path)
     assert result.returncode == 0, result.stderr
     assert "note: --two-batch-overlap hides an expert all-to-all" in result.stderr
     assert "expect each step slower" in result.stderr
+
+
+def test_expert_tensor_parallel_other_than_1_or_tp_is_one_line() -> None:
+    line = _one_line_refusal("--model", RECIPE, "--stages", "1", "--data-parallel", "2",
+                             "--tp", "2", "--expert-parallel", "2",
+                             "--expert-tensor-parallel", "4")
+    assert "--expert-tensor-parallel 4 must be 1 (experts whole) or --tp 2" in line, line
+
+
+TP_RECIPE = (
+    "import dataclasses, functools\n"
+    "from examples import hf_moe_recipe as base\n"
+    "from pipeline.interop.hf_layers import layers_from_hf\n"
+    "from pipeline.interop.hf_tensor_parallel import check_tensor_parallel_size, "
+    "tensor_parallel_hf\n\n"
+    "def build():\n"
+    "    hf = tensor_parallel_hf(layers_from_hf(base.CONFIG))\n"
+    "    return dataclasses.replace(base.build(), layers=hf.layers, loss_fn=hf.loss_fn,\n"
+    "        check_tensor_parallel=functools.partial(check_tensor_parallel_size, base.CONFIG))\n")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_expert_tensor_parallel_trains_as_whole_experts_do(tmp_path: Path) -> None:
+    """tp 2 × ep 2 with the experts split over tp: both steps' losses (the second after an
+    Adam update) equal those of the same command with whole experts."""
+    from tests.support.cli_helpers import run_cli
+
+    pytest.importorskip("transformers")
+    recipe = tmp_path / "tp_moe_recipe.py"
+    recipe.write_text(TP_RECIPE)
+    losses = {}
+    for etp in ("1", "2"):
+        out = tmp_path / f"etp{etp}"
+        result = run_cli("train", "--model", f"{recipe}:build", "--stages", "1",
+                         "--data-parallel", "2", "--tp", "2", "--expert-parallel", "2",
+                         "--expert-tensor-parallel", etp, "--steps", "2", "--batch-size", "8",
+                         "--microbatches", "2", "--out", str(out))
+        assert result.returncode == 0, result.stderr
+        assert ("etp=2" in result.stdout) == (etp == "2"), result.stdout
+        losses[etp] = json.loads((out / "summary.json").read_text())["losses"]
+    assert len(losses["2"]) == 2, losses
+    for whole, split in zip(losses["1"], losses["2"]):
+        assert abs(split - whole) <= 1e-5 * abs(whole), losses

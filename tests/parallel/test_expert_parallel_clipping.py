@@ -84,10 +84,11 @@ def test_clipped_expert_parallel_steps_equal_hf_with_clip_grad_norm() -> None:
     run_ranks(_check, 4, timeout=400)
 
 
-def test_ep_with_tensor_parallel_and_clipping_are_accepted_but_expert_tp_is_not() -> None:
+def test_ep_with_tensor_parallel_and_clipping_are_accepted_but_expert_tp_4_at_tp_2_is_not(
+) -> None:
     ParallelConfig(data_parallel=2, tensor_parallel=2, expert_parallel=2)
-    with pytest.raises(PipelineConfigError, match=r"expert_tensor_parallel=2 is not supported"):
+    with pytest.raises(PipelineConfigError, match=r"expert_tensor_parallel=4 is not supported"):
         ParallelConfig(data_parallel=2, tensor_parallel=2, expert_parallel=2,
-                       expert_tensor_parallel=2)
+                       expert_tensor_parallel=4)
     ParallelConfig(data_parallel=2, expert_parallel=2, gradient_clipping=1.0, zero_stage=1,
                    overlap_param_gather=True)

@@ -41,14 +41,17 @@ class Layout:
     dp: int = 1
     ep: int = 1
     zero: int = 0
+    etp: int = 1
 
     def label(self) -> str:
         return (f"pp{self.pp}-tp{self.tp}-dp{self.dp}-ep{self.ep}"
-                + (f"-zero{int(self.zero)}" if self.zero else ""))
+                + (f"-zero{int(self.zero)}" if self.zero else "")
+                + (f"-etp{self.etp}" if self.etp > 1 else ""))
 
     def engine_options(self) -> dict[str, Any]:
         return {"tensor_parallel": self.tp, "data_parallel": self.dp,
-                "expert_parallel": self.ep, "zero_stage": int(self.zero)}
+                "expert_parallel": self.ep, "zero_stage": int(self.zero),
+                "expert_tensor_parallel": self.etp}
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,18 @@ def hf_refusal(root: str, edit: Callable[[Any], None], layout: Layout) -> str:
     saved = ReshardCase("llama", Layout(pp=2, tp=2))
     try:
         engine.load_checkpoint(f"{root}/{saved.model}-{saved.saved.label()}")
+    except CheckpointError as error:
+        return str(error)
+    return ""
+
+
+def save_refusal(model: str, layout: Layout, root: str) -> str:
+    """The `CheckpointError` that saving `model` after one step at `layout` raises ('' if
+    none)."""
+    run = _Run(model, layout, seed=1)
+    run.step(seed=2)
+    try:
+        run.engine.save_checkpoint(f"{root}/{model}-{layout.label()}-refused")
     except CheckpointError as error:
         return str(error)
     return ""
