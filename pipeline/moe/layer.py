@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from pipeline.moe.balance_loss import BalanceLoss
 from pipeline.moe.balancing import MoEBalancing
@@ -113,6 +114,10 @@ class MoEFeedForward(nn.Module):
         self.balancing = balancing or MoEBalancing(method="none")
         self.jitter_noise = jitter_noise
         self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts)
+        self.statistics_group: ProcessGroup | None = None
+        """The ranks that split each microbatch's tokens with this one (context
+        parallelism's cp group; None: it routes them all): the census-free losses sum their
+        expert and token counts over it (`pipeline.moe.router_losses`)."""
         aux_free = self.balancing.method == "aux-free"
         # a router holding its own correction bias (DeepSeek-V3's e_score_correction_bias,
         # in HF's checkpoint) is the aux-free bias: no second copy
@@ -219,7 +224,8 @@ class MoEFeedForward(nn.Module):
         share = logits.new_zeros((), dtype=torch.float32)
         if self.balance is not None:
             share = share + self.balance.share(router_statistics(routing, mask))
-        losses = layer_router_loss(self.balancing, routing, logits, mask, sequences)
+        losses = layer_router_loss(self.balancing, routing, logits, mask, sequences,
+                                   self.statistics_group)
         return share if losses is None else share + losses
 
     def _count_load(self, experts: torch.Tensor, mask: torch.Tensor | None) -> None:

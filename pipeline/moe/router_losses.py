@@ -16,16 +16,26 @@ counts in none of them, as in Megatron-Core's ``padding_mask`` forms.
 
 Each is a per-layer, per-microbatch loss; the layer's share carried to the loss is their sum
 (`pipeline.moe.balancing`). A microbatch (or sequence) with no real token adds 0.
+
+`group`: the ranks splitting one microbatch's tokens between them (context parallelism:
+each cp rank routes its own chunks of every sequence). The counts c_e, c_{j,e} and the
+token counts T, T_j are then summed over it (no gradient), and each rank's result is its
+tokens' part of the microbatch's loss (their probabilities, z-terms), so the parts over
+the group add up to the loss of the whole microbatch (Megatron-Core reduces
+``tokens_per_expert`` over its tp × cp group the same way).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from pipeline.moe.balancing import MoEBalancing
 from pipeline.moe.routing import Routing
 
-__all__ = ["layer_router_loss", "sequence_loss", "switch_loss", "token_weights", "z_loss"]
+__all__ = ["layer_router_loss", "sequence_loss", "summed_over", "switch_loss", "token_weights",
+           "z_loss"]
 
 
 def token_weights(mask: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
@@ -35,6 +45,15 @@ def token_weights(mask: torch.Tensor | None, n: int, device: torch.device) -> to
     return mask.reshape(-1).to(device, torch.float32)
 
 
+def summed_over(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """`tensor` (a count, no gradient) summed over `group` (None: as it is)."""
+    if group is None:
+        return tensor
+    total = tensor.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
 def _assignments(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[n, E] fp32: 1 where the token chose the expert among its top-k."""
     one_hot = torch.zeros(experts.shape[0], num_experts, device=experts.device)
@@ -42,34 +61,41 @@ def _assignments(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def switch_loss(probs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor | None,
-                coefficient: float) -> torch.Tensor:
+                coefficient: float, group: ProcessGroup | None = None) -> torch.Tensor:
     """Megatron-Core's Switch loss of one layer on one microbatch (module docstring);
     `probs` [n, E], `experts` [n, k] the top-k choice, `weights` [n] (None: every token
-    real, the common case, in fewer operations: this runs per layer and microbatch)."""
+    real, the common case, in fewer operations: this runs per layer and microbatch);
+    `group`: the ranks sharing the microbatch's tokens (module docstring)."""
     num_experts, top_k = probs.shape[1], experts.shape[1]
     if weights is None:
         with torch.no_grad():
             counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
-        scale = coefficient * num_experts / (top_k * probs.shape[0] ** 2)
+            counts = summed_over(counts, group)
+        routed = probs.shape[0] if group is None else int(summed_over(
+            torch.tensor(probs.shape[0], device=probs.device), group))
+        scale = coefficient * num_experts / (top_k * routed ** 2)
         return torch.dot(counts.to(probs.dtype), probs.sum(0)) * scale
-    tokens = weights.sum()
+    tokens = summed_over(weights.sum(), group)
     with torch.no_grad():
-        counts = (_assignments(experts, num_experts) * weights.unsqueeze(-1)).sum(0)
+        counts = summed_over(
+            (_assignments(experts, num_experts) * weights.unsqueeze(-1)).sum(0), group)
     prob_sums = (probs * weights.unsqueeze(-1)).sum(0)
     return torch.dot(counts, prob_sums) * (coefficient * num_experts / top_k) \
         / tokens.clamp_min(1.0) ** 2
 
 
 def sequence_loss(probs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                  sequences: int, coefficient: float) -> torch.Tensor:
+                  sequences: int, coefficient: float, group: ProcessGroup | None = None
+                  ) -> torch.Tensor:
     """DeepSeek's sequence-level loss of one layer on one microbatch of `sequences` rows
-    (module docstring); tokens are in row-major [b, s] order."""
+    (module docstring); tokens are in row-major [b, s] order (at cp, each row this rank's
+    chunks of the sequence; `group` the cp group)."""
     num_experts, top_k = probs.shape[1], experts.shape[1]
     w = weights.reshape(sequences, -1, 1)  # [b, s, 1]
-    per_sequence = w.sum(1)  # [b, 1]: T_j
+    per_sequence = summed_over(w.sum(1), group)  # [b, 1]: T_j
     with torch.no_grad():
-        counts = (_assignments(experts, num_experts).reshape(sequences, -1, num_experts)
-                  * w).sum(1)  # [b, E]
+        counts = summed_over((_assignments(experts, num_experts).reshape(
+            sequences, -1, num_experts) * w).sum(1), group)  # [b, E]
         fractions = counts * num_experts / (top_k * per_sequence.clamp_min(1.0))
     mean_probs = (probs.reshape(sequences, -1, num_experts) * w).sum(1) \
         / per_sequence.clamp_min(1.0)  # [b, E]
@@ -78,27 +104,31 @@ def sequence_loss(probs: torch.Tensor, experts: torch.Tensor, weights: torch.Ten
     return coefficient * per_row.sum() / real.sum().clamp_min(1.0)
 
 
-def z_loss(logits: torch.Tensor, weights: torch.Tensor, coefficient: float) -> torch.Tensor:
+def z_loss(logits: torch.Tensor, weights: torch.Tensor, coefficient: float,
+           group: ProcessGroup | None = None) -> torch.Tensor:
     """ST-MoE's router z-loss of one layer on one microbatch (module docstring)."""
     squared = torch.logsumexp(logits.float(), dim=-1) ** 2
-    return coefficient * (squared * weights).sum() / weights.sum().clamp_min(1.0)
+    tokens = summed_over(weights.sum(), group)
+    return coefficient * (squared * weights).sum() / tokens.clamp_min(1.0)
 
 
 def layer_router_loss(balancing: MoEBalancing, routing: Routing, logits: torch.Tensor,
-                      mask: torch.Tensor | None, sequences: int) -> torch.Tensor | None:
+                      mask: torch.Tensor | None, sequences: int,
+                      group: ProcessGroup | None = None) -> torch.Tensor | None:
     """This layer's census-free losses on one microbatch (0-d fp32), or None when the
-    balancing adds none: `logits` [n, E], `mask` the [b, s] attention mask or None."""
+    balancing adds none: `logits` [n, E], `mask` the [b, s] attention mask or None,
+    `group` the ranks sharing the microbatch's tokens (module docstring)."""
     terms: list[torch.Tensor] = []
     coefficient = float(balancing.aux_loss_coef or 0.0)
     weights = token_weights(mask, logits.shape[0], logits.device)
     if balancing.method == "microbatch":
         terms.append(switch_loss(routing.probs, routing.experts,
-                                 None if mask is None else weights, coefficient))
+                                 None if mask is None else weights, coefficient, group))
     elif balancing.method == "sequence":
         terms.append(sequence_loss(routing.probs, routing.experts, weights, sequences,
-                                   coefficient))
+                                   coefficient, group))
     if balancing.router_z_loss_coef > 0:
-        terms.append(z_loss(logits, weights, balancing.router_z_loss_coef))
+        terms.append(z_loss(logits, weights, balancing.router_z_loss_coef, group))
     if not terms:
         return None
     return terms[0] if len(terms) == 1 else torch.stack(terms).sum()
