@@ -146,19 +146,19 @@ _SEQUENCE_LOSS, _SWITCH_LOSS = router_losses.sequence_loss, router_losses.switch
 
 def _whole_microbatch_sequence_loss(probs: torch.Tensor, experts: torch.Tensor,
                                     weights: torch.Tensor, sequences: int,
-                                    coefficient: float) -> torch.Tensor:
+                                    coefficient: float, group: Any = None) -> torch.Tensor:
     """Planted bug: the sequence loss's fractions over the microbatch, not per sequence."""
-    return _SEQUENCE_LOSS(probs, experts, weights, 1, coefficient)
+    return _SEQUENCE_LOSS(probs, experts, weights, 1, coefficient, group)
 
 
 def _without_top_k(probs: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                   coefficient: float) -> torch.Tensor:
+                   coefficient: float, group: Any = None) -> torch.Tensor:
     """Planted bug: HF's scaling (no division by k) in Megatron-Core's loss."""
-    return _SWITCH_LOSS(probs, experts, weights, coefficient) * experts.shape[1]
+    return _SWITCH_LOSS(probs, experts, weights, coefficient, group) * experts.shape[1]
 
 
-def _z_summed(logits: torch.Tensor, weights: torch.Tensor, coefficient: float
-              ) -> torch.Tensor:
+def _z_summed(logits: torch.Tensor, weights: torch.Tensor, coefficient: float,
+              group: Any = None) -> torch.Tensor:
     """Planted bug: the z-loss summed over tokens, not averaged."""
     return coefficient * (torch.logsumexp(logits.float(), -1) ** 2 * weights).sum()
 
