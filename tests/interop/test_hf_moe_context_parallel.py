@@ -29,6 +29,7 @@ from pipeline.interop.hf_moe_context import ContextBalancedLoss
 from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.moe import balance_loss, router_losses
 from pipeline.parallel.config import ParallelConfig
+from pipeline.parallel.expert_clipping import ExpertReplicatedGrads
 from pipeline.parallel.expert_reduction import ExpertSplitReducer
 from pipeline.parallel.topology import Topology, TopologyError
 from pipeline.runtime import parallel_setup
@@ -37,6 +38,8 @@ from tests.support.hf_moe_models import tiny_moe_config
 from tests.support.rank_harness import run_ranks
 
 TOLERANCE = 1e-5
+CLIP = 0.05
+"""Below the tiny Mixtral's gradient norm: the step clips."""
 CP2_EP2: dict[str, Any] = {"pp": 1, "dp": 2, "cp": 2, "ep": 2}
 """4 ranks: each replica's two cp ranks are its ep group."""
 CASES_4: dict[str, tuple[str, dict[str, Any]]] = {
@@ -46,6 +49,8 @@ CASES_4: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral cp2 ep2 microbatch": ("mixtral", CP2_EP2 | {"balancing": "microbatch"}),
     "mixtral cp2 ep4": ("mixtral", CP2_EP2 | {"ep": 4}),  # the ep group spans dp and cp
     "mixtral cp2 ep1": ("mixtral", CP2_EP2 | {"ep": 1}),
+    "mixtral cp2 ep2 clipped, checkpoint": ("mixtral", CP2_EP2 | {"clip": CLIP,
+                                                                  "checkpoint": True}),
     "qwen2_moe cp2 ep2": ("qwen2_moe", CP2_EP2),
     "qwen3_moe cp2 ep2": ("qwen3_moe", CP2_EP2),
 }
@@ -92,6 +97,14 @@ def _experts_over_dense_group(dense: Any, expert_dp_group: Any, ep: int, *,
     return ExpertSplitReducer(dense, dense.group, ep, bucket_mb=bucket_mb)
 
 
+def _norm_of_dp_ranks(params: Any, group: Any, *, dp_rank: int, ep: int,
+                      tp_rank: int) -> ExpertReplicatedGrads:
+    """Planted bug: the clipping norm counts by dp rank (dp_rank · cp + cp_rank // cp), as
+    if ep were carved from dp: dense squares on every cp rank, experts on too many."""
+    return ExpertReplicatedGrads(params, group, dp_rank=dp_rank // CP2_EP2["cp"], ep=ep,
+                                 tp_rank=tp_rank)
+
+
 PLANTED: dict[str, tuple[Any, str, Callable[..., Any], dict[str, Any]]] = {
     "census per cp rank": (balance_loss.BalanceLoss, "finish_census", _census_of_own_cp_rank,
                            {}),
@@ -100,6 +113,8 @@ PLANTED: dict[str, tuple[Any, str, Callable[..., Any], dict[str, Any]]] = {
     "shares not summed over cp": (ContextBalancedLoss, "__call__", _shares_not_summed, {}),
     "experts over dp x cp": (parallel_setup, "ExpertSplitReducer", _experts_over_dense_group,
                              {}),
+    "clipping norm by dp rank": (parallel_setup, "ExpertReplicatedGrads", _norm_of_dp_ranks,
+                                 {"clip": CLIP}),
 }
 
 
@@ -114,7 +129,8 @@ def _planted(owner: Any, name: str, replacement: Callable[..., Any]) -> Iterator
 
 
 def _worst(found: dict[str, float]) -> float:
-    return max(found["loss"], found["grad"], found["param"])
+    return max(found[key] for key in ("loss", "grad", "param", "norm", "reload")
+               if key in found)
 
 
 def _ranks(rank: int, world_size: int, out: str) -> None:
@@ -138,8 +154,11 @@ def _ranks(rank: int, world_size: int, out: str) -> None:
 
 def _check(found: dict[str, dict[str, float]], cases: dict[str, Any]) -> None:
     print(found)  # shown with pytest -s
-    for label in cases:
+    for label, (_, options) in cases.items():
         assert _worst(found[label]) <= TOLERANCE, (label, found[label])
+        if "clip" in options:
+            assert found[label]["clipped"] == 1.0, found[label]
+        assert ("reload" in found[label]) == bool(options.get("checkpoint")), found[label]
     for bug in PLANTED:
         assert _worst(found[f"planted: {bug}"]) > 1e-3, (bug, found)
 

@@ -46,16 +46,47 @@ def _microbatch_reference(model: Any, ids: torch.Tensor, labels: torch.Tensor) -
     return torch.stack(losses).mean()
 
 
+def _engine(module: PipelineModule, pp: int, dp: int, cp: int, ep: int,
+            clip: float | None) -> PipelineEngine:
+    return PipelineEngine(module, schedule="1f1b", num_microbatches=MICROBATCHES,
+                          data_parallel=dp, context_parallel=cp, expert_parallel=ep,
+                          timeout=60, gradient_clipping=clip,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE))
+
+
+def _reloaded(family: str, balancing: str | None, pp: int, dp: int, cp: int, ep: int,
+              engine: PipelineEngine) -> float:
+    """Save `engine`'s checkpoint, load it into a fresh engine of the same layout (random
+    weights): the largest relative difference of the exported weights."""
+    hf = context_parallel_hf(layers_from_hf(tiny_moe_config(family), balancing=balancing))
+    module = PipelineModule(hf.layers, num_stages=pp, loss_fn=hf.loss_fn,
+                            partition_method="uniform")
+    fresh = _engine(module, pp, dp, cp, ep, None)
+    with tempfile.TemporaryDirectory() as directory:
+        box = [directory]
+        dist.broadcast_object_list(box, src=0)
+        engine.save_checkpoint(box[0])
+        fresh.load_checkpoint(box[0])
+        dist.barrier()
+    trained = gather_hf_state_dict(engine.module, hf)
+    loaded = gather_hf_state_dict(module, hf)
+    return max(_relative(loaded[name], trained[name]) for name in trained)
+
+
 def moe_cp_step(family: str, *, pp: int, dp: int, cp: int, ep: int,
                 balancing: str | None = None, padded: bool = False, ring: bool = False,
-                length: int = 8) -> dict[str, float]:
+                length: int = 8, clip: float | None = None,
+                checkpoint: bool = False) -> dict[str, float]:
     """On every rank: one SGD step of `context_parallel_hf(layers_from_hf(...))` read from a
     `save_pretrained` directory, every cp rank of a replica passing the replica's rows, with
     HF's whole-batch balancing loss (census; ``output_router_logits=True``) or, for
     ``balancing="microbatch"``, Megatron-Core's per-microbatch loss; against HF's model on
     the whole batch (or the per-microbatch definition). Relative differences ``loss``,
     ``grad`` (every reduced gradient, each expert shard against HF's same experts) and
-    ``param`` (the exported state after the step), worst over the ranks."""
+    ``param`` (the exported state after the step), worst over the ranks. `clip`: the
+    engine's gradient clipping against torch's clip_grad_norm_ on HF's model (also
+    ``norm``, the norms' relative difference). `checkpoint`: also ``reload``, the weights
+    of a fresh engine loading this one's checkpoint against this one's."""
     torch.set_num_threads(1)
     hf_model = tiny_moe_model(family, seed=3)
     rows_per_replica = ROWS_PER_MICROBATCH * MICROBATCHES
@@ -72,10 +103,7 @@ def moe_cp_step(family: str, *, pp: int, dp: int, cp: int, ep: int,
             hf_model.save_pretrained(box[0])
         dist.barrier()
         load_hf_weights(module, hf, box[0])
-        engine = PipelineEngine(module, schedule="1f1b", num_microbatches=MICROBATCHES,
-                                data_parallel=dp, context_parallel=cp, expert_parallel=ep,
-                                timeout=60,
-                                optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE))
+        engine = _engine(module, pp, dp, cp, ep, clip)
         dist.barrier()
     replica = engine.position.dp_rank
     rows = slice(rows_per_replica * replica, rows_per_replica * (replica + 1))
@@ -87,6 +115,11 @@ def moe_cp_step(family: str, *, pp: int, dp: int, cp: int, ep: int,
         expected = hf_model(input_ids=ids, attention_mask=mask if padded else None,
                             labels=labels).loss
     expected.backward()
+    found: dict[str, float] = {}
+    if clip is not None:
+        norm = float(torch.nn.utils.clip_grad_norm_(hf_model.parameters(), clip))
+        found["norm"] = abs(float(engine.training.step.grad_norm or 0.0) - norm) / norm
+        found["clipped"] = float(norm > clip)
     reference = dict(hf_model.named_parameters())
     grads = engine.reduced_gradients()
     differences = []
@@ -102,5 +135,7 @@ def moe_cp_step(family: str, *, pp: int, dp: int, cp: int, ep: int,
     state = gather_hf_state_dict(module, hf)
     param = max(_relative(state[name], reference[name]) for name in reference)
     want = float(expected.detach())
-    return {"loss": abs(loss - want) / abs(want), "grad": float(grad),
-            "param": param}
+    found.update({"loss": abs(loss - want) / abs(want), "grad": float(grad), "param": param})
+    if checkpoint:
+        found["reload"] = _reloaded(family, balancing, pp, dp, cp, ep, engine)
+    return found
