@@ -57,8 +57,9 @@ def _topology_problems(manifest: Manifest) -> list[str]:
                       if entry.rank >= manifest.world_size})
     if outside:
         problems.append(f"files of rank {outside[0]} are listed, outside {shown}")
-    if manifest.ep < 1 or dp % manifest.ep:
-        problems.append(f"ep={manifest.ep} does not divide dp={dp} of {shown}")
+    if manifest.ep < 1 or (dp * manifest.cp) % manifest.ep:
+        problems.append(f"ep={manifest.ep} does not divide dp={dp} × cp={manifest.cp} of "
+                        f"{shown}")
     for entry in manifest.files:
         matched = _LAYER_FILE.fullmatch(entry.path)
         if matched is None or entry.role != "layer":

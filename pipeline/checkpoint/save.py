@@ -196,10 +196,11 @@ def _payloads(parts: CheckpointParts) -> list[tuple[str, str, tuple[int, ...], C
     tp_rank = position.tp_rank if parts.topology.tp > 1 else None
     files: list[tuple[str, str, tuple[int, ...], Callable[[], Any]]] = []
     layers = parts.layers
-    # data-parallel replicas hold the same weights, but for the experts: the first ep
-    # replicas (dp ranks 0 .. ep-1) hold different ones (ep rank 0's are in the layer file);
-    # context-parallel ranks hold the same weights and optimizer state: cp rank 0 writes them
-    writes = position.dp_rank < parts.topology.ep and position.cp_rank == 0
+    # data- and context-parallel ranks hold the same weights and optimizer state, but for
+    # the experts: the first ep of the stage's dp × cp ranks (dp-major, as ep is carved)
+    # hold different ones (ep rank 0's are in the layer file); ep = 1: dp and cp rank 0
+    replica = position.dp_rank * parts.topology.cp + position.cp_rank
+    writes = replica < parts.topology.ep
     ep_rank = position.ep_rank if writes else -1
     for index, layer in sorted(layers.items()):
         state = layer.state_dict()

@@ -149,11 +149,16 @@ class MoEBlock(nn.Module):
         hidden = hidden + attended
         normed = layer.post_attention_layernorm(hidden)
         if isinstance(layer.mlp, MoEFeedForward):
-            mixed, share = layer.mlp(normed, attention_mask)
+            mixed, share = layer.mlp(normed, self.routed_mask(attention_mask))
             balance = balance + share
         else:
             mixed = layer.mlp(normed)
         return (hidden + mixed, balance, positions, *rest)
+
+    def routed_mask(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The padding mask of the tokens the MoE layer routes (all the block holds here;
+        under context parallelism the rank's chunks of the whole-sequence mask)."""
+        return attention_mask
 
 
 class MoEFinalNorm(nn.Module):

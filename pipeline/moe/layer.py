@@ -117,8 +117,11 @@ class MoEFeedForward(nn.Module):
         self.balance = balance
         self.balancing = balancing or MoEBalancing(method="none")
         self.jitter_noise = jitter_noise
-        self.token_group: ProcessGroup | None = None
         self.dispatcher: Dispatcher = LocalDispatcher(config.num_experts)
+        self.token_group: ProcessGroup | None = None
+        """The ranks that split each microbatch's tokens with this one (the tp group at
+        tp × ep, the cp group at cp × ep; None: it routes them all): the census-free losses
+        sum their expert and token counts over it (`pipeline.moe.router_losses`)."""
         aux_free = self.balancing.method == "aux-free"
         # a router holding its own correction bias (DeepSeek-V3's e_score_correction_bias,
         # in HF's checkpoint) is the aux-free bias: no second copy

@@ -98,11 +98,16 @@ def _expert_parallel_problem(config: ParallelConfig) -> str | None:
     problem = count_problem("expert_parallel", ep)
     if problem is not None or ep == 1:
         return problem
-    dp = config.data_parallel
-    if dp is not None and dp % ep:
+    dp, cp = config.data_parallel, config.context_parallel
+    if dp is None or not isinstance(cp, int) or (dp * cp) % ep == 0:
+        return None
+    if cp == 1:
         return (f"expert_parallel={ep} must divide data_parallel={dp} (the experts are split "
                 f"over dp replicas); choose among {[k for k in range(1, dp + 1) if dp % k == 0]}")
-    return None
+    replicas = dp * cp
+    return (f"expert_parallel={ep} must divide data_parallel={dp} × context_parallel={cp} = "
+            f"{replicas} (the experts are split over those ranks); choose among "
+            f"{[k for k in range(1, replicas + 1) if replicas % k == 0]}")
 
 
 def _expert_tensor_parallel_problem(config: ParallelConfig) -> str | None:
@@ -133,11 +138,12 @@ class ParallelConfig:
     """Ranks splitting each stage's tensors (tp); the model's layers must be tensor-parallel
     layers (e.g. `LayerSpec(ColumnParallelLinear, ...)`) to gain from it."""
     expert_parallel: int = 1
-    """Ranks splitting each MoE layer's experts (ep), carved from dp: ep consecutive
-    replicas exchange tokens by all-to-all (`pipeline.moe.expert_parallel`); ep must divide
-    data_parallel and every MoE layer's expert count. With tensor_parallel > 1 the ep groups
-    are per tp rank: each tp rank dispatches its 1/t of the tokens (`pipeline.interop.
-    hf_moe_tp`)."""
+    """Ranks splitting each MoE layer's experts (ep), carved from dp × cp: ep consecutive
+    ones exchange tokens by all-to-all (`pipeline.moe.expert_parallel`,
+    `Topology.ep_group`); ep must divide data_parallel · context_parallel and every MoE
+    layer's expert count. With tensor_parallel > 1 the ep groups are per tp rank: each tp
+    rank dispatches its 1/t of the tokens (`pipeline.interop.hf_moe_tp`); with
+    context_parallel > 1 each cp rank its own chunks of the sequence."""
     expert_tensor_parallel: int = 1
     """Ranks splitting each expert's weights (Megatron-Core's ``expert_tensor_parallel_size``).
     1: every expert is whole on its ep rank. tensor_parallel: each expert's gate / up
@@ -203,10 +209,6 @@ class ParallelConfig:
                                                                   self.data_parallel),
             count_problem("tensor_parallel", self.tensor_parallel),
             count_problem("context_parallel", self.context_parallel),
-            None if self.context_parallel == 1 or self.expert_parallel == 1 else
-            f"expert_parallel={self.expert_parallel} does not run with context_parallel="
-            f"{self.context_parallel} yet (context_parallel_hf covers no MoE family); use "
-            "one of them",
             None if self.precision in get_args(Precision) else
             f"precision must be one of {get_args(Precision)}, got {self.precision!r}",
             _positive_number_problem("gradient_clipping", self.gradient_clipping,

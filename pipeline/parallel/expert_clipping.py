@@ -1,12 +1,14 @@
 """The global gradient norm with expert parallelism, each gradient element counted once.
 
-Dense parameters are replicated over the dp replicas of their stage, expert shards over
-their expert-data-parallel group (dp / ep replicas) while the ep ranks of a group hold
+Dense parameters are replicated over the dp × cp ranks of their stage, expert shards over
+their expert-data-parallel group (dp · cp / ep ranks) while the ep ranks of a group hold
 different experts. Megatron-Core sums the dense squares over its model-parallel group and
 the expert squares over its expert-model-parallel group, then adds the two; here one
-all-reduce over the world does both, each rank adding the dense squares only on dp rank 0
-and its expert shards' only on the first replica holding them (dp rank < ep): every pipeline
-stage, every ep rank's experts, once.
+all-reduce over the world does both, each rank adding the dense squares only on replica 0
+and its expert shards' only on the first replicas holding them (replica < ep), a replica
+being a rank's index dp_rank · cp + cp_rank among its stage's dp × cp ranks (ep is carved
+from them in that order, `Topology.ep_group`): every pipeline stage, every ep rank's
+experts, once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ __all__ = ["ExpertReplicatedGrads", "expert_norm_pieces"]
 
 def expert_norm_pieces(params: Sequence[nn.Parameter], dp_rank: int, ep: int,
                        tp_rank: int) -> list[torch.Tensor]:
-    """The gradients this rank adds to the world's sum of squares (see the module)."""
+    """The gradients this rank adds to the world's sum of squares (see the module);
+    `dp_rank`: the rank's replica index dp_rank · cp + cp_rank (its dp rank at cp = 1)."""
     dense, experts = split_expert_parameters(params)
     counted = (dense if dp_rank == 0 else []) + (experts if dp_rank < ep else [])
     return [p.grad for p in counted if p.grad is not None and counts_in_norm(p, tp_rank)]

@@ -1,5 +1,5 @@
 """The pp × dp × cp × tp process grid as one immutable value (tp innermost, pp outermost),
-with expert parallelism (ep) carved from each stage's data-parallel ranks.
+with expert parallelism (ep) carved from each stage's dp × cp ranks.
 
 Pure Python: the same value names every rank's neighbours and groups before any process
 group exists, so configuration errors surface before processes start.
@@ -37,14 +37,17 @@ class RankPosition:
     tp_group: tuple[int, ...]
     """Ranks that split this stage's tensors."""
     ep_rank: int = 0
-    """Which 1/ep of each MoE layer's experts this rank holds (dp_rank mod ep)."""
+    """Which 1/ep of each MoE layer's experts this rank holds: (dp_rank · cp + cp_rank) mod
+    ep (dp_rank mod ep without context parallelism)."""
     ep_group: tuple[int, ...] = ()
-    """The ep consecutive dp replicas that split the experts between them: tokens are
-    dispatched and combined over them (all-to-all). Same pp and tp coordinates: at tp > 1
-    each tp rank dispatches its own 1/t of the tokens (`pipeline.interop.hf_moe_tp`)."""
+    """The ep consecutive ranks of the stage's dp × cp ranks (dp-major, cp-minor: in global
+    rank order) that split the experts between them: tokens are dispatched and combined
+    over them (all-to-all). Same pp and tp coordinates: at tp > 1 each tp rank dispatches
+    its own 1/t of the tokens (`pipeline.interop.hf_moe_tp`); at cp > 1 each cp rank its
+    own chunks of the sequence."""
     expert_dp_group: tuple[int, ...] = ()
-    """Ranks holding the same experts (same ep_rank, dp / ep of them): expert gradients are
-    reduced over them only."""
+    """Ranks holding the same experts (same ep_rank, dp · cp / ep of them): expert
+    gradients are reduced over them only."""
     cp_rank: int = 0
     """Which two of the sequence's 2·cp chunks this rank keeps (context parallelism)."""
     cp_group: tuple[int, ...] = ()
@@ -66,9 +69,9 @@ class Topology:
     dp: int = 1
     tp: int = 1
     ep: int = 1
-    """Expert parallelism: each stage's dp replicas form dp / ep groups of ep consecutive
-    replicas that split every MoE layer's experts (ep divides dp; DeepSpeed-MoE and
-    Megatron-Core carve it from dp the same way)."""
+    """Expert parallelism: each stage's dp × cp ranks (same tp rank) form dp · cp / ep
+    groups of ep consecutive ones that split every MoE layer's experts (ep divides dp · cp;
+    Megatron-Core carves it from dp × cp the same way, DeepSpeed-MoE from dp)."""
     cp: int = 1
     """Context parallelism: cp ranks per (pp, dp, tp) coordinate take the same batch and
     each keeps 2 of its 2·cp sequence chunks (`pipeline.parallel.context`)."""
@@ -78,17 +81,14 @@ class Topology:
             problem = count_problem(name, getattr(self, name))
             if problem is not None:
                 raise TopologyError(problem)
-        if self.dp % self.ep:
+        replicas = self.dp * self.cp
+        if replicas % self.ep:
+            over = f"dp={self.dp} × cp={self.cp} = {replicas}" if self.cp > 1 else \
+                f"data parallelism dp={self.dp}"
             raise TopologyError(
-                f"expert parallelism ep={self.ep} must divide data parallelism dp={self.dp} "
-                f"(the experts are split over dp replicas); choose ep among "
-                f"{[k for k in range(1, self.dp + 1) if self.dp % k == 0]}")
-        if self.ep > 1 and self.cp > 1:
-            raise TopologyError(
-                f"expert parallelism ep={self.ep} does not run with context parallelism "
-                f"cp={self.cp} yet (context_parallel_hf covers no MoE family, and the expert "
-                f"groups and the balancing loss's census are not laid out over cp); use one "
-                f"of them")
+                f"expert parallelism ep={self.ep} must divide {over} (the experts are split "
+                f"over those ranks); choose ep among "
+                f"{[k for k in range(1, replicas + 1) if replicas % k == 0]}")
 
     @property
     def world_size(self) -> int:
@@ -118,7 +118,8 @@ class Topology:
         cp_rank = (rank // self.tp) % self.cp
         dp_rank = (rank // (self.tp * self.cp)) % self.dp
         pp_rank = rank // (self.tp * self.cp * self.dp)
-        ep_rank, first_replica = dp_rank % self.ep, dp_rank - dp_rank % self.ep
+        replica = dp_rank * self.cp + cp_rank  # among the stage's dp × cp ranks
+        ep_rank, first = replica % self.ep, replica - replica % self.ep
         return RankPosition(
             rank=rank, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
             is_first_stage=pp_rank == 0, is_last_stage=pp_rank == self.pp - 1,
@@ -130,11 +131,15 @@ class Topology:
             cp_rank=cp_rank,
             cp_group=tuple(self.rank_of(pp_rank, dp_rank, tp_rank, c) for c in range(self.cp)),
             ep_rank=ep_rank,
-            ep_group=tuple(self.rank_of(pp_rank, first_replica + e, tp_rank)
+            ep_group=tuple(self._replica_rank(pp_rank, first + e, tp_rank)
                            for e in range(self.ep)),
-            expert_dp_group=tuple(self.rank_of(pp_rank, d, tp_rank)
-                                  for d in range(ep_rank, self.dp, self.ep)),
+            expert_dp_group=tuple(self._replica_rank(pp_rank, j, tp_rank)
+                                  for j in range(ep_rank, self.dp * self.cp, self.ep)),
         )
+
+    def _replica_rank(self, pp_rank: int, replica: int, tp_rank: int) -> int:
+        """The global rank of the stage's `replica`-th dp × cp rank (dp-major)."""
+        return self.rank_of(pp_rank, replica // self.cp, tp_rank, replica % self.cp)
 
     def all_dp_groups(self) -> list[tuple[int, ...]]:
         """Every data-parallel group, in a fixed order (all ranks must create groups alike)."""
@@ -153,13 +158,13 @@ class Topology:
 
     def all_ep_groups(self) -> list[tuple[int, ...]]:
         """Every expert-parallel group, in a fixed order."""
-        return [self.position(self.rank_of(k, d, t)).ep_group
+        return [self.position(self._replica_rank(k, j, t)).ep_group
                 for k in range(self.pp) for t in range(self.tp)
-                for d in range(0, self.dp, self.ep)]
+                for j in range(0, self.dp * self.cp, self.ep)]
 
     def all_expert_dp_groups(self) -> list[tuple[int, ...]]:
         """Every expert-data-parallel group, in a fixed order."""
-        return [self.position(self.rank_of(k, e, t)).expert_dp_group
+        return [self.position(self._replica_rank(k, e, t)).expert_dp_group
                 for k in range(self.pp) for t in range(self.tp) for e in range(self.ep)]
 
     def all_pipeline_groups(self) -> list[tuple[int, ...]]:

@@ -39,7 +39,8 @@ class PlanConfig:
     def __post_init__(self) -> None:
         if type(self.cp) is not int or self.cp < 1 or (self.cp > 1 and self.ep > 1):
             raise PlanError(f"cp={self.cp!r} must be a whole number >= 1, and 1 with expert "
-                            f"parallelism (ep={self.ep}): the engine runs them apart")
+                            f"parallelism (ep={self.ep}): the planner does not price cp with "
+                            f"ep yet (the engine runs it, ep carved from dp × cp)")
         if type(self.ep) is not int or (self.ep != 1 and (self.ep < 1 or self.dp % self.ep)):
             valid = ", ".join(str(k) for k in range(1, self.dp + 1) if self.dp % k == 0)
             raise PlanError(f"ep={self.ep!r} must be a whole number >= 1 dividing dp={self.dp} "

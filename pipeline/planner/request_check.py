@@ -53,7 +53,9 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                             f"choose a cp with both")
         elif cp > 1 and model.experts:
             problems.append(f"context-parallel size {cp}: {model.name} has experts, and the "
-                            f"engine runs context parallelism on dense models only; use cp 1")
+                            f"planner prices context parallelism for dense models only (the "
+                            f"engine runs cp with MoE; its pricing is not searched yet); use "
+                            f"cp 1")
     if problems:
         raise PlanError("; ".join(problems))
 

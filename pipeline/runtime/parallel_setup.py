@@ -84,7 +84,7 @@ def resolve_topology(world_size: int, num_stages: int, topology: Topology | None
                     f"tensor_parallel={tp}; launch a multiple of {pp * cp * tp} ranks or "
                     f"change num_stages / tensor_parallel")
             dp = world_size // (pp * tp * cp)
-        try:  # sizes are checked ints >= 1 (ParallelConfig); ep must divide dp
+        try:  # sizes are checked ints >= 1 (ParallelConfig); ep must divide dp · cp
             topology = Topology(pp, dp, tp, config.expert_parallel, cp)
         except TopologyError as error:
             raise PipelineConfigError(str(error)) from error
@@ -192,9 +192,9 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
         view = ReplicatedGrads(params, None if groups is None
                                else groups.model_parallel_group, tp_rank)
         if groups is not None and expert_dp_group is not None:
-            view = ExpertReplicatedGrads(params, groups.world_group,
-                                         dp_rank=groups.position.dp_rank, ep=topology.ep,
-                                         tp_rank=tp_rank)
+            replica = groups.position.dp_rank * topology.cp + groups.position.cp_rank
+            view = ExpertReplicatedGrads(params, groups.world_group, dp_rank=replica,
+                                         ep=topology.ep, tp_rank=tp_rank)
     if tied is not None:
         reducer = TiedGradReducer(reducer, tied)
     # 4. Precision: fp16's overflow vote spans every rank.

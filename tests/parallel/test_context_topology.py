@@ -44,12 +44,16 @@ def test_positions_and_groups_follow_the_definition(pp: int, dp: int, cp: int, t
     assert topology.gradient_replicas == dp * cp
 
 
-def test_context_parallel_with_expert_parallel_is_refused() -> None:
-    with pytest.raises(TopologyError, match="ep=2 does not run with context parallelism cp=2"):
-        Topology(1, 2, 1, ep=2, cp=2)
-    with pytest.raises(PipelineConfigError, match="expert_parallel=2 does not run with "
-                                                  "context_parallel=2"):
-        ParallelConfig(data_parallel=2, expert_parallel=2, context_parallel=2)
+def test_expert_parallel_is_carved_from_dp_x_cp() -> None:
+    """ep divides dp · cp (no longer dp alone); the layout itself:
+    tests/interop/test_hf_moe_context_parallel.py."""
+    assert Topology(1, 1, 1, ep=2, cp=2).position(1).ep_group == (0, 1)
+    assert ParallelConfig(data_parallel=1, expert_parallel=2, context_parallel=2)
+    with pytest.raises(TopologyError, match=r"ep=3 must divide dp=2 × cp=2 = 4"):
+        Topology(1, 2, 1, ep=3, cp=2)
+    with pytest.raises(PipelineConfigError, match=r"expert_parallel=3 must divide "
+                                                  r"data_parallel=2 × context_parallel=2 = 4"):
+        ParallelConfig(data_parallel=2, expert_parallel=3, context_parallel=2)
 
 
 def test_resolve_topology_leaves_dp_after_cp_and_names_cp_in_the_fix() -> None:

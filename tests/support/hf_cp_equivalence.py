@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import PipelineEngine, PipelineModule
-from pipeline.interop import hf_context_parallel
+from pipeline.interop import hf_context_layers
 from pipeline.interop.hf_context_parallel import context_parallel_hf
 from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
 from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
@@ -56,7 +56,7 @@ def _no_reduction(*_: Any, **__: Any) -> NoOpGradReducer:
 
 
 PLANTED: dict[str, tuple[Any, str, Any]] = {
-    "keys-in-natural-order": (hf_context_parallel, "gathered_positions",
+    "keys-in-natural-order": (hf_context_layers, "gathered_positions",
                               _keys_in_natural_order),
     "mask-off-by-one": (position_mask, "context_mask", _strictly_earlier),
     "no-cp-reduction": (parallel_setup, "make_grad_reducer", _no_reduction),
