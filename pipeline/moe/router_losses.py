@@ -18,7 +18,9 @@ Each is a per-layer, per-microbatch loss; the layer's share carried to the loss 
 (`pipeline.moe.balancing`). A microbatch (or sequence) with no real token adds 0.
 
 Tensor parallelism (`pipeline.interop.hf_moe_tp`, expert tp 1) has each of the t ranks of a
-``group`` route 1/t of the microbatch's positions. Each loss is linear in the probabilities
+``group`` route 1/t of the microbatch's positions (context parallelism,
+`pipeline.interop.hf_moe_context`, each cp rank its own chunks of every sequence). Each loss
+is linear in the probabilities
 (or the logsumexp²) given the counts c and token totals T, so each rank sums c and T over the
 group first (no gradient: one all-reduce of [E + 1] or [b, E + 1] values,
 `reduce_token_statistics`) and forms its share over its own tokens with the whole
