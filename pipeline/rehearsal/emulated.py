@@ -31,8 +31,15 @@ from torch import nn
 from pipeline.errors import PipelineConfigError
 from pipeline.model.layers import LayerSpec
 
-__all__ = ["Clock", "EmulatedCost", "EmulatedLayer", "WallClock", "emulated_layers",
-           "emulated_loss"]
+__all__ = [
+    "Clock",
+    "EmulatedCost",
+    "EmulatedLayer",
+    "WallClock",
+    "check_nonnegative_seconds",
+    "emulated_layers",
+    "emulated_loss",
+]
 
 BYTES_PER_ELEMENT = 4  # emulated tensors are float32
 
@@ -247,3 +254,14 @@ def emulated_layers(costs: Sequence[EmulatedCost], clock: Clock | None = None
     if not costs:
         raise PipelineConfigError("emulated_layers needs at least one EmulatedCost")
     return [LayerSpec(EmulatedLayer, cost, clock) for cost in costs]
+
+
+def check_nonnegative_seconds(costs: object, names: Sequence[str]) -> None:
+    """Refuse any of `costs`' fields `names` that is not a finite number >= 0 (a bool
+    included), naming the field: the emulated costs' shared check."""
+    for name in names:
+        value = getattr(costs, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value) or value < 0:
+            raise PipelineConfigError(f"emulated {name} must be a finite number >= 0, "
+                                      f"got {value!r}")

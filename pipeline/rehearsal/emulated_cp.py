@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from pipeline.errors import PipelineConfigError
 from pipeline.parallel.context.ops import SEQUENCE_DIM, Pending, TorchContextOps
-from pipeline.rehearsal.emulated import WALL_CLOCK, Clock
+from pipeline.rehearsal.emulated import WALL_CLOCK, Clock, check_nonnegative_seconds
 
 __all__ = ["EmulatedContextCosts", "EmulatedContextOps", "predict_exposed"]
 
@@ -50,12 +49,7 @@ class EmulatedContextCosts:
     """Seconds every message pays once."""
 
     def __post_init__(self) -> None:
-        for name in ("flop_seconds", "byte_seconds", "latency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) \
-                    or not math.isfinite(value) or value < 0:
-                raise PipelineConfigError(f"emulated {name} must be a finite number >= 0, "
-                                          f"got {value!r}")
+        check_nonnegative_seconds(self, ("flop_seconds", "byte_seconds", "latency"))
 
     def attend(self, batch: int, heads: int, queries: int, keys: int, head_dim: int,
                backward: bool = False) -> float:

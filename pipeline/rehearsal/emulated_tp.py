@@ -26,10 +26,9 @@ from typing import Literal
 import torch
 from torch.distributed import ProcessGroup
 
-from pipeline.errors import PipelineConfigError
 from pipeline.parallel.tensor.collectives import tp_rank_and_size
 from pipeline.parallel.tensor.overlap import Collective, Gemm, Pending
-from pipeline.rehearsal.emulated import WALL_CLOCK, Clock
+from pipeline.rehearsal.emulated import WALL_CLOCK, Clock, check_nonnegative_seconds
 from schedules.analysis.tp_overlap import ParallelLinearCosts, linears_exposed
 
 __all__ = ["EmulatedTensorParallelCosts", "EmulatedTensorParallelOps", "LinearShape",
@@ -50,12 +49,7 @@ class EmulatedTensorParallelCosts:
     """Seconds every collective pays once."""
 
     def __post_init__(self) -> None:
-        for name in ("flop_seconds", "byte_seconds", "latency"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) \
-                    or not math.isfinite(value) or value < 0:
-                raise PipelineConfigError(f"emulated {name} must be a finite number >= 0, "
-                                          f"got {value!r}")
+        check_nonnegative_seconds(self, ("flop_seconds", "byte_seconds", "latency"))
 
     def gemm(self, m: int, n: int, k: int) -> float:
         """Seconds of an (m × k)·(k × n) GEMM."""
