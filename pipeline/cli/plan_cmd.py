@@ -142,6 +142,11 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "samples) with the engine's two_batch_overlap: forwards outside "
                              "F&B pairs as two halves taking turns at their all-to-alls "
                              "(default: exposed); --engine pipesched only")
+    parser.add_argument("--moe-dispatcher", choices=("alltoall", "deepep"), default=None,
+                        help="how a MoE plan's tokens reach their experts: alltoall (one "
+                             "copy per token and expert; the engines' default) or deepep "
+                             "(one copy per destination node, forwarded over NVLink there: "
+                             "Megatron-Core's flex dispatcher; --engine megatron-core)")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="price ZeRO-1's parameter all-gather overlapped with the next "
                              "step's forwards (the engine's overlap_param_gather; default: "
@@ -283,7 +288,10 @@ def run(args: argparse.Namespace) -> int:
                           seq=model.seq, sequence_parallel=args.sequence_parallel,
                           tp_comm_overlap=args.tp_comm_overlap,
                           two_batch_overlap=args.two_batch_overlap,
-                          experts=model.experts)
+                          experts=model.experts,
+                          moe_dispatcher=args.moe_dispatcher or "alltoall",
+                          expert_groups=(model.routing.groups, model.routing.top_groups)
+                          if model.routing is not None else (1, 1))
     launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first, "target": target}
     header = (f"{model.name} on {cluster.num_devices} × {cluster.name} ({precision}), "
               f"global batch {args.global_batch}\n")
@@ -292,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
         if config.cp > 1 and args.engine != "pipesched":
             raise outside_space(f"--price {args.price}", "context parallelism")
         engine = engine_options(args.engine, overlap_param_gather=args.overlap_param_gather
-                                or None, tp_overlap=tp_overlap, two_batch_overlap=halves)
+                                or None, tp_overlap=tp_overlap, two_batch_overlap=halves,
+                                moe_dispatcher=args.moe_dispatcher)
         prediction = price(model, cluster, args.global_batch, config, precision=precision,
                            options=SearchOptions(**engine))
         if args.json:
@@ -313,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
         zero_stages=_zero_stages(args.zero, args.fsdp), recompute_choices=_recompute(args),
         top=args.top,
         overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap,
-        two_batch_overlap=halves), context_parallel=context_sizes(
+        two_batch_overlap=halves, moe_dispatcher=args.moe_dispatcher),
+        context_parallel=context_sizes(
             _sizes(args.cp, "cp"), args.context_parallel, model.seq, cluster.num_devices))
     tensor_parallel = options.tensor_parallel or (
         divisors(cluster.devices_per_node) if model.tensor_parallel_ok else (1,))

@@ -9,8 +9,8 @@ from typing import Any
 from pipeline.planner.errors import PlanError
 from pipeline.planner.launch import launch_lines
 
-__all__ = ["DEEPSPEED", "ENGINES", "ENGINE_PROFILES", "MEGATRON_CORE", "OUTSIDE_SPACE",
-           "engine_options", "launch_lines", "outside_space"]
+__all__ = ["DEEPSPEED", "ENGINES", "ENGINE_PROFILES", "MEGATRON_CORE", "MOE_DISPATCHERS",
+           "OUTSIDE_SPACE", "engine_options", "launch_lines", "outside_space"]
 
 OUTSIDE_SPACE: MappingProxyType[str, str] = MappingProxyType({
     "context parallelism": "the sequence split over ranks: searched for --engine pipesched "
@@ -156,6 +156,15 @@ its own element-wise kernels and recomputes the blocks only: `transformer_profil
 `engine`)."""
 
 
+MOE_DISPATCHERS: MappingProxyType[str, tuple[str, ...]] = MappingProxyType({
+    "pipesched": ("alltoall",), "megatron-core": ("alltoall", "deepep")})
+"""Engine name: the token dispatchers it runs (`SearchOptions.moe_dispatcher`), its default
+first. This engine's (`pipeline.moe.expert_parallel`) sends one copy per (token, expert)
+pair; Megatron-Core's `--moe-token-dispatcher-type alltoall` likewise, and `flex` with
+`--moe-flex-dispatcher-backend deepep` one per destination node (`node_limited`). The
+other engines price no MoE (`prices_experts`)."""
+
+
 def engine_options(name: str, **given: Any) -> dict[str, Any]:
     """`SearchOptions` keyword arguments for engine `name` with the user's `given` filters
     (None: not given). A filter may narrow the engine's schedules, ZeRO stages or
@@ -163,6 +172,12 @@ def engine_options(name: str, **given: Any) -> dict[str, Any]:
     if name not in ENGINES:
         raise PlanError(f"engine {name!r} is not known; choose from {', '.join(ENGINES)}")
     options = dict(ENGINES[name])
+    dispatcher = given.get("moe_dispatcher")
+    if dispatcher is not None and dispatcher not in MOE_DISPATCHERS.get(name, ()):
+        runs = MOE_DISPATCHERS.get(name)
+        raise PlanError(f"{name} does not run the {dispatcher!r} token dispatcher; "
+                        + (f"it runs {', '.join(runs)}" if runs else "it prices no MoE")
+                        + "; drop --moe-dispatcher or choose another --engine")
     for key, value in given.items():
         if value is None:
             continue

@@ -18,6 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.node_limited import ExpertRouting, off_node_scale
 from pipeline.planner.stages import StageTable
 from schedules import CostModel, Kind
 from schedules.analysis.all_to_all import ExpertAllToAll
@@ -47,13 +48,17 @@ def expert_group(dp: int, tp: int, ep: int) -> tuple[int, int]:
     return tp * dp // ep, ep
 
 
-def all_to_all_seconds(nbytes: float, ep: int, stride: int, cluster: ClusterSpec) -> float:
+def all_to_all_seconds(nbytes: float, ep: int, stride: int, cluster: ClusterSpec, *,
+                       routing: ExpertRouting | None = None,
+                       dispatcher: str = "alltoall") -> float:
     """One all-to-all in which each of `ep` ranks, `stride` apart in the rank order, sends
-    `nbytes` spread evenly over the group (balanced routing: nbytes / ep to each member,
-    its own share kept). Every pair exchanges at once (NCCL's all-to-all, one send and one
-    receive per peer): the members on the rank's node over NVLink, the others through its
-    share of the node's network cards, the slower of the two bounding it, each paying its
-    link's latency once."""
+    `nbytes` (one copy per (token, expert) pair) spread evenly over the group (balanced
+    routing: nbytes / ep to each member, its own share kept). Every pair exchanges at once
+    (NCCL's all-to-all, one send and one receive per peer): the members on the rank's node
+    over NVLink, the others through its share of the node's network cards, the slower of the
+    two bounding it, each paying its link's latency once. The off-node bytes are the
+    `dispatcher`'s: all of the per-expert copies (`alltoall`), or one copy per destination
+    node (`deepep`: `node_limited.off_node_scale` of `routing`'s top-k and group limit)."""
     if ep <= 1 or nbytes <= 0:
         return 0.0
     local = max(1, min(ep, cluster.devices_per_node // stride))  # members on one node
@@ -63,24 +68,30 @@ def all_to_all_seconds(nbytes: float, ep: int, stride: int, cluster: ClusterSpec
         bandwidth, latency = cluster.link(1)
         seconds = latency + (local - 1) * piece / bandwidth
     if ep > local:
+        remote = (ep - local) * piece * off_node_scale(
+            routing, ep, stride, cluster.devices_per_node, dispatcher)
         bandwidth, latency = cluster.link(cluster.devices_per_node + 1)
-        seconds = max(seconds, latency + (ep - local) * piece / bandwidth)
+        seconds = max(seconds, latency + remote / bandwidth)
     return seconds
 
 
 def expert_all_to_all(table: StageTable, cluster: ClusterSpec, *, batch: int, ep: int,
-                      tp: int = 1, two_batch: bool = False) -> ExpertAllToAll | None:
+                      tp: int = 1, two_batch: bool = False,
+                      routing: ExpertRouting | None = None,
+                      dispatcher: str = "alltoall") -> ExpertAllToAll | None:
     """Each stage's expert all-to-all inside one microbatch of `batch` samples: every MoE
     layer dispatches each token's hidden state to its k experts and combines their outputs
     back, two all-to-alls of s·k·h·e bytes per sample (`LayerProfile.all_to_all_bytes`),
     in the forward; the backward sends the gradients of both the other way, two more. At
     tp > 1 each tp rank sends its sequence slice, 1/t of them, over its ep group (t ranks
     apart). None where nothing is exchanged (ep = 1, or a dense model). `two_batch`:
-    forwards outside pairs run as two halves (`ExpertAllToAll.two_batch`)."""
+    forwards outside pairs run as two halves (`ExpertAllToAll.two_batch`). `routing`,
+    `dispatcher`: the cross-node bytes (`all_to_all_seconds`)."""
     if ep <= 1 or not table.moe_layers.any():
         return None
     seconds = np.array([
-        2 * count * all_to_all_seconds(total / count * batch / tp, ep, tp, cluster) if count
+        2 * count * all_to_all_seconds(total / count * batch / tp, ep, tp, cluster,
+                                       routing=routing, dispatcher=dispatcher) if count
         else 0.0 for count, total in zip(table.moe_layers, table.all_to_all, strict=True)])
     return ExpertAllToAll(forward=seconds.tolist(), backward=seconds.tolist(),
                           two_batch=two_batch)

@@ -12,8 +12,8 @@ from pipeline.planner.input_files import read_input_json
 from pipeline.planner.moe_shape import ExpertShape
 from pipeline.planner.transformer import TransformerShape
 
-__all__ = ["FAMILIES", "hf_model_type", "is_hf_config", "read_hf_config",
-           "shape_from_hf_config"]
+__all__ = ["FAMILIES", "expert_shape_from_hf", "hf_model_type", "is_hf_config",
+           "read_hf_config", "shape_from_hf_config"]
 
 # model_type: what its modeling file builds that the config does not say, each family's
 # defaults (its `*Config.__init__`) for the keys a saved config.json may leave out.
@@ -54,12 +54,25 @@ _MOE: dict[str, dict[str, Any]] = {
                   "expert_ffn": (("moe_intermediate_size",), 768),
                   "sparse_step": (("decoder_sparse_step",), 1),
                   "dense_layers": (("mlp_only_layers",), ())},
+    "deepseek_v3": {"experts": (("n_routed_experts",), 256),
+                    "topk": (("num_experts_per_tok",), 8),
+                    "expert_ffn": (("moe_intermediate_size",), 2048),
+                    "expert_groups": (("n_group",), 8), "topk_groups": (("topk_group",), 4)},
+    "deepseek_v2": {"experts": (("n_routed_experts",), 64),
+                    "topk": (("num_experts_per_tok",), None),
+                    "expert_ffn": (("moe_intermediate_size",), 1407)},
 }
 """The mixture-of-experts families `pipeline.interop.hf_moe` runs: where their config holds
 each `ExpertShape` field, and its default (the `*Config.__init__` of transformers 5).
 Qwen2-MoE's shared expert is gated (`shared_expert_gate`); Qwen's dense blocks (mlp_only_layers,
 or off the decoder_sparse_step) have an MLP of intermediate_size; Mixtral's experts are
-intermediate_size wide and every block has them."""
+intermediate_size wide and every block has them. DeepSeek-V2 / V3 (their experts only: the
+planner does not price their multi-head latent attention, so their configs are refused with
+these keys named): n_shared_experts ungated shared experts of moe_intermediate_size, the first
+first_k_dense_replace blocks dense (HF's `DeepseekV3DecoderLayer`), group-limited routing
+(`node_limited`): V3's always (n_group, topk_group), V2's under
+topk_method="group_limited_greedy"."""
+_LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")
 _DENSE_FFN = {"mixtral": None, "qwen2_moe": 5632, "qwen3_moe": 6144}
 """intermediate_size defaults of the MoE families' dense blocks (Mixtral has none)."""
 
@@ -105,6 +118,12 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
     """The shape of the model a HF `config` builds; `seq` (default: its
     max_position_embeddings) the training sequence length."""
     family = config.get("model_type")
+    if family in _LATENT_ATTENTION:
+        moe = expert_shape_from_hf(config, where=where)
+        raise PlanError(f"{where}: model_type {family!r} is not one the planner reads: its "
+                        "multi-head latent attention is not priced; give the shape as "
+                        "layers=,hidden=,heads=,vocab=,seq=,... with its experts as "
+                        f"{moe.model_string() if moe else ''}")
     if family not in FAMILIES:
         raise PlanError(f"{where}: model_type {family!r} is not one the planner reads; it "
                         f"reads {', '.join(FAMILIES)} (or give the shape as "
@@ -131,7 +150,7 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
     head_dim = _optional_whole(values, "head_dim", where) or defaults.get("head_dim") or 0
     tied = values.get("tie_word_embeddings", defaults["tied_embeddings"])
     fields = {key: value for key, value in defaults.items() if key != "head_dim"}
-    moe = _expert_shape(family, values, where)
+    moe = expert_shape_from_hf(values, where=where)
     ffn = (_optional_whole(values, "intermediate_size", where) or _DENSE_FFN.get(family)
            or 4 * hidden)
     kv_heads = _optional_whole(values, "num_key_value_heads", where) or heads
@@ -145,19 +164,31 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
         dropout=any(float(values.get(key) or 0.0) > 0 for key in _DROPOUT_KEYS))
 
 
-def _expert_shape(family: str, values: Mapping[str, Any], where: str) -> ExpertShape | None:
-    """The experts of a MoE family's config (`_MOE`); None for a dense family."""
+def expert_shape_from_hf(config: Mapping[str, Any], *,
+                         where: str = "HF config") -> ExpertShape | None:
+    """The experts of a MoE family's config (`_MOE`, by its model_type); None for a dense
+    family."""
+    family = config.get("model_type")
     if family not in _MOE:
         return None
     fields: dict[str, Any] = {}
     for name, (keys, default) in _MOE[family].items():
-        found = next((values[key] for key in keys if values.get(key) is not None), default)
+        found = next((config[key] for key in keys if config.get(key) is not None), default)
         fields[name] = tuple(found) if name == "dense_layers" else found
     if family == "qwen2_moe":
         fields["shared_gate"] = True
+    if family in _LATENT_ATTENTION:
+        shared = config.get("n_shared_experts") or 0
+        dense = config.get("first_k_dense_replace") or 0
+        fields["shared_ffn"] = shared * fields["expert_ffn"] if isinstance(shared, int) \
+            and isinstance(fields["expert_ffn"], int) else shared
+        fields["dense_layers"] = tuple(range(dense)) if isinstance(dense, int) else dense
+    if family == "deepseek_v2" and config.get("topk_method") == "group_limited_greedy":
+        fields |= {"expert_groups": config.get("n_group"),
+                   "topk_groups": config.get("topk_group")}
     try:
         return ExpertShape(**fields)
-    except PlanError as error:
+    except (PlanError, TypeError) as error:
         raise PlanError(f"{where}: {error}") from None
 
 

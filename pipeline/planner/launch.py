@@ -46,6 +46,10 @@ class LaunchTarget:
     of an MoE pick whose microbatches can be halved turns it on."""
     experts: int = 0
     """The model's routed experts per MoE layer (0: dense)."""
+    moe_dispatcher: str = "alltoall"
+    """The token dispatcher priced (`SearchOptions.moe_dispatcher`)."""
+    expert_groups: tuple[int, int] = (1, 1)
+    """(G, M): the model's group-limited routing, G groups, M a token (1, 1: none)."""
 
 
 def _torchrun(target: LaunchTarget, script: str) -> str:
@@ -202,8 +206,15 @@ def _megatron_core(config: PlanConfig, global_batch: int, target: LaunchTarget,
     if config.tp > 1:
         flags.append("--sequence-parallel --tp-comm-overlap")
     if target.experts:  # priced at expert tensor parallelism 1 (its default is tp's)
+        # DeepEP takes fp32 routing probabilities only (token_dispatcher.py's _DeepepManager)
+        dispatch = ("flex --moe-flex-dispatcher-backend deepep --moe-router-dtype fp32"
+                    if target.moe_dispatcher == "deepep" else "alltoall")
         flags.append(f"--expert-model-parallel-size {config.ep} "
-                     "--expert-tensor-parallel-size 1 --moe-token-dispatcher-type alltoall")
+                     f"--expert-tensor-parallel-size 1 --moe-token-dispatcher-type {dispatch}")
+        groups, top_groups = target.expert_groups
+        if groups > 1:
+            flags.append(f"--moe-router-num-groups {groups} "
+                         f"--moe-router-group-topk {top_groups}")
     flags.append("--overlap-grad-reduce")
     if config.zero_stage:
         flags.append("--use-distributed-optimizer --overlap-param-gather")

@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.planner.errors import PlanError
+from pipeline.planner.node_limited import ExpertRouting, routing_problems
 
 __all__ = ["MOE_KEYS", "ExpertShape"]
 
 MOE_KEYS = ("experts", "topk", "expert_ffn", "shared_ffn", "shared_gate", "sparse_step",
-            "dense_layers")
+            "dense_layers", "expert_groups", "topk_groups")
 """The model-string / shape-file keys of `ExpertShape` (`shape_parse.parse_shape`)."""
 
 
@@ -38,6 +39,12 @@ class ExpertShape:
     decoder_sparse_step) and i is not in `dense_layers`; the others a dense MLP."""
     dense_layers: tuple[int, ...] = ()
     """Blocks kept dense whatever the step (Qwen's mlp_only_layers)."""
+    expert_groups: int = 1
+    """G: the experts in G equal groups for group-limited routing (DeepSeek's n_group,
+    Megatron-Core's --moe-router-num-groups); 1: none (`node_limited.ExpertRouting`)."""
+    topk_groups: int = 1
+    """M: the groups a token's k experts may come from (DeepSeek's topk_group,
+    Megatron-Core's --moe-router-group-topk; DeepSeek-V3: 4 of 8, one group a node)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -58,8 +65,28 @@ class ExpertShape:
         if not problems and self.topk > self.experts:
             problems.append(f"topk={self.topk} must be at most experts={self.experts} (each "
                             "token is routed to k distinct experts); lower topk")
+        if not problems:
+            problems = routing_problems(self.experts, self.topk, self.expert_groups,
+                                        self.topk_groups)
         if problems:
             raise PlanError("mixture-of-experts shape: " + "; ".join(problems))
+
+    @property
+    def routing(self) -> ExpertRouting:
+        """How its tokens pick experts (`node_limited`: the all-to-all's cross-node bytes)."""
+        return ExpertRouting(self.experts, self.topk, self.expert_groups, self.topk_groups)
+
+    def model_string(self) -> str:
+        """Its model-string keys (`shape_parse.parse_shape` reads them back)."""
+        values = {"experts": self.experts, "topk": self.topk, "expert_ffn": self.expert_ffn,
+                  "shared_ffn": self.shared_ffn, "shared_gate": str(self.shared_gate).lower(),
+                  "sparse_step": self.sparse_step,
+                  "dense_layers": ";".join(map(str, self.dense_layers)),
+                  "expert_groups": self.expert_groups, "topk_groups": self.topk_groups}
+        defaults = {"shared_ffn": 0, "shared_gate": "false", "sparse_step": 1,
+                    "dense_layers": "", "expert_groups": 1, "topk_groups": 1}
+        return ",".join(f"{key}={value}" for key, value in values.items()
+                        if defaults.get(key, None) != value)
 
     def is_sparse(self, index: int) -> bool:
         """Whether block `index` (from 0) has experts (HF's Qwen2/3-MoE rule; Mixtral:
@@ -89,4 +116,6 @@ class ExpertShape:
 
     def label(self) -> str:
         shared = f"+{self.shared_ffn}" if self.shared_ffn else ""
-        return f" moe={self.experts}x{self.expert_ffn} top{self.topk}{shared}"
+        grouped = (f" groups{self.topk_groups}/{self.expert_groups}"
+                   if self.expert_groups > 1 else "")
+        return f" moe={self.experts}x{self.expert_ffn} top{self.topk}{shared}{grouped}"

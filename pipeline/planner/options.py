@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pipeline.planner.data_parallel import ADAM_UPDATE_BYTES
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES
+from pipeline.planner.node_limited import DISPATCHERS
 from pipeline.planner.pricing import TP_OVERLAPS
 from schedules import SCHEDULES
 
@@ -93,6 +94,9 @@ class SearchOptions:
     """Price the engine's `two_batch_overlap` on MoE configurations (ep > 1, microbatches
     of two samples or more): a forward outside an F&B pair as two halves taking turns at
     their all-to-alls (`PlanContext.two_batch_overlap`); False: exposed."""
+    moe_dispatcher: str = "alltoall"
+    """How the engine dispatches tokens to experts (`node_limited.DISPATCHERS`): one copy
+    per (token, expert) pair, or one per destination node (deepep)."""
     state_bytes: tuple[float, float, float] | None = None
     """(parameter, gradient, optimizer) bytes per parameter of another engine
     (`PlanContext.state_bytes`); None: this engine's."""
@@ -153,6 +157,9 @@ class SearchOptions:
         if self.tp_overlap not in TP_OVERLAPS:
             raise PlanError(f"tp_overlap={self.tp_overlap!r} must be one of "
                             f"{', '.join(TP_OVERLAPS)}")
+        if self.moe_dispatcher not in DISPATCHERS:
+            raise PlanError(f"moe_dispatcher={self.moe_dispatcher!r} must be one of "
+                            f"{', '.join(DISPATCHERS)}")
         if self.recompute_choices is not None and (not self.recompute_choices or any(
                 not isinstance(x, bool) and x not in RECOMPUTE_CHOICES
                 for x in self.recompute_choices)):

@@ -103,6 +103,9 @@ class PlanContext(RankPricing):
     """Forwards outside F&B pairs of an MoE stage run as two halves of the microbatch
     (the engine's `two_batch_overlap`, `ExpertAllToAll.two_batch`) where it has two samples
     or more."""
+    moe_dispatcher: str = "alltoall"
+    """How tokens reach their experts: one copy per (token, expert) pair, or one per node
+    (deepep), the all-to-all's cross-node bytes (`node_limited.off_node_scale`)."""
     overlap_grad_reduce_unpipelined: bool = False
     """With `overlap_grad_reduce` False, still overlap the reduction where pp = 1: Megatron-LM
     2021 ran torch's DistributedDataParallel without a pipeline (its hooks reduce buckets
@@ -230,7 +233,8 @@ class PlanContext(RankPricing):
             split = self._splits[shape]
         all_to_all = expert_all_to_all(
             table, self.cluster, batch=config.microbatch_size, ep=config.ep, tp=config.tp,
-            two_batch=self.two_batch_overlap and config.microbatch_size >= 2)
+            two_batch=self.two_batch_overlap and config.microbatch_size >= 2,
+            routing=self.model.routing, dispatcher=self.moe_dispatcher)
         costs = table.costs(config.microbatch_size, split)
         devices = config.pp * config.dp * config.cp * config.tp
         p2p_bandwidth, p2p_latency = self.cluster.link(devices)

@@ -12,6 +12,7 @@ from typing import Any
 from pipeline.limits import MAX_NUMBER
 from pipeline.planner.errors import PlanError
 from pipeline.planner.kernels import LayerShape
+from pipeline.planner.node_limited import ExpertRouting
 
 __all__ = ["LayerProfile", "ModelProfile", "profile_from_cost_json"]
 
@@ -141,6 +142,9 @@ class ModelProfile:
     it)."""
     experts: int = 0
     """Routed experts of each MoE layer (ep must divide them); 0: a dense model."""
+    routing: ExpertRouting | None = None
+    """How a MoE layer's tokens pick their experts (top-k, group limit), for the
+    all-to-all's cross-node bytes (`node_limited.off_node_scale`); None: not known."""
 
     def __post_init__(self) -> None:
         if not self.layers:

@@ -324,7 +324,8 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
                ("MLP columns", shape.ffn))
     return ModelProfile((embedding, *blocks, head), name=_label(shape), heads=shape.heads,
                         seq=s, tp_divides=divides,
-                        experts=shape.moe.experts if shape.moe is not None else 0)
+                        experts=shape.moe.experts if shape.moe is not None else 0,
+                        routing=shape.moe.routing if shape.moe is not None else None)
 
 
 def _moe_block(shape: TransformerShape, block: Callable[[TransformerShape], LayerProfile],
