@@ -26,7 +26,8 @@ learned_positions=false,...]), a JSON file with those keys, a Hugging Face confi
 model directory (GPT-2, Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the mixtures of
 experts Mixtral, Qwen2-MoE, Qwen3-MoE; --seq defaults to its max_position_embeddings), or a
 partitioner cost JSON (times per --cost-batch samples). A mixture of experts as a shape:
-experts=,topk=,expert_ffn=[,shared_ffn=,shared_gate=true,sparse_step=,dense_layers=0;5];
+experts=,topk=,expert_ffn=[,shared_ffn=,shared_gate=true,sparse_step=,dense_layers=0;5,
+expert_groups=,topk_groups= (group-limited routing: k experts from M of G groups)];
 the search then tries every expert-parallel size ep (--ep) dividing dp and the experts,
 beside tp > 1 with --sequence-parallel (experts whole on each tp rank, split over ep).
 CLUSTER: a100-80g, h100-80g, a800-80g (8 devices a node; --nodes sets how many nodes),

@@ -119,11 +119,14 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
     max_position_embeddings) the training sequence length."""
     family = config.get("model_type")
     if family in _LATENT_ATTENTION:
-        moe = expert_shape_from_hf(config, where=where)
+        try:
+            moe = expert_shape_from_hf(config, where="its experts")
+            named = f"with its experts as {moe.model_string() if moe else ''}"
+        except PlanError as error:
+            named = f"({error})"
         raise PlanError(f"{where}: model_type {family!r} is not one the planner reads: its "
                         "multi-head latent attention is not priced; give the shape as "
-                        "layers=,hidden=,heads=,vocab=,seq=,... with its experts as "
-                        f"{moe.model_string() if moe else ''}")
+                        f"layers=,hidden=,heads=,vocab=,seq=,... {named}")
     if family not in FAMILIES:
         raise PlanError(f"{where}: model_type {family!r} is not one the planner reads; it "
                         f"reads {', '.join(FAMILIES)} (or give the shape as "
