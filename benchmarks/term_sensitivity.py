@@ -1,7 +1,8 @@
 """How much each first-principles efficiency term moves a dense 70B and an MoE prediction
 (issue 48's sensitivity table): the step of a fixed configuration priced with the term and
-with it switched off (`--engine megatron-core` on H100s), and an SC'21 Table 1 run
-(`--engine megatron-2021` on A100s) beside them, the one case where Ampere-only terms act.
+with it switched off (`--engine megatron-core` on H100s), an SC'21 Table 1 run
+(`--engine megatron-2021` on A100s) beside them, the one case where Ampere-only terms act,
+and a DeepSeek-V3-shaped one whose ep group spans nodes (where the dispatcher acts).
 
     PYTHONPATH=. python benchmarks/term_sensitivity.py
 """
@@ -14,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 from unittest import mock
 
+import pipeline.planner.expert_parallel as expert_parallel
 import pipeline.planner.kernels as kernels
 import pipeline.planner.pricing as pricing
 from pipeline.planner import PRESETS, PlanConfig, SearchOptions, load_model
@@ -37,12 +39,27 @@ CORE_CASES: tuple[tuple[str, str, int, int, PlanConfig], ...] = (
 )
 """(name, model, nodes, global batch, configuration): the configurations the planner picks
 for them today (`docs/planner.md`), under megatron-core on `h100-80g`."""
+DEEPSEEK_V3_SHAPED = ("layers=60,hidden=7168,heads=128,vocab=129280,seq=4096,mlp=swiglu,"
+                      "norm=rmsnorm,bias=none,learned_positions=false,ffn=18432,dropout=false,"
+                      "experts=256,topk=8,expert_ffn=2048,shared_ffn=2048,dense_layers=0;1;2,"
+                      "expert_groups=8,topk_groups=4")
+"""DeepSeek-V3's MoE (its config.json: 256 routed experts of 2048, top-8 from 4 of 8 groups,
+one shared expert, the first 3 blocks dense of 18432) and hidden size, with multi-head
+attention of 128 heads in place of its latent attention (not priced) and 60 blocks for its 61
+(Megatron-Core splits them evenly over pp)."""
+DEEPEP_CASE = ("DeepSeek-V3 shape (MHA, 60 blocks), 1024 H100, deepep", DEEPSEEK_V3_SHAPED, 128,
+               2048, PlanConfig(pp=4, tp=2, dp=128, schedule="1f1b", chunks=1,
+                                microbatch_size=1, num_microbatches=16, zero_stage=1,
+                                recompute="none", ep=64))
+"""A fixed layout (not a search's pick) whose ep group of 64 spans 16 nodes, priced with
+`--moe-dispatcher deepep`: one copy of a token per destination node (`node_limited`)."""
 TABLE_1_ROW = 6
 """SC'21 Table 1's 145.6B run (t8 p8 b2 v2 on 1,536 A100s), `bench_published.ROWS`."""
 
 
-def _core_step(model: str, nodes: int, batch: int, config: PlanConfig) -> float:
-    options = SearchOptions(**engine_options("megatron-core"))
+def _core_step(model: str, nodes: int, batch: int, config: PlanConfig,
+               dispatcher: str = "alltoall") -> float:
+    options = SearchOptions(**engine_options("megatron-core", moe_dispatcher=dispatcher))
     profile = load_model(model, sequence_parallel=True)
     cluster = replace(PRESETS["h100-80g"], nodes=nodes)
     return price(profile, cluster, batch, config, options=options).step_seconds
@@ -62,7 +79,10 @@ def _cases() -> list[tuple[str, Callable[[], float]]]:
         (f"{name}, {config.label()}",
          lambda m=model, n=nodes, b=batch, c=config: _core_step(m, n, b, c))
         for name, model, nodes, batch, config in CORE_CASES]
-    return [*cases, ("SC'21 145.6B, 1536 A100, pp8 tp8 b2 v2 (megatron-2021)", _table_1_step)]
+    name, model, nodes, batch, config = DEEPEP_CASE
+    return [*cases, ("SC'21 145.6B, 1536 A100, pp8 tp8 b2 v2 (megatron-2021)", _table_1_step),
+            (f"{name}, {config.label()}",
+             lambda: _core_step(model, nodes, batch, config, dispatcher="deepep"))]
 
 
 CASES = tuple(name for name, _ in _cases())
@@ -79,6 +99,13 @@ def _no_tile_quantization() -> Iterator[None]:
     """One-element tiles at full share: a GEMM at its FLOPs over the fitted SM rate, no
     partial tiles, no partial last wave, no smaller tiles' lower reuse."""
     with mock.patch.object(kernels, "_TILES", ((1, 1, 1.0),)):
+        yield
+
+
+@contextmanager
+def _per_expert_dispatch() -> Iterator[None]:
+    """Every token sent once per (token, expert) pair whatever the dispatcher."""
+    with mock.patch.object(expert_parallel, "off_node_scale", lambda *_, **__: 1.0):
         yield
 
 
@@ -100,6 +127,8 @@ TERMS: tuple[tuple[str, Callable[[], AbstractContextManager[Any]]], ...] = (
     ("element-wise kernels at 0.85 of HBM (`memory_efficiency`)",
      _presets_with(memory_efficiency=1.0)),
     ("collectives at 0.8 of the link (`link_efficiency`)", _presets_with(link_efficiency=1.0)),
+    ("one copy per node under node-limited routing, deepep (`node_limited.off_node_scale`; "
+     "off: per expert)", _per_expert_dispatch),
 )
 """(term, a context manager that switches it off)."""
 

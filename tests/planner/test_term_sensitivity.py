@@ -1,6 +1,7 @@
-"""The sensitivity table (`benchmarks/term_sensitivity.py`, docs/planner.md): every term
+"""The sensitivity table (`benchmarks/term_sensitivity.py`, docs/planner.md): every cost term
 switched off makes each case no slower, the Ampere-only epilogue moves only the A100 case,
-and a switch that does nothing would be seen."""
+DeepEP's one copy per node (a saving) only the case whose ep group spans nodes, and a switch
+that does nothing would be seen."""
 
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ def _moves() -> dict[tuple[str, str], float]:
 
 def test_every_term_moves_its_cases_the_expected_way() -> None:
     moves = _moves()
-    assert len(moves) == len(term_sensitivity.TERMS) * len(term_sensitivity.CASES) == 21
-    assert all(move >= 0 for move in moves.values())
+    assert len(moves) == len(term_sensitivity.TERMS) * len(term_sensitivity.CASES) == 32
+    per_node = {case: move for (term, case), move in moves.items() if "per node" in term}
+    assert all(move >= 0 for (term, _), move in moves.items() if "per node" not in term)
+    assert [case for case, move in per_node.items() if move != 0] == [
+        case for case in per_node if "deepep" in case]
+    assert all(move < -5.0 for case, move in per_node.items() if "deepep" in case)
     epilogue = {case: move for (term, case), move in moves.items() if "epilogue" in term}
     a100 = [case for case in epilogue if "A100" in case]
     assert len(a100) == 1 and epilogue[a100[0]] > 1.0
