@@ -165,7 +165,8 @@ def test_deepseek_v3_config_gives_its_group_limit() -> None:
     v2 = config | {"model_type": "deepseek_v2", "topk_method": "group_limited_greedy",
                    "n_group": 8, "topk_group": 3, "n_routed_experts": 160,
                    "num_experts_per_tok": 6}
-    assert expert_shape_from_hf(v2).routing == ExpertRouting(160, 6, 8, 3)  # type: ignore[union-attr]
+    grouped = expert_shape_from_hf(v2)
+    assert grouped is not None and grouped.routing == ExpertRouting(160, 6, 8, 3)
     greedy = expert_shape_from_hf(v2 | {"topk_method": "greedy"})
     assert greedy is not None and greedy.expert_groups == 1  # HF's V2 ignores the groups
 
