@@ -18,6 +18,7 @@ from dataclasses import replace
 import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.expert_kernels import stage_load_ratio
 from pipeline.planner.stages import StageTable
 from schedules import CostModel, Kind
 from schedules.analysis.all_to_all import ExpertAllToAll
@@ -76,12 +77,15 @@ def expert_all_to_all(table: StageTable, cluster: ClusterSpec, *, batch: int, ep
     in the forward; the backward sends the gradients of both the other way, two more. At
     tp > 1 each tp rank sends its sequence slice, 1/t of them, over its ep group (t ranks
     apart). None where nothing is exchanged (ep = 1, or a dense model). `two_batch`:
-    forwards outside pairs run as two halves (`ExpertAllToAll.two_batch`)."""
+    forwards outside pairs run as two halves (`ExpertAllToAll.two_batch`). The busiest
+    rank's bytes set each exchange: the even share × `expert_kernels.stage_load_ratio`."""
     if ep <= 1 or not table.moe_layers.any():
         return None
     seconds = np.array([
-        2 * count * all_to_all_seconds(total / count * batch / tp, ep, tp, cluster) if count
-        else 0.0 for count, total in zip(table.moe_layers, table.all_to_all, strict=True)])
+        2 * count * all_to_all_seconds(total / count * batch / tp * stage_load_ratio(
+            stage, batch=batch, tp=tp, ep=ep), ep, tp, cluster) if count else 0.0
+        for count, total, stage in zip(table.moe_layers, table.all_to_all, table.stages,
+                                       strict=True)])
     return ExpertAllToAll(forward=seconds.tolist(), backward=seconds.tolist(),
                           two_batch=two_batch)
 
