@@ -8,12 +8,14 @@ with it switched off (`--engine megatron-core` on H100s), and an SC'21 Table 1 r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from typing import Any
 from unittest import mock
 
+import pipeline.planner.expert_kernels as expert_kernels
 import pipeline.planner.kernels as kernels
 import pipeline.planner.pricing as pricing
 from pipeline.planner import PRESETS, PlanConfig, SearchOptions, load_model
@@ -82,6 +84,27 @@ def _no_tile_quantization() -> Iterator[None]:
         yield
 
 
+def _zero_times(*_: Any) -> tuple[float, float, float]:
+    return 0.0, 0.0, 0.0
+
+
+def _moe_patch(name: str, value: Any) -> Callable[[], AbstractContextManager[Any]]:
+    return lambda: mock.patch.object(expert_kernels, name, value)
+
+
+def _experts_as_one_gemm(shape: Any, batch: int, tp: int, cluster: Any, precision: str
+                         ) -> tuple[float, ...]:
+    """The busiest rank's L rows through one GEMM pair of an expert's width (one launch,
+    one tile grid: the local experts' own quantization off), the shared expert as before."""
+    routed = shape.routed
+    rows = math.ceil(expert_kernels.routed_rows(shape, batch, tp))
+    one = expert_kernels._mlp(rows, routed.expert_ffn, shape, cluster, precision)
+    shared = expert_kernels._mlp(expert_kernels.rank_tokens(shape, batch, tp),
+                                 routed.shared_ffn, shape, cluster, precision) \
+        if routed.shared_ffn else (0.0, 0.0, 0.0)
+    return tuple(a + b for a, b in zip(one, shared, strict=True))
+
+
 def _presets_with(**fields: Any) -> Callable[[], AbstractContextManager[object]]:
     def switch() -> AbstractContextManager[object]:
         return mock.patch.dict(PRESETS, {name: replace(PRESETS[name], **fields)
@@ -100,6 +123,14 @@ TERMS: tuple[tuple[str, Callable[[], AbstractContextManager[Any]]], ...] = (
     ("element-wise kernels at 0.85 of HBM (`memory_efficiency`)",
      _presets_with(memory_efficiency=1.0)),
     ("collectives at 0.8 of the link (`link_efficiency`)", _presets_with(link_efficiency=1.0)),
+    ("MoE: one GEMM per local expert (`expert_kernels.expert_gemm_times`)",
+     _moe_patch("expert_gemm_times", _experts_as_one_gemm)),
+    ("MoE: busiest ep rank, sampling floor (`routing_load.busiest_rank_ratio`)",
+     _moe_patch("rank_load_ratio", lambda routed, tokens, tp: 1.0)),
+    ("MoE: token permutations (`expert_kernels.permutation_times`)",
+     _moe_patch("permutation_times", _zero_times)),
+    ("MoE: router logits, top-k, scores (`expert_kernels.router_times`)",
+     _moe_patch("router_times", _zero_times)),
 )
 """(term, a context manager that switches it off)."""
 

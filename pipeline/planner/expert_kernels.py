@@ -43,11 +43,11 @@ from pipeline.planner.kernels import (
 )
 from pipeline.planner.moe_shape import RoutedExperts
 from pipeline.planner.profile import LayerProfile
-from pipeline.planner.routing_load import busiest_rank_ratio
+from pipeline.planner.routing_load import busiest_rank_ratio, local_expert_spread
 
-__all__ = ["block_kernel_times", "expert_gemm_times", "moe_mlp_times", "permutation_times",
-           "rank_load_ratio", "rank_tokens", "routed_rows", "router_times",
-           "stage_load_ratio"]
+__all__ = ["block_kernel_times", "expert_gemm_times", "expert_rows", "moe_mlp_times",
+           "permutation_times", "rank_load_ratio", "rank_tokens", "routed_rows",
+           "router_times", "stage_load_ratio"]
 
 Times = tuple[float, float, float]
 """(forward, input gradient, weight gradient) seconds."""
@@ -99,19 +99,32 @@ def _mlp(rows: int, width: int, shape: LayerShape, cluster: ClusterSpec, precisi
     return up[0] + down[0] + act, up[1] + down[1] + 1.5 * act, up[2] + down[2]
 
 
-def expert_gemm_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,
-                      precision: str) -> Times:
-    """The E/ep local experts on the busiest rank, each on an equal share of its L rows
-    (`routed_rows`, rounded up), one GEMM per expert and pass (module docstring, step 4),
-    plus the shared expert: one dense MLP on the rank's n tokens at its full width f_s."""
+def expert_rows(shape: LayerShape, batch: int, tp: int) -> tuple[int, ...]:
+    """Rows of each of the busiest rank's E/ep local experts: their mean L·ep/E
+    (`routed_rows`) plus each one's expected deviation from it, smallest first (a balanced
+    router's sampling spread, `routing_load.local_expert_spread`), rounded up; what each
+    expert's GEMMs are quantized at."""
     routed = shape.routed
     assert routed is not None
-    local = routed.local_experts
-    rows = math.ceil(routed_rows(shape, batch, tp) / local)
-    one = _mlp(rows, routed.expert_ffn, shape, cluster, precision)
-    shared = _mlp(rank_tokens(shape, batch, tp), routed.shared_ffn, shape, cluster,
-                  precision) if routed.shared_ffn else (0.0, 0.0, 0.0)
-    return tuple(local * a + b for a, b in zip(one, shared, strict=True))  # type: ignore[return-value]
+    mean = routed_rows(shape, batch, tp) / routed.local_experts
+    spread = local_expert_spread(rank_tokens(shape, batch, tp), routed.topk, routed.experts,
+                                 routed.ep)
+    return tuple(max(0, math.ceil(mean + deviation)) for deviation in spread)
+
+
+def expert_gemm_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,
+                      precision: str) -> Times:
+    """The E/ep local experts on the busiest rank, each on its own rows (`expert_rows`),
+    one GEMM per expert and pass (module docstring, step 4), plus the shared expert: one
+    dense MLP on the rank's n tokens at its full width f_s."""
+    routed = shape.routed
+    assert routed is not None
+    parts = [_mlp(rows, routed.expert_ffn, shape, cluster, precision)
+             for rows in expert_rows(shape, batch, tp)]
+    if routed.shared_ffn:
+        parts.append(_mlp(rank_tokens(shape, batch, tp), routed.shared_ffn, shape, cluster,
+                          precision))
+    return sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
 
 
 def router_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,

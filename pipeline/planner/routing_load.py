@@ -27,7 +27,8 @@ import numpy as np
 from pipeline.planner.errors import PlanError
 
 __all__ = ["busiest_expert_ratio", "busiest_load_ratio", "busiest_rank_ratio",
-           "expected_max_deviation", "expected_max_standard_normal"]
+           "expected_max_deviation", "expected_max_standard_normal",
+           "expected_normal_order_statistics", "local_expert_spread"]
 
 _GRID = np.linspace(-12.0, 12.0, 24_001)
 """Quadrature points for `expected_max_standard_normal` (step 0.001; the integrand is below
@@ -45,6 +46,24 @@ def expected_max_standard_normal(n: int) -> float:
     cdf = np.array([0.5 * (1.0 + math.erf(x / math.sqrt(2.0))) for x in _GRID])
     pdf = np.exp(-_GRID ** 2 / 2) / math.sqrt(2 * math.pi)
     return float(np.trapezoid(_GRID * n * pdf * cdf ** (n - 1), _GRID))
+
+
+@functools.lru_cache(maxsize=256)
+def expected_normal_order_statistics(n: int) -> tuple[float, ...]:
+    """E[Z_(i)], i = 1..n, the expected order statistics of n independent standard normals
+    (smallest first): ∫ x · n·C(n-1, i-1) Φ^(i-1) (1 - Φ)^(n-i) φ dx, by the trapezoid rule
+    (±1/√π at n = 2; the last is `expected_max_standard_normal(n)`)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise PlanError(f"n={n!r} must be a whole number >= 1")
+    cdf = np.array([0.5 * (1.0 + math.erf(x / math.sqrt(2.0))) for x in _GRID])
+    pdf = np.exp(-_GRID ** 2 / 2) / math.sqrt(2 * math.pi)
+    low, high = np.log(np.clip(cdf, 1e-300, None)), np.log(np.clip(1 - cdf, 1e-300, None))
+    values = []
+    for i in range(1, n + 1):
+        log_weight = (math.log(n) + math.lgamma(n) - math.lgamma(i) - math.lgamma(n - i + 1)
+                      + (i - 1) * low + (n - i) * high)
+        values.append(float(np.trapezoid(_GRID * np.exp(log_weight) * pdf, _GRID)))
+    return tuple(values)
 
 
 @functools.lru_cache(maxsize=256)
@@ -101,3 +120,20 @@ def busiest_expert_ratio(rank_tokens: int, topk: int, experts: int, ep: int,
     """The busiest single expert's rows over the mean, ep·n·k/E (the same pool as
     `busiest_rank_ratio`, E groups of one)."""
     return busiest_load_ratio(ep * rank_tokens, topk, experts, experts, tp)
+
+
+def local_expert_spread(rank_tokens: int, topk: int, experts: int, ep: int
+                        ) -> tuple[float, ...]:
+    """Each of a rank's E/ep local experts' expected rows less their mean, smallest first:
+    the E experts' loads over the ep group's pool (N = ep·n tokens) are c·(Z_j - Z̄),
+    c = σ_e·√(E/(E-1)), σ_e² = N·k·p(1 - p)(E - k)/(E - 1), p = 1/E (module docstring); a
+    rank's own experts' deviations from their mean are c·(Z_j - Z̄_local), whose expected
+    order statistics are c·E[Z_(i)] of E/ep normals (`expected_normal_order_statistics`).
+    Zeros where nothing varies (one local expert, k = E, no tokens)."""
+    local = experts // ep
+    if local == 1 or topk == experts or rank_tokens == 0:
+        return (0.0,) * local
+    tokens, share = ep * rank_tokens, 1 / experts
+    sigma = math.sqrt(tokens * topk * share * (1 - share) * (experts - topk) / (experts - 1))
+    scale = sigma * math.sqrt(experts / (experts - 1))
+    return tuple(scale * z for z in expected_normal_order_statistics(local))

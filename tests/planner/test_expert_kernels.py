@@ -16,6 +16,7 @@ from pipeline.planner import PRESETS, PlanConfig, PlanError, SearchOptions, load
 from pipeline.planner.expert_kernels import (
     block_kernel_times,
     expert_gemm_times,
+    expert_rows,
     moe_mlp_times,
     permutation_times,
     rank_load_ratio,
@@ -30,7 +31,7 @@ from pipeline.planner.kernels import (
     layer_kernel_times,
 )
 from pipeline.planner.predict import PlanContext
-from pipeline.planner.routing_load import busiest_rank_ratio
+from pipeline.planner.routing_load import busiest_rank_ratio, local_expert_spread
 from pipeline.planner.search import price
 
 __all__: list[str] = []
@@ -67,9 +68,14 @@ def test_each_local_expert_runs_its_own_gemms_on_the_busiest_ranks_rows(
     n = math.ceil(batch * 512 / tp)  # the rank's sequence slice
     ratio = 1.0 if ep == 1 else busiest_rank_ratio(n, 2, 8, ep, tp)
     assert routed_rows(shape, batch, tp) == pytest.approx(n * 2 * ratio, rel=1e-12)
-    rows = math.ceil(n * 2 * ratio / (8 // ep))
-    one, shared = _mlp_oracle(rows, 2048, 1024), _mlp_oracle(n, 1536, 1024)
-    expected = [8 // ep * a + b for a, b in zip(one, shared, strict=True)]
+    # each local expert at the mean of the busiest rank's rows plus its own expected
+    # deviation (the sampling spread of the rank's E/ep experts), rounded up
+    rows = [math.ceil(n * 2 * ratio / (8 // ep) + d)
+            for d in local_expert_spread(n, 2, 8, ep)]
+    assert expert_rows(shape, batch, tp) == tuple(rows)
+    assert sum(rows) == pytest.approx(n * 2 * ratio, abs=8 // ep)
+    parts = [_mlp_oracle(r, 2048, 1024) for r in rows] + [_mlp_oracle(n, 1536, 1024)]
+    expected = [sum(part[i] for part in parts) for i in range(3)]
     assert expert_gemm_times(shape, batch, tp, H100, "bf16") == pytest.approx(expected,
                                                                             rel=1e-12)
 

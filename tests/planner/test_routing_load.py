@@ -18,6 +18,8 @@ from pipeline.planner.routing_load import (
     busiest_rank_ratio,
     expected_max_deviation,
     expected_max_standard_normal,
+    expected_normal_order_statistics,
+    local_expert_spread,
 )
 
 __all__: list[str] = []
@@ -96,6 +98,32 @@ def test_an_unconstrained_maximum_is_caught() -> None:
     assert abs(with_replacement - mean) > 0.03 * (mean - 1) + 3 * error
     assert busiest_load_ratio(1024, 4, 8, 2) - 1 == pytest.approx(mean - 1, rel=0.03,
                                                                   abs=3 * error)
+
+
+@pytest.mark.parametrize(("tokens", "topk", "experts", "ep"), [
+    (512, 2, 8, 2), (512, 2, 8, 1), (256, 4, 16, 2), (128, 6, 64, 8)])
+def test_a_ranks_experts_spread_as_a_monte_carlo_of_the_routing(
+        tokens: int, topk: int, experts: int, ep: int) -> None:
+    """The expected sorted deviations of rank 0's E/ep experts' rows from their own mean,
+    against the routing drawn (ep·n tokens, k distinct experts each)."""
+    rng = np.random.default_rng(3)
+    local = experts // ep
+    trials = 4 * _TRIALS
+    sorted_deviations = np.empty((trials, local))
+    for trial in range(trials):
+        picks = rng.random((ep * tokens, experts)).argsort(axis=-1)[:, :topk]
+        mine = np.bincount(picks.ravel(), minlength=experts)[:local].astype(float)
+        sorted_deviations[trial] = np.sort(mine - mine.mean())
+    mean = sorted_deviations.mean(axis=0)
+    error = sorted_deviations.std(axis=0, ddof=1) / math.sqrt(trials)
+    found = np.array(local_expert_spread(tokens, topk, experts, ep))
+    # the normal approximation within 3 % of each expected deviation, and the noise
+    assert np.all(np.abs(found - mean) <= 0.03 * np.abs(mean) + 3 * error)
+    assert found.sum() == pytest.approx(0.0, abs=1e-6)
+    assert expected_normal_order_statistics(2) == pytest.approx(
+        (-1 / math.sqrt(math.pi), 1 / math.sqrt(math.pi)), rel=1e-9)
+    assert expected_normal_order_statistics(5)[-1] == pytest.approx(
+        expected_max_standard_normal(5), rel=1e-9)
 
 
 def test_what_does_not_vary_is_even_and_rank_and_expert_pool_their_group() -> None:
