@@ -16,8 +16,8 @@ import pipeline.planner.grid as grid
 from pipeline.planner import PRESETS, PlanConfig, PlanError, SearchOptions, load_model, plan
 from pipeline.planner.data_parallel import grad_reduction
 from pipeline.planner.engines import engine_options
-from pipeline.planner.expert_parallel import expert_all_to_all
 from pipeline.planner.expert_kernels import expert_gemm_times
+from pipeline.planner.expert_parallel import expert_all_to_all
 from pipeline.planner.kernels import block_linear_times
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.pricing import allreduce_seconds, layer_tp_seconds
