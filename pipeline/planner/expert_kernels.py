@@ -16,10 +16,13 @@ hidden, e bytes an element, L rows arriving at the rank (mean n·k; the busiest 
 3. all-to-all (`expert_parallel.expert_all_to_all`), then permutation 2: the received
    chunks sorted by local expert (`sort_chunks_by_idxs`: split and cat), when E/ep > 1;
 4. each of the E/ep local experts: its gate/up GEMM, the activation, its down GEMM on its
-   rows. `--moe-grouped-gemm`'s TEGroupedMLP (Transformer Engine's GroupedLinear: one cuBLAS
-   GEMM per expert, `general_grouped_gemm`) and SequentialMLP / this engine's
-   `pipeline.moe.experts.expert_outputs` (a loop over the local experts) both run one GEMM
-   per expert, each quantized into its own tiles and waves: priced so;
+   rows. `--moe-grouped-gemm`'s TEGroupedMLP (Transformer Engine's GroupedLinear,
+   `general_grouped_gemm`: one cuBLAS GEMM per expert, NVIDIA/TransformerEngine
+   `common/gemm/cublaslt_gemm.cu` `multi_stream_cublas_gemm`) and SequentialMLP / this
+   engine's `pipeline.moe.experts.expert_outputs` (a loop over the local experts) both run
+   one GEMM per expert, each quantized into its own tiles and waves: priced so, one after
+   another (TE spreads them over 4 streams, where one's last partial wave may share the SMs
+   with the next's first: not priced);
 5. permutation 2 undone, the all-to-all back, then unpermute: the rows × their
    probabilities, scatter-added into n zeroed rows.
 
