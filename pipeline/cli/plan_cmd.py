@@ -148,6 +148,11 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "copy per token and expert; the engines' default) or deepep "
                              "(one copy per destination node, forwarded over NVLink there: "
                              "Megatron-Core's flex dispatcher; --engine megatron-core)")
+    parser.add_argument("--routing-imbalance", type=float, default=None, metavar="FACTOR",
+                        help="MoE: the busiest expert-parallel rank's routed tokens over the "
+                             "mean, as measured on your runs (>= 1, e.g. 1.2); the expert "
+                             "GEMMs and all-to-all are priced at it (default: the sampling "
+                             "floor of a balanced router)")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="price ZeRO-1's parameter all-gather overlapped with the next "
                              "step's forwards (the engine's overlap_param_gather; default: "
@@ -302,7 +307,8 @@ def run(args: argparse.Namespace) -> int:
             raise outside_space(f"--price {args.price}", "context parallelism")
         engine = engine_options(args.engine, overlap_param_gather=args.overlap_param_gather
                                 or None, tp_overlap=tp_overlap, two_batch_overlap=halves,
-                                moe_dispatcher=args.moe_dispatcher)
+                                moe_dispatcher=args.moe_dispatcher,
+                                routing_imbalance=args.routing_imbalance)
         prediction = price(model, cluster, args.global_batch, config, precision=precision,
                            options=SearchOptions(**engine))
         if args.json:
@@ -323,7 +329,8 @@ def run(args: argparse.Namespace) -> int:
         zero_stages=_zero_stages(args.zero, args.fsdp), recompute_choices=_recompute(args),
         top=args.top,
         overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap,
-        two_batch_overlap=halves, moe_dispatcher=args.moe_dispatcher),
+        two_batch_overlap=halves, moe_dispatcher=args.moe_dispatcher,
+        routing_imbalance=args.routing_imbalance),
         context_parallel=context_sizes(
             _sizes(args.cp, "cp"), args.context_parallel, model.seq, cluster.num_devices))
     tensor_parallel = options.tensor_parallel or (

@@ -110,7 +110,7 @@ class SearchBounds:
         `counts` microbatches) what `RankStates.peak_rows` finds of its held bytes."""
         placement = schedule_placement(config.schedule, config.pp, config.chunks)
         partition = (config.pp * config.chunks, config.tp, config.recompute,
-                     config.recompute_layers, placement, config.cp)
+                     config.recompute_layers, placement, config.cp, config.ep)
         states_key = (partition, config.dp, config.zero_stage, config.ep,
                       self.context.torch_ddp(config))
         states = self._states.get(states_key)
@@ -202,9 +202,9 @@ class SearchBounds:
 
     @staticmethod
     def _parts_key(config: PlanConfig) -> tuple[Any, ...]:
-        """What `_parts_of` depends on: the partition, the placement, the microbatch size
-        and whether the backward is fused."""
+        """What `_parts_of` depends on: the partition, the placement, the microbatch size,
+        whether the backward is fused, cp and ep (a MoE block's price depends on it)."""
         placement = schedule_placement(config.schedule, config.pp, config.chunks)
         return (config.pp * config.chunks, config.tp, config.recompute,
                 config.recompute_layers, placement, config.microbatch_size,
-                config.schedule in FUSED_BACKWARD, config.cp)
+                config.schedule in FUSED_BACKWARD, config.cp, config.ep)

@@ -19,6 +19,7 @@ import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.node_limited import ExpertRouting, off_node_scale
+from pipeline.planner.expert_kernels import stage_load_ratio
 from pipeline.planner.stages import StageTable
 from schedules import CostModel, Kind
 from schedules.analysis.all_to_all import ExpertAllToAll
@@ -85,14 +86,17 @@ def expert_all_to_all(table: StageTable, cluster: ClusterSpec, *, batch: int, ep
     in the forward; the backward sends the gradients of both the other way, two more. At
     tp > 1 each tp rank sends its sequence slice, 1/t of them, over its ep group (t ranks
     apart). None where nothing is exchanged (ep = 1, or a dense model). `two_batch`:
-    forwards outside pairs run as two halves (`ExpertAllToAll.two_batch`). `routing`,
-    `dispatcher`: the cross-node bytes (`all_to_all_seconds`)."""
+    forwards outside pairs run as two halves (`ExpertAllToAll.two_batch`). The busiest
+    rank's bytes set each exchange: the even share × `expert_kernels.stage_load_ratio`.
+    `routing`, `dispatcher`: the cross-node bytes (`all_to_all_seconds`)."""
     if ep <= 1 or not table.moe_layers.any():
         return None
     seconds = np.array([
-        2 * count * all_to_all_seconds(total / count * batch / tp, ep, tp, cluster,
-                                       routing=routing, dispatcher=dispatcher) if count
-        else 0.0 for count, total in zip(table.moe_layers, table.all_to_all, strict=True)])
+        2 * count * all_to_all_seconds(total / count * batch / tp * stage_load_ratio(
+            stage, batch=batch, tp=tp, ep=ep), ep, tp, cluster, routing=routing,
+            dispatcher=dispatcher) if count else 0.0
+        for count, total, stage in zip(table.moe_layers, table.all_to_all, table.stages,
+                                       strict=True)])
     return ExpertAllToAll(forward=seconds.tolist(), backward=seconds.tolist(),
                           two_batch=two_batch)
 

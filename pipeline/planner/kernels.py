@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.moe_shape import RoutedExperts
 
 __all__ = ["KernelTimes", "LayerShape", "attention_core_seconds", "block_linear_times",
            "elementwise_seconds", "epilogue_seconds", "gemm_seconds", "layer_kernel_times"]
@@ -52,14 +53,20 @@ class LayerShape:
     tp_overlap_chunks: int = 2
     """Slices an overlapped block (`pricing.TP_OVERLAPS` "pipesched") pipelines its
     collectives in, the engine's `chunks` default."""
-    experts: bool = False
-    """The block's MLP is a MoE's experts, unsplit over tp (expert tensor parallelism 1):
-    its GEMMs run the rank's s/t tokens (sequence parallelism) at full width, with no
-    tensor-parallel collective (`block_linear_times`' "expert" linears)."""
+    routed: RoutedExperts | None = None
+    """The block's MLP is a MoE's (experts unsplit over tp, expert tensor parallelism 1, no
+    tensor-parallel collective around it): priced apart, per local expert on the busiest
+    ep rank's rows (`expert_kernels.moe_mlp_times`); this module prices the block's
+    attention, norms and residuals only."""
     engine: Literal["pipesched", "megatron-2021"] = "pipesched"
     """Whose code runs the layer: "megatron-2021" adds the element-wise passes Megatron-LM's
     code of 2021 runs besides this engine's (`_megatron_2021_block`,
     `_megatron_2021_cross_entropy`)."""
+
+    @property
+    def experts(self) -> bool:
+        """Whether the block's MLP is a MoE's (`routed`)."""
+        return self.routed is not None
 
     @property
     def head_size(self) -> int:
@@ -206,8 +213,9 @@ def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int
     dropout_add = _stream_seconds(local * h * (3 * e + 1), cluster)
     parts = [(norm, 1.5 * norm, 0.0), (dropout_add, dropout_add, 0.0)] * 2
     parts += [times for _, times in block_linear_times(shape, batch, tp, cluster, precision)]
-    gelu = _stream_seconds((inner + 1) * tokens * width * e, cluster)
-    parts.append((gelu, 1.5 * gelu, 0.0))
+    if not shape.experts:  # a MoE MLP's activation: `expert_kernels`
+        gelu = _stream_seconds((inner + 1) * tokens * width * e, cluster)
+        parts.append((gelu, 1.5 * gelu, 0.0))
     parts.append(_attention(shape.attention, batch * heads, s, head_size, e, cluster,
                             precision))
     return parts
@@ -219,8 +227,8 @@ def block_linear_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterS
                                        tuple[float, float, float]]]:
     """A block's four linears in order (qkv, proj, fc1 — gate and up at once when gated —,
     fc2), each its kind and (forward, input gradient, weight gradient) GEMM seconds on one
-    of `tp` ranks: column- and row-parallel, or, for a MoE block's experts
-    (`LayerShape.experts`), "expert": unsplit, on the rank's s/t tokens."""
+    of `tp` ranks: column- and row-parallel; a MoE block's (`LayerShape.routed`) attention
+    pair only, its experts' GEMMs priced apart (`expert_kernels.expert_gemm_times`)."""
     e, h, k = shape.element, shape.hidden, shape.kv_width
     tokens, width = batch * shape.seq, math.ceil(shape.ffn / tp)
     q = shape.heads * shape.head_size
@@ -229,10 +237,7 @@ def block_linear_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterS
         ("column", _linear(tokens, h, math.ceil((q + 2 * k) / tp), cluster, precision, e)),
         ("row", _linear(tokens, math.ceil(q / tp), h, cluster, precision, e))]
     if shape.experts:
-        local = math.ceil(tokens / tp)
-        return [*attention,
-                ("expert", _linear(local, h, inner * shape.ffn, cluster, precision, e)),
-                ("expert", _linear(local, shape.ffn, h, cluster, precision, e))]
+        return attention
     return [*attention, ("column", _linear(tokens, h, inner * width, cluster, precision, e)),
             ("row", _linear(tokens, width, h, cluster, precision, e))]
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pipeline.planner.errors import PlanError
 from pipeline.planner.node_limited import ExpertRouting, routing_problems
 
-__all__ = ["MOE_KEYS", "ExpertShape"]
+__all__ = ["MOE_KEYS", "ExpertShape", "RoutedExperts", "check_routing_imbalance"]
 
 MOE_KEYS = ("experts", "topk", "expert_ffn", "shared_ffn", "shared_gate", "sparse_step",
             "dense_layers", "expert_groups", "topk_groups")
@@ -119,3 +119,42 @@ class ExpertShape:
         grouped = (f" groups{self.topk_groups}/{self.expert_groups}"
                    if self.expert_groups > 1 else "")
         return f" moe={self.experts}x{self.expert_ffn} top{self.topk}{shared}{grouped}"
+
+
+def check_routing_imbalance(value: object) -> float | None:
+    """`value` as a busiest-rank load factor (a finite number >= 1, or None: the sampling
+    floor, `routing_load.busiest_rank_ratio`), or a one-line `PlanError`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not 1.0 <= value < float("inf"):
+        raise PlanError(f"routing imbalance {value!r} must be a number >= 1: the busiest "
+                        "expert-parallel rank's routed tokens over the mean (1.0: perfectly "
+                        "even); leave it out for the sampling floor of a balanced router")
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutedExperts:
+    """What the kernel model needs of a MoE block's MLP on one rank (`expert_kernels`): E
+    routed experts of width f_e split over `ep` ranks, top-k, a shared expert of width f_s
+    (0: none), and the busiest ep rank's load over the mean (`imbalance`; None: the
+    sampling floor of a balanced router, `routing_load.busiest_rank_ratio`)."""
+
+    experts: int
+    topk: int
+    expert_ffn: int
+    shared_ffn: int = 0
+    ep: int = 1
+    imbalance: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.ep < 1 or self.experts % self.ep:
+            raise PlanError(f"ep={self.ep} must be >= 1 and divide the {self.experts} "
+                            "experts (each ep rank holds E / ep)")
+        check_routing_imbalance(self.imbalance)
+
+    @property
+    def local_experts(self) -> int:
+        """E / ep: the experts one rank holds and runs."""
+        return self.experts // self.ep

@@ -9,6 +9,7 @@ from pipeline.planner.data_parallel import ADAM_UPDATE_BYTES
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES
 from pipeline.planner.node_limited import DISPATCHERS
+from pipeline.planner.moe_shape import check_routing_imbalance
 from pipeline.planner.pricing import TP_OVERLAPS
 from schedules import SCHEDULES
 
@@ -97,6 +98,11 @@ class SearchOptions:
     moe_dispatcher: str = "alltoall"
     """How the engine dispatches tokens to experts (`node_limited.DISPATCHERS`): one copy
     per (token, expert) pair, or one per destination node (deepep)."""
+    routing_imbalance: float | None = None
+    """The busiest expert-parallel rank's routed tokens over the mean, as measured on the
+    user's runs (`pipesched plan --routing-imbalance`; a number >= 1): the MoE blocks'
+    expert compute and all-to-all priced at it (`expert_kernels.rank_load_ratio`); None: a
+    balanced router's sampling floor (`routing_load.busiest_rank_ratio`)."""
     state_bytes: tuple[float, float, float] | None = None
     """(parameter, gradient, optimizer) bytes per parameter of another engine
     (`PlanContext.state_bytes`); None: this engine's."""
@@ -154,6 +160,7 @@ class SearchOptions:
                 self.grad_reduce_bytes, int | float) or not self.grad_reduce_bytes > 0:
             raise PlanError(f"grad_reduce_bytes={self.grad_reduce_bytes!r} must be a number "
                             f"> 0 (4 for fp32 gradients, 2 for fp16)")
+        check_routing_imbalance(self.routing_imbalance)
         if self.tp_overlap not in TP_OVERLAPS:
             raise PlanError(f"tp_overlap={self.tp_overlap!r} must be one of "
                             f"{', '.join(TP_OVERLAPS)}")

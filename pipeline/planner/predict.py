@@ -23,7 +23,7 @@ from pipeline.planner.expert_parallel import (
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown
 from pipeline.planner.p2p import blocking_p2p
 from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
-from pipeline.planner.profile import ModelProfile
+from pipeline.planner.profile import LayerProfile, ModelProfile
 from pipeline.planner.rank_pricing import (
     RankPricing,
     is_cost_aware,
@@ -143,10 +143,17 @@ class PlanContext(RankPricing):
     p2p_gather: bool = True
     """With `blocking_p2p`, the receiver all-gathers the t pieces over NVLink (Megatron-LM
     2021's scatter/gather); False: each tp rank sends its own part, nothing to gather."""
-    _tables: dict[tuple[int, int, str, int, int], StageTable] = field(default_factory=dict)
-    _prices: dict[tuple[int, str], LayerPrices] = field(default_factory=dict)
-    _partitions: dict[tuple[int, int, bool], tuple[int, ...]] = field(default_factory=dict)
-    _graphs: dict[tuple[int, bool], ModelGraph] = field(default_factory=dict)
+    routing_imbalance: float | None = None
+    """The busiest ep rank's routed rows over the mean, as measured
+    (`moe_shape.RoutedExperts.imbalance`); None: a balanced router's sampling floor
+    (`routing_load.busiest_rank_ratio`)."""
+    _tables: dict[tuple[int, int, str, int, int, int], StageTable] = field(
+        default_factory=dict)
+    _prices: dict[tuple[int, str, int], LayerPrices] = field(default_factory=dict)
+    _partitions: dict[tuple[int, int, bool, int], tuple[int, ...]] = field(
+        default_factory=dict)
+    _graphs: dict[tuple[int, bool, int], ModelGraph] = field(default_factory=dict)
+    _ep_layers: dict[int, tuple[LayerProfile, ...]] = field(default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
         default_factory=OrderedDict)
     _schedule_ops: int = 0

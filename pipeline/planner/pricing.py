@@ -7,11 +7,8 @@ from __future__ import annotations
 import math
 
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.kernels import (
-    attention_core_seconds,
-    block_linear_times,
-    layer_kernel_times,
-)
+from pipeline.planner.expert_kernels import block_kernel_times
+from pipeline.planner.kernels import attention_core_seconds, block_linear_times
 from pipeline.planner.profile import LayerProfile
 from pipeline.planner.userbuffers import sm_contention_seconds, userbuffers_sms
 from schedules.analysis.tp_overlap import ParallelLinearCosts, linears_exposed
@@ -193,7 +190,7 @@ def layer_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch
     comm = layer_tp_seconds(layer, cluster, batch, tp)
     if _kernel_model(layer, cluster):
         assert layer.shape is not None
-        kernels = layer_kernel_times(layer.shape, batch, tp, cluster, precision)
+        kernels = block_kernel_times(layer.shape, batch, tp, cluster, precision)
         forward_comm, backward_comm = layer_tp_pass_seconds(layer, cluster, precision, batch,
                                                             tp, overlap)
         return (kernels.forward + forward_comm,
@@ -216,7 +213,7 @@ def layer_split_times(layer: LayerProfile, cluster: ClusterSpec, precision: str,
     comm = layer_tp_seconds(layer, cluster, batch, tp)
     if _kernel_model(layer, cluster):
         assert layer.shape is not None
-        kernels = layer_kernel_times(layer.shape, batch, tp, cluster, precision)
+        kernels = block_kernel_times(layer.shape, batch, tp, cluster, precision)
         _, backward_comm = layer_tp_pass_seconds(layer, cluster, precision, batch, tp, overlap)
         return kernels.input_grad + backward_comm, kernels.weight_grad
     if layer.split_seconds is None:

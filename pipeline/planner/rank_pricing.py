@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from pipeline.planner.context_parallel import context_table
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.peaks import PeakCounts
-from pipeline.planner.profile import ModelProfile
+from pipeline.planner.profile import LayerProfile, ModelProfile
 from pipeline.planner.stages import LayerPrices, StageTable, cost_graph, uniform_boundaries
 from pipeline.planner.tied import (
     stage_params,
@@ -46,10 +47,12 @@ class RankPricing:
     tied_reduce_at_step: bool
     tp_overlap: str
     state_bytes: tuple[float, float, float] | None
-    _tables: dict[tuple[int, int, str, int, int], StageTable]
-    _prices: dict[tuple[int, str], LayerPrices]
-    _partitions: dict[tuple[int, int, bool], tuple[int, ...]]
-    _graphs: dict[tuple[int, bool], ModelGraph]
+    routing_imbalance: float | None
+    _tables: dict[tuple[int, int, str, int, int, int], StageTable]
+    _prices: dict[tuple[int, str, int], LayerPrices]
+    _partitions: dict[tuple[int, int, bool, int], tuple[int, ...]]
+    _graphs: dict[tuple[int, bool, int], ModelGraph]
+    _ep_layers: dict[int, tuple[LayerProfile, ...]]
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]]
     _updates: dict[tuple[Any, ...], tuple[np.ndarray, ...]]
 
@@ -57,40 +60,56 @@ class RankPricing:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
         (compute only: every cut carries the same hidden-state bytes) into p·v stages."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
-               config.cp)
+               config.cp, config.ep)
         if key not in self._tables:
+            layers = self.layers_at(config.ep)
             # the cuts see full recomputation of every layer; selective and partial
             # recomputation are not priced per layer here (a partial one depends on the cuts
             # themselves): the other modes share one partition
             again = config.recompute == "full" and not config.recompute_layers
             if self.uniform_layers:
-                uniform = uniform_boundaries(self.model.layers, key[0])
+                uniform = uniform_boundaries(layers, key[0])
                 if uniform is None:
                     raise PlanError(f"{config.label()}: {key[0]} stages do not divide the "
                                     f"model's blocks evenly (uniform_layers)")
                 cuts: tuple[int, ...] = uniform
             else:
-                cuts = self._cuts(key[0], config.tp, again)
-            prices = self._prices.get((config.tp, config.recompute))
-            if prices is None:  # shared by the tables of one tp size and recomputation mode
-                prices = self._prices[config.tp, config.recompute] = LayerPrices.of(
-                    self.model.layers, next(iter(self._prices.values()), None))
+                cuts = self._cuts(key[0], config.tp, again, config.ep)
+            prices = self._prices.get((config.tp, config.recompute, config.ep))
+            if prices is None:  # shared by the tables of one tp, recomputation and ep
+                prices = self._prices[config.tp, config.recompute, config.ep] = \
+                    LayerPrices.of(layers, next(iter(self._prices.values()), None))
             self._tables[key] = context_table(StageTable.build(
-                self.model.layers, cuts, self.cluster, self.precision, config.tp,
+                layers, cuts, self.cluster, self.precision, config.tp,
                 config.recompute, config.recompute_layers, self.tp_overlap, prices),
                 config.cp, config.tp)
         return self._tables[key]
 
-    def _cuts(self, stages: int, tp: int, again: bool) -> tuple[int, ...]:
-        key = (stages, tp, again)
+    def _cuts(self, stages: int, tp: int, again: bool, ep: int) -> tuple[int, ...]:
+        key = (stages, tp, again, ep)
         if key not in self._partitions:
-            graph = self._graphs.get((tp, again))
-            if graph is None:  # one per tp size and recomputation, cut into any p·v
-                graph = self._graphs[tp, again] = cost_graph(
-                    self.model.layers, self.cluster, self.precision, tp, again,
+            graph = self._graphs.get((tp, again, ep))
+            if graph is None:  # one per tp, recomputation and ep, cut into any p·v
+                graph = self._graphs[tp, again, ep] = cost_graph(
+                    self.layers_at(ep), self.cluster, self.precision, tp, again,
                     self.tp_overlap)
             self._partitions[key] = tuple(partition_graph(graph, stages).boundaries)
         return self._partitions[key]
+
+    def layers_at(self, ep: int) -> tuple[LayerProfile, ...]:
+        """The model's layers as `ep` ranks run them: each MoE block's kernel shape with its
+        E/ep local experts and the search's `routing_imbalance`
+        (`kernels.LayerShape.routed`, priced by `expert_kernels`); a dense model's as
+        they are."""
+        if not self.model.experts:
+            return tuple(self.model.layers)
+        if ep not in self._ep_layers:
+            self._ep_layers[ep] = tuple(
+                replace(layer, shape=replace(layer.shape, routed=replace(
+                    layer.shape.routed, ep=ep, imbalance=self.routing_imbalance)))
+                if layer.shape is not None and layer.shape.routed is not None else layer
+                for layer in self.model.layers)
+        return self._ep_layers[ep]
 
 
     def memory(self, config: PlanConfig, trace: HeldTrace | PeakCounts | None = None, *,
@@ -153,7 +172,7 @@ class RankPricing:
         and the recomputation workspace, per sample."""
         placement = placement_of(config)
         key = (config.pp * config.chunks, config.tp, config.recompute,
-               config.recompute_layers, placement, config.cp)
+               config.recompute_layers, placement, config.cp, config.ep)
         if key not in self._rank_sums:
             table = self.table(config)
             workspace = np.zeros(config.pp)

@@ -207,6 +207,7 @@ def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                        tp_overlap=options.tp_overlap, state_bytes=options.state_bytes,
                        two_batch_overlap=options.two_batch_overlap,
                        moe_dispatcher=options.moe_dispatcher,
+                       routing_imbalance=options.routing_imbalance,
                        p2p_overlap_interleaved=options.p2p_overlap_interleaved,
                        p2p_gather=options.p2p_gather)
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pipeline.planner.errors import PlanError
 from pipeline.planner.kernels import LayerShape
-from pipeline.planner.moe_shape import ExpertShape
+from pipeline.planner.moe_shape import ExpertShape, RoutedExperts
 from pipeline.planner.profile import LayerProfile, ModelProfile
 from schedules.analysis.accounting import AttentionKind, RecomputeKind, layer_activation_bytes
 
@@ -337,18 +337,24 @@ def _moe_block(shape: TransformerShape, block: Callable[[TransformerShape], Laye
     hidden state sent to its k experts, s·k·h elements per sample each way
     (`expert_parallel.expert_all_to_all`). The router's logits and the dispatch's index
     bookkeeping are not counted in the activations (E and k words per token against
-    k·(3f_e) of the experts' own). At t > 1 its MLP is the experts unsplit on the rank's s/t
-    tokens (`kernels.LayerShape.experts`): attention's collectives only, one all-reduce's
-    bytes a pass, none around the MLP (its all-to-all takes and returns the rank's slice)."""
+    k·(3f_e) of the experts' own). Its kernels: the dense block's attention, norms and
+    residuals, and its MLP as the engines run it (`kernels.LayerShape.routed`,
+    `expert_kernels`: router, permutations, one GEMM per local expert on the busiest ep
+    rank's rows; ep 1 here, the search's configuration sets it, `RankPricing.layers_at`).
+    At t > 1 its MLP runs unsplit on the rank's s/t tokens: attention's collectives only,
+    one all-reduce's bytes a pass, none around the MLP (its all-to-all takes and returns
+    the rank's slice)."""
     assert shape.moe is not None
     active = replace(shape, ffn=shape.moe.active_ffn, moe=None)
     split, replicated, experts = shape.moe_block_parameters()
     dense = block(active)
     assert dense.shape is not None
+    routed = RoutedExperts(experts=shape.moe.experts, topk=shape.moe.topk,
+                           expert_ffn=shape.moe.expert_ffn, shared_ffn=shape.moe.shared_ffn)
     return replace(dense, flops_split=shape.seq * shape.moe_block_flops_per_token(),
                    params_split=split, params_replicated=replicated, expert_params=experts,
                    all_to_all_bytes=shape.seq * shape.moe.topk * shape.hidden * element,
-                   tp_allreduces=1, shape=replace(dense.shape, experts=True))
+                   tp_allreduces=1, shape=replace(dense.shape, routed=routed))
 
 
 def _label(shape: TransformerShape) -> str:

@@ -78,20 +78,21 @@ class Oracle:
 
     def __init__(self, context: PlanContext) -> None:
         self.context = context
-        self._layer_prices: dict[tuple[int, int, int, str], tuple[float, ...]] = {}
-        self._cuts: dict[tuple[int, int, bool], list[Sequence[LayerProfile]]] = {}
+        self._layer_prices: dict[tuple[int, int, int, str, int], tuple[float, ...]] = {}
+        self._cuts: dict[tuple[int, int, bool, int], list[Sequence[LayerProfile]]] = {}
         self._arrays: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def stages(self, config: PlanConfig) -> list[Sequence[LayerProfile]]:
-        """The exact partitioner's cuts of the one-sample costs (or Megatron's even split)."""
+        """The exact partitioner's cuts of the one-sample costs (or Megatron's even split)
+        of the layers as ep ranks run them (`PlanContext.layers_at`)."""
         again = config.recompute == "full" and not config.recompute_layers
-        key = (config.pp * config.chunks, config.tp, again)
+        key = (config.pp * config.chunks, config.tp, again, config.ep)
         if key not in self._cuts:
             self._cuts[key] = self._stages(config)
         return self._cuts[key]
 
     def _stages(self, config: PlanConfig) -> list[Sequence[LayerProfile]]:
-        context, layers, tp = self.context, self.context.model.layers, config.tp
+        context, layers, tp = self.context, self.context.layers_at(config.ep), config.tp
         count = config.pp * config.chunks
         if context.uniform_layers:
             cuts = uniform_boundaries(layers, count)
@@ -111,7 +112,7 @@ class Oracle:
         """Per stage: parameters, tied parameters, held and workspace bytes per sample,
         experts; the placement."""
         key = (config.pp, config.chunks, config.tp, config.recompute, config.recompute_layers,
-               config.schedule, config.cp)
+               config.schedule, config.cp, config.ep)
         if key not in self._arrays:
             self._arrays[key] = self._stage_arrays(config)
         return self._arrays[key]
@@ -158,9 +159,9 @@ class Oracle:
                            zero=config.zero_stage,
                            ep=config.ep, **context.engine_bytes(config))
 
-    def _prices(self, layer: LayerProfile, index: int, b: int, tp: int, recompute: str
-                ) -> tuple[float, ...]:
-        key = (index, b, tp, recompute)
+    def _prices(self, layer: LayerProfile, index: int, b: int, tp: int, recompute: str,
+                ep: int) -> tuple[float, ...]:
+        key = (index, b, tp, recompute, ep)
         if key not in self._layer_prices:
             context = self.context
             args = (context.cluster, context.precision, b, tp)
@@ -176,12 +177,12 @@ class Oracle:
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per stage at b samples: forward, input gradient (recomputation in it) and weight
         gradient, each op paying the runtime's fixed cost once; a fused backward halved."""
-        index = {id(layer): i for i, layer in enumerate(self.context.model.layers)}
+        index = {id(layer): i for i, layer in enumerate(self.context.layers_at(config.ep))}
         b, tp, overhead = config.microbatch_size, config.tp, self.context.cluster.op_overhead
         rows = []
         for stage in stages:
-            prices = [self._prices(layer, index[id(layer)], b, tp, config.recompute)
-                      for layer in stage]
+            prices = [self._prices(layer, index[id(layer)], b, tp, config.recompute,
+                                   config.ep) for layer in stage]
             sums = [sum(p[i] for p in prices) / config.cp + overhead for i in range(4)]
             k = config.recompute_layers or len(stage)
             again = sum(p[5] for p in prices[:k]) / config.cp

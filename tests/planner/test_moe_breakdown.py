@@ -23,8 +23,10 @@ __all__: list[str] = []
 
 DEEPSEEK_LIKE = ("layers=12,hidden=1024,heads=8,vocab=32000,seq=2048,mlp=swiglu,norm=rmsnorm,"
                  "bias=none,learned_positions=false,ffn=4096,experts=16,topk=4,expert_ffn=1024,"
-                 "dense_layers=0;1;2")
-"""Fine-grained experts (16, top 4) after three dense blocks, as DeepSeek-V2 has one."""
+                 "dense_layers=0;1;2;3")
+"""Fine-grained experts (16, top 4) after dense blocks, as DeepSeek-V2 has one: four, which
+the exact partitioner puts on rank 0 alone (with the embedding) at pp 4 and 8, its MoE
+blocks priced per local expert (`expert_kernels`)."""
 CLUSTER = replace(PRESETS["h100-80g"], nodes=8, devices_per_node=2)
 """2 devices a node: an ep group of 4 (pp 4) spans two nodes, of 2 (pp 8) one."""
 

@@ -34,12 +34,19 @@ def test_every_term_moves_its_cases_the_expected_way() -> None:
     assert [case for case, move in per_node.items() if move != 0] == [
         case for case in per_node if "deepep" in case]
     assert all(move < -5.0 for case, move in per_node.items() if "deepep" in case)
+    assert len(moves) == len(term_sensitivity.TERMS) * len(term_sensitivity.CASES) == 33
+    assert all(move >= 0 for move in moves.values())
     epilogue = {case: move for (term, case), move in moves.items() if "epilogue" in term}
     a100 = [case for case in epilogue if "A100" in case]
     assert len(a100) == 1 and epilogue[a100[0]] > 1.0
     assert all(move == 0 for case, move in epilogue.items() if "H100" in case)
     tiles = [move for (term, _), move in moves.items() if "wave quantization" in term]
     assert min(tiles) > 1.0
+    # the MoE block's terms (`expert_kernels`) move the MoE case alone, each of them
+    moe = {(term, case): move for (term, case), move in moves.items()
+           if term.startswith("MoE: ")}
+    assert len(moe) == 4 * 3
+    assert all((move > 0) == ("Mixtral" in case) for (_, case), move in moe.items())
 
 
 def test_a_switch_that_switches_nothing_off_reads_zero(monkeypatch: pytest.MonkeyPatch) -> None:
