@@ -99,7 +99,9 @@ TERMS: tuple[tuple[str, Callable[[], AbstractContextManager[Any]]], ...] = (
     ("runtime cost, 20 µs a stage op (`op_overhead`)", _presets_with(op_overhead=0.0)),
     ("element-wise kernels at 0.85 of HBM (`memory_efficiency`)",
      _presets_with(memory_efficiency=1.0)),
-    ("collectives at 0.8 of the link (`link_efficiency`)", _presets_with(link_efficiency=1.0)),
+    ("all-to-all at 0.8 of the link (`link_efficiency`)", _presets_with(link_efficiency=1.0)),
+    ("NCCL's collective model, against α–β at 0.8 of the link (`nccl_model`)",
+     _presets_with(nccl_arch="")),
 )
 """(term, a context manager that switches it off)."""
 
