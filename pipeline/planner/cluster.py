@@ -176,8 +176,9 @@ def _non_negative(value: object) -> bool:
 #   81,559 MiB, of which the driver keeps the rest). The CUDA context, NCCL's buffers and
 #   the allocator's fragmentation come out of it too and are not priced (0.5-1.5 GiB of
 #   "non-PyTorch memory" in the same messages): set `device_memory` lower for a margin.
-# Efficiencies: element-wise kernels 0.85 of HBM bandwidth, collectives 0.8 of the link
-# (NCCL's bus bandwidth ~240 GB/s of NVLink's 300 one way), 4 µs a kernel: each a device
+# Efficiencies: element-wise kernels 0.85 of HBM bandwidth, the all-to-all 0.8 of the link
+# (`link_efficiency`; the other collectives and P2P by NCCL's own model, `nccl_arch`, whose
+# NVLink rating is 20.0 / 20.6 GB/s of a link's 25), 4 µs a kernel: each a device
 # figure, though set in the pass that first compared with Table 1, and not refitted by its
 # leave-one-out (benchmarks/term_sensitivity.py shows what each moves). The one constant
 # fitted to runs is the share of an SM's peak a full 256 × 128 GEMM tile's k-loop reaches,
