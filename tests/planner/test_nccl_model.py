@@ -71,7 +71,8 @@ def test_channels_are_what_the_graph_search_would_keep() -> None:
 # --- the oracle: ncclTopoTuneModel's loop for ring and tree all-reduce, as written there ---
 
 def _oracle(nbytes: float, ranks: int, nodes: int, arch: str, n_channels: float, bw: float,
-            ) -> tuple[str, str, float]:
+            ) -> dict[tuple[str, str], float]:
+    """Seconds of every (algorithm, protocol) NCCL times for an all-reduce."""
     index2 = nodes - 1 if nodes <= 2 else 2
     ll_max = {"ampere": 87.7, "hopper": 141.0}[arch] if nodes == 1 \
         else (39.0, 39.0, 20.4)[index2]
@@ -89,7 +90,7 @@ def _oracle(nbytes: float, ranks: int, nodes: int, arch: str, n_channels: float,
                    .7, .7, .8, .9, .9, .9]]
     ppn = ranks / nodes
     nsteps = 2 * (ranks - 1)
-    best = ("", "", math.inf)
+    times = {}
     for a in ("tree", "ring"):
         for p, proto in enumerate(("LL", "LL128", "Simple")):
             bus = n_channels * bw
@@ -119,28 +120,36 @@ def _oracle(nbytes: float, ranks: int, nodes: int, arch: str, n_channels: float,
                 bus *= correction[p][log_size]
             if a == "ring" and p == 2 and nodes > 1 and nbytes / (n_channels * ranks) >= 64:
                 lat *= 1.4
-            seconds = (lat + nbytes / (1000 * bus)) * 1e-6
-            if seconds < best[2]:
-                best = (a, proto, seconds)
-    return best
+            times[a, proto] = (lat + nbytes / (1000 * bus)) * 1e-6
+    return times
 
 
 # (cluster, ranks a node, nodes, the channels NCCL_DEBUG=INFO would print for it)
 _CASES = ((A100, 8, 1, 12, 20.0), (H100, 8, 1, 12, 30.0), (A100, 8, 2, 8, 24.0),
-          (H100, 8, 16, 8, 48.0), (A100, 8, 384, 8, 24.0), (H100, 1, 64, 2, 24.0))
-_SIZES = (256.0, 8e3, 300e3, 4e6, 64e6, 1e9)
+          (H100, 8, 16, 8, 48.0), (A100, 8, 384, 8, 24.0), (H100, 1, 64, 2, 24.0),
+          (A100, 1, 16, 1, 24.0))
+_SIZES = (256.0, 8e3, 300e3, 4e6, 64e6, 300e6, 1e9)
 
 
 def _mismatches() -> list[str]:
     wrong = []
     for cluster, local, nodes, n_channels, bw in _CASES:
         big = replace(cluster, nodes=nodes)
+        ring = nccl_model.channels(big, local, nodes)
         for nbytes in _SIZES:
             want = _oracle(nbytes, local * nodes, nodes, cluster.nccl_arch, n_channels, bw)
+            case = f"{cluster.name} {local}x{nodes} {nbytes:g} B"
+            for (algorithm, protocol), seconds in want.items():
+                mine = nccl_model.predicted_seconds(
+                    "allreduce", algorithm, nccl_model.PROTOCOLS.index(protocol), nbytes,
+                    local * nodes, nodes, cluster.nccl_arch, ring)
+                if not math.isclose(mine, seconds, rel_tol=1e-9):
+                    wrong.append(f"{case} {algorithm} {protocol}: {mine} vs {seconds}")
+            pick = min(want, key=want.__getitem__)
             got = nccl_model.choose("allreduce", nbytes, local * nodes, local, big)
-            if (got.algorithm, got.protocol) != want[:2] \
-                    or not math.isclose(got.seconds, want[2], rel_tol=1e-9):
-                wrong.append(f"{cluster.name} {local}x{nodes} {nbytes:g} B: {got} vs {want}")
+            if (got.algorithm, got.protocol) != pick \
+                    or not math.isclose(got.seconds, want[pick], rel_tol=1e-9):
+                wrong.append(f"{case}: {got} vs {pick} {want[pick]}")
     return wrong
 
 
