@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from pipeline.planner import PRESETS, nccl_model
 from pipeline.planner.cluster import cluster_from_json
+from pipeline.planner.device_profile import apply_device_profile, write_device_profile
 from pipeline.planner.errors import PlanError
 from pipeline.planner.nccl_model import Channels
 from pipeline.planner.pricing import (
@@ -229,3 +231,16 @@ def test_bad_arch_and_collective_are_refused() -> None:
     with pytest.raises(ValueError, match="needs one of ampere, hopper"):
         nccl_model.choose("allreduce", 1e6, 8, 8, replace(A100, nccl_arch=""))
     assert cluster_from_json({"preset": "h100-80g", "nccl_arch": ""}).nccl_arch == ""
+
+
+def test_a_measured_device_profile_prices_its_collectives_alpha_beta(tmp_path: Path) -> None:
+    """Measured all-reduce figures are what was reached: NCCL's NVLink rating must not be
+    applied to them again."""
+    path = tmp_path / "dev.json"
+    write_device_profile(path, {"device": "x", "precision": "bf16",
+                                "gemms": [[1024, 1024, 1024, 1e-5]], "memory_bandwidth": 3e12,
+                                "collectives": {"latency": 2e-5, "allreduce_bandwidth": 1e11}})
+    measured = apply_device_profile(H100, path)
+    assert measured.nccl_arch == ""
+    assert allreduce_seconds(1e9, 8, 1, measured) == pytest.approx(2 * 7 / 8 * 1e9 / 1e11
+                                                                   + 14 * 2e-5)
