@@ -16,8 +16,8 @@ from dataclasses import replace
 from typing import Any
 from unittest import mock
 
-import pipeline.planner.expert_parallel as expert_parallel
 import pipeline.planner.expert_kernels as expert_kernels
+import pipeline.planner.expert_parallel as expert_parallel
 import pipeline.planner.kernels as kernels
 import pipeline.planner.pricing as pricing
 from pipeline.planner import PRESETS, PlanConfig, SearchOptions, load_model
@@ -148,7 +148,9 @@ TERMS: tuple[tuple[str, Callable[[], AbstractContextManager[Any]]], ...] = (
     ("runtime cost, 20 µs a stage op (`op_overhead`)", _presets_with(op_overhead=0.0)),
     ("element-wise kernels at 0.85 of HBM (`memory_efficiency`)",
      _presets_with(memory_efficiency=1.0)),
-    ("collectives at 0.8 of the link (`link_efficiency`)", _presets_with(link_efficiency=1.0)),
+    ("all-to-all at 0.8 of the link (`link_efficiency`)", _presets_with(link_efficiency=1.0)),
+    ("NCCL's collective model, against α–β at 0.8 of the link (`nccl_model`)",
+     _presets_with(nccl_arch="")),
     ("one copy per node under node-limited routing, deepep (`node_limited.off_node_scale`; "
      "off: per expert)", _per_expert_dispatch),
     ("MoE: one GEMM per local expert (`expert_kernels.expert_gemm_times`)",

@@ -43,6 +43,8 @@ CLUSTER FILES
   achieved_fraction, intra_bandwidth, intra_latency, inter_bandwidth, inter_latency,
   memory_bandwidth (bytes/s, seconds). Device model (optional): sm_count, gemm_efficiency,
   memory_efficiency, kernel_overhead, nics_per_node, nic_bandwidth, link_efficiency,
+  nccl_arch ("ampere" or "hopper": collectives priced by NCCL's own cost model with that
+  architecture's tables, as the presets; "": alpha-beta at link_efficiency),
   gemm_epilogue_serial (true: each GEMM stores its output after its k-loop, as Ampere's
   kernels do; the A100 presets); or measure it: pipesched profile-device --output
   dev.json, then --device-profile dev.json.

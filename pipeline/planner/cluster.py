@@ -12,9 +12,11 @@ from typing import Any
 from pipeline.planner.errors import PlanError
 from pipeline.planner.input_files import read_input_json
 
-__all__ = ["PRESETS", "ClusterSpec", "cluster_from_json"]
+__all__ = ["NCCL_ARCHS", "PRESETS", "ClusterSpec", "cluster_from_json"]
 
 GIB = 2**30
+NCCL_ARCHS = ("ampere", "hopper")
+"""GPU architectures whose NCCL tuning tables `nccl_model` holds."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +62,14 @@ class ClusterSpec:
     nic_bandwidth: float = 0.0
     """Bytes/s one way of each network card."""
     link_efficiency: float = 1.0
-    """Share of a link's bandwidth a collective reaches (NCCL's bus bandwidth / the link's)."""
+    """Share of a link's bandwidth a collective reaches (bus bandwidth / the link's) where
+    collectives are priced α–β: every collective when `nccl_arch` is empty (`local`, a
+    profiled device, a cluster file without it); with NCCL's model only what it does not
+    price (the MoE all-to-all)."""
+    nccl_arch: str = ""
+    """"ampere" or "hopper": all-reduce, reduce-scatter, all-gather and point-to-point
+    messages priced by NCCL's own cost model with that architecture's tables
+    (`pipeline.planner.nccl_model`); "": α–β at `link_efficiency` of the link."""
     gemm_epilogue_serial: bool = False
     """The device's GEMM kernels store each output tile after its k-loop, the SM idle
     meanwhile (Ampere's CUTLASS 2.x / cuBLAS kernels; `kernels.epilogue_seconds`); False:
@@ -91,6 +100,9 @@ class ClusterSpec:
             value = getattr(self, name)
             if not _positive(value) or value > 1:
                 problems.append(f"{name}={value!r} must be in (0, 1]")
+        if self.nccl_arch not in ("", *NCCL_ARCHS):
+            problems.append(f"nccl_arch={self.nccl_arch!r} must be one of "
+                            f"{', '.join(NCCL_ARCHS)} or \"\" (collectives priced α–β)")
         if not isinstance(self.gemm_epilogue_serial, bool):
             problems.append(f"gemm_epilogue_serial={self.gemm_epilogue_serial!r} must be "
                             f"true or false")
@@ -164,8 +176,9 @@ def _non_negative(value: object) -> bool:
 #   81,559 MiB, of which the driver keeps the rest). The CUDA context, NCCL's buffers and
 #   the allocator's fragmentation come out of it too and are not priced (0.5-1.5 GiB of
 #   "non-PyTorch memory" in the same messages): set `device_memory` lower for a margin.
-# Efficiencies: element-wise kernels 0.85 of HBM bandwidth, collectives 0.8 of the link
-# (NCCL's bus bandwidth ~240 GB/s of NVLink's 300 one way), 4 µs a kernel: each a device
+# Efficiencies: element-wise kernels 0.85 of HBM bandwidth, the all-to-all 0.8 of the link
+# (`link_efficiency`; the other collectives and P2P by NCCL's own model, `nccl_arch`, whose
+# NVLink rating is 20.0 / 20.6 GB/s of a link's 25), 4 µs a kernel: each a device
 # figure, though set in the pass that first compared with Table 1, and not refitted by its
 # leave-one-out (benchmarks/term_sensitivity.py shows what each moves). The one constant
 # fitted to runs is the share of an SM's peak a full 256 × 128 GEMM tile's k-loop reaches,
@@ -186,21 +199,22 @@ PRESETS: dict[str, ClusterSpec] = {
         peak_flops=_A100, achieved_fraction=0.5, intra_bandwidth=300e9, intra_latency=5e-6,
         inter_bandwidth=25e9, inter_latency=10e-6, memory_bandwidth=2.039e12,
         op_overhead=20e-6, sm_count=108, nics_per_node=8, nic_bandwidth=25e9,
-        **(_DEVICE_MODEL | _AMPERE_GEMMS)),
+        nccl_arch="ampere", **(_DEVICE_MODEL | _AMPERE_GEMMS)),
     "h100-80g": ClusterSpec(
         name="h100-80g", nodes=1, devices_per_node=8, device_memory=79.11 * GIB,
         peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, achieved_fraction=0.5,
         intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
         memory_bandwidth=3.35e12, op_overhead=20e-6, sm_count=132, nics_per_node=8,
-        nic_bandwidth=50e9, **_DEVICE_MODEL),
+        nic_bandwidth=50e9, nccl_arch="hopper", **_DEVICE_MODEL),
     "a800-80g": ClusterSpec(
         name="a800-80g", nodes=1, devices_per_node=8, device_memory=79.33 * GIB,
         peak_flops=_A100, achieved_fraction=0.5, intra_bandwidth=200e9, intra_latency=5e-6,
         inter_bandwidth=25e9, inter_latency=10e-6, memory_bandwidth=2.039e12,
         op_overhead=20e-6, sm_count=108, nics_per_node=8, nic_bandwidth=25e9,
-        **(_DEVICE_MODEL | _AMPERE_GEMMS)),
+        nccl_arch="ampere", **(_DEVICE_MODEL | _AMPERE_GEMMS)),
 }
-_NUMBER_KEYS = {f.name for f in fields(ClusterSpec)} - {"name", "peak_flops", "precision"}
+_TEXT_KEYS = {"name", "peak_flops", "precision", "nccl_arch"}
+_NUMBER_KEYS = {f.name for f in fields(ClusterSpec)} - _TEXT_KEYS
 _OPTIONAL_KEYS = {f.name for f in fields(ClusterSpec) if f.default is not MISSING
                   or f.default_factory is not MISSING}
 
@@ -217,7 +231,7 @@ def cluster_from_json(source: str | os.PathLike[str] | Mapping[str, Any]) -> Clu
         raise PlanError(f"cluster JSON must be an object, got {type(document).__name__}")
     values = dict(document)
     base = values.pop("preset", None)
-    known = _NUMBER_KEYS | {"name", "peak_flops", "precision"}
+    known = _NUMBER_KEYS | _TEXT_KEYS
     unknown = sorted(set(values) - known)
     if unknown:
         raise PlanError(f"cluster JSON has unknown keys {unknown}; the keys are {sorted(known)}")

@@ -9,6 +9,7 @@ import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
+from pipeline.planner.pricing import allgather_seconds
 from pipeline.planner.profile import LayerProfile
 
 if TYPE_CHECKING:
@@ -65,7 +66,10 @@ def context_table(table: StageTable, cp: int, stride: int) -> StageTable:
 def gather_seconds(nbytes: float, cp: int, stride: int, cluster: ClusterSpec) -> float:
     """A ring all-gather (or reduce-scatter) whose whole result is `nbytes`, over cp ranks
     `stride` apart: (cp−1)/cp of the bytes through each link and cp−1 latency hops, over
-    NVLink when the group fits a node (cp·stride <= devices per node), else the network."""
+    NVLink when the group fits a node (cp·stride <= devices per node), else the network;
+    with `nccl_arch`, NCCL's pick for it."""
+    if cluster.nccl_arch:  # NCCL's pick (`pricing.allgather_seconds`)
+        return allgather_seconds(nbytes, cp, stride, cluster)
     bandwidth, latency = cluster.link(cp * stride)
     return (cp - 1) / cp * nbytes / bandwidth + (cp - 1) * latency
 

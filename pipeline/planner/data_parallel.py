@@ -10,7 +10,11 @@ import numpy as np
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.expert_parallel import expert_group
 from pipeline.planner.memory import PARAM_BYTES
-from pipeline.planner.pricing import allreduce_seconds
+from pipeline.planner.pricing import (
+    allgather_seconds,
+    allreduce_seconds,
+    reduce_scatter_seconds,
+)
 from pipeline.planner.stages import StageTable
 from schedules import GradReduction, ParamGather
 from schedules.analysis.zero_exposure import ZeroLayerCosts, zero_exposed
@@ -40,7 +44,7 @@ def grad_reduction(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
     """Each stage's data-parallel reduction for the simulator, which places it on the rank's
     timeline by the engine's rule (buckets launched from the hooks of the stage's last fused
     backward as they become final, one after another on one stream; only what cannot hide
-    behind that backward is exposed). ZeRO-1 reduce-scatters: half an all-reduce's traffic.
+    behind that backward is exposed). ZeRO-1 reduce-scatters (`pricing.reduce_scatter_seconds`).
     Without `overlap`, everything starts once the rank's pipeline has drained (Narayanan et
     al. 2021). `params`: per stage, default `table.params` (`tied.stage_params` adds a tied
     copy). The routed experts' gradients (`StageTable.experts`): each rank's 1/ep of them
@@ -56,8 +60,9 @@ def grad_reduction(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
     def reduce(count: float, group: int, stride: int) -> float:
         if not count:  # no experts here: no second collective, not even its latency
             return 0.0
-        return allreduce_seconds(count * grad_reduce_bytes, group, stride, cluster) \
-            / (2 if zero_stage else 1)
+        if zero_stage:
+            return reduce_scatter_seconds(count * grad_reduce_bytes, group, stride, cluster)
+        return allreduce_seconds(count * grad_reduce_bytes, group, stride, cluster)
 
     group, stride = expert_group(dp, tp, ep)
     seconds = [reduce(float(count), dp, tp) + reduce(float(mine), group, stride)
@@ -78,8 +83,8 @@ def _with_experts(params: np.ndarray, experts: np.ndarray, ep: int, tp: int
 
 
 def _gather_seconds(params: float, dp: int, tp: int, cluster: ClusterSpec) -> float:
-    """All-gathering `params` updated parameters over `dp` ranks: half an all-reduce."""
-    return allreduce_seconds(params * PARAM_BYTES, dp, tp, cluster) / 2
+    """All-gathering `params` updated parameters over `dp` ranks (`allgather_seconds`)."""
+    return allgather_seconds(params * PARAM_BYTES, dp, tp, cluster)
 
 
 def param_gather(table: StageTable, cluster: ClusterSpec, *, dp: int, tp: int,
@@ -163,7 +168,7 @@ def sharded_comm_seconds(stage_params: np.ndarray, stage_layers: Sequence[int],
             forward=float(f) / units, weight_grad=float(b) / (2 * units),
             input_grad=float(b) / (2 * units),
             gather=_gather_seconds(count / units, dp, tp, cluster) if zero_stage == 3 else 0.0,
-            reduce=allreduce_seconds(count / units * grad_reduce_bytes, dp, tp, cluster) / 2)
+            reduce=reduce_scatter_seconds(count / units * grad_reduce_bytes, dp, tp, cluster))
         exposure = zero_exposed([layer] * units, zero_stage=zero_stage,
                                 microbatches=num_microbatches)
         seconds[rank] += exposure.forward + exposure.backward

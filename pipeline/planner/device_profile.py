@@ -58,7 +58,8 @@ def apply_device_profile(cluster: ClusterSpec, path: str | os.PathLike[str]) -> 
     """`cluster` priced from the measurements in `path`: GEMMs at the nearest measured
     shape's FLOP/s, element-wise work at the measured memory bandwidth, collectives inside
     a node at the measured all-reduce bandwidth and latency (the figures are what was
-    reached, so the efficiencies become 1)."""
+    reached, so the efficiencies become 1, and collectives are priced α–β on them, not by
+    NCCL's model: `nccl_arch` "")."""
     document = read_device_profile(path)
     cluster = replace(cluster,
                       gemm_measurements=tuple(tuple(row) for row in document["gemms"]),
@@ -68,4 +69,5 @@ def apply_device_profile(cluster: ClusterSpec, path: str | os.PathLike[str]) -> 
     if collectives is None:
         return cluster
     return replace(cluster, intra_bandwidth=float(collectives["allreduce_bandwidth"]),
-                   intra_latency=float(collectives["latency"]), link_efficiency=1.0)
+                   intra_latency=float(collectives["latency"]), link_efficiency=1.0,
+                   nccl_arch="")

@@ -18,8 +18,8 @@ from dataclasses import replace
 import numpy as np
 
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.node_limited import ExpertRouting, off_node_scale
 from pipeline.planner.expert_kernels import stage_load_ratio
+from pipeline.planner.node_limited import ExpertRouting, off_node_scale
 from pipeline.planner.stages import StageTable
 from schedules import CostModel, Kind
 from schedules.analysis.all_to_all import ExpertAllToAll

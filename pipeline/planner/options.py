@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pipeline.planner.data_parallel import ADAM_UPDATE_BYTES
 from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES
-from pipeline.planner.node_limited import DISPATCHERS
 from pipeline.planner.moe_shape import check_routing_imbalance
+from pipeline.planner.node_limited import DISPATCHERS
 from pipeline.planner.pricing import TP_OVERLAPS
 from schedules import SCHEDULES
 

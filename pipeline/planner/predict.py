@@ -23,6 +23,7 @@ from pipeline.planner.expert_parallel import (
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown
 from pipeline.planner.p2p import blocking_p2p
 from pipeline.planner.peaks import PeakCounts, closed_form_peaks, same_trace_as
+from pipeline.planner.pricing import p2p_link
 from pipeline.planner.profile import LayerProfile, ModelProfile
 from pipeline.planner.rank_pricing import (
     RankPricing,
@@ -244,10 +245,11 @@ class PlanContext(RankPricing):
             routing=self.model.routing, dispatcher=self.moe_dispatcher)
         costs = table.costs(config.microbatch_size, split)
         devices = config.pp * config.dp * config.cp * config.tp
-        p2p_bandwidth, p2p_latency = self.cluster.link(devices)
         # Megatron's scatter/gather: a stage sends 1/t of its output, the next all-gathers it
         # over NVLink (Narayanan et al. 2021, section 4.1)
         boundary = costs.boundary_bytes / config.tp
+        p2p_bandwidth, p2p_latency = p2p_link(self.cluster, devices,
+                                              float(np.max(boundary, initial=0)))
         if self.blocking_p2p and not (self.p2p_overlap_interleaved
                                       and config.schedule == "interleaved"):
             forward, input_grad = blocking_p2p(

@@ -1,11 +1,13 @@
 """Price a layer on a cluster: its kernels (`kernels`), measured times, or FLOPs at a share
-of the peak; and the network model every collective is priced by: α–β per hop, ring or tree,
-NVLink inside a node, the network cards between nodes."""
+of the peak; and the network model every collective is priced by: NCCL's own cost model
+(`nccl_model`) on a cluster with `nccl_arch`, else α–β per hop, ring or tree, NVLink inside
+a node, the network cards between nodes."""
 
 from __future__ import annotations
 
 import math
 
+from pipeline.planner import nccl_model
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.expert_kernels import block_kernel_times
 from pipeline.planner.kernels import attention_core_seconds, block_linear_times
@@ -13,9 +15,10 @@ from pipeline.planner.profile import LayerProfile
 from pipeline.planner.userbuffers import sm_contention_seconds, userbuffers_sms
 from schedules.analysis.tp_overlap import ParallelLinearCosts, linears_exposed
 
-__all__ = ["TP_OVERLAPS", "allreduce_seconds", "layer_selective_seconds", "layer_split_times",
-           "layer_times", "layer_tp_pass_seconds", "layer_tp_seconds",
-           "p2p_seconds", "ring_allreduce_seconds", "tree_allreduce_seconds"]
+__all__ = ["TP_OVERLAPS", "allgather_seconds", "allreduce_seconds", "layer_selective_seconds",
+           "layer_split_times", "layer_times", "layer_tp_pass_seconds", "layer_tp_seconds",
+           "p2p_link", "p2p_seconds", "reduce_scatter_seconds", "ring_allreduce_seconds",
+           "tree_allreduce_seconds"]
 
 
 def ring_allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency: float
@@ -40,12 +43,17 @@ def tree_allreduce_seconds(nbytes: float, group: int, bandwidth: float, latency:
 def allreduce_seconds(nbytes: float, group: int, stride: int, cluster: ClusterSpec) -> float:
     """An all-reduce of `nbytes` over `group` ranks `stride` apart in the rank order.
 
-    Inside a node: the faster of ring and tree over NVLink. Across nodes, hierarchically
-    (NCCL's ring/tree over nodes, each rank a channel on its own network card): reduce-
-    scatter among the g members a node holds, all-reduce 1/g of the bytes between the
-    nodes (ring or tree, whichever is faster at this size), all-gather inside again."""
+    With `nccl_arch`: what NCCL's tuner predicts for the algorithm and protocol it picks
+    (`nccl_model.choose`), over the g members a node holds and the nodes, on the node's NIC
+    share of those g ranks. Otherwise α–β: inside a node, the faster of ring and tree over
+    NVLink; across nodes, hierarchically: reduce-scatter among the g members a node holds,
+    all-reduce 1/g of the bytes between the nodes (ring or tree, whichever is faster at
+    this size), all-gather inside again."""
     if group <= 1:
         return 0.0
+    if cluster.nccl_arch:
+        local, _ = nccl_model.communicator(group, stride, cluster.devices_per_node)
+        return nccl_model.choose("allreduce", nbytes, group, local, cluster).seconds
     if group * stride <= cluster.devices_per_node:
         bandwidth, latency = cluster.link(group * stride)
         return min(ring_allreduce_seconds(nbytes, group, bandwidth, latency),
@@ -60,9 +68,43 @@ def allreduce_seconds(nbytes: float, group: int, stride: int, cluster: ClusterSp
     return inside + between
 
 
+def _half_allreduce(collective: str, nbytes: float, group: int, stride: int,
+                    cluster: ClusterSpec) -> float:
+    if group <= 1:
+        return 0.0
+    if cluster.nccl_arch:
+        local, _ = nccl_model.communicator(group, stride, cluster.devices_per_node)
+        return nccl_model.choose(collective, nbytes, group, local, cluster).seconds
+    return allreduce_seconds(nbytes, group, stride, cluster) / 2
+
+
+def reduce_scatter_seconds(nbytes: float, group: int, stride: int, cluster: ClusterSpec
+                           ) -> float:
+    """A reduce-scatter of `nbytes` (the whole buffer, each rank keeping 1/group) over
+    `group` ranks `stride` apart: NCCL's pick with `nccl_arch` (ring, or PAT with one rank a
+    node), else half an all-reduce's α–β time (the same bytes on the wire)."""
+    return _half_allreduce("reducescatter", nbytes, group, stride, cluster)
+
+
+def allgather_seconds(nbytes: float, group: int, stride: int, cluster: ClusterSpec) -> float:
+    """An all-gather whose whole result is `nbytes` over `group` ranks `stride` apart, as
+    `reduce_scatter_seconds` prices it."""
+    return _half_allreduce("allgather", nbytes, group, stride, cluster)
+
+
+def p2p_link(cluster: ClusterSpec, span: int, nbytes: float = float("inf")
+             ) -> tuple[float, float]:
+    """(bytes/s, seconds) of a message between ranks `span` apart: NCCL's ring hop with
+    `nccl_arch` (`nccl_model.p2p_link`, its protocol by `nbytes`), else the link at
+    `link_efficiency`."""
+    if cluster.nccl_arch:
+        return nccl_model.p2p_link(cluster, span, nbytes)
+    return cluster.link(span)
+
+
 def p2p_seconds(nbytes: float, span: int, cluster: ClusterSpec) -> float:
-    """One message between ranks `span` apart: α + n/β."""
-    bandwidth, latency = cluster.link(span)
+    """One message between ranks `span` apart: α + n/β (`p2p_link`)."""
+    bandwidth, latency = p2p_link(cluster, span, nbytes)
     return latency + nbytes / bandwidth
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pipeline.planner import nccl_model
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.pricing import allreduce_seconds, ring_allreduce_seconds
 from pipeline.planner.stages import StageTable
@@ -81,8 +82,13 @@ def tied_allreduce_seconds(table: StageTable, placement: Sequence[int], cluster:
         return seconds
     group = sorted({int(where[0]), *np.flatnonzero(held).tolist()})
     span = (group[-1] - group[0]) * dp * tp + 1
-    seconds[group] = ring_allreduce_seconds(float(held.max()) * element_bytes, len(group),
-                                            *cluster.link(span))
+    nbytes = float(held.max()) * element_bytes
+    if cluster.nccl_arch:  # NCCL's pick, the g ranks on one node or each on its own
+        local = len(group) if span <= cluster.devices_per_node else 1
+        seconds[group] = nccl_model.choose("allreduce", nbytes, len(group), local,
+                                           cluster).seconds
+    else:
+        seconds[group] = ring_allreduce_seconds(nbytes, len(group), *cluster.link(span))
     return seconds
 
 

@@ -13,15 +13,17 @@ import numpy as np
 import pipeline.planner.data_parallel as data_parallel
 from partition import LayerCost, chain_graph, partition_graph
 from pipeline.planner.bounds import FUSED_BACKWARD
+from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.memory import GRAD_BYTES, recompute_workspace, stage_activation_bytes
 from pipeline.planner.peaks import warm_up_held
 from pipeline.planner.predict import PlanConfig, PlanContext
 from pipeline.planner.pricing import (
-    allreduce_seconds,
+    allgather_seconds,
     layer_selective_seconds,
     layer_split_times,
     layer_times,
     layer_tp_pass_seconds,
+    reduce_scatter_seconds,
 )
 from pipeline.planner.profile import LayerProfile
 from pipeline.planner.stages import uniform_boundaries
@@ -194,9 +196,8 @@ class Oracle:
             if config.cp > 1:  # a K/V all-gather per attention layer forward, and again
                 # where recomputed; in the input gradient the all-gather again (K/V are not
                 # kept) and their gradients' reduce-scatter
-                ring = self.context.cluster.link(config.cp * config.tp)
-                each = {id(layer): (config.cp - 1) / config.cp * _kv(layer, tp) * b / ring[0]
-                        + (config.cp - 1) * ring[1] for layer in stage if _kv(layer, tp) > 0}
+                each = {id(layer): _cp_ring(_kv(layer, tp) * b, config, self.context.cluster)
+                        for layer in stage if _kv(layer, tp) > 0}
                 gather = sum(each.get(id(layer), 0.0) for layer in stage)
                 regather = sum(each.get(id(layer), 0.0) for layer in _whole(stage, config))
                 rows.append((forward + gather, input_grad + again + regather + 2 * gather,
@@ -278,14 +279,23 @@ class Oracle:
             layer = ZeroLayerCosts(
                 forward=float(f) / n, weight_grad=float(b) / (2 * n),
                 input_grad=float(b) / (2 * n),
-                gather=allreduce_seconds(float(count) / n * 4.0, dp, tp, cluster) / 2
+                gather=allgather_seconds(float(count) / n * 4.0, dp, tp, cluster)
                 if config.zero_stage == 3 else 0.0,
-                reduce=allreduce_seconds(float(count) / n * self.context.grad_reduce_bytes,
-                                         dp, tp, cluster) / 2)
+                reduce=reduce_scatter_seconds(
+                    float(count) / n * self.context.grad_reduce_bytes, dp, tp, cluster))
             exposure = zero_exposed([layer] * n, zero_stage=config.zero_stage,
                                     microbatches=config.num_microbatches)
             seconds[rank] += exposure.forward + exposure.backward
         return seconds
+
+
+def _cp_ring(nbytes: float, config: PlanConfig, cluster: ClusterSpec) -> float:
+    """A ring all-gather of `nbytes` over the cp ranks (t apart): NCCL's pick on a cluster
+    with `nccl_arch`, else (cp-1)/cp of the bytes through each link and cp-1 latency hops."""
+    if cluster.nccl_arch:
+        return allgather_seconds(nbytes, config.cp, config.tp, cluster)
+    bandwidth, latency = cluster.link(config.cp * config.tp)
+    return (config.cp - 1) / config.cp * nbytes / bandwidth + (config.cp - 1) * latency
 
 
 def _kv(layer: LayerProfile, tp: int) -> float:

@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.planner import PlanConfig, SearchOptions, load_model, plan, resolve_cluster
+from pipeline.planner.pricing import allgather_seconds
 from pipeline.planner.report import gap_parts
 from pipeline.planner.search import _context, price
 
@@ -71,9 +72,8 @@ def test_cp_divides_the_activations_and_prices_the_kv_collectives() -> None:
     breakdown = prediction.breakdown
     # per microbatch and block: an all-gather of K/V forward, and backward the all-gather
     # again and a reduce-scatter of their gradients, each moving half of 2·1024·256·2 / 2
-    # bytes over NVLink (cp 2)
-    bandwidth, latency = cluster.link(4)
-    one = 0.5 * (2 * 1024 * 256 * 2 / 2) / bandwidth + latency
+    # bytes over NVLink (cp 2): NCCL's pick for it on the preset
+    one = allgather_seconds(2 * 1024 * 256 * 2 / 2, 2, 2, cluster)
     assert breakdown["cp_comm"] == pytest.approx(8 * 4 * 3 * one, rel=1e-9)
     assert sum(breakdown.values()) == pytest.approx(prediction.step_seconds, rel=1e-9)
 

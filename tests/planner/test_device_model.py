@@ -90,8 +90,9 @@ def test_collectives_follow_alpha_beta_ring_and_tree() -> None:
         2 * 7 / 8 * 1e9 / bandwidth + 14 * latency)
     assert tree_allreduce_seconds(8.0, 64, bandwidth, latency) == pytest.approx(
         16 / bandwidth + 12 * latency)
-    # small messages take the tree, large the ring: both bound the all-reduce
-    cluster = replace(A100, nodes=16)
+    # small messages take the tree, large the ring: both bound the all-reduce (the α–β
+    # model, without `nccl_arch`; NCCL's: tests/planner/test_nccl_model.py)
+    cluster = replace(A100, nodes=16, nccl_arch="")
     for nbytes in (1e3, 1e9):
         inside = allreduce_seconds(nbytes, 8, 1, cluster)
         bw, lat = cluster.link(8)

@@ -114,13 +114,14 @@ def _two_stage() -> tuple[PlanConfig, PlanContext, PlanContext]:
 def test_blocking_p2p_adds_each_message_to_its_sender_and_the_gather_to_its_receiver() -> None:
     config, blocking, _ = _two_stage()
     costs = blocking.table(config).costs(config.microbatch_size)
-    forward, input_grad = blocking_p2p(CLUSTER, (0, 1), tp=config.tp, devices=16,
+    cluster = replace(CLUSTER, nccl_arch="")  # α–β, as written below (NCCL's: p2p_link)
+    forward, input_grad = blocking_p2p(cluster, (0, 1), tp=config.tp, devices=16,
                                        forward=costs.forward, input_grad=costs.input_grad,
                                        boundary_bytes=costs.boundary_bytes)
     # the definition: t = 2 ranks each send half the boundary over their own network card
     # (the pipeline spans nodes), then all-gather the halves over NVLink
-    inter_bw, inter_lat = CLUSTER.link(CLUSTER.devices_per_node + 1)
-    intra_bw, intra_lat = CLUSTER.link(2)
+    inter_bw, inter_lat = cluster.link(cluster.devices_per_node + 1)
+    intra_bw, intra_lat = cluster.link(2)
     nbytes = costs.boundary_bytes[0]
     message = inter_lat + nbytes / 2 / inter_bw
     gather = nbytes / 2 / intra_bw + intra_lat

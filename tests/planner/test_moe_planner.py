@@ -24,7 +24,7 @@ from pipeline.planner.expert_parallel import expert_all_to_all, expert_sizes, ex
 from pipeline.planner.hf_config import shape_from_hf_config
 from pipeline.planner.launch import launch_lines
 from pipeline.planner.predict import PlanContext
-from pipeline.planner.pricing import allreduce_seconds
+from pipeline.planner.pricing import allgather_seconds
 from pipeline.planner.search import price
 from schedules import CostModel
 from schedules.analysis.accounting import expert_parallel_state_bytes
@@ -187,14 +187,14 @@ def test_overlapped_gather_at_ep_gathers_dense_over_dp_and_experts_over_dp_by_ep
     table = context.table(config)
     gather = data_parallel.param_gather(table, cluster, dp=8, tp=1, zero_stage=1, ep=4)
     assert gather is not None
-    expected = [allreduce_seconds(4 * dense, 8, 1, cluster) / 2
-                + allreduce_seconds(4 * experts / 4, 2, 4, cluster) / 2
+    expected = [allgather_seconds(4 * dense, 8, 1, cluster)
+                + allgather_seconds(4 * experts / 4, 2, 4, cluster)
                 for dense, experts in zip(table.params, table.experts, strict=True)]
     assert np.allclose(gather.time, expected, rtol=1e-12)
     assert all(e > 0 for e in table.experts)
     at_1 = data_parallel.param_gather(table, cluster, dp=8, tp=1, zero_stage=1, ep=1)
     assert at_1 is not None and np.allclose(at_1.time, [
-        allreduce_seconds(4 * (d + e), 8, 1, cluster) / 2
+        allgather_seconds(4 * (d + e), 8, 1, cluster)
         for d, e in zip(table.params, table.experts, strict=True)], rtol=1e-12)
     priced = price(load_model(MOE), cluster, 64, config,
                    options=SearchOptions(overlap_param_gather=True))

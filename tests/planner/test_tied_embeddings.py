@@ -45,10 +45,12 @@ def _model(tied: bool) -> ModelProfile:
 
 
 def _cluster(config: PlanConfig) -> ClusterSpec:
-    """As many devices as `config` uses, 8 a node (fewer: one node of them)."""
+    """As many devices as `config` uses, 8 a node (fewer: one node of them), collectives
+    priced α–β, the definition the oracles below write (NCCL's model of the same
+    all-reduce: tests/planner/test_nccl_model.py)."""
     devices = config.pp * config.tp * config.dp
     return replace(PRESETS["a100-80g"], nodes=max(1, devices // 8),
-                   devices_per_node=min(8, devices))
+                   devices_per_node=min(8, devices), nccl_arch="")
 
 
 def _config(schedule: str, pp: int, tp: int, dp: int, *, chunks: int = 1, zero: int = 0

@@ -20,7 +20,7 @@ from pipeline.planner.expert_kernels import expert_gemm_times
 from pipeline.planner.expert_parallel import expert_all_to_all
 from pipeline.planner.kernels import block_linear_times
 from pipeline.planner.predict import PlanContext
-from pipeline.planner.pricing import allreduce_seconds, layer_tp_seconds
+from pipeline.planner.pricing import allreduce_seconds, layer_tp_seconds, reduce_scatter_seconds
 from pipeline.planner.routing_load import busiest_rank_ratio
 from pipeline.planner.search import price
 
@@ -119,8 +119,8 @@ def test_expert_gradients_reduce_over_the_ranks_holding_the_same_experts() -> No
     # in runs of 2, 4 apart: 8 ranks, 4 of them on each 8-device node
     group = [r for r in range(16) if (r // 2) % 2 == 0]
     assert len(group) == 8 and sum(r < 8 for r in group) == 4
-    expected = [allreduce_seconds(4 * dense, 8, 2, cluster) / 2
-                + (allreduce_seconds(4 * experts / 2, 8, 2, cluster) / 2 if experts else 0.0)
+    expected = [reduce_scatter_seconds(4 * dense, 8, 2, cluster)
+                + (reduce_scatter_seconds(4 * experts / 2, 8, 2, cluster) if experts else 0.0)
                 for dense, experts in zip(table.params, table.experts, strict=True)]
     assert np.allclose(found.time, expected, rtol=1e-12)
     # dp 1 at tp 2: the experts, whole on both tp ranks, are still reduced over them

@@ -10,7 +10,7 @@ import pipeline.planner.memory as memory
 from pipeline.cli import main
 from pipeline.planner import PRESETS, peak_rank_memory
 from pipeline.planner.data_parallel import sharded_comm_seconds
-from pipeline.planner.pricing import allreduce_seconds
+from pipeline.planner.pricing import allgather_seconds, reduce_scatter_seconds
 from schedules.analysis.accounting import model_state_bytes
 
 __all__: list[str] = []
@@ -40,8 +40,8 @@ def test_zero_2_and_3_collectives_from_their_definition() -> None:
     # two stages on ranks 0, 1 (3 and 5 layers), m = 4, d = 4, fp32 gradients; per layer
     # r: its reduce-scatter, g: its all-gather
     params, layers, m, d = np.array([3e8, 5e8]), [3, 5], 4, 4
-    rs = [allreduce_seconds(x / n * 4.0, d, 1, A100) / 2 for x, n in zip(params, layers)]
-    ag = [allreduce_seconds(x / n * 4.0, d, 1, A100) / 2 for x, n in zip(params, layers)]
+    rs = [reduce_scatter_seconds(x / n * 4.0, d, 1, A100) for x, n in zip(params, layers)]
+    ag = [allgather_seconds(x / n * 4.0, d, 1, A100) for x, n in zip(params, layers)]
 
     def priced(zero: int, compute: float) -> np.ndarray:
         work = np.full(2, compute)
