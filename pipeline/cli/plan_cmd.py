@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from pipeline.cli.options import positive_int
+from pipeline.cli.options import positive_float, positive_int
 from pipeline.cli.output_paths import figure_path
 from pipeline.cli.price_config import parse_config
 from pipeline.files import InputFileType
@@ -150,7 +150,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "copy per token and expert; the engines' default) or deepep "
                              "(one copy per destination node, forwarded over NVLink there: "
                              "Megatron-Core's flex dispatcher; --engine megatron-core)")
-    parser.add_argument("--routing-imbalance", type=float, default=None, metavar="FACTOR",
+    parser.add_argument("--routing-imbalance", type=positive_float, default=None, metavar="FACTOR",
                         help="MoE: the busiest expert-parallel rank's routed tokens over the "
                              "mean, as measured on your runs (>= 1, e.g. 1.2); the expert "
                              "GEMMs and all-to-all are priced at it (default: the sampling "
