@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
-from pipeline.cli.options import positive_int
+from pipeline.cli.options import non_negative_float, positive_int
 from pipeline.cli.output_paths import figure_path
 from pipeline.cli.price_config import parse_config
 from pipeline.files import InputFileType
@@ -87,6 +88,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="sequence length (overrides the shape's seq)")
     parser.add_argument("--nodes", type=positive_int, default=None, metavar="N",
                         help="nodes of the cluster (presets: 1)")
+    parser.add_argument("--memory-margin", type=non_negative_float, default=0.0,
+                        metavar="GIB",
+                        help="GiB per device to keep free besides what the plan prices (the "
+                             "CUDA context, the allocator's fragmentation); default 0")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"), default=None,
                         help="compute precision (default: the cluster's; local: fp32); fp8 "
                              "is refused: outside the search's space")
@@ -263,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
     load_model(args.model, seq=args.seq, precision=args.precision or "bf16",
                cost_batch=args.cost_batch, attention=args.attention)
     cluster = resolve_cluster(args.cluster, nodes=args.nodes)
+    if args.memory_margin:
+        cluster = replace(cluster, memory_margin=args.memory_margin * 2**30)
     if args.device_profile:
         from pipeline.planner.device_profile import apply_device_profile
 
