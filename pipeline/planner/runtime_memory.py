@@ -14,7 +14,8 @@ from pipeline.planner.config import PlanConfig
 
 __all__ = ["CUBLAS_HANDLES", "NCCL_CONNECTION_BYTES", "Communicator", "allocator_block_bytes",
            "allocator_segment_bytes", "cublas_workspace_bytes", "megatron_bucket_padding",
-           "nccl_channels", "nccl_communicator_bytes", "rank_communicators", "runtime_bytes"]
+           "nccl_channels", "nccl_communicator_bytes", "nccl_p2p_channels", "rank_communicators",
+           "runtime_bytes"]
 
 MIB = 2**20
 
@@ -42,6 +43,8 @@ buffers (src/transport/p2p.cc `p2pRecvSetup` sums `buffSizes` over the protocols
 receiving side; under P2P read the Simple buffer sits with the sender instead, the same
 total per pair): 512 KiB + 4.6875 MiB + 4 MiB = 9.1875 MiB."""
 
+_MAX_CHANNELS = 64
+"""MAXCHANNELS (src/include/device.h)."""
 _NET_BYTES_PER_CHANNEL = 14e9
 """NCCL_P2P_PER_CHANNEL_NET_BW, 14 GB/s (src/graph/paths.cc)."""
 
@@ -89,22 +92,23 @@ def cublas_workspace_bytes(compute_capability: int) -> int:
 @dataclass(frozen=True)
 class Communicator:
     """An NCCL communicator a rank uses: its ranks, how far apart in rank order its members
-    lie at most (`span`, as `ClusterSpec.link` reads it), and the peers this rank receives
-    from on each channel (a ring: 1; point-to-point: each peer it exchanges with)."""
+    lie at most (`span`, as `ClusterSpec.link` reads it), and the peers this rank exchanges
+    with on each channel (a ring: 1, receiving from one and sending to the other;
+    point-to-point, `p2p`: each peer it sends to and receives from)."""
 
     name: str
     size: int
     span: int
     peers: int
+    p2p: bool = False
 
 
-def nccl_channels(cluster: ClusterSpec, *, inside_node: bool) -> int:
-    """Channels NCCL opens to one peer (src/graph/paths.cc, `ncclTopoGetNchannels`): over
-    NVLink 2 × the path's bandwidth / one link's, which through an NVSwitch is 2 × the GPU's
-    NVLink links (A100 12: 24; H100 18: 36); over the network at least one per NIC, more to
-    reach the NIC's bandwidth at 14 GB/s a channel (a 200 Gb/s NIC 2, a 400 Gb/s one 4). A
-    ring collective's channel count comes from NCCL's topology search at init; the same
-    count is taken for it here."""
+def _peer_channels(cluster: ClusterSpec, *, inside_node: bool) -> int:
+    """Channels NCCL would open to one peer (src/graph/paths.cc, `ncclTopoGetNchannels`):
+    over NVLink 2 × the path's bandwidth / one link's, which through an NVSwitch is 2 × the
+    GPU's NVLink links (A100 12: 24; H100 18: 36); over PCIe 2; over the network at least
+    one per NIC, more to reach the NIC's bandwidth at 14 GB/s a channel (a 200 Gb/s NIC 2,
+    a 400 Gb/s one 4)."""
     if inside_node:
         return 2 * max(1, cluster.nvlink_links)
     nics = max(1, cluster.nics_per_node // cluster.devices_per_node)
@@ -112,12 +116,35 @@ def nccl_channels(cluster: ClusterSpec, *, inside_node: bool) -> int:
     return max(nics, math.ceil(bandwidth / _NET_BYTES_PER_CHANNEL))
 
 
+def nccl_channels(cluster: ClusterSpec, *, inside_node: bool) -> int:
+    """A ring collective's channels: the per-peer count (`_peer_channels`), at most the 32
+    the ring search may find (src/init.cc: `ringGraph->maxChannels = MAXCHANNELS / 2`;
+    the search itself, at init, may settle on fewer)."""
+    return min(_MAX_CHANNELS // 2, _peer_channels(cluster, inside_node=inside_node))
+
+
+def _power_of_two_up(value: int) -> int:
+    return 1 << (value - 1).bit_length()
+
+
+def nccl_p2p_channels(cluster: ClusterSpec, *, inside_node: bool) -> int:
+    """Channels NCCL connects to each peer of a send / receive (src/graph/paths.cc,
+    `ncclTopoComputeP2pChannels`): the fewest per-peer channels to any peer of the
+    communicator (the network's where it spans nodes) rounded up to a power of two, at most
+    the ring's channels rounded up likewise; src/enqueue.cc connects that many per peer at
+    the first send or receive (A100, H100 in a node: 32; A800: 16)."""
+    return min(_power_of_two_up(_peer_channels(cluster, inside_node=inside_node)),
+               _power_of_two_up(nccl_channels(cluster, inside_node=inside_node)))
+
+
 def nccl_communicator_bytes(communicator: Communicator, cluster: ClusterSpec) -> int:
     """Device bytes of one rank's connections in `communicator`: channels × peers × the
     three protocols' buffers (`NCCL_CONNECTION_BYTES`); none for a group of one."""
     if communicator.size <= 1 or communicator.peers <= 0:
         return 0
-    channels = nccl_channels(cluster, inside_node=communicator.span <= cluster.devices_per_node)
+    inside = communicator.span <= cluster.devices_per_node
+    channels = nccl_p2p_channels(cluster, inside_node=inside) if communicator.p2p \
+        else nccl_channels(cluster, inside_node=inside)
     return channels * communicator.peers * NCCL_CONNECTION_BYTES
 
 
@@ -132,7 +159,8 @@ def rank_communicators(config: PlanConfig, placement: Sequence[int],
     tp, cp, dp, pp = config.tp, config.cp, config.dp, config.pp
     common = [Communicator("tp", tp, tp, 1), Communicator("cp", cp, (cp - 1) * tp + 1, 1),
               Communicator("dp", dp * cp, (dp * cp - 1) * tp + 1, 1),
-              Communicator("ep", config.ep, (config.ep - 1) * cp * tp + 1, config.ep - 1)]
+              Communicator("ep", config.ep, (config.ep - 1) * cp * tp + 1, config.ep - 1,
+                           p2p=True)]
     stride = dp * cp * tp
     neighbours: list[set[int]] = [set() for _ in range(pp)]
     for first, second in itertools.pairwise(placement):
@@ -143,9 +171,9 @@ def rank_communicators(config: PlanConfig, placement: Sequence[int],
     ranks = []
     for rank in range(pp):
         mine = list(common)
-        if neighbours[rank]:
-            far = max(abs(rank - other) for other in neighbours[rank])
-            mine.append(Communicator("pp", pp, far * stride + 1, len(neighbours[rank])))
+        if neighbours[rank]:  # the pp group's channels per peer: its farthest members'
+            mine.append(Communicator("pp", pp, (pp - 1) * stride + 1, len(neighbours[rank]),
+                                     p2p=True))
         if len(tied) > 1 and rank in tied:
             mine.append(Communicator("tied", len(tied), (tied[-1] - tied[0]) * stride + 1, 1))
         ranks.append(mine)

@@ -25,6 +25,7 @@ from pipeline.planner.runtime_memory import (
     megatron_bucket_padding,
     nccl_channels,
     nccl_communicator_bytes,
+    nccl_p2p_channels,
     runtime_bytes,
 )
 from pipeline.planner.search import SearchOptions, plan, price
@@ -71,13 +72,22 @@ def test_nccl_buffers_per_connection_and_channels() -> None:
     # Simple 4 MiB
     assert NCCL_CONNECTION_BYTES == 524288 + 4915200 + 4194304
     # paths.cc: 2 channels per NVLink link to a peer in the node (A100 12, H100 18, A800 8),
-    # over the network max(NICs a GPU, ceil(NIC GB/s / 14))
+    # a ring at most MAXCHANNELS / 2 = 32 (init.cc); over the network max(NICs a GPU,
+    # ceil(NIC GB/s / 14))
     assert [nccl_channels(c, inside_node=True) for c in (A100, H100, PRESETS["a800-80g"])] \
-        == [24, 36, 16]
+        == [24, 32, 16]
     assert [nccl_channels(c, inside_node=False) for c in (A100, H100)] == [2, 4]
+    # a send / receive peer: the per-peer count rounded up to a power of two, at most the
+    # ring's rounded up (36 -> 64 capped at 32 on the H100)
+    assert [nccl_p2p_channels(c, inside_node=True) for c in (A100, H100, PRESETS["a800-80g"])] \
+        == [32, 32, 16]
+    assert [nccl_p2p_channels(c, inside_node=False) for c in (A100, H100)] == [2, 4]
     ring = Communicator("tp", 8, 8, 1)
     assert nccl_communicator_bytes(ring, A100) == 24 * NCCL_CONNECTION_BYTES
     assert nccl_communicator_bytes(replace(ring, size=1), A100) == 0
+    # an all-to-all over 8 H100s of a node: 7 peers x 32 channels, 2 GiB
+    alltoall = Communicator("ep", 8, 8, 7, p2p=True)
+    assert nccl_communicator_bytes(alltoall, H100) == 7 * 32 * NCCL_CONNECTION_BYTES
 
 
 def test_each_rank_prices_the_communicators_it_uses() -> None:
