@@ -45,7 +45,9 @@ CLUSTER FILES
   memory_efficiency, kernel_overhead, nics_per_node, nic_bandwidth, link_efficiency,
   gemm_epilogue_serial (true: each GEMM stores its output after its k-loop, as Ampere's
   kernels do; the A100 presets); or measure it: pipesched profile-device --output
-  dev.json, then --device-profile dev.json.
+  dev.json, then --device-profile dev.json. Runtime memory (optional): compute_capability
+  (80, 90: prices torch's cuBLAS workspaces and NCCL's buffers; 0, the default without a
+  preset: none), nvlink_links (NCCL's channels in a node), memory_margin (bytes kept free).
 
 ENGINES
   --engine megatron-2021 prices what Megatron-LM of 2021 could run and how it ran it
