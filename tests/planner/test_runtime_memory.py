@@ -150,6 +150,15 @@ def test_the_margin_is_validated_and_reaches_the_cli(capsys: pytest.CaptureFixtu
     assert '"runtime": ' in out
 
 
+def test_a_device_the_runtime_fills_is_refused_naming_it() -> None:
+    tiny = transformer_profile(parse_shape("layers=2,hidden=64,heads=2,vocab=128,seq=64"),
+                               "bf16")
+    small = replace(H100, nodes=1, device_memory=0.25 * 2**30)  # 64 MiB of cuBLAS alone
+    with pytest.raises(PlanError, match="runtime holds besides tensors is the largest part"):
+        plan(tiny, small, 8)
+    assert plan(tiny, replace(small, compute_capability=0), 8).best.memory.runtime == 0.0
+
+
 def test_megatron_core_bucket_padding_is_bounded() -> None:
     # param_layout.py: starts to 64 elements, bucket ends to lcm(dp, 128)
     assert megatron_bucket_padding(100_000_000, 10, 8) == 10 * 63 + 3 * 127
