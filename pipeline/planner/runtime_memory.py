@@ -14,8 +14,8 @@ from pipeline.planner.config import PlanConfig
 
 __all__ = ["CUBLAS_HANDLES", "NCCL_CONNECTION_BYTES", "Communicator", "allocator_block_bytes",
            "allocator_segment_bytes", "cublas_workspace_bytes", "megatron_bucket_padding",
-           "nccl_channels", "nccl_communicator_bytes", "nccl_p2p_channels", "rank_communicators",
-           "runtime_bytes"]
+           "nccl_channels", "nccl_communicator_bytes", "nccl_p2p_channels", "nvls_bytes",
+           "rank_communicators", "runtime_bytes"]
 
 MIB = 2**20
 
@@ -45,6 +45,9 @@ total per pair): 512 KiB + 4.6875 MiB + 4 MiB = 9.1875 MiB."""
 
 _MAX_CHANNELS = 64
 """MAXCHANNELS (src/include/device.h)."""
+_NVLS_CHANNELS_SM90 = 16
+_NVLS_CHUNK = 128 * 1024
+"""NVLS_NCHANNELS_SM90 and NCCL_NVLS_CHUNKSIZE's default (src/transport/nvls.cc)."""
 _NET_BYTES_PER_CHANNEL = 14e9
 """NCCL_P2P_PER_CHANNEL_NET_BW, 14 GB/s (src/graph/paths.cc)."""
 
@@ -148,6 +151,20 @@ def nccl_communicator_bytes(communicator: Communicator, cluster: ClusterSpec) ->
     return channels * communicator.peers * NCCL_CONNECTION_BYTES
 
 
+def nvls_bytes(communicator: Communicator, cluster: ClusterSpec) -> int:
+    """Device bytes of NCCL's NVLink SHARP buffers for a collective group inside one node
+    of an NVSwitch system on Hopper (compute capability 9.0 and NVLink links given; the
+    multicast the switch needs is not on the A100s): src/transport/nvls.cc
+    `ncclNvlsBufferSetup`, nvlsChannels (16 on sm90) × 2 × the chunk (128 KiB) × NCCL_STEPS
+    per head, one head per local rank: 32 MiB × the group's size. Rounded up by the driver
+    to its multicast granularity, which the source does not fix (not priced); NVLS across
+    nodes (NVLS tree) is not priced either."""
+    if (communicator.p2p or communicator.size <= 1 or cluster.compute_capability != 90
+            or not cluster.nvlink_links or communicator.span > cluster.devices_per_node):
+        return 0
+    return _NVLS_CHANNELS_SM90 * 2 * _NVLS_CHUNK * 8 * communicator.size
+
+
 def rank_communicators(config: PlanConfig, placement: Sequence[int],
                        tied_ranks: Sequence[int] = ()) -> list[list[Communicator]]:
     """Per pipeline rank, the communicators it sends through (ranks ordered tp innermost,
@@ -184,7 +201,8 @@ def runtime_bytes(cluster: ClusterSpec, config: PlanConfig, placement: Sequence[
                   tied_ranks: Sequence[int] = ()) -> np.ndarray:
     """Per pipeline rank, device bytes the runtime holds besides the tensors priced
     elsewhere: torch's cuBLAS workspaces (`CUBLAS_HANDLES` of `cublas_workspace_bytes`, as
-    the allocator's blocks), NCCL's buffers of each communicator it uses, and the cluster's
+    the allocator's blocks), NCCL's buffers of each communicator it uses (with NVLS's on
+    Hopper, `nvls_bytes`), and the cluster's
     `memory_margin` (the CUDA context and fragmentation, for which no source gives a
     figure). A cluster without CUDA (`compute_capability` 0, the CPU `local` one) holds the
     margin only."""
@@ -195,6 +213,7 @@ def runtime_bytes(cluster: ClusterSpec, config: PlanConfig, placement: Sequence[
         cublas_workspace_bytes(cluster.compute_capability))
     for rank, communicators in enumerate(rank_communicators(config, placement, tied_ranks)):
         ranks[rank] += workspaces + sum(nccl_communicator_bytes(communicator, cluster)
+                                        + nvls_bytes(communicator, cluster)
                                         for communicator in communicators)
     return ranks
 

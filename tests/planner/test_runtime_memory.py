@@ -26,6 +26,7 @@ from pipeline.planner.runtime_memory import (
     nccl_channels,
     nccl_communicator_bytes,
     nccl_p2p_channels,
+    nvls_bytes,
     runtime_bytes,
 )
 from pipeline.planner.search import SearchOptions, plan, price
@@ -85,6 +86,10 @@ def test_nccl_buffers_per_connection_and_channels() -> None:
     ring = Communicator("tp", 8, 8, 1)
     assert nccl_communicator_bytes(ring, A100) == 24 * NCCL_CONNECTION_BYTES
     assert nccl_communicator_bytes(replace(ring, size=1), A100) == 0
+    # NVLS on Hopper (nvls.cc): 16 channels x 2 x 128 KiB x 8 steps per head, a head a rank
+    assert nvls_bytes(ring, H100) == 8 * 16 * 2 * 128 * 1024 * 8 == 256 * MIB
+    assert nvls_bytes(ring, A100) == nvls_bytes(replace(ring, span=16), H100) == 0
+    assert nvls_bytes(replace(ring, p2p=True), H100) == 0
     # an all-to-all over 8 H100s of a node: 7 peers x 32 channels, 2 GiB
     alltoall = Communicator("ep", 8, 8, 7, p2p=True)
     assert nccl_communicator_bytes(alltoall, H100) == 7 * 32 * NCCL_CONNECTION_BYTES
@@ -100,6 +105,12 @@ def test_each_rank_prices_the_communicators_it_uses() -> None:
     ends = cublas + 24 * link + 2 * link + 2 * link + 2 * link
     middle = cublas + 24 * link + 2 * link + 2 * 2 * link
     assert found.tolist() == [ends, middle, middle, ends]
+    # 16 H100s, pp2 tp8: 32 MiB workspaces, tp's ring in the node (32 channels) and its
+    # NVLS buffers (8 heads x 32 MiB), the other stage's rank over 400 Gb/s NICs (4)
+    hopper = PlanConfig(pp=2, tp=8, dp=1, schedule="1f1b", chunks=1, microbatch_size=1,
+                        num_microbatches=8, zero_stage=0, recompute="full")
+    each = 2 * 32 * MIB + 32 * link + 256 * MIB + 4 * link
+    assert runtime_bytes(replace(H100, nodes=2), hopper, (0, 1)).tolist() == [each, each]
     # the CPU cluster has no CUDA context, cuBLAS or NCCL: its margin only (0 by default)
     local = replace(A100, compute_capability=0)
     assert runtime_bytes(local, config, (0, 1, 2, 3)).tolist() == [0.0] * 4
