@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
-from pipeline.cli.options import positive_float, positive_int
+from pipeline.cli.options import non_negative_float, positive_float, positive_int
 from pipeline.cli.output_paths import figure_path
 from pipeline.cli.price_config import parse_config
 from pipeline.files import InputFileType
@@ -47,7 +48,9 @@ CLUSTER FILES
   architecture's tables, as the presets; "": alpha-beta at link_efficiency),
   gemm_epilogue_serial (true: each GEMM stores its output after its k-loop, as Ampere's
   kernels do; the A100 presets); or measure it: pipesched profile-device --output
-  dev.json, then --device-profile dev.json.
+  dev.json, then --device-profile dev.json. Runtime memory (optional): compute_capability
+  (80, 90: prices torch's cuBLAS workspaces and NCCL's buffers; 0, the default without a
+  preset: none), nvlink_links (NCCL's channels in a node), memory_margin (bytes kept free).
 
 ENGINES
   --engine megatron-2021 prices what Megatron-LM of 2021 could run and how it ran it
@@ -90,6 +93,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="sequence length (overrides the shape's seq)")
     parser.add_argument("--nodes", type=positive_int, default=None, metavar="N",
                         help="nodes of the cluster (presets: 1)")
+    parser.add_argument("--memory-margin", type=non_negative_float, default=0.0,
+                        metavar="GIB",
+                        help="GiB per device to keep free besides what the plan prices (the "
+                             "CUDA context, the allocator's fragmentation); default 0")
     parser.add_argument("--precision", choices=("bf16", "fp16", "fp32", "fp8"), default=None,
                         help="compute precision (default: the cluster's; local: fp32); fp8 "
                              "is refused: outside the search's space")
@@ -276,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
     load_model(args.model, seq=args.seq, precision=args.precision or "bf16",
                cost_batch=args.cost_batch, attention=args.attention)
     cluster = resolve_cluster(args.cluster, nodes=args.nodes)
+    if args.memory_margin:
+        cluster = replace(cluster, memory_margin=args.memory_margin * 2**30)
     if args.device_profile:
         from pipeline.planner.device_profile import apply_device_profile
 

@@ -133,6 +133,7 @@ class SearchBounds:
                            zero=config.zero_stage, stage_gradient_bytes=tied,
                            stage_expert_params=self.context.rank_experts(config),
                            expert_parallel=config.ep, expert_replicas=config.tp,
+                           runtime=self.context.runtime_bytes(config),
                            **self.context.engine_bytes(config))
 
     def _warm_bytes(self, config: PlanConfig, partition: tuple[Any, ...], m: int,

@@ -77,6 +77,16 @@ class ClusterSpec:
     gemm_measurements: tuple[tuple[int, int, int, float], ...] = ()
     """Measured (m, n, k, seconds) GEMMs of `pipesched profile-device`: when given, a GEMM
     is priced at the FLOP/s of the nearest measured shape instead of the tile model."""
+    compute_capability: int = 0
+    """CUDA compute capability, major × 10 + minor (80 A100, 90 H100): sizes torch's cuBLAS
+    workspace (`runtime_memory`); 0: no CUDA runtime (the CPU `local` cluster), no
+    workspaces or NCCL buffers priced."""
+    nvlink_links: int = 0
+    """NVLink links per GPU (A100 12, H100 18): NCCL opens 2 channels per link to a peer in
+    the node, each with its buffers (`runtime_memory.nccl_channels`); 0: PCIe, 2 channels."""
+    memory_margin: float = 0.0
+    """Bytes per device kept free besides what the planner prices: the CUDA context and the
+    allocator's fragmentation, for which no source gives a figure (`plan --memory-margin`)."""
 
     def __post_init__(self) -> None:
         problems = [f"{name}={getattr(self, name)!r} must be a whole number >= 1"
@@ -89,11 +99,11 @@ class ClusterSpec:
         for name in ("intra_latency", "inter_latency", "op_overhead"):
             if not _non_negative(getattr(self, name)):
                 problems.append(f"{name}={getattr(self, name)!r} must be a number >= 0")
-        for name in ("sm_count", "nics_per_node"):
+        for name in ("sm_count", "nics_per_node", "compute_capability", "nvlink_links"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 problems.append(f"{name}={value!r} must be a whole number >= 0")
-        for name in ("kernel_overhead", "nic_bandwidth"):
+        for name in ("kernel_overhead", "nic_bandwidth", "memory_margin"):
             if not _non_negative(getattr(self, name)):
                 problems.append(f"{name}={getattr(self, name)!r} must be a number >= 0")
         for name in ("gemm_efficiency", "memory_efficiency", "link_efficiency"):
@@ -119,6 +129,10 @@ class ClusterSpec:
         elif self.precision not in self.peak_flops:
             problems.append(f"precision={self.precision!r} has no peak_flops entry; give one "
                             f"of {sorted(self.peak_flops)}")
+        if _non_negative(self.memory_margin) and _positive(self.device_memory) \
+                and self.memory_margin >= self.device_memory:
+            problems.append(f"memory_margin={self.memory_margin!r} must be below "
+                            f"device_memory={self.device_memory!r}")
         if problems:
             raise PlanError(f"cluster {self.name!r}: " + "; ".join(problems))
 
@@ -173,9 +187,12 @@ def _non_negative(value: object) -> bool:
 # - Memory: the total the CUDA runtime reports for each, which is what an allocator can have
 #   (torch's out-of-memory messages: A100 80GB "79.35 GiB total capacity", H100 80GB "a
 #   total capacity of 79.11 GiB", A800 80GB "79.33 GiB"; nvidia-smi lists 81,920 MiB and
-#   81,559 MiB, of which the driver keeps the rest). The CUDA context, NCCL's buffers and
-#   the allocator's fragmentation come out of it too and are not priced (0.5-1.5 GiB of
-#   "non-PyTorch memory" in the same messages): set `device_memory` lower for a margin.
+#   81,559 MiB, of which the driver keeps the rest). NCCL's buffers and torch's cuBLAS
+#   workspaces come out of it and are priced per configuration from their sources
+#   (`runtime_memory.runtime_bytes`: compute capability 8.0 / 9.0; NVLink links 12 on the
+#   A100, 18 on the H100, 8 on the A800, whose NVLink is cut to 400 GB/s); the CUDA context
+#   and the allocator's fragmentation beyond its rounding have no source figure and are
+#   left to `memory_margin` (`plan --memory-margin GIB`; 0 in the presets).
 # Efficiencies: element-wise kernels 0.85 of HBM bandwidth, the all-to-all 0.8 of the link
 # (`link_efficiency`; the other collectives and P2P by NCCL's own model, `nccl_arch`, whose
 # NVLink rating is 20.0 / 20.6 GB/s of a link's 25), 4 µs a kernel: each a device
@@ -199,19 +216,22 @@ PRESETS: dict[str, ClusterSpec] = {
         peak_flops=_A100, achieved_fraction=0.5, intra_bandwidth=300e9, intra_latency=5e-6,
         inter_bandwidth=25e9, inter_latency=10e-6, memory_bandwidth=2.039e12,
         op_overhead=20e-6, sm_count=108, nics_per_node=8, nic_bandwidth=25e9,
-        nccl_arch="ampere", **(_DEVICE_MODEL | _AMPERE_GEMMS)),
+        nccl_arch="ampere", compute_capability=80, nvlink_links=12,
+        **(_DEVICE_MODEL | _AMPERE_GEMMS)),
     "h100-80g": ClusterSpec(
         name="h100-80g", nodes=1, devices_per_node=8, device_memory=79.11 * GIB,
         peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}, achieved_fraction=0.5,
         intra_bandwidth=450e9, intra_latency=5e-6, inter_bandwidth=50e9, inter_latency=10e-6,
         memory_bandwidth=3.35e12, op_overhead=20e-6, sm_count=132, nics_per_node=8,
-        nic_bandwidth=50e9, nccl_arch="hopper", **_DEVICE_MODEL),
+        nic_bandwidth=50e9, nccl_arch="hopper", compute_capability=90, nvlink_links=18,
+        **_DEVICE_MODEL),
     "a800-80g": ClusterSpec(
         name="a800-80g", nodes=1, devices_per_node=8, device_memory=79.33 * GIB,
         peak_flops=_A100, achieved_fraction=0.5, intra_bandwidth=200e9, intra_latency=5e-6,
         inter_bandwidth=25e9, inter_latency=10e-6, memory_bandwidth=2.039e12,
         op_overhead=20e-6, sm_count=108, nics_per_node=8, nic_bandwidth=25e9,
-        nccl_arch="ampere", **(_DEVICE_MODEL | _AMPERE_GEMMS)),
+        nccl_arch="ampere", compute_capability=80, nvlink_links=8,
+        **(_DEVICE_MODEL | _AMPERE_GEMMS)),
 }
 _TEXT_KEYS = {"name", "peak_flops", "precision", "nccl_arch"}
 _NUMBER_KEYS = {f.name for f in fields(ClusterSpec)} - _TEXT_KEYS

@@ -51,6 +51,10 @@ def _parts(memory: MemoryBreakdown) -> str:
 def _memory_fix(memory: MemoryBreakdown, options: SearchOptions) -> str:
     """What would shrink the largest part of `memory`, given what the search could vary."""
     state = memory.parameters + memory.gradients + memory.optimizer
+    if memory.runtime > max(state, memory.activations):
+        return ("what the runtime holds besides tensors is the largest part (NCCL's buffers, "
+                "cuBLAS workspaces, the margin: runtime_memory): a smaller --memory-margin, "
+                "or a device with more memory")
     if memory.activations >= state:
         modes = options.recompute_modes()
         more = [] if set(modes) >= {"selective", "full"} else [

@@ -136,7 +136,9 @@ DEEPSPEED: MappingProxyType[str, Any] = MappingProxyType({
   sending 1/t of the activation and the receiver all-gathering them
   (`pipe_partitioned`, on with tensor parallelism);
 - bf16 with ZeRO-1 (`BF16_Optimizer`): bf16 weights (2), bf16 gradients and their fp32
-  accumulation (6), fp32 master weights and Adam's moments (12, sharded over dp)
+  accumulation (6: `fp32_groups_gradients_flat` is `zeros_like` the whole flat bf16 group,
+  full-size on every dp rank, not a shard), fp32 master weights and Adam's moments (12,
+  sharded over dp)
   (`state_bytes`); fp32 gradients reduced (`_bf16_reduce_grads`);
 - the stages cut by the planner's balanced partition (DeepSpeed's default
   partition_method="parameters" balances parameter counts instead: give the printed

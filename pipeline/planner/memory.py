@@ -47,15 +47,19 @@ class MemoryBreakdown:
     gradients: float
     optimizer: float
     activations: float
+    runtime: float = 0.0
+    """What the runtime holds besides tensors: NCCL's buffers, cuBLAS workspaces and the
+    cluster's margin (`runtime_memory.runtime_bytes`)."""
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        return (self.parameters + self.gradients + self.optimizer + self.activations
+                + self.runtime)
 
     def to_dict(self) -> dict[str, float]:
         return {"parameters": self.parameters, "gradients": self.gradients,
                 "optimizer": self.optimizer, "activations": self.activations,
-                "total": self.total}
+                "runtime": self.runtime, "total": self.total}
 
 
 def _recomputed(layers: Sequence[LayerProfile], recompute: str, recompute_layers: int
@@ -118,7 +122,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                      stage_gradient_bytes: ArrayLike | None = None,
                      state_bytes: tuple[float, float, float] | None = None,
                      stage_expert_params: ArrayLike | None = None, expert_parallel: int = 1,
-                     expert_replicas: int = 1) -> tuple[MemoryBreakdown, int]:
+                     expert_replicas: int = 1, runtime: ArrayLike | None = None
+                     ) -> tuple[MemoryBreakdown, int]:
     """Memory of the pipeline rank holding the most, and that rank.
 
     `stage_params`: parameters one tp rank holds, per stage; `rank_activations`: the
@@ -141,6 +146,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
     `state_bytes`: another engine's (parameter, gradient, optimizer) bytes per parameter
     instead, the optimizer's sharded over dp under ZeRO-1 (Megatron-Core's distributed
     optimizer: bf16 weights 2, fp32 gradients 4, fp32 master weights and Adam 12).
+    `runtime`: per rank, bytes the runtime holds besides tensors, through the step too
+    (`runtime_memory.runtime_bytes`; None: none).
     """
     activations = np.asarray(rank_activations, dtype=float)
     ranks = len(activations)
@@ -155,7 +162,8 @@ def peak_rank_memory(stage_params: ArrayLike, rank_activations: ArrayLike,
                          step_gradient_bytes=step_gradient_bytes,
                          stage_gradient_bytes=stage_gradient_bytes, state_bytes=state_bytes,
                          stage_expert_params=stage_expert_params,
-                         expert_parallel=expert_parallel, expert_replicas=expert_replicas)
+                         expert_parallel=expert_parallel, expert_replicas=expert_replicas,
+                         runtime=runtime)
     return states.peak(activations + (workspace if recompute else 0.0))
 
 
@@ -181,6 +189,9 @@ class RankStates:
     experts: np.ndarray | None = None
     expert_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
     expert_parallel: int = 1
+    runtime: np.ndarray | None = None
+    """Per rank, the runtime's bytes (`runtime_memory.runtime_bytes`), in `during` and
+    `at_step` too (None: none)."""
 
     def peak(self, held: np.ndarray) -> tuple[MemoryBreakdown, int]:
         """The rank holding the most with `held` activation bytes per rank, and its memory."""
@@ -200,13 +211,15 @@ class RankStates:
 
     def total_at(self, rank: int, during: float, held: float) -> float:
         """`peak(held)[0].total` from what `peak_rows` finds of one row of `held`."""
-        parameters, gradients, optimizer, activations = self._parts(rank, during, held)
-        return parameters + gradients + optimizer + activations
+        parameters, gradients, optimizer, activations, runtime = self._parts(rank, during, held)
+        return parameters + gradients + optimizer + activations + runtime
 
     def _parts(self, rank: int, during: float, held: float
-               ) -> tuple[float, float, float, float]:
-        """Parameters, gradients, optimizer state and activations of `rank`, which holds
-        `during` bytes while the schedule runs, `held` of them activations."""
+               ) -> tuple[float, float, float, float, float]:
+        """Parameters, gradients, optimizer state, activations and the runtime's bytes of
+        `rank`, which holds `during` bytes while the schedule runs, `held` of them
+        activations."""
+        runtime = 0.0 if self.runtime is None else float(self.runtime[rank])
         parameters, gradients, optimizer = self.per_parameter
         activations, step_bytes = held, 0.0
         if self.at_step[rank] > during:  # the optimizer step's peak: no activations left
@@ -214,11 +227,12 @@ class RankStates:
             step_bytes = self.step_gradient_bytes / self.expert_parallel
         params = float(self.params[rank])
         if self.more is None or self.experts is None:
-            return params * parameters, params * gradients, params * optimizer, activations
+            return (params * parameters, params * gradients, params * optimizer, activations,
+                    runtime)
         mine, (own, grads, optimizers) = float(self.experts[rank]), self.expert_bytes
         return (params * parameters + mine * own,
                 params * gradients + float(self.more[rank]) + mine * (grads + step_bytes),
-                params * optimizer + mine * optimizers, activations)
+                params * optimizer + mine * optimizers, activations, runtime)
 
 
 def rank_states(stage_params: ArrayLike, placement: Sequence[int], ranks: int, *, dp: int,
@@ -226,11 +240,13 @@ def rank_states(stage_params: ArrayLike, placement: Sequence[int], ranks: int, *
                 stage_gradient_bytes: ArrayLike | None = None,
                 state_bytes: tuple[float, float, float] | None = None,
                 stage_expert_params: ArrayLike | None = None, expert_parallel: int = 1,
-                expert_replicas: int = 1) -> RankStates:
+                expert_replicas: int = 1, runtime: ArrayLike | None = None) -> RankStates:
     """The model states of `peak_rank_memory`'s ranks (its arguments but the activations),
     to price held activations against (`RankStates.peak`). `expert_replicas`: the tp ranks
     of a replica holding the same experts (expert tensor parallelism 1), over which with
-    the dp / ep replicas ZeRO-1 shards the experts' optimizer state."""
+    the dp / ep replicas ZeRO-1 shards the experts' optimizer state. `runtime`: per rank,
+    the runtime's bytes, held while the schedule runs and at the step alike."""
+    extra = None if runtime is None else np.asarray(runtime, dtype=float)
     per_parameter = _bytes_per_parameter(dp=dp, zero=zero, state_bytes=state_bytes,
                                          extra_gradient_bytes=extra_gradient_bytes)
     parameters, gradients, optimizer = per_parameter
@@ -241,9 +257,12 @@ def rank_states(stage_params: ArrayLike, placement: Sequence[int], ranks: int, *
     own = isinstance(placement, range) and placement == range(ranks)
     if own and stage_expert_params is None and stage_gradient_bytes is None:
         params = np.asarray(stage_params, dtype=float)
-        return RankStates(params, params * (parameters + gradients + optimizer),
-                          params * (parameters + gradients + step_gradient_bytes + optimizer),
-                          per_parameter, step_gradient_bytes)
+        during = params * (parameters + gradients + optimizer)
+        at_step = params * (parameters + gradients + step_gradient_bytes + optimizer)
+        if extra is not None:
+            during, at_step = during + extra, at_step + extra
+        return RankStates(params, during, at_step, per_parameter, step_gradient_bytes,
+                          runtime=extra)
     where = np.asarray(placement)
     params = np.asarray(stage_params, dtype=float) if own else np.bincount(
         where, weights=np.asarray(stage_params, dtype=float), minlength=ranks)
@@ -258,9 +277,12 @@ def rank_states(stage_params: ArrayLike, placement: Sequence[int], ranks: int, *
     during = params * (parameters + gradients + optimizer) + expert_states + more
     at_step = params * (parameters + gradients + step_gradient_bytes + optimizer) \
         + expert_states + experts * step_gradient_bytes / expert_parallel + more
+    if extra is not None:
+        during, at_step = during + extra, at_step + extra
     own_bytes, gradient_bytes, optimizer_bytes = (float(x) for x in expert_bytes)
     return RankStates(params, during, at_step, per_parameter, step_gradient_bytes, more,
-                      experts, (own_bytes, gradient_bytes, optimizer_bytes), expert_parallel)
+                      experts, (own_bytes, gradient_bytes, optimizer_bytes), expert_parallel,
+                      extra)
 
 
 def _bytes_per_parameter(*, dp: int, zero: int, state_bytes: tuple[float, float, float] | None,

@@ -17,6 +17,7 @@ from pipeline.planner.errors import PlanError
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.peaks import PeakCounts
 from pipeline.planner.profile import LayerProfile, ModelProfile
+from pipeline.planner.runtime_memory import runtime_bytes
 from pipeline.planner.stages import LayerPrices, StageTable, cost_graph, uniform_boundaries
 from pipeline.planner.tied import (
     stage_params,
@@ -142,7 +143,17 @@ class RankPricing:
                                 stage_expert_params=table.experts if self.model.experts
                                 else None, expert_parallel=config.ep,
                                 expert_replicas=config.tp,
+                                runtime=self.runtime_bytes(config),
                                 **self.engine_bytes(config))
+
+    def runtime_bytes(self, config: PlanConfig) -> np.ndarray:
+        """Per pipeline rank, what the runtime holds besides tensors
+        (`runtime_memory.runtime_bytes`): the tied embeddings' group joins the first stage's
+        rank and the ranks holding a copy of its tied weight."""
+        table, placement = self.table(config), placement_of(config)
+        copies = [placement[stage] for stage in np.flatnonzero(table.tied > 0)]
+        tied = [placement[0], *copies] if copies else []
+        return runtime_bytes(self.cluster, config, placement, tied)
 
     def tied_grad_bytes(self, config: PlanConfig) -> np.ndarray | None:
         """Per stage: this engine's second gradient of its tied weights under ZeRO-1."""

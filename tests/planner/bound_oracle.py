@@ -26,6 +26,7 @@ from pipeline.planner.pricing import (
     reduce_scatter_seconds,
 )
 from pipeline.planner.profile import LayerProfile
+from pipeline.planner.runtime_memory import runtime_bytes
 from pipeline.planner.stages import uniform_boundaries
 from pipeline.planner.tied import tied_allreduce_seconds, tied_step_reduction
 from schedules import SCHEDULES
@@ -38,9 +39,12 @@ __all__ = ["Oracle"]
 def _peak_total(params: np.ndarray, held: np.ndarray, tied: np.ndarray | None,
                 experts: np.ndarray | None, *, dp: int, zero: int, ep: int,
                 extra_gradient_bytes: float, step_gradient_bytes: float,
-                state_bytes: tuple[float, float, float] | None) -> float:
+                state_bytes: tuple[float, float, float] | None,
+                runtime: np.ndarray | None = None) -> float:
     """`peak_rank_memory(...)[0].total` with one "stage" per rank, as it was written before
-    the search kept its parts (frozen here: the floor's code under test shares it)."""
+    the search kept its parts (frozen here: the floor's code under test shares it), with
+    each rank's runtime bytes (`runtime_memory.runtime_bytes`) held throughout."""
+    runtime = np.zeros(len(held)) if runtime is None else runtime
     states = model_state_bytes("fp32", zero_stage=zero, data_parallel=dp)
     parameters, gradients, optimizer = states.parameters, states.gradients, states.optimizer
     if state_bytes is not None:
@@ -60,9 +64,10 @@ def _peak_total(params: np.ndarray, held: np.ndarray, tied: np.ndarray | None,
         expert_bytes = np.array([own.parameters, own.gradients + extra_gradient_bytes / ep,
                                  own.optimizer])
     expert_states = experts * expert_bytes.sum()
-    during = params * (parameters + gradients + optimizer) + expert_states + more + held
+    during = params * (parameters + gradients + optimizer) + expert_states + more + held \
+        + runtime
     at_step = params * (parameters + gradients + step + optimizer) + expert_states \
-        + experts * step / ep + more
+        + experts * step / ep + more + runtime
     rank = int(np.argmax(np.maximum(during, at_step)))
     activations, step_bytes = float(held[rank]), 0.0
     if at_step[rank] > during[rank]:  # the optimizer step's peak: no activations left
@@ -71,7 +76,8 @@ def _peak_total(params: np.ndarray, held: np.ndarray, tied: np.ndarray | None,
     return (float(params[rank] * parameters + mine * expert_bytes[0])
             + float(params[rank] * gradients + more[rank]
                     + mine * (expert_bytes[1] + step_bytes))
-            + float(params[rank] * optimizer + mine * expert_bytes[2]) + activations)
+            + float(params[rank] * optimizer + mine * expert_bytes[2]) + activations
+            + float(runtime[rank]))
 
 
 class Oracle:
@@ -157,9 +163,13 @@ class Oracle:
             tied = np.bincount(where, weights=tied_held * GRAD_BYTES, minlength=pp)
         experts = np.bincount(where, weights=a["experts"], minlength=pp) \
             if context.model.experts else None
+        tied_ranks = [int(where[0]), *where[np.flatnonzero(copies > 0)].tolist()] \
+            if (copies > 0).any() else []
         return _peak_total(params, held, tied, experts, dp=config.dp * config.cp,
                            zero=config.zero_stage,
-                           ep=config.ep, **context.engine_bytes(config))
+                           ep=config.ep, **context.engine_bytes(config),
+                           runtime=runtime_bytes(context.cluster, config, a["placement"],
+                                                 tied_ranks))
 
     def _prices(self, layer: LayerProfile, index: int, b: int, tp: int, recompute: str,
                 ep: int) -> tuple[float, ...]:

@@ -40,7 +40,9 @@ def test_megatron_2021_holds_its_ddp_buckets_and_step_copies(microbatch: int) ->
     acts = plain.memory.activations
     found = price(MODEL, CLUSTER, 32, _config(1, microbatch), precision="fp16",
                   options=MEGATRON)
-    assert found.memory.total == pytest.approx(max(18 * params + acts, 22 * params))
+    # the runtime's NCCL buffers and cuBLAS workspaces (`runtime_memory`) come on top
+    assert found.memory.total - found.memory.runtime == pytest.approx(
+        max(18 * params + acts, 22 * params))
     # p = 2, Megatron's local DDP: no bucket copy through the pipeline; the fullest rank's
     # peak is max over ranks r of max(16P_r + A_r, 20P_r) = max(the plain peak, 20 max P_r)
     plain2 = price(MODEL, CLUSTER, 32, _config(2, microbatch), precision="fp16",
@@ -49,7 +51,10 @@ def test_megatron_2021_holds_its_ddp_buckets_and_step_copies(microbatch: int) ->
                    options=MEGATRON)
     context = PlanContext(MODEL, CLUSTER, 32, "fp16", uniform_layers=True)
     most = float(context.rank_sums(_config(2, microbatch))[0].max())
-    assert found2.memory.total == pytest.approx(max(plain2.memory.total, 20 * most))
+    runtime = found2.memory.runtime
+    assert runtime == plain2.memory.runtime > 0
+    assert found2.memory.total - runtime == pytest.approx(
+        max(plain2.memory.total - runtime, 20 * most))
 
 
 def test_the_ddp_bucket_is_only_where_torch_ddp_runs() -> None:

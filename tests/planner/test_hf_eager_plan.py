@@ -128,7 +128,8 @@ def test_eager_activations_refuse_a_plan_korthikanti_accepts(tmp_path: Path) -> 
     need_eager = states + 8 * sum(layer.held(1) for layer in eager.layers)
     assert need_eager > 1.3 * need_fused
     cluster = replace(PRESETS["h100-80g"], nodes=1, devices_per_node=1,
-                      device_memory=(need_fused + need_eager) / 2)
+                      device_memory=(need_fused + need_eager) / 2,
+                      compute_capability=0)  # a toy device: no CUDA runtime's share
     none = replace(one, recompute_choices=("none",))
     assert plan(fused, cluster, 8, precision="fp32", options=none).best.config.recompute \
         == "none"

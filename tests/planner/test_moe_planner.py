@@ -222,7 +222,9 @@ def test_expert_states_are_the_accountings(ep: int, zero: int) -> None:
 
 
 def _small_cluster(memory_gib: float) -> Any:
-    return replace(H100, nodes=1, device_memory=memory_gib * GIB)
+    """A toy H100 of a few GiB, without CUDA's runtime (its NCCL buffers alone would take
+    GiB: `runtime_memory`)."""
+    return replace(H100, nodes=1, device_memory=memory_gib * GIB, compute_capability=0)
 
 
 FAST = {"schedules": ("1f1b",), "recompute_choices": ("none",)}
@@ -318,7 +320,8 @@ def test_every_ep_refusal_names_its_cause(case: Callable[[], object], words: lis
 def test_plan_prints_ep_in_the_pick_and_its_launch_line(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"preset": "h100-80g", "device_memory": 3 * GIB}))
+    cluster.write_text(json.dumps({"preset": "h100-80g", "device_memory": 3 * GIB,
+                                       "compute_capability": 0}))
     code = main(["plan", "--model", MOE, "--cluster", str(cluster), "--global-batch", "16",
                  "--schedules", "1f1b", "--no-recompute", "--top", "3"])
     assert code == 0

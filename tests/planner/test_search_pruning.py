@@ -26,9 +26,12 @@ TIED = transformer_profile(parse_shape("layers=8,hidden=1024,heads=16,vocab=3200
 TOP = 4
 
 
-def _cluster(memory_gib: float, nodes: int, per_node: int = 4) -> ClusterSpec:
+def _cluster(memory_gib: float, nodes: int, per_node: int = 4, *, cuda: bool = True
+             ) -> ClusterSpec:
+    """Toy A100s of `memory_gib`; `cuda` False: without the CUDA runtime's NCCL buffers and
+    workspaces (`runtime_memory`), which would take most of a device under 1 GiB."""
     return replace(PRESETS["a100-80g"], nodes=nodes, devices_per_node=per_node,
-                   device_memory=memory_gib * GIB)
+                   device_memory=memory_gib * GIB, compute_capability=80 if cuda else 0)
 
 
 # (model, cluster, global batch, options): every recomputation mode and ZeRO 0/1 wherever
@@ -60,7 +63,7 @@ CASES = {
         max_chunks=2, overlap_param_gather=True)),
     # a tied embedding: a copy on the head's rank (none on V-shaped schedules) and its
     # all-reduce, in the memory floor and the time bound too
-    "tied-embeddings": (TIED, _cluster(0.8, 2), 32, SearchOptions(
+    "tied-embeddings": (TIED, _cluster(0.8, 2, cuda=False), 32, SearchOptions(
         max_chunks=2, schedules=("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v",
                                  "dualpipev"))),
     "tied-megatron-2021-engine": (TIED, _cluster(40.0, 2), 32, SearchOptions(

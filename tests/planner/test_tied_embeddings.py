@@ -17,6 +17,7 @@ from pipeline.planner import PRESETS, ClusterSpec, PlanConfig, SearchOptions, pa
 from pipeline.planner.predict import PlanContext, Prediction
 from pipeline.planner.profile import LayerProfile, ModelProfile
 from pipeline.planner.report import gap_parts
+from pipeline.planner.runtime_memory import NCCL_CONNECTION_BYTES
 from pipeline.planner.search import price
 from pipeline.planner.transformer import transformer_profile
 
@@ -115,8 +116,12 @@ def _time_problems(config: PlanConfig, inside_a_node: bool) -> list[str]:
         problems.append(f"tied_comm {tied.breakdown['tied_comm']} != {seconds}")
     if not np.isclose(tied.step_seconds, twin.step_seconds + seconds, rtol=1e-9):
         problems.append(f"step {tied.step_seconds} != {twin.step_seconds} + {seconds}")
-    if tied.memory != twin.memory:
-        problems.append(f"memory {tied.memory} != the twin's {twin.memory}")
+    # the same memory but the tied pair's NCCL ring (`runtime_memory`): 2 channels per
+    # NVLink link inside a node, 2 for a 200 Gb/s NIC across
+    ring = (24 if inside_a_node else 2) * NCCL_CONNECTION_BYTES
+    if replace(tied.memory, runtime=0.0) != replace(twin.memory, runtime=0.0) \
+            or tied.memory.runtime != twin.memory.runtime + ring:
+        problems.append(f"memory {tied.memory} != the twin's {twin.memory} + {ring}")
     return problems
 
 
