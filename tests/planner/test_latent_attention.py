@@ -15,7 +15,15 @@ from typing import Any
 import pytest
 
 from pipeline.cli import main
-from pipeline.planner import PRESETS, PlanError, load_model, parse_shape, transformer_profile
+from pipeline.planner import (
+    PRESETS,
+    PlanError,
+    SearchOptions,
+    load_model,
+    parse_shape,
+    plan,
+    transformer_profile,
+)
 from pipeline.planner.hf_config import shape_from_hf_config
 from pipeline.planner.kernels import attention_core_seconds, block_linear_times, gemm_seconds
 from pipeline.planner.latent_attention import LatentAttention
@@ -269,6 +277,14 @@ def test_shapes_outside_the_latent_model_are_refused_by_name(source: Any, words:
             shape_from_hf_config(source)
         else:
             parse_shape(source)
+
+
+def test_context_parallelism_is_refused_for_latent_attention() -> None:
+    """The engine's cp does not run MLA (`pipeline.interop.hf_moe_context`): a dense MLA
+    shape, which no expert refusal catches, is refused by name, not priced as GQA's K/V."""
+    with pytest.raises(PlanError, match="multi-head latent attention, which the engine's "
+                                        "context parallelism does not run"):
+        plan(load_model(SHAPE), H100, 8, options=SearchOptions(context_parallel=(2,)))
 
 
 def test_megatron_lm_2021_has_no_latent_attention() -> None:
