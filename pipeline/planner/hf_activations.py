@@ -26,6 +26,8 @@ UNCOVERED = {
     "gemma3_text": "its four norms per block and q/k norms",
     "mixtral": "its routed experts", "qwen2_moe": "its routed experts",
     "qwen3_moe": "its routed experts",
+    "deepseek_v2": "its routed experts and multi-head latent attention",
+    "deepseek_v3": "its routed experts and multi-head latent attention",
 }
 """The other families `hf_config.FAMILIES` reads, and why their blocks keep Korthikanti's
 pricing (a tiny model of each saves more than `eager_layer_activation_bytes` counts)."""

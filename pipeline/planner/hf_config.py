@@ -9,11 +9,12 @@ from typing import Any
 
 from pipeline.planner.errors import PlanError
 from pipeline.planner.input_files import read_input_json
+from pipeline.planner.latent_attention import LATENT_KEYS, LatentAttention
 from pipeline.planner.moe_shape import ExpertShape
 from pipeline.planner.transformer import TransformerShape
 
 __all__ = ["FAMILIES", "expert_shape_from_hf", "hf_model_type", "is_hf_config",
-           "read_hf_config", "shape_from_hf_config"]
+           "latent_attention_from_hf", "read_hf_config", "shape_from_hf_config"]
 
 # model_type: what its modeling file builds that the config does not say, each family's
 # defaults (its `*Config.__init__`) for the keys a saved config.json may leave out.
@@ -35,8 +36,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": _LLAMA,
     "qwen2_moe": _LLAMA | {"bias": "qkv"},
     "qwen3_moe": _LLAMA | {"qk_norm": True, "head_dim": 128},
+    "deepseek_v2": _LLAMA,
+    "deepseek_v3": _LLAMA,
 }
-"""The families `pipeline.interop.hf_layers.layers_from_hf` runs."""
+"""The families `pipeline.interop.hf_layers.layers_from_hf` runs (DeepSeek-V2 / V3 with
+their multi-head latent attention, `latent_attention_from_hf`)."""
 
 _MOE: dict[str, dict[str, Any]] = {
     # model_type: (config key or keys -> ExpertShape field, with the config class's default)
@@ -66,14 +70,17 @@ _MOE: dict[str, dict[str, Any]] = {
 each `ExpertShape` field, and its default (the `*Config.__init__` of transformers 5).
 Qwen2-MoE's shared expert is gated (`shared_expert_gate`); Qwen's dense blocks (mlp_only_layers,
 or off the decoder_sparse_step) have an MLP of intermediate_size; Mixtral's experts are
-intermediate_size wide and every block has them. DeepSeek-V2 / V3 (their experts only: the
-planner does not price their multi-head latent attention, so their configs are refused with
-these keys named): n_shared_experts ungated shared experts of moe_intermediate_size, the first
+intermediate_size wide and every block has them. DeepSeek-V2 / V3: n_shared_experts ungated
+shared experts of moe_intermediate_size, the first
 first_k_dense_replace blocks dense (HF's `DeepseekV3DecoderLayer`), group-limited routing
 (`node_limited`): V3's always (n_group, topk_group), V2's under
 topk_method="group_limited_greedy"."""
 _LATENT_ATTENTION = ("deepseek_v2", "deepseek_v3")
-_DENSE_FFN = {"mixtral": None, "qwen2_moe": 5632, "qwen3_moe": 6144}
+_LATENT_DEFAULTS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128}
+"""`DeepseekV2Config`'s and `DeepseekV3Config`'s defaults (transformers 5) for MLA's keys."""
+_DENSE_FFN = {"mixtral": None, "qwen2_moe": 5632, "qwen3_moe": 6144, "deepseek_v2": 11008,
+              "deepseek_v3": 18432}
 """intermediate_size defaults of the MoE families' dense blocks (Mixtral has none)."""
 
 _GPT2_KEYS = {"n_layer": "num_hidden_layers", "n_embd": "hidden_size",
@@ -118,15 +125,6 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
     """The shape of the model a HF `config` builds; `seq` (default: its
     max_position_embeddings) the training sequence length."""
     family = config.get("model_type")
-    if family in _LATENT_ATTENTION:
-        try:
-            moe = expert_shape_from_hf(config, where="its experts")
-            named = f"with its experts as {moe.model_string() if moe else ''}"
-        except PlanError as error:
-            named = f"({error})"
-        raise PlanError(f"{where}: model_type {family!r} is not one the planner reads: its "
-                        "multi-head latent attention is not priced; give the shape as "
-                        f"layers=,hidden=,heads=,vocab=,seq=,... {named}")
     if family not in FAMILIES:
         raise PlanError(f"{where}: model_type {family!r} is not one the planner reads; it "
                         f"reads {', '.join(FAMILIES)} (or give the shape as "
@@ -150,21 +148,47 @@ def shape_from_hf_config(config: Mapping[str, Any], *, seq: int | None = None,
     hidden = _whole(values, "hidden_size", where)
     heads = _whole(values, "num_attention_heads", where)
     positions = _whole(values, "max_position_embeddings", where)
-    head_dim = _optional_whole(values, "head_dim", where) or defaults.get("head_dim") or 0
+    # MLA (`latent_attention_from_hf`) sizes its heads itself: DeepSeek's head_dim is the
+    # rotary size and num_key_value_heads is not read by its attention (left out)
+    latent = latent_attention_from_hf(values, where=where)
+    head_dim = 0 if latent else (_optional_whole(values, "head_dim", where)
+                                 or defaults.get("head_dim") or 0)
     tied = values.get("tie_word_embeddings", defaults["tied_embeddings"])
     fields = {key: value for key, value in defaults.items() if key != "head_dim"}
     moe = expert_shape_from_hf(values, where=where)
     ffn = (_optional_whole(values, "intermediate_size", where) or _DENSE_FFN.get(family)
            or 4 * hidden)
-    kv_heads = _optional_whole(values, "num_key_value_heads", where) or heads
+    kv_heads = heads if latent else _optional_whole(values, "num_key_value_heads", where) \
+        or heads
     return TransformerShape(
         **(fields | {"tied_embeddings": bool(tied)}),
         layers=_whole(values, "num_hidden_layers", where), hidden=hidden, heads=heads,
         vocab=_whole(values, "vocab_size", where), seq=seq or positions,
         ffn=moe.expert_ffn if family == "mixtral" and moe is not None else ffn,
         kv_heads=kv_heads, head_dim=head_dim,
-        positions=positions if defaults["learned_positions"] else 0, moe=moe,
+        positions=positions if defaults["learned_positions"] else 0, moe=moe, latent=latent,
         dropout=any(float(values.get(key) or 0.0) > 0 for key in _DROPOUT_KEYS))
+
+
+def latent_attention_from_hf(config: Mapping[str, Any], *,
+                             where: str = "HF config") -> LatentAttention | None:
+    """The multi-head latent attention of a DeepSeek-V2 / V3 config (its `LATENT_KEYS`, the
+    class defaults where left out); None for another family. q_lora_rank null is V2-Lite's
+    direct query projection; a 0 is refused (HF would build an empty query latent)."""
+    if config.get("model_type") not in _LATENT_ATTENTION:
+        return None
+    fields = {key: config.get(key, default) for key, default in _LATENT_DEFAULTS.items()}
+    if fields["q_lora_rank"] is None:
+        fields["q_lora_rank"] = 0
+    elif fields["q_lora_rank"] == 0:
+        raise PlanError(f"{where}: q_lora_rank=0 builds an empty query latent in HF's "
+                        "attention; give null for a direct query projection (V2-Lite)")
+    for key in LATENT_KEYS[1:]:
+        _whole(fields, key, where)
+    try:
+        return LatentAttention(**fields)
+    except PlanError as error:
+        raise PlanError(f"{where}: {error}") from None
 
 
 def expert_shape_from_hf(config: Mapping[str, Any], *,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.latent_attention import LatentAttention
 from pipeline.planner.moe_shape import RoutedExperts
 
 __all__ = ["KernelTimes", "LayerShape", "attention_core_seconds", "block_linear_times",
@@ -62,6 +63,9 @@ class LayerShape:
     """Whose code runs the layer: "megatron-2021" adds the element-wise passes Megatron-LM's
     code of 2021 runs besides this engine's (`_megatron_2021_block`,
     `_megatron_2021_cross_entropy`)."""
+    latent: LatentAttention | None = None
+    """Multi-head latent attention: its GEMMs (`LatentAttention.gemms`), latent norms and a
+    core of two head sizes, Q·Kᵀ over d_qk and P·V over d_v."""
 
     @property
     def experts(self) -> bool:
@@ -71,6 +75,11 @@ class LayerShape:
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden // self.heads
+
+    @property
+    def value_size(self) -> int:
+        """Size of one value head: MLA's d_v, else the head size."""
+        return self.latent.v_head_dim if self.latent is not None else self.head_size
 
 
 @dataclass(frozen=True)
@@ -193,7 +202,7 @@ def attention_core_seconds(shape: LayerShape, batch: int, tp: int, cluster: Clus
         return 0.0
     heads = math.ceil(shape.heads / tp)
     return _attention(shape.attention, batch * heads, shape.seq, shape.head_size,
-                      shape.element, cluster, precision)[0]
+                      shape.element, cluster, precision, shape.value_size)[0]
 
 
 def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int,
@@ -217,7 +226,11 @@ def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int
         gelu = _stream_seconds((inner + 1) * tokens * width * e, cluster)
         parts.append((gelu, 1.5 * gelu, 0.0))
     parts.append(_attention(shape.attention, batch * heads, s, head_size, e, cluster,
-                            precision))
+                            precision, shape.value_size))
+    if shape.latent is not None:  # its latent norms, whole on every rank over all T tokens
+        latent = _stream_seconds(2 * tokens * sum(shape.latent.norm_widths()) * e, cluster,
+                                 len(shape.latent.norm_widths()))
+        parts.append((latent, 1.5 * latent, 0.0))
     return parts
 
 
@@ -228,23 +241,47 @@ def block_linear_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterS
     """A block's four linears in order (qkv, proj, fc1 — gate and up at once when gated —,
     fc2), each its kind and (forward, input gradient, weight gradient) GEMM seconds on one
     of `tp` ranks: column- and row-parallel; a MoE block's (`LayerShape.routed`) attention
-    pair only, its experts' GEMMs priced apart (`expert_kernels.expert_gemm_times`)."""
+    pair only, its experts' GEMMs priced apart (`expert_kernels.expert_gemm_times`).
+    Multi-head latent attention's qkv is its input side at once (`_latent_linears`)."""
     e, h, k = shape.element, shape.hidden, shape.kv_width
     tokens, width = batch * shape.seq, math.ceil(shape.ffn / tp)
     q = shape.heads * shape.head_size
     inner = 2 if shape.gated else 1
     attention: list[tuple[Literal["column", "row", "expert"], tuple[float, float, float]]] = [
         ("column", _linear(tokens, h, math.ceil((q + 2 * k) / tp), cluster, precision, e)),
-        ("row", _linear(tokens, math.ceil(q / tp), h, cluster, precision, e))]
+        ("row", _linear(tokens, math.ceil(q / tp), h, cluster, precision, e))] \
+        if shape.latent is None else \
+        _latent_linears(shape.latent, shape, tokens, tp, cluster, precision)
     if shape.experts:
         return attention
     return [*attention, ("column", _linear(tokens, h, inner * width, cluster, precision, e)),
             ("row", _linear(tokens, width, h, cluster, precision, e))]
 
 
+def _latent_linears(latent: LatentAttention, shape: LayerShape, tokens: int, tp: int,
+                    cluster: ClusterSpec, precision: str
+                    ) -> list[tuple[Literal["column", "row", "expert"],
+                                    tuple[float, float, float]]]:
+    """MLA's GEMMs on one of `tp` ranks as a block's two attention linears: "column" its
+    input side, q_a and kv_a whole on every rank over all T tokens (the engine gathers the
+    sequence at the attention's entry and runs them replicated) with q_b (or q_proj) and kv_b
+    on the rank's heads, the sum of their times, behind the one collective that enters the
+    region; "row" o on the rank's heads' a·d_v/t inputs."""
+    column = [0.0, 0.0, 0.0]
+    row = (0.0, 0.0, 0.0)
+    for gemm in latent.gemms(shape.hidden, shape.heads, tp):
+        times = _linear(tokens, gemm.inputs, gemm.outputs, cluster, precision, shape.element)
+        if gemm.kind == "row":
+            row = times
+        else:
+            column = [total + part for total, part in zip(column, times)]
+    return [("column", (column[0], column[1], column[2])), ("row", row)]
+
+
 def _attention(kind: str, batch: int, s: int, d: int, e: int, cluster: ClusterSpec,
-               precision: str) -> tuple[float, float, float]:
-    """softmax(QKᵀ/√d)·V for `batch` = b·a/t heads of s tokens, head size d.
+               precision: str, d_v: int = 0) -> tuple[float, float, float]:
+    """softmax(QKᵀ/√d)·V for `batch` = b·a/t heads of s tokens, head size d (Q, K) and d_v
+    (V; 0: d, MLA's v_head_dim).
 
     eager: QKᵀ and PV as batched GEMMs, the s × s scores through memory: a fused scale-mask-
     softmax (read, write) and dropout (read, write, 1-byte mask); backward twice the GEMMs
@@ -254,14 +291,15 @@ def _attention(kind: str, batch: int, s: int, d: int, e: int, cluster: ClusterSp
         return gemm_seconds(m, n, k, cluster, precision, batch=batch, efficiency=efficiency,
                             element=e)
 
+    d_v = d_v or d
     if kind == "fused":
-        forward = bmm(s, s, d, _FUSED_ATTENTION) + bmm(s, d, s, _FUSED_ATTENTION) \
+        forward = bmm(s, s, d, _FUSED_ATTENTION) + bmm(s, d_v, s, _FUSED_ATTENTION) \
             - cluster.kernel_overhead
         return forward, 2.5 * forward, 0.0
     scores = batch * s * s
-    forward = bmm(s, s, d) + bmm(s, d, s) + _stream_seconds(scores * (4 * e + 1), cluster, 2)
-    backward = 2 * (bmm(s, s, d) + bmm(s, d, s)) + _stream_seconds(scores * (5 * e + 1),
-                                                                     cluster, 2)
+    forward = bmm(s, s, d) + bmm(s, d_v, s) + _stream_seconds(scores * (4 * e + 1), cluster, 2)
+    backward = 2 * (bmm(s, s, d) + bmm(s, d_v, s)) + _stream_seconds(scores * (5 * e + 1),
+                                                                       cluster, 2)
     return forward, backward, 0.0
 
 

@@ -56,6 +56,11 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                             f"planner prices context parallelism for dense models only (the "
                             f"engine runs cp with MoE; its pricing is not searched yet); use "
                             f"cp 1")
+        elif cp > 1 and any(layer.shape is not None and layer.shape.latent is not None
+                            for layer in model.layers):
+            problems.append(f"context-parallel size {cp}: {model.name} has multi-head latent "
+                            "attention, which the engine's context parallelism does not run "
+                            "(its attention function is not swapped for MLA); use cp 1")
     if problems:
         raise PlanError("; ".join(problems))
 

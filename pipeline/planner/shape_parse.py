@@ -9,6 +9,7 @@ from typing import Any
 
 from pipeline.planner.errors import PlanError
 from pipeline.planner.input_files import read_input_json
+from pipeline.planner.latent_attention import LATENT_KEYS, LatentAttention
 from pipeline.planner.moe_shape import MOE_KEYS, ExpertShape
 from pipeline.planner.transformer import TransformerShape
 
@@ -17,8 +18,8 @@ __all__ = ["parse_shape"]
 _BOOL_KEYS = {"learned_positions", "tied_embeddings", "qk_norm", "shared_gate", "dropout"}
 _TEXT_KEYS = {"mlp", "norm", "bias"}
 _LIST_KEYS = {"dense_layers"}
-_INT_KEYS = ({f.name for f in fields(TransformerShape)} | set(MOE_KEYS)) - _BOOL_KEYS \
-    - _TEXT_KEYS - _LIST_KEYS - {"moe"}
+_INT_KEYS = ({f.name for f in fields(TransformerShape)} | set(MOE_KEYS) | set(LATENT_KEYS)) \
+    - _BOOL_KEYS - _TEXT_KEYS - _LIST_KEYS - {"moe", "latent"}
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
@@ -26,8 +27,11 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
     """`layers=32,hidden=4096,heads=32,vocab=32000,seq=2048[,ffn=..,kv_heads=..,
     mlp=swiglu,tied_embeddings=true,..]` (every field of `TransformerShape`; a mixture of
     experts with `ExpertShape`'s: experts=8,topk=2,expert_ffn=14336[,shared_ffn=..,
-    shared_gate=true,sparse_step=..,dense_layers=0;5]), a JSON file with those keys, or a
-    mapping; `seq` overrides the sequence length."""
+    shared_gate=true,sparse_step=..,dense_layers=0;5]), multi-head latent attention with
+    `LatentAttention`'s (HF's DeepSeek names): kv_lora_rank=512,qk_nope_head_dim=128,
+    qk_rope_head_dim=64,v_head_dim=128[,q_lora_rank=1536; 0 or left out: a direct query
+    projection], a JSON file with those keys, or a mapping; `seq` overrides the sequence
+    length."""
     if isinstance(source, Mapping):
         values = dict(source)
     elif source.endswith(".json") or os.path.exists(source):
@@ -82,7 +86,22 @@ def parse_shape(source: str | Mapping[str, Any], *, seq: int | None = None) -> T
     if missing:
         raise PlanError(f"model shape lacks {missing} (give seq with --seq)")
     moe = _expert_shape(values)  # takes its keys out of `values`
-    return TransformerShape(**values, moe=moe)
+    latent = _latent_attention(values)  # and these
+    return TransformerShape(**values, moe=moe, latent=latent)
+
+
+def _latent_attention(values: dict[str, Any]) -> LatentAttention | None:
+    """The `LatentAttention` keys taken out of `values` (None when it has none)."""
+    given = {key: values.pop(key) for key in LATENT_KEYS if key in values}
+    if not given:
+        return None
+    missing = [key for key in LATENT_KEYS[1:] if key not in given]
+    if missing:
+        raise PlanError(f"model shape gives {', '.join(sorted(given))} but not "
+                        f"{', '.join(missing)}: multi-head latent attention needs "
+                        "kv_lora_rank=, qk_nope_head_dim=, qk_rope_head_dim= and v_head_dim= "
+                        "(e.g. DeepSeek-V3's 512, 128, 64, 128; q_lora_rank= optional)")
+    return LatentAttention(**given)
 
 
 def _expert_shape(values: dict[str, Any]) -> ExpertShape | None:

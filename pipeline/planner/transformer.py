@@ -9,6 +9,7 @@ from typing import Literal
 
 from pipeline.planner.errors import PlanError
 from pipeline.planner.kernels import LayerShape
+from pipeline.planner.latent_attention import LatentAttention, latent_shape_problems
 from pipeline.planner.moe_shape import ExpertShape, RoutedExperts
 from pipeline.planner.profile import LayerProfile, ModelProfile
 from schedules.analysis.accounting import AttentionKind, RecomputeKind, layer_activation_bytes
@@ -64,6 +65,9 @@ class TransformerShape:
     moe: ExpertShape | None = None
     """A mixture of experts in the blocks `ExpertShape.is_sparse` names (their MLP); None:
     a dense model."""
+    latent: LatentAttention | None = None
+    """Multi-head latent attention (DeepSeek-V2 / V3, `latent_attention`) in every block
+    instead of Q/K/V projections; None: standard (grouped-query) attention."""
     dropout: bool = True
     """Dropout after the embedding, attention's projection and the MLP, each keeping its
     mask for the backward (Korthikanti et al. 2022; GPT-3, Megatron's default); False for
@@ -83,6 +87,12 @@ class TransformerShape:
             if getattr(self, name) not in kinds:
                 problems.append(f"{name}={getattr(self, name)!r} must be one of "
                                 f"{', '.join(kinds)}")
+        if self.latent is not None:
+            problems += latent_shape_problems(self.latent, heads=self.heads,
+                                              kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                              bias=self.bias, qk_norm=self.qk_norm)
+        if not problems and self.latent is not None:  # Q and K's head size; V's its own
+            object.__setattr__(self, "head_dim", self.latent.qk_head_dim)
         if not problems and not self.head_dim and self.hidden % self.heads:
             problems.append(f"heads={self.heads} must divide hidden={self.hidden} (or give "
                             f"head_dim)")
@@ -132,6 +142,11 @@ class TransformerShape:
         h, f, q, k = self.hidden, self.ffn, self.q_width, self.kv_width
         column = h * (q + 2 * k) + (self.mlp_matrices - 1) * h * f
         row = q * h + f * h
+        latent = (0, 0)
+        if self.latent is not None:  # its attention's own matrices and norms (no biases)
+            latent = self.latent.split_replicated_parameters(h, self.heads, 2 if self.norm
+                                                             == "layernorm" else 1)
+            column, row = (self.mlp_matrices - 1) * h * f + latent[0], f * h
         column_bias = (q + 2 * k) if self.bias != "none" else 0
         if self.bias == "all":
             column_bias += (self.mlp_matrices - 1) * f
@@ -139,7 +154,7 @@ class TransformerShape:
         norms = self.block_norms * self.norm_parameters()
         if self.qk_norm:
             norms += (2 if self.norm == "layernorm" else 1) * 2 * self.head_dim
-        return column + row + column_bias, row_bias + norms
+        return column + row + column_bias, row_bias + norms + latent[1]
 
     def block_parameters(self) -> int:
         """Weights and biases of one block. With ffn = 4h, GELU, LayerNorm, biases and no
@@ -191,7 +206,16 @@ class TransformerShape:
         matrix, plus the attention scores QKᵀ and their product with V, 2·s·a·d each. With
         ffn = 4h, GELU and no GQA this is 24h² + 4sh (Narayanan et al. 2021, section 5.1)."""
         h, f, q, k = self.hidden, self.ffn, self.q_width, self.kv_width
-        return 2 * (h * (q + 2 * k) + q * h + self.mlp_matrices * h * f) + 4 * self.seq * q
+        attention = 2 * (h * (q + 2 * k) + q * h) + self.core_flops_per_token() \
+            if self.latent is None else self.latent.flops_per_token(h, self.heads, self.seq)
+        return attention + 2 * self.mlp_matrices * h * f
+
+    def core_flops_per_token(self) -> int:
+        """Forward FLOPs of attention's core per token (QKᵀ and its product with V: 2·s·a·d
+        each; MLA's with d_qk and d_v), what selective recomputation redoes."""
+        if self.latent is not None:
+            return self.latent.core_flops_per_token(self.heads, self.seq)
+        return 4 * self.seq * self.q_width
 
     def flops_per_token(self) -> int:
         """Forward FLOPs of the whole model per token: blocks and the logits 2hV. Training
@@ -216,13 +240,19 @@ class TransformerShape:
         block has a GELU MLP and Q as wide as h; a SwiGLU MLP keeps one more s × f tensor
         (gate and up outputs, and their product, the down projection's input: 3 where GELU
         keeps 2), and Q and attention's output are q = a·d wide (Gemma, Qwen3: not h), all
-        split over t."""
+        split over t. Multi-head latent attention: Korthikanti's attention with Q, K, V h wide,
+        its four split s × h tensors traded for MLA's (`LatentAttention.kept_elements`) and
+        its latents added whole on every tp rank."""
         scale = element / 2
         mask = 1 / scale if self.dropout else 0.0
-        extra = 0.0
+        extra = whole = 0.0
+        kv_width = self.kv_width if self.latent is None else self.hidden
         if recompute != "full":
-            extra = element * self.seq * ((self.ffn if self.gated else 0)
-                                          + 2 * (self.q_width - self.hidden))
+            wider = 2 * (self.q_width - self.hidden)  # attention's tensors beyond 4·s·h
+            if self.latent is not None:
+                latent_whole, latent_split = self.latent.kept_elements(self.heads)
+                whole, wider = element * self.seq * latent_whole, latent_split - 4 * self.hidden
+            extra = element * self.seq * ((self.ffn if self.gated else 0) + wider)
 
         # the fused kernel's log-sum-exp is fp32 whatever the activations (4 bytes per row
         # and head, split over t): the accounting's 16-bit terms scale, it does not
@@ -232,10 +262,10 @@ class TransformerShape:
             return (1 - scale) * lse / t + scale * layer_activation_bytes(
                 self.seq, 1, self.hidden, self.heads, attention=attention,
                 recompute=recompute, t=t, sequence_parallel=sequence_parallel,
-                dropout_mask_bytes=mask, ffn=self.ffn, kv_width=self.kv_width)
+                dropout_mask_bytes=mask, ffn=self.ffn, kv_width=kv_width)
 
         one, two = at(1), at(2)
-        return 2 * two - one, 2 * (one - two) + extra
+        return 2 * two - one + whole, 2 * (one - two) + extra
 
 
 def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
@@ -258,6 +288,9 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
         raise PlanError(f"attention {attention!r} must be 'fused' or 'eager'")
     if engine not in ("pipesched", "megatron-2021"):
         raise PlanError(f"engine {engine!r} must be 'pipesched' or 'megatron-2021'")
+    if engine == "megatron-2021" and shape.latent is not None:
+        raise PlanError("engine 'megatron-2021' (Megatron-LM of 2021) has no multi-head latent "
+                        "attention; plan this model for pipesched or megatron-core")
     code: Literal["pipesched", "megatron-2021"] = \
         "megatron-2021" if engine == "megatron-2021" else "pipesched"
     blocks_only = engine == "megatron-2021"  # what its full recomputation leaves out
@@ -270,7 +303,8 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
                 ) -> LayerShape:
         return LayerShape(role, s, h, shape.heads, shape.kv_width, ffn, vocab, element,
                           "fused" if attention == "fused" else "eager", sequence_parallel,
-                          head_dim=shape.head_dim, gated=shape.gated, engine=code)
+                          head_dim=shape.head_dim, gated=shape.gated, engine=code,
+                          latent=shape.latent)
 
     def block(of: TransformerShape) -> LayerProfile:
         """A block of shape `of`, dense (a MoE block is one whose MLP is k·f_e + f_s wide,
@@ -286,7 +320,7 @@ def transformer_profile(shape: TransformerShape, precision: str = "bf16", *,
             held_split=split, held_replicated=replicated, output_bytes=hidden_bytes,
             input_bytes=hidden_bytes, input_split=sequence_parallel,
             selective_held_split=selective - replicated,
-            selective_flops_split=4 * s * s * of.q_width, tp_allreduces=2,
+            selective_flops_split=s * of.core_flops_per_token(), tp_allreduces=2,
             tp_allreduce_bytes=hidden_bytes, shape=kernels("block", of.ffn))
 
     # Input embedding: its dropout's 1-byte mask, sh (Korthikanti et al. 2022, section 4.3:
@@ -362,4 +396,5 @@ def _label(shape: TransformerShape) -> str:
     return (f"transformer l={shape.layers} h={shape.hidden} a={shape.heads}{grouped} "
             f"f={shape.ffn}{'' if shape.mlp == 'gelu' else ' ' + shape.mlp} V={shape.vocab} "
             f"s={shape.seq}{' tied' if shape.tied_embeddings else ''}"
+            f"{shape.latent.label() if shape.latent is not None else ''}"
             f"{shape.moe.label() if shape.moe is not None else ''}")

@@ -160,8 +160,9 @@ def test_deepseek_v3_config_gives_its_group_limit() -> None:
     shape = parse_shape("layers=61,hidden=7168,heads=128,vocab=129280,seq=4096,bias=none,"
                         + keys)
     assert shape.moe == moe  # the keys read back
-    with pytest.raises(PlanError, match=r"latent attention.*expert_groups=8,topk_groups=4"):
-        shape_from_hf_config(config)  # its attention is not priced: refused, keys named
+    priced = shape_from_hf_config(config | {  # its latent attention priced (the defaults)
+        "num_attention_heads": 128, "vocab_size": 129280, "max_position_embeddings": 4096})
+    assert priced.moe == moe and priced.latent is not None
     v2 = config | {"model_type": "deepseek_v2", "topk_method": "group_limited_greedy",
                    "n_group": 8, "topk_group": 3, "n_routed_experts": 160,
                    "num_experts_per_tok": 6}
