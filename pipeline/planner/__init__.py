@@ -10,7 +10,8 @@ from pipeline.planner.profile import LayerProfile, ModelProfile, profile_from_co
 from pipeline.planner.resolve import resolve_cluster
 from pipeline.planner.search import PlanResult, SearchOptions, format_counts, plan
 from pipeline.planner.shape_parse import parse_shape
-from pipeline.planner.transformer import TransformerShape, transformer_profile
+from pipeline.planner.transformer import TransformerShape
+from pipeline.planner.transformer_layers import transformer_profile
 
 __all__ = [
     "PRESETS",

@@ -11,7 +11,7 @@ from pipeline.planner.input_files import MAX_INPUT_BYTES, read_input_json
 from pipeline.planner.limits import MAX_LAYERS
 from pipeline.planner.profile import ModelProfile, profile_from_cost_json
 from pipeline.planner.shape_parse import parse_shape
-from pipeline.planner.transformer import transformer_profile
+from pipeline.planner.transformer_layers import transformer_profile
 
 __all__ = ["MAX_INPUT_BYTES", "load_model", "read_input_json"]
 

@@ -11,7 +11,7 @@ from pipeline.planner import PRESETS, PlanConfig, SearchOptions, parse_shape
 from pipeline.planner.engines import ENGINES
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.search import price
-from pipeline.planner.transformer import transformer_profile
+from pipeline.planner.transformer_layers import transformer_profile
 
 __all__: list[str] = []
 

@@ -12,7 +12,7 @@ from pipeline.cli import main
 from pipeline.planner import PRESETS, PlanConfig, PlanError, SearchOptions, parse_shape, plan
 from pipeline.planner.engines import ENGINES, engine_options, launch_lines
 from pipeline.planner.search import price
-from pipeline.planner.transformer import transformer_profile
+from pipeline.planner.transformer_layers import transformer_profile
 from schedules import SCHEDULES
 
 __all__: list[str] = []

@@ -10,7 +10,7 @@ from pipeline.planner.cluster import PRESETS
 from pipeline.planner.predict import PlanConfig, PlanContext, Prediction
 from pipeline.planner.search import SearchOptions, price
 from pipeline.planner.shape_parse import parse_shape
-from pipeline.planner.transformer import transformer_profile
+from pipeline.planner.transformer_layers import transformer_profile
 
 __all__: list[str] = []
 

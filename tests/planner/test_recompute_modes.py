@@ -12,7 +12,8 @@ from pipeline.planner import PRESETS, PlanConfig, SearchOptions, plan
 from pipeline.planner.errors import PlanError
 from pipeline.planner.search import price
 from pipeline.planner.stages import StageTable
-from pipeline.planner.transformer import TransformerShape, transformer_profile
+from pipeline.planner.transformer import TransformerShape
+from pipeline.planner.transformer_layers import transformer_profile
 from schedules.analysis.accounting import layer_activation_bytes
 
 # long sequences, eager attention: the 5as² scores dominate, what selective drops

@@ -30,7 +30,7 @@ from pipeline.planner.runtime_memory import (
     runtime_bytes,
 )
 from pipeline.planner.search import SearchOptions, plan, price
-from pipeline.planner.transformer import transformer_profile
+from pipeline.planner.transformer_layers import transformer_profile
 
 __all__: list[str] = []
 

@@ -12,7 +12,7 @@ from pipeline.planner import PRESETS, ClusterSpec, SearchOptions, parse_shape, p
 from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.search import PlanResult
-from pipeline.planner.transformer import transformer_profile
+from pipeline.planner.transformer_layers import transformer_profile
 
 __all__: list[str] = []
 

@@ -19,7 +19,7 @@ from pipeline.planner.profile import LayerProfile, ModelProfile
 from pipeline.planner.report import gap_parts
 from pipeline.planner.runtime_memory import NCCL_CONNECTION_BYTES
 from pipeline.planner.search import price
-from pipeline.planner.transformer import transformer_profile
+from pipeline.planner.transformer_layers import transformer_profile
 
 __all__: list[str] = []
 

@@ -15,7 +15,8 @@ from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.parallel.model_state import count_model_states
 from pipeline.parallel.tensor.sequence import split_sequence
 from pipeline.planner.hf_config import shape_from_hf_config
-from pipeline.planner.transformer import TransformerShape, transformer_profile
+from pipeline.planner.transformer import TransformerShape
+from pipeline.planner.transformer_layers import transformer_profile
 from pipeline.runtime.saved_memory import SavedTensorMeter
 from schedules.analysis.accounting import layer_activation_bytes, model_state_bytes
 from schedules.analysis.eager_activations import eager_layer_activation_bytes
