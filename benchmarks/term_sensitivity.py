@@ -45,12 +45,14 @@ CORE_CASES: tuple[tuple[str, str, int, int, PlanConfig], ...] = (
 DEEPSEEK_V3_SHAPED = ("layers=60,hidden=7168,heads=128,vocab=129280,seq=4096,mlp=swiglu,"
                       "norm=rmsnorm,bias=none,learned_positions=false,ffn=18432,dropout=false,"
                       "experts=256,topk=8,expert_ffn=2048,shared_ffn=2048,dense_layers=0;1;2,"
-                      "expert_groups=8,topk_groups=4")
-"""DeepSeek-V3's MoE (its config.json: 256 routed experts of 2048, top-8 from 4 of 8 groups,
-one shared expert, the first 3 blocks dense of 18432) and hidden size, with multi-head
-attention of 128 heads in place of its latent attention (not priced) and 60 blocks for its 61
-(Megatron-Core splits them evenly over pp)."""
-DEEPEP_CASE = ("DeepSeek-V3 shape (MHA, 60 blocks), 1024 H100, deepep", DEEPSEEK_V3_SHAPED, 128,
+                      "expert_groups=8,topk_groups=4,q_lora_rank=1536,kv_lora_rank=512,"
+                      "qk_nope_head_dim=128,qk_rope_head_dim=64,v_head_dim=128")
+"""DeepSeek-V3's config.json: its MoE (256 routed experts of 2048, top-8 from 4 of 8 groups,
+one shared expert, the first 3 blocks dense of 18432), hidden size and multi-head latent
+attention (128 heads, query latent 1536, key/value latent 512, head dims 128 + 64 rotary, 128
+values: `latent_attention`), with 60 blocks for its 61 (Megatron-Core splits them evenly over
+pp)."""
+DEEPEP_CASE = ("DeepSeek-V3 shape (60 blocks), 1024 H100, deepep", DEEPSEEK_V3_SHAPED, 128,
                2048, PlanConfig(pp=4, tp=2, dp=128, schedule="1f1b", chunks=1,
                                 microbatch_size=1, num_microbatches=16, zero_stage=1,
                                 recompute="none", ep=64))
