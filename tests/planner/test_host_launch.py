@@ -5,11 +5,17 @@ device and host time; the term off at host_op_seconds 0; the cluster field check
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from pipeline.planner import PRESETS, PlanError, load_model
 from pipeline.planner.cluster import cluster_from_json
+from pipeline.planner.device_profile import (
+    apply_device_profile,
+    read_device_profile,
+    write_device_profile,
+)
 from pipeline.planner.expert_kernels import block_kernel_times
 from pipeline.planner.host_launch import (
     HOST_OP_SECONDS,
@@ -161,3 +167,25 @@ def test_the_cluster_field() -> None:
     for bad in (-1e-6, float("nan"), True):
         with pytest.raises(PlanError, match="host_op_seconds"):
             replace(H100, host_op_seconds=bad)
+
+
+def test_a_device_profile_measures_and_sets_the_host_figure(tmp_path: Path) -> None:
+    """The measurement path: `calibrate.host_op_seconds` times eager autograd ops here (a
+    CPU: each op dispatches and runs a tiny kernel, microseconds, never a second), and a
+    device profile that carries it sets the cluster's figure."""
+    import torch
+
+    from pipeline.planner.calibrate import host_op_seconds
+
+    measured = host_op_seconds(torch.device("cpu"), ops=50, repeats=2)
+    assert 1e-8 < measured < 1e-3
+    profile = {"device": "cpu", "precision": "fp32", "gemms": [[16, 16, 16, 1e-6]],
+               "memory_bandwidth": 1e10}
+    path = tmp_path / "device.json"
+    write_device_profile(path, {**profile, "host_op_seconds": measured})
+    assert apply_device_profile(H100, path).host_op_seconds == measured
+    write_device_profile(path, profile)  # an older profile: the cluster's figure stays
+    assert apply_device_profile(H100, path).host_op_seconds == H100.host_op_seconds
+    write_device_profile(path, {**profile, "host_op_seconds": -1})
+    with pytest.raises(PlanError, match="host_op_seconds"):
+        read_device_profile(path)
