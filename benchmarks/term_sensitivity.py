@@ -148,6 +148,8 @@ TERMS: tuple[tuple[str, Callable[[], AbstractContextManager[Any]]], ...] = (
     ("GEMM tile shapes and wave quantization (`kernels._TILES`)", _no_tile_quantization),
     ("kernel launch, 4 µs a kernel (`kernel_overhead`)", _presets_with(kernel_overhead=0.0)),
     ("runtime cost, 20 µs a stage op (`op_overhead`)", _presets_with(op_overhead=0.0)),
+    ("host issue, 10 µs an op, a pass max(device, host) (`host_launch`, `host_op_seconds`)",
+     _presets_with(host_op_seconds=0.0)),
     ("element-wise kernels at 0.85 of HBM (`memory_efficiency`)",
      _presets_with(memory_efficiency=1.0)),
     ("all-to-all at 0.8 of the link (`link_efficiency`)", _presets_with(link_efficiency=1.0)),

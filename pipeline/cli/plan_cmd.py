@@ -43,7 +43,8 @@ CLUSTER FILES
   nodes, devices_per_node, device_memory (bytes), peak_flops ({"bf16": FLOP/s}),
   achieved_fraction, intra_bandwidth, intra_latency, inter_bandwidth, inter_latency,
   memory_bandwidth (bytes/s, seconds). Device model (optional): sm_count, gemm_efficiency,
-  memory_efficiency, kernel_overhead, nics_per_node, nic_bandwidth, link_efficiency,
+  memory_efficiency, kernel_overhead, host_op_seconds (host seconds to issue an op; 0 off,
+  as for a CUDA-graphed step), nics_per_node, nic_bandwidth, link_efficiency,
   nccl_arch ("ampere" or "hopper": collectives priced by NCCL's own cost model with that
   architecture's tables, as the presets; "": alpha-beta at link_efficiency),
   gemm_epilogue_serial (true: each GEMM stores its output after its k-loop, as Ampere's

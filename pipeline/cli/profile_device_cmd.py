@@ -48,9 +48,10 @@ def _repeats(text: str) -> int:
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "profile-device", help="measure this device for the planner (GEMMs, memory, links)",
-        description="Time every m × n × k GEMM of --sizes, a streaming copy and all-reduces "
-                    "over --ranks local ranks on this machine's device (a GPU if there is "
-                    "one, else the CPU), and write them as a device profile for "
+        description="Time every m × n × k GEMM of --sizes, a streaming copy, the host's "
+                    "seconds per eager autograd op and all-reduces over --ranks local ranks "
+                    "on this machine's device (a GPU if there is one, else the CPU), and "
+                    "write them as a device profile for "
                     "`pipesched plan --device-profile FILE`.")
     parser.add_argument("--output", type=OutputFileType(), required=True, metavar="FILE")
     parser.add_argument("--sizes", type=_sizes, default=(64, 256, 1024), metavar="SIZES",
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
                              precision=args.precision)
     write_device_profile(args.output, profile)
     print(f"pipesched profile-device: {len(profile['gemms'])} GEMMs on {profile['device']}, "
-          f"memory {profile['memory_bandwidth'] / 1e9:.1f} GB/s; wrote {args.output}",
+          f"memory {profile['memory_bandwidth'] / 1e9:.1f} GB/s, host "
+          f"{profile['host_op_seconds'] * 1e6:.1f} µs an op; wrote {args.output}",
           file=sys.stderr)
     return 0

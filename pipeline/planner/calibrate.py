@@ -13,7 +13,8 @@ from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
 from pipeline.planner.profile import LayerProfile, ModelProfile
 
-__all__ = ["calibrate_local", "matmul_flops", "measure_links", "profile_device", "profile_layers"]
+__all__ = ["calibrate_local", "host_op_seconds", "matmul_flops", "measure_links", "profile_device",
+           "profile_layers"]
 
 _SMALL, _LARGE = 8, 4 * 2**20  # bytes of the latency and bandwidth probes
 
@@ -243,12 +244,36 @@ def _time_collectives(sizes: Sequence[int], repeats: int) -> dict[str, float]:
             "ranks": float(world)}
 
 
+def host_op_seconds(device: Any, ops: int = 200, repeats: int = 3) -> float:
+    """Host seconds per op of an eager autograd step on `device` (`ClusterSpec.
+    host_op_seconds`): a chain of `ops` tiny element-wise ops run forward with autograd
+    recording and backward (one node and one kernel each), issued without waiting, over its
+    2·ops ops; the fastest of `repeats`. On a GPU the 8-element kernels finish before the host
+    issues the next, so the wall time is the host's; on a CPU each op also runs its (tiny)
+    kernel."""
+    import torch
+
+    from pipeline.device import synchronize
+
+    leaf = torch.ones(8, device=device, requires_grad=True)
+
+    def chain() -> None:
+        value = leaf
+        for _ in range(ops):
+            value = value * 1.0
+        value.sum().backward()
+        synchronize(device)
+
+    return max(_least_seconds(chain, repeats) / (2 * ops), 1e-9)
+
+
 def profile_device(*, gemm_sizes: Sequence[int] = (64, 256, 1024), repeats: int = 3,
                    ranks: int = 2, collective_sizes: Sequence[int] = (8, 2**20),
                    precision: str = "fp32") -> dict[str, Any]:
-    """Time a grid of GEMM shapes (every m, n, k in `gemm_sizes`) and a streaming copy on
-    this process's device, and all-reduces over `ranks` local ranks (none when 1): the
-    content of a device profile (`pipeline.planner.device_profile`)."""
+    """Time a grid of GEMM shapes (every m, n, k in `gemm_sizes`), a streaming copy and the
+    host's time per eager op (`host_op_seconds`) on this process's device, and all-reduces
+    over `ranks` local ranks (none when 1): the content of a device profile
+    (`pipeline.planner.device_profile`)."""
     import torch
 
     from pipeline.device import default_device, synchronize
@@ -281,7 +306,8 @@ def profile_device(*, gemm_sizes: Sequence[int] = (64, 256, 1024), repeats: int 
     copy = _least_seconds(stream, repeats)
     profile: dict[str, Any] = {
         "device": str(device), "precision": precision, "gemms": gemms,
-        "memory_bandwidth": 2 * source.numel() * 4 / max(copy, 1e-9)}
+        "memory_bandwidth": 2 * source.numel() * 4 / max(copy, 1e-9),
+        "host_op_seconds": host_op_seconds(device, repeats=repeats)}
     if ranks > 1:
         profile["collectives"] = launch(_time_collectives, ranks, list(collective_sizes),
                                         repeats, timeout=120.0)[0]

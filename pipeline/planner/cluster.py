@@ -57,6 +57,11 @@ class ClusterSpec:
     """Share of `memory_bandwidth` that streaming element-wise kernels reach."""
     kernel_overhead: float = 0.0
     """Seconds every kernel costs whatever its size (launch, ramp-up, tail)."""
+    host_op_seconds: float = 0.0
+    """Host seconds to issue one op (an eager PyTorch kernel launch or collective call): a
+    layer pass on the kernel model takes the longer of its device time and its ops' host
+    time (`pipeline.planner.host_launch`); 0: off (a CUDA-graphed step). The presets:
+    `host_launch.HOST_OP_SECONDS`."""
     nics_per_node: int = 0
     """Network cards per node for traffic between nodes; 0: `inter_bandwidth` as given."""
     nic_bandwidth: float = 0.0
@@ -103,7 +108,7 @@ class ClusterSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 problems.append(f"{name}={value!r} must be a whole number >= 0")
-        for name in ("kernel_overhead", "nic_bandwidth", "memory_margin"):
+        for name in ("kernel_overhead", "nic_bandwidth", "memory_margin", "host_op_seconds"):
             if not _non_negative(getattr(self, name)):
                 problems.append(f"{name}={getattr(self, name)!r} must be a number >= 0")
         for name in ("gemm_efficiency", "memory_efficiency", "link_efficiency"):
@@ -204,11 +209,13 @@ def _non_negative(value: object) -> bool:
 # its k-loop (`gemm_epilogue_serial`, `kernels.epilogue_seconds`). The H100 keeps 0.70, the
 # value fitted to the same table before that term (its warp-specialised kernels overlap the
 # store, so the term does not apply there and nothing was refitted for it).
-# achieved_fraction prices layers without a shape.
+# achieved_fraction prices layers without a shape. Host: 10 µs to issue an op of an eager
+# PyTorch step (`host_launch.HOST_OP_SECONDS`, cited there; a pass takes the longer of its
+# device and host time), not fitted.
 _A100 = {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}
 _DEVICE_MODEL: dict[str, Any] = {
     "gemm_efficiency": 0.70, "memory_efficiency": 0.85, "link_efficiency": 0.8,
-    "kernel_overhead": 4e-6}
+    "kernel_overhead": 4e-6, "host_op_seconds": 10e-6}
 _AMPERE_GEMMS: dict[str, Any] = {"gemm_efficiency": 0.7225, "gemm_epilogue_serial": True}
 PRESETS: dict[str, ClusterSpec] = {
     "a100-80g": ClusterSpec(

@@ -19,7 +19,8 @@ FORMAT = "pipesched-device-profile/1"
 
 def write_device_profile(path: str | os.PathLike[str], profile: dict[str, Any]) -> None:
     """Write `profile` (device, precision, gemms [[m, n, k, seconds]], memory_bandwidth,
-    collectives {latency, allreduce_bandwidth}) as the file `read_device_profile` reads."""
+    host_op_seconds, collectives {latency, allreduce_bandwidth}) as the file
+    `read_device_profile` reads."""
     with open(path, "w") as handle:
         json.dump({"format": FORMAT, **profile}, handle, indent=1)
 
@@ -37,6 +38,8 @@ def read_device_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     gemms = document.get("gemms")
     collectives = document.get("collectives")
     numbers = [document.get("memory_bandwidth")]
+    if "host_op_seconds" in document:
+        numbers.append(document["host_op_seconds"])
     if isinstance(collectives, dict):
         numbers += [collectives.get("latency"), collectives.get("allreduce_bandwidth")]
     elif collectives is not None:
@@ -50,7 +53,8 @@ def read_device_profile(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not good:
         raise PlanError(f"device profile {os.fspath(path)!r}: needs gemms [[m, n, k, "
                         f"seconds], ...] and memory_bandwidth (and optionally collectives "
-                        f"{{latency, allreduce_bandwidth}}), all numbers > 0")
+                        f"{{latency, allreduce_bandwidth}} and host_op_seconds), all numbers "
+                        f"> 0")
     return document
 
 
@@ -59,12 +63,14 @@ def apply_device_profile(cluster: ClusterSpec, path: str | os.PathLike[str]) -> 
     shape's FLOP/s, element-wise work at the measured memory bandwidth, collectives inside
     a node at the measured all-reduce bandwidth and latency (the figures are what was
     reached, so the efficiencies become 1, and collectives are priced α–β on them, not by
-    NCCL's model: `nccl_arch` "")."""
+    NCCL's model: `nccl_arch` ""); the host's seconds per eager op where measured."""
     document = read_device_profile(path)
     cluster = replace(cluster,
                       gemm_measurements=tuple(tuple(row) for row in document["gemms"]),
                       memory_bandwidth=float(document["memory_bandwidth"]),
-                      memory_efficiency=1.0)
+                      memory_efficiency=1.0,
+                      host_op_seconds=float(document.get("host_op_seconds",
+                                                         cluster.host_op_seconds)))
     collectives = document.get("collectives")
     if collectives is None:
         return cluster

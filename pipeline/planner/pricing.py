@@ -10,6 +10,7 @@ import math
 from pipeline.planner import nccl_model
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.expert_kernels import block_kernel_times
+from pipeline.planner.host_launch import host_pass_seconds, issue_bound_seconds
 from pipeline.planner.kernels import attention_core_seconds, block_linear_times
 from pipeline.planner.profile import LayerProfile
 from pipeline.planner.userbuffers import sm_contention_seconds, userbuffers_sms
@@ -225,18 +226,22 @@ def layer_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch
     """(forward, full backward) seconds of one microbatch of `batch` samples on one tp
     rank, tensor-parallel collectives included.
 
-    A layer with a shape, on a cluster with a device model: its kernels. Measured layers:
-    their fixed + per-sample times. Otherwise its FLOPs at `achieved_fraction` of the peak,
-    backward = 2 × forward (Narayanan et al. 2021, section 5.1). The collectives exposed
-    by the engine's `overlap` rule (`layer_tp_pass_seconds`)."""
+    A layer with a shape, on a cluster with a device model: its kernels, each pass the
+    longer of their device time and the host's time to issue them (`host_launch`; the
+    backward one pass). Measured layers: their fixed + per-sample times. Otherwise its FLOPs
+    at `achieved_fraction` of the peak, backward = 2 × forward (Narayanan et al. 2021,
+    section 5.1). The collectives exposed by the engine's `overlap` rule
+    (`layer_tp_pass_seconds`)."""
     comm = layer_tp_seconds(layer, cluster, batch, tp)
     if _kernel_model(layer, cluster):
         assert layer.shape is not None
         kernels = block_kernel_times(layer.shape, batch, tp, cluster, precision)
+        host = host_pass_seconds(layer, batch, tp, cluster, precision, kernels)
         forward_comm, backward_comm = layer_tp_pass_seconds(layer, cluster, precision, batch,
                                                             tp, overlap)
-        return (kernels.forward + forward_comm,
-                kernels.input_grad + kernels.weight_grad + backward_comm)
+        return (issue_bound_seconds(kernels.forward, host.forward) + forward_comm,
+                issue_bound_seconds(kernels.input_grad + kernels.weight_grad,
+                                    host.input_grad + host.weight_grad) + backward_comm)
     if layer.forward_seconds is not None:
         forward = layer.forward_fixed + layer.forward_seconds * batch
         backward = layer.backward_fixed + (layer.backward_seconds or 0.0) * batch
@@ -250,14 +255,17 @@ def layer_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch
 def layer_split_times(layer: LayerProfile, cluster: ClusterSpec, precision: str, batch: int,
                       tp: int, overlap: str = "none") -> tuple[float, float]:
     """(I, W) seconds of a split backward of one microbatch, the tensor-parallel collectives
-    in I: the kernel model's own halves; measured ones when profiled (an engine's W may cost
-    more than half a backward); else half the backward's work each."""
+    in I: the kernel model's own halves (each the longer of its device and host time,
+    `host_launch`); measured ones when profiled (an engine's W may cost more than half a
+    backward); else half the backward's work each."""
     comm = layer_tp_seconds(layer, cluster, batch, tp)
     if _kernel_model(layer, cluster):
         assert layer.shape is not None
         kernels = block_kernel_times(layer.shape, batch, tp, cluster, precision)
+        host = host_pass_seconds(layer, batch, tp, cluster, precision, kernels)
         _, backward_comm = layer_tp_pass_seconds(layer, cluster, precision, batch, tp, overlap)
-        return kernels.input_grad + backward_comm, kernels.weight_grad
+        return (issue_bound_seconds(kernels.input_grad, host.input_grad) + backward_comm,
+                issue_bound_seconds(kernels.weight_grad, host.weight_grad))
     if layer.split_seconds is None:
         _, backward = layer_times(layer, cluster, precision, batch, tp)
         return comm + (backward - comm) / 2, (backward - comm) / 2
