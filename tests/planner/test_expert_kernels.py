@@ -160,6 +160,10 @@ def test_a_measured_imbalance_scales_the_busiest_rank_up_to_all_of_its_group() -
     assert rank_load_ratio(_block(ep=2, imbalance=3.0).routed, n, 1) == 2.0  # type: ignore[arg-type]
     floor = rank_load_ratio(_block(ep=4).routed, n, 2)  # type: ignore[arg-type]
     assert floor == busiest_rank_ratio(n, 2, 8, 4, 2) > 1.0
+    # the factor scales the experts' mean rows; their spread is the sampling floor's
+    law = expert_rows(_block(ep=4, imbalance=1.5), 1, 1)
+    assert sum(r * p for r, p in law) == pytest.approx(512 * 2 * 1.5 / 2, rel=1e-3)
+    assert law == rows_distribution(768.0, local_expert_variance(512, 2, 8, 4), 64)
     slow = expert_gemm_times(_block(ep=4, imbalance=1.5), 1, 1, H100, "bf16")
     even = expert_gemm_times(_block(ep=4, imbalance=1.0), 1, 1, H100, "bf16")
     assert all(a > b for a, b in zip(slow, even, strict=True))
