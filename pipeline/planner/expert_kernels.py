@@ -38,6 +38,7 @@ from dataclasses import replace
 
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.kernels import (
+    TILE_ROW_GRANULE,
     KernelTimes,
     LayerShape,
     elementwise_seconds,
@@ -46,7 +47,11 @@ from pipeline.planner.kernels import (
 )
 from pipeline.planner.moe_shape import RoutedExperts
 from pipeline.planner.profile import LayerProfile
-from pipeline.planner.routing_load import busiest_rank_ratio, local_expert_spread
+from pipeline.planner.routing_load import (
+    busiest_rank_ratio,
+    local_expert_variance,
+    rows_distribution,
+)
 
 __all__ = ["block_kernel_times", "expert_gemm_times", "expert_rows", "moe_mlp_times",
            "permutation_times", "rank_load_ratio", "rank_tokens", "routed_rows",
@@ -102,32 +107,44 @@ def _mlp(rows: int, width: int, shape: LayerShape, cluster: ClusterSpec, precisi
     return up[0] + down[0] + act, up[1] + down[1] + 1.5 * act, up[2] + down[2]
 
 
-def expert_rows(shape: LayerShape, batch: int, tp: int) -> tuple[int, ...]:
-    """Rows of each of the busiest rank's E/ep local experts: their mean L·ep/E
-    (`routed_rows`) plus each one's expected deviation from it, smallest first (a balanced
-    router's sampling spread, `routing_load.local_expert_spread`), rounded up; what each
-    expert's GEMMs are quantized at."""
+def expert_rows(shape: LayerShape, batch: int, tp: int) -> tuple[tuple[int, float], ...]:
+    """(rows, probability): the distribution of the rows one of the busiest rank's E/ep
+    local experts runs in a microbatch, whichever one: mean L·ep/E (`routed_rows`), the
+    balanced router's sampling variance about the rank's mean
+    (`routing_load.local_expert_variance`), whole rows
+    (`routing_load.rows_distribution`, binned within the GEMM tiles' row granule)."""
     routed = shape.routed
     assert routed is not None
     mean = routed_rows(shape, batch, tp) / routed.local_experts
-    spread = local_expert_spread(rank_tokens(shape, batch, tp), routed.topk, routed.experts,
-                                 routed.ep)
-    return tuple(max(0, math.ceil(mean + deviation)) for deviation in spread)
+    variance = local_expert_variance(rank_tokens(shape, batch, tp), routed.topk,
+                                     routed.experts, routed.ep)
+    return rows_distribution(mean, variance, TILE_ROW_GRANULE)
 
 
 def expert_gemm_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,
                       precision: str) -> Times:
-    """The E/ep local experts on the busiest rank, each on its own rows (`expert_rows`),
-    one GEMM per expert and pass (module docstring, step 4), plus the shared expert: one
-    dense MLP on the rank's n tokens at its full width f_s."""
+    """The E/ep local experts on the busiest rank, one after another, each its own GEMMs
+    (module docstring, step 4) on its own rows, at their expected time: E/ep × E[T(X)] over
+    one expert's rows X (`expert_rows`), plus the shared expert: one dense MLP on the rank's
+    n tokens at its full width f_s.
+
+    Why the expectation of one expert's time, times E/ep: the rank's experts' rows X_j sum
+    to its load, and Σ_j T(X_j) is the same sum whatever their order, so E[Σ_j T(X_j)] =
+    Σ_j E[T(X_j)], and the X_j share one law (`routing_load.local_expert_variance`); the
+    sorted experts' expected rows (order statistics) at T(E[X_(i)]) priced each GEMM's tile
+    quantization at a point the rows rarely sit on (Jensen: E[T(X)] != T(E[X]) for a step
+    function T)."""
     routed = shape.routed
     assert routed is not None
-    parts = [_mlp(rows, routed.expert_ffn, shape, cluster, precision)
-             for rows in expert_rows(shape, batch, tp)]
+    expected = [0.0, 0.0, 0.0]
+    for rows, probability in expert_rows(shape, batch, tp):
+        for i, seconds in enumerate(_mlp(rows, routed.expert_ffn, shape, cluster, precision)):
+            expected[i] += routed.local_experts * probability * seconds
     if routed.shared_ffn:
-        parts.append(_mlp(rank_tokens(shape, batch, tp), routed.shared_ffn, shape, cluster,
-                          precision))
-    return sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
+        shared = _mlp(rank_tokens(shape, batch, tp), routed.shared_ffn, shape, cluster,
+                      precision)
+        expected = [a + b for a, b in zip(expected, shared, strict=True)]
+    return expected[0], expected[1], expected[2]
 
 
 def router_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,

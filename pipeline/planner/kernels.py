@@ -18,8 +18,9 @@ from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.latent_attention import LatentAttention
 from pipeline.planner.moe_shape import RoutedExperts
 
-__all__ = ["KernelTimes", "LayerShape", "attention_core_seconds", "block_linear_times",
-           "elementwise_seconds", "epilogue_seconds", "gemm_seconds", "layer_kernel_times"]
+__all__ = ["TILE_ROW_GRANULE", "KernelTimes", "LayerShape", "attention_core_seconds",
+           "block_linear_times", "elementwise_seconds", "epilogue_seconds", "gemm_seconds",
+           "layer_kernel_times"]
 
 # CUTLASS/cuBLAS tile shapes for 16-bit GEMMs on Ampere/Hopper and the share of a full
 # tile's throughput each reaches (smaller tiles reuse less of what they load). A GEMM takes
@@ -27,6 +28,9 @@ __all__ = ["KernelTimes", "LayerShape", "attention_core_seconds", "block_linear_
 # heuristics do.
 _TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.93), (256, 64, 0.9), (64, 256, 0.9),
           (128, 64, 0.85), (64, 128, 0.85), (64, 64, 0.7))
+TILE_ROW_GRANULE = math.gcd(*(rows for rows, _, _ in _TILES))
+"""64: every tile's rows are a multiple of it, so a GEMM's tile count in m, hence its compute
+time, is constant over the m in each (64·j, 64·(j + 1)]."""
 _FUSED_ATTENTION = 0.75
 """FlashAttention reaches ~3/4 of a plain GEMM's throughput (Dao 2023, FlashAttention-2)."""
 

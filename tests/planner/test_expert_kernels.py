@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 import pipeline.planner.expert_kernels as expert_kernels
@@ -31,7 +32,11 @@ from pipeline.planner.kernels import (
     layer_kernel_times,
 )
 from pipeline.planner.predict import PlanContext
-from pipeline.planner.routing_load import busiest_rank_ratio, local_expert_spread
+from pipeline.planner.routing_load import (
+    busiest_rank_ratio,
+    local_expert_variance,
+    rows_distribution,
+)
 from pipeline.planner.search import price
 
 __all__: list[str] = []
@@ -51,11 +56,11 @@ def _block(model: str = MOE, **routed: object) -> LayerShape:
 def _mlp_oracle(rows: int, width: int, h: int) -> tuple[float, float, float]:
     """A SwiGLU MLP on `rows` rows by its GEMMs' definition (Y = X·W: forward m × n × k,
     input gradient m × k × n, weight gradient k × n × m) and its fused activation (reads
-    gate and up, writes one; backward 1.5×)."""
+    gate and up, writes one; backward 1.5×; none on no rows)."""
     def gemm(m: int, n: int, k: int) -> float:
         return gemm_seconds(m, n, k, H100, "bf16")
 
-    act = elementwise_seconds(3 * rows * width * 2, H100)
+    act = elementwise_seconds(3 * rows * width * 2, H100) if rows else 0.0
     return (gemm(rows, 2 * width, h) + gemm(rows, h, width) + act,
             gemm(rows, h, 2 * width) + gemm(rows, width, h) + 1.5 * act,
             gemm(h, 2 * width, rows) + gemm(width, h, rows))
@@ -68,16 +73,74 @@ def test_each_local_expert_runs_its_own_gemms_on_the_busiest_ranks_rows(
     n = math.ceil(batch * 512 / tp)  # the rank's sequence slice
     ratio = 1.0 if ep == 1 else busiest_rank_ratio(n, 2, 8, ep, tp)
     assert routed_rows(shape, batch, tp) == pytest.approx(n * 2 * ratio, rel=1e-12)
-    # each local expert at the mean of the busiest rank's rows plus its own expected
-    # deviation (the sampling spread of the rank's E/ep experts), rounded up
-    rows = [math.ceil(n * 2 * ratio / (8 // ep) + d)
-            for d in local_expert_spread(n, 2, 8, ep)]
-    assert expert_rows(shape, batch, tp) == tuple(rows)
-    assert sum(rows) == pytest.approx(n * 2 * ratio, abs=8 // ep)
-    parts = [_mlp_oracle(r, 2048, 1024) for r in rows] + [_mlp_oracle(n, 1536, 1024)]
+    # one local expert's rows: mean the busiest rank's over its 8/ep experts, the sampling
+    # variance about the rank's mean (0 with one local expert), whole rows
+    mean, local = n * 2 * ratio / (8 // ep), 8 // ep
+    variance = local_expert_variance(n, 2, 8, ep)
+    law = expert_rows(shape, batch, tp)
+    assert law == rows_distribution(mean, variance, 64)
+    assert sum(p for _, p in law) == pytest.approx(1.0, rel=1e-12)
+    assert sum(r * p for r, p in law) == pytest.approx(mean, rel=1e-3)
+    assert (variance == 0) == (ep == 8)
+    # the 8/ep experts one after another, each at its expected time, and the shared expert
+    parts = [_mlp_oracle(n, 1536, 1024)] + [
+        tuple(local * p * t for t in _mlp_oracle(r, 2048, 1024)) for r, p in law]
     expected = [sum(part[i] for part in parts) for i in range(3)]
     assert expert_gemm_times(shape, batch, tp, H100, "bf16") == pytest.approx(expected,
                                                                             rel=1e-12)
+
+
+MIXTRAL_8X22B = ("layers=4,hidden=6144,heads=48,kv_heads=8,vocab=32768,seq=2048,mlp=swiglu,"
+                 "norm=rmsnorm,bias=none,learned_positions=false,ffn=16384,experts=8,topk=2,"
+                 "expert_ffn=16384")
+
+
+def _routed_expert_seconds(seq: int, ep: int, trials: int, seed: int = 5
+                           ) -> tuple[float, float]:
+    """(mean, standard error) over `trials` routings drawn from the definition of the busiest
+    rank's experts' GEMM seconds, run one after another: ep·n tokens (n = `seq`, b 1, t 1)
+    each pick 2 distinct of 8 experts, rank r holding experts 8/ep·r .. ; the rank with the
+    most rows; its experts' rows about their own mean, added to the planner's busiest-rank
+    mean (the expectation of its load, which it conditions on; at ep 1 the rank's load is
+    n·k every time, and the rows are the drawn ones), each pushed through `gemm_seconds`."""
+    shape = replace(load_model(MIXTRAL_8X22B, sequence_parallel=True).layers[1].shape,
+                    seq=seq)
+    assert shape.routed is not None
+    shape = replace(shape, routed=replace(shape.routed, ep=ep))
+    local, rng, seconds = 8 // ep, np.random.default_rng(seed), np.empty(trials)
+    centre = routed_rows(shape, 1, 1) / local
+    known: dict[int, float] = {}
+    for trial in range(trials):
+        picks = rng.random((ep * seq, 8)).argsort(axis=1)[:, :2]
+        ranks = np.bincount(picks.ravel(), minlength=8).reshape(ep, local)
+        mine = ranks[int(ranks.sum(axis=1).argmax())].astype(float)
+        rows = np.rint(centre + mine - mine.mean()).astype(int).tolist()
+        for r in rows:
+            if r not in known:
+                known[r] = sum(_mlp_oracle(r, 16384, 6144))
+        seconds[trial] = sum(known[r] for r in rows)
+    return float(seconds.mean()), float(seconds.std(ddof=1) / math.sqrt(trials))
+
+
+@pytest.mark.parametrize(("seq", "ep"), [(2048, 1), (2056, 1), (2080, 1), (1040, 2)])
+def test_the_experts_expected_seconds_match_a_monte_carlo_of_the_routing(
+        seq: int, ep: int) -> None:
+    """Mixtral-8x22B's experts (h 6144, f_e 16384) around a 512-row tile boundary: 2,048
+    tokens put 512 rows on an expert on average, 2,056 and 2,080 just over it, 1,040 tokens a
+    rank at ep 2 about 520 on the busiest rank's. The planner's expectation against the
+    routing drawn, within 4 standard errors of the draw; the point estimate (the old price:
+    every expert at its mean rows, rounded up) misses it by far more."""
+    shape = replace(load_model(MIXTRAL_8X22B, sequence_parallel=True).layers[1].shape,
+                    seq=seq)
+    assert shape.routed is not None
+    shape = replace(shape, routed=replace(shape.routed, ep=ep))
+    found = sum(expert_gemm_times(shape, 1, 1, H100, "bf16"))
+    mean, error = _routed_expert_seconds(seq, ep, 1500)
+    assert abs(found - mean) <= 4 * error
+    local = 8 // ep
+    rows = math.ceil(routed_rows(shape, 1, 1) / local)
+    point = local * sum(_mlp_oracle(rows, 16384, 6144))
+    assert abs(point - mean) > 40 * error
 
 
 def test_small_experts_lose_to_tile_quantization_a_wide_gemm_would_not() -> None:
@@ -97,6 +160,10 @@ def test_a_measured_imbalance_scales_the_busiest_rank_up_to_all_of_its_group() -
     assert rank_load_ratio(_block(ep=2, imbalance=3.0).routed, n, 1) == 2.0  # type: ignore[arg-type]
     floor = rank_load_ratio(_block(ep=4).routed, n, 2)  # type: ignore[arg-type]
     assert floor == busiest_rank_ratio(n, 2, 8, 4, 2) > 1.0
+    # the factor scales the experts' mean rows; their spread is the sampling floor's
+    law = expert_rows(_block(ep=4, imbalance=1.5), 1, 1)
+    assert sum(r * p for r, p in law) == pytest.approx(512 * 2 * 1.5 / 2, rel=1e-3)
+    assert law == rows_distribution(768.0, local_expert_variance(512, 2, 8, 4), 64)
     slow = expert_gemm_times(_block(ep=4, imbalance=1.5), 1, 1, H100, "bf16")
     even = expert_gemm_times(_block(ep=4, imbalance=1.0), 1, 1, H100, "bf16")
     assert all(a > b for a, b in zip(slow, even, strict=True))

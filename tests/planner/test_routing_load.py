@@ -18,8 +18,8 @@ from pipeline.planner.routing_load import (
     busiest_rank_ratio,
     expected_max_deviation,
     expected_max_standard_normal,
-    expected_normal_order_statistics,
-    local_expert_spread,
+    local_expert_variance,
+    rows_distribution,
 )
 
 __all__: list[str] = []
@@ -100,30 +100,90 @@ def test_an_unconstrained_maximum_is_caught() -> None:
                                                                   abs=3 * error)
 
 
-@pytest.mark.parametrize(("tokens", "topk", "experts", "ep"), [
-    (512, 2, 8, 2), (512, 2, 8, 1), (256, 4, 16, 2), (128, 6, 64, 8)])
-def test_a_ranks_experts_spread_as_a_monte_carlo_of_the_routing(
-        tokens: int, topk: int, experts: int, ep: int) -> None:
-    """The expected sorted deviations of rank 0's E/ep experts' rows from their own mean,
-    against the routing drawn (ep·n tokens, k distinct experts each)."""
-    rng = np.random.default_rng(3)
+def _busiest_ranks_deviations(tokens: int, topk: int, experts: int, ep: int, trials: int,
+                               seed: int = 3) -> np.ndarray:
+    """trials × E/ep: the busiest rank's experts' rows less their own mean, over routings
+    drawn from the definition (ep·n tokens, k distinct experts each, rank r holding experts
+    E/ep·r ..; the busiest the rank with the most rows)."""
+    rng = np.random.default_rng(seed)
     local = experts // ep
-    trials = 4 * _TRIALS
-    sorted_deviations = np.empty((trials, local))
+    deviations = np.empty((trials, local))
     for trial in range(trials):
         picks = rng.random((ep * tokens, experts)).argsort(axis=-1)[:, :topk]
-        mine = np.bincount(picks.ravel(), minlength=experts)[:local].astype(float)
-        sorted_deviations[trial] = np.sort(mine - mine.mean())
-    mean = sorted_deviations.mean(axis=0)
-    error = sorted_deviations.std(axis=0, ddof=1) / math.sqrt(trials)
-    found = np.array(local_expert_spread(tokens, topk, experts, ep))
-    # the normal approximation within 3 % of each expected deviation, and the noise
-    assert np.all(np.abs(found - mean) <= 0.03 * np.abs(mean) + 3 * error)
-    assert found.sum() == pytest.approx(0.0, abs=1e-6)
-    assert expected_normal_order_statistics(2) == pytest.approx(
-        (-1 / math.sqrt(math.pi), 1 / math.sqrt(math.pi)), rel=1e-9)
-    assert expected_normal_order_statistics(5)[-1] == pytest.approx(
-        expected_max_standard_normal(5), rel=1e-9)
+        ranks = np.bincount(picks.ravel(), minlength=experts).reshape(ep, local)
+        mine = ranks[int(ranks.sum(axis=1).argmax())].astype(float)
+        deviations[trial] = mine - mine.mean()
+    return deviations
+
+
+@pytest.mark.parametrize(("tokens", "topk", "experts", "ep"), [
+    (512, 2, 8, 2), (512, 2, 8, 1), (256, 4, 16, 2), (128, 6, 64, 8)])
+def test_the_busiest_ranks_experts_spread_as_a_monte_carlo_of_the_routing(
+        tokens: int, topk: int, experts: int, ep: int) -> None:
+    """The variance of one of the busiest rank's experts' rows about the rank's mean."""
+    squares = (_busiest_ranks_deviations(tokens, topk, experts, ep, 4 * _TRIALS) ** 2
+               ).mean(axis=1)
+    mean, error = squares.mean(), squares.std(ddof=1) / math.sqrt(len(squares))
+    found = local_expert_variance(tokens, topk, experts, ep)
+    # the normal approximation within 3 % and the oracle's noise
+    assert abs(found - mean) <= 0.03 * mean + 3 * error
+    assert local_expert_variance(tokens, topk, experts, experts) == 0.0  # one local expert
+
+
+def test_an_experts_spread_about_the_wrong_mean_is_caught() -> None:
+    """Planted: one expert's variance about the pool's mean (σ_e², no c²·(m - 1)/m: the
+    rank's own mean is the one the rows spread about) misses the oracle at ep 2, top-2 of 8,
+    by more than the tolerance the right formula meets."""
+    squares = (_busiest_ranks_deviations(512, 2, 8, 2, 4 * _TRIALS) ** 2).mean(axis=1)
+    mean, error = squares.mean(), squares.std(ddof=1) / math.sqrt(len(squares))
+    about_the_pool = 1024 * 2 * (1 / 8) * (7 / 8) * 6 / 7
+    assert abs(about_the_pool - mean) > 0.03 * mean + 3 * error
+    assert abs(local_expert_variance(512, 2, 8, 2) - mean) <= 0.03 * mean + 3 * error
+
+
+def _normal_mass(low: float, high: float, mean: float, sigma: float) -> float:
+    def cdf(x: float) -> float:
+        return 0.5 * (1 + math.erf((x - mean) / (sigma * math.sqrt(2))))
+
+    return cdf(high) - cdf(low)
+
+
+@pytest.mark.parametrize(("mean", "variance"), [(517.3, 329.0), (3000.0, 1.2e5), (40.2, 2.5),
+                                                (1.5, 4.0)])
+def test_rows_are_the_normal_on_the_integers_binned_within_tiles(mean: float,
+                                                                 variance: float) -> None:
+    law = rows_distribution(mean, variance, 64)
+    sigma = math.sqrt(variance)
+    assert sum(p for _, p in law) == pytest.approx(1.0, rel=1e-12)
+    rows = [r for r, _ in law]
+    assert rows == sorted(set(rows)) and rows[0] >= 0
+    # each 64-row tile band (64·j, 64·(j + 1)] holds the normal's mass over it (r takes
+    # (r - ½, r + ½]; 0 all below ½), but for the tails beyond ±4.5 σ (7·10^-6) left out
+    for band in range(int(max(0, mean - 4 * sigma)) // 64, int(mean + 4 * sigma) // 64 + 1):
+        found = sum(p for r, p in law if 64 * band < r <= 64 * (band + 1) or r == band == 0)
+        low = -math.inf if band == 0 else 64 * band + 0.5
+        assert found == pytest.approx(_normal_mass(low, 64 * band + 64.5, mean, sigma),
+                                      abs=1e-5)
+    if sigma < 2:  # every integer on its own: the normal's mass
+        for r, p in law:
+            low = -math.inf if r == 0 else r - 0.5
+            assert p == pytest.approx(_normal_mass(low, r + 0.5, mean, sigma), abs=1e-5)
+    spread = sum((r - mean) ** 2 * p for r, p in law)
+    if mean > 5 * sigma:  # nothing clipped at 0
+        assert sum(r * p for r, p in law) == pytest.approx(mean, rel=1e-3)
+        assert spread == pytest.approx(variance, rel=0.1)
+
+
+def test_rows_without_variance_keep_the_mean_and_bad_ones_are_refused() -> None:
+    assert rows_distribution(100.0, 0.0, 64) == ((100, 1.0),)
+    (low, p_low), (high, p_high) = rows_distribution(100.25, 0.0, 64)
+    assert (low, high) == (100, 101) and p_low == pytest.approx(0.75) and p_high == 0.25
+    for mean, variance, granule, words in ((math.nan, 1.0, 64, "mean=nan"),
+                                           (10.0, -1.0, 64, "variance=-1.0"),
+                                           (-1.0, 1.0, 64, "mean=-1.0"),
+                                           (10.0, 1.0, 48, "granule=48")):
+        with pytest.raises(PlanError, match=words):
+            rows_distribution(mean, variance, granule)
 
 
 def test_what_does_not_vary_is_even_and_rank_and_expert_pool_their_group() -> None:
