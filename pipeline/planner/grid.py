@@ -97,8 +97,7 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                 excluded["experts"] += 1
                 continue
             names = ("1f1b",) if pp == 1 else options.schedules
-            # ZeRO shards over dp × cp; ZeRO-2/3 are priced over dp alone, so not beside cp
-            zeros = _zero_stages(dp * cp, options.zero_stages if cp == 1 else None)
+            zeros = _zero_stages(dp * cp, options.zero_stages)  # ZeRO shards over dp × cp
             for name in names:
                 for chunks in _chunk_options(name, pp, n, options.max_chunks):
                     recomputes = [choice for mode in modes
@@ -124,9 +123,6 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                                 continue
                             for recompute, k in recomputes:
                                 for ep in eps:
-                                    if zero == 3 and ep > 1:  # runs, but not priced yet
-                                        excluded["experts"] += 1
-                                        continue
                                     yield PlanConfig.enumerated(
                                         pp=pp, tp=tp, dp=dp, schedule=name, chunks=chunks,
                                         microbatch_size=b, num_microbatches=m,
