@@ -131,9 +131,9 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
 
 
 def _zero_stages(dp: int, asked: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The ZeRO stages to enumerate at `dp`: 0 and 1 by default, 2 and 3 only when asked
-    (`SearchOptions.zero_stages`: they trade m collectives a step for memory); 0 alone at
-    dp = 1, where nothing is sharded."""
+    """The ZeRO stages to enumerate over `dp` sharding ranks (dp · cp): 0 and 1 by default,
+    2 and 3 only when asked (`SearchOptions.zero_stages`: they trade m collectives a step
+    for memory); 0 alone at dp = 1, where nothing is sharded."""
     if dp == 1:
         return (0,)
     return (0, 1, 2, 3) if asked is not None and any(z >= 2 for z in asked) else (0, 1)
