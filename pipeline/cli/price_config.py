@@ -68,9 +68,6 @@ def parse_config(text: str, devices: int, global_batch: int) -> Any:
                          f"global batch {global_batch}")
     if sizes.get("z", 0) > 3:
         raise ValueError(f"--price {text!r}: ZeRO stages are 0 to 3")
-    if sizes.get("z", 0) >= 2 and sizes.get("cp", 1) > 1:
-        raise ValueError(f"--price {text!r}: ZeRO-2/3 are not priced beside context "
-                         "parallelism; use z0 or z1 with cp, or cp1")
     low, high = SCHEDULES[schedule].chunks
     chunks = sizes.get("v", low if high is not None else max(low, 2))
     return PlanConfig(pp=sizes["pp"], tp=sizes["tp"], dp=sizes["dp"], schedule=schedule,

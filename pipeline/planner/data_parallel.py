@@ -139,11 +139,15 @@ def update_seconds(rank_params: np.ndarray, cluster: ClusterSpec, *, dp: int, tp
 def sharded_comm_seconds(stage_params: np.ndarray, stage_layers: Sequence[int],
                          placement: Sequence[int], cluster: ClusterSpec, *, dp: int, tp: int,
                          zero_stage: int, num_microbatches: int, grad_reduce_bytes: float,
-                         forward: np.ndarray, backward: np.ndarray) -> np.ndarray:
+                         forward: np.ndarray, backward: np.ndarray,
+                         stage_experts: np.ndarray | None = None, ep: int = 1) -> np.ndarray:
     """Per rank: the seconds ZeRO-2/3 add to the step beyond ZeRO-1's collectives, exposed
     (zeros at ZeRO-0/1 or dp = 1). `stage_params`: per stage, the parameters one tp rank
-    holds; `stage_layers`: its layers (ZeRO-3's units); `placement`: each stage's rank;
-    `forward`, `backward`: each stage's seconds a microbatch.
+    holds besides the routed experts; `stage_experts`: per stage, the routed experts'
+    parameters (all E; None for a dense model); `stage_layers`: its layers (ZeRO-3's
+    units); `placement`: each stage's rank; `forward`, `backward`: each stage's seconds a
+    microbatch. `dp`: the ranks sharding the dense parameters, dp · cp with context
+    parallelism (`Topology.dp_group`: the stage's dp × cp ranks, tp apart in the rank order).
 
     The engine's rule (`schedules.analysis.zero_exposure`, the one its emulated runs follow
     to the tick, `tests/rehearsal/test_emulated_zero.py`), per stage, its layers taken as
@@ -152,23 +156,41 @@ def sharded_comm_seconds(stage_params: np.ndarray, stage_layers: Sequence[int],
     hidden behind the backward and the next forward unless the link falls behind; ZeRO-3
     all-gathers each layer before its forward and its backward (`reshard_after_forward`, the
     engine's default) and prefetches the next layer's (`prefetch_next_unit`, also the
-    default), so a gather hides behind the previous layer's compute. What the step waits
-    for, the last backward's reductions, is the simulator's (`grad_reduction`, as ZeRO-1's),
-    and ZeRO-2's all-gather after the step `update_seconds`'."""
+    default), so a gather hides behind the previous layer's compute. With experts split
+    (ep > 1, or tp > 1) each layer is two units (`pipeline.parallel.expert_zero3`): its
+    dense parameters gathered and reduce-scattered over the dp ranks, its 1/ep of the
+    experts over the ranks holding the same ones (`expert_parallel.expert_group`; none where
+    that group is one rank), one after the other on the link. What the step waits for, the
+    last backward's reductions, is the simulator's (`grad_reduction`, as ZeRO-1's), and
+    ZeRO-2's all-gather after the step `update_seconds`'."""
     if zero_stage < 2 or dp == 1:
         return np.zeros(max(placement, default=-1) + 1)
     seconds = np.zeros(max(placement) + 1)
-    for params, layers, rank, f, b in zip(stage_params, stage_layers, placement, forward,
-                                          backward, strict=True):
-        count = float(params)
-        if not count:
+    dense, experts = _with_experts(np.asarray(stage_params, dtype=float),
+                                   np.zeros(len(placement)) if stage_experts is None
+                                   else np.asarray(stage_experts, dtype=float), ep, tp)
+    group, stride = expert_group(dp, tp, ep)
+
+    def collectives(count: float, mine: float) -> tuple[float, float]:
+        """(all-gather, reduce-scatter) seconds of one layer's `count` dense and `mine`
+        expert parameters, each over its own group."""
+        gather = _gather_seconds(count, dp, tp, cluster) if zero_stage == 3 else 0.0
+        reduce = reduce_scatter_seconds(count * grad_reduce_bytes, dp, tp, cluster)
+        if mine and group > 1:
+            if zero_stage == 3:
+                gather += _gather_seconds(mine, group, stride, cluster)
+            reduce += reduce_scatter_seconds(mine * grad_reduce_bytes, group, stride, cluster)
+        return gather, reduce
+
+    for count, mine, layers, rank, f, b in zip(dense, experts, stage_layers, placement,
+                                               forward, backward, strict=True):
+        if not count and not mine:
             continue
         units = max(1, int(layers))
+        gather, reduce = collectives(float(count) / units, float(mine) / units)
         layer = ZeroLayerCosts(
             forward=float(f) / units, weight_grad=float(b) / (2 * units),
-            input_grad=float(b) / (2 * units),
-            gather=_gather_seconds(count / units, dp, tp, cluster) if zero_stage == 3 else 0.0,
-            reduce=reduce_scatter_seconds(count / units * grad_reduce_bytes, dp, tp, cluster))
+            input_grad=float(b) / (2 * units), gather=gather, reduce=reduce)
         exposure = zero_exposed([layer] * units, zero_stage=zero_stage,
                                 microbatches=num_microbatches)
         seconds[rank] += exposure.forward + exposure.backward

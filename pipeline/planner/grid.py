@@ -97,8 +97,7 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                 excluded["experts"] += 1
                 continue
             names = ("1f1b",) if pp == 1 else options.schedules
-            # ZeRO shards over dp × cp; ZeRO-2/3 are priced over dp alone, so not beside cp
-            zeros = _zero_stages(dp * cp, options.zero_stages if cp == 1 else None)
+            zeros = _zero_stages(dp * cp, options.zero_stages)  # ZeRO shards over dp × cp
             for name in names:
                 for chunks in _chunk_options(name, pp, n, options.max_chunks):
                     recomputes = [choice for mode in modes
@@ -124,9 +123,6 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                                 continue
                             for recompute, k in recomputes:
                                 for ep in eps:
-                                    if zero == 3 and ep > 1:  # runs, but not priced yet
-                                        excluded["experts"] += 1
-                                        continue
                                     yield PlanConfig.enumerated(
                                         pp=pp, tp=tp, dp=dp, schedule=name, chunks=chunks,
                                         microbatch_size=b, num_microbatches=m,
@@ -135,9 +131,9 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
 
 
 def _zero_stages(dp: int, asked: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The ZeRO stages to enumerate at `dp`: 0 and 1 by default, 2 and 3 only when asked
-    (`SearchOptions.zero_stages`: they trade m collectives a step for memory); 0 alone at
-    dp = 1, where nothing is sharded."""
+    """The ZeRO stages to enumerate over `dp` sharding ranks (dp · cp): 0 and 1 by default,
+    2 and 3 only when asked (`SearchOptions.zero_stages`: they trade m collectives a step
+    for memory); 0 alone at dp = 1, where nothing is sharded."""
     if dp == 1:
         return (0,)
     return (0, 1, 2, 3) if asked is not None and any(z >= 2 for z in asked) else (0, 1)

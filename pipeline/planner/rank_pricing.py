@@ -236,14 +236,14 @@ class RankPricing:
                 element_bytes=self.grad_reduce_bytes)
         if config.zero_stage >= 2:  # ZeRO-2/3's per-microbatch collectives, exposed
             costs = table.costs(config.microbatch_size)
+            # dense units over dp × cp, expert units over their group (`expert_group`)
             exposed = exposed + data_parallel.sharded_comm_seconds(
-                stage_params(table, placement) + table.experts / config.ep
-                if self.model.experts else stage_params(table, placement),
-                [len(stage) for stage in table.stages], placement, self.cluster,
-                dp=config.dp, tp=config.tp, zero_stage=config.zero_stage,
-                num_microbatches=config.num_microbatches,
+                stage_params(table, placement), [len(stage) for stage in table.stages],
+                placement, self.cluster, dp=config.dp * config.cp, tp=config.tp,
+                zero_stage=config.zero_stage, num_microbatches=config.num_microbatches,
                 grad_reduce_bytes=self.grad_reduce_bytes, forward=costs.forward,
-                backward=costs.input_grad + costs.weight_grad)
+                backward=costs.input_grad + costs.weight_grad,
+                stage_experts=table.experts if self.model.experts else None, ep=config.ep)
         return step, exposed, tied
 
 

@@ -267,32 +267,43 @@ class Oracle:
                 np.bincount(where, weights=tied_held, minlength=pp), context.cluster,
                 dp=dp, tp=config.tp, zero_stage=config.zero_stage,
                 element_bytes=context.grad_reduce_bytes)
-        if config.zero_stage >= 2 and config.dp > 1:
+        if config.zero_stage >= 2 and dp > 1:
+            routed = a["experts"] if context.model.experts else np.zeros(len(copies))
+            folded = config.ep == 1 and config.tp == 1  # experts replicated like the rest
             exposed = exposed + self.sharded(config, a, a["params"] + copies
-                                             + (a["experts"] / config.ep
-                                                if context.model.experts else 0.0))
+                                             + (routed if folded else 0.0),
+                                             0.0 * routed if folded else routed / config.ep)
         return step, exposed, tied
 
-    def sharded(self, config: PlanConfig, a: dict[str, Any], held: np.ndarray) -> np.ndarray:
+    def sharded(self, config: PlanConfig, a: dict[str, Any], held: np.ndarray,
+                experts: np.ndarray) -> np.ndarray:
         """ZeRO-2/3 per stage: the engine's rule (`zero_exposure.zero_exposed`) on its layers
         taken as equal, each a share of the stage's F and fused B, its reduce-scatter (half
-        an all-reduce of its gradients) and ZeRO-3's all-gather of its fp32 parameters; what
-        waits in the forwards and backwards (the step's wait is the simulator's)."""
-        cluster, dp, tp = self.context.cluster, config.dp, config.tp
+        an all-reduce of its gradients) and ZeRO-3's all-gather of its fp32 parameters: the
+        dense ones (`held`) over the dp × cp ranks (t apart), a rank's experts (`experts`)
+        over the t · dp · cp / ep ranks holding the same ones (ep apart); what waits in the
+        forwards and backwards (the step's wait is the simulator's)."""
+        cluster, dp, tp = self.context.cluster, config.dp * config.cp, config.tp
+        group = tp * dp // config.ep
         forward, fused_i, fused_w = self.costs(config, a["stages"], split=False)
         seconds = np.zeros(config.pp)
-        for count, stage, rank, f, b in zip(held, a["stages"], a["placement"], forward,
-                                            fused_i + fused_w, strict=True):
-            if not count:
+        for count, mine, stage, rank, f, b in zip(held, experts, a["stages"], a["placement"],
+                                                  forward, fused_i + fused_w, strict=True):
+            if not count and not mine:
                 continue
             n = max(1, len(stage))
+            count, mine = float(count) / n, float(mine) / n
+            gather = allgather_seconds(count * 4.0, dp, tp, cluster)
+            reduce = reduce_scatter_seconds(count * self.context.grad_reduce_bytes, dp, tp,
+                                            cluster)
+            if mine and group > 1:
+                gather += allgather_seconds(mine * 4.0, group, config.ep, cluster)
+                reduce += reduce_scatter_seconds(mine * self.context.grad_reduce_bytes,
+                                                 group, config.ep, cluster)
             layer = ZeroLayerCosts(
                 forward=float(f) / n, weight_grad=float(b) / (2 * n),
                 input_grad=float(b) / (2 * n),
-                gather=allgather_seconds(float(count) / n * 4.0, dp, tp, cluster)
-                if config.zero_stage == 3 else 0.0,
-                reduce=reduce_scatter_seconds(
-                    float(count) / n * self.context.grad_reduce_bytes, dp, tp, cluster))
+                gather=gather if config.zero_stage == 3 else 0.0, reduce=reduce)
             exposure = zero_exposed([layer] * n, zero_stage=config.zero_stage,
                                     microbatches=config.num_microbatches)
             seconds[rank] += exposure.forward + exposure.backward
