@@ -31,20 +31,23 @@ class PlanConfig:
     recompute_layers: int = 0
     """Partial recomputation: only the first k layers of each stage; 0: all of them."""
     ep: int = 1
-    """Expert parallelism: ep of each stage's dp replicas split every MoE layer's experts
-    (ep divides dp and the experts; 1 for a dense model)."""
+    """Expert parallelism: ep of each stage's dp × cp replicas split every MoE layer's
+    experts (ep divides dp · cp and the experts, carved from dp × cp as the engine and
+    Megatron-Core do; 1 for a dense model)."""
     cp: int = 1
     """Context parallelism: cp ranks split each sequence (2·cp chunks, K/V all-gathered)."""
 
     def __post_init__(self) -> None:
-        if type(self.cp) is not int or self.cp < 1 or (self.cp > 1 and self.ep > 1):
-            raise PlanError(f"cp={self.cp!r} must be a whole number >= 1, and 1 with expert "
-                            f"parallelism (ep={self.ep}): the planner does not price cp with "
-                            f"ep yet (the engine runs it, ep carved from dp × cp)")
-        if type(self.ep) is not int or (self.ep != 1 and (self.ep < 1 or self.dp % self.ep)):
-            valid = ", ".join(str(k) for k in range(1, self.dp + 1) if self.dp % k == 0)
-            raise PlanError(f"ep={self.ep!r} must be a whole number >= 1 dividing dp={self.dp} "
-                            f"(the experts are split over dp replicas); use one of {valid}")
+        if type(self.cp) is not int or self.cp < 1:
+            raise PlanError(f"cp={self.cp!r} must be a whole number >= 1")
+        replicas = self.dp * self.cp
+        if type(self.ep) is not int or (self.ep != 1 and (self.ep < 1 or replicas % self.ep)):
+            valid = ", ".join(str(k) for k in range(1, replicas + 1) if replicas % k == 0)
+            over = f"dp={self.dp} × cp={self.cp} = {replicas}" if self.cp > 1 else \
+                f"dp={self.dp}"
+            raise PlanError(f"ep={self.ep!r} must be a whole number >= 1 dividing {over} "
+                            f"(the experts are split over the dp × cp replicas, as the "
+                            f"engine carves ep); use one of {valid}")
         if isinstance(self.recompute, bool):
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
         if self.recompute not in RECOMPUTE_MODES:

@@ -62,21 +62,27 @@ Times = tuple[float, float, float]
 
 
 def rank_tokens(shape: LayerShape, batch: int, tp: int) -> int:
-    """n: the tokens one rank routes per microbatch, its sequence slice b·s/t (sequence
-    parallelism, which experts beside tp > 1 require)."""
-    return math.ceil(batch * shape.seq / tp)
+    """n: the tokens one rank routes per microbatch, its sequence slice b·s/(t·cp) (sequence
+    parallelism, which experts beside tp > 1 require; context parallelism's cp ranks each
+    route their own s/cp, `RoutedExperts.cp`)."""
+    cp = shape.routed.cp if shape.routed is not None else 1
+    return math.ceil(batch * shape.seq / (tp * cp))
 
 
 def rank_load_ratio(routed: RoutedExperts, tokens: int, tp: int) -> float:
     """The busiest ep rank's rows over the mean n·k: 1 at ep = 1 (one rank runs every
     expert: all n·k rows, however they spread); the user's measured `imbalance` where given
     (at most ep: one rank cannot take more than all of its group's rows); else the
-    sampling floor of a balanced router (`routing_load.busiest_rank_ratio`)."""
+    sampling floor of a balanced router (`routing_load.busiest_rank_ratio`) over the
+    independent ep groups that wait for each other inside the layer: the t of a replica,
+    and at cp > 1 the cp / gcd(cp, ep) groups a replica's cp ranks fall in (consecutive
+    replicas, cp-minor: their next attention all-gathers K/V over cp)."""
     if routed.ep == 1:
         return 1.0
     if routed.imbalance is not None:
         return min(routed.imbalance, float(routed.ep))
-    return busiest_rank_ratio(tokens, routed.topk, routed.experts, routed.ep, tp)
+    sets = tp * routed.cp // math.gcd(routed.cp, routed.ep)
+    return busiest_rank_ratio(tokens, routed.topk, routed.experts, routed.ep, sets)
 
 
 def routed_rows(shape: LayerShape, batch: int, tp: int) -> float:
@@ -196,13 +202,19 @@ def moe_mlp_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,
                   precision: str) -> Times:
     """A MoE block's MLP on the busiest rank of its ep group: router, permutations, the
     local experts' and the shared expert's GEMMs (`router_times`, `permutation_times`,
-    `expert_gemm_times`); (0, 0, 0) for a layer without routed experts."""
+    `expert_gemm_times`); (0, 0, 0) for a layer without routed experts. At cp > 1 (each rank
+    routing its own b·s/(t·cp) tokens, `rank_tokens`) the busiest rank's times × cp: the
+    stage table prices a layer on the whole sequence and divides it by cp
+    (`StageTable._price`), which leaves the rank's own."""
     if shape.routed is None or shape.role != "block":
         return 0.0, 0.0, 0.0
     parts = (router_times(shape, batch, tp, cluster, precision),
              permutation_times(shape, batch, tp, cluster),
              expert_gemm_times(shape, batch, tp, cluster, precision))
-    return sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
+    # a cp rank's own s/cp tokens, times cp: `StageTable` divides every layer's time by cp
+    scale = shape.routed.cp
+    return (scale * sum(p[0] for p in parts), scale * sum(p[1] for p in parts),
+            scale * sum(p[2] for p in parts))
 
 
 def block_kernel_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,

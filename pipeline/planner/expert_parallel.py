@@ -30,8 +30,9 @@ __all__ = ["all_to_all_seconds", "expert_all_to_all", "expert_group", "expert_si
 
 
 def expert_sizes(dp: int, experts: int, allowed: Sequence[int] | None = None) -> list[int]:
-    """The ep sizes the engine runs at this grid point: ep divides dp (the experts are
-    split over dp replicas) and the E experts (E / ep each), at any tp (experts unsplit
+    """The ep sizes the engine runs at this grid point: ep divides `dp`, the replicas (dp · cp
+    with context parallelism: the engine carves ep from dp × cp, as Megatron-Core does) and
+    the E experts (E / ep each), at any tp (experts unsplit
     over tp); among `allowed` when given. A dense model (E = 0): [1]."""
     if not experts:
         return [1]
@@ -85,14 +86,17 @@ def expert_all_to_all(table: StageTable, cluster: ClusterSpec, *, batch: int, ep
     back, two all-to-alls of s·k·h·e bytes per sample (`LayerProfile.all_to_all_bytes`),
     in the forward; the backward sends the gradients of both the other way, two more. At
     tp > 1 each tp rank sends its sequence slice, 1/t of them, over its ep group (t ranks
-    apart). None where nothing is exchanged (ep = 1, or a dense model). `two_batch`:
+    apart); at cp > 1 (`table.cp`) each cp rank its own s/cp of the tokens, 1/(t·cp) of them,
+    over an ep group of consecutive dp × cp replicas, still t ranks apart. None where
+    nothing is exchanged (ep = 1, or a dense model). `two_batch`:
     forwards outside pairs run as two halves (`ExpertAllToAll.two_batch`). The busiest
     rank's bytes set each exchange: the even share × `expert_kernels.stage_load_ratio`.
     `routing`, `dispatcher`: the cross-node bytes (`all_to_all_seconds`)."""
     if ep <= 1 or not table.moe_layers.any():
         return None
+    shards = tp * table.cp  # each rank routes its own b·s/(t·cp) tokens
     seconds = np.array([
-        2 * count * all_to_all_seconds(total / count * batch / tp * stage_load_ratio(
+        2 * count * all_to_all_seconds(total / count * batch / shards * stage_load_ratio(
             stage, batch=batch, tp=tp, ep=ep), ep, tp, cluster, routing=routing,
             dispatcher=dispatcher) if count else 0.0
         for count, total, stage in zip(table.moe_layers, table.all_to_all, table.stages,

@@ -92,7 +92,8 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                     or not allowed(dp, options.data_parallel):
                 excluded["filters"] += 1
                 continue
-            eps = expert_sizes(dp, model.experts, options.expert_parallel)
+            # ep carved from the dp × cp replicas (`Topology`: replica = dp_rank·cp + cp_rank)
+            eps = expert_sizes(dp * cp, model.experts, options.expert_parallel)
             if not eps:
                 excluded["experts"] += 1
                 continue

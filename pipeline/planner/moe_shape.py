@@ -139,7 +139,8 @@ class RoutedExperts:
     """What the kernel model needs of a MoE block's MLP on one rank (`expert_kernels`): E
     routed experts of width f_e split over `ep` ranks, top-k, a shared expert of width f_s
     (0: none), and the busiest ep rank's load over the mean (`imbalance`; None: the
-    sampling floor of a balanced router, `routing_load.busiest_rank_ratio`)."""
+    sampling floor of a balanced router, `routing_load.busiest_rank_ratio`), each rank
+    routing its s/cp tokens' share (`cp`)."""
 
     experts: int
     topk: int
@@ -147,11 +148,16 @@ class RoutedExperts:
     shared_ffn: int = 0
     ep: int = 1
     imbalance: float | None = None
+    cp: int = 1
+    """Context-parallel ranks splitting each sequence: each routes its own s/cp tokens
+    (`pipeline.interop.hf_moe_context`)."""
 
     def __post_init__(self) -> None:
         if self.ep < 1 or self.experts % self.ep:
             raise PlanError(f"ep={self.ep} must be >= 1 and divide the {self.experts} "
                             "experts (each ep rank holds E / ep)")
+        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
+            raise PlanError(f"cp={self.cp!r} must be a whole number >= 1")
         check_routing_imbalance(self.imbalance)
 
     @property

@@ -150,11 +150,11 @@ class PlanContext(RankPricing):
     (`routing_load.busiest_rank_ratio`)."""
     _tables: dict[tuple[int, int, str, int, int, int], StageTable] = field(
         default_factory=dict)
-    _prices: dict[tuple[int, str, int], LayerPrices] = field(default_factory=dict)
-    _partitions: dict[tuple[int, int, bool, int], tuple[int, ...]] = field(
+    _prices: dict[tuple[int, str, int, int], LayerPrices] = field(default_factory=dict)
+    _partitions: dict[tuple[int, int, bool, int, int], tuple[int, ...]] = field(
         default_factory=dict)
-    _graphs: dict[tuple[int, bool, int], ModelGraph] = field(default_factory=dict)
-    _ep_layers: dict[int, tuple[LayerProfile, ...]] = field(default_factory=dict)
+    _graphs: dict[tuple[int, bool, int, int], ModelGraph] = field(default_factory=dict)
+    _ep_layers: dict[tuple[int, int], tuple[LayerProfile, ...]] = field(default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
         default_factory=OrderedDict)
     _schedule_ops: int = 0

@@ -50,10 +50,10 @@ class RankPricing:
     state_bytes: tuple[float, float, float] | None
     routing_imbalance: float | None
     _tables: dict[tuple[int, int, str, int, int, int], StageTable]
-    _prices: dict[tuple[int, str, int], LayerPrices]
-    _partitions: dict[tuple[int, int, bool, int], tuple[int, ...]]
-    _graphs: dict[tuple[int, bool, int], ModelGraph]
-    _ep_layers: dict[int, tuple[LayerProfile, ...]]
+    _prices: dict[tuple[int, str, int, int], LayerPrices]
+    _partitions: dict[tuple[int, int, bool, int, int], tuple[int, ...]]
+    _graphs: dict[tuple[int, bool, int, int], ModelGraph]
+    _ep_layers: dict[tuple[int, int], tuple[LayerProfile, ...]]
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]]
     _updates: dict[tuple[Any, ...], tuple[np.ndarray, ...]]
 
@@ -63,7 +63,7 @@ class RankPricing:
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
                config.cp, config.ep)
         if key not in self._tables:
-            layers = self.layers_at(config.ep)
+            layers = self.layers_at(config.ep, config.cp)
             # the cuts see full recomputation of every layer; selective and partial
             # recomputation are not priced per layer here (a partial one depends on the cuts
             # themselves): the other modes share one partition
@@ -75,10 +75,10 @@ class RankPricing:
                                     f"model's blocks evenly (uniform_layers)")
                 cuts: tuple[int, ...] = uniform
             else:
-                cuts = self._cuts(key[0], config.tp, again, config.ep)
-            prices = self._prices.get((config.tp, config.recompute, config.ep))
-            if prices is None:  # shared by the tables of one tp, recomputation and ep
-                prices = self._prices[config.tp, config.recompute, config.ep] = \
+                cuts = self._cuts(key[0], config.tp, again, config.ep, config.cp)
+            prices = self._prices.get((config.tp, config.recompute, config.ep, config.cp))
+            if prices is None:  # shared by the tables of one tp, recomputation, ep and cp
+                prices = self._prices[config.tp, config.recompute, config.ep, config.cp] = \
                     LayerPrices.of(layers, next(iter(self._prices.values()), None))
             self._tables[key] = context_table(StageTable.build(
                 layers, cuts, self.cluster, self.precision, config.tp,
@@ -86,31 +86,32 @@ class RankPricing:
                 config.cp, config.tp)
         return self._tables[key]
 
-    def _cuts(self, stages: int, tp: int, again: bool, ep: int) -> tuple[int, ...]:
-        key = (stages, tp, again, ep)
+    def _cuts(self, stages: int, tp: int, again: bool, ep: int, cp: int = 1
+              ) -> tuple[int, ...]:
+        key = (stages, tp, again, ep, cp)
         if key not in self._partitions:
-            graph = self._graphs.get((tp, again, ep))
-            if graph is None:  # one per tp, recomputation and ep, cut into any p·v
-                graph = self._graphs[tp, again, ep] = cost_graph(
-                    self.layers_at(ep), self.cluster, self.precision, tp, again,
+            graph = self._graphs.get((tp, again, ep, cp))
+            if graph is None:  # one per tp, recomputation, ep and cp, cut into any p·v
+                graph = self._graphs[tp, again, ep, cp] = cost_graph(
+                    self.layers_at(ep, cp), self.cluster, self.precision, tp, again,
                     self.tp_overlap)
             self._partitions[key] = tuple(partition_graph(graph, stages).boundaries)
         return self._partitions[key]
 
-    def layers_at(self, ep: int) -> tuple[LayerProfile, ...]:
+    def layers_at(self, ep: int, cp: int = 1) -> tuple[LayerProfile, ...]:
         """The model's layers as `ep` ranks run them: each MoE block's kernel shape with its
-        E/ep local experts and the search's `routing_imbalance`
-        (`kernels.LayerShape.routed`, priced by `expert_kernels`); a dense model's as
-        they are."""
+        E/ep local experts, each rank routing its s/cp tokens (`cp`), and the search's
+        `routing_imbalance` (`kernels.LayerShape.routed`, priced by `expert_kernels`); a
+        dense model's as they are."""
         if not self.model.experts:
             return tuple(self.model.layers)
-        if ep not in self._ep_layers:
-            self._ep_layers[ep] = tuple(
+        if (ep, cp) not in self._ep_layers:
+            self._ep_layers[ep, cp] = tuple(
                 replace(layer, shape=replace(layer.shape, routed=replace(
-                    layer.shape.routed, ep=ep, imbalance=self.routing_imbalance)))
+                    layer.shape.routed, ep=ep, cp=cp, imbalance=self.routing_imbalance)))
                 if layer.shape is not None and layer.shape.routed is not None else layer
                 for layer in self.model.layers)
-        return self._ep_layers[ep]
+        return self._ep_layers[ep, cp]
 
 
     def memory(self, config: PlanConfig, trace: HeldTrace | PeakCounts | None = None, *,

@@ -51,11 +51,6 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
             problems.append(f"context-parallel size {cp} needs 2·cp = {2 * cp} to divide the "
                             f"sequence {model.seq} and cp to divide the {devices} devices; "
                             f"choose a cp with both")
-        elif cp > 1 and model.experts:
-            problems.append(f"context-parallel size {cp}: {model.name} has experts, and the "
-                            f"planner prices context parallelism for dense models only (the "
-                            f"engine runs cp with MoE; its pricing is not searched yet); use "
-                            f"cp 1")
         elif cp > 1 and any(layer.shape is not None and layer.shape.latent is not None
                             for layer in model.layers):
             problems.append(f"context-parallel size {cp}: {model.name} has multi-head latent "
@@ -93,11 +88,14 @@ def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
                         f"the model's {experts} experts (each ep rank holds E / ep); use one "
                         f"of {', '.join(map(str, valid))}")
     if options.data_parallel is not None:
-        bad = [size for size in sizes if not any(dp % size == 0 for dp in options.data_parallel)]
+        replicas = [dp * cp for dp in options.data_parallel for cp in options.context_parallel]
+        bad = [size for size in sizes if not any(d % size == 0 for d in replicas)]
         if bad:
-            dps = ", ".join(map(str, options.data_parallel))
-            fits = [k for k in valid if any(dp % k == 0 for dp in options.data_parallel)]
+            dps = ", ".join(map(str, sorted(set(replicas))))
+            fits = [k for k in valid if any(d % k == 0 for d in replicas)]
+            what = "data-parallel sizes" if options.context_parallel == (1,) \
+                else "data-parallel × context-parallel sizes"
             problems.append(f"expert-parallel size {', '.join(map(str, bad))} divides none of "
-                            f"the data-parallel sizes {dps} (ep is carved from dp); use one "
+                            f"the {what} {dps} (ep is carved from dp × cp); use one "
                             f"of {', '.join(map(str, fits))}")
     return problems

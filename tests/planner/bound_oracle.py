@@ -86,21 +86,22 @@ class Oracle:
 
     def __init__(self, context: PlanContext) -> None:
         self.context = context
-        self._layer_prices: dict[tuple[int, int, int, str, int], tuple[float, ...]] = {}
-        self._cuts: dict[tuple[int, int, bool, int], list[Sequence[LayerProfile]]] = {}
+        self._layer_prices: dict[tuple[int, int, int, str, int, int], tuple[float, ...]] = {}
+        self._cuts: dict[tuple[int, int, bool, int, int], list[Sequence[LayerProfile]]] = {}
         self._arrays: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def stages(self, config: PlanConfig) -> list[Sequence[LayerProfile]]:
         """The exact partitioner's cuts of the one-sample costs (or Megatron's even split)
         of the layers as ep ranks run them (`PlanContext.layers_at`)."""
         again = config.recompute == "full" and not config.recompute_layers
-        key = (config.pp * config.chunks, config.tp, again, config.ep)
+        key = (config.pp * config.chunks, config.tp, again, config.ep, config.cp)
         if key not in self._cuts:
             self._cuts[key] = self._stages(config)
         return self._cuts[key]
 
     def _stages(self, config: PlanConfig) -> list[Sequence[LayerProfile]]:
-        context, layers, tp = self.context, self.context.layers_at(config.ep), config.tp
+        context, tp = self.context, config.tp
+        layers = context.layers_at(config.ep, config.cp)
         count = config.pp * config.chunks
         if context.uniform_layers:
             cuts = uniform_boundaries(layers, count)
@@ -172,8 +173,8 @@ class Oracle:
                                                  tied_ranks))
 
     def _prices(self, layer: LayerProfile, index: int, b: int, tp: int, recompute: str,
-                ep: int) -> tuple[float, ...]:
-        key = (index, b, tp, recompute, ep)
+                ep: int, cp: int) -> tuple[float, ...]:
+        key = (index, b, tp, recompute, ep, cp)
         if key not in self._layer_prices:
             context = self.context
             args = (context.cluster, context.precision, b, tp)
@@ -189,12 +190,13 @@ class Oracle:
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per stage at b samples: forward, input gradient (recomputation in it) and weight
         gradient, each op paying the runtime's fixed cost once; a fused backward halved."""
-        index = {id(layer): i for i, layer in enumerate(self.context.layers_at(config.ep))}
+        index = {id(layer): i
+                 for i, layer in enumerate(self.context.layers_at(config.ep, config.cp))}
         b, tp, overhead = config.microbatch_size, config.tp, self.context.cluster.op_overhead
         rows = []
         for stage in stages:
             prices = [self._prices(layer, index[id(layer)], b, tp, config.recompute,
-                                   config.ep) for layer in stage]
+                                   config.ep, config.cp) for layer in stage]
             sums = [sum(p[i] for p in prices) / config.cp + overhead for i in range(4)]
             k = config.recompute_layers or len(stage)
             again = sum(p[5] for p in prices[:k]) / config.cp
