@@ -7,7 +7,10 @@ ranks splitting the experts (consecutive dp replicas, t ranks apart:
 `pipeline.parallel.topology`). With t > 1 the experts are not split over t (expert tensor
 parallelism 1, Megatron-Core's default `--expert-tensor-parallel-size 1`): attention and
 the dense layers split over t, each tp rank routes its s/t tokens (sequence parallelism)
-through its own ep group, and the t ranks of a replica hold the same E / ep experts.
+through its own ep group, and the t ranks of a replica hold the same E / ep experts. With
+`SearchOptions.expert_tensor_parallel` each expert is split over the t ranks too (expert
+tensor parallelism t: `expert_kernels`, `pricing.expert_tp_seconds`); the all-to-all is the
+same. With context parallelism ep is carved from the dp × cp replicas (d = dp · cp here).
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ import numpy as np
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.expert_kernels import stage_load_ratio
 from pipeline.planner.node_limited import ExpertRouting, off_node_scale
+from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable
 from schedules import CostModel, Kind
 from schedules.analysis.all_to_all import ExpertAllToAll
 from schedules.analysis.timeline import KIND_CODES, Timeline
 
 __all__ = ["all_to_all_seconds", "expert_all_to_all", "expert_group", "expert_sizes",
+           "expert_tp_refusal",
            "exposed_all_to_all", "exposed_in_ops"]
 
 
@@ -38,6 +43,16 @@ def expert_sizes(dp: int, experts: int, allowed: Sequence[int] | None = None) ->
         return [1]
     sizes = [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0]
     return [ep for ep in sizes if allowed is None or ep in allowed]
+
+
+def expert_tp_refusal(model: ModelProfile, tp: int) -> str:
+    """Why expert tensor parallelism at `tp` cannot split `model`'s experts ("" if it can):
+    tp must divide every routed expert's intermediate size f_e (the engine's
+    `split_experts_over_tensor_parallel` column-splits gate/up and row-splits down)."""
+    widths = {layer.shape.routed.expert_ffn for layer in model.layers
+              if layer.shape is not None and layer.shape.routed is not None}
+    bad = sorted(width for width in widths if width % tp)
+    return f"expert_ffn {bad[0]}" if bad else ""
 
 
 def expert_group(dp: int, tp: int, ep: int) -> tuple[int, int]:

@@ -151,13 +151,19 @@ class RoutedExperts:
     cp: int = 1
     """Context-parallel ranks splitting each sequence: each routes its own s/cp tokens
     (`pipeline.interop.hf_moe_context`)."""
+    expert_tp: int = 1
+    """Expert tensor parallelism: 1 (each expert whole on its ep rank) or t (each expert's
+    gate/up column-split and down row-split over the tp group, which gathers its routed
+    rows: `pipeline.moe.expert_tensor_parallel`)."""
 
     def __post_init__(self) -> None:
         if self.ep < 1 or self.experts % self.ep:
             raise PlanError(f"ep={self.ep} must be >= 1 and divide the {self.experts} "
                             "experts (each ep rank holds E / ep)")
-        if isinstance(self.cp, bool) or not isinstance(self.cp, int) or self.cp < 1:
-            raise PlanError(f"cp={self.cp!r} must be a whole number >= 1")
+        for name in ("cp", "expert_tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name}={value!r} must be a whole number >= 1")
         check_routing_imbalance(self.imbalance)
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
+from pipeline.planner.expert_parallel import expert_tp_refusal
 from pipeline.planner.grid import divisors
 from pipeline.planner.options import SearchOptions
 from pipeline.planner.profile import ModelProfile
@@ -61,15 +62,21 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
 
 
 def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
-    """What of the request the engine cannot run with the model's experts: an engine whose
+    """What of the request the engine cannot run with the model's experts: expert tensor
+    parallelism without experts, or at a tp that does not divide f_e; an engine whose
     MoE runs are not priced, tp > 1 with experts but without sequence parallelism, an ep
     size that is not 1 for a dense model, or that does not divide the experts or any of the
     data-parallel sizes asked for."""
     sizes, experts = options.expert_parallel or (), model.experts
     if not experts:
         bad = [size for size in sizes if size > 1]
-        return [f"expert-parallel size {', '.join(map(str, bad))}: {model.name} has no "
-                "experts (use --ep 1 or give a mixture-of-experts model)"] if bad else []
+        dense = [f"expert-parallel size {', '.join(map(str, bad))}: {model.name} has no "
+                 "experts (use --ep 1 or give a mixture-of-experts model)"] if bad else []
+        if options.expert_tensor_parallel:
+            dense.append(f"expert tensor parallelism: {model.name} has no experts to split "
+                         f"over tp (drop --expert-tensor-parallel or give a "
+                         f"mixture-of-experts model)")
+        return dense
     if not options.prices_experts:
         return [f"{model.name} is a mixture of experts; the engine these options model "
                 "(--engine) has its MoE runs unpriced: plan it with --engine pipesched"]
@@ -81,6 +88,14 @@ def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
                         f"only (each tp rank routes its s/t tokens; Megatron-Core: \"sequence "
                         f"parallelism must be used\" with experts and tp); add "
                         f"--sequence-parallel, or use --tp 1 and --ep for the experts")
+    if options.expert_tensor_parallel:
+        refused = [f"{t} ({expert_tp_refusal(model, t)})" for t in options.tensor_parallel or ()
+                   if expert_tp_refusal(model, t)]
+        if refused:
+            problems.append(f"tensor-parallel size {', '.join(refused)}: expert tensor "
+                            f"parallelism splits each expert's intermediate size over tp, "
+                            f"which must divide it; choose a tp dividing it or drop "
+                            f"--expert-tensor-parallel")
     valid = [k for k in range(1, experts + 1) if experts % k == 0]
     bad = [size for size in sizes if experts % size]
     if bad:

@@ -101,7 +101,7 @@ class Oracle:
 
     def _stages(self, config: PlanConfig) -> list[Sequence[LayerProfile]]:
         context, tp = self.context, config.tp
-        layers = context.layers_at(config.ep, config.cp)
+        layers = context.layers_at(config.ep, config.cp, context.expert_tp(config))
         count = config.pp * config.chunks
         if context.uniform_layers:
             cuts = uniform_boundaries(layers, count)
@@ -168,7 +168,7 @@ class Oracle:
             if (copies > 0).any() else []
         return _peak_total(params, held, tied, experts, dp=config.dp * config.cp,
                            zero=config.zero_stage,
-                           ep=config.ep, **context.engine_bytes(config),
+                           ep=context.expert_shards(config), **context.engine_bytes(config),
                            runtime=runtime_bytes(context.cluster, config, a["placement"],
                                                  tied_ranks))
 
@@ -191,7 +191,8 @@ class Oracle:
         """Per stage at b samples: forward, input gradient (recomputation in it) and weight
         gradient, each op paying the runtime's fixed cost once; a fused backward halved."""
         index = {id(layer): i
-                 for i, layer in enumerate(self.context.layers_at(config.ep, config.cp))}
+                 for i, layer in enumerate(self.context.layers_at(
+                     config.ep, config.cp, self.context.expert_tp(config)))}
         b, tp, overhead = config.microbatch_size, config.tp, self.context.cluster.op_overhead
         rows = []
         for stage in stages:
@@ -261,7 +262,8 @@ class Oracle:
             np.bincount(where, weights=a["params"] + copies, minlength=pp), context.cluster,
             dp=dp, tp=config.tp, zero_stage=config.zero_stage,
             overlap_param_gather=context.overlap_param_gather,
-            update_bytes=context.update_bytes, rank_experts=experts, ep=config.ep)
+            update_bytes=context.update_bytes, rank_experts=experts,
+            ep=context.expert_shards(config))
         if context.tied_reduce_at_step:
             tied_held = copies.astype(float)
             tied_held[0] += float(a["tied"].max(initial=0.0))
@@ -271,7 +273,7 @@ class Oracle:
                 element_bytes=context.grad_reduce_bytes)
         if config.zero_stage >= 2 and config.dp > 1:
             exposed = exposed + self.sharded(config, a, a["params"] + copies
-                                             + (a["experts"] / config.ep
+                                             + (a["experts"] / context.expert_shards(config)
                                                 if context.model.experts else 0.0))
         return step, exposed, tied
 
