@@ -98,19 +98,25 @@ class PlanConfig:
                     {"expert_parallel": self.ep} if self.ep > 1 else {}) | (
                     {"context_parallel": self.cp} if self.cp > 1 else {})
 
-    def train_command(self, global_batch: int) -> str:
-        """The `pipesched train` arguments of this configuration (the demo model: its CLI
-        has no tensor-parallel or recomputation switches, named when needed)."""
+    def train_command(self, global_batch: int, expert_tensor_parallel: int = 1) -> str:
+        """The `pipesched train` arguments of this configuration: its parallel sizes as the
+        command's flags (`--tp`, `--cp`, `--expert-parallel`, `--expert-tensor-parallel`,
+        which take a `--model` recipe of split or MoE layers: the demo LM has none);
+        recomputation, which the command has no switch for, named."""
+        switches = "".join(flag for flag, on in (
+            (f" --tp {self.tp}", self.tp > 1), (f" --cp {self.cp}", self.cp > 1),
+            (f" --expert-parallel {self.ep}", self.ep > 1),
+            (f" --expert-tensor-parallel {expert_tensor_parallel}",
+             expert_tensor_parallel > 1)) if on)
         text = (f"pipesched train --schedule {self.schedule} --stages {self.pp} "
                 f"--chunks {self.chunks} --microbatches {self.num_microbatches} "
                 f"--data-parallel {self.dp} --batch-size {global_batch}"
-                + (f" --zero-stage {self.zero_stage}" if self.zero_stage else ""))
-        extra = [name for name, on in (("tensor_parallel", self.tp > 1),
-                                       (f"expert_parallel={self.ep}", self.ep > 1),
-                                       (f"context_parallel={self.cp}", self.cp > 1),
-                                       (f"recompute={self.recompute_label()}",
-                                        self.recomputes)) if on]
-        return text + (f"   # plus {', '.join(extra)}: PipelineEngine only" if extra else "")
+                + (f" --zero-stage {self.zero_stage}" if self.zero_stage else "") + switches)
+        notes = (["--model MODULE:FUNCTION: a recipe of split or MoE layers (the demo LM "
+                  "has none)"] if switches else []) + (
+            [f"recompute={self.recompute_label()}: PipelineEngine only"]
+            if self.recomputes else [])
+        return text + (f"   # plus {'; '.join(notes)}" if notes else "")
 
     def label(self) -> str:
         v = f" v{self.chunks}" if self.chunks > 1 else ""

@@ -141,7 +141,8 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
         arguments["expert_tensor_parallel"] = etp
     if target.hf is None:
         text = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
-        return [f"PipelineModule/PipelineEngine: {text}", config.train_command(global_batch),
+        return [f"PipelineModule/PipelineEngine: {text}",
+                config.train_command(global_batch, etp),
                 _torchrun(target, "your_script.py") + "   # one process per device"]
     if config.ep == 1 and config.cp == 1:  # dense, whole sequences: `pipesched run` trains it
         return _run_command(config, global_batch, target, boundaries)

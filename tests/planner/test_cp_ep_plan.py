@@ -161,3 +161,25 @@ def test_planted_bug_routing_the_whole_sequence_fails(monkeypatch: pytest.Monkey
     monkeypatch.setattr(expert_kernels, "rank_tokens", whole)
     with pytest.raises(AssertionError):
         test_the_moe_mlp_is_the_cp_ranks_own_tokens_times_cp(2, 2, 1)
+
+
+def test_the_train_line_carries_the_cp_and_ep_flags_train_accepts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The printed `pipesched train` flags for an ep carved across cp ranks (ep 4 over dp 2
+    × cp 2): the command's own check of them passes (refused only for the missing recipe,
+    which the line names), where it once required ep to divide dp alone."""
+    assert main(["plan", "--model", "layers=8,hidden=1024,heads=16,vocab=32000,seq=4096,"
+                 "experts=8,topk=2,expert_ffn=2048,bias=none", "--cluster", "h100-80g",
+                 "--nodes", "2", "--global-batch", "64", "--price", "pp4,dp2,cp2,ep4,b1"]) == 0
+    line = next(text for text in capsys.readouterr().out.splitlines()
+                if "pipesched train" in text)
+    assert "--data-parallel 2 --batch-size 64 --cp 2 --expert-parallel 4" in line
+    assert "--model MODULE:FUNCTION" in line
+    flags = line.split("pipesched train ")[1].split("   #")[0].split()
+    recipe = ["--model", "examples/hf_moe_recipe.py:build", "--steps", "1"]
+    assert main(["train", *flags, *recipe]) == 2  # past the ep check: the recipe has no cp
+    err = capsys.readouterr().err
+    assert "must divide" not in err and "has no check_context_parallel" in err, err
+    assert main(["train", *flags, "--cp", "1", *recipe]) == 2
+    err = capsys.readouterr().err
+    assert "--expert-parallel 4 must divide --data-parallel 2 (the experts" in err, err
