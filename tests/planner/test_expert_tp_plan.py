@@ -26,6 +26,7 @@ from pipeline.planner import (
 )
 from pipeline.planner.expert_kernels import expert_gemm_times, gathered_rows
 from pipeline.planner.expert_parallel import expert_all_to_all, expert_group
+from pipeline.planner.host_launch import pass_collective_calls
 from pipeline.planner.kernels import LayerShape
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.pricing import allgather_seconds, expert_tp_seconds, reduce_scatter_seconds
@@ -163,3 +164,15 @@ def test_pairwise_groups_hold_one_stride() -> None:
     # the oracle above reads the stride off the engine's groups: they are evenly spaced
     for group in Topology(pp=1, dp=8, tp=2, ep=4).all_expert_dp_groups():
         assert len({b - a for a, b in pairwise(group)}) <= 1
+
+
+def test_the_host_issues_the_tp_groups_three_and_two_more_calls() -> None:
+    layer = load_model(MOE, sequence_parallel=True).layers[1]
+    whole, split = (pass_collective_calls(replace(layer, shape=_block(ep=2, expert_tp=t)), 2)
+                    for t in (1, 2))
+    # forward: the counts' and the rows' all-gathers, the partials' reduce-scatter;
+    # backward: the two adjoints
+    assert (split[0] - whole[0], split[1] - whole[1]) == (3, 2)
+    # at cp 2 a rank's own calls × 2: the stage table divides every layer by cp
+    at_cp = pass_collective_calls(replace(layer, shape=_block(ep=2, expert_tp=2, cp=2)), 2)
+    assert (at_cp[0] - whole[0], at_cp[1] - whole[1]) == (2 * 3 + 2, 2 * 2 + 2)
