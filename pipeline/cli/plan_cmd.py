@@ -153,6 +153,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "samples) with the engine's two_batch_overlap: forwards outside "
                              "F&B pairs as two halves taking turns at their all-to-alls "
                              "(default: exposed); --engine pipesched only")
+    parser.add_argument("--expert-tensor-parallel", action="store_true",
+                        help="split each MoE expert over the tp group too (expert tensor "
+                             "parallelism = tp: train --expert-tensor-parallel, Megatron-Core's "
+                             "--expert-tensor-parallel-size); default: whole on its ep rank")
     parser.add_argument("--moe-dispatcher", choices=("alltoall", "deepep"), default=None,
                         help="how a MoE plan's tokens reach their experts: alltoall (one "
                              "copy per token and expert; the engines' default) or deepep "
@@ -306,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
                           seq=model.seq, sequence_parallel=args.sequence_parallel,
                           tp_comm_overlap=args.tp_comm_overlap,
                           two_batch_overlap=args.two_batch_overlap,
+                          expert_tensor_parallel=args.expert_tensor_parallel,
                           experts=model.experts,
                           moe_dispatcher=args.moe_dispatcher or "alltoall",
                           expert_groups=(model.routing.groups, model.routing.top_groups)
@@ -320,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
         engine = engine_options(args.engine, overlap_param_gather=args.overlap_param_gather
                                 or None, tp_overlap=tp_overlap, two_batch_overlap=halves,
                                 moe_dispatcher=args.moe_dispatcher,
-                                routing_imbalance=args.routing_imbalance)
+                                routing_imbalance=args.routing_imbalance,
+                                expert_tensor_parallel=args.expert_tensor_parallel or None)
         prediction = price(model, cluster, args.global_batch, config, precision=precision,
                            options=SearchOptions(**engine))
         if args.json:
@@ -342,7 +348,8 @@ def run(args: argparse.Namespace) -> int:
         top=args.top,
         overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap,
         two_batch_overlap=halves, moe_dispatcher=args.moe_dispatcher,
-        routing_imbalance=args.routing_imbalance),
+        routing_imbalance=args.routing_imbalance,
+        expert_tensor_parallel=args.expert_tensor_parallel or None),
         context_parallel=context_sizes(
             _sizes(args.cp, "cp"), args.context_parallel, model.seq, cluster.num_devices))
     tensor_parallel = options.tensor_parallel or (

@@ -45,7 +45,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                              "splits sequences (e.g. context_parallel_hf layers)")
     parser.add_argument("--expert-parallel", type=positive_int, default=1, metavar="E",
                         help="expert-parallel size: each MoE layer's experts split over E of "
-                             "the --data-parallel replicas (E divides D and the experts); "
+                             "the --data-parallel × --cp replicas (E divides D·C and the "
+                             "experts); "
                              "needs a --model with MoE layers (default 1)")
     parser.add_argument("--expert-tensor-parallel", type=positive_int, default=1, metavar="ET",
                         help="1 (default): each expert whole on its expert-parallel rank; "
@@ -127,12 +128,15 @@ def _check_args(args: argparse.Namespace) -> int:
             raise ValueError(f"--expert-parallel {args.expert_parallel}: the demo model has no "
                              "experts; pass --model with MoE layers (e.g. "
                              "examples/hf_moe_recipe.py:build), or --expert-parallel 1")
-        if args.data_parallel % args.expert_parallel:
-            sizes = [k for k in range(1, args.data_parallel + 1) if args.data_parallel % k == 0]
+        replicas = args.data_parallel * args.cp  # the engine carves ep from dp × cp
+        if replicas % args.expert_parallel:
+            sizes = [k for k in range(1, replicas + 1) if replicas % k == 0]
+            over = f"--data-parallel {args.data_parallel}" + (
+                f" × --cp {args.cp} = {replicas}" if args.cp > 1 else "")
             raise ValueError(
-                f"--expert-parallel {args.expert_parallel} must divide --data-parallel "
-                f"{args.data_parallel} (the experts are split over data-parallel replicas); "
-                f"choose among {sizes}")
+                f"--expert-parallel {args.expert_parallel} must divide {over} (the experts are "
+                f"split over the data-parallel × context-parallel replicas); choose among "
+                f"{sizes}")
     if args.two_batch_overlap and args.expert_parallel == 1:
         raise ValueError("--two-batch-overlap hides the expert all-to-all, which runs only "
                          "with --expert-parallel > 1; pass --expert-parallel E or drop "

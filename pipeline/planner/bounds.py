@@ -132,7 +132,8 @@ class SearchBounds:
         return rank_states(params, range(config.pp), config.pp, dp=config.dp * config.cp,
                            zero=config.zero_stage, stage_gradient_bytes=tied,
                            stage_expert_params=self.context.rank_experts(config),
-                           expert_parallel=config.ep, expert_replicas=config.tp,
+                           expert_parallel=self.context.expert_shards(config),
+                           expert_replicas=config.tp,
                            runtime=self.context.runtime_bytes(config),
                            **self.context.engine_bytes(config))
 

@@ -31,20 +31,23 @@ class PlanConfig:
     recompute_layers: int = 0
     """Partial recomputation: only the first k layers of each stage; 0: all of them."""
     ep: int = 1
-    """Expert parallelism: ep of each stage's dp replicas split every MoE layer's experts
-    (ep divides dp and the experts; 1 for a dense model)."""
+    """Expert parallelism: ep of each stage's dp × cp replicas split every MoE layer's
+    experts (ep divides dp · cp and the experts, carved from dp × cp as the engine and
+    Megatron-Core do; 1 for a dense model)."""
     cp: int = 1
     """Context parallelism: cp ranks split each sequence (2·cp chunks, K/V all-gathered)."""
 
     def __post_init__(self) -> None:
-        if type(self.cp) is not int or self.cp < 1 or (self.cp > 1 and self.ep > 1):
-            raise PlanError(f"cp={self.cp!r} must be a whole number >= 1, and 1 with expert "
-                            f"parallelism (ep={self.ep}): the planner does not price cp with "
-                            f"ep yet (the engine runs it, ep carved from dp × cp)")
-        if type(self.ep) is not int or (self.ep != 1 and (self.ep < 1 or self.dp % self.ep)):
-            valid = ", ".join(str(k) for k in range(1, self.dp + 1) if self.dp % k == 0)
-            raise PlanError(f"ep={self.ep!r} must be a whole number >= 1 dividing dp={self.dp} "
-                            f"(the experts are split over dp replicas); use one of {valid}")
+        if type(self.cp) is not int or self.cp < 1:
+            raise PlanError(f"cp={self.cp!r} must be a whole number >= 1")
+        replicas = self.dp * self.cp
+        if type(self.ep) is not int or (self.ep != 1 and (self.ep < 1 or replicas % self.ep)):
+            valid = ", ".join(str(k) for k in range(1, replicas + 1) if replicas % k == 0)
+            over = f"dp={self.dp} × cp={self.cp} = {replicas}" if self.cp > 1 else \
+                f"dp={self.dp}"
+            raise PlanError(f"ep={self.ep!r} must be a whole number >= 1 dividing {over} "
+                            f"(the experts are split over the dp × cp replicas, as the "
+                            f"engine carves ep); use one of {valid}")
         if isinstance(self.recompute, bool):
             object.__setattr__(self, "recompute", "full" if self.recompute else "none")
         if self.recompute not in RECOMPUTE_MODES:
@@ -95,19 +98,25 @@ class PlanConfig:
                     {"expert_parallel": self.ep} if self.ep > 1 else {}) | (
                     {"context_parallel": self.cp} if self.cp > 1 else {})
 
-    def train_command(self, global_batch: int) -> str:
-        """The `pipesched train` arguments of this configuration (the demo model: its CLI
-        has no tensor-parallel or recomputation switches, named when needed)."""
+    def train_command(self, global_batch: int, expert_tensor_parallel: int = 1) -> str:
+        """The `pipesched train` arguments of this configuration: its parallel sizes as the
+        command's flags (`--tp`, `--cp`, `--expert-parallel`, `--expert-tensor-parallel`,
+        which take a `--model` recipe of split or MoE layers: the demo LM has none);
+        recomputation, which the command has no switch for, named."""
+        switches = "".join(flag for flag, on in (
+            (f" --tp {self.tp}", self.tp > 1), (f" --cp {self.cp}", self.cp > 1),
+            (f" --expert-parallel {self.ep}", self.ep > 1),
+            (f" --expert-tensor-parallel {expert_tensor_parallel}",
+             expert_tensor_parallel > 1)) if on)
         text = (f"pipesched train --schedule {self.schedule} --stages {self.pp} "
                 f"--chunks {self.chunks} --microbatches {self.num_microbatches} "
                 f"--data-parallel {self.dp} --batch-size {global_batch}"
-                + (f" --zero-stage {self.zero_stage}" if self.zero_stage else ""))
-        extra = [name for name, on in (("tensor_parallel", self.tp > 1),
-                                       (f"expert_parallel={self.ep}", self.ep > 1),
-                                       (f"context_parallel={self.cp}", self.cp > 1),
-                                       (f"recompute={self.recompute_label()}",
-                                        self.recomputes)) if on]
-        return text + (f"   # plus {', '.join(extra)}: PipelineEngine only" if extra else "")
+                + (f" --zero-stage {self.zero_stage}" if self.zero_stage else "") + switches)
+        notes = (["--model MODULE:FUNCTION: a recipe of split or MoE layers (the demo LM "
+                  "has none)"] if switches else []) + (
+            [f"recompute={self.recompute_label()}: PipelineEngine only"]
+            if self.recomputes else [])
+        return text + (f"   # plus {'; '.join(notes)}" if notes else "")
 
     def label(self) -> str:
         v = f" v{self.chunks}" if self.chunks > 1 else ""

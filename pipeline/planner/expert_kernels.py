@@ -53,8 +53,8 @@ from pipeline.planner.routing_load import (
     rows_distribution,
 )
 
-__all__ = ["block_kernel_times", "expert_gemm_times", "expert_rows", "moe_mlp_times",
-           "permutation_times", "rank_load_ratio", "rank_tokens", "routed_rows",
+__all__ = ["block_kernel_times", "expert_gemm_times", "expert_rows", "gathered_rows",
+           "moe_mlp_times", "permutation_times", "rank_load_ratio", "rank_tokens", "routed_rows",
            "router_times", "stage_load_ratio"]
 
 Times = tuple[float, float, float]
@@ -62,21 +62,27 @@ Times = tuple[float, float, float]
 
 
 def rank_tokens(shape: LayerShape, batch: int, tp: int) -> int:
-    """n: the tokens one rank routes per microbatch, its sequence slice b·s/t (sequence
-    parallelism, which experts beside tp > 1 require)."""
-    return math.ceil(batch * shape.seq / tp)
+    """n: the tokens one rank routes per microbatch, its sequence slice b·s/(t·cp) (sequence
+    parallelism, which experts beside tp > 1 require; context parallelism's cp ranks each
+    route their own s/cp, `RoutedExperts.cp`)."""
+    cp = shape.routed.cp if shape.routed is not None else 1
+    return math.ceil(batch * shape.seq / (tp * cp))
 
 
 def rank_load_ratio(routed: RoutedExperts, tokens: int, tp: int) -> float:
     """The busiest ep rank's rows over the mean n·k: 1 at ep = 1 (one rank runs every
     expert: all n·k rows, however they spread); the user's measured `imbalance` where given
     (at most ep: one rank cannot take more than all of its group's rows); else the
-    sampling floor of a balanced router (`routing_load.busiest_rank_ratio`)."""
+    sampling floor of a balanced router (`routing_load.busiest_rank_ratio`) over the
+    independent ep groups that wait for each other inside the layer: the t of a replica,
+    and at cp > 1 the cp / gcd(cp, ep) groups a replica's cp ranks fall in (consecutive
+    replicas, cp-minor: their next attention all-gathers K/V over cp)."""
     if routed.ep == 1:
         return 1.0
     if routed.imbalance is not None:
         return min(routed.imbalance, float(routed.ep))
-    return busiest_rank_ratio(tokens, routed.topk, routed.experts, routed.ep, tp)
+    sets = tp * routed.cp // math.gcd(routed.cp, routed.ep)
+    return busiest_rank_ratio(tokens, routed.topk, routed.experts, routed.ep, sets)
 
 
 def routed_rows(shape: LayerShape, batch: int, tp: int) -> float:
@@ -84,6 +90,20 @@ def routed_rows(shape: LayerShape, batch: int, tp: int) -> float:
     assert shape.routed is not None
     tokens = rank_tokens(shape, batch, tp)
     return tokens * shape.routed.topk * rank_load_ratio(shape.routed, tokens, tp)
+
+
+def gathered_rows(shape: LayerShape, batch: int, tp: int) -> float:
+    """G: rows the busiest ep rank's experts run in a microbatch. At expert tensor
+    parallelism 1, its own L (`routed_rows`). At t (`RoutedExperts.expert_tp`) the tp group
+    gathers its t ranks' rows (each of the t routed its own n tokens through its own ep
+    group): ep rank j's G is the sum of t such loads, one load of a pool of t·ep·n tokens,
+    t·n·k × `rank_load_ratio` of t·n tokens in one set per replica's cp ranks."""
+    routed = shape.routed
+    assert routed is not None
+    if routed.expert_tp == 1:
+        return routed_rows(shape, batch, tp)
+    tokens = rank_tokens(shape, batch, tp) * routed.expert_tp
+    return tokens * routed.topk * rank_load_ratio(routed, tokens, 1)
 
 
 def _linear(rows: int, inputs: int, outputs: int, cluster: ClusterSpec, precision: str,
@@ -109,15 +129,16 @@ def _mlp(rows: int, width: int, shape: LayerShape, cluster: ClusterSpec, precisi
 
 def expert_rows(shape: LayerShape, batch: int, tp: int) -> tuple[tuple[int, float], ...]:
     """(rows, probability): the distribution of the rows one of the busiest rank's E/ep
-    local experts runs in a microbatch, whichever one: mean L·ep/E (`routed_rows`), the
+    local experts runs in a microbatch, whichever one: mean G·ep/E (`gathered_rows`: its
+    own L, or its tp group's at expert tensor parallelism t, over t·n tokens), the
     balanced router's sampling variance about the rank's mean
     (`routing_load.local_expert_variance`), whole rows
     (`routing_load.rows_distribution`, binned within the GEMM tiles' row granule)."""
     routed = shape.routed
     assert routed is not None
-    mean = routed_rows(shape, batch, tp) / routed.local_experts
-    variance = local_expert_variance(rank_tokens(shape, batch, tp), routed.topk,
-                                     routed.experts, routed.ep)
+    mean = gathered_rows(shape, batch, tp) / routed.local_experts
+    variance = local_expert_variance(rank_tokens(shape, batch, tp) * routed.expert_tp,
+                                     routed.topk, routed.experts, routed.ep)
     return rows_distribution(mean, variance, TILE_ROW_GRANULE)
 
 
@@ -126,7 +147,9 @@ def expert_gemm_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSp
     """The E/ep local experts on the busiest rank, one after another, each its own GEMMs
     (module docstring, step 4) on its own rows, at their expected time: E/ep × E[T(X)] over
     one expert's rows X (`expert_rows`), plus the shared expert: one dense MLP on the rank's
-    n tokens at its full width f_s.
+    n tokens at its full width f_s. At expert tensor parallelism t each expert's GEMMs are
+    1/t of f_e wide (gate/up column-split, down row-split) on its tp group's gathered rows;
+    the shared expert stays whole.
 
     Why the expectation of one expert's time, times E/ep: the rank's experts' rows X_j sum
     to its load, and Σ_j T(X_j) is the same sum whatever their order, so E[Σ_j T(X_j)] =
@@ -137,8 +160,9 @@ def expert_gemm_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSp
     routed = shape.routed
     assert routed is not None
     expected = [0.0, 0.0, 0.0]
+    width = math.ceil(routed.expert_ffn / routed.expert_tp)  # its 1/t at expert tp t
     for rows, probability in expert_rows(shape, batch, tp):
-        for i, seconds in enumerate(_mlp(rows, routed.expert_ffn, shape, cluster, precision)):
+        for i, seconds in enumerate(_mlp(rows, width, shape, cluster, precision)):
             expected[i] += routed.local_experts * probability * seconds
     if routed.shared_ffn:
         shared = _mlp(rank_tokens(shape, batch, tp), routed.shared_ffn, shape, cluster,
@@ -178,7 +202,11 @@ def permutation_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSp
     backward: unpermute's, gather the output gradient to n·k rows (read, write 2 n·k), × the
     probabilities (2 n·k) and the probabilities' gradient, a row-wise dot of the gradient
     and the rows (read 2 n·k): 6 n·k, 3 kernels; the two sorts' (2 L each); the gather's,
-    zeros and scatter-add into n rows: n + 2 n·k, 2 kernels."""
+    zeros and scatter-add into n rows: n + 2 n·k, 2 kernels.
+    At expert tensor parallelism t (`pipeline.moe.expert_tensor_parallel`), each pass also:
+    the own L rows repeated t times for the gather (read L, write t·L), the G gathered rows
+    regrouped by expert and back (2 G each), the t partial sums of the own rows (read t·L,
+    write L): 2(t+1)·L + 4 G, 4 kernels (the backward runs their inverses)."""
     routed = shape.routed
     assert routed is not None
     row, n = shape.hidden * shape.element, rank_tokens(shape, batch, tp)
@@ -189,6 +217,10 @@ def permutation_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSp
                                   cluster, 2 + sorts + 3)
     backward = elementwise_seconds((6 * slots + 2 * sorts * rows + n + 2 * slots) * row,
                                    cluster, 3 + sorts + 2)
+    if routed.expert_tp > 1:  # the tp group's rows around its experts, each pass
+        t, gathered = routed.expert_tp, gathered_rows(shape, batch, tp)
+        extra = elementwise_seconds((2 * (t + 1) * rows + 4 * gathered) * row, cluster, 4)
+        forward, backward = forward + extra, backward + extra
     return forward, backward, 0.0
 
 
@@ -196,13 +228,19 @@ def moe_mlp_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,
                   precision: str) -> Times:
     """A MoE block's MLP on the busiest rank of its ep group: router, permutations, the
     local experts' and the shared expert's GEMMs (`router_times`, `permutation_times`,
-    `expert_gemm_times`); (0, 0, 0) for a layer without routed experts."""
+    `expert_gemm_times`); (0, 0, 0) for a layer without routed experts. At cp > 1 (each rank
+    routing its own b·s/(t·cp) tokens, `rank_tokens`) the busiest rank's times × cp: the
+    stage table prices a layer on the whole sequence and divides it by cp
+    (`StageTable._price`), which leaves the rank's own."""
     if shape.routed is None or shape.role != "block":
         return 0.0, 0.0, 0.0
     parts = (router_times(shape, batch, tp, cluster, precision),
              permutation_times(shape, batch, tp, cluster),
              expert_gemm_times(shape, batch, tp, cluster, precision))
-    return sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts)
+    # a cp rank's own s/cp tokens, times cp: `StageTable` divides every layer's time by cp
+    scale = shape.routed.cp
+    return (scale * sum(p[0] for p in parts), scale * sum(p[1] for p in parts),
+            scale * sum(p[2] for p in parts))
 
 
 def block_kernel_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,

@@ -7,7 +7,10 @@ ranks splitting the experts (consecutive dp replicas, t ranks apart:
 `pipeline.parallel.topology`). With t > 1 the experts are not split over t (expert tensor
 parallelism 1, Megatron-Core's default `--expert-tensor-parallel-size 1`): attention and
 the dense layers split over t, each tp rank routes its s/t tokens (sequence parallelism)
-through its own ep group, and the t ranks of a replica hold the same E / ep experts.
+through its own ep group, and the t ranks of a replica hold the same E / ep experts. With
+`SearchOptions.expert_tensor_parallel` each expert is split over the t ranks too (expert
+tensor parallelism t: `expert_kernels`, `pricing.expert_tp_seconds`); the all-to-all is the
+same. With context parallelism ep is carved from the dp × cp replicas (d = dp · cp here).
 """
 
 from __future__ import annotations
@@ -20,23 +23,36 @@ import numpy as np
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.expert_kernels import stage_load_ratio
 from pipeline.planner.node_limited import ExpertRouting, off_node_scale
+from pipeline.planner.profile import ModelProfile
 from pipeline.planner.stages import StageTable
 from schedules import CostModel, Kind
 from schedules.analysis.all_to_all import ExpertAllToAll
 from schedules.analysis.timeline import KIND_CODES, Timeline
 
 __all__ = ["all_to_all_seconds", "expert_all_to_all", "expert_group", "expert_sizes",
+           "expert_tp_refusal",
            "exposed_all_to_all", "exposed_in_ops"]
 
 
 def expert_sizes(dp: int, experts: int, allowed: Sequence[int] | None = None) -> list[int]:
-    """The ep sizes the engine runs at this grid point: ep divides dp (the experts are
-    split over dp replicas) and the E experts (E / ep each), at any tp (experts unsplit
+    """The ep sizes the engine runs at this grid point: ep divides `dp`, the replicas (dp · cp
+    with context parallelism: the engine carves ep from dp × cp, as Megatron-Core does) and
+    the E experts (E / ep each), at any tp (experts unsplit
     over tp); among `allowed` when given. A dense model (E = 0): [1]."""
     if not experts:
         return [1]
     sizes = [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0]
     return [ep for ep in sizes if allowed is None or ep in allowed]
+
+
+def expert_tp_refusal(model: ModelProfile, tp: int) -> str:
+    """Why expert tensor parallelism at `tp` cannot split `model`'s experts ("" if it can):
+    tp must divide every routed expert's intermediate size f_e (the engine's
+    `split_experts_over_tensor_parallel` column-splits gate/up and row-splits down)."""
+    widths = {layer.shape.routed.expert_ffn for layer in model.layers
+              if layer.shape is not None and layer.shape.routed is not None}
+    bad = sorted(width for width in widths if width % tp)
+    return f"expert_ffn {bad[0]}" if bad else ""
 
 
 def expert_group(dp: int, tp: int, ep: int) -> tuple[int, int]:
@@ -85,14 +101,17 @@ def expert_all_to_all(table: StageTable, cluster: ClusterSpec, *, batch: int, ep
     back, two all-to-alls of s·k·h·e bytes per sample (`LayerProfile.all_to_all_bytes`),
     in the forward; the backward sends the gradients of both the other way, two more. At
     tp > 1 each tp rank sends its sequence slice, 1/t of them, over its ep group (t ranks
-    apart). None where nothing is exchanged (ep = 1, or a dense model). `two_batch`:
+    apart); at cp > 1 (`table.cp`) each cp rank its own s/cp of the tokens, 1/(t·cp) of them,
+    over an ep group of consecutive dp × cp replicas, still t ranks apart. None where
+    nothing is exchanged (ep = 1, or a dense model). `two_batch`:
     forwards outside pairs run as two halves (`ExpertAllToAll.two_batch`). The busiest
     rank's bytes set each exchange: the even share × `expert_kernels.stage_load_ratio`.
     `routing`, `dispatcher`: the cross-node bytes (`all_to_all_seconds`)."""
     if ep <= 1 or not table.moe_layers.any():
         return None
+    shards = tp * table.cp  # each rank routes its own b·s/(t·cp) tokens
     seconds = np.array([
-        2 * count * all_to_all_seconds(total / count * batch / tp * stage_load_ratio(
+        2 * count * all_to_all_seconds(total / count * batch / shards * stage_load_ratio(
             stage, batch=batch, tp=tp, ep=ep), ep, tp, cluster, routing=routing,
             dispatcher=dispatcher) if count else 0.0
         for count, total, stage in zip(table.moe_layers, table.all_to_all, table.stages,

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.config import PlanConfig
 from pipeline.planner.diagnose import SearchLog
-from pipeline.planner.expert_parallel import expert_sizes
+from pipeline.planner.expert_parallel import expert_sizes, expert_tp_refusal
 from pipeline.planner.options import CONTROLLABLE, SearchOptions
 from pipeline.planner.profile import ModelProfile
 from pipeline.planner.rank_pricing import is_cost_aware
@@ -59,7 +59,8 @@ def _tensor_sizes(model: ModelProfile, cluster: ClusterSpec,
     if model.experts and not model.sequence_parallel:  # `check_request`'s rule
         return [1]
     if model.tensor_parallel_ok and model.heads is not None:
-        return [t for t in divisors(cluster.devices_per_node) if not model.tp_refusals(t)]
+        return [t for t in divisors(cluster.devices_per_node) if not model.tp_refusals(t)
+                and not (options.expert_tensor_parallel and expert_tp_refusal(model, t))]
     return [1]
 
 
@@ -92,7 +93,8 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                     or not allowed(dp, options.data_parallel):
                 excluded["filters"] += 1
                 continue
-            eps = expert_sizes(dp, model.experts, options.expert_parallel)
+            # ep carved from the dp × cp replicas (`Topology`: replica = dp_rank·cp + cp_rank)
+            eps = expert_sizes(dp * cp, model.experts, options.expert_parallel)
             if not eps:
                 excluded["experts"] += 1
                 continue

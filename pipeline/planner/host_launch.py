@@ -55,14 +55,21 @@ def pass_collective_calls(layer: LayerProfile, tp: int) -> tuple[float, float]:
     tensor-parallel all-reduce one call (`LayerProfile.tp_allreduces`), under sequence
     parallelism a reduce-scatter and an all-gather, the backward also re-gathering the two
     column-parallel inputs (1.5×, as `pricing.layer_tp_pass_seconds` prices their bytes); a
-    MoE block across ep ranks its dispatch and combine all-to-alls each pass."""
+    MoE block across ep ranks its dispatch and combine all-to-alls each pass, at expert
+    tensor parallelism t > 1 also the tp group's gathers (forward: the row counts and the
+    rows, and the partial outputs' reduce-scatter; backward: their two adjoints)."""
     shape = layer.shape
     collectives = float(layer.tp_allreduces) if tp > 1 else 0.0
     sequence_parallel = shape is not None and shape.sequence_parallel
     forward = collectives * (2 if sequence_parallel else 1)
     backward = forward * (1.5 if sequence_parallel else 1)
-    if shape is not None and shape.routed is not None and shape.routed.ep > 1:
-        forward, backward = forward + 2, backward + 2
+    routed = shape.routed if shape is not None else None
+    if routed is not None:
+        # a cp rank's own calls × cp: the stage table divides every layer by cp
+        exchanges = 2 if routed.ep > 1 else 0
+        if routed.expert_tp > 1:  # the row counts' and rows' gathers, the reduce-scatter
+            forward, backward = forward + 3 * routed.cp, backward + 2 * routed.cp
+        forward, backward = forward + exchanges * routed.cp, backward + exchanges * routed.cp
     return forward, backward
 
 

@@ -44,12 +44,19 @@ class LaunchTarget:
     two_batch_overlap: bool = False
     """Priced with two-batch overlap (`pipesched plan --two-batch-overlap`): the engine line
     of an MoE pick whose microbatches can be halved turns it on."""
+    expert_tensor_parallel: bool = False
+    """Priced with each expert split over tp (`pipesched plan --expert-tensor-parallel`)."""
     experts: int = 0
     """The model's routed experts per MoE layer (0: dense)."""
     moe_dispatcher: str = "alltoall"
     """The token dispatcher priced (`SearchOptions.moe_dispatcher`)."""
     expert_groups: tuple[int, int] = (1, 1)
     """(G, M): the model's group-limited routing, G groups, M a token (1, 1: none)."""
+
+
+def _expert_tp(config: PlanConfig, target: LaunchTarget) -> int:
+    """The expert tensor parallelism priced: tp with `expert_tensor_parallel`, else 1."""
+    return config.tp if target.expert_tensor_parallel and target.experts else 1
 
 
 def _torchrun(target: LaunchTarget, script: str) -> str:
@@ -129,9 +136,13 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
     halves = target.two_batch_overlap and config.ep > 1 and config.microbatch_size >= 2
     if halves:
         arguments["two_batch_overlap"] = True
+    etp = _expert_tp(config, target)
+    if etp > 1:
+        arguments["expert_tensor_parallel"] = etp
     if target.hf is None:
         text = ", ".join(f"{key}={value!r}" for key, value in arguments.items())
-        return [f"PipelineModule/PipelineEngine: {text}", config.train_command(global_batch),
+        return [f"PipelineModule/PipelineEngine: {text}",
+                config.train_command(global_batch, etp),
                 _torchrun(target, "your_script.py") + "   # one process per device"]
     if config.ep == 1 and config.cp == 1:  # dense, whole sequences: `pipesched run` trains it
         return _run_command(config, global_batch, target, boundaries)
@@ -146,7 +157,8 @@ def _pipesched(config: PlanConfig, global_batch: int, target: LaunchTarget, bloc
               f"zero_stage={config.zero_stage}"
               + (f", expert_parallel={config.ep}" if config.ep > 1 else "")
               + (f", context_parallel={config.cp}" if config.cp > 1 else "")
-              + (", two_batch_overlap=True" if halves else ""))
+              + (", two_batch_overlap=True" if halves else "")
+              + (f", expert_tensor_parallel={etp}" if etp > 1 else ""))
     experts = f", expert_parallel={config.ep}" if config.ep > 1 else ""
     per_replica = global_batch // config.dp
     options = "".join(f", {name}=True" for name, on in (
@@ -205,12 +217,14 @@ def _megatron_core(config: PlanConfig, global_batch: int, target: LaunchTarget,
     flags = _megatron_parallel_flags(config, global_batch, blocks)
     if config.tp > 1:
         flags.append("--sequence-parallel --tp-comm-overlap")
-    if target.experts:  # priced at expert tensor parallelism 1 (its default is tp's)
+    if config.cp > 1:  # ep carved from dp × cp there too (`parallel_state`)
+        flags.append(f"--context-parallel-size {config.cp}")
+    if target.experts:  # expert tensor parallelism as priced (1 unless asked; its default is tp's)
         # DeepEP takes fp32 routing probabilities only (token_dispatcher.py's _DeepepManager)
         dispatch = ("flex --moe-flex-dispatcher-backend deepep --moe-router-dtype fp32"
                     if target.moe_dispatcher == "deepep" else "alltoall")
-        flags.append(f"--expert-model-parallel-size {config.ep} "
-                     f"--expert-tensor-parallel-size 1 --moe-token-dispatcher-type {dispatch}")
+        flags.append(f"--expert-model-parallel-size {config.ep} --expert-tensor-parallel-size "
+                     f"{_expert_tp(config, target)} --moe-token-dispatcher-type {dispatch}")
         groups, top_groups = target.expert_groups
         if groups > 1:
             flags.append(f"--moe-router-num-groups {groups} "

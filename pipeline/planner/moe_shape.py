@@ -139,7 +139,8 @@ class RoutedExperts:
     """What the kernel model needs of a MoE block's MLP on one rank (`expert_kernels`): E
     routed experts of width f_e split over `ep` ranks, top-k, a shared expert of width f_s
     (0: none), and the busiest ep rank's load over the mean (`imbalance`; None: the
-    sampling floor of a balanced router, `routing_load.busiest_rank_ratio`)."""
+    sampling floor of a balanced router, `routing_load.busiest_rank_ratio`), each rank
+    routing its s/cp tokens' share (`cp`)."""
 
     experts: int
     topk: int
@@ -147,11 +148,22 @@ class RoutedExperts:
     shared_ffn: int = 0
     ep: int = 1
     imbalance: float | None = None
+    cp: int = 1
+    """Context-parallel ranks splitting each sequence: each routes its own s/cp tokens
+    (`pipeline.interop.hf_moe_context`)."""
+    expert_tp: int = 1
+    """Expert tensor parallelism: 1 (each expert whole on its ep rank) or t (each expert's
+    gate/up column-split and down row-split over the tp group, which gathers its routed
+    rows: `pipeline.moe.expert_tensor_parallel`)."""
 
     def __post_init__(self) -> None:
         if self.ep < 1 or self.experts % self.ep:
             raise PlanError(f"ep={self.ep} must be >= 1 and divide the {self.experts} "
                             "experts (each ep rank holds E / ep)")
+        for name in ("cp", "expert_tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name}={value!r} must be a whole number >= 1")
         check_routing_imbalance(self.imbalance)
 
     @property

@@ -95,6 +95,13 @@ class SearchOptions:
     """Price the engine's `two_batch_overlap` on MoE configurations (ep > 1, microbatches
     of two samples or more): a forward outside an F&B pair as two halves taking turns at
     their all-to-alls (`PlanContext.two_batch_overlap`); False: exposed."""
+    expert_tensor_parallel: bool = False
+    """Split each MoE expert over the tp group too, expert tensor parallelism = tp at every
+    tp searched (the engine's `expert_tensor_parallel=tp`, `pipesched train
+    --expert-tensor-parallel`, Megatron-Core's `--expert-tensor-parallel-size`): its GEMMs
+    1/t wide on the group's gathered rows (`expert_kernels`), the gather and reduce-scatter
+    priced (`pricing.expert_tp_seconds`), its parameters over tp · ep; False: whole on its ep
+    rank (Megatron-Core's `--expert-tensor-parallel-size 1`)."""
     moe_dispatcher: str = "alltoall"
     """How the engine dispatches tokens to experts (`node_limited.DISPATCHERS`): one copy
     per (token, expert) pair, or one per destination node (deepep)."""

@@ -100,6 +100,10 @@ class PlanContext(RankPricing):
     """The data-parallel reduction overlaps the last backward (the engine's gradient hooks,
     Megatron-Core's overlap_grad_reduce); False: it starts once the rank's pipeline has
     drained, as Megatron-LM did in 2021 (Narayanan et al.: all-reduce after the flush)."""
+    expert_tensor_parallel: bool = False
+    """Each MoE expert split over the tp group too (expert tensor parallelism = tp, the
+    engine's `expert_tensor_parallel`; `RankPricing.expert_tp`); False: whole on its ep
+    rank."""
     two_batch_overlap: bool = False
     """Forwards outside F&B pairs of an MoE stage run as two halves of the microbatch
     (the engine's `two_batch_overlap`, `ExpertAllToAll.two_batch`) where it has two samples
@@ -150,11 +154,12 @@ class PlanContext(RankPricing):
     (`routing_load.busiest_rank_ratio`)."""
     _tables: dict[tuple[int, int, str, int, int, int], StageTable] = field(
         default_factory=dict)
-    _prices: dict[tuple[int, str, int], LayerPrices] = field(default_factory=dict)
-    _partitions: dict[tuple[int, int, bool, int], tuple[int, ...]] = field(
+    _prices: dict[tuple[int, str, int, int], LayerPrices] = field(default_factory=dict)
+    _partitions: dict[tuple[int, int, bool, int, int], tuple[int, ...]] = field(
         default_factory=dict)
-    _graphs: dict[tuple[int, bool, int], ModelGraph] = field(default_factory=dict)
-    _ep_layers: dict[int, tuple[LayerProfile, ...]] = field(default_factory=dict)
+    _graphs: dict[tuple[int, bool, int, int], ModelGraph] = field(default_factory=dict)
+    _ep_layers: dict[tuple[int, int, int], tuple[LayerProfile, ...]] = field(
+        default_factory=dict)
     _schedules: OrderedDict[tuple[Any, ...], Schedule | None] = field(
         default_factory=OrderedDict)
     _schedule_ops: int = 0
@@ -271,7 +276,7 @@ class PlanContext(RankPricing):
         gather = None if not self.overlap_param_gather else data_parallel.param_gather(
             table, self.cluster, dp=config.dp * config.cp, tp=config.tp,
             zero_stage=config.zero_stage, params=stage_params(table, placement_of(config)),
-            ep=config.ep)
+            ep=self.expert_shards(config))
         step, exposed, tied = self.update_seconds(config)
         simulated = replace(model, reduction=self._reduction(config, table), gather=gather)
         if beaten_above < math.inf:

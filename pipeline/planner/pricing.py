@@ -9,14 +9,15 @@ import math
 
 from pipeline.planner import nccl_model
 from pipeline.planner.cluster import ClusterSpec
-from pipeline.planner.expert_kernels import block_kernel_times
+from pipeline.planner.expert_kernels import block_kernel_times, gathered_rows
 from pipeline.planner.host_launch import host_pass_seconds, issue_bound_seconds
 from pipeline.planner.kernels import attention_core_seconds, block_linear_times
 from pipeline.planner.profile import LayerProfile
 from pipeline.planner.userbuffers import sm_contention_seconds, userbuffers_sms
 from schedules.analysis.tp_overlap import ParallelLinearCosts, linears_exposed
 
-__all__ = ["TP_OVERLAPS", "allgather_seconds", "allreduce_seconds", "layer_selective_seconds",
+__all__ = ["TP_OVERLAPS", "allgather_seconds", "allreduce_seconds", "expert_tp_seconds",
+           "layer_selective_seconds",
            "layer_split_times", "layer_times", "layer_tp_pass_seconds", "layer_tp_seconds",
            "p2p_link", "p2p_seconds", "reduce_scatter_seconds", "ring_allreduce_seconds",
            "tree_allreduce_seconds"]
@@ -161,11 +162,43 @@ def _pipesched_exposed(layer: LayerProfile, cluster: ClusterSpec, precision: str
                            chunks=chunks)
 
 
+def expert_tp_seconds(layer: LayerProfile, cluster: ClusterSpec, batch: int, tp: int
+                      ) -> tuple[float, float]:
+    """(forward, backward) seconds of a MoE block's expert-tensor-parallel collectives in one
+    microbatch (`pipeline.moe.expert_tensor_parallel`; (0, 0) at expert tp 1 or without a
+    kernel model): the forward all-gathers the tp group's routed rows (a whole result of G
+    rows of h·e bytes, `expert_kernels.gathered_rows`, after an all-gather of the t ranks'
+    per-expert row counts, 8 bytes each) and reduce-scatters the partial outputs of those G
+    rows back to their owners; the backward runs each one's adjoint (the gather's a
+    reduce-scatter, the reduce-scatter's an all-gather), over the t ranks of the tp group,
+    neighbours, not overlapped (the engine runs them between its GEMMs). At cp > 1, × cp as
+    `expert_kernels.moe_mlp_times` (the stage table divides every layer by cp)."""
+    shape = layer.shape
+    if shape is None or shape.role != "block" or shape.routed is None \
+            or shape.routed.expert_tp == 1 or not _kernel_model(layer, cluster):
+        return 0.0, 0.0
+    routed, t = shape.routed, shape.routed.expert_tp
+    nbytes = gathered_rows(shape, batch, tp) * shape.hidden * shape.element
+    pair = allgather_seconds(nbytes, t, 1, cluster) + reduce_scatter_seconds(
+        nbytes, t, 1, cluster)
+    counts = allgather_seconds(8.0 * routed.local_experts * t, t, 1, cluster)
+    return routed.cp * (pair + counts), routed.cp * pair
+
+
 def layer_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: str,
                           batch: int, tp: int, overlap: str = "none") -> tuple[float, float]:
     """(forward, backward) seconds of one microbatch's tensor-parallel collectives left
     exposed by the engine's `overlap` rule (`TP_OVERLAPS`), the one place the planner
-    prices it.
+    prices it: the block's (`_block_tp_pass_seconds`) and, at expert tensor parallelism
+    t > 1, its experts' (`expert_tp_seconds`), exposed under every rule."""
+    forward, backward = _block_tp_pass_seconds(layer, cluster, precision, batch, tp, overlap)
+    experts = expert_tp_seconds(layer, cluster, batch, tp)
+    return forward + experts[0], backward + experts[1]
+
+
+def _block_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision: str,
+                           batch: int, tp: int, overlap: str = "none") -> tuple[float, float]:
+    """The block's tensor-parallel collectives, exposed by the `overlap` rule.
 
     none: all of them (`layer_tp_seconds`, each pass; under sequence parallelism the backward
     also re-gathers the two column-parallel linears' inputs for their weight gradients,

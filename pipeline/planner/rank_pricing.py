@@ -50,10 +50,11 @@ class RankPricing:
     state_bytes: tuple[float, float, float] | None
     routing_imbalance: float | None
     _tables: dict[tuple[int, int, str, int, int, int], StageTable]
-    _prices: dict[tuple[int, str, int], LayerPrices]
-    _partitions: dict[tuple[int, int, bool, int], tuple[int, ...]]
-    _graphs: dict[tuple[int, bool, int], ModelGraph]
-    _ep_layers: dict[int, tuple[LayerProfile, ...]]
+    _prices: dict[tuple[int, str, int, int], LayerPrices]
+    expert_tensor_parallel: bool
+    _partitions: dict[tuple[int, int, bool, int, int], tuple[int, ...]]
+    _graphs: dict[tuple[int, bool, int, int], ModelGraph]
+    _ep_layers: dict[tuple[int, int, int], tuple[LayerProfile, ...]]
     _rank_sums: dict[tuple[Any, ...], tuple[np.ndarray, ...]]
     _updates: dict[tuple[Any, ...], tuple[np.ndarray, ...]]
 
@@ -63,7 +64,7 @@ class RankPricing:
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
                config.cp, config.ep)
         if key not in self._tables:
-            layers = self.layers_at(config.ep)
+            layers = self.layers_at(config.ep, config.cp, self.expert_tp(config))
             # the cuts see full recomputation of every layer; selective and partial
             # recomputation are not priced per layer here (a partial one depends on the cuts
             # themselves): the other modes share one partition
@@ -75,10 +76,11 @@ class RankPricing:
                                     f"model's blocks evenly (uniform_layers)")
                 cuts: tuple[int, ...] = uniform
             else:
-                cuts = self._cuts(key[0], config.tp, again, config.ep)
-            prices = self._prices.get((config.tp, config.recompute, config.ep))
-            if prices is None:  # shared by the tables of one tp, recomputation and ep
-                prices = self._prices[config.tp, config.recompute, config.ep] = \
+                cuts = self._cuts(key[0], config.tp, again, config.ep, config.cp,
+                                  self.expert_tp(config))
+            prices = self._prices.get((config.tp, config.recompute, config.ep, config.cp))
+            if prices is None:  # shared by the tables of one tp, recomputation, ep and cp
+                prices = self._prices[config.tp, config.recompute, config.ep, config.cp] = \
                     LayerPrices.of(layers, next(iter(self._prices.values()), None))
             self._tables[key] = context_table(StageTable.build(
                 layers, cuts, self.cluster, self.precision, config.tp,
@@ -86,31 +88,45 @@ class RankPricing:
                 config.cp, config.tp)
         return self._tables[key]
 
-    def _cuts(self, stages: int, tp: int, again: bool, ep: int) -> tuple[int, ...]:
-        key = (stages, tp, again, ep)
+    def _cuts(self, stages: int, tp: int, again: bool, ep: int, cp: int = 1, etp: int = 1
+              ) -> tuple[int, ...]:
+        key = (stages, tp, again, ep, cp)  # etp follows tp
         if key not in self._partitions:
-            graph = self._graphs.get((tp, again, ep))
-            if graph is None:  # one per tp, recomputation and ep, cut into any p·v
-                graph = self._graphs[tp, again, ep] = cost_graph(
-                    self.layers_at(ep), self.cluster, self.precision, tp, again,
+            graph = self._graphs.get((tp, again, ep, cp))
+            if graph is None:  # one per tp, recomputation, ep and cp, cut into any p·v
+                graph = self._graphs[tp, again, ep, cp] = cost_graph(
+                    self.layers_at(ep, cp, etp), self.cluster, self.precision, tp, again,
                     self.tp_overlap)
             self._partitions[key] = tuple(partition_graph(graph, stages).boundaries)
         return self._partitions[key]
 
-    def layers_at(self, ep: int) -> tuple[LayerProfile, ...]:
+    def layers_at(self, ep: int, cp: int = 1, etp: int = 1) -> tuple[LayerProfile, ...]:
         """The model's layers as `ep` ranks run them: each MoE block's kernel shape with its
-        E/ep local experts and the search's `routing_imbalance`
-        (`kernels.LayerShape.routed`, priced by `expert_kernels`); a dense model's as
-        they are."""
+        E/ep local experts, each rank routing its s/cp tokens (`cp`), each expert split over
+        `etp` tp ranks, and the search's `routing_imbalance` (`kernels.LayerShape.routed`,
+        priced by `expert_kernels`); a dense model's as they are."""
         if not self.model.experts:
             return tuple(self.model.layers)
-        if ep not in self._ep_layers:
-            self._ep_layers[ep] = tuple(
+        if (ep, cp, etp) not in self._ep_layers:
+            self._ep_layers[ep, cp, etp] = tuple(
                 replace(layer, shape=replace(layer.shape, routed=replace(
-                    layer.shape.routed, ep=ep, imbalance=self.routing_imbalance)))
+                    layer.shape.routed, ep=ep, cp=cp, expert_tp=etp,
+                    imbalance=self.routing_imbalance)))
                 if layer.shape is not None and layer.shape.routed is not None else layer
                 for layer in self.model.layers)
-        return self._ep_layers[ep]
+        return self._ep_layers[ep, cp, etp]
+
+    def expert_tp(self, config: PlanConfig) -> int:
+        """Expert tensor parallelism at `config`: its tp with `expert_tensor_parallel`, else
+        1 (and 1 for a dense model)."""
+        return config.tp if self.expert_tensor_parallel and self.model.experts else 1
+
+    def expert_shards(self, config: PlanConfig) -> int:
+        """The ranks one MoE layer's experts are split over, ep · expert tp: what the memory
+        and data-parallel prices take as their ep (each rank holds 1/(ep·etp) of the
+        experts; the group holding the same shard, t·d/(ep·etp) ranks ep·etp apart on
+        average, is `expert_parallel.expert_group` of it)."""
+        return config.ep * self.expert_tp(config)
 
 
     def memory(self, config: PlanConfig, trace: HeldTrace | PeakCounts | None = None, *,
@@ -141,7 +157,7 @@ class RankPricing:
                                 zero=config.zero_stage, recompute=config.recomputes,
                                 stage_gradient_bytes=self.tied_grad_bytes(config),
                                 stage_expert_params=table.experts if self.model.experts
-                                else None, expert_parallel=config.ep,
+                                else None, expert_parallel=self.expert_shards(config),
                                 expert_replicas=config.tp,
                                 runtime=self.runtime_bytes(config),
                                 **self.engine_bytes(config))
@@ -226,7 +242,7 @@ class RankPricing:
             self._rank_params(config), self.cluster, dp=config.dp * config.cp, tp=config.tp,
             zero_stage=config.zero_stage, overlap_param_gather=self.overlap_param_gather,
             update_bytes=self.update_bytes, rank_experts=self.rank_experts(config),
-            ep=config.ep)
+            ep=self.expert_shards(config))
         if self.tied_reduce_at_step:  # the tied region's reduction at STEP, exposed
             held = np.bincount(placement, weights=tied_held(table, placement),
                                minlength=config.pp)
@@ -243,7 +259,8 @@ class RankPricing:
                 zero_stage=config.zero_stage, num_microbatches=config.num_microbatches,
                 grad_reduce_bytes=self.grad_reduce_bytes, forward=costs.forward,
                 backward=costs.input_grad + costs.weight_grad,
-                stage_experts=table.experts if self.model.experts else None, ep=config.ep)
+                stage_experts=table.experts if self.model.experts else None,
+                ep=self.expert_shards(config))
         return step, exposed, tied
 
 
@@ -257,7 +274,7 @@ class RankPricing:
             table, self.cluster, dp=config.dp * config.cp, tp=config.tp,
             zero_stage=config.zero_stage, grad_reduce_bytes=self.grad_reduce_bytes,
             overlap=overlap, params=params,
-            ep=config.ep)
+            ep=self.expert_shards(config))
 
 
 def is_cost_aware(name: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.errors import PlanError
+from pipeline.planner.expert_parallel import expert_tp_refusal
 from pipeline.planner.grid import divisors
 from pipeline.planner.options import SearchOptions
 from pipeline.planner.profile import ModelProfile
@@ -51,11 +52,6 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
             problems.append(f"context-parallel size {cp} needs 2·cp = {2 * cp} to divide the "
                             f"sequence {model.seq} and cp to divide the {devices} devices; "
                             f"choose a cp with both")
-        elif cp > 1 and model.experts:
-            problems.append(f"context-parallel size {cp}: {model.name} has experts, and the "
-                            f"planner prices context parallelism for dense models only (the "
-                            f"engine runs cp with MoE; its pricing is not searched yet); use "
-                            f"cp 1")
         elif cp > 1 and any(layer.shape is not None and layer.shape.latent is not None
                             for layer in model.layers):
             problems.append(f"context-parallel size {cp}: {model.name} has multi-head latent "
@@ -66,15 +62,21 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
 
 
 def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
-    """What of the request the engine cannot run with the model's experts: an engine whose
+    """What of the request the engine cannot run with the model's experts: expert tensor
+    parallelism without experts, or at a tp that does not divide f_e; an engine whose
     MoE runs are not priced, tp > 1 with experts but without sequence parallelism, an ep
     size that is not 1 for a dense model, or that does not divide the experts or any of the
     data-parallel sizes asked for."""
     sizes, experts = options.expert_parallel or (), model.experts
     if not experts:
         bad = [size for size in sizes if size > 1]
-        return [f"expert-parallel size {', '.join(map(str, bad))}: {model.name} has no "
-                "experts (use --ep 1 or give a mixture-of-experts model)"] if bad else []
+        dense = [f"expert-parallel size {', '.join(map(str, bad))}: {model.name} has no "
+                 "experts (use --ep 1 or give a mixture-of-experts model)"] if bad else []
+        if options.expert_tensor_parallel:
+            dense.append(f"expert tensor parallelism: {model.name} has no experts to split "
+                         f"over tp (drop --expert-tensor-parallel or give a "
+                         f"mixture-of-experts model)")
+        return dense
     if not options.prices_experts:
         return [f"{model.name} is a mixture of experts; the engine these options model "
                 "(--engine) has its MoE runs unpriced: plan it with --engine pipesched"]
@@ -86,6 +88,14 @@ def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
                         f"only (each tp rank routes its s/t tokens; Megatron-Core: \"sequence "
                         f"parallelism must be used\" with experts and tp); add "
                         f"--sequence-parallel, or use --tp 1 and --ep for the experts")
+    if options.expert_tensor_parallel:
+        refused = [f"{t} ({expert_tp_refusal(model, t)})" for t in options.tensor_parallel or ()
+                   if expert_tp_refusal(model, t)]
+        if refused:
+            problems.append(f"tensor-parallel size {', '.join(refused)}: expert tensor "
+                            f"parallelism splits each expert's intermediate size over tp, "
+                            f"which must divide it; choose a tp dividing it or drop "
+                            f"--expert-tensor-parallel")
     valid = [k for k in range(1, experts + 1) if experts % k == 0]
     bad = [size for size in sizes if experts % size]
     if bad:
@@ -93,11 +103,14 @@ def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:
                         f"the model's {experts} experts (each ep rank holds E / ep); use one "
                         f"of {', '.join(map(str, valid))}")
     if options.data_parallel is not None:
-        bad = [size for size in sizes if not any(dp % size == 0 for dp in options.data_parallel)]
+        replicas = [dp * cp for dp in options.data_parallel for cp in options.context_parallel]
+        bad = [size for size in sizes if not any(d % size == 0 for d in replicas)]
         if bad:
-            dps = ", ".join(map(str, options.data_parallel))
-            fits = [k for k in valid if any(dp % k == 0 for dp in options.data_parallel)]
+            dps = ", ".join(map(str, sorted(set(replicas))))
+            fits = [k for k in valid if any(d % k == 0 for d in replicas)]
+            what = "data-parallel sizes" if options.context_parallel == (1,) \
+                else "data-parallel × context-parallel sizes"
             problems.append(f"expert-parallel size {', '.join(map(str, bad))} divides none of "
-                            f"the data-parallel sizes {dps} (ep is carved from dp); use one "
+                            f"the {what} {dps} (ep is carved from dp × cp); use one "
                             f"of {', '.join(map(str, fits))}")
     return problems

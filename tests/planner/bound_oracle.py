@@ -86,21 +86,22 @@ class Oracle:
 
     def __init__(self, context: PlanContext) -> None:
         self.context = context
-        self._layer_prices: dict[tuple[int, int, int, str, int], tuple[float, ...]] = {}
-        self._cuts: dict[tuple[int, int, bool, int], list[Sequence[LayerProfile]]] = {}
+        self._layer_prices: dict[tuple[int, int, int, str, int, int], tuple[float, ...]] = {}
+        self._cuts: dict[tuple[int, int, bool, int, int], list[Sequence[LayerProfile]]] = {}
         self._arrays: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def stages(self, config: PlanConfig) -> list[Sequence[LayerProfile]]:
         """The exact partitioner's cuts of the one-sample costs (or Megatron's even split)
         of the layers as ep ranks run them (`PlanContext.layers_at`)."""
         again = config.recompute == "full" and not config.recompute_layers
-        key = (config.pp * config.chunks, config.tp, again, config.ep)
+        key = (config.pp * config.chunks, config.tp, again, config.ep, config.cp)
         if key not in self._cuts:
             self._cuts[key] = self._stages(config)
         return self._cuts[key]
 
     def _stages(self, config: PlanConfig) -> list[Sequence[LayerProfile]]:
-        context, layers, tp = self.context, self.context.layers_at(config.ep), config.tp
+        context, tp = self.context, config.tp
+        layers = context.layers_at(config.ep, config.cp, context.expert_tp(config))
         count = config.pp * config.chunks
         if context.uniform_layers:
             cuts = uniform_boundaries(layers, count)
@@ -167,13 +168,13 @@ class Oracle:
             if (copies > 0).any() else []
         return _peak_total(params, held, tied, experts, dp=config.dp * config.cp,
                            zero=config.zero_stage,
-                           ep=config.ep, **context.engine_bytes(config),
+                           ep=context.expert_shards(config), **context.engine_bytes(config),
                            runtime=runtime_bytes(context.cluster, config, a["placement"],
                                                  tied_ranks))
 
     def _prices(self, layer: LayerProfile, index: int, b: int, tp: int, recompute: str,
-                ep: int) -> tuple[float, ...]:
-        key = (index, b, tp, recompute, ep)
+                ep: int, cp: int) -> tuple[float, ...]:
+        key = (index, b, tp, recompute, ep, cp)
         if key not in self._layer_prices:
             context = self.context
             args = (context.cluster, context.precision, b, tp)
@@ -189,12 +190,14 @@ class Oracle:
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per stage at b samples: forward, input gradient (recomputation in it) and weight
         gradient, each op paying the runtime's fixed cost once; a fused backward halved."""
-        index = {id(layer): i for i, layer in enumerate(self.context.layers_at(config.ep))}
+        index = {id(layer): i
+                 for i, layer in enumerate(self.context.layers_at(
+                     config.ep, config.cp, self.context.expert_tp(config)))}
         b, tp, overhead = config.microbatch_size, config.tp, self.context.cluster.op_overhead
         rows = []
         for stage in stages:
             prices = [self._prices(layer, index[id(layer)], b, tp, config.recompute,
-                                   config.ep) for layer in stage]
+                                   config.ep, config.cp) for layer in stage]
             sums = [sum(p[i] for p in prices) / config.cp + overhead for i in range(4)]
             k = config.recompute_layers or len(stage)
             again = sum(p[5] for p in prices[:k]) / config.cp
@@ -259,7 +262,8 @@ class Oracle:
             np.bincount(where, weights=a["params"] + copies, minlength=pp), context.cluster,
             dp=dp, tp=config.tp, zero_stage=config.zero_stage,
             overlap_param_gather=context.overlap_param_gather,
-            update_bytes=context.update_bytes, rank_experts=experts, ep=config.ep)
+            update_bytes=context.update_bytes, rank_experts=experts,
+            ep=context.expert_shards(config))
         if context.tied_reduce_at_step:
             tied_held = copies.astype(float)
             tied_held[0] += float(a["tied"].max(initial=0.0))
@@ -270,9 +274,10 @@ class Oracle:
         if config.zero_stage >= 2 and dp > 1:
             routed = a["experts"] if context.model.experts else np.zeros(len(copies))
             folded = config.ep == 1 and config.tp == 1  # experts replicated like the rest
+            shards = context.expert_shards(config)
             exposed = exposed + self.sharded(config, a, a["params"] + copies
                                              + (routed if folded else 0.0),
-                                             0.0 * routed if folded else routed / config.ep)
+                                             0.0 * routed if folded else routed / shards)
         return step, exposed, tied
 
     def sharded(self, config: PlanConfig, a: dict[str, Any], held: np.ndarray,

@@ -26,7 +26,7 @@ MOE = load_model("layers=6,hidden=512,heads=8,vocab=1000,seq=256,mlp=swiglu,norm
 IDENTITY_CASES = {name: CASES[name] for name in (
     "tp-and-v-schedules", "megatron-2021-step-peak", "tied-embeddings",
     "tied-megatron-2021-engine", "deeper-tight-zero", "overlapped-param-gather",
-    "zero-2-3", "context-parallel")} | {
+    "zero-2-3", "context-parallel", "moe-context-parallel")} | {
     "moe-experts": (MOE, _cluster(4.0, 2), 32, SearchOptions(
         max_chunks=2, schedules=("1f1b", "interleaved", "zb-h1", "zb-v"))),
 }

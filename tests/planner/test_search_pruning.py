@@ -8,7 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from pipeline.planner import PRESETS, ClusterSpec, SearchOptions, parse_shape, plan
+from pipeline.planner import (
+    PRESETS,
+    ClusterSpec,
+    SearchOptions,
+    load_model,
+    parse_shape,
+    plan,
+)
 from pipeline.planner.bounds import SearchBounds
 from pipeline.planner.predict import PlanContext
 from pipeline.planner.search import PlanResult
@@ -23,6 +30,9 @@ GQA = transformer_profile(parse_shape("layers=8,hidden=1024,heads=16,kv_heads=4,
 DEEP = transformer_profile(parse_shape("layers=16,hidden=2048,heads=16,vocab=32000,seq=2048"))
 TIED = transformer_profile(parse_shape("layers=8,hidden=1024,heads=16,vocab=32000,seq=1024,"
                                        "tied_embeddings=true"))
+MOE = transformer_profile(parse_shape("layers=4,hidden=512,heads=8,kv_heads=4,vocab=1000,"
+                                     "seq=1024,mlp=swiglu,norm=rmsnorm,bias=none,experts=4,"
+                                     "topk=2,expert_ffn=1024"))
 TOP = 4
 
 
@@ -73,6 +83,16 @@ CASES = {
     "deeper-tight-zero": (DEEP, _cluster(10.0, 2), 64, SearchOptions(
         max_chunks=4, tensor_parallel=(1, 2),
         schedules=("gpipe", "1f1b", "interleaved", "looped-bfs", "zb-h2", "zb-v"))),
+    # experts with context parallelism: ep carved from dp × cp, each cp rank routing its s/cp
+    "moe-context-parallel": (MOE, _cluster(4.0, 2), 8, SearchOptions(
+        max_chunks=2, context_parallel=(1, 2), schedules=("1f1b", "zb-h1", "zb-v"))),
+    # each expert split over tp too (expert tensor parallelism = tp), sequence parallelism
+    "moe-expert-tp": (load_model(
+        "layers=4,hidden=512,heads=8,kv_heads=4,vocab=1000,seq=512,mlp=swiglu,norm=rmsnorm,"
+        "bias=none,experts=4,topk=2,expert_ffn=1024", sequence_parallel=True),
+        _cluster(4.0, 2), 8, SearchOptions(
+            max_chunks=2, tensor_parallel=(1, 2), expert_tensor_parallel=True,
+            schedules=("1f1b", "zb-h1", "zb-v"))),
     "zero-2-3": (DEEP, _cluster(6.0, 2), 32, SearchOptions(
         max_chunks=2, zero_stages=(0, 1, 2, 3), schedules=("1f1b", "interleaved", "zb-v"))),
 }
@@ -174,3 +194,10 @@ def test_closed_form_memory_equals_the_traced_memory_in_a_search() -> None:
                 traced.memory(config, slow)[0].total, rel=1e-12)
             compared += 1
     assert compared > 100
+
+
+def test_the_moe_cases_compare_cp_with_ep_and_expert_tp_points() -> None:
+    found = _unpruned("moe-context-parallel").predictions
+    assert any(p.config.cp > 1 and p.config.ep > p.config.dp for p in found)
+    assert any(p.config.tp > 1 and p.config.ep > 1
+               for p in _unpruned("moe-expert-tp").predictions)
