@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.planner.expert_grad_sync import expert_replicas
 from pipeline.planner.memory import RankStates, rank_states
 from pipeline.planner.peaks import WARM_UP_FORMS, same_trace_as, warm_up_held
 from pipeline.planner.predict import PlanConfig, PlanContext, schedule_placement
@@ -133,7 +134,8 @@ class SearchBounds:
                            zero=config.zero_stage, stage_gradient_bytes=tied,
                            stage_expert_params=self.context.rank_experts(config),
                            expert_parallel=self.context.expert_shards(config),
-                           expert_replicas=config.tp,
+                           expert_replicas=expert_replicas(
+                               config.tp, self.context.expert_rule(config)),
                            runtime=self.context.runtime_bytes(config),
                            **self.context.engine_bytes(config))
 

@@ -76,7 +76,8 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
     "uniform_layers": True, "interleaved_groups": True, "interleaved_min_pp": 2,
     "blocking_p2p": True, "p2p_overlap_interleaved": True, "p2p_gather": False,
     "grad_reduce_bytes": 4.0, "update_bytes": 38.0, "tied_reduce_at_step": False,
-    "tp_overlap": "megatron-core", "state_bytes": (2.0, 4.0, 12.0)})
+    "tp_overlap": "megatron-core", "state_bytes": (2.0, 4.0, 12.0),
+    "expert_grad_group": "megatron"})
 """Megatron-Core as its current scripts run it (`MEGATRON_CORE_COMMIT`;
 `examples/llama/train_llama3_8b_h100_fp8.sh`: --sequence-parallel
 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather, and
@@ -111,7 +112,9 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
   attention and the dense layers split over tp, the experts over ep only, each tp rank's
   s/t tokens through the all-to-all token dispatcher (`--moe-token-dispatcher-type
   alltoall`), the experts' gradients and distributed-optimizer shards over the t·d / ep
-  ranks holding the same experts (`expert_parallel.expert_group`); priced as this
+  ranks holding the same experts, once a step (`expert_grad_group` "megatron":
+  `expert_parallel.expert_group`; this engine sums them over tp in every backward and
+  shards them over d / ep, `expert_grad_sync`); priced as this
   engine's MoE is (one GEMM of the k·f_e width at balanced routing, ep carved from dp t
   ranks apart, not the newer "parallel folding" of ep over tp × dp).
 Not modelled: context parallelism, FP8, FSDP (`OUTSIDE_SPACE`)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from pipeline.planner.data_parallel import ADAM_UPDATE_BYTES
 from pipeline.planner.errors import PlanError
+from pipeline.planner.expert_grad_sync import check_expert_grad_group
 from pipeline.planner.memory import GRAD_BYTES
 from pipeline.planner.moe_shape import check_routing_imbalance
 from pipeline.planner.node_limited import DISPATCHERS
@@ -113,6 +114,10 @@ class SearchOptions:
     state_bytes: tuple[float, float, float] | None = None
     """(parameter, gradient, optimizer) bytes per parameter of another engine
     (`PlanContext.state_bytes`); None: this engine's."""
+    expert_grad_group: str = "tp_rank"
+    """At tp > 1 with experts: "tp_rank", this engine's per-microbatch sum of the MoE
+    gradients over tp and its expert group of the d / ep ranks of one tp rank; "megatron",
+    Megatron-Core's once-a-step reduction over t·d / ep (`expert_grad_sync`)."""
     p2p_overlap_interleaved: bool = False
     """`PlanContext.p2p_overlap_interleaved`: interleaved messages overlap, 1F1B's block."""
     p2p_gather: bool = True
@@ -168,6 +173,7 @@ class SearchOptions:
             raise PlanError(f"grad_reduce_bytes={self.grad_reduce_bytes!r} must be a number "
                             f"> 0 (4 for fp32 gradients, 2 for fp16)")
         check_routing_imbalance(self.routing_imbalance)
+        check_expert_grad_group(self.expert_grad_group)
         if self.tp_overlap not in TP_OVERLAPS:
             raise PlanError(f"tp_overlap={self.tp_overlap!r} must be one of "
                             f"{', '.join(TP_OVERLAPS)}")

@@ -152,6 +152,9 @@ class PlanContext(RankPricing):
     """The busiest ep rank's routed rows over the mean, as measured
     (`moe_shape.RoutedExperts.imbalance`); None: a balanced router's sampling floor
     (`routing_load.busiest_rank_ratio`)."""
+    expert_grad_group: str = "tp_rank"
+    """How the MoE gradients are summed at tp > 1 and whose group reduces and shards the
+    experts (`expert_grad_sync`): this engine's "tp_rank", Megatron-Core's "megatron"."""
     _tables: dict[tuple[int, int, str, int, int, int], StageTable] = field(
         default_factory=dict)
     _prices: dict[tuple[int, str, int, int], LayerPrices] = field(default_factory=dict)
@@ -276,7 +279,7 @@ class PlanContext(RankPricing):
         gather = None if not self.overlap_param_gather else data_parallel.param_gather(
             table, self.cluster, dp=config.dp * config.cp, tp=config.tp,
             zero_stage=config.zero_stage, params=stage_params(table, placement_of(config)),
-            ep=self.expert_shards(config))
+            ep=self.expert_shards(config), expert_grad_group=self.expert_rule(config))
         step, exposed, tied = self.update_seconds(config)
         simulated = replace(model, reduction=self._reduction(config, table), gather=gather)
         if beaten_above < math.inf:

@@ -14,6 +14,7 @@ from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.config import PlanConfig
 from pipeline.planner.context_parallel import context_table
 from pipeline.planner.errors import PlanError
+from pipeline.planner.expert_grad_sync import expert_replicas, tp_gradient_sum_seconds
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.peaks import PeakCounts
 from pipeline.planner.profile import LayerProfile, ModelProfile
@@ -49,6 +50,7 @@ class RankPricing:
     tp_overlap: str
     state_bytes: tuple[float, float, float] | None
     routing_imbalance: float | None
+    expert_grad_group: str
     _tables: dict[tuple[int, int, str, int, int, int], StageTable]
     _prices: dict[tuple[int, str, int, int], LayerPrices]
     expert_tensor_parallel: bool
@@ -82,11 +84,24 @@ class RankPricing:
             if prices is None:  # shared by the tables of one tp, recomputation, ep and cp
                 prices = self._prices[config.tp, config.recompute, config.ep, config.cp] = \
                     LayerPrices.of(layers, next(iter(self._prices.values()), None))
-            self._tables[key] = context_table(StageTable.build(
+            table = context_table(StageTable.build(
                 layers, cuts, self.cluster, self.precision, config.tp,
                 config.recompute, config.recompute_layers, self.tp_overlap, prices),
                 config.cp, config.tp)
+            if self.expert_grad_group == "tp_rank" and config.tp > 1 and self.model.experts:
+                # this engine's hooks: the MoE gradients summed over tp every backward
+                table = replace(table, grad_sum=tp_gradient_sum_seconds(
+                    table.stages, self.cluster, tp=config.tp, ep=config.ep,
+                    gradient_bytes=self.gradient_bytes,
+                    split_experts=self.expert_tp(config) > 1))
+            self._tables[key] = table
         return self._tables[key]
+
+    @property
+    def gradient_bytes(self) -> float:
+        """Bytes of a gradient element as the engine keeps it: this engine's fp32 (`GRAD_BYTES`,
+        also under autocast) or another engine's `state_bytes`."""
+        return GRAD_BYTES if self.state_bytes is None else float(self.state_bytes[1])
 
     def _cuts(self, stages: int, tp: int, again: bool, ep: int, cp: int = 1, etp: int = 1
               ) -> tuple[int, ...]:
@@ -120,6 +135,13 @@ class RankPricing:
         """Expert tensor parallelism at `config`: its tp with `expert_tensor_parallel`, else
         1 (and 1 for a dense model)."""
         return config.tp if self.expert_tensor_parallel and self.model.experts else 1
+
+    def expert_rule(self, config: PlanConfig) -> str:
+        """The expert-gradient rule at `config` (`expert_grad_sync`): the engine's, except
+        that with the experts split over tp (expert tensor parallelism) no tp rank repeats
+        another's experts, so both engines shard and reduce them over the d / ep ranks
+        holding the same slice: "megatron"'s formula over ep · etp shards gives exactly that."""
+        return self.expert_grad_group if self.expert_tp(config) == 1 else "megatron"
 
     def expert_shards(self, config: PlanConfig) -> int:
         """The ranks one MoE layer's experts are split over, ep · expert tp: what the memory
@@ -158,7 +180,8 @@ class RankPricing:
                                 stage_gradient_bytes=self.tied_grad_bytes(config),
                                 stage_expert_params=table.experts if self.model.experts
                                 else None, expert_parallel=self.expert_shards(config),
-                                expert_replicas=config.tp,
+                                expert_replicas=expert_replicas(config.tp,
+                                                                self.expert_rule(config)),
                                 runtime=self.runtime_bytes(config),
                                 **self.engine_bytes(config))
 
@@ -242,7 +265,7 @@ class RankPricing:
             self._rank_params(config), self.cluster, dp=config.dp * config.cp, tp=config.tp,
             zero_stage=config.zero_stage, overlap_param_gather=self.overlap_param_gather,
             update_bytes=self.update_bytes, rank_experts=self.rank_experts(config),
-            ep=self.expert_shards(config))
+            ep=self.expert_shards(config), expert_grad_group=self.expert_rule(config))
         if self.tied_reduce_at_step:  # the tied region's reduction at STEP, exposed
             held = np.bincount(placement, weights=tied_held(table, placement),
                                minlength=config.pp)
@@ -260,7 +283,7 @@ class RankPricing:
                 grad_reduce_bytes=self.grad_reduce_bytes, forward=costs.forward,
                 backward=costs.input_grad + costs.weight_grad,
                 stage_experts=table.experts if self.model.experts else None,
-                ep=self.expert_shards(config))
+                ep=self.expert_shards(config), expert_grad_group=self.expert_rule(config))
         return step, exposed, tied
 
 
@@ -274,7 +297,7 @@ class RankPricing:
             table, self.cluster, dp=config.dp * config.cp, tp=config.tp,
             zero_stage=config.zero_stage, grad_reduce_bytes=self.grad_reduce_bytes,
             overlap=overlap, params=params,
-            ep=self.expert_shards(config))
+            ep=self.expert_shards(config), expert_grad_group=self.expert_rule(config))
 
 
 def is_cost_aware(name: str) -> bool:

@@ -210,7 +210,8 @@ def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                        moe_dispatcher=options.moe_dispatcher,
                        routing_imbalance=options.routing_imbalance,
                        p2p_overlap_interleaved=options.p2p_overlap_interleaved,
-                       p2p_gather=options.p2p_gather)
+                       p2p_gather=options.p2p_gather,
+                       expert_grad_group=options.expert_grad_group)
 
 
 def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: PlanConfig,

@@ -211,6 +211,10 @@ class StageTable:
     """The same of the layers recomputed whole (they gather again)."""
     cp_stride: int = 1
     """Ranks between cp neighbours (tp)."""
+    grad_sum: np.ndarray | None = None
+    """Per stage, seconds an engine's per-microbatch sum of the MoE gradients over tp adds
+    to the op computing them (W, or B fused), exposed, a tp collective
+    (`expert_grad_sync.tp_gradient_sum_seconds`); None: none (Megatron-Core's rule)."""
     _priced: dict[int, tuple[np.ndarray, ...]] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -296,8 +300,11 @@ class StageTable:
             input_grad, weight_grad = backward / 2, backward / 2
         costs = StageCosts(forward, input_grad + recompute, weight_grad, comm, recompute,
                            self.boundary * batch)
-        if self.cp == 1:
-            return costs
-        from pipeline.planner.context_parallel import context_costs
+        if self.cp > 1:
+            from pipeline.planner.context_parallel import context_costs
 
-        return context_costs(self, costs, batch)
+            costs = context_costs(self, costs, batch)
+        if self.grad_sum is None:
+            return costs
+        return replace(costs, weight_grad=costs.weight_grad + self.grad_sum,
+                       tp_comm=costs.tp_comm + self.grad_sum)

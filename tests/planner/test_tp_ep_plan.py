@@ -90,21 +90,24 @@ def test_a_moe_block_splits_attention_over_tp_and_keeps_its_experts_whole() -> N
         expert_gemm_times(replace(moe.shape, seq=512 // 4), 2, 1, H100, "bf16")
 
 
+@pytest.mark.parametrize("rule", ["tp_rank", "megatron"])
 @pytest.mark.parametrize(("tp", "ep", "zero"), [(2, 2, 0), (2, 4, 1), (4, 2, 1), (2, 1, 1)])
-def test_memory_holds_dense_over_tp_and_experts_over_ep(tp: int, ep: int, zero: int) -> None:
+def test_memory_holds_dense_over_tp_and_experts_over_ep(tp: int, ep: int, zero: int,
+                                                        rule: str) -> None:
     model = load_model(MOE, sequence_parallel=True)
-    context = PlanContext(model, H100, 64, "bf16")
+    context = PlanContext(model, H100, 64, "bf16", expert_grad_group=rule)
     config = _config(tp, ep, dp=8 // tp, zero=zero)
     memory, _ = context.memory(config, context.held_trace(config))
     dense = sum(layer.params(tp) for layer in model.layers)
     experts = sum(layer.expert_params for layer in model.layers) / ep
     dp = 8 // tp
     # this engine's fp32 states: weight 4, gradient 4, Adam 8 (sharded under ZeRO-1 over
-    # dp for the dense part, over the t·dp / ep ranks holding the same experts for them)
+    # dp for the dense part; for the experts over the dp / ep ranks of one tp rank, this
+    # engine's expert group, or Megatron-Core's t·dp / ep ranks holding the same experts)
+    group = dp // ep if rule == "tp_rank" else tp * dp // ep
     assert memory.parameters == pytest.approx(4 * (dense + experts), rel=1e-12)
     assert memory.optimizer == pytest.approx(
-        8 * dense / (dp if zero else 1) + 8 * experts / (tp * dp // ep if zero else 1),
-        rel=1e-12)
+        8 * dense / (dp if zero else 1) + 8 * experts / (group if zero else 1), rel=1e-12)
 
 
 def test_expert_gradients_reduce_over_the_ranks_holding_the_same_experts() -> None:
