@@ -100,12 +100,13 @@ def test_the_backward_and_the_step_price_this_engines_hooks_and_groups() -> None
         check()
 
 
-def _without_router(layer: object, ep: int) -> tuple[float, ...]:
-    return HONEST_TENSORS(layer, ep)[1:]  # type: ignore[arg-type]
+def _without_router(layer: object, ep: int, *, split_experts: bool = False
+                    ) -> tuple[float, ...]:
+    return HONEST_TENSORS(layer, ep, split_experts=split_experts)[1:]  # type: ignore[arg-type]
 
 
 def _one_all_reduce(stages: object, cluster: object, *, tp: int, ep: int,
-                    gradient_bytes: float) -> np.ndarray:
+                    gradient_bytes: float, split_experts: bool = False) -> np.ndarray:
     """Planted: a stage's MoE gradients summed in one all-reduce (one latency)."""
     return np.array([allreduce_seconds(gradient_bytes * sum(
         sum(HONEST_TENSORS(layer, ep)) for layer in stage), tp, 1, cluster)  # type: ignore
@@ -156,3 +157,20 @@ def test_an_unknown_rule_is_one_line() -> None:
     with pytest.raises(PlanError, match=r"expert_grad_group='tp' is not known; choose from "
                                         r"tp_rank, megatron"):
         SearchOptions(expert_grad_group="tp")
+
+
+def test_with_experts_split_over_tp_only_the_router_is_summed_and_both_rules_agree() -> None:
+    """Expert tensor parallelism: each tp rank holds its own slice of the experts, whose
+    gradients the engine leaves unsummed (`hf_moe_tp`: a tensor-parallel shard keeps its own
+    gradient); the router's is still summed every backward. So this engine's step is
+    Megatron-Core's rule plus, per microbatch and block, the router's all-reduce alone, and
+    the two rules hold the same expert states (sharded over the d / ep ranks with the same
+    slice)."""
+    model = load_model(MOE, sequence_parallel=True)
+    blocks = sum(1 for layer in model.layers if layer.expert_params)
+    ours, core = (price(model, H100, 32, _config(), options=SearchOptions(
+        expert_tensor_parallel=True, expert_grad_group=rule)) for rule in ("tp_rank", "megatron"))
+    router = allreduce_seconds(4 * E * H, 2, 1, H100)
+    assert ours.breakdown["tp_comm"] - core.breakdown["tp_comm"] == pytest.approx(
+        4 * blocks * router, rel=1e-6)
+    assert ours.memory.optimizer == pytest.approx(core.memory.optimizer)
