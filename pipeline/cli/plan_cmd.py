@@ -104,7 +104,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
                         help="context parallelism: search every cp up to N that divides the "
                              "devices and cuts the sequence into 2·cp chunks (default 1: "
-                             "none); --engine pipesched only")
+                             "none); --engine pipesched and megatron-core (its "
+                             "--cp-comm-type p2p ring)")
     parser.add_argument("--cp", default=None, metavar="SIZES",
                         help="comma-separated context-parallel sizes to consider (each must "
                              "divide the devices, 2·cp the sequence)")
@@ -263,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
 
     cp_asked = args.context_parallel > 1 or args.cp is not None
     for asked, feature, name in ((args.precision == "fp8", "--precision fp8", "FP8"),
-                                 (cp_asked and args.engine != "pipesched",
+                                 (cp_asked and args.engine not in ("pipesched",
+                                                                   "megatron-core"),
                                   f"--context-parallel {args.context_parallel}",
                                   "context parallelism")):
         if asked:
@@ -320,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
               f"global batch {args.global_batch}\n")
     if args.price:
         config = parse_config(args.price, cluster.num_devices, args.global_batch)
-        if config.cp > 1 and args.engine != "pipesched":
+        if config.cp > 1 and args.engine not in ("pipesched", "megatron-core"):
             raise outside_space(f"--price {args.price}", "context parallelism")
         engine = engine_options(args.engine, overlap_param_gather=args.overlap_param_gather
                                 or None, tp_overlap=tp_overlap, two_batch_overlap=halves,

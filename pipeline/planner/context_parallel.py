@@ -15,7 +15,8 @@ from pipeline.planner.profile import LayerProfile
 if TYPE_CHECKING:
     from pipeline.planner.stages import StageCosts, StageTable
 
-__all__ = ["context_costs", "context_table", "gather_seconds", "gathered_kv_bytes"]
+__all__ = ["context_costs", "context_table", "gather_seconds", "gathered_kv_bytes",
+           "recomputed_whole"]
 
 
 def gathered_kv_bytes(layer: LayerProfile, tp: int) -> float:
@@ -27,7 +28,7 @@ def gathered_kv_bytes(layer: LayerProfile, tp: int) -> float:
     return 2.0 * shape.seq * shape.kv_width * shape.element / tp
 
 
-def _recomputed(stage: tuple[LayerProfile, ...], recompute: str, k: int
+def recomputed_whole(stage: tuple[LayerProfile, ...], recompute: str, k: int
                 ) -> tuple[LayerProfile, ...]:
     """The layers of a stage recomputed whole (full: all, or the first k; else none)."""
     if recompute != "full":
@@ -35,7 +36,7 @@ def _recomputed(stage: tuple[LayerProfile, ...], recompute: str, k: int
     return stage[:k] if k else stage
 
 
-def context_table(table: StageTable, cp: int, stride: int) -> StageTable:
+def context_table(table: StageTable, cp: int, stride: int, ring: bool = False) -> StageTable:
     """`table` as one of cp ranks holds it: its activations, recomputation workspace and
     boundary messages (all proportional to the sequence) divided by cp. The gathered K/V
     are not held: the engine's attention keeps this rank's own keys and values and gathers
@@ -43,7 +44,8 @@ def context_table(table: StageTable, cp: int, stride: int) -> StageTable:
     `cp_again` record per stage the gathered bytes and how many layers gather them (all,
     and those recomputed whole), which `context_costs` prices. Its stage times
     (`StageTable._price`) are divided by cp. `stride`: tp, the distance of cp neighbours
-    in the rank order (tp innermost, then cp)."""
+    in the rank order (tp innermost, then cp). `ring`: the K/V passed round the cp ring
+    instead (`context_ring.ring_costs` prices it; the same bytes held)."""
     if cp == 1:
         return table
     tp = table.tp
@@ -53,14 +55,14 @@ def context_table(table: StageTable, cp: int, stride: int) -> StageTable:
         return sum(sizes), sum(size > 0 for size in sizes)
 
     whole = np.array([kv(stage) for stage in table.stages])
-    again = np.array([kv(_recomputed(stage, table.recompute, table.recompute_layers))
+    again = np.array([kv(recomputed_whole(stage, table.recompute, table.recompute_layers))
                       for stage in table.stages])
     if not whole[:, 0].any():
         raise PlanError("context parallelism needs a transformer shape or Hugging Face "
                         "model (its attention layers' K/V widths); a cost JSON has none")
     return replace(table, held=table.held / cp, workspace=table.workspace / cp,
                    boundary=table.boundary / cp, cp=cp, cp_bytes=whole, cp_again=again,
-                   cp_stride=stride, _priced={})
+                   cp_stride=stride, cp_ring=ring, _priced={})
 
 
 def gather_seconds(nbytes: float, cp: int, stride: int, cluster: ClusterSpec) -> float:
@@ -80,7 +82,7 @@ def _layers_seconds(table: StageTable, batch: int, again: bool) -> np.ndarray:
     stride, cp, cluster = table.cp_stride, table.cp, table.cluster
     return np.array([sum(gather_seconds(gathered_kv_bytes(layer, table.tp) * batch, cp,
                                         stride, cluster)
-                         for layer in (_recomputed(stage, table.recompute,
+                         for layer in (recomputed_whole(stage, table.recompute,
                                                    table.recompute_layers) if again else stage)
                          if gathered_kv_bytes(layer, table.tp) > 0)
                      for stage in table.stages])

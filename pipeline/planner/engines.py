@@ -14,7 +14,7 @@ __all__ = ["DEEPSPEED", "ENGINES", "ENGINE_PROFILES", "MEGATRON_CORE", "MOE_DISP
 
 OUTSIDE_SPACE: MappingProxyType[str, str] = MappingProxyType({
     "context parallelism": "the sequence split over ranks: searched for --engine pipesched "
-                           "only; Megatron-Core's --context-parallel-size is not priced",
+                           "and megatron-core only",
     "FP8": "FP8 GEMMs (Transformer Engine's --fp8-format)",
 })
 """Parallelism and precision the search cannot express, as the engine does not run them:
@@ -77,7 +77,7 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
     "blocking_p2p": True, "p2p_overlap_interleaved": True, "p2p_gather": False,
     "grad_reduce_bytes": 4.0, "update_bytes": 38.0, "tied_reduce_at_step": False,
     "tp_overlap": "megatron-core", "state_bytes": (2.0, 4.0, 12.0),
-    "expert_grad_group": "megatron"})
+    "expert_grad_group": "megatron", "cp_attention": "ring"})
 """Megatron-Core as its current scripts run it (`MEGATRON_CORE_COMMIT`;
 `examples/llama/train_llama3_8b_h100_fp8.sh`: --sequence-parallel
 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather, and
@@ -117,7 +117,11 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
   shards them over d / ep, `expert_grad_sync`); priced as this
   engine's MoE is (one GEMM of the k·f_e width at balanced routing, ep carved from dp t
   ranks apart, not the newer "parallel folding" of ep over tp × dp).
-Not modelled: context parallelism, FP8, FSDP (`OUTSIDE_SPACE`)."""
+- context parallelism with --context-parallel-size and --cp-comm-type p2p (its default):
+  Transformer Engine's ring, the K/V exchange overlapped with each step's attention
+  (`cp_attention` "ring": `context_ring`), cp ranks tp apart (`parallel_state.py`'s order
+  "tp-cp-ep-dp-pp"); the a2a and allgather variants are not priced.
+Not modelled: FP8, FSDP (`OUTSIDE_SPACE`)."""
 
 DEEPSPEED_COMMIT = "38327e07f6cd39b63418f60cedd1651b0be3e7c3"
 """The microsoft/DeepSpeed commit (2025-02-21) `DEEPSPEED` is read from."""

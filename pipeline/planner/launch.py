@@ -217,8 +217,8 @@ def _megatron_core(config: PlanConfig, global_batch: int, target: LaunchTarget,
     flags = _megatron_parallel_flags(config, global_batch, blocks)
     if config.tp > 1:
         flags.append("--sequence-parallel --tp-comm-overlap")
-    if config.cp > 1:  # ep carved from dp × cp there too (`parallel_state`)
-        flags.append(f"--context-parallel-size {config.cp}")
+    if config.cp > 1:  # ep carved from dp × cp there too (`parallel_state`); the ring priced
+        flags.append(f"--context-parallel-size {config.cp} --cp-comm-type p2p")
     if target.experts:  # expert tensor parallelism as priced (1 unless asked; its default is tp's)
         # DeepEP takes fp32 routing probabilities only (token_dispatcher.py's _DeepepManager)
         dispatch = ("flex --moe-flex-dispatcher-backend deepep --moe-router-dtype fp32"

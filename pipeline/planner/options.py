@@ -114,6 +114,10 @@ class SearchOptions:
     state_bytes: tuple[float, float, float] | None = None
     """(parameter, gradient, optimizer) bytes per parameter of another engine
     (`PlanContext.state_bytes`); None: this engine's."""
+    cp_attention: str = "all-gather"
+    """How context-parallel attention moves K/V (`context_parallel.CP_ATTENTIONS`): this
+    engine's "all-gather", or Megatron-Core's "ring" (--cp-comm-type p2p, Transformer
+    Engine's ring overlapped with the attention)."""
     expert_grad_group: str = "tp_rank"
     """At tp > 1 with experts: "tp_rank", this engine's per-microbatch sum of the MoE
     gradients over tp and its expert group of the d / ep ranks of one tp rank; "megatron",
@@ -174,6 +178,9 @@ class SearchOptions:
                             f"> 0 (4 for fp32 gradients, 2 for fp16)")
         check_routing_imbalance(self.routing_imbalance)
         check_expert_grad_group(self.expert_grad_group)
+        if self.cp_attention not in ("all-gather", "ring"):
+            raise PlanError(f"cp_attention={self.cp_attention!r} must be 'all-gather' or "
+                            f"'ring'")
         if self.tp_overlap not in TP_OVERLAPS:
             raise PlanError(f"tp_overlap={self.tp_overlap!r} must be one of "
                             f"{', '.join(TP_OVERLAPS)}")

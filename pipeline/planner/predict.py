@@ -155,6 +155,8 @@ class PlanContext(RankPricing):
     expert_grad_group: str = "tp_rank"
     """How the MoE gradients are summed at tp > 1 and whose group reduces and shards the
     experts (`expert_grad_sync`): this engine's "tp_rank", Megatron-Core's "megatron"."""
+    cp_attention: str = "all-gather"
+    """Context parallelism's K/V movement (`SearchOptions.cp_attention`)."""
     _tables: dict[tuple[int, int, str, int, int, int], StageTable] = field(
         default_factory=dict)
     _prices: dict[tuple[int, str, int, int], LayerPrices] = field(default_factory=dict)

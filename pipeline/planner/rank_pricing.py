@@ -51,6 +51,7 @@ class RankPricing:
     state_bytes: tuple[float, float, float] | None
     routing_imbalance: float | None
     expert_grad_group: str
+    cp_attention: str
     _tables: dict[tuple[int, int, str, int, int, int], StageTable]
     _prices: dict[tuple[int, str, int, int], LayerPrices]
     expert_tensor_parallel: bool
@@ -87,7 +88,7 @@ class RankPricing:
             table = context_table(StageTable.build(
                 layers, cuts, self.cluster, self.precision, config.tp,
                 config.recompute, config.recompute_layers, self.tp_overlap, prices),
-                config.cp, config.tp)
+                config.cp, config.tp, ring=self.cp_attention == "ring")
             if self.expert_grad_group == "tp_rank" and config.tp > 1 and self.model.experts:
                 # this engine's hooks: the MoE gradients summed over tp every backward
                 table = replace(table, grad_sum=tp_gradient_sum_seconds(

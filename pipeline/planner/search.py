@@ -211,7 +211,8 @@ def _context(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
                        routing_imbalance=options.routing_imbalance,
                        p2p_overlap_interleaved=options.p2p_overlap_interleaved,
                        p2p_gather=options.p2p_gather,
-                       expert_grad_group=options.expert_grad_group)
+                       expert_grad_group=options.expert_grad_group,
+                       cp_attention=options.cp_attention)
 
 
 def price(model: ModelProfile, cluster: ClusterSpec, global_batch: int, config: PlanConfig,

@@ -211,6 +211,9 @@ class StageTable:
     """The same of the layers recomputed whole (they gather again)."""
     cp_stride: int = 1
     """Ranks between cp neighbours (tp)."""
+    cp_ring: bool = False
+    """K/V passed round the cp ring, overlapped with the attention (Megatron-Core's
+    --cp-comm-type p2p, `context_parallel.ring_costs`); False: all-gathered."""
     grad_sum: np.ndarray | None = None
     """Per stage, seconds an engine's per-microbatch sum of the MoE gradients over tp adds
     to the op computing them (W, or B fused), exposed, a tp collective
@@ -302,8 +305,9 @@ class StageTable:
                            self.boundary * batch)
         if self.cp > 1:
             from pipeline.planner.context_parallel import context_costs
+            from pipeline.planner.context_ring import ring_costs
 
-            costs = context_costs(self, costs, batch)
+            costs = (ring_costs if self.cp_ring else context_costs)(self, costs, batch)
         if self.grad_sum is None:
             return costs
         return replace(costs, weight_grad=costs.weight_grad + self.grad_sum,

@@ -40,7 +40,7 @@ def test_128k_llama_70b_on_64_h100_picks_cp_for_memory(capsys: pytest.CaptureFix
 
 @pytest.mark.parametrize("argv, words", [
     (["--cp", "3"], "2·cp = 6 to divide the sequence 131072"),
-    (["--cp", "2", "--engine", "megatron-core"], "outside"),
+    (["--cp", "2", "--engine", "deepspeed"], "outside"),
 ])
 def test_a_cp_the_engine_cannot_run_is_refused_in_one_line(
         argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
