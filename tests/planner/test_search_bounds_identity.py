@@ -95,8 +95,8 @@ def test_a_planted_bug_in_the_floor_is_caught(planted: str,
 
         honest_table = context_parallel.context_table
         if planted == "cp activations undivided":
-            def undivided(table: Any, cp: int, stride: int) -> Any:
-                made = honest_table(table, cp, stride)
+            def undivided(table: Any, cp: int, stride: int, ring: bool = False) -> Any:
+                made = honest_table(table, cp, stride, ring)
                 return made if cp == 1 else replace(made, held=made.held + table.held)
             monkeypatch.setattr("pipeline.planner.rank_pricing.context_table", undivided)
         else:
