@@ -12,7 +12,8 @@
 # - the ring/tree graph search (`ncclTopoCompute`) is not run. Its outcome is taken as the
 #   architecture's fastest channel speed (speed array) not above the bottleneck link, as
 #   many channels as that link holds, then `ncclTopoDupChannels`: inside a node the link is
-#   the GPU's NVLinks at NCCL's rating (`intra_bandwidth` / 25 GB/s a link × 20.0 or 20.6);
+#   the GPU's NVLinks at NCCL's rating (`nvlink_links`, else `intra_bandwidth` / 25 GB/s a
+#   link, × 20.0 or 20.6);
 #   across nodes each channel leaves through one NIC at the speed below the NIC's, and a
 #   communicator with `local` ranks on a node has their NIC share (`device_inter_bandwidth`
 #   each): rail-aligned rings, as NCCL builds them on one NIC per GPU. The tree graph has
@@ -105,7 +106,10 @@ def _speed(speeds: tuple[float, ...], limit: float) -> float:
 def channels(cluster: ClusterSpec, local: int, nodes: int) -> Channels:
     """The ring's channels for a communicator of `local` ranks on each of `nodes` nodes."""
     arch = cluster.nccl_arch
-    nvlink = cluster.intra_bandwidth / 1e9 * NVLINK_LINK_GBPS[arch] / NVLINK_DATASHEET_GBPS
+    # the GPU's NVLink links (`ClusterSpec.nvlink_links`, which `runtime_memory` counts
+    # channels by too), else as many as its bandwidth makes at the datasheet's 25 GB/s a link
+    links = cluster.nvlink_links or cluster.intra_bandwidth / 1e9 / NVLINK_DATASHEET_GBPS
+    nvlink = links * NVLINK_LINK_GBPS[arch]
     if nodes == 1:
         speed = _speed(SPEEDS_INTRA[arch], nvlink)
         count: float = max(1, math.floor(nvlink / speed))

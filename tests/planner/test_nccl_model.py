@@ -244,3 +244,20 @@ def test_a_measured_device_profile_prices_its_collectives_alpha_beta(tmp_path: P
     assert measured.nccl_arch == ""
     assert allreduce_seconds(1e9, 8, 1, measured) == pytest.approx(2 * 7 / 8 * 1e9 / 1e11
                                                                    + 14 * 2e-5)
+
+
+def test_the_nvlink_links_are_the_clusters_own_when_it_names_them() -> None:
+    """The intra-node channels read the NVLink links the cluster names (`nvlink_links`, the
+    count the runtime's NCCL buffers use too), and only without them the bandwidth's worth at
+    25 GB/s a link: the presets agree either way; a cluster naming fewer links gets fewer."""
+    from dataclasses import replace
+
+    from pipeline.planner import PRESETS
+
+    for preset in ("a100-80g", "h100-80g", "a800-80g"):
+        cluster = PRESETS[preset]
+        assert nccl_model.channels(cluster, 8, 1) == nccl_model.channels(
+            replace(cluster, nvlink_links=0), 8, 1)
+    h100 = PRESETS["h100-80g"]
+    assert nccl_model.channels(replace(h100, nvlink_links=4), 8, 1).number \
+        < nccl_model.channels(h100, 8, 1).number
