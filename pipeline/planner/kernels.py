@@ -240,7 +240,7 @@ def _block_parts(shape: LayerShape, batch: int, tp: int, tokens: int, local: int
 
 def block_linear_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterSpec,
                        precision: str
-                       ) -> list[tuple[Literal["column", "row", "expert"],
+                       ) -> list[tuple[Literal["column", "row"],
                                        tuple[float, float, float]]]:
     """A block's four linears in order (qkv, proj, fc1 — gate and up at once when gated —,
     fc2), each its kind and (forward, input gradient, weight gradient) GEMM seconds on one
@@ -251,7 +251,7 @@ def block_linear_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterS
     tokens, width = batch * shape.seq, math.ceil(shape.ffn / tp)
     q = shape.heads * shape.head_size
     inner = 2 if shape.gated else 1
-    attention: list[tuple[Literal["column", "row", "expert"], tuple[float, float, float]]] = [
+    attention: list[tuple[Literal["column", "row"], tuple[float, float, float]]] = [
         ("column", _linear(tokens, h, math.ceil((q + 2 * k) / tp), cluster, precision, e)),
         ("row", _linear(tokens, math.ceil(q / tp), h, cluster, precision, e))] \
         if shape.latent is None else \
@@ -264,7 +264,7 @@ def block_linear_times(shape: LayerShape, batch: int, tp: int, cluster: ClusterS
 
 def _latent_linears(latent: LatentAttention, shape: LayerShape, tokens: int, tp: int,
                     cluster: ClusterSpec, precision: str
-                    ) -> list[tuple[Literal["column", "row", "expert"],
+                    ) -> list[tuple[Literal["column", "row"],
                                     tuple[float, float, float]]]:
     """MLA's GEMMs on one of `tp` ranks as a block's two attention linears: "column" its
     input side, q_a and kv_a whole on every rank over all T tokens (the engine gathers the

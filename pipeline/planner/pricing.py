@@ -156,8 +156,7 @@ def _pipesched_exposed(layer: LayerProfile, cluster: ClusterSpec, precision: str
     collective = allreduce_seconds(nbytes, tp, 1, cluster) / halves
     chunk = allreduce_seconds(nbytes / chunks, tp, 1, cluster) / halves
     linears = [ParallelLinearCosts(kind, *times, collective=collective, chunk_collective=chunk)
-               for kind, times in block_linear_times(shape, batch, tp, cluster, precision)
-               if kind != "expert"]  # a MoE block's experts: no tensor-parallel collective
+               for kind, times in block_linear_times(shape, batch, tp, cluster, precision)]
     return linears_exposed(linears, sequence_parallel=shape.sequence_parallel, overlap=True,
                            chunks=chunks)
 
@@ -239,8 +238,6 @@ def _block_tp_pass_seconds(layer: LayerProfile, cluster: ClusterSpec, precision:
     forward = backward = 0.0
     for index, (kind, (gemm, input_grad, weight_grad)) in enumerate(
             block_linear_times(shape, batch, tp, cluster, precision)):
-        if kind == "expert":  # a MoE block's experts: no tensor-parallel collective
-            continue
         # the SMs userbuffers' kernels take from the GEMMs they run beside
         sms = userbuffers_sms(index)
         forward += sm_contention_seconds(gemm, cluster.sm_count, sms[0])
