@@ -104,8 +104,14 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--context-parallel", type=positive_int, default=1, metavar="N",
                         help="context parallelism: search every cp up to N that divides the "
                              "devices and cuts the sequence into 2·cp chunks (default 1: "
-                             "none); --engine pipesched and megatron-core (its "
-                             "--cp-comm-type p2p ring)")
+                             "none); --engine pipesched and megatron-core (see "
+                             "--cp-comm-type)")
+    parser.add_argument("--cp-comm-type", choices=("p2p", "a2a", "allgather"), default=None,
+                        help="--engine megatron-core only: how its context parallelism moves "
+                             "K/V (Megatron-Core's --cp-comm-type): p2p (default: the ring, "
+                             "overlapped with the attention), a2a (Q, K, V, O all-to-all, "
+                             "exposed; tp · cp must divide the heads) or allgather (K/V "
+                             "all-gathered, exposed)")
     parser.add_argument("--cp", default=None, metavar="SIZES",
                         help="comma-separated context-parallel sizes to consider (each must "
                              "divide the devices, 2·cp the sequence)")
@@ -249,6 +255,7 @@ def _recompute(args: argparse.Namespace) -> tuple[str, ...] | None:
 def run(args: argparse.Namespace) -> int:
     from pipeline.planner import SearchOptions, load_model, plan, resolve_cluster
     from pipeline.planner.context_choice import context_sizes, why_context_parallel
+    from pipeline.planner.context_comm import CP_COMM_TYPES
     from pipeline.planner.engines import ENGINE_PROFILES, engine_options, outside_space
     from pipeline.planner.hf_config import hf_model_type
     from pipeline.planner.launch import LaunchTarget, hf_source
@@ -270,6 +277,11 @@ def run(args: argparse.Namespace) -> int:
                                   "context parallelism")):
         if asked:
             raise outside_space(feature, name)
+    if args.cp_comm_type is not None and args.engine != "megatron-core":
+        raise ValueError(f"--cp-comm-type {args.cp_comm_type} is Megatron-Core's; --engine "
+                         f"{args.engine} moves its own K/V (pipesched: all-gathered); drop "
+                         f"--cp-comm-type or use --engine megatron-core")
+    cp_attention = CP_COMM_TYPES[args.cp_comm_type] if args.cp_comm_type else None
     if (args.nodes is not None and args.nodes > MAX_DEVICES) or \
             args.global_batch > MAX_GLOBAL_BATCH:  # before a cluster is calibrated
         check_plan_work(1, args.nodes or 1, 1, (1,), args.global_batch, (), 1)
@@ -315,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
                           expert_tensor_parallel=args.expert_tensor_parallel,
                           experts=model.experts,
                           moe_dispatcher=args.moe_dispatcher or "alltoall",
+                          cp_comm_type=args.cp_comm_type or "p2p",
                           expert_groups=(model.routing.groups, model.routing.top_groups)
                           if model.routing is not None else (1, 1))
     launch: dict[str, Any] = {"engine": args.engine, "blocks": end - first, "target": target}
@@ -328,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
                                 or None, tp_overlap=tp_overlap, two_batch_overlap=halves,
                                 moe_dispatcher=args.moe_dispatcher,
                                 routing_imbalance=args.routing_imbalance,
-                                expert_tensor_parallel=args.expert_tensor_parallel or None)
+                                expert_tensor_parallel=args.expert_tensor_parallel or None,
+                                cp_attention=cp_attention)
         prediction = price(model, cluster, args.global_batch, config, precision=precision,
                            options=SearchOptions(**engine))
         if args.json:
@@ -351,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
         overlap_param_gather=args.overlap_param_gather or None, tp_overlap=tp_overlap,
         two_batch_overlap=halves, moe_dispatcher=args.moe_dispatcher,
         routing_imbalance=args.routing_imbalance,
-        expert_tensor_parallel=args.expert_tensor_parallel or None),
+        expert_tensor_parallel=args.expert_tensor_parallel or None,
+        cp_attention=cp_attention),
         context_parallel=context_sizes(
             _sizes(args.cp, "cp"), args.context_parallel, model.seq, cluster.num_devices))
     tensor_parallel = options.tensor_parallel or (

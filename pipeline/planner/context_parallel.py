@@ -36,7 +36,8 @@ def recomputed_whole(stage: tuple[LayerProfile, ...], recompute: str, k: int
     return stage[:k] if k else stage
 
 
-def context_table(table: StageTable, cp: int, stride: int, ring: bool = False) -> StageTable:
+def context_table(table: StageTable, cp: int, stride: int, attention: str = "all-gather"
+                  ) -> StageTable:
     """`table` as one of cp ranks holds it: its activations, recomputation workspace and
     boundary messages (all proportional to the sequence) divided by cp. The gathered K/V
     are not held: the engine's attention keeps this rank's own keys and values and gathers
@@ -44,8 +45,8 @@ def context_table(table: StageTable, cp: int, stride: int, ring: bool = False) -
     `cp_again` record per stage the gathered bytes and how many layers gather them (all,
     and those recomputed whole), which `context_costs` prices. Its stage times
     (`StageTable._price`) are divided by cp. `stride`: tp, the distance of cp neighbours
-    in the rank order (tp innermost, then cp). `ring`: the K/V passed round the cp ring
-    instead (`context_ring.ring_costs` prices it; the same bytes held)."""
+    in the rank order (tp innermost, then cp). `attention`: how the K/V move
+    (`StageTable.cp_attention`; the same bytes held whichever)."""
     if cp == 1:
         return table
     tp = table.tp
@@ -62,7 +63,7 @@ def context_table(table: StageTable, cp: int, stride: int, ring: bool = False) -
                         "model (its attention layers' K/V widths); a cost JSON has none")
     return replace(table, held=table.held / cp, workspace=table.workspace / cp,
                    boundary=table.boundary / cp, cp=cp, cp_bytes=whole, cp_again=again,
-                   cp_stride=stride, cp_ring=ring, _priced={})
+                   cp_stride=stride, cp_attention=attention, _priced={})
 
 
 def gather_seconds(nbytes: float, cp: int, stride: int, cluster: ClusterSpec) -> float:

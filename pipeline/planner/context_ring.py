@@ -2,8 +2,8 @@
 
 # Read from NVIDIA/Megatron-LM d98e8a64ddf34856e74b24714e3bedb2f5a39553 and
 # NVIDIA/TransformerEngine d0067d0da6cb01811b8072a7d304f0e00344ce2b (both 2026-08-22):
-# - `megatron/training/arguments.py`: --cp-comm-type, default ["p2p"] (a2a, allgather and
-#   a2a+p2p are the others, not priced here); `megatron/core/extensions/transformer_engine.py`
+# - `megatron/training/arguments.py`: --cp-comm-type, default ["p2p"] (a2a and allgather:
+#   `context_comm`; a2a+p2p is not priced); `megatron/core/extensions/transformer_engine.py`
 #   (TEDotProductAttention) hands it to Transformer Engine's DotProductAttention.
 # - `megatron/core/parallel_state.py`: order "tp-cp-ep-dp-pp", tp innermost, then cp, then
 #   dp, then pp: the order `pipeline.parallel.topology` assumes, so cp neighbours are tp

@@ -16,7 +16,8 @@ from pipeline.planner.profile import ModelProfile
 __all__ = ["EXCLUSIONS", "SearchLog", "nothing_fits"]
 
 GIB = 2**30
-EXCLUSIONS = ("layers", "batch", "filters", "uniform", "interleaved", "size", "experts")
+EXCLUSIONS = ("layers", "batch", "filters", "uniform", "interleaved", "size", "experts",
+              "a2a")
 """Why the enumeration skips a grid point before pricing it: more stages than layers, a
 data-parallel size that does not divide the global batch, the user's filters, the engine's
 even layer split (`uniform_layers`), its interleaving rule (`interleaved_groups`), a
@@ -142,6 +143,10 @@ def _exclusions(log: SearchLog, global_batch: int, options: SearchOptions, block
                      f"replicas) and the {experts} experts; the expert-parallel sizes asked "
                      f"({_list(list(options.expert_parallel or ()))}) divide none of the "
                      f"data-parallel sizes left ({_list(dps)}); use one of {_list(valid)}")
+    if excluded["a2a"]:
+        texts.append("--cp-comm-type a2a: the heads (and key/value heads) per tp rank must "
+                     "divide by cp (each cp rank attends to heads / (tp · cp)); choose tp and "
+                     "cp whose product divides them, or another --cp-comm-type")
     if excluded["size"]:
         texts.append("a searched schedule's size cap (p·m over zb_auto_max, searched_max or "
                      "controllable_max)")

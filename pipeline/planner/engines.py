@@ -120,7 +120,9 @@ MEGATRON_CORE: MappingProxyType[str, Any] = MappingProxyType({
 - context parallelism with --context-parallel-size and --cp-comm-type p2p (its default):
   Transformer Engine's ring, the K/V exchange overlapped with each step's attention
   (`cp_attention` "ring": `context_ring`), cp ranks tp apart (`parallel_state.py`'s order
-  "tp-cp-ep-dp-pp"); the a2a and allgather variants are not priced.
+  "tp-cp-ep-dp-pp"); a2a and allgather when asked (`pipesched plan --cp-comm-type`,
+  `context_comm`: exposed all-to-alls of Q, K, V, O, or K/V all-gathers and dK/dV
+  reduce-scatters); the hierarchical a2a+p2p is not priced.
 Not modelled: FP8, FSDP (`OUTSIDE_SPACE`)."""
 
 DEEPSPEED_COMMIT = "38327e07f6cd39b63418f60cedd1651b0be3e7c3"

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.config import PlanConfig
+from pipeline.planner.context_comm import model_a2a_refusal
 from pipeline.planner.diagnose import SearchLog
 from pipeline.planner.expert_parallel import expert_sizes, expert_tp_refusal
 from pipeline.planner.options import CONTROLLABLE, SearchOptions
@@ -79,6 +80,9 @@ def configurations(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
     for tp, cp in ((t, c) for t in _tensor_sizes(model, cluster, options)
                    for c in options.context_parallel):
         if devices % (tp * cp):
+            continue
+        if options.cp_attention == "a2a" and model_a2a_refusal(model, tp, cp):
+            excluded["a2a"] += 1  # TE asserts each tp rank's heads split over cp
             continue
         for pp in divisors(devices // (tp * cp)):
             dp = devices // (tp * pp * cp)

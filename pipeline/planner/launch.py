@@ -52,6 +52,8 @@ class LaunchTarget:
     """The token dispatcher priced (`SearchOptions.moe_dispatcher`)."""
     expert_groups: tuple[int, int] = (1, 1)
     """(G, M): the model's group-limited routing, G groups, M a token (1, 1: none)."""
+    cp_comm_type: str = "p2p"
+    """Megatron-Core's --cp-comm-type priced (`context_comm.CP_COMM_TYPES`)."""
 
 
 def _expert_tp(config: PlanConfig, target: LaunchTarget) -> int:
@@ -217,8 +219,9 @@ def _megatron_core(config: PlanConfig, global_batch: int, target: LaunchTarget,
     flags = _megatron_parallel_flags(config, global_batch, blocks)
     if config.tp > 1:
         flags.append("--sequence-parallel --tp-comm-overlap")
-    if config.cp > 1:  # ep carved from dp × cp there too (`parallel_state`); the ring priced
-        flags.append(f"--context-parallel-size {config.cp} --cp-comm-type p2p")
+    if config.cp > 1:  # ep carved from dp × cp there too (`parallel_state`); the type priced
+        flags.append(f"--context-parallel-size {config.cp} "
+                     f"--cp-comm-type {target.cp_comm_type}")
     if target.experts:  # expert tensor parallelism as priced (1 unless asked; its default is tp's)
         # DeepEP takes fp32 routing probabilities only (token_dispatcher.py's _DeepepManager)
         dispatch = ("flex --moe-flex-dispatcher-backend deepep --moe-router-dtype fp32"

@@ -14,8 +14,8 @@ from pipeline.planner.node_limited import DISPATCHERS
 from pipeline.planner.pricing import TP_OVERLAPS
 from schedules import SCHEDULES
 
-__all__ = ["CONTROLLABLE", "RECOMPUTE_CHOICES", "TRAINING_SCHEDULES", "UNPRICED",
-           "SearchOptions"]
+__all__ = ["CONTROLLABLE", "CP_ATTENTIONS", "RECOMPUTE_CHOICES", "TRAINING_SCHEDULES",
+           "UNPRICED", "SearchOptions"]
 
 UNPRICED = ("forward-only", "zb-optimal")
 """Not searched. forward-only trains nothing. zb-optimal proves its order with a solver
@@ -115,9 +115,11 @@ class SearchOptions:
     """(parameter, gradient, optimizer) bytes per parameter of another engine
     (`PlanContext.state_bytes`); None: this engine's."""
     cp_attention: str = "all-gather"
-    """How context-parallel attention moves K/V (`context_parallel.CP_ATTENTIONS`): this
-    engine's "all-gather", or Megatron-Core's "ring" (--cp-comm-type p2p, Transformer
-    Engine's ring overlapped with the attention)."""
+    """How context-parallel attention moves K/V (`CP_ATTENTIONS`): this engine's
+    "all-gather", or Megatron-Core's --cp-comm-type (`context_comm.CP_COMM_TYPES`): "ring"
+    (p2p, Transformer Engine's ring overlapped with the attention), "a2a" (Q, K, V and O
+    all-to-all over cp, exposed) or "kv-allgather" (allgather: K/V all-gathered, dK/dV
+    reduce-scattered, exposed)."""
     expert_grad_group: str = "tp_rank"
     """At tp > 1 with experts: "tp_rank", this engine's per-microbatch sum of the MoE
     gradients over tp and its expert group of the d / ep ranks of one tp rank; "megatron",
@@ -178,9 +180,9 @@ class SearchOptions:
                             f"> 0 (4 for fp32 gradients, 2 for fp16)")
         check_routing_imbalance(self.routing_imbalance)
         check_expert_grad_group(self.expert_grad_group)
-        if self.cp_attention not in ("all-gather", "ring"):
-            raise PlanError(f"cp_attention={self.cp_attention!r} must be 'all-gather' or "
-                            f"'ring'")
+        if self.cp_attention not in CP_ATTENTIONS:
+            raise PlanError(f"cp_attention={self.cp_attention!r} must be one of "
+                            f"{', '.join(CP_ATTENTIONS)}")
         if self.tp_overlap not in TP_OVERLAPS:
             raise PlanError(f"tp_overlap={self.tp_overlap!r} must be one of "
                             f"{', '.join(TP_OVERLAPS)}")
@@ -201,6 +203,9 @@ class SearchOptions:
                 for x in self.recompute_choices))
         return RECOMPUTE_CHOICES if self.recompute else ("none",)
 
+
+CP_ATTENTIONS = ("all-gather", "ring", "a2a", "kv-allgather")
+"""How context-parallel attention may move K/V (`SearchOptions.cp_attention`)."""
 
 RECOMPUTE_CHOICES = ("none", "selective", "full", "partial")
 """The recomputation modes the search knows (`SearchOptions.recompute_choices`)."""

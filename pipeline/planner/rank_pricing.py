@@ -88,7 +88,7 @@ class RankPricing:
             table = context_table(StageTable.build(
                 layers, cuts, self.cluster, self.precision, config.tp,
                 config.recompute, config.recompute_layers, self.tp_overlap, prices),
-                config.cp, config.tp, ring=self.cp_attention == "ring")
+                config.cp, config.tp, attention=self.cp_attention)
             if self.expert_grad_group == "tp_rank" and config.tp > 1 and self.model.experts:
                 # this engine's hooks: the MoE gradients summed over tp every backward
                 table = replace(table, grad_sum=tp_gradient_sum_seconds(

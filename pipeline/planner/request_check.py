@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pipeline.planner.cluster import ClusterSpec
+from pipeline.planner.context_comm import model_a2a_refusal
 from pipeline.planner.errors import PlanError
 from pipeline.planner.expert_parallel import expert_tp_refusal
 from pipeline.planner.grid import divisors
@@ -57,8 +58,30 @@ def check_request(model: ModelProfile, cluster: ClusterSpec, global_batch: int,
             problems.append(f"context-parallel size {cp}: {model.name} has multi-head latent "
                             "attention, which the engine's context parallelism does not run "
                             "(its attention function is not swapped for MLA); use cp 1")
+    if options.cp_attention == "a2a":
+        problems += _a2a_problems(model, cluster, options)
     if problems:
         raise PlanError("; ".join(problems))
+
+
+def _a2a_problems(model: ModelProfile, cluster: ClusterSpec, options: SearchOptions
+                  ) -> list[str]:
+    """The (tp, cp) pairs asked that --cp-comm-type a2a cannot run (each tp asked with each
+    cp > 1; without --tp, a cp no searched tp leaves runnable), the grid skipping the rest."""
+    tps = options.tensor_parallel or (tuple(
+        t for t in divisors(cluster.devices_per_node) if not model.tp_refusals(t))
+        if model.tensor_parallel_ok else (1,))
+    problems = []
+    for cp in (c for c in options.context_parallel if c > 1):
+        refused = [model_a2a_refusal(model, t, cp) for t in tps]
+        if options.tensor_parallel is not None:
+            problems += [f"{why}; choose a tp · cp dividing them, or another --cp-comm-type"
+                         for why in refused if why]
+        elif refused and all(refused):
+            problems.append(f"{refused[0]} at every tp searched ({', '.join(map(str, tps))}); "
+                            f"choose a cp dividing the heads per tp rank, or another "
+                            f"--cp-comm-type")
+    return problems
 
 
 def _expert_problems(model: ModelProfile, options: SearchOptions) -> list[str]:

@@ -211,9 +211,11 @@ class StageTable:
     """The same of the layers recomputed whole (they gather again)."""
     cp_stride: int = 1
     """Ranks between cp neighbours (tp)."""
-    cp_ring: bool = False
-    """K/V passed round the cp ring, overlapped with the attention (Megatron-Core's
-    --cp-comm-type p2p, `context_parallel.ring_costs`); False: all-gathered."""
+    cp_attention: str = "all-gather"
+    """How cp attention moves K/V (`SearchOptions.cp_attention`): this engine's
+    "all-gather" (`context_parallel.context_costs`), or Megatron-Core's --cp-comm-type:
+    "ring" (p2p, overlapped with the attention, `context_ring.ring_costs`), "a2a" or
+    "kv-allgather" (`context_comm.comm_costs`)."""
     grad_sum: np.ndarray | None = None
     """Per stage, seconds an engine's per-microbatch sum of the MoE gradients over tp adds
     to the op computing them (W, or B fused), exposed, a tp collective
@@ -304,10 +306,12 @@ class StageTable:
         costs = StageCosts(forward, input_grad + recompute, weight_grad, comm, recompute,
                            self.boundary * batch)
         if self.cp > 1:
+            from pipeline.planner.context_comm import comm_costs
             from pipeline.planner.context_parallel import context_costs
             from pipeline.planner.context_ring import ring_costs
 
-            costs = (ring_costs if self.cp_ring else context_costs)(self, costs, batch)
+            costs = {"all-gather": context_costs, "ring": ring_costs}.get(
+                self.cp_attention, comm_costs)(self, costs, batch)
         if self.grad_sum is None:
             return costs
         return replace(costs, weight_grad=costs.weight_grad + self.grad_sum,

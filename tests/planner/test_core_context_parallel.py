@@ -75,7 +75,7 @@ def test_ring_cp_comm_equals_a_step_by_step_oracle(shape: str, cp: int, tp: int,
                         zero_stage=0,
                         recompute=recompute)
     table = context.table(config)
-    assert table.cp_ring and table.cp_stride == tp
+    assert table.cp_attention == "ring" and table.cp_stride == tp
     costs = table.costs(1)
     assert costs.cp_comm is not None
     blocks = [sum(layer.shape is not None and layer.shape.role == "block" for layer in stage)
