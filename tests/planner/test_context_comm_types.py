@@ -11,8 +11,14 @@ from dataclasses import replace
 import pytest
 
 from pipeline.cli import main
-from pipeline.planner import PlanConfig, SearchOptions, load_model, plan, resolve_cluster
-from pipeline.planner import context_comm
+from pipeline.planner import (
+    PlanConfig,
+    SearchOptions,
+    context_comm,
+    load_model,
+    plan,
+    resolve_cluster,
+)
 from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.engines import engine_options
 from pipeline.planner.errors import PlanError
