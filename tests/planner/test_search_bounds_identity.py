@@ -95,8 +95,9 @@ def test_a_planted_bug_in_the_floor_is_caught(planted: str,
 
         honest_table = context_parallel.context_table
         if planted == "cp activations undivided":
-            def undivided(table: Any, cp: int, stride: int, ring: bool = False) -> Any:
-                made = honest_table(table, cp, stride, ring)
+            def undivided(table: Any, cp: int, stride: int,
+                          attention: str = "all-gather") -> Any:
+                made = honest_table(table, cp, stride, attention)
                 return made if cp == 1 else replace(made, held=made.held + table.held)
             monkeypatch.setattr("pipeline.planner.rank_pricing.context_table", undivided)
         else:
