@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,10 +25,12 @@ from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.expert_kernels import stage_load_ratio
 from pipeline.planner.node_limited import ExpertRouting, off_node_scale
 from pipeline.planner.profile import ModelProfile
-from pipeline.planner.stages import StageTable
 from schedules import CostModel, Kind
 from schedules.analysis.all_to_all import ExpertAllToAll
 from schedules.analysis.timeline import KIND_CODES, Timeline
+
+if TYPE_CHECKING:  # annotations only: stages prices cp through context_comm, which imports this
+    from pipeline.planner.stages import StageTable
 
 __all__ = ["all_to_all_seconds", "expert_all_to_all", "expert_group", "expert_sizes",
            "expert_tp_refusal",
