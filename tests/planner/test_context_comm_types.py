@@ -206,6 +206,10 @@ def test_a2a_refuses_heads_per_tp_not_divisible_by_cp(capsys: pytest.CaptureFixt
     assert "--cp-comm-type a2a" in capsys.readouterr().err
     assert main([*argv, "--cp", "8"]) == 2  # no tp leaves 4 K/V heads divisible by 8
     assert "at every tp searched" in capsys.readouterr().err
+    # tp 1 at cp 4 runs but pp 8 leaves it no devices: the skipped pairs are named
+    assert main([*argv, "--cp", "4", "--pp", "8"]) == 2
+    assert "the heads (and key/value heads) per tp rank must divide by cp" in \
+        capsys.readouterr().err
 
 
 def test_a2a_search_skips_the_pairs_it_cannot_run() -> None:
@@ -252,3 +256,19 @@ def test_other_engines_refuse_the_flag(capsys: pytest.CaptureFixture[str]) -> No
                      "pp2,tp2,cp2,1f1b,b1"]) == 2
         err = capsys.readouterr().err
         assert "--cp-comm-type p2p is Megatron-Core's" in err and engine in err, err
+
+
+def test_the_docs_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/planner.md's "Megatron-Core's a2a and allgather" table, as printed."""
+    shape = ("layers=80,hidden=8192,heads=64,kv_heads=8,ffn=28672,vocab=128256,seq=131072,"
+             "mlp=swiglu,norm=rmsnorm,bias=none")
+    figures = {}
+    for flag in ("p2p", "a2a", "allgather"):
+        assert main(["plan", "--model", shape, "--cluster", "h100-80g", "--nodes", "16",
+                     "--global-batch", "32", "--engine", "megatron-core", "--cp-comm-type",
+                     flag, "--price", "pp8,tp2,cp4,dp2,1f1b,b1,z1,rc", "--json"]) == 0
+        priced = json.loads(capsys.readouterr().out)
+        figures[flag] = (round(priced["step_seconds"], 2),
+                         round(priced["breakdown"]["cp_comm"] * 1e3, 1))
+    assert figures == {"p2p": (244.48, 0.0), "a2a": (245.36, 613.6),
+                       "allgather": (245.03, 381.7)}, figures
