@@ -115,12 +115,15 @@ _LAYER_SECONDS = {"a2a": a2a_layer_seconds, "kv-allgather": kv_allgather_layer_s
 
 def _stages_seconds(table: StageTable, batch: int, again: bool) -> np.ndarray:
     """Per stage: (forward, backward) seconds summed over its attention layers (with
-    `again`, over the layers recomputed whole: their forward communicates again)."""
+    `again`, over the layers whose attention forward runs again: those recomputed whole,
+    or every one under selective recomputation, whose checkpoint is Megatron-Core's
+    `Attention._checkpointed_attention_forward` around TE's DotProductAttention, the cp
+    collectives inside it: `--recompute-modules` defaults to core_attn)."""
     layer_seconds = _LAYER_SECONDS[table.cp_attention]
     sums = np.zeros((len(table.stages), 2))
     for index, stage in enumerate(table.stages):
-        layers = recomputed_whole(stage, table.recompute, table.recompute_layers) \
-            if again else stage
+        layers = stage if not again or table.recompute == "selective" else \
+            recomputed_whole(stage, table.recompute, table.recompute_layers)
         for layer in layers:
             sums[index] += layer_seconds(layer, table.tp, table.cp, batch, table.cluster)
     return sums
@@ -129,8 +132,8 @@ def _stages_seconds(table: StageTable, batch: int, again: bool) -> np.ndarray:
 def comm_costs(table: StageTable, costs: StageCosts, batch: int) -> StageCosts:
     """`costs` of one of cp ranks (compute already divided by cp) plus the a2a or K/V
     all-gather collectives (`table.cp_attention`), none overlapped: the forward's in the
-    forward (and in a recomputed forward), the backward's in the input-gradient backward;
-    `cp_comm` says how much of the ops they are."""
+    forward (and again in a recomputed forward or attention core), the backward's in the
+    input-gradient backward; `cp_comm` says how much of the ops they are."""
     seconds = _stages_seconds(table, batch, again=False)
     again = _stages_seconds(table, batch, again=True)[:, 0]
     forward, backward = seconds[:, 0], seconds[:, 1]

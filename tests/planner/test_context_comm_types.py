@@ -118,7 +118,7 @@ def _check(kind: str, shape: str, seq: int, cp: int, tp: int, nodes: int, nccl: 
     cluster = cluster if nccl else replace(cluster, nccl_arch="")
     costs, blocks = _costs(shape, kind, cp, tp, cluster, recompute)
     forward, backward = _oracle(kind, seq, cp, tp, cluster, 16 if shape == MHA else 4)
-    again = 1 if recompute == "full" else 0
+    again = 1 if recompute in ("full", "selective") else 0  # the attention forward again
     assert costs.cp_comm is not None
     assert costs.cp_comm.tolist() == pytest.approx(
         [n * ((1 + again) * forward + backward) for n in blocks], rel=1e-12)
@@ -141,9 +141,12 @@ def test_cp_comm_equals_te_oracle(kind: str, shape: str, seq: int, cp: int, tp: 
     _check(kind, shape, seq, cp, tp, nodes, nccl)
 
 
+@pytest.mark.parametrize("recompute", ["full", "selective"])
 @pytest.mark.parametrize("kind", ["a2a", "kv-allgather"])
-def test_recomputed_forward_communicates_again(kind: str) -> None:
-    _check(kind, LONG, 8192, 2, 2, 1, True, recompute="full")
+def test_recomputed_attention_communicates_again(kind: str, recompute: str) -> None:
+    """Full recomputation reruns the layer, selective its core attention (Megatron-Core's
+    checkpoint around TE's DotProductAttention, the cp collectives inside): both again."""
+    _check(kind, LONG, 8192, 2, 2, 1, True, recompute=recompute)
 
 
 def test_nothing_hidden_where_the_ring_hides_everything() -> None:
