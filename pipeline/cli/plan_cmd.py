@@ -110,7 +110,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
                         help="--engine megatron-core only: how its context parallelism moves "
                              "K/V (Megatron-Core's --cp-comm-type): p2p (default: the ring, "
                              "overlapped with the attention), a2a (Q, K, V, O all-to-all, "
-                             "exposed; tp · cp must divide the heads) or allgather (K/V "
+                             "exposed; tp · cp must divide the heads and K/V heads) or "
+                             "allgather (K/V "
                              "all-gathered, exposed)")
     parser.add_argument("--cp", default=None, metavar="SIZES",
                         help="comma-separated context-parallel sizes to consider (each must "
