@@ -63,11 +63,13 @@ def ring_layer_seconds(layer: LayerProfile, table: StageTable, batch: int
 
 def _stages_seconds(table: StageTable, batch: int, again: bool) -> np.ndarray:
     """Per stage: (forward, backward) ring seconds summed over its attention layers (with
-    `again`, over the layers recomputed whole: their forward runs the ring again)."""
+    `again`, over the layers whose attention forward runs the ring again: those recomputed
+    whole, or every one under selective recomputation, whose core_attn checkpoint holds TE's
+    attention and its ring, as `context_comm._stages_seconds` says)."""
     sums = np.zeros((len(table.stages), 2))
     for index, stage in enumerate(table.stages):
-        layers = recomputed_whole(stage, table.recompute, table.recompute_layers) \
-            if again else stage
+        layers = stage if not again or table.recompute == "selective" else \
+            recomputed_whole(stage, table.recompute, table.recompute_layers)
         for layer in layers:
             sums[index] += ring_layer_seconds(layer, table, batch)
     return sums
