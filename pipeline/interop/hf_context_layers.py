@@ -15,8 +15,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from pipeline.errors import PipelineConfigError
-from pipeline.interop.hf_layers import IGNORE_INDEX, HFEmbedding
+from pipeline.interop.hf_modules import HFEmbedding
 from pipeline.interop.hf_modules_tp import VocabSlot
+from pipeline.interop.hf_shared import IGNORE_INDEX
 from pipeline.model.build_context import current_process_groups
 from pipeline.model.layers import LayerSpec
 from pipeline.parallel.context.attention import (

@@ -39,14 +39,8 @@ from pipeline.interop.hf_context_layers import (
     rank_loss_sum,
     swap_attention,
 )
-from pipeline.interop.hf_layers import (
-    HFBlock,
-    HFEmbedding,
-    HFLayers,
-    _block,
-    _final_norm,
-    _lm_head,
-)
+from pipeline.interop.hf_layers import HFLayers, _block, _final_norm, _lm_head
+from pipeline.interop.hf_modules import HFBlock, HFEmbedding
 from pipeline.interop.hf_modules_tp import VocabSlot
 from pipeline.interop.hf_moe_context import context_parallel_moe, is_moe
 from pipeline.interop.hf_tensor_parallel import _block as tp_block

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from pipeline.interop.hf_layers import HFBlock
+from pipeline.interop.hf_modules import HFBlock
 from pipeline.model.layer_rng import tensor_parallel_rank_stream
 from pipeline.parallel.tensor.collectives import (
     copy_to_tensor_parallel_region,

@@ -2,7 +2,7 @@
 rank routing its own tokens to the experts.
 
 As Megatron-Core composes cp with MoE. Legend: c = cp, e = ep, d = dp; the carried value is
-``(hidden, balance, positions[, mask])`` (`pipeline.interop.hf_moe`)::
+``(hidden, balance, positions[, mask])`` (`pipeline.interop.hf_moe_modules`)::
 
     embedding   the rank's two chunks of input_ids (`hf_context_layers.ContextEmbedding`),
                 balance 0, global positions, the whole sequence's padding mask (for keys)
@@ -44,14 +44,12 @@ from pipeline.interop.hf_context_layers import (
 )
 from pipeline.interop.hf_moe import (
     MOE_FAMILIES,
-    MoEBlock,
-    MoEEmbedding,
     _block,
     _final_norm,
     _lm_head,
     _untied_embedding,
-    _with_balance,
 )
+from pipeline.interop.hf_moe_modules import MoEBlock, MoEEmbedding, _with_balance
 from pipeline.interop.hf_shared import HFLayers
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec

@@ -41,8 +41,8 @@ from pipeline.interop.hf_modules_tp import (
     enter_on_call,
     vocab_logits,
 )
-from pipeline.interop.hf_moe import MoEBlock, MoEHead
 from pipeline.interop.hf_moe_families import LATENT_ATTENTION
+from pipeline.interop.hf_moe_modules import MoEBlock, MoEHead
 from pipeline.interop.hf_overlap import fuse_columns_on_call
 from pipeline.interop.hf_tp_split import (
     column_names,

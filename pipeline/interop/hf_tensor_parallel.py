@@ -47,11 +47,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from pipeline.errors import PipelineConfigError
-from pipeline.interop.hf_layers import (
+from pipeline.interop.hf_layers import HFLayers
+from pipeline.interop.hf_modules import (
     GPT2Positions,
     HFBlock,
     HFEmbedding,
-    HFLayers,
     SoftCappedHead,
     _soft_cap,
     _tied_head,
@@ -66,8 +66,8 @@ from pipeline.interop.hf_modules_tp import (
     enter_on_call,
     vocab_logits,
 )
-from pipeline.interop.hf_moe import MoEBlock, MoEEmbedding, MoEHead
 from pipeline.interop.hf_moe_families import COVERED_MOE
+from pipeline.interop.hf_moe_modules import MoEBlock, MoEEmbedding, MoEHead
 from pipeline.interop.hf_moe_tp import (
     ParallelMoEHead,
     dense_ffn_width,

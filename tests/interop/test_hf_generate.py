@@ -11,7 +11,8 @@ pytest.importorskip("transformers")
 
 from pipeline import PipelineEngine, PipelineModule
 from pipeline.errors import PipelineConfigError
-from pipeline.interop.hf_layers import HFBlock, layers_from_hf
+from pipeline.interop.hf_layers import layers_from_hf
+from pipeline.interop.hf_modules import HFBlock
 from pipeline.interop.hf_modules_tp import SequenceSwitch
 from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
 from pipeline.interop.hf_weights import load_hf_weights
