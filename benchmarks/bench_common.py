@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["deepspeed_available", "torch_schedule_step"]
+__all__ = ["deepspeed_available", "timed_step", "torch_schedule_step"]
 
 
 def deepspeed_available(wanted: bool, without: str) -> bool:
@@ -38,3 +40,12 @@ def torch_schedule_step(runner: Any, stages: Sequence[Any], optimizer: torch.opt
             runner.step(*args)
         optimizer.step()
     return step
+
+
+def timed_step(step: Callable[[], None]) -> float:
+    """Seconds of one `step` on every rank (barriers around it)."""
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    dist.barrier()
+    return time.perf_counter() - start

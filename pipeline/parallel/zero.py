@@ -16,8 +16,9 @@ piece, so the buffer's tail (final first) is on the wire while the backward stil
 the head: the reductions hide behind the whole last backward. `reduce_stage` (the engine's
 REDUCE_GRAD) then launches what is left, without blocking, so it overlaps the rank's other
 stages; `step` first (through `wait`) reduces any region nobody reduced yet, so the optimizer
-also works alone. The parameter all-gather after the step is `pipeline.parallel.param_gather`:
-blocking, or (`overlap_param_gather`) left in flight for the next forward to wait for.
+also works alone. That reducer role is `pipeline.parallel.zero_reducer`'s `ShardReducer`. The
+parameter all-gather after the step is `pipeline.parallel.param_gather`: blocking, or
+(`overlap_param_gather`) left in flight for the next forward to wait for.
 
 ZeRO-2 (`pipeline.parallel.zero2`) and ZeRO-3 (`pipeline.parallel.zero3`) are subclasses: they
 keep only gradient shards, filled every backward, and (ZeRO-3) gather parameters per layer.
@@ -38,13 +39,11 @@ from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB, CommStats
 from pipeline.parallel.grad_buffer import GradBuffer
 from pipeline.parallel.optimizer import OptimizerFactory, build_optimizer
 from pipeline.parallel.param_gather import BucketKey, ParamGather
-from pipeline.parallel.precision import clip_coefficient, counts_in_norm, global_grad_norm
 from pipeline.parallel.tied_sync import TIED_REGION
-from pipeline.parallel.zero_collectives import BucketReduction
 from pipeline.parallel.zero_comm import ZeroCollectives
 from pipeline.parallel.zero_groups import ShardPiece, carry_groups, cut_pieces
-from pipeline.parallel.zero_inspect import ShardInspection
 from pipeline.parallel.zero_layout import ShardLayout
+from pipeline.parallel.zero_reducer import ShardReducer
 from pipeline.parallel.zero_region import (
     Collective,
     ResolvedCollective,
@@ -57,7 +56,7 @@ from pipeline.parallel.zero_region import (
 __all__ = ["Collective", "ShardedOptimizer", "detect_reduce_scatter"]
 
 
-class ShardedOptimizer(ShardInspection, torch.optim.Optimizer):
+class ShardedOptimizer(ShardReducer, torch.optim.Optimizer):
     """A torch optimizer whose state lives only on this rank's 1/d shard of the parameters.
 
     The factory is called with the model's parameters (this rank's regions', in order) and
@@ -161,64 +160,6 @@ class ShardedOptimizer(ShardInspection, torch.optim.Optimizer):
         """Where each of them meets this rank's shard (what the inner optimizer steps)."""
         return [piece for region in self._regions.values() for piece in region.pieces]
 
-    # -- the reducer role -------------------------------------------------------------------
-
-    def reduce_stage(self, stage_index: int, params: Sequence[torch.nn.Parameter]) -> None:
-        """Launch the reduce-scatter of one region's gradients without waiting (the buckets
-        its last backward did not launch already)."""
-        region = self._regions.get(stage_index)
-        trainable = {id(p) for p in params if p.requires_grad}
-        if region is None:
-            if trainable:
-                raise KeyError(f"stage {stage_index} has no ZeRO region; regions are "
-                               f"{sorted(self._regions)} (pass its parameters to "
-                               f"ShardedOptimizer's params_by_stage)")
-            return
-        if trainable != {id(p) for p in region.params}:
-            raise ValueError(
-                f"reduce_stage({stage_index}) got {len(trainable)} trainable parameters but "
-                f"the region holds {len(region.params)} different ones; pass the same "
-                f"parameters as in params_by_stage[{stage_index}]")
-        if region.reduced:
-            raise RuntimeError(f"stage {stage_index} was reduced twice in one step; call "
-                               f"step() (or zero_grad()) between steps")
-        self._launch_reduce(region)
-
-    def last_backward(self, stage_index: int) -> None:
-        """The next backward of this stage is its last of the step: launch each bucket's
-        reduction from the gradient hooks as soon as the bucket is final (overlap)."""
-        region = self._regions.get(stage_index)
-        if region is not None and region.grads is not None and region.grads.hooked \
-                and not region.reduced:
-            region.grads.arm()
-
-    def wait(self) -> None:
-        """Reduce every region not reduced yet, then block until all reductions finished;
-        the shards then hold reduced gradients (the masters' `.grad`)."""
-        for region in self._regions.values():
-            if not region.reduced:
-                self._launch_reduce(region)
-        for region in self._regions.values():
-            self._settle(region)
-
-    def _settle(self, region: ShardRegion) -> None:
-        """Wait for the region's launched reductions; point the master's `.grad` (and its
-        pieces') at the reduced shard."""
-        if not region.pending:
-            return  # finished by an earlier wait; the shard may be clipped since
-        for work, finish in region.pending:
-            work.wait()
-            if finish is not None:
-                finish()
-        region.pending.clear()
-        self._point_grads(region, region.layout.shard(region.flat_grad, self.dp_rank))
-
-    @staticmethod
-    def _point_grads(region: ShardRegion, shard: torch.Tensor) -> None:
-        region.master.grad = shard if shard.dtype == torch.float32 else shard.float()
-        for piece in region.pieces:
-            piece.tensor.grad = region.master.grad[piece.bucket, piece.row]
-
     # -- the optimizer role -----------------------------------------------------------------
 
     def step(self, closure: None = None) -> None:  # type: ignore[override]
@@ -269,23 +210,6 @@ class ShardedOptimizer(ShardInspection, torch.optim.Optimizer):
                 region.store.zero()
             region.reduced = False
 
-    def grad_shards(self) -> list[torch.Tensor]:
-        """This rank's reduced fp32 gradient shards, (k, s) each (valid after `wait`):
-        overflow checks, unscaling and clipping act on these, and the optimizer steps with
-        them."""
-        return [self._step_grad(region) for region in self._regions.values()]
-
-    def clip_grad_norm_(self, max_norm: float, group: ProcessGroup | None, *,
-                        tp_rank: int = 0) -> torch.Tensor:
-        """Clip the reduced shards by the global norm; `group` must span every rank holding
-        a shard (the world: dp shards × pp stages × tp ranks). Returns the total norm."""
-        self.wait()
-        pieces = list(self._norm_pieces(tp_rank))
-        total = global_grad_norm(pieces, group)
-        coefficient = clip_coefficient(total, max_norm)
-        for shard in self.grad_shards():
-            shard.mul_(coefficient)
-        return total
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's `state_dict` (its tensors are this rank's pieces; the
@@ -354,31 +278,3 @@ class ShardedOptimizer(ShardInspection, torch.optim.Optimizer):
                                   [[layout.bucket(b)] for b in range(last, -1, -1)],
                                   lambda index: self._launch_bucket(region, last - index),
                                   hooked=key != TIED_REGION)
-
-    def _launch_reduce(self, region: ShardRegion) -> None:
-        if region.grads is None:
-            raise RuntimeError("internal error: a ZeRO region without its gradient buffer")
-        # unhooked (tied) gradients, or ones accumulated before this optimizer existed
-        region.grads.take_grads()
-        region.grads.flush()
-        region.reduced = True
-
-    def _launch_bucket(self, region: ShardRegion, b: int) -> None:
-        if self.average:
-            # Divide before summing, as DDP does, so fp16 sums stay in range.
-            region.flat_grad[slice(*region.layout.bucket(b))].div_(self.dp_size)
-        bucket = BucketReduction(region.flat_grad, region.layout, b, self.dp_rank, self.group,
-                                 self.stats)
-        region.pending += self.comm.reduce_bucket(self.collective, bucket)
-
-    def _norm_pieces(self, tp_rank: int) -> Iterable[torch.Tensor]:
-        """Slices of the grad shards that belong to parameters counted in the norm."""
-        for region in self._regions.values():
-            shard = self._step_grad(region)
-            for param, offset in zip(region.params, region.offsets):
-                if not counts_in_norm(param, tp_rank):
-                    continue
-                for b, _, row in region.layout.overlaps(offset, param.numel(), self.dp_rank):
-                    yield shard[b, row]
-
-

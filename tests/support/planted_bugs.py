@@ -40,7 +40,8 @@ _SCHEDULE_TESTS = ("tests/schedules/test_golden.py", "tests/schedules/test_prope
                    "tests/schedules/test_zero_bubble_properties.py",
                    "tests/schedules/test_zb_golden.py")
 _VALIDATOR_TESTS = ("tests/schedules/test_validator.py",
-                    "tests/schedules/test_validator_mutations.py")
+                    "tests/schedules/test_validator_mutations.py",
+                    "tests/schedules/test_validator_mutations_targeted.py")
 
 _ZERO_TESTS = ("tests/parallel/test_zero_stages.py::test_loss_gradients_and_weights_equal_hf",)
 """A node id: named, a full-tier test runs in the default tier (a named file runs only its
@@ -116,7 +117,8 @@ BUGS: tuple[PlantedBug, ...] = (
                ("tests/schedules/test_stray_ops.py",)),
     PlantedBug("validator runs a pair's F before its B's inputs", "schedules/analysis/validate.py",
                "            self._check_pair_inputs(rank, step)\n", "",
-               ("tests/schedules/test_overlap.py", "tests/schedules/test_validator_mutations.py")),
+               ("tests/schedules/test_overlap.py", "tests/schedules/test_validator_mutations.py",
+                "tests/schedules/test_validator_mutations_targeted.py")),
     PlantedBug("figures counts peaks from the clock (frees first at ties)",
                "schedules/analysis/timeline.py",
                "order = np.lexsort((np.arange(len(rank)), start, rank))",
