@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pipeline.planner.context_parallel import gather_seconds, recomputed_whole
+from pipeline.planner.context_ring import ring_layer_seconds
 from pipeline.planner.expert_parallel import all_to_all_seconds
 from pipeline.planner.pricing import reduce_scatter_seconds
 from pipeline.planner.profile import LayerProfile, ModelProfile
@@ -113,27 +114,35 @@ def kv_allgather_layer_seconds(layer: LayerProfile, tp: int, cp: int, batch: int
 _LAYER_SECONDS = {"a2a": a2a_layer_seconds, "kv-allgather": kv_allgather_layer_seconds}
 
 
+def _layer_seconds(table: StageTable, layer: LayerProfile, batch: int) -> tuple[float, float]:
+    """(forward, backward) seconds one layer's cp collectives expose, by `table.cp_attention`:
+    the ring's overlapped steps (`context_ring`) or the exposed a2a / K/V all-gather."""
+    if table.cp_attention == "ring":
+        return ring_layer_seconds(layer, table, batch)
+    return _LAYER_SECONDS[table.cp_attention](layer, table.tp, table.cp, batch, table.cluster)
+
+
 def _stages_seconds(table: StageTable, batch: int, again: bool) -> np.ndarray:
     """Per stage: (forward, backward) seconds summed over its attention layers (with
     `again`, over the layers whose attention forward runs again: those recomputed whole,
     or every one under selective recomputation, whose checkpoint is Megatron-Core's
     `Attention._checkpointed_attention_forward` around TE's DotProductAttention, the cp
-    collectives inside it: `--recompute-modules` defaults to core_attn)."""
-    layer_seconds = _LAYER_SECONDS[table.cp_attention]
+    collectives (the ring's too) inside it: `--recompute-modules` defaults to core_attn)."""
     sums = np.zeros((len(table.stages), 2))
     for index, stage in enumerate(table.stages):
         layers = stage if not again or table.recompute == "selective" else \
             recomputed_whole(stage, table.recompute, table.recompute_layers)
         for layer in layers:
-            sums[index] += layer_seconds(layer, table.tp, table.cp, batch, table.cluster)
+            sums[index] += _layer_seconds(table, layer, batch)
     return sums
 
 
 def comm_costs(table: StageTable, costs: StageCosts, batch: int) -> StageCosts:
-    """`costs` of one of cp ranks (compute already divided by cp) plus the a2a or K/V
-    all-gather collectives (`table.cp_attention`), none overlapped: the forward's in the
-    forward (and again in a recomputed forward or attention core), the backward's in the
-    input-gradient backward; `cp_comm` says how much of the ops they are."""
+    """`costs` of one of cp ranks (compute already divided by cp) plus what Megatron-Core's
+    cp collectives expose (`table.cp_attention`: the ring's excess over its steps' attention,
+    or the a2a / K/V all-gather, none overlapped): the forward's in the forward (and again in
+    a recomputed forward or attention core), the backward's in the input-gradient backward;
+    `cp_comm` says how much of the ops they are."""
     seconds = _stages_seconds(table, batch, again=False)
     again = _stages_seconds(table, batch, again=True)[:, 0]
     forward, backward = seconds[:, 0], seconds[:, 1]

@@ -25,19 +25,16 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from pipeline.planner.context_parallel import gathered_kv_bytes, recomputed_whole
+from pipeline.planner.context_parallel import gathered_kv_bytes
 from pipeline.planner.pricing import layer_selective_seconds, p2p_seconds
 from pipeline.planner.profile import LayerProfile
 
 if TYPE_CHECKING:
-    from pipeline.planner.stages import StageCosts, StageTable
+    from pipeline.planner.stages import StageTable
 
-__all__ = ["ring_costs", "ring_layer_seconds"]
+__all__ = ["ring_layer_seconds"]
 
 
 def ring_layer_seconds(layer: LayerProfile, table: StageTable, batch: int
@@ -59,29 +56,3 @@ def ring_layer_seconds(layer: LayerProfile, table: StageTable, batch: int
     forward = (cp - 1) * exposed(kv, attention)
     backward = 2 * exposed(kv, 2 * attention) + (cp - 2) * exposed(2 * kv, 2 * attention)
     return forward, backward
-
-
-def _stages_seconds(table: StageTable, batch: int, again: bool) -> np.ndarray:
-    """Per stage: (forward, backward) ring seconds summed over its attention layers (with
-    `again`, over the layers whose attention forward runs the ring again: those recomputed
-    whole, or every one under selective recomputation, whose core_attn checkpoint holds TE's
-    attention and its ring, as `context_comm._stages_seconds` says)."""
-    sums = np.zeros((len(table.stages), 2))
-    for index, stage in enumerate(table.stages):
-        layers = stage if not again or table.recompute == "selective" else \
-            recomputed_whole(stage, table.recompute, table.recompute_layers)
-        for layer in layers:
-            sums[index] += ring_layer_seconds(layer, table, batch)
-    return sums
-
-
-def ring_costs(table: StageTable, costs: StageCosts, batch: int) -> StageCosts:
-    """`costs` of one of cp ranks (compute already divided by cp) plus what the K/V ring
-    exposes: its forward in the forward (and in a recomputed forward), its backward in the
-    input-gradient backward; `cp_comm` says how much of the ops they are."""
-    ring = _stages_seconds(table, batch, again=False)
-    again = _stages_seconds(table, batch, again=True)[:, 0]
-    forward, backward = ring[:, 0], ring[:, 1]
-    return replace(costs, forward=costs.forward + forward,
-                   input_grad=costs.input_grad + again + backward,
-                   recompute=costs.recompute + again, cp_comm=forward + backward + again)

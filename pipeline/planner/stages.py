@@ -214,8 +214,8 @@ class StageTable:
     cp_attention: str = "all-gather"
     """How cp attention moves K/V (`SearchOptions.cp_attention`): this engine's
     "all-gather" (`context_parallel.context_costs`), or Megatron-Core's --cp-comm-type:
-    "ring" (p2p, overlapped with the attention, `context_ring.ring_costs`), "a2a" or
-    "kv-allgather" (`context_comm.comm_costs`)."""
+    "ring" (p2p, overlapped with the attention, `context_ring`), "a2a" or "kv-allgather",
+    all three priced by `context_comm.comm_costs`."""
     grad_sum: np.ndarray | None = None
     """Per stage, seconds an engine's per-microbatch sum of the MoE gradients over tp adds
     to the op computing them (W, or B fused), exposed, a tp collective
@@ -308,10 +308,9 @@ class StageTable:
         if self.cp > 1:
             from pipeline.planner.context_comm import comm_costs
             from pipeline.planner.context_parallel import context_costs
-            from pipeline.planner.context_ring import ring_costs
 
-            costs = {"all-gather": context_costs, "ring": ring_costs}.get(
-                self.cp_attention, comm_costs)(self, costs, batch)
+            costs = (context_costs if self.cp_attention == "all-gather" else comm_costs)(
+                self, costs, batch)
         if self.grad_sum is None:
             return costs
         return replace(costs, weight_grad=costs.weight_grad + self.grad_sum,
