@@ -19,14 +19,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import torch.distributed as dist
+from bench_common import timed_step
 
 from pipeline import launch
 from pipeline.parallel.context.gathered import gathered_attention
@@ -39,15 +39,6 @@ from pipeline.rehearsal.emulated_cp import EmulatedContextCosts, EmulatedContext
 __all__ = ["main"]
 
 VARIANTS = (("ring", True), ("ring", False), ("all-gather", False))
-
-
-def _timed_step(step: Callable[[], None]) -> float:
-    """Seconds of one `step` on every rank (barriers around it)."""
-    dist.barrier()
-    start = time.perf_counter()
-    step()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -84,7 +75,7 @@ def _rank(args: argparse.Namespace) -> list[dict[str, Any]]:
                 total.backward()
 
             steps[name] = step
-        pairs = [(_timed_step(steps["nominal"]), _timed_step(steps["free"]))
+        pairs = [(timed_step(steps["nominal"]), timed_step(steps["free"]))
                  for _ in range(args.steps + 1)][1:]
         predicted = args.layers * predict_exposed(
             costs, attention=attention, overlap=overlap,  # type: ignore[arg-type]
