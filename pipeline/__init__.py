@@ -21,7 +21,7 @@ from typing import Any
 # free of torch)
 _LAZY: dict[str, str] = {
     "PipelineModule": "pipeline.model.module",
-    "Stage": "pipeline.model.module",
+    "Stage": "pipeline.model.stage",
     "LayerSpec": "pipeline.model.layers",
     "PipelineEngine": "pipeline.runtime.engine",
     "launch": "pipeline.launcher.processes",
@@ -48,7 +48,7 @@ _LAZY: dict[str, str] = {
     "build_reference": "pipeline.model.reference",
     "ReferenceResult": "pipeline.model.reference",
     "CheckpointError": "pipeline.errors",
-    "CheckpointInfo": "pipeline.checkpoint.save",
+    "CheckpointInfo": "pipeline.checkpoint.parts",
     "CheckpointRootLockedError": "pipeline.checkpoint.root_lock",
     "PipelineError": "pipeline.errors",
     "NonFiniteError": "pipeline.errors",

@@ -23,7 +23,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeline.checkpoint.manifest import Manifest
+    from pipeline.checkpoint.manifest_schema import Manifest
 
 __all__ = ["MAX_DIMS", "bound_problems"]
 

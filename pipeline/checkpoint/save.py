@@ -27,26 +27,26 @@ A save that fails with an error (a full disk: ENOSPC) rather than a crash cleans
 raises: the staging directory and temporary files go, and the error says what `latest`
 names; after step 4, that the step directory is complete although `latest` was not moved.
 What a crash leaves, the next save sweeps (under the lock, so never another job's save).
+
+What a rank hands in is a `pipeline.checkpoint.parts.CheckpointParts`; the collectives that
+make every rank agree are `pipeline.checkpoint.agreement` (both re-exported here).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import io
 import os
 import secrets
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
+from pipeline.checkpoint.agreement import agree, gather_from_ranks
 from pipeline.checkpoint.atomic_files import atomic_write, sha256_bytes
 from pipeline.checkpoint.commit import abandon, commit, latest_status
-from pipeline.checkpoint.manifest import (
+from pipeline.checkpoint.manifest_schema import (
     LATEST,
     FileEntry,
     Manifest,
@@ -55,87 +55,19 @@ from pipeline.checkpoint.manifest import (
     step_name,
 )
 from pipeline.checkpoint.optimizer_state import export_torch_optimizer, hyperparameters, param_keys
+from pipeline.checkpoint.parts import CheckpointInfo, CheckpointParts, Stateful
 from pipeline.checkpoint.pointer import read_run_id
 from pipeline.checkpoint.reshard import module_splits
 from pipeline.checkpoint.rng_state import capture_rng
-from pipeline.checkpoint.root_lock import CheckpointRootLockedError, lock_root
+from pipeline.checkpoint.root_lock import lock_root
 from pipeline.checkpoint.staging import StagingDirectory, create_staging, join_staging
 from pipeline.checkpoint.zero_state import export_zero, zero_layout
 from pipeline.errors import CheckpointError
-from pipeline.model.module import PipelineModule
 from pipeline.parallel.param_marks import expert_shard
-from pipeline.parallel.topology import Topology
 from pipeline.parallel.zero import ShardedOptimizer
-from pipeline.supervision.faults import FaultPoints
 
 __all__ = ["CheckpointInfo", "CheckpointParts", "Stateful", "agree", "layer_file",
            "optimizer_file", "rng_file", "save_checkpoint"]
-
-
-class Stateful(Protocol):
-    """Anything with torch-style `state_dict` / `load_state_dict` (the loss scaler)."""
-
-    def state_dict(self) -> dict[str, float]: ...
-
-    def load_state_dict(self, state: dict[str, float]) -> None: ...
-
-
-@dataclass
-class CheckpointParts:
-    """What one rank puts into, and takes back from, a checkpoint."""
-
-    module: PipelineModule
-    """The module, materialized with this rank's stages."""
-    topology: Topology
-    rank: int
-    """This process's global rank."""
-    step: int = 0
-    """Optimizer steps taken so far (the engine's `global_step`)."""
-    optimizer: torch.optim.Optimizer | ShardedOptimizer | None = None
-    zero_params_by_stage: Mapping[int, Sequence[nn.Parameter]] | None = None
-    """With a `ShardedOptimizer`: the `params_by_stage` it was built with (its layout)."""
-    loss_scaler: Stateful | None = None
-    schedule: str = ""
-    num_microbatches: int = 1
-    faults: FaultPoints | None = None
-    """Fault points a test armed for this save (the engine passes its `faults`)."""
-    extra_files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
-    """More files this rank writes into the step directory, by name: listed (and signed) in
-    the manifest with the role 'client' (the DeepSpeed layer's client state)."""
-
-    def reach(self, point: str) -> None:
-        """Fire `point` if a test armed it (see `pipeline.supervision.faults`)."""
-        if self.faults is not None:
-            self.faults.reach(point)
-
-    @property
-    def layers(self) -> dict[int, nn.Module]:
-        """This rank's layers by global index."""
-        return {int(key): layer for stage in self.module.stages
-                for key, layer in self.module.stage(int(stage)).layers.items()}
-
-    @property
-    def optimizer_kind(self) -> str:
-        if isinstance(self.optimizer, ShardedOptimizer):
-            return "zero"
-        return "none" if self.optimizer is None else "torch"
-
-    @property
-    def optimizer_class(self) -> str:
-        inner = self.optimizer.optimizer if isinstance(self.optimizer, ShardedOptimizer) \
-            else self.optimizer
-        return "" if inner is None else type(inner).__name__
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """Where a checkpoint went (or came from) and what it restored."""
-
-    directory: str
-    """The step directory."""
-    step: int
-    rng_restored: bool = False
-    """False after a load into another topology (each rank keeps its own generators)."""
 
 
 def layer_file(index: int, tp_rank: int | None = None, ep_rank: int = 0) -> str:
@@ -153,35 +85,6 @@ def optimizer_file(rank: int) -> str:
 
 def rng_file(rank: int) -> str:
     return f"rng_rank_{rank:04d}.pt"
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _all_gather(value: Any) -> list[Any]:
-    if _world() == 1:
-        return [value]
-    gathered: list[Any] = [None] * _world()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def agree(error: CheckpointError | None, what: str) -> None:
-    """Collective: raise `CheckpointError` on every rank if any rank had one (so no rank
-    goes on with a checkpoint another rank refused); a `CheckpointRootLockedError` keeps its
-    type and fields on every rank."""
-    reported = _all_gather(error)
-    problems = [(rank, item) for rank, item in enumerate(reported) if item is not None]
-    if problems:
-        rank, first = problems[0]
-        more = f" (and on {len(problems) - 1} more rank(s))" if len(problems) > 1 else ""
-        message = f"{what} failed on rank {rank}{more}: {first}"
-        if isinstance(first, CheckpointRootLockedError):
-            raise CheckpointRootLockedError(message, root=first.root,
-                                            holder_pid=first.holder_pid,
-                                            holder_host=first.holder_host)
-        raise CheckpointError(message, path=first.path)
 
 
 def _serialize(value: Any) -> bytes:
@@ -274,7 +177,7 @@ def save_checkpoint(root: str, parts: CheckpointParts) -> CheckpointInfo:
     if isinstance(parts.optimizer, ShardedOptimizer):
         parts.optimizer.finish_param_gather()  # the weights written are the updated ones
     final_name = step_name(parts.step)
-    token = _all_gather(secrets.token_hex(4) if parts.rank == 0 else None)[0]
+    token = gather_from_ranks(secrets.token_hex(4) if parts.rank == 0 else None)[0]
     # the run this root belongs to: the one `latest` records, else a new one
     run_id = (read_run_id(os.path.join(root, LATEST)) or secrets.token_hex(8)) \
         if parts.rank == 0 else ""
@@ -327,7 +230,7 @@ def _write_and_commit(root: str, staging_name: str, staging: StagingDirectory | 
             abandon(staging)
         raise CheckpointError(f"{error}; nothing was committed, the staging directory is "
                               f"removed and {latest_status(root)}", path=error.path) from None
-    gathered = _all_gather((entries, module_splits(parts.module.named_layer_parameters())))
+    gathered = gather_from_ranks((entries, module_splits(parts.module.named_layer_parameters())))
     if staging is not None:
         splits = {(split.layer, split.name): split for _, rank_splits in gathered
                   for split in rank_splits}
