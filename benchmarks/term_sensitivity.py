@@ -18,8 +18,8 @@ from unittest import mock
 
 import pipeline.planner.expert_kernels as expert_kernels
 import pipeline.planner.expert_parallel as expert_parallel
-import pipeline.planner.kernels as kernels
 import pipeline.planner.pricing as pricing
+import pipeline.planner.roofline as roofline
 from pipeline.planner import PRESETS, PlanConfig, SearchOptions, load_model
 from pipeline.planner.engines import engine_options
 from pipeline.planner.search import price
@@ -103,7 +103,7 @@ def _no_userbuffers_sms() -> Iterator[None]:
 def _no_tile_quantization() -> Iterator[None]:
     """One-element tiles at full share: a GEMM at its FLOPs over the fitted SM rate, no
     partial tiles, no partial last wave, no smaller tiles' lower reuse."""
-    with mock.patch.object(kernels, "_TILES", ((1, 1, 1.0),)):
+    with mock.patch.object(roofline, "_TILES", ((1, 1, 1.0),)):
         yield
 
 

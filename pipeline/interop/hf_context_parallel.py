@@ -43,9 +43,9 @@ from pipeline.interop.hf_layers import HFLayers, _block, _final_norm, _lm_head
 from pipeline.interop.hf_modules import HFBlock, HFEmbedding
 from pipeline.interop.hf_modules_tp import VocabSlot
 from pipeline.interop.hf_moe_context import context_parallel_moe, is_moe
-from pipeline.interop.hf_tensor_parallel import _block as tp_block
-from pipeline.interop.hf_tensor_parallel import _head as tp_head
-from pipeline.interop.hf_tensor_parallel import _replicated as tp_replicated
+from pipeline.interop.hf_tp_layers import _block as tp_block
+from pipeline.interop.hf_tp_layers import _head as tp_head
+from pipeline.interop.hf_tp_layers import _replicated as tp_replicated
 from pipeline.interop.hf_tp_losses import summed_loss as tp_summed_loss
 from pipeline.model.layers import Layer, LayerSpec
 from pipeline.model.tied import TiedLayerSpec

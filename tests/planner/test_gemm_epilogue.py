@@ -13,7 +13,8 @@ from unittest import mock
 import pytest
 
 from pipeline.planner import PRESETS, PlanError
-from pipeline.planner.kernels import _TILES, epilogue_seconds, gemm_seconds
+from pipeline.planner.kernels import epilogue_seconds, gemm_seconds
+from pipeline.planner.roofline import _TILES
 
 __all__: list[str] = []
 
