@@ -145,7 +145,7 @@ TERMS: tuple[tuple[str, Callable[[], AbstractContextManager[Any]]], ...] = (
      _no_userbuffers_sms),
     ("GEMM epilogue after the k-loop, Ampere (`kernels.epilogue_seconds`)",
      _presets_with(gemm_epilogue_serial=False)),
-    ("GEMM tile shapes and wave quantization (`kernels._TILES`)", _no_tile_quantization),
+    ("GEMM tile shapes and wave quantization (`roofline._TILES`)", _no_tile_quantization),
     ("kernel launch, 4 µs a kernel (`kernel_overhead`)", _presets_with(kernel_overhead=0.0)),
     ("runtime cost, 20 µs a stage op (`op_overhead`)", _presets_with(op_overhead=0.0)),
     ("host issue, 10 µs an op, a pass max(device, host) (`host_launch`, `host_op_seconds`)",

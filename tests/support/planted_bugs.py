@@ -63,18 +63,10 @@ BUGS: tuple[PlantedBug, ...] = (
                "*weights[m - held_back:]))", "*weights[m - held_back:-1]))",
                _SCHEDULE_TESTS),
     PlantedBug("simulator ignores the comm delay of forwards", "schedules/analysis/dataflow.py",
-               "                if s:\n                    dep = f_end[index - m]\n"
-               "                    if dep < 0.0:\n"
-               "                        waiting.setdefault(index - m, []).append(rank)\n"
-               "                        break\n                    if placement[s - 1] != rank:\n"
                "                        dep += delay[s - 1]\n                    if dep > ready:\n"
-               "                        ready = dep\n                end = ready + forward[s]",
-               "                if s:\n                    dep = f_end[index - m]\n"
-               "                    if dep < 0.0:\n"
-               "                        waiting.setdefault(index - m, []).append(rank)\n"
-               "                        break\n                    if placement[s - 1] != rank:\n"
+               "                        idle += dep - ready",
                "                        dep += 0.0\n                    if dep > ready:\n"
-               "                        ready = dep\n                end = ready + forward[s]",
+               "                        idle += dep - ready",
                ("tests/schedules/test_properties.py", "tests/schedules/test_overlap.py",
                 "tests/schedules/test_zb_golden.py", "tests/schedules/test_zb_optimal.py")),
     PlantedBug("validator skips the rendezvous deadlock check", "schedules/analysis/rendezvous.py",
