@@ -130,6 +130,9 @@ class BucketedGradReducer:
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.average = average
         self.stats = CommStats()
+        self.before_launch: Callable[[Sequence[torch.nn.Parameter]], None] | None = None
+        """Called with a bucket's parameters right before its all-reduce (the deferred tp
+        sum of partial gradients, `pipeline.parallel.partial_grad_reducer`)."""
         self._pending: list[_PendingBucket] = []
         self._watched: dict[int, tuple[list[torch.nn.Parameter], list[list[int]],
                                        BucketLaunches]] = {}
@@ -171,6 +174,8 @@ class BucketedGradReducer:
 
     def _launch(self, params: Sequence[torch.nn.Parameter], members: Sequence[int]) -> None:
         """All-reduce one bucket: the gradients of `params[i]` for i in `members`."""
+        if self.before_launch is not None:
+            self.before_launch([params[i] for i in members])
         bucket_grads = [_grad_or_zeros(params[i]) for i in members]
         flat = torch.cat([grad.reshape(-1) for grad in bucket_grads])
         if self.average:

@@ -11,6 +11,7 @@ from torch.distributed import ProcessGroup
 from pipeline.errors import PipelineConfigError
 from pipeline.parallel.data_parallel import DEFAULT_BUCKET_MB
 from pipeline.parallel.expert_reduction import split_expert_parameters
+from pipeline.parallel.grad_buffer import GradBuffer
 from pipeline.parallel.optimizer import OptimizerFactory, build_optimizer
 from pipeline.parallel.param_gather import BucketKey
 from pipeline.parallel.precision import clip_coefficient, global_grad_norm
@@ -207,6 +208,9 @@ class ExpertShardedOptimizer(ShardedOptimizer):
             for kind, tensors in half.held_tensors().items():
                 held[kind] += tensors
         return held
+
+    def grad_buffers(self) -> list[GradBuffer]:
+        return [buffer for half in self.halves for buffer in half.grad_buffers()]
 
     def layouts(self) -> dict[int, ShardLayout]:
         raise PipelineConfigError("an ExpertShardedOptimizer has two layouts, one per half: "

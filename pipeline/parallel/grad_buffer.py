@@ -100,7 +100,14 @@ class GradBuffer:
             [k for k, (param, offset) in enumerate(zip(self.params, self.offsets))
              if any(offset < end and start < offset + param.numel() for start, end in slices)]
             for slices in buckets]  # bucket b waits for the parameters meeting its slices
-        self.launches = BucketLaunches(members, len(self.params), launch)
+        self.members = members
+        self._index = {id(param): k for k, param in enumerate(self.params)}
+        """The parameter indices each bucket waits for."""
+        self.before_launch: Callable[[Sequence[nn.Parameter]], None] | None = None
+        """Called with a bucket's parameters right before it is launched (the deferred tp
+        sum of partial gradients, `pipeline.parallel.partial_grad_reducer`)."""
+        self._launch = launch
+        self.launches = BucketLaunches(members, len(self.params), self._launch_bucket)
         self._stale = False
         self._handles: list[RemovableHandle] = []
         if hooked:
@@ -124,6 +131,22 @@ class GradBuffer:
             if param.grad is not None:
                 self.flat[offset:offset + param.numel()].add_(param.grad.reshape(-1))
                 param.grad = None
+
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """`param`'s slice of the buffer, its accumulated gradient (a `.grad` it still holds
+        is added in first)."""
+        self._refresh()
+        k = self._index[id(param)]
+        view = self.flat[self.offsets[k]:self.offsets[k] + param.numel()]
+        if param.grad is not None:
+            view.add_(param.grad.reshape(-1))
+            param.grad = None
+        return view.view_as(param)
+
+    def _launch_bucket(self, b: int) -> None:
+        if self.before_launch is not None:
+            self.before_launch([self.params[k] for k in self.members[b]])
+        self._launch(b)
 
     def zero(self) -> None:
         """Start a new step: nothing launched or final; the buffer is emptied when the next

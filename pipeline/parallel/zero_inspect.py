@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from pipeline.parallel.grad_buffer import GradBuffer
 from pipeline.parallel.param_gather import BucketKey
 from pipeline.parallel.zero_layout import ShardLayout
 from pipeline.parallel.zero_region import ShardRegion, aliases
@@ -128,6 +129,10 @@ class ShardInspection:
     def layouts(self) -> dict[int, ShardLayout]:
         """Region key -> where its buckets and this group's shards lie in its flat buffer."""
         return {key: region.layout for key, region in self._regions.items()}
+
+    def grad_buffers(self) -> list[GradBuffer]:
+        """The regions' main-gradient buffers (ZeRO-1's whole ones; none under ZeRO-2 / 3)."""
+        return [region.grads for region in self._regions.values() if region.grads is not None]
 
     def buckets_of(self, param: torch.nn.Parameter) -> list[BucketKey]:
         """The (region key, bucket index) pairs holding `param`'s elements."""

@@ -47,6 +47,7 @@ from pipeline.parallel.optimizer_step import (
     ReplicatedGrads,
     ShardedGrads,
 )
+from pipeline.parallel.partial_grad_reducer import defer_partial_sums
 from pipeline.parallel.precision import DynamicLossScaler, half_dtype
 from pipeline.parallel.rank_optimizer import RankOptimizer
 from pipeline.parallel.tied_sync import (
@@ -195,6 +196,10 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
             replica = groups.position.dp_rank * topology.cp + groups.position.cp_rank
             view = ExpertReplicatedGrads(params, groups.world_group, dp_rank=replica,
                                          ep=topology.ep, tp_rank=tp_rank)
+    if gradient_reducer is None:  # tp-partial gradients: summed once a step (ZeRO-0 / 1)
+        reducer = defer_partial_sums(
+            reducer, {int(s): module.stage_parameters(int(s)) for s in module.stages},
+            zero_stage=int(config.zero_stage), keep=[] if tied is None else tied.params)
     if tied is not None:
         reducer = TiedGradReducer(reducer, tied)
     # 4. Precision: fp16's overflow vote spans every rank.

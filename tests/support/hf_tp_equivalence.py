@@ -27,7 +27,7 @@ LEARNING_RATE = 0.1
 
 @dataclass(frozen=True)
 class TPCase:
-    """A tiny HF family at pp = 2 with tp, dp, ZeRO-1, recomputation and a schedule."""
+    """A tiny HF family at pp = `stages` (2) with tp, dp, ZeRO-1, recomputation and a schedule."""
 
     family: str
     tp: int
@@ -50,10 +50,12 @@ class TPCase:
     """Also write the trained weights with `save_hf_checkpoint` and reload them with
     ``from_pretrained`` (strict): ``export`` is the relative error of its logits."""
     engine: dict[str, Any] = field(default_factory=dict)
+    stages: int = 2
+    microbatches: int = 2
 
     @property
     def world(self) -> int:
-        return 2 * self.tp * self.dp
+        return self.stages * self.tp * self.dp
 
     def label(self) -> str:
         parts = [self.family, f"tp{self.tp}", f"dp{self.dp}" if self.dp > 1 else "",
@@ -110,7 +112,8 @@ def tp_step_errors(case: TPCase) -> dict[str, float]:
     source = hf_model if case.from_model else tiny_config(case.family, tied=case.tied)
     hf = tensor_parallel_hf(layers_from_hf(source), sequence_parallel=case.sequence_parallel,
                             overlap=case.overlap)
-    module = PipelineModule(hf.layers, num_stages=2, chunks=case.chunks, loss_fn=hf.loss_fn,
+    module = PipelineModule(hf.layers, num_stages=case.stages, chunks=case.chunks,
+                            loss_fn=hf.loss_fn,
                             partition_method="uniform", recompute=case.recompute)
     with tempfile.TemporaryDirectory() as directory:
         box = [directory]
@@ -120,7 +123,8 @@ def tp_step_errors(case: TPCase) -> dict[str, float]:
         dist.barrier()
         if not case.from_model:
             load_hf_weights(module, hf, box[0])
-        engine = PipelineEngine(module, schedule=case.schedule, num_microbatches=2,
+        engine = PipelineEngine(module, schedule=case.schedule,
+                                num_microbatches=case.microbatches,
                                 tensor_parallel=case.tp, data_parallel=case.dp,
                                 zero_stage=int(case.zero), timeout=60,
                                 optimizer=lambda p: torch.optim.SGD(p, lr=LEARNING_RATE),

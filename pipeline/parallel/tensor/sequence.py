@@ -39,6 +39,7 @@ from pipeline.parallel.tensor.collectives import (
     copy_to_tensor_parallel_region,
     tp_rank_and_size,
 )
+from pipeline.parallel.tensor.partial_grads import mark_partial_gradient
 
 __all__ = [
     "SEQUENCE_DIM",
@@ -217,14 +218,16 @@ def sum_gradient_over_tensor_parallel(param: torch.Tensor, group: ProcessGroup |
     backward, also in a split backward's W and under recomputation), so every tp rank holds
     the whole parameter's whole gradient. `reduce_grad_over_tensor_parallel` as a tensor
     hook, for a parameter read inside a module we do not own (a HF model's norms, a per-head
-    norm over 1/t of the heads); registering it twice on one parameter is a no-op."""
+    norm over 1/t of the heads); registering it twice on one parameter is a no-op. The
+    parameter is marked (`partial_grads`) so that an engine may remove the hook and sum the
+    accumulated gradient once a step instead."""
     if tp_rank_and_size(group)[1] == 1 or getattr(param, _SUMMED, False):
         return
 
     def all_reduce(grad: torch.Tensor) -> torch.Tensor:
         return start_all_reduce(grad, group, async_op=False).wait()
 
-    param.register_hook(all_reduce)
+    mark_partial_gradient(param, group, param.register_hook(all_reduce))
     setattr(param, _SUMMED, True)
 
 

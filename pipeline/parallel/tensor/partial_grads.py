@@ -1,0 +1,133 @@
+"""Tensor-parallel-partial gradients: marked by their tp hook, summed over tp once a step.
+
+A parameter replicated over the t tensor-parallel ranks but used on 1/t of the tokens (a
+norm under sequence parallelism, a MoE router or whole expert at tp × ep) gets a partial
+gradient on each tp rank. `sequence.sum_gradient_over_tensor_parallel` sums it with a tensor
+hook in every backward (exact for any use of the module, engine or not) and marks the
+parameter here: its tp group and the hook's handle. An engine whose reducer sees the whole
+accumulated gradient before the data-parallel reduction (ZeRO-0 / 1, or no dp) takes the sum
+over instead (`PartialGradSums`): the hooks are removed and the accumulated gradients are
+summed over tp in place, coalesced (one flat all-reduce per group and dtype per call),
+Megatron-Core's `finalize_model_grads` once a step instead of once per microbatch. Summing is
+linear, so the step's gradient is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["PartialGradSums", "mark_partial_gradient", "partial_gradient_group"]
+
+_GROUP = "pipesched_tp_partial_group"
+_HANDLE = "pipesched_tp_partial_hook"
+
+GradLocator = Callable[[nn.Parameter], torch.Tensor]
+"""The tensor holding a parameter's accumulated gradient (written in place by the sum)."""
+
+
+def mark_partial_gradient(param: torch.Tensor, group: ProcessGroup | None,
+                          handle: RemovableHandle) -> None:
+    """Record that `param`'s gradient is partial over `group`, summed by the hook `handle`."""
+    setattr(param, _GROUP, group)
+    setattr(param, _HANDLE, handle)
+
+
+def partial_gradient_group(param: torch.Tensor) -> tuple[bool, ProcessGroup | None]:
+    """(whether `param` is marked, its tp group)."""
+    return hasattr(param, _GROUP), getattr(param, _GROUP, None)
+
+
+def grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
+    """`param.grad`, zeros when it has none (every tp rank must sum the same tensors)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
+class PartialGradSums:
+    """The marked parameters of a rank's stages, their hooks removed, summed on request.
+
+    `sum(params)` all-reduces, over their tp groups, the accumulated gradients of the marked
+    parameters among `params` not summed yet this step (one flat all-reduce per group and
+    dtype, in the order the groups first appear: every tp rank issues the same calls);
+    `sum_stage` / `sum_all` the rest; `new_step` after the step's reduction. `locate` finds
+    a gradient (``.grad`` by default; `GradBuffer.main_grad` when a buffer holds it).
+    `calls` counts the all-reduces issued."""
+
+    def __init__(self, params_by_stage: Mapping[int, Sequence[nn.Parameter]], *,
+                 keep: Sequence[nn.Parameter] = ()) -> None:
+        kept = {id(p) for p in keep}
+        self.by_stage: dict[int, list[nn.Parameter]] = {}
+        self._groups: dict[int, ProcessGroup | None] = {}
+        for stage, params in params_by_stage.items():
+            marked = []
+            for param in params:
+                is_marked, group = partial_gradient_group(param)
+                if is_marked and param.requires_grad and id(param) not in kept:
+                    marked.append(param)
+                    self._groups[id(param)] = group
+            if marked:
+                self.by_stage[stage] = marked
+        self._locators: dict[int, GradLocator] = {}
+        self._pending = set(self._groups)
+        self.calls = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._groups)
+
+    def take_over(self) -> None:
+        """Remove the marked parameters' hooks: from now on only `sum` sums them."""
+        for stage_params in self.by_stage.values():
+            for param in stage_params:
+                handle: RemovableHandle | None = getattr(param, _HANDLE, None)
+                if handle is not None:
+                    handle.remove()
+
+    def locate_with(self, params: Sequence[nn.Parameter], locate: GradLocator) -> None:
+        """Read (and sum into) `params`' gradients through `locate`."""
+        for param in params:
+            if id(param) in self._groups:
+                self._locators[id(param)] = locate
+
+    def sum(self, params: Sequence[Any]) -> None:
+        """Sum over tp the marked parameters among `params` not summed yet this step."""
+        todo = [p for p in params if id(p) in self._pending]
+        if not todo:
+            return
+        batches: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        groups: dict[int, ProcessGroup | None] = {}
+        for param in todo:
+            self._pending.discard(id(param))
+            grad = self._locators.get(id(param), grad_or_zeros)(param)
+            group = self._groups[id(param)]
+            groups[id(group)] = group
+            batches.setdefault((id(group), grad.dtype), []).append(grad)
+        for (group_id, _), grads in batches.items():
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            dist.all_reduce(flat, group=groups[group_id])
+            self.calls += 1
+            offset = 0
+            with torch.no_grad():
+                for grad in grads:
+                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                    offset += grad.numel()
+
+    def sum_stage(self, stage: int) -> None:
+        """Sum whatever of `stage`'s marked parameters is not summed yet."""
+        self.sum(self.by_stage.get(stage, ()))
+
+    def sum_all(self) -> None:
+        """Sum every marked parameter not summed yet (stages in order)."""
+        for stage in sorted(self.by_stage):
+            self.sum_stage(stage)
+
+    def new_step(self) -> None:
+        """The step's sums are done: every marked parameter is pending again."""
+        self._pending = set(self._groups)
