@@ -23,7 +23,7 @@ from torch import nn
 
 from pipeline.parallel.data_parallel import BucketedGradReducer, GradReducer, OverlappingReducer
 from pipeline.parallel.expert_reduction import ExpertSplitReducer
-from pipeline.parallel.tensor.partial_grads import PartialGradSums
+from pipeline.parallel.tensor.partial_grads import PartialGradSums, keep_hooks
 from pipeline.parallel.zero import ShardedOptimizer
 
 __all__ = ["PartialSumReducer", "defer_partial_sums"]
@@ -65,17 +65,18 @@ def _bucket_reducers(reducer: GradReducer) -> Iterator[BucketedGradReducer]:
 
 def defer_partial_sums(reducer: GradReducer,
                        params_by_stage: Mapping[int, Sequence[nn.Parameter]], *,
-                       zero_stage: int, keep: Sequence[nn.Parameter] = ()) -> GradReducer:
+                       zero_stage: int, tp: int, keep: Sequence[nn.Parameter] = ()
+                       ) -> GradReducer:
     """`reducer` wrapped to sum the marked parameters of `params_by_stage` over tp once a
-    step (their hooks removed), when `zero_stage` is 0 or 1; else `reducer` unchanged
-    (hooks kept). `keep`: parameters whose hooks stay (tied weights)."""
-    if zero_stage not in (0, 1):
+    step (their hooks removed, or never registered), when `zero_stage` is 0 or 1 and
+    `tp` > 1; else `reducer` unchanged, the hooks kept. `keep`: parameters whose hooks
+    stay (tied weights)."""
+    every = [p for params in params_by_stage.values() for p in params]
+    if tp == 1 or zero_stage not in (0, 1) or (
+            zero_stage == 1 and not isinstance(reducer, ShardedOptimizer)):
+        keep_hooks(every)  # (a module an earlier engine deferred)
         return reducer
-    if zero_stage == 1 and not isinstance(reducer, ShardedOptimizer):
-        return reducer  # a reducer whose gradient buffers we cannot read: keep the hooks
     sums = PartialGradSums(params_by_stage, keep=keep)
-    if not sums:
-        return reducer
     if isinstance(reducer, ShardedOptimizer):
         for buffer in reducer.grad_buffers():
             if buffer.hooked:
@@ -85,5 +86,3 @@ def defer_partial_sums(reducer: GradReducer,
         bucketed.before_launch = sums.sum
     sums.take_over()
     return PartialSumReducer(reducer, sums)
-
-

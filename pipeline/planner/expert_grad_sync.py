@@ -9,12 +9,18 @@ rank holds the same experts, router and shared experts whole and routes 1/t of t
 - "megatron" (Megatron-Core): summed with the data-parallel reduction, once a step, over
   its expert-data-parallel group of the t·d / ep ranks holding the same experts
   (`expert_parallel.expert_group`); ZeRO shards the experts' states over those ranks.
-- "tp_rank" (this engine): a tensor hook per MoE parameter sums its gradient over tp
-  each time autograd computes it, synchronously (`sum_gradient_over_tensor_parallel`: one
-  all-reduce of the whole gradient, `async_op=False`, waited), inside every microbatch's
-  backward (B, or W when split); the step then reduces the experts over the d / ep ranks
-  with the same tp rank (`Topology.expert_dp_group`), over which ZeRO shards their
-  states: t times more of them per rank than Megatron-Core's.
+- "tp_rank" (this engine): under ZeRO-0 / 1 the step's accumulated MoE gradients of a
+  stage are summed over tp once, one coalesced synchronous all-reduce before the stage's
+  data-parallel reduction (`pipeline.parallel.partial_grad_reducer`), exposed
+  (`tp_gradient_step_seconds`); under ZeRO-2 / 3 a tensor hook per MoE parameter still
+  sums its gradient over tp each time autograd computes it (`sum_gradient_over_tensor_
+  parallel`: one all-reduce of the whole gradient, waited) inside every microbatch's
+  backward (B, or W when split: `tp_gradient_sum_seconds`). The step then reduces the
+  experts over the d / ep ranks with the same tp rank (`Topology.expert_dp_group`), over
+  which ZeRO shards their states: t times more of them per rank than Megatron-Core's.
+
+The norms (and biases) that sequence parallelism leaves partial are summed the same way
+but not priced here.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from pipeline.planner.pricing import allreduce_seconds
 from pipeline.planner.profile import LayerProfile
 
 __all__ = ["EXPERT_GRAD_GROUPS", "check_expert_grad_group", "engine_expert_group",
-           "expert_replicas", "moe_gradient_tensors", "tp_gradient_sum_seconds"]
+           "expert_replicas", "moe_gradient_tensors", "tp_gradient_step_seconds",
+           "tp_gradient_sum_seconds"]
 
 EXPERT_GRAD_GROUPS = ("tp_rank", "megatron")
 """The rules (module docstring): this engine's, Megatron-Core's."""
@@ -88,11 +95,11 @@ def moe_gradient_tensors(layer: LayerProfile, ep: int, *, split_experts: bool = 
 def tp_gradient_sum_seconds(stages: Sequence[Sequence[LayerProfile]], cluster: ClusterSpec,
                             *, tp: int, ep: int, gradient_bytes: float,
                             split_experts: bool = False) -> np.ndarray:
-    """Per stage, seconds one microbatch's backward spends in the "tp_rank" rule's hooks:
-    one exposed all-reduce over the t neighbouring ranks (`pricing.allreduce_seconds`) of
-    each `moe_gradient_tensors` gradient, `gradient_bytes` an element (the engine's fp32
-    gradients, 4), of every MoE block of the stage (`split_experts`: as
-    `moe_gradient_tensors`). Zeros at t = 1."""
+    """Per stage, seconds one microbatch's backward spends in the "tp_rank" rule's hooks
+    (ZeRO-2 / 3): one exposed all-reduce over the t neighbouring ranks
+    (`pricing.allreduce_seconds`) of each `moe_gradient_tensors` gradient, `gradient_bytes`
+    an element (the engine's fp32 gradients, 4), of every MoE block of the stage
+    (`split_experts`: as `moe_gradient_tensors`). Zeros at t = 1."""
     if tp <= 1:
         return np.zeros(len(stages))
     return np.array([sum(allreduce_seconds(count * gradient_bytes, tp, 1, cluster)
@@ -100,3 +107,18 @@ def tp_gradient_sum_seconds(stages: Sequence[Sequence[LayerProfile]], cluster: C
                          for count in moe_gradient_tensors(layer, ep,
                                                            split_experts=split_experts))
                      for stage in stages], dtype=float)
+
+
+def tp_gradient_step_seconds(stages: Sequence[Sequence[LayerProfile]], cluster: ClusterSpec,
+                             *, tp: int, ep: int, gradient_bytes: float,
+                             split_experts: bool = False) -> np.ndarray:
+    """Per stage, seconds a step spends in the "tp_rank" rule's sum under ZeRO-0 / 1: one
+    coalesced all-reduce over the t neighbouring ranks of every `moe_gradient_tensors`
+    gradient of the stage, `gradient_bytes` an element, once a step before the stage's
+    data-parallel reduction, exposed (`pipeline.parallel.partial_grad_reducer`). Zeros at
+    t = 1 and for a stage without MoE blocks."""
+    totals = [sum(count for layer in stage
+                  for count in moe_gradient_tensors(layer, ep, split_experts=split_experts))
+              for stage in stages]
+    return np.array([allreduce_seconds(total * gradient_bytes, tp, 1, cluster)
+                     if tp > 1 and total else 0.0 for total in totals], dtype=float)

@@ -157,7 +157,7 @@ class PlanContext(RankPricing):
     experts (`expert_grad_sync`): this engine's "tp_rank", Megatron-Core's "megatron"."""
     cp_attention: str = "all-gather"
     """Context parallelism's K/V movement (`SearchOptions.cp_attention`)."""
-    _tables: dict[tuple[int, int, str, int, int, int], StageTable] = field(
+    _tables: dict[tuple[int, int, str, int, int, int, bool], StageTable] = field(
         default_factory=dict)
     _prices: dict[tuple[int, str, int, int], LayerPrices] = field(default_factory=dict)
     _partitions: dict[tuple[int, int, bool, int, int], tuple[int, ...]] = field(

@@ -14,7 +14,11 @@ from pipeline.planner.cluster import ClusterSpec
 from pipeline.planner.config import PlanConfig
 from pipeline.planner.context_parallel import context_table
 from pipeline.planner.errors import PlanError
-from pipeline.planner.expert_grad_sync import expert_replicas, tp_gradient_sum_seconds
+from pipeline.planner.expert_grad_sync import (
+    expert_replicas,
+    tp_gradient_step_seconds,
+    tp_gradient_sum_seconds,
+)
 from pipeline.planner.memory import GRAD_BYTES, HeldTrace, MemoryBreakdown, peak_rank_memory
 from pipeline.planner.peaks import PeakCounts
 from pipeline.planner.profile import LayerProfile, ModelProfile
@@ -52,7 +56,7 @@ class RankPricing:
     routing_imbalance: float | None
     expert_grad_group: str
     cp_attention: str
-    _tables: dict[tuple[int, int, str, int, int, int], StageTable]
+    _tables: dict[tuple[int, int, str, int, int, int, bool], StageTable]
     _prices: dict[tuple[int, str, int, int], LayerPrices]
     expert_tensor_parallel: bool
     _partitions: dict[tuple[int, int, bool, int, int], tuple[int, ...]]
@@ -65,7 +69,7 @@ class RankPricing:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
         (compute only: every cut carries the same hidden-state bytes) into p·v stages."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
-               config.cp, config.ep)
+               config.cp, config.ep, config.zero_stage >= 2)
         if key not in self._tables:
             layers = self.layers_at(config.ep, config.cp, self.expert_tp(config))
             # the cuts see full recomputation of every layer; selective and partial
@@ -89,14 +93,22 @@ class RankPricing:
                 layers, cuts, self.cluster, self.precision, config.tp,
                 config.recompute, config.recompute_layers, self.tp_overlap, prices),
                 config.cp, config.tp, attention=self.cp_attention)
-            if self.expert_grad_group == "tp_rank" and config.tp > 1 and self.model.experts:
-                # this engine's hooks: the MoE gradients summed over tp every backward
+            if self._per_backward_tp_sum(config):
+                # this engine's hooks under ZeRO-2 / 3: the MoE gradients summed over tp
+                # every backward (ZeRO-0 / 1: once a step, `_price_update`)
                 table = replace(table, grad_sum=tp_gradient_sum_seconds(
                     table.stages, self.cluster, tp=config.tp, ep=config.ep,
                     gradient_bytes=self.gradient_bytes,
                     split_experts=self.expert_tp(config) > 1))
             self._tables[key] = table
         return self._tables[key]
+
+    def _per_backward_tp_sum(self, config: PlanConfig) -> bool:
+        return self._tp_sum(config) and config.zero_stage >= 2
+
+    def _tp_sum(self, config: PlanConfig) -> bool:
+        """Whether this engine's rule sums MoE gradients over tp (`expert_grad_sync`)."""
+        return self.expert_grad_group == "tp_rank" and config.tp > 1 and bool(self.model.experts)
 
     @property
     def gradient_bytes(self) -> float:
@@ -274,6 +286,11 @@ class RankPricing:
                 held, self.cluster, dp=config.dp * config.cp, tp=config.tp,
                 zero_stage=config.zero_stage,
                 element_bytes=self.grad_reduce_bytes)
+        if self._tp_sum(config) and config.zero_stage < 2:  # once a step, before dp's
+            exposed = exposed + np.bincount(placement, weights=tp_gradient_step_seconds(
+                table.stages, self.cluster, tp=config.tp, ep=config.ep,
+                gradient_bytes=self.gradient_bytes,
+                split_experts=self.expert_tp(config) > 1), minlength=config.pp)
         if config.zero_stage >= 2:  # ZeRO-2/3's per-microbatch collectives, exposed
             costs = table.costs(config.microbatch_size)
             # dense units over dp × cp, expert units over their group (`expert_group`)

@@ -199,7 +199,8 @@ def setup_training(module: PipelineModule, placement: Sequence[int], topology: T
     if gradient_reducer is None:  # tp-partial gradients: summed once a step (ZeRO-0 / 1)
         reducer = defer_partial_sums(
             reducer, {int(s): module.stage_parameters(int(s)) for s in module.stages},
-            zero_stage=int(config.zero_stage), keep=[] if tied is None else tied.params)
+            zero_stage=int(config.zero_stage), tp=topology.tp,
+            keep=[] if tied is None else tied.params)
     if tied is not None:
         reducer = TiedGradReducer(reducer, tied)
     # 4. Precision: fp16's overflow vote spans every rank.

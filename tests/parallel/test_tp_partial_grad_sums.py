@@ -1,4 +1,4 @@
-"""The tp sum of partial gradients (SP norms) runs once a step per stage, not per microbatch.
+"""The tp sum of partial gradients (SP norms, MoE routers and experts) runs once a step.
 
 A tiny Llama from a `save_pretrained` directory with sequence parallelism at tp 2, 4
 microbatches: each rank counts the tp all-reduces of partial gradients in one step, the
@@ -77,16 +77,16 @@ class _Counting:
 
 def _never_summed(original: Any) -> Any:
     def sum_(self: Any, params: Any) -> None:
-        self._pending.difference_update(id(p) for p in params)
+        self._done.update(id(p) for p in params)
     return sum_
 
 
 def _summed_twice(original: Any) -> Any:
     def sum_(self: Any, params: Any) -> None:
-        todo = [p for p in params if id(p) in self._pending]
-        original(self, todo)
-        self._pending.update(id(p) for p in todo)
-        original(self, todo)
+        before = set(self._done)
+        original(self, params)
+        self._done.intersection_update(before)  # forget them: the next call sums them again
+        original(self, params)
     return sum_
 
 
@@ -120,3 +120,35 @@ def _ranks(rank: int, world_size: int, planted: list[str]) -> None:
 @pytest.mark.slow
 def test_sp_norm_gradients_are_summed_over_tp_once_a_step_and_equal_hf() -> None:
     run_ranks(_ranks, 4, list(PLANTED), timeout=600)
+
+
+MOE_CASES = [  # (zero, overlap, deferred all-reduces a step): the stage's, or with overlap
+    (0, False, 1),  # the dense bucket's (norms, router) and then the experts' at REDUCE_GRAD
+    (0, True, 2),
+    (1, False, 1),
+    (1, True, 2),
+]
+
+
+def _moe_ranks(rank: int, world_size: int) -> None:
+    from tests.support.hf_moe_equivalence import moe_step_differences
+
+    torch.set_num_threads(1)
+    for zero, overlap, deferred in MOE_CASES:
+        label = f"mixtral tp2 ep2 sp zero{zero}{' overlap' if overlap else ''}"
+        with _Counting() as counted:
+            found = moe_step_differences("mixtral", pp=1, dp=2, ep=2, tp=2, zero=zero,
+                                         sequence_parallel=True, overlap_grad_reduce=overlap)
+        worst = max(found["loss"], found["grad"], found["param"])
+        assert worst < TOLERANCE, f"{label}: {found}"
+        assert (counted.hooks, counted.deferred) == (0, deferred), (
+            f"{label}: {counted.hooks} hook and {counted.deferred} deferred tp all-reduces a "
+            f"step, expected 0 and {deferred}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_moe_router_and_whole_experts_at_tp2_ep2_are_summed_once_a_step() -> None:
+    """A tiny Mixtral at tp 2 × ep 2 (dp 2) with sequence parallelism: its norms, router and
+    whole experts (expert tensor parallelism 1) summed over tp once a step, equal to HF."""
+    run_ranks(_moe_ranks, 4, timeout=600)

@@ -1,6 +1,7 @@
 """This engine's MoE gradients at tp > 1 in the planner (`expert_grad_sync`), each price
-against its definition written here: the per-microbatch tp sum of every MoE tensor's
-gradient inside the op computing it (B, or W when split), shown as tp_comm; the expert
+against its definition written here: under ZeRO-2 / 3 the per-microbatch tp sum of every MoE
+tensor's gradient inside the op computing it (B, or W when split), shown as tp_comm; under
+ZeRO-0 / 1 one coalesced all-reduce of a stage's MoE gradients a step, exposed; the expert
 group of the dp / ep ranks of one tp rank (the engine's `Topology.expert_dp_group`) for
 the step's reduction; Megatron-Core's rule unchanged. Planted bugs fail the checks
 (the engine's own counts: `test_tp_ep_engine_grads.py`)."""
@@ -58,15 +59,26 @@ def test_the_tp_rank_group_is_the_engines_expert_dp_group(dp: int, cp: int, tp: 
     assert engine_expert_group(dp * cp, tp, ep, "megatron") == (tp * dp * cp // ep, ep)
 
 
+def _step_seconds(tp: int, ep: int, blocks: int, cluster: object = H100) -> float:
+    """ZeRO-0 / 1, by definition: one all-reduce over the t neighbouring ranks of every fp32
+    gradient the hooks would sum, of all `blocks` MoE blocks of the stage, once a step."""
+    return allreduce_seconds(4 * blocks * (E * H + E // ep * 2 * F * H + E // ep * H * F),
+                             tp, 1, cluster)  # type: ignore[arg-type]
+
+
 def _check_backward() -> None:
-    """Each stage's backward carries the hooks' sums, in W (split) and B (fused), as tp_comm;
-    Megatron-Core's rule and t = 1 none."""
+    """Under ZeRO-2 each stage's backward carries the hooks' sums, in W (split) and B
+    (fused), as tp_comm; ZeRO-0 / 1, Megatron-Core's rule and t = 1 none."""
     model = load_model(MOE, sequence_parallel=True)
     blocks = sum(1 for layer in model.layers if layer.expert_params)
     ours, core = (PlanContext(model, H100, 32, "bf16", expert_grad_group=rule)
                   for rule in ("tp_rank", "megatron"))
+    for zero in (0, 1):
+        assert np.array_equal(ours.table(_config(zero=zero)).costs(2).weight_grad,
+                              core.table(_config(zero=zero)).costs(2).weight_grad)
     for split in (False, True):
-        mine, theirs = (context.table(_config()).costs(2, split) for context in (ours, core))
+        mine, theirs = (context.table(_config(zero=2)).costs(2, split)
+                        for context in (ours, core))
         added = blocks * _hooks_seconds(2, 2)
         assert np.allclose(mine.weight_grad - theirs.weight_grad, added, rtol=1e-12, atol=0)
         assert np.allclose(mine.tp_comm - theirs.tp_comm, added, rtol=1e-12, atol=0)
@@ -92,7 +104,29 @@ def _check_reduction() -> None:
     assert np.allclose(found.time, expected, rtol=1e-12)
 
 
-CHECKS: tuple[Callable[[], None], ...] = (_check_backward, _check_reduction)
+def _check_step() -> None:
+    """ZeRO-0 / 1: the rank's exposed seconds around the step carry one coalesced tp sum of
+    its stage's MoE gradients (the engine's `PartialGradSums`), against the same step
+    without it."""
+    model = load_model(MOE, sequence_parallel=True)
+    blocks = sum(1 for layer in model.layers if layer.expert_params)
+    priced = rank_pricing.tp_gradient_step_seconds
+    for zero in (0, 1):
+        mine = PlanContext(model, H100, 32, "bf16").update_seconds(_config(zero=zero))[1]
+        rank_pricing.tp_gradient_step_seconds = (  # type: ignore[assignment]
+            lambda stages, *args, **kwargs: np.zeros(len(stages)))
+        try:
+            without = PlanContext(model, H100, 32, "bf16").update_seconds(_config(zero=zero))[1]
+        finally:
+            rank_pricing.tp_gradient_step_seconds = priced  # type: ignore[assignment]
+        assert np.allclose(mine - without, _step_seconds(2, 2, blocks), rtol=1e-12, atol=0)
+        core = PlanContext(model, H100, 32, "bf16", expert_grad_group="megatron")
+        assert not np.any(core.table(_config(zero=zero)).costs(2).tp_comm
+                          - PlanContext(model, H100, 32, "bf16").table(
+                              _config(zero=zero)).costs(2).tp_comm)
+
+
+CHECKS: tuple[Callable[[], None], ...] = (_check_backward, _check_reduction, _check_step)
 
 
 def test_the_backward_and_the_step_price_this_engines_hooks_and_groups() -> None:
@@ -119,6 +153,8 @@ PLANTED: dict[str, tuple[object, str, object, Callable[[], None]]] = {
                           _check_backward),
     "one all-reduce a stage": (rank_pricing, "tp_gradient_sum_seconds", _one_all_reduce,
                                _check_backward),
+    "per tensor at the step": (rank_pricing, "tp_gradient_step_seconds",
+                               expert_grad_sync.tp_gradient_sum_seconds, _check_step),
     "Megatron-Core's group": (data_parallel, "engine_expert_group",
                               lambda dp, tp, ep, rule: engine_expert_group(dp, tp, ep,
                                                                            "megatron"),
@@ -137,14 +173,18 @@ def test_planted_bugs_fail_the_checks(bug: str, monkeypatch: pytest.MonkeyPatch)
 def test_the_breakdown_books_the_hooks_as_tp_comm_and_megatron_core_is_unchanged() -> None:
     model = load_model(MOE, sequence_parallel=True)
     blocks = sum(1 for layer in model.layers if layer.expert_params)
-    ours = price(model, H100, 32, _config(), options=SearchOptions())
-    core_rule = price(model, H100, 32, _config(),
-                      options=SearchOptions(expert_grad_group="megatron"))
-    # m microbatches, each backward summing every block's MoE gradients
+    ours, core_rule = (price(model, H100, 32, _config(zero=2), options=SearchOptions(
+        expert_grad_group=rule)) for rule in ("tp_rank", "megatron"))
+    # ZeRO-2: m microbatches, each backward summing every block's MoE gradients
     assert ours.breakdown["tp_comm"] - core_rule.breakdown["tp_comm"] == pytest.approx(
         4 * blocks * _hooks_seconds(2, 2), rel=1e-9)
     assert sum(ours.breakdown.values()) == pytest.approx(ours.step_seconds, rel=1e-9)
     assert ours.step_seconds > core_rule.step_seconds
+    ours, core_rule = (price(model, H100, 32, _config(), options=SearchOptions(
+        expert_grad_group=rule)) for rule in ("tp_rank", "megatron"))
+    # ZeRO-1: once a step, exposed around it (booked with dp_comm), none in the backward
+    assert ours.breakdown["tp_comm"] == pytest.approx(core_rule.breakdown["tp_comm"], rel=1e-9)
+    assert sum(ours.breakdown.values()) == pytest.approx(ours.step_seconds, rel=1e-9)
     # ZeRO-1: this engine shards the experts' Adam state over dp / ep = 2, not t·dp / ep = 4
     experts = sum(layer.expert_params for layer in model.layers) / 2
     assert ours.memory.optimizer - core_rule.memory.optimizer == pytest.approx(
@@ -163,14 +203,17 @@ def test_with_experts_split_over_tp_only_the_router_is_summed_and_both_rules_agr
     """Expert tensor parallelism: each tp rank holds its own slice of the experts, whose
     gradients the engine leaves unsummed (`hf_moe_tp`: a tensor-parallel shard keeps its own
     gradient); the router's is still summed every backward. So this engine's step is
-    Megatron-Core's rule plus, per microbatch and block, the router's all-reduce alone, and
+    Megatron-Core's rule plus, per microbatch and block under ZeRO-2, the router's all-reduce
+    alone (ZeRO-0 / 1: once a step), and
     the two rules hold the same expert states (sharded over the d / ep ranks with the same
     slice)."""
     model = load_model(MOE, sequence_parallel=True)
     blocks = sum(1 for layer in model.layers if layer.expert_params)
-    ours, core = (price(model, H100, 32, _config(), options=SearchOptions(
+    ours, core = (price(model, H100, 32, _config(zero=2), options=SearchOptions(
         expert_tensor_parallel=True, expert_grad_group=rule)) for rule in ("tp_rank", "megatron"))
     router = allreduce_seconds(4 * E * H, 2, 1, H100)
     assert ours.breakdown["tp_comm"] - core.breakdown["tp_comm"] == pytest.approx(
         4 * blocks * router, rel=1e-6)
+    ours, core = (price(model, H100, 32, _config(), options=SearchOptions(
+        expert_tensor_parallel=True, expert_grad_group=rule)) for rule in ("tp_rank", "megatron"))
     assert ours.memory.optimizer == pytest.approx(core.memory.optimizer)

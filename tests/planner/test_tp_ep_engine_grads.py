@@ -1,10 +1,11 @@
 """The planner's pipesched MoE gradients at tp > 1 (`expert_grad_sync`) against the engine:
 a tiny Mixtral at pp1 × tp2 × dp4 × ep2 (8 gloo ranks: ep splits dp), ZeRO-1, one Adam step. Each
 rank's counted optimizer bytes (`count_model_states`) against the planner's memory (its
-experts' Adam state sharded over the dp / ep ranks of one tp rank), and the all-reduces
-the engine's gradient hooks issue (`start_all_reduce` with `async_op=False`, counted
-here) against the planner's per-microbatch tensors; Megatron-Core's rule priced for the
-same run (the planted bug) is off."""
+experts' Adam state sharded over the dp / ep ranks of one tp rank), and the tp sums of the
+MoE gradients (the hooks' `start_all_reduce` with `async_op=False`, none left at ZeRO-1,
+and the engine's deferred `PartialGradSums`, counted here) against the planner's one
+coalesced all-reduce a stage and step; Megatron-Core's rule priced for the same run (the
+planted bug) is off."""
 
 from __future__ import annotations
 
@@ -39,20 +40,26 @@ def _ranks(rank: int, world_size: int, out: str) -> None:
     from pipeline.interop.hf_tensor_parallel import tensor_parallel_hf
     from pipeline.moe.balance_loss import train_batch_balanced
     from pipeline.parallel.model_state import count_model_states
-    from pipeline.parallel.tensor import sequence
+    from pipeline.parallel.tensor import partial_grads, sequence
     from tests.support.hf_models import token_batch
     from tests.support.hf_moe_models import tiny_moe_config
 
     torch.set_num_threads(1)
     hooks: list[int] = []
-    original = sequence.start_all_reduce
+    original, init = sequence.start_all_reduce, partial_grads.PartialGradSums.__init__
+    deferred: list[partial_grads.PartialGradSums] = []
 
     def counting(tensor: torch.Tensor, group: Any, *, async_op: bool = True) -> Any:
         if not async_op:  # `sum_gradient_over_tensor_parallel`'s hook, nothing else
             hooks.append(tensor.numel() * tensor.element_size())
         return original(tensor, group, async_op=async_op)
 
+    def recording(sums: Any, *args: Any, **kwargs: Any) -> None:
+        init(sums, *args, **kwargs)
+        deferred.append(sums)
+
     sequence.start_all_reduce = counting  # type: ignore[assignment]
+    partial_grads.PartialGradSums.__init__ = recording  # type: ignore[method-assign]
     try:
         hf = tensor_parallel_hf(layers_from_hf(tiny_moe_config("mixtral")))
         module = PipelineModule(hf.layers, num_stages=1, loss_fn=hf.loss_fn)
@@ -65,8 +72,10 @@ def _ranks(rank: int, world_size: int, out: str) -> None:
         train_batch_balanced(engine, hf.balance, ids, causal_lm_targets(ids))
     finally:
         sequence.start_all_reduce = original  # type: ignore[assignment]
+        partial_grads.PartialGradSums.__init__ = init  # type: ignore[method-assign]
     mine = {"optimizer": count_model_states(module, engine.optimizer).optimizer,
-            "calls": len(hooks), "bytes": sum(hooks)}
+            "calls": len(hooks) + sum(sums.calls for sums in deferred),
+            "bytes": sum(hooks) + sum(sums.payload_bytes for sums in deferred)}
     every: list[Any] = [None] * world_size
     dist.all_gather_object(every, mine)
     if rank == 0:
@@ -88,8 +97,10 @@ def _planned(directory: Path, rule: str) -> dict[str, float]:
                         zero_stage=1, recompute="none", ep=2)
     memory, _ = context.memory(config, floor=True)
     tensors = [count for layer in model.layers for count in moe_gradient_tensors(layer, 2)]
-    each = MICROBATCHES if rule == "tp_rank" else 0  # Megatron-Core: none in the backward
-    return {"optimizer": memory.optimizer, "calls": each * len(tensors),
+    # ZeRO-1: one coalesced all-reduce of the stage's MoE gradients a step (the engine's
+    # `PartialGradSums`, `expert_grad_sync.tp_gradient_step_seconds`); Megatron-Core: none
+    each = 1 if rule == "tp_rank" else 0
+    return {"optimizer": memory.optimizer, "calls": each * (1 if tensors else 0),
             "bytes": each * sum(tensors) * context.gradient_bytes}
 
 

@@ -227,7 +227,7 @@ def sum_gradient_over_tensor_parallel(param: torch.Tensor, group: ProcessGroup |
     def all_reduce(grad: torch.Tensor) -> torch.Tensor:
         return start_all_reduce(grad, group, async_op=False).wait()
 
-    mark_partial_gradient(param, group, param.register_hook(all_reduce))
+    mark_partial_gradient(param, group, all_reduce)  # registers it unless an engine defers
     setattr(param, _SUMMED, True)
 
 
