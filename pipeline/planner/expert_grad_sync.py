@@ -11,13 +11,15 @@ rank holds the same experts, router and shared experts whole and routes 1/t of t
   (`expert_parallel.expert_group`); ZeRO shards the experts' states over those ranks.
 - "tp_rank" (this engine): under ZeRO-0 / 1 the step's accumulated MoE gradients of a
   stage are summed over tp once, one coalesced synchronous all-reduce before the stage's
-  data-parallel reduction (`pipeline.parallel.partial_grad_reducer`), exposed
+  data-parallel reduction (two with `overlap_grad_reduce`: the dense parameters' and the
+  experts', `pipeline.parallel.partial_grad_reducer`), exposed
   (`tp_gradient_step_seconds`); under ZeRO-2 / 3 a tensor hook per MoE parameter still
-  sums its gradient over tp each time autograd computes it (`sum_gradient_over_tensor_
-  parallel`: one all-reduce of the whole gradient, waited) inside every microbatch's
-  backward (B, or W when split: `tp_gradient_sum_seconds`). The step then reduces the
-  experts over the d / ep ranks with the same tp rank (`Topology.expert_dp_group`), over
-  which ZeRO shards their states: t times more of them per rank than Megatron-Core's.
+  sums its gradient over tp each time autograd computes it
+  (`sum_gradient_over_tensor_parallel`: one all-reduce of the whole gradient, waited)
+  inside every microbatch's backward (B, or W when split: `tp_gradient_sum_seconds`). The
+  step then reduces the experts over the d / ep ranks with the same tp rank
+  (`Topology.expert_dp_group`), over which ZeRO shards their states: t times more of them
+  per rank than Megatron-Core's.
 
 The norms (and biases) that sequence parallelism leaves partial are summed the same way
 but not priced here.
@@ -36,7 +38,8 @@ from pipeline.planner.pricing import allreduce_seconds
 from pipeline.planner.profile import LayerProfile
 
 __all__ = ["EXPERT_GRAD_GROUPS", "check_expert_grad_group", "engine_expert_group",
-           "expert_replicas", "moe_gradient_tensors", "tp_gradient_step_seconds",
+           "expert_replicas", "moe_gradient_parts", "moe_gradient_tensors",
+           "tp_gradient_step_seconds",
            "tp_gradient_sum_seconds"]
 
 EXPERT_GRAD_GROUPS = ("tp_rank", "megatron")
@@ -109,16 +112,39 @@ def tp_gradient_sum_seconds(stages: Sequence[Sequence[LayerProfile]], cluster: C
                      for stage in stages], dtype=float)
 
 
+def moe_gradient_parts(layer: LayerProfile, ep: int, *, split_experts: bool = False
+                       ) -> tuple[float, float]:
+    """`moe_gradient_tensors` of one block in two: (the router and shared expert, dense
+    parameters; the rank's routed experts, expert shards), as the engine's reducer holds
+    them apart (`pipeline.parallel.expert_reduction`)."""
+    tensors = moe_gradient_tensors(layer, ep, split_experts=split_experts)
+    if not tensors:
+        return 0.0, 0.0
+    if layer.shape is None or layer.shape.routed is None:
+        return 0.0, float(tensors[0])
+    experts = 0.0 if split_experts else float(sum(tensors[1:3]))
+    return float(sum(tensors)) - experts, experts
+
+
 def tp_gradient_step_seconds(stages: Sequence[Sequence[LayerProfile]], cluster: ClusterSpec,
                              *, tp: int, ep: int, gradient_bytes: float,
-                             split_experts: bool = False) -> np.ndarray:
-    """Per stage, seconds a step spends in the "tp_rank" rule's sum under ZeRO-0 / 1: one
-    coalesced all-reduce over the t neighbouring ranks of every `moe_gradient_tensors`
-    gradient of the stage, `gradient_bytes` an element, once a step before the stage's
-    data-parallel reduction, exposed (`pipeline.parallel.partial_grad_reducer`). Zeros at
-    t = 1 and for a stage without MoE blocks."""
-    totals = [sum(count for layer in stage
-                  for count in moe_gradient_tensors(layer, ep, split_experts=split_experts))
-              for stage in stages]
-    return np.array([allreduce_seconds(total * gradient_bytes, tp, 1, cluster)
-                     if tp > 1 and total else 0.0 for total in totals], dtype=float)
+                             split_experts: bool = False, overlap: bool = False
+                             ) -> np.ndarray:
+    """Per stage, seconds a step spends in the "tp_rank" rule's sum under ZeRO-0 / 1: the
+    stage's `moe_gradient_tensors` gradients, `gradient_bytes` an element, all-reduced over
+    the t neighbouring ranks once a step before the stage's data-parallel reduction, exposed
+    (`pipeline.parallel.partial_grad_reducer`): one coalesced all-reduce, or with `overlap`
+    (`overlap_grad_reduce`) two, the dense parameters' (router, shared expert) before their
+    bucket and the routed experts' before theirs (`moe_gradient_parts`; more where a stage's
+    buckets split them further: not priced). Zeros at t = 1 and for a stage without MoE
+    blocks."""
+    seconds = []
+    for stage in stages:
+        dense = sum(moe_gradient_parts(layer, ep, split_experts=split_experts)[0]
+                    for layer in stage)
+        experts = sum(moe_gradient_parts(layer, ep, split_experts=split_experts)[1]
+                      for layer in stage)
+        calls = [dense, experts] if overlap else [dense + experts]
+        seconds.append(sum(allreduce_seconds(count * gradient_bytes, tp, 1, cluster)
+                           for count in calls if tp > 1 and count))
+    return np.array(seconds, dtype=float)

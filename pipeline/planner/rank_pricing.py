@@ -290,7 +290,8 @@ class RankPricing:
             exposed = exposed + np.bincount(placement, weights=tp_gradient_step_seconds(
                 table.stages, self.cluster, tp=config.tp, ep=config.ep,
                 gradient_bytes=self.gradient_bytes,
-                split_experts=self.expert_tp(config) > 1), minlength=config.pp)
+                split_experts=self.expert_tp(config) > 1, overlap=self.overlap_grad_reduce),
+                minlength=config.pp)
         if config.zero_stage >= 2:  # ZeRO-2/3's per-microbatch collectives, exposed
             costs = table.costs(config.microbatch_size)
             # dense units over dp × cp, expert units over their group (`expert_group`)

@@ -3,9 +3,9 @@ a tiny Mixtral at pp1 × tp2 × dp4 × ep2 (8 gloo ranks: ep splits dp), ZeRO-1,
 rank's counted optimizer bytes (`count_model_states`) against the planner's memory (its
 experts' Adam state sharded over the dp / ep ranks of one tp rank), and the tp sums of the
 MoE gradients (the hooks' `start_all_reduce` with `async_op=False`, none left at ZeRO-1,
-and the engine's deferred `PartialGradSums`, counted here) against the planner's one
-coalesced all-reduce a stage and step; Megatron-Core's rule priced for the same run (the
-planted bug) is off."""
+and the engine's deferred `PartialGradSums`, counted here) against the planner's two
+all-reduces a stage and step (routers, experts); Megatron-Core's rule priced for the same
+run (the planted bug) is off."""
 
 from __future__ import annotations
 
@@ -97,10 +97,15 @@ def _planned(directory: Path, rule: str) -> dict[str, float]:
                         zero_stage=1, recompute="none", ep=2)
     memory, _ = context.memory(config, floor=True)
     tensors = [count for layer in model.layers for count in moe_gradient_tensors(layer, 2)]
-    # ZeRO-1: one coalesced all-reduce of the stage's MoE gradients a step (the engine's
-    # `PartialGradSums`, `expert_grad_sync.tp_gradient_step_seconds`); Megatron-Core: none
+    routers = [layer.shape.hidden * layer.shape.routed.experts for layer in model.layers
+               if layer.expert_params and layer.shape and layer.shape.routed]
+    # ZeRO-1, overlap_grad_reduce (the engine's default): the stage's MoE gradients summed
+    # once a step, the routers' before the dense bucket and the experts' before theirs (the
+    # engine's `PartialGradSums`, `expert_grad_sync.tp_gradient_step_seconds`); Megatron-
+    # Core: none
     each = 1 if rule == "tp_rank" else 0
-    return {"optimizer": memory.optimizer, "calls": each * (1 if tensors else 0),
+    return {"optimizer": memory.optimizer,
+            "calls": each * (int(bool(routers)) + int(sum(tensors) > sum(routers))),
             "bytes": each * sum(tensors) * context.gradient_bytes}
 
 
