@@ -11,7 +11,8 @@ region's main-gradient buffer), or no data parallelism at all. The sum then runs
 - at STEP, for whatever no REDUCE_GRAD summed (a stage the reducer reduces at `wait`).
 
 ZeRO-2 / 3 reduce-scatter every backward (or keep only shards), so there the hooks stay and
-sum per backward; a caller's own `gradient_reducer` and tied weights keep them too.
+sum per backward; a caller's own `gradient_reducer`, tied weights and a model with a tensor
+cut into tp parts of different sizes (`uneven_split`) keep them too.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from torch import nn
 from pipeline.parallel.data_parallel import BucketedGradReducer, GradReducer, OverlappingReducer
 from pipeline.parallel.expert_reduction import ExpertSplitReducer
 from pipeline.parallel.tensor.partial_grads import PartialGradSums, keep_hooks
+from pipeline.parallel.tensor.shard_layout import layout_of
 from pipeline.parallel.zero import ShardedOptimizer
 
-__all__ = ["PartialSumReducer", "defer_partial_sums"]
+__all__ = ["PartialSumReducer", "defer_partial_sums", "uneven_split"]
 
 
 class PartialSumReducer:
@@ -63,16 +65,29 @@ def _bucket_reducers(reducer: GradReducer) -> Iterator[BucketedGradReducer]:
         yield reducer
 
 
+def uneven_split(params: Sequence[nn.Parameter]) -> bool:
+    """Whether some parameter is cut into tp parts of different sizes (an odd vocabulary:
+    `shard_layout`). The sums run as the dp buckets launch, so every tp rank must put the
+    marked parameters in the same buckets; parts of different sizes can move a bucket's
+    boundary on one tp rank only, and its sums would then not pair up: keep the hooks."""
+    for param in params:
+        layout = layout_of(param)
+        if layout is not None and any(block % layout.size for block in layout.blocks):
+            return True
+    return False
+
+
 def defer_partial_sums(reducer: GradReducer,
                        params_by_stage: Mapping[int, Sequence[nn.Parameter]], *,
                        zero_stage: int, tp: int, keep: Sequence[nn.Parameter] = ()
                        ) -> GradReducer:
     """`reducer` wrapped to sum the marked parameters of `params_by_stage` over tp once a
     step (their hooks removed, or never registered), when `zero_stage` is 0 or 1 and
-    `tp` > 1; else `reducer` unchanged, the hooks kept. `keep`: parameters whose hooks
-    stay (tied weights)."""
+    `tp` > 1 and every tp part of the same tensor has one size (`uneven_split`); else
+    `reducer` unchanged, the hooks kept. `keep`: parameters whose hooks stay (tied
+    weights)."""
     every = [p for params in params_by_stage.values() for p in params]
-    if tp == 1 or zero_stage not in (0, 1) or (
+    if tp == 1 or zero_stage not in (0, 1) or uneven_split(every) or (
             zero_stage == 1 and not isinstance(reducer, ShardedOptimizer)):
         keep_hooks(every)  # (a module an earlier engine deferred)
         return reducer
