@@ -21,6 +21,7 @@ __all__ = [
     "OverlappingReducer",
     "broadcast_buffers",
     "broadcast_parameters",
+    "grad_or_zeros",
     "make_grad_reducer",
     "split_into_buckets",
 ]
@@ -176,7 +177,7 @@ class BucketedGradReducer:
         """All-reduce one bucket: the gradients of `params[i]` for i in `members`."""
         if self.before_launch is not None:
             self.before_launch([params[i] for i in members])
-        bucket_grads = [_grad_or_zeros(params[i]) for i in members]
+        bucket_grads = [grad_or_zeros(params[i]) for i in members]
         flat = torch.cat([grad.reshape(-1) for grad in bucket_grads])
         if self.average:
             flat.div_(self.dp_size)
@@ -212,7 +213,9 @@ def _mark_final(launches: BucketLaunches, k: int) -> Callable[[torch.Tensor], No
     return hook
 
 
-def _grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
+def grad_or_zeros(param: torch.nn.Parameter) -> torch.Tensor:
+    """`param.grad`, zeros when it has none: every rank of a group must reduce the same
+    tensors, whatever its data touched."""
     if param.grad is None:
         param.grad = torch.zeros_like(param)
     return param.grad

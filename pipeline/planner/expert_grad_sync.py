@@ -140,10 +140,8 @@ def tp_gradient_step_seconds(stages: Sequence[Sequence[LayerProfile]], cluster: 
     blocks."""
     seconds = []
     for stage in stages:
-        dense = sum(moe_gradient_parts(layer, ep, split_experts=split_experts)[0]
-                    for layer in stage)
-        experts = sum(moe_gradient_parts(layer, ep, split_experts=split_experts)[1]
-                      for layer in stage)
+        parts = [moe_gradient_parts(layer, ep, split_experts=split_experts) for layer in stage]
+        dense, experts = sum(part[0] for part in parts), sum(part[1] for part in parts)
         calls = [dense, experts] if overlap else [dense + experts]
         seconds.append(sum(allreduce_seconds(count * gradient_bytes, tp, 1, cluster)
                            for count in calls if tp > 1 and count))

@@ -69,7 +69,7 @@ class RankPricing:
         """The stages of `config`: the exact partitioner's cuts of the one-sample layer costs
         (compute only: every cut carries the same hidden-state bytes) into p·v stages."""
         key = (config.pp * config.chunks, config.tp, config.recompute, config.recompute_layers,
-               config.cp, config.ep, config.zero_stage >= 2)
+               config.cp, config.ep, self._per_backward_tp_sum(config))
         if key not in self._tables:
             layers = self.layers_at(config.ep, config.cp, self.expert_tp(config))
             # the cuts see full recomputation of every layer; selective and partial

@@ -23,6 +23,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.hooks import RemovableHandle
 
+from pipeline.parallel.data_parallel import grad_or_zeros
+
 __all__ = ["PartialGradSums", "keep_hooks", "mark_partial_gradient", "partial_gradient_group"]
 
 _GROUP = "pipesched_tp_partial_group"
@@ -58,13 +60,6 @@ def keep_hooks(params: Sequence[torch.Tensor]) -> None:
             delattr(param, _DEFERRED)
             if hasattr(param, _HOOK) and getattr(param, _HANDLE, None) is None:
                 setattr(param, _HANDLE, param.register_hook(getattr(param, _HOOK)))
-
-
-def grad_or_zeros(param: nn.Parameter) -> torch.Tensor:
-    """`param.grad`, zeros when it has none (every tp rank must sum the same tensors)."""
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    return param.grad
 
 
 class PartialGradSums:
