@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from pipeline.errors import PipelineConfigError
 from pipeline.moe import expert_parallel
@@ -16,7 +15,6 @@ from pipeline.moe.expert_parallel import expert_parallel_problem
 from pipeline.parallel.config import ParallelConfig
 from pipeline.parallel.topology import Topology, TopologyError
 from schedules.analysis.accounting import expert_parallel_state_bytes
-from tests.support.hf_moe_models import tiny_moe_model
 from tests.support.rank_harness import run_ranks
 
 
@@ -85,34 +83,6 @@ def _source_major_order(matrix: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(matrix.sum()))
 
 
-def _state_bytes_against_accounting(accounting: Any = expert_parallel_state_bytes) -> float:
-    """One Adam step of tiny Mixtral at dp=4 × ep=2 with ZeRO-1: this rank's counted
-    model-state bytes over `accounting`'s prediction."""
-    from pipeline import PipelineEngine, PipelineModule
-    from pipeline.interop.hf_layers import causal_lm_targets, layers_from_hf
-    from pipeline.moe.balance_loss import train_batch_balanced
-    from pipeline.parallel.model_state import count_model_states
-    from tests.support.hf_models import token_batch
-    from tests.support.hf_moe_models import tiny_moe_config
-
-    hf = layers_from_hf(tiny_moe_config("mixtral"))
-    module = PipelineModule(hf.layers, num_stages=1, loss_fn=hf.loss_fn)
-    engine = PipelineEngine(module, schedule="1f1b", num_microbatches=2, data_parallel=4,
-                            expert_parallel=2, zero_stage=1, timeout=60,
-                            optimizer=lambda p: torch.optim.Adam(p, lr=1e-3))
-    ids, _ = token_batch(4, 8, seed=dist.get_rank())
-    train_batch_balanced(engine, hf.balance, ids, causal_lm_targets(ids))
-    counted = count_model_states(module, engine.optimizer).total
-    # the whole model's parameter counts, from the config (an independent count)
-    config = hf.config
-    experts = config.num_hidden_layers * config.num_local_experts * 3 * (
-        config.hidden_size * config.intermediate_size)
-    everything = sum(p.numel() for p in tiny_moe_model("mixtral").parameters())
-    predicted = accounting(everything - experts, experts, expert_parallel=2,
-                           data_parallel=4, zero_stage=1)
-    return counted / predicted
-
-
 def _experts_sharded_over_dp(dense: int, experts: int, **options: Any) -> float:
     """Planted bug: the experts' optimizer state priced as sharded over all of dp."""
     options["expert_parallel"] = 1
@@ -122,6 +92,7 @@ def _experts_sharded_over_dp(dense: int, experts: int, **options: Any) -> float:
 def _check_expert_parallel(rank: int, world_size: int) -> None:
     from tests.interop.test_hf_moe import _planted, _within
     from tests.support.hf_moe_equivalence import moe_step_differences
+    from tests.support.moe_state_counts import mixtral_states_after_a_step
 
     torch.set_num_threads(1)
     cases = [("mixtral", 1, 4, 4, False), ("qwen2_moe", 2, 2, 2, True),
@@ -132,9 +103,12 @@ def _check_expert_parallel(rank: int, world_size: int) -> None:
     # top-1 over tied routers: expert 3, alone on ep rank 3, gets no token
     found = moe_step_differences("mixtral", pp=1, dp=4, ep=4, top_k=1, ties=True)
     assert _within(found), found
-    ratio = _state_bytes_against_accounting()
+    # one Adam step of tiny Mixtral at dp 4 × ep 2, ZeRO-1: counted bytes over the accounting
+    counted, dense, experts = mixtral_states_after_a_step(zero_stage=1)
+    options: dict[str, Any] = {"expert_parallel": 2, "data_parallel": 4, "zero_stage": 1}
+    ratio = counted / expert_parallel_state_bytes(dense, experts, **options)
     assert abs(ratio - 1) <= 0.02, ratio
-    assert abs(_state_bytes_against_accounting(_experts_sharded_over_dp) - 1) > 0.02
+    assert abs(counted / _experts_sharded_over_dp(dense, experts, **options) - 1) > 0.02
     with _planted("wrong expert in the combine"):
         found = moe_step_differences("mixtral", pp=1, dp=4, ep=2)
     assert not _within(found), found
